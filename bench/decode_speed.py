@@ -1,0 +1,56 @@
+"""Decode speed at a long context: budgeted caches vs transformers' DynamicCache, in one run.
+
+    python bench/decode_speed.py --context 4096 --budget 256 --steps 64
+
+Prefills the same ``--context`` tokens of the Paul Graham essays into each cache, then times ``--steps``
+greedy decode steps. Prints tokens/s and the ratio to DynamicCache + sdpa measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import add_model_args, device_name, essay_ids, load, sync
+from transformers import DynamicCache
+
+import kvgates
+
+
+def decode_rate(model, cache, ids: torch.Tensor, steps: int, device) -> float:
+    """Tokens/s of ``steps`` decode steps after prefilling ``ids`` (prefill not timed)."""
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache).logits[:, -1:]
+        token = logits.argmax(-1)
+        model(token, past_key_values=cache)  # warm-up step
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+        sync(device)
+    return steps / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--policies", nargs="+", default=["streaming_llm", "h2o", "snapkv", "tova"])
+    args = parser.parse_args()
+    model, tokenizer = load(args)
+    ids = essay_ids(tokenizer, args.context, args.device)
+    print(f"device: {device_name(args.device)}; model: {args.model}; context {args.context}; budget {args.budget}")
+    baseline = decode_rate(model, DynamicCache(config=model.config), ids, args.steps, args.device)
+    print(f"{'DynamicCache + sdpa':28s} {baseline:8.1f} tok/s   1.00x")
+    runs = [("full (kvgates runtime)", kvgates.BudgetCache(model.config, "full"))]
+    runs += [(f"{p}@{args.budget}", kvgates.BudgetCache(model.config, p, budget=args.budget)) for p in args.policies]
+    for label, cache in runs:
+        rate = decode_rate(model, cache, ids, args.steps, args.device)
+        print(f"{label:28s} {rate:8.1f} tok/s   {rate / baseline:.2f}x   (KV {cache.kv_bytes() / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

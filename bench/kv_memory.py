@@ -1,0 +1,60 @@
+"""KV memory over a long generation: budgeted caches stay flat, DynamicCache grows linearly.
+
+    python bench/kv_memory.py --tokens 2000 --budget 128 --every 250
+
+Generates ``--tokens`` tokens greedily after a short essay prompt and prints the key/value bytes each cache
+holds every ``--every`` tokens, plus the ratio to DynamicCache at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import add_model_args, device_name, essay_ids, load
+from transformers import DynamicCache
+
+import kvgates
+from kvgates import dynamic_cache_bytes
+
+
+def trace(model, cache, ids, tokens: int, every: int, size) -> list[int]:
+    sizes = []
+    with torch.no_grad():
+        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        for step in range(1, tokens + 1):
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            if step % every == 0:
+                sizes.append(size(cache))
+    return sizes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--prompt", type=int, default=200)
+    parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--budget", type=int, default=128)
+    parser.add_argument("--every", type=int, default=250)
+    parser.add_argument("--policies", nargs="+", default=["streaming_llm", "h2o", "tova"])
+    args = parser.parse_args()
+    model, tokenizer = load(args)
+    ids = essay_ids(tokenizer, args.prompt, args.device)
+    print(f"device: {device_name(args.device)}; model: {args.model}; prompt {args.prompt}; budget {args.budget}")
+    columns = {"DynamicCache": trace(model, DynamicCache(config=model.config), ids, args.tokens, args.every, dynamic_cache_bytes)}
+    for policy in args.policies:
+        cache = kvgates.BudgetCache(model.config, policy, budget=args.budget)
+        columns[f"{policy}@{args.budget}"] = trace(model, cache, ids, args.tokens, args.every, lambda c: c.kv_bytes())
+    names = list(columns)
+    print("generated  " + "  ".join(f"{n:>18s}" for n in names) + "   (KV MiB)")
+    for i in range(len(columns[names[0]])):
+        row = "  ".join(f"{columns[n][i] / 2**20:18.2f}" for n in names)
+        print(f"{(i + 1) * args.every:9d}  {row}")
+    base = columns["DynamicCache"][-1]
+    for n in names[1:]:
+        flat = "flat" if len(set(columns[n])) == 1 else "NOT flat"
+        print(f"{n}: {columns[n][-1] / base:.3f}x DynamicCache at the end, {flat}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Tables and plots of evaluation results."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _group(results: list[dict]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in results:
+        groups[(r["policy"], r["budget"], r["context_tokens"])].append(r)
+    return groups
+
+
+def accuracy_table(results: list[dict]) -> str:
+    """Markdown table: one row per policy, one column per (context, budget): ``correct/total`` and KV MiB held."""
+    groups = _group(results)
+    policies = list(dict.fromkeys(r["policy"] for r in results))
+    columns = sorted({(c, b) for (_, b, c) in groups}, key=lambda cb: (cb[0], cb[1] is not None, cb[1] or 0))
+    budgets = sorted({b for (_, b) in columns if b is not None})
+    contexts = sorted({c for (c, _) in columns})
+    header = ["policy"] + [f"{c} tok, budget {b}" for c in contexts for b in budgets]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for policy in policies:
+        cells = [policy]
+        for c in contexts:
+            for b in budgets:
+                rows = groups.get((policy, b, c)) or groups.get((policy, None, c))
+                if not rows:
+                    cells.append("-")
+                    continue
+                ok = sum(r["correct"] for r in rows)
+                mib = sum(r["kv_bytes"] for r in rows) / len(rows) / 2**20
+                cells.append(f"{ok}/{len(rows)} ({mib:.1f} MiB)")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def needle_heatmap(results: list[dict], path: Path) -> Path:
+    """Heatmap of correct (1) / wrong (0) per policy@budget (rows) and needle depth (columns), one panel per context."""
+    contexts = sorted({r["context_tokens"] for r in results})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 0.45 * 12 + 1.5), squeeze=False)
+    for ax, ctx in zip(axes[0], contexts):
+        rows = [r for r in results if r["context_tokens"] == ctx]
+        labels = list(dict.fromkeys(r["label"] for r in rows))
+        depths = sorted({r["depth"] for r in rows})
+        grid = [[0.0] * len(depths) for _ in labels]
+        for r in rows:
+            grid[labels.index(r["label"])][depths.index(r["depth"])] = float(r["correct"])
+        ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths], rotation=45)
+        ax.set_yticks(range(len(labels)), labels)
+        ax.set_xlabel("needle depth")
+        ax.set_title(f"needle retrieval, {ctx} tokens (green = found)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

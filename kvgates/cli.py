@@ -1,0 +1,141 @@
+"""Command line: ``kvgates generate``, ``kvgates policies``.
+
+    kvgates generate --model smollm2-135m --policy snapkv --budget 256 --prompt-file essay.txt --window 16
+
+Every parameter of the chosen policy is an option (``kvgates generate --policy snapkv --help`` lists them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+import typing
+from pathlib import Path
+
+import torch
+
+from kvgates import POLICIES, BudgetCache, load_model, make_policy
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _policy_options(parser: argparse.ArgumentParser, policy: str) -> list[str]:
+    """Add one option per parameter of ``policy`` (except budget); return their names."""
+    cls = POLICIES[policy]
+    hints = typing.get_type_hints(cls)
+    names = []
+    group = parser.add_argument_group(f"{policy} parameters")
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name == "budget":
+            continue
+        hint = hints.get(f.name)
+        args = typing.get_args(hint)
+        base = next((a for a in args if a is not type(None)), hint) if args else hint
+        kind = _bool if base is bool else base if base in (int, float, str) else str
+        default = f.default if f.default is not dataclasses.MISSING else None
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None, help=f"default: {default}")
+        names.append(f.name)
+    return names
+
+
+def _generate(argv: list[str]) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--policy", default="full")
+    known, _ = pre.parse_known_args(argv)
+    if known.policy not in POLICIES:
+        print(f"kvgates: unknown policy {known.policy!r}; available policies: {', '.join(sorted(POLICIES))}", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog="kvgates generate", description="Generate text with a budgeted KV cache.")
+    parser.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' (embedded), a Hub id or a local folder")
+    parser.add_argument("--policy", default="full", choices=sorted(POLICIES))
+    parser.add_argument("--budget", type=int, help="tokens kept per KV head and layer (not for --policy full)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text")
+    source.add_argument("--prompt-file", type=Path, help="a file holding the prompt")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefill-chunk", type=int, help="feed the prompt in chunks of this many tokens")
+    names = _policy_options(parser, known.policy)
+    args = parser.parse_args(argv)
+
+    params = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    if args.budget is not None:
+        params["budget"] = args.budget
+    try:
+        policy = make_policy(args.policy, **params)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.prompt_file is not None:
+        if not args.prompt_file.is_file():
+            parser.error(f"prompt file {args.prompt_file} does not exist")
+        prompt = args.prompt_file.read_text(encoding="utf-8")
+    else:
+        prompt = args.prompt
+    if not prompt.strip():
+        parser.error("the prompt is empty")
+
+    model, tokenizer = load_model(args.model)
+    if args.chat:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+    cache = BudgetCache(model.config, policy)
+    torch.manual_seed(args.seed)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            **inputs,
+            past_key_values=cache,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=args.sample,
+            temperature=args.temperature if args.sample else None,
+            top_p=None,
+            top_k=None,
+            prefill_chunk_size=args.prefill_chunk,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    seconds = time.perf_counter() - start
+    new = out[0, inputs["input_ids"].shape[1] :]
+    print(tokenizer.decode(new, skip_special_tokens=True))
+    seen = cache.get_seq_length()
+    layers = cache.num_budget_layers
+    config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    full = 2 * layers * config.num_key_value_heads * head_dim * model.dtype.itemsize * seen
+    held = cache.kv_bytes()
+    print(
+        f"\n[kvgates] policy={policy.name} tokens={seen} (prompt {inputs['input_ids'].shape[1]}, new {len(new)}) "
+        f"KV held {held / 2**20:.2f} MiB vs full cache {full / 2**20:.2f} MiB ({held / full:.1%}); {seconds:.1f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _policies(argv: list[str]) -> int:
+    for name in sorted(POLICIES):
+        doc = (POLICIES[name].__doc__ or "").strip().splitlines()[0]
+        print(f"{name:16s} {doc}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"generate": _generate, "policies": _policies}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: kvgates {generate,policies} [options]\n\n" + (__doc__ or ""), file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The policy protocol, the name registry, and the selection helpers every policy is built from.
+
+A policy is a small dataclass of validated parameters plus a few hooks the runtime calls per layer:
+
+* ``stats_request(phase)``: which attention statistics the layer's attention call must produce;
+* ``slot_state()``: per-slot tensors the policy keeps on each layer (initial value for new tokens);
+* ``step(layer, stats)``: called after every attention call; updates state and returns a keep mask
+  ``[B, H_kv, C]`` (or ``None`` for no eviction). The default ``step`` calls ``observe``, decides whether the
+  layer is over its budget in a phase where the policy evicts, and then calls ``select``;
+* ``on_forward_end(cache, phase)``: after the last layer of a forward, for policies that decide across
+  layers (D2O, DynamicKV).
+
+Policies never see the model, only layers (positions, state, keys/values) and statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from kvgates.runtime.layer import SlotState
+from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
+
+if TYPE_CHECKING:
+    from kvgates.runtime.cache import BudgetCache
+    from kvgates.runtime.layer import BudgetLayer
+
+POLICIES: dict[str, type["Policy"]] = {}
+
+
+def register_policy(cls: type["Policy"]) -> type["Policy"]:
+    """Class decorator: make a policy constructible by its ``name`` (configs, CLI, ``make_policy``)."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a non-empty class attribute `name` to be registered")
+    if cls.name in POLICIES and POLICIES[cls.name] is not cls:
+        raise ValueError(f"policy name {cls.name!r} is already registered by {POLICIES[cls.name].__name__}")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def make_policy(name: str, **params: Any) -> "Policy":
+    """Build a registered policy by name, e.g. ``make_policy("snapkv", budget=256, window=16)``."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; available policies: {', '.join(sorted(POLICIES))}")
+    cls = POLICIES[name]
+    allowed = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise ValueError(
+            f"policy {name!r} has no parameter {', '.join(unknown)}; its parameters are: {', '.join(sorted(allowed))}"
+        )
+    return cls(**params)
+
+
+@dataclass
+class Policy:
+    """Base class of eviction policies. ``budget`` is the number of tokens each KV head of a layer may hold."""
+
+    name: ClassVar[str] = ""
+    #: Phases in which the default ``step`` evicts when a layer holds more than its budget.
+    evicts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.PREFILL})
+    #: Whether KV heads of one layer may get different storage capacities (head-wise budgets).
+    ragged_heads: ClassVar[bool] = False
+
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)):
+            raise ValueError(f"{self.name}: budget must be an integer number of tokens, got {self.budget!r}")
+        if self.budget is not None and self.budget < 1:
+            raise ValueError(f"{self.name}: budget must be at least 1 token per head, got {self.budget}")
+
+    # -- helpers for subclasses' validation
+    def _require_budget(self, reserved: int = 0, what: str = "") -> int:
+        """The budget, checked to leave room beyond ``reserved`` always-kept tokens (sinks, windows)."""
+        if self.budget is None:
+            raise ValueError(f"{self.name}: a budget is required (tokens per KV head per layer)")
+        if self.budget <= reserved:
+            raise ValueError(
+                f"{self.name}: budget {self.budget} must be larger than {what or f'the {reserved} always-kept tokens'}; "
+                "raise the budget or shrink what is always kept"
+            )
+        return self.budget
+
+    # -- runtime hooks
+    def stats_request(self, phase: Phase) -> StatsRequest:
+        """Statistics this policy needs from the attention call in ``phase``."""
+        return NO_STATS
+
+    def slot_state(self) -> dict[str, SlotState]:
+        """Per-slot state tensors to keep on every layer."""
+        return {}
+
+    @property
+    def decode_slack(self) -> int:
+        """Free slots a layer keeps after an eviction: tokens that arrive before the next one."""
+        return 1
+
+    def layer_budget(self, layer: "BudgetLayer", stats: AttnStats) -> int:
+        """Tokens each KV head of ``layer`` may hold after this step."""
+        assert self.budget is not None
+        return self.budget
+
+    def observe(self, layer: "BudgetLayer", stats: AttnStats) -> None:
+        """Update per-slot state from this call's statistics (before any eviction)."""
+
+    def select(self, layer: "BudgetLayer", stats: AttnStats, budget: int) -> torch.Tensor:
+        """Keep mask ``[B, H_kv, C]`` of at most ``budget`` valid slots per head."""
+        raise NotImplementedError
+
+    def step(self, layer: "BudgetLayer", stats: AttnStats) -> torch.Tensor | None:
+        """Runtime entry after each attention call: observe, then evict if over budget in an evicting phase."""
+        self.observe(layer, stats)
+        if stats.phase not in self.evicts_in:
+            return None
+        budget = self.layer_budget(layer, stats)
+        layer.budget = budget
+        if int(layer.held().max()) <= budget:
+            return None
+        return self.select(layer, stats, budget)
+
+    def on_forward_end(self, cache: "BudgetCache", phase: Phase) -> None:
+        """Called after the last budgeted layer of every forward (cross-layer decisions)."""
+
+
+# ---------------------------------------------------------------------------------------------- selection helpers
+def topk_mask(
+    scores: torch.Tensor, k: int | torch.Tensor, candidates: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mark the ``k`` highest-scoring candidate slots of every ``[B, H_kv]`` row.
+
+    ``k`` is an int or a tensor broadcastable to ``scores.shape[:-1]`` (per-row budgets); rows with fewer
+    candidates keep all of them. With ``positions``, equal scores are broken in favour of the more recent
+    token, which makes decisions deterministic (pooled scores tie often); without, ties are arbitrary.
+    """
+    n = scores.shape[-1]
+    k_t = torch.as_tensor(k, device=scores.device).expand(scores.shape[:-1]).clamp(0, n)
+    kmax = int(k_t.max()) if k_t.numel() else 0
+    if kmax == 0:
+        return torch.zeros_like(candidates)
+    s = scores.double() if not scores.is_floating_point() else scores
+    s = s.masked_fill(~candidates, float("-inf"))
+    if positions is None:
+        idx = s.topk(kmax, dim=-1).indices
+    else:
+        by_recency = torch.argsort(positions, dim=-1, descending=True, stable=True)
+        ranked = torch.argsort(s.gather(-1, by_recency), dim=-1, descending=True, stable=True)[..., :kmax]
+        idx = by_recency.gather(-1, ranked)
+    take = torch.arange(kmax, device=scores.device) < k_t[..., None]
+    return torch.zeros_like(candidates).scatter(-1, idx, take) & candidates
+
+
+def recent_mask(layer: "BudgetLayer", n: int) -> torch.Tensor:
+    """The ``n`` most recent tokens held per head."""
+    return topk_mask(layer.pos, n, layer.valid)
+
+
+def sink_mask(layer: "BudgetLayer", n: int) -> torch.Tensor:
+    """The ``n`` oldest tokens held per head (attention sinks)."""
+    return topk_mask(-layer.pos, n, layer.valid)
+
+
+def keep_forced_and_top(
+    layer: "BudgetLayer", scores: torch.Tensor, budget: int | torch.Tensor, forced: torch.Tensor
+) -> torch.Tensor:
+    """Keep ``forced`` slots plus the best-scoring other valid slots (ties: more recent), up to ``budget`` per head."""
+    forced = forced & layer.valid
+    room = torch.as_tensor(budget, device=scores.device) - forced.sum(-1)
+    return forced | topk_mask(scores, room.clamp(min=0), layer.valid & ~forced, layer.pos)

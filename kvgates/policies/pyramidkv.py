@@ -1,0 +1,62 @@
+"""PyramidKV: SnapKV scoring with per-layer budgets that shrink linearly with depth."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgates.policies.base import register_policy
+from kvgates.policies.snapkv import SnapKV
+from kvgates.runtime.stats import AttnStats, Phase
+
+
+def pyramid_budgets(budget: int, window: int, prompt_len: int, num_layers: int, beta: int) -> list[int]:
+    """Per-layer budgets (window included) of PyramidKV for a prompt of ``prompt_len`` tokens.
+
+    ``min = (C - w) // beta``, ``max = 2 (C - w) - min``; when ``max >= L - w`` the top is clipped to
+    ``L - w`` and ``min = 2 (C - w) - max``; layer ``l`` gets ``max - floor(l (max - min) / (N - 1)) + w``,
+    so the first layer gets ``max``, the last ``min`` and the layers sum to about ``N * C``. (The official
+    code rounds the step itself down, ``max - l * ((max - min) // (N - 1))``, which leaves the last layer
+    up to ``N - 1`` tokens above ``min``; the spec's formula is followed here.)
+    """
+    if num_layers == 1:
+        return [budget]
+    room = budget - window
+    low = room // beta
+    high = 2 * room - low
+    if high >= prompt_len - window:
+        high = prompt_len - window
+        low = 2 * room - high
+    return [high - (layer * (high - low)) // (num_layers - 1) + window for layer in range(num_layers)]
+
+
+@register_policy
+@dataclass
+class PyramidKV(SnapKV):
+    """PyramidKV (Cai et al. 2024, arXiv:2406.02069): more cache for lower layers, less for higher ones.
+
+    Total memory matches ``budget`` per layer on average; each layer is compressed with SnapKV's rule (see
+    ``SnapKV``) to its own budget from ``pyramid_budgets``. The step uses ``N_layers - 1`` (the paper's
+    ``m - 1``). The prompt length ``L`` is what the layer holds when the chunk ends.
+
+    Args:
+        beta: ratio controlling the smallest layer budget, ``(budget - window) / beta`` (default 20).
+        (other parameters as SnapKV)
+    """
+
+    name = "pyramidkv"
+
+    beta: int = 20
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.beta < 1:
+            raise ValueError(f"{self.name}: beta must be >= 1, got {self.beta}")
+
+    def layer_budget(self, layer, stats: AttnStats) -> int:
+        if stats.phase is Phase.DECODE and layer.budget is not None:
+            return layer.budget
+        cache = layer.cache
+        budgets = pyramid_budgets(
+            self.budget, self.window, int(layer.held().max()), cache.num_budget_layers, self.beta
+        )
+        return budgets[cache.budget_rank(layer.layer_idx)]

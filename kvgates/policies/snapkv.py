@@ -1,0 +1,98 @@
+"""SnapKV: prompt compression by the attention of an observation window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvgates import kernels
+from kvgates.kernels import GROUP_REDUCTIONS
+from kvgates.policies.base import Policy, keep_forced_and_top, recent_mask, register_policy
+from kvgates.policies.history import fuse, history_state, push_row
+from kvgates.runtime.layer import SlotState
+from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
+
+_HISTORY = "snapkv_rows"
+
+
+@register_policy
+@dataclass
+class SnapKV(Policy):
+    """SnapKV (Li et al. 2024, arXiv:2404.14469).
+
+    At the end of each prompt chunk: ``a_j = sum over the last `window` queries of A[q, j]`` (causal inside the
+    window), smoothed by 1-D pooling along token order, and each KV head keeps the window plus the top
+    ``budget - window`` other tokens. Decode appends without eviction, unless ``decode=True``: then every
+    ``decode_every`` steps the rule is re-applied with the last ``window`` decode queries' rows.
+
+    When a chunk is shorter than the window, the window shrinks to the chunk.
+
+    Args:
+        budget: tokens kept per KV head.
+        window: observation window (default 32).
+        kernel: pooling kernel, odd (default 7; 1 disables pooling).
+        pooling: ``"max"`` (default) or ``"avg"``.
+        group_reduce: how query heads of a GQA group combine (default mean).
+        decode: also compress during decode.
+        decode_every: decode steps between compressions when ``decode=True``.
+    """
+
+    name = "snapkv"
+
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+    group_reduce: str = "mean"
+    decode: bool = False
+    decode_every: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window < 1:
+            raise ValueError(f"{self.name}: window must be >= 1, got {self.window}")
+        self._require_budget(self.window, f"the observation window ({self.window})")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"{self.name}: pooling kernel must be a positive odd number, got {self.kernel}")
+        if self.pooling not in ("max", "avg"):
+            raise ValueError(f"{self.name}: pooling must be 'max' or 'avg', got {self.pooling!r}")
+        if self.group_reduce not in GROUP_REDUCTIONS:
+            raise ValueError(f"{self.name}: group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
+        if self.decode_every < 1:
+            raise ValueError(f"{self.name}: decode_every must be >= 1, got {self.decode_every}")
+        self.evicts_in = frozenset({Phase.PREFILL, Phase.DECODE}) if self.decode else frozenset({Phase.PREFILL})
+
+    def stats_request(self, phase: Phase) -> StatsRequest:
+        if phase is Phase.PREFILL:
+            return StatsRequest(rows=self.window, reduce=self.group_reduce)
+        return StatsRequest(rows=1, reduce=self.group_reduce) if self.decode else StatsRequest()
+
+    def slot_state(self) -> dict[str, SlotState]:
+        return {_HISTORY: history_state(self.window)} if self.decode else {}
+
+    @property
+    def decode_slack(self) -> int:
+        return self.decode_every if self.decode else 1
+
+    def observe(self, layer, stats: AttnStats) -> None:
+        if self.decode and stats.phase is Phase.DECODE:
+            push_row(layer, _HISTORY, stats.rows[:, :, -1])
+
+    def step(self, layer, stats: AttnStats):
+        if self.decode and stats.phase is Phase.DECODE:
+            count = layer.scratch.get("snapkv.steps", 0) + 1
+            layer.scratch["snapkv.steps"] = count
+            if count % self.decode_every:
+                self.observe(layer, stats)
+                return None
+        return super().step(layer, stats)
+
+    def select(self, layer, stats: AttnStats, budget: int) -> torch.Tensor:
+        if stats.phase is Phase.PREFILL:
+            window = min(self.window, stats.rows.shape[2])
+            scores = stats.rows.sum(2)
+        else:
+            window = self.window
+            scores = fuse(layer, _HISTORY, "sum")
+        scores = kernels.pool_by_position(scores, layer.pos, self.kernel, self.pooling)
+        return keep_forced_and_top(layer, scores, budget, recent_mask(layer, window))

@@ -1,0 +1,47 @@
+"""TOVA: keep the tokens the current query attends to most."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvgates.policies.base import Policy, register_policy, topk_mask
+from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
+
+
+@register_policy
+@dataclass
+class TOVA(Policy):
+    """Token Omission Via Attention (Oren et al. 2024, arXiv:2401.06104).
+
+    After each forward, ``m_j`` = mean over query heads of the last query's attention to token ``j``; keep the
+    top ``budget`` tokens. By default one token set is shared by all KV heads of a layer (the paper's
+    layer-wise rule, scores averaged over every query head); ``per_head=True`` ranks each KV head on its own
+    group's mean. No sinks, no window. Evicts at the end of every prompt chunk and on every decode step.
+
+    Args:
+        budget: tokens kept per KV head.
+        per_head: rank per KV head instead of one set per layer.
+    """
+
+    name = "tova"
+    evicts_in = frozenset({Phase.PREFILL, Phase.DECODE})
+
+    per_head: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._require_budget()
+
+    def stats_request(self, phase: Phase) -> StatsRequest:
+        return StatsRequest(rows=1, reduce="mean")
+
+    def select(self, layer, stats: AttnStats, budget: int) -> torch.Tensor:
+        scores = stats.rows[:, :, -1]
+        if not self.per_head:
+            # Shared selection needs the heads' slots to hold the same tokens; TOVA's own evictions keep them so.
+            if not torch.equal(layer.pos, layer.pos[:, :1].expand_as(layer.pos)):
+                raise RuntimeError("tova: KV heads of a layer hold different tokens; use per_head=True")
+            scores = scores.mean(1, keepdim=True).expand_as(scores)
+        return topk_mask(scores, budget, layer.valid, layer.pos)

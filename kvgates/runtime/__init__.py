@@ -1,0 +1,1 @@
+"""The shared cache runtime: ``BudgetCache``/``BudgetLayer`` and the ``"kvgates"`` attention function."""

@@ -1,0 +1,127 @@
+"""``BudgetCache``: a transformers ``Cache`` whose full-attention layers hold at most a policy's budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
+
+from kvgates.errors import UnsupportedModelError
+from kvgates.policies.base import Policy, make_policy
+from kvgates.runtime.layer import BudgetLayer
+from kvgates.runtime.stats import Phase
+
+#: Layer types kvgates budgets, and layer types it leaves exactly as transformers builds them.
+BUDGETED_LAYER_TYPES = ("full_attention",)
+PASSTHROUGH_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+
+
+class BudgetCache(Cache):
+    """KV cache that keeps each full-attention layer within ``policy``'s budget.
+
+    Use it like any transformers cache, with the model's attention set to ``"kvgates"``::
+
+        model.set_attn_implementation("kvgates")
+        cache = BudgetCache(model.config, "snapkv", budget=256)
+        model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+
+    Args:
+        config: the model's config (its text config is used for multimodal models).
+        policy: a ``Policy`` instance, or a registered policy name built with ``policy_params``.
+        **policy_params: parameters of the named policy (``budget``, ``window``, ...).
+
+    Sliding-window and chunked-attention layers (Gemma-3, Llama-4 ...) keep transformers' own cache layers and
+    attention; only full-attention layers are budgeted.
+    """
+
+    def __init__(self, config: PreTrainedConfig, policy: Policy | str = "full", **policy_params: Any):
+        if isinstance(policy, str):
+            policy = make_policy(policy, **policy_params)
+        elif policy_params:
+            raise ValueError("pass policy parameters either inside the Policy instance or with a policy name, not both")
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy must be a kvgates Policy or a registered name, got {type(policy).__name__}")
+        text_config = config.get_text_config(decoder=True)
+        if getattr(text_config, "is_encoder_decoder", False):
+            raise UnsupportedModelError("kvgates budgets decoder-only models; encoder-decoder models are not supported")
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        layers = []
+        for idx, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+            if kind in BUDGETED_LAYER_TYPES:
+                layers.append(BudgetLayer(self, idx))
+            elif kind in PASSTHROUGH_LAYER_TYPES:
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
+            else:
+                raise UnsupportedModelError(
+                    f"layer {idx} of {text_config.model_type!r} is a {kind!r} layer, which kvgates cannot budget; "
+                    f"supported layer types are {BUDGETED_LAYER_TYPES + PASSTHROUGH_LAYER_TYPES}"
+                )
+        self.budget_layer_ids = [i for i, layer in enumerate(layers) if isinstance(layer, BudgetLayer)]
+        if not self.budget_layer_ids:
+            raise UnsupportedModelError(
+                f"{text_config.model_type!r} has no full-attention layer (all layers use sliding or chunked "
+                "attention), so there is no cache for kvgates to budget"
+            )
+        self.policy = policy
+        self.config = text_config
+        self._pending_layer: int | None = None
+        super().__init__(layers=layers)
+
+    # ------------------------------------------------------------------ bookkeeping used by BudgetLayer
+    def claim_pending(self, layer_idx: int) -> None:
+        """Record that ``layer_idx`` staged tokens; a previous layer's unconsumed tokens mean a wrong attention."""
+        if self._pending_layer is not None:
+            raise RuntimeError(
+                f"layer {self._pending_layer} stored keys in a BudgetCache but its attention did not run through "
+                "kvgates; call model.set_attn_implementation('kvgates') (kvgates.load_model does it for you)"
+            )
+        self._pending_layer = layer_idx
+
+    def release_pending(self, layer_idx: int) -> None:
+        self._pending_layer = None
+
+    def layer_done(self, layer_idx: int, phase: Phase) -> None:
+        """Called by each budgeted layer after its attention; the last one ends the forward for the policy."""
+        if layer_idx == self.budget_layer_ids[-1]:
+            self.policy.on_forward_end(self, phase)
+
+    # ------------------------------------------------------------------ views for policies and reports
+    @property
+    def budget_layers(self) -> list[BudgetLayer]:
+        return [self.layers[i] for i in self.budget_layer_ids]
+
+    @property
+    def num_budget_layers(self) -> int:
+        return len(self.budget_layer_ids)
+
+    def budget_rank(self, layer_idx: int) -> int:
+        """Index of ``layer_idx`` among the budgeted layers (depth used by per-layer budget schedules)."""
+        return self.budget_layer_ids.index(layer_idx)
+
+    def kv_bytes(self) -> int:
+        """Bytes of key/value storage allocated by every layer (budgeted and passthrough)."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, BudgetLayer):
+                total += layer.kv_bytes()
+            elif getattr(layer, "is_initialized", False) and layer.keys is not None:
+                total += layer.keys.numel() * layer.keys.element_size() * 2
+        return total
+
+    def held_tokens(self) -> torch.Tensor:
+        """``[num_budget_layers, B, H_kv]`` tokens currently held by each budgeted layer and head."""
+        return torch.stack([layer.held() for layer in self.budget_layers])
+
+    def __repr__(self) -> str:
+        return f"BudgetCache(policy={self.policy!r}, layers={len(self.layers)})"
+
+
+def dynamic_cache_bytes(cache: Cache) -> int:
+    """Bytes of key/value storage held by a transformers cache (for full-cache comparisons)."""
+    total = 0
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+    return total

@@ -1,0 +1,422 @@
+"""One decoder layer's budgeted KV cache: slots with positions, per-slot policy state, ragged head capacities.
+
+Storage. Keys and values live in one flat buffer ``[B, S, D]`` per tensor; KV head ``h`` owns the slot range
+``offsets[h] : offsets[h] + caps[h]``. When every head has the same capacity (the usual case) the buffer is
+exactly a dense ``[B, H_kv, C, D]`` tensor viewed flat; Ada-KV style per-head budgets give heads different
+capacities, and memory then follows the per-head budgets instead of the largest one. Slot positions and
+per-slot policy state are small and kept padded to ``[B, H_kv, C_max]``; a padded index ``j >= caps[h]``
+does not exist and always reads as empty.
+
+A slot is *valid* when its position is ``>= 0``. Positions never shift: eviction marks a slot empty and a
+later token reuses it, so slot order says nothing about token order.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kvgates import kernels
+from kvgates.runtime.stats import AttnStats, Phase
+
+if TYPE_CHECKING:
+    from kvgates.runtime.cache import BudgetCache
+
+# The layer whose update() ran last and whose attention call is due. transformers calls the cache's update()
+# and then the attention function, which does not receive the cache; this hand-over joins the two.
+ACTIVE_LAYER: ContextVar["BudgetLayer | None"] = ContextVar("kvgates_active_layer", default=None)
+
+_POS_BIG = torch.iinfo(torch.int64).max
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """A per-slot tensor a policy keeps on each layer (cumulative attention, attention-row history, ...).
+
+    Attributes:
+        shape: trailing shape per slot (``()`` for a scalar).
+        init: value a freshly written slot starts with.
+        dtype: storage dtype.
+    """
+
+    shape: tuple[int, ...] = ()
+    init: float = 0.0
+    dtype: torch.dtype = torch.float32
+
+
+class BudgetLayer(CacheLayerMixin):
+    """Budgeted KV storage of one layer; filled by ``update`` and attended by the ``"kvgates"`` attention."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: "BudgetCache", layer_idx: int):
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.caps: list[int] = []
+        self.pos: torch.Tensor | None = None
+        self.state: dict[str, torch.Tensor] = {}
+        self.scratch: dict[str, Any] = {}
+        self.seen = 0
+        self.budget: int | None = None
+        self.head_budgets: torch.Tensor | None = None
+        self.num_heads = 0
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __repr__(self) -> str:
+        return f"BudgetLayer(layer={self.layer_idx}, caps={self.caps}, seen={self.seen})"
+
+    # ------------------------------------------------------------------ transformers Cache API
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, hkv, _, d = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.num_kv_heads, self.head_dim = b, hkv, d
+        self.keys = key_states.new_zeros((b, 0, d))
+        self.values = value_states.new_zeros((b, 0, value_states.shape[-1]))
+        self.caps = [0] * hkv
+        self.pos = torch.full((b, hkv, 0), -1, dtype=torch.int64, device=self.device)
+        self.state = {
+            name: torch.full((b, hkv, 0, *spec.shape), spec.init, dtype=spec.dtype, device=self.device)
+            for name, spec in self.cache.policy.slot_state().items()
+        }
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage the new keys/values; the ``"kvgates"`` attention call that follows stores and attends them."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cache.claim_pending(self.layer_idx)
+        self._pending = (key_states, value_states)
+        ACTIVE_LAYER.set(self)
+        return key_states, value_states
+
+    def staged(self, layer_idx: int | None, key_states: torch.Tensor) -> bool:
+        """Whether ``key_states`` of layer ``layer_idx`` are the tokens this layer staged for attention."""
+        return layer_idx == self.layer_idx and self._pending is not None and self._pending[0] is key_states
+
+    def get_seq_length(self) -> int:
+        """Tokens *seen* (padding included), which generate() uses to place the next token."""
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = self.pos = None
+        self.caps, self.state, self.scratch = [], {}, {}
+        self.seen, self.budget, self.head_budgets, self._pending = 0, None, None, None
+        self.is_initialized = False
+
+    def _select_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        self.keys, self.values, self.pos = fn(self.keys), fn(self.values), fn(self.pos)
+        self.state = {name: fn(t) for name, t in self.state.items()}
+        self.batch_size = self.keys.shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_batch(lambda t: t[indices.to(t.device)])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a BudgetCache cannot be cropped: evicted tokens cannot be restored")
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def capacity(self) -> int:
+        """Largest per-head capacity ``C_max`` (the padded slot axis of ``pos`` and ``state``)."""
+        return max(self.caps, default=0)
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.caps)) <= 1
+
+    @property
+    def offsets(self) -> list[int]:
+        out, acc = [], 0
+        for c in self.caps:
+            out.append(acc)
+            acc += c
+        return out
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[B, H_kv, C_max]`` slots holding a token."""
+        return self.pos >= 0
+
+    def exists(self) -> torch.Tensor:
+        """``[H_kv, C_max]`` padded slot indices that exist in each head's storage."""
+        idx = torch.arange(self.capacity, device=self.device)
+        return idx[None, :] < torch.tensor(self.caps, device=self.device)[:, None]
+
+    def held(self) -> torch.Tensor:
+        """``[B, H_kv]`` number of tokens held."""
+        return self.valid.sum(-1)
+
+    def kv_bytes(self) -> int:
+        """Bytes of key/value storage allocated by this layer."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def head_views(self) -> list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Groups of KV heads with a common capacity: ``(head_slice, keys, values, pos)`` dense views.
+
+        One group covering every head when capacities are uniform, else one group per head.
+        """
+        b, d, dv = self.batch_size, self.head_dim, self.values.shape[-1]
+        if self.uniform:
+            c = self.capacity
+            hkv = self.num_kv_heads
+            return [
+                (slice(0, hkv), self.keys.view(b, hkv, c, d), self.values.view(b, hkv, c, dv), self.pos)
+            ]
+        views = []
+        for h, (off, c) in enumerate(zip(self.offsets, self.caps)):
+            k = self.keys[:, off : off + c].view(b, 1, c, d)
+            v = self.values[:, off : off + c].view(b, 1, c, dv)
+            views.append((slice(h, h + 1), k, v, self.pos[:, h : h + 1, :c]))
+        return views
+
+    def _flat_index(self, index: torch.Tensor) -> torch.Tensor:
+        """Padded per-head slot indices ``[B, H_kv, n]`` -> flat storage indices ``[B, H_kv, n]``."""
+        return index + torch.tensor(self.offsets, device=self.device)[None, :, None]
+
+    def relayout(self, index: torch.Tensor, new_caps: list[int]) -> None:
+        """Rebuild storage: new slot ``j`` of head ``h`` takes old padded slot ``index[b, h, j]``.
+
+        ``index`` is ``[B, H_kv, max(new_caps)]``; entries ``j >= new_caps[h]`` are ignored, and entries that
+        point past a head's old capacity (growth) come out empty with the policy state's initial values.
+        """
+        b, hkv = self.batch_size, self.num_kv_heads
+        cmax = max(new_caps)
+        src_exists = index < torch.tensor(self.caps, device=self.device)[None, :, None]
+        safe = torch.where(src_exists, index, torch.zeros_like(index))
+        # Keys/values: one gather from the old flat buffer into the new flat buffer.
+        flat = self._flat_index(safe)
+        pieces = [flat[:, h, : new_caps[h]] for h in range(hkv)]
+        flat_idx = torch.cat(pieces, dim=1)
+        if self.keys.shape[1] == 0:  # growth of an empty layer: nothing to copy
+            self.keys = self.keys.new_zeros((b, flat_idx.shape[1], self.keys.shape[-1]))
+            self.values = self.values.new_zeros((b, flat_idx.shape[1], self.values.shape[-1]))
+        else:
+            self.keys, self.values = kernels.gather_flat([self.keys, self.values], flat_idx)
+        # Positions and state: gather on the padded axis, then blank what does not exist.
+        new_exists = torch.arange(cmax, device=self.device)[None, :] < torch.tensor(new_caps, device=self.device)[
+            :, None
+        ]
+        keep = src_exists & new_exists[None]
+        pos = torch.gather(self.pos, 2, safe) if self.pos.shape[2] else torch.full_like(safe, -1)
+        self.pos = torch.where(keep, pos, torch.full_like(pos, -1))
+        specs = self.cache.policy.slot_state()
+        for name, t in self.state.items():
+            spec = specs[name]
+            if t.shape[2]:
+                g = kernels.gather_slots([t], safe)[0]
+            else:
+                g = torch.full((b, hkv, cmax, *spec.shape), spec.init, dtype=spec.dtype, device=self.device)
+            fill = keep.reshape(*keep.shape, *([1] * len(spec.shape)))
+            self.state[name] = torch.where(fill, g, torch.full_like(g, spec.init))
+        self.caps = list(new_caps)
+
+    def _grow(self, extra: int) -> None:
+        """Add ``extra`` empty slots to every head."""
+        cmax = self.capacity
+        index = torch.arange(cmax + extra, device=self.device).expand(self.batch_size, self.num_kv_heads, -1)
+        # Existing slots map to themselves; indices past a head's old capacity come out empty.
+        index = torch.where(index < torch.tensor(self.caps, device=self.device)[None, :, None], index, cmax + extra)
+        self.relayout(index.contiguous(), [c + extra for c in self.caps])
+
+    def _free_slots(self, n: int) -> torch.Tensor:
+        """Slot indices ``[B, H_kv, n]`` of ``n`` free slots per head, growing storage if needed."""
+        free = ~self.valid & self.exists()[None]
+        missing = n - int(free.sum(-1).min()) if free.numel() else n
+        if missing > 0:
+            # Decode grows geometrically (amortised); a prompt chunk grows by exactly what it needs.
+            extra = missing if n > 1 else max(missing, 16, self.capacity // 8)
+            self._grow(extra)
+            free = ~self.valid & self.exists()[None]
+        if n == 1:
+            return free.to(torch.uint8).argmax(-1, keepdim=True)
+        return torch.argsort((~free).to(torch.uint8), dim=-1, stable=True)[..., :n]
+
+    # ------------------------------------------------------------------ writing and evicting
+    def insert(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Write new tokens into free slots; ``positions`` is ``[B, n]`` with ``-1`` for padding (no slot kept).
+
+        Returns the ``[B, H_kv, n]`` slot indices used.
+        """
+        b, hkv, n, d = key_states.shape
+        slots = self._free_slots(n)
+        flat = self._flat_index(slots).reshape(b, hkv * n)
+        kernels.scatter_flat([self.keys, self.values], flat, [key_states, value_states])
+        self.pos.scatter_(2, slots, positions[:, None, :].expand(b, hkv, n))
+        specs = self.cache.policy.slot_state()
+        for name, t in self.state.items():
+            spec = specs[name]
+            idx = slots.reshape(b, hkv, n, *([1] * len(spec.shape))).expand(b, hkv, n, *spec.shape)
+            t.scatter_(2, idx, torch.full(idx.shape, spec.init, dtype=t.dtype, device=t.device))
+        return slots
+
+    def evict(self, keep: torch.Tensor, slack: int = 1) -> None:
+        """Drop every valid slot not in ``keep`` (``[B, H_kv, C_max]`` bool) and shrink storage if it is oversized.
+
+        After eviction each head's capacity is what it holds (max over the batch) plus ``slack`` free slots
+        for the tokens that arrive before the next eviction; per-head capacities differ only when the policy
+        asks for ragged heads.
+        """
+        keep = keep & self.valid
+        self.pos = torch.where(keep, self.pos, torch.full_like(self.pos, -1))
+        held = keep.sum(-1).amax(0)  # [H_kv]
+        need = [int(x) + slack for x in held.tolist()]
+        if not self.cache.policy.ragged_heads:
+            need = [max(need)] * len(need)
+        if all(n >= c for n, c in zip(need, self.caps)):
+            return
+        need = [min(n, c) for n, c in zip(need, self.caps)]
+        # Kept slots first, in position order, then free slots.
+        order = torch.argsort(torch.where(keep, self.pos, _POS_BIG), dim=-1, stable=True)[..., : max(need)]
+        self.relayout(order.contiguous(), need)
+
+    # ------------------------------------------------------------------ attention
+    def attend(
+        self,
+        query: torch.Tensor,
+        scale: float,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Store the staged tokens, attend ``query`` over the slots, let the policy evict. Returns ``[B, q, H, D]``."""
+        if self._pending is None:
+            raise RuntimeError(f"layer {self.layer_idx}: attention called without a preceding cache update")
+        key_states, value_states = self._pending
+        self._pending = None
+        self.cache.release_pending(self.layer_idx)
+        b, h, n, _ = query.shape
+        self.num_heads = h
+        q_pos, q_real = self._query_positions(b, n, attention_mask, position_ids, query.device)
+        was_empty = not bool(self.valid.any())
+        slots = self.insert(key_states, value_states, torch.where(q_real, q_pos, torch.full_like(q_pos, -1)))
+        self.seen += n
+
+        policy = self.cache.policy
+        phase = Phase.PREFILL if n > 1 else Phase.DECODE
+        request = policy.stats_request(phase)
+        stats = AttnStats(phase=phase, q_len=n, new_slots=slots)
+        all_real = bool(q_real.all())
+        if phase is Phase.DECODE:
+            out = self._decode(query, scale, request, stats)
+        else:
+            if was_empty and all_real and self.uniform:
+                # Nothing held before and no padding: plain causal attention over the new tokens.
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    query, key_states, value_states, is_causal=True, scale=scale, enable_gqa=h != self.num_kv_heads
+                )
+            else:
+                out = self._masked(query, scale, torch.where(q_real, q_pos, torch.full_like(q_pos, _POS_BIG)))
+            self._prefill_stats(query, scale, q_pos, q_real, request, stats)
+        if not all_real:
+            out = out * q_real[:, None, :, None].to(out.dtype)
+
+        keep = policy.step(self, stats)
+        if keep is not None:
+            self.evict(keep, slack=policy.decode_slack)
+        self.cache.layer_done(self.layer_idx, phase)
+        return out.transpose(1, 2).contiguous()
+
+    def _query_positions(
+        self,
+        b: int,
+        n: int,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``[B, n]`` of the new tokens and whether each is real (not padding)."""
+        if position_ids is not None:
+            q_pos = position_ids.to(device=device, dtype=torch.int64).reshape(-1, n).expand(b, n)
+        else:
+            q_pos = (torch.arange(n, device=device) + self.seen).expand(b, n)
+        if attention_mask is None:
+            q_real = torch.ones((b, n), dtype=torch.bool, device=device)
+        else:
+            if attention_mask.dim() != 4:
+                raise ValueError(f"expected a 4-D attention mask from the 'kvgates' mask function, got {attention_mask.dim()}-D")
+            # Token i of this forward sits in mask column seen + i; its own column is masked iff it is padding.
+            cols = torch.arange(n, device=device) + self.seen
+            diag = attention_mask[:, 0, torch.arange(n, device=device), cols]
+            q_real = diag if diag.dtype == torch.bool else diag > torch.finfo(diag.dtype).min / 2
+            q_real = q_real.expand(b, n)
+        return q_pos.contiguous(), q_real.contiguous()
+
+    def _assemble(self, parts: list[torch.Tensor], dim_heads: int = 1) -> torch.Tensor:
+        """Pad per-group slot axes to ``C_max`` and concatenate along the head axis."""
+        cmax = self.capacity
+        padded = [torch.nn.functional.pad(p, (0, cmax - p.shape[-1])) for p in parts]
+        return torch.cat(padded, dim=dim_heads)
+
+    def _decode(self, query: torch.Tensor, scale: float, request, stats: AttnStats) -> torch.Tensor:
+        g = query.shape[1] // self.num_kv_heads
+        reduce = "none" if request.reduce == "max" else "sum"
+        outs, probs = [], []
+        for heads, k, v, pos in self.head_views():
+            q = query[:, heads.start * g : heads.stop * g, 0]
+            o, p = kernels.decode_attention(q, k, v, pos, scale, reduce=reduce)
+            outs.append(o)
+            probs.append(p if reduce == "sum" else kernels.group_reduce(p, k.shape[1], "max"))
+        out = torch.cat(outs, dim=1)[:, :, None]
+        if not request.empty:
+            p = self._assemble(probs)
+            if request.reduce == "mean":
+                p = p / g
+            stats.rows = p[:, :, None]
+            stats.colsum = p
+        return out
+
+    def _masked(self, query: torch.Tensor, scale: float, q_pos: torch.Tensor) -> torch.Tensor:
+        g = query.shape[1] // self.num_kv_heads
+        outs = []
+        for heads, k, v, pos in self.head_views():
+            q = query[:, heads.start * g : heads.stop * g]
+            outs.append(kernels.masked_attention(q, k, v, pos, q_pos, scale))
+        return torch.cat(outs, dim=1)
+
+    def _prefill_stats(
+        self, query: torch.Tensor, scale: float, q_pos: torch.Tensor, q_real: torch.Tensor, request, stats: AttnStats
+    ) -> None:
+        if request.empty:
+            return
+        g = query.shape[1] // self.num_kv_heads
+        n = query.shape[2]
+        r = min(request.rows, n)
+        rows, colsums = [], []
+        for heads, k, _, pos in self.head_views():
+            q = query[:, heads.start * g : heads.stop * g]
+            hk = k.shape[1]
+            if r:
+                p = kernels.attention_probs(q[:, :, n - r :], k, pos, q_pos[:, n - r :], scale)
+                p = p * q_real[:, None, n - r :, None]
+                rows.append(kernels.group_reduce(p, hk, request.reduce))
+            if request.colsum:
+                c = kernels.column_sums(q, k, pos, q_pos, q_real, scale)
+                colsums.append(kernels.group_reduce(c, hk, request.reduce))
+        if r:
+            stats.rows = self._assemble(rows)
+        if request.colsum:
+            stats.colsum = self._assemble(colsums)

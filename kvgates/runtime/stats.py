@@ -1,0 +1,64 @@
+"""What a policy asks the attention function for, and what it gets back."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from kvgates.kernels.reference import GROUP_REDUCTIONS
+
+
+class Phase(enum.Enum):
+    """Which kind of forward a layer is in: a prompt chunk (``q_len > 1``) or one decode token."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    """Statistics a policy needs from one attention call.
+
+    Attributes:
+        rows: probabilities of the last ``rows`` query rows of this forward over the slots (0 = none).
+        colsum: sum of the probabilities of every (real) query row of this forward, per slot.
+        reduce: how the query heads of a GQA group are combined into their KV head (sum | mean | max).
+    """
+
+    rows: int = 0
+    colsum: bool = False
+    reduce: str = "mean"
+
+    def __post_init__(self) -> None:
+        if self.rows < 0:
+            raise ValueError(f"rows must be >= 0, got {self.rows}")
+        if self.reduce not in GROUP_REDUCTIONS:
+            raise ValueError(f"reduce must be one of {GROUP_REDUCTIONS}, got {self.reduce!r}")
+
+    @property
+    def empty(self) -> bool:
+        return self.rows == 0 and not self.colsum
+
+
+NO_STATS = StatsRequest()
+
+
+@dataclass
+class AttnStats:
+    """Statistics of one attention call, GQA-reduced to KV heads, float32, over the padded slot axis.
+
+    Attributes:
+        phase: prefill chunk or decode step.
+        q_len: number of query tokens in this forward (padding included).
+        new_slots: ``[B, H_kv, q_len]`` slot index each new token was written to (padding tokens' slots stay empty).
+        rows: ``[B, H_kv, r, C]`` probabilities of the last ``r`` query rows (padded rows are zero), or None.
+        colsum: ``[B, H_kv, C]`` summed probabilities of all real query rows, or None.
+    """
+
+    phase: Phase
+    q_len: int
+    new_slots: torch.Tensor
+    rows: torch.Tensor | None = None
+    colsum: torch.Tensor | None = None

@@ -1,0 +1,143 @@
+"""Shared builders for the tests: tiny random models of several families, policy parameters, layer states."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import (
+    DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import kvgates
+from kvgates.runtime.cache import BudgetCache
+
+VOCAB = 128
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    pad_token_id=0,
+)
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
+    "phi3": (Phi3Config, Phi3ForCausalLM, {"pad_token_id": 0}),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"sliding_window": 8, "layer_types": None, "num_hidden_layers": 4}),
+}
+
+#: Small-model parameters for every registered policy (a new policy must add itself here to be tested).
+POLICY_PARAMS = {
+    "full": {},
+    "streaming_llm": {"sinks": 2},
+    "h2o": {},
+    "snapkv": {"window": 4, "kernel": 3},
+    "pyramidkv": {"window": 4, "kernel": 3},
+    "tova": {},
+}
+
+
+def policy_kwargs(name: str, budget: int | None) -> dict:
+    params = dict(POLICY_PARAMS[name])
+    if name != "full":
+        params["budget"] = budget
+    return params
+
+
+def tiny_model(family: str = "llama", seed: int = 0, **overrides):
+    """(reference model with sdpa, same weights prepared for kvgates), both eval, float32."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    kwargs = {**_COMMON, **extra, **overrides}
+    layer_types = kwargs.pop("layer_types", "keep")
+    config = config_cls(**kwargs)
+    if family == "gemma3" and layer_types is None:
+        config.layer_types = ["sliding_attention", "full_attention"] * (config.num_hidden_layers // 2)
+    torch.manual_seed(seed)
+    ref = model_cls(config).eval()
+    ref.set_attn_implementation("sdpa")
+    model = copy.deepcopy(ref)
+    kvgates.prepare_model(model)
+    return ref, model
+
+
+def teacher_forced_logits(model, cache, ids: torch.Tensor, prompt_len: int, chunk: int | None = None) -> torch.Tensor:
+    """Logits of a prompt (optionally in chunks) then one token at a time, concatenated ``[B, T, V]``."""
+    outs = []
+    with torch.no_grad():
+        step = chunk or prompt_len
+        for start in range(0, prompt_len, step):
+            outs.append(model(ids[:, start : min(prompt_len, start + step)], past_key_values=cache).logits)
+        for t in range(prompt_len, ids.shape[1]):
+            outs.append(model(ids[:, t : t + 1], past_key_values=cache).logits)
+    return torch.cat(outs, dim=1)
+
+
+def dynamic_cache(model) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+def make_layer(policy, positions: torch.Tensor, head_dim: int = 8, seed: int = 0):
+    """A standalone BudgetLayer whose slots hold ``positions`` (``[B, H_kv, C]``, -1 = empty) and random K/V."""
+    b, hkv, c = positions.shape
+    config = LlamaConfig(
+        num_hidden_layers=1, num_attention_heads=hkv, num_key_value_heads=hkv, hidden_size=hkv * head_dim, head_dim=head_dim
+    )
+    cache = BudgetCache(config, policy)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, hkv, c, head_dim, generator=g)
+    layer.lazy_initialization(k, k)
+    layer._grow(c)
+    layer.keys.copy_(k.reshape(b, hkv * c, head_dim))
+    layer.values.copy_(torch.randn(b, hkv * c, head_dim, generator=g))
+    layer.pos.copy_(positions)
+    layer.num_heads = hkv
+    return layer
+
+
+def random_positions(b: int, hkv: int, c: int, held: int, seed: int = 0) -> torch.Tensor:
+    """Slot positions with ``held`` distinct tokens per head scattered over ``c`` slots (holes = -1)."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.full((b, hkv, c), -1, dtype=torch.int64)
+    for i in range(b):
+        for h in range(hkv):
+            slots = torch.randperm(c, generator=g)[:held]
+            tokens = torch.sort(torch.randperm(held + 10, generator=g)[:held]).values
+            pos[i, h, slots] = tokens
+    return pos
+
+
+def save_tiny_checkpoint(folder, family: str = "llama"):
+    """Save a tiny random model and a character-level tokenizer to ``folder`` (a local "model id")."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{c: i + 3 for i, c in enumerate(chars[: VOCAB - 3])}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")
+    _, model = tiny_model(family)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -1,0 +1,148 @@
+"""Budgets hold after every eviction, sinks and windows survive, storage stays flat, bad input fails clearly."""
+
+import pytest
+import torch
+from helpers import POLICY_PARAMS, policy_kwargs
+
+import kvgates
+from kvgates import POLICIES, BudgetCache, UnsupportedModelError, make_policy
+
+EVICTING = sorted(set(POLICIES) - {"full"})
+
+
+def run_steps(model, cache, ids, prompt_len, check):
+    with torch.no_grad():
+        model(ids[:, :prompt_len], past_key_values=cache)
+        check(cache, prompt_len)
+        for t in range(prompt_len, ids.shape[1]):
+            model(ids[:, t : t + 1], past_key_values=cache)
+            check(cache, t + 1)
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_every_layer_within_budget_after_every_step(tiny, name):
+    _, model = tiny
+    budget = 10
+    cache = BudgetCache(model.config, name, **policy_kwargs(name, budget))
+    ids = torch.randint(1, 128, (2, 70), generator=torch.Generator().manual_seed(0))
+    decode_evicts = kvgates.Phase.DECODE in cache.policy.evicts_in
+
+    def check(cache, seen):
+        for layer in cache.budget_layers:
+            held = layer.held()
+            assert int(held.max()) <= (layer.budget if decode_evicts or seen == 30 else layer.budget + seen - 30)
+        assert cache.get_seq_length() == seen
+
+    run_steps(model, cache, ids, 30, check)
+
+
+def test_streaming_llm_keeps_sinks_and_recent(tiny):
+    _, model = tiny
+    cache = BudgetCache(model.config, "streaming_llm", budget=8, sinks=3)
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+
+    def check(cache, seen):
+        for layer in cache.budget_layers:
+            for h in range(layer.num_kv_heads):
+                kept = sorted(layer.pos[0, h][layer.pos[0, h] >= 0].tolist())
+                assert kept == [0, 1, 2] + list(range(seen - 5, seen))
+
+    run_steps(model, cache, ids, 20, check)
+
+
+@pytest.mark.parametrize("name,window", [("h2o", "recent"), ("snapkv", "window"), ("pyramidkv", "window")])
+def test_recent_window_always_kept(tiny, name, window):
+    _, model = tiny
+    cache = BudgetCache(model.config, name, **policy_kwargs(name, 12))
+    w = getattr(cache.policy, window)
+    ids = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(2))
+
+    def check(cache, seen):
+        for layer in cache.budget_layers:
+            for h in range(layer.num_kv_heads):
+                kept = set(layer.pos[0, h].tolist())
+                assert set(range(seen - w, seen)) <= kept
+
+    run_steps(model, cache, ids, 40, check)
+
+
+@pytest.mark.parametrize("name", ["h2o", "tova", "streaming_llm"])
+def test_storage_is_flat_during_decode(tiny, name):
+    _, model = tiny
+    cache = BudgetCache(model.config, name, **policy_kwargs(name, 16))
+    ids = torch.randint(1, 128, (1, 200), generator=torch.Generator().manual_seed(3))
+    sizes = []
+    run_steps(model, cache, ids, 40, lambda c, seen: sizes.append(c.kv_bytes()))
+    assert len(set(sizes)) == 1
+    # budget + 1 slot of slack per head, 2 tensors, 3 layers, 2 KV heads, head_dim 16, float32
+    assert sizes[0] == 3 * 2 * 2 * 17 * 16 * 4
+
+
+def test_prefill_chunks_bound_peak_memory(tiny):
+    _, model = tiny
+    cache = BudgetCache(model.config, "snapkv", budget=16, window=4, kernel=3)
+    ids = torch.randint(1, 128, (1, 200), generator=torch.Generator().manual_seed(4))
+    peak = 0
+    with torch.no_grad():
+        for start in range(0, 200, 25):
+            model(ids[:, start : start + 25], past_key_values=cache)
+            peak = max(peak, max(layer.capacity for layer in cache.budget_layers))
+            assert int(cache.held_tokens().max()) <= 16
+    # The largest storage ever allocated is what was held plus one chunk.
+    assert peak <= 16 + 1 + 25
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    "name,params,message",
+    [
+        ("h2o", {"budget": 0}, "at least 1"),
+        ("h2o", {"budget": -5}, "at least 1"),
+        ("snapkv", {"budget": 2.5}, "integer"),
+        ("streaming_llm", {"budget": 4, "sinks": 4}, "must be larger than sinks=4"),
+        ("snapkv", {"budget": 32, "window": 32}, "observation window"),
+        ("snapkv", {"budget": 16, "window": 40}, "observation window"),
+        ("h2o", {"budget": 8, "recent": 8}, "recent window"),
+        ("pyramidkv", {"budget": 8, "window": 10}, "observation window"),
+        ("snapkv", {"budget": 64, "kernel": 4}, "odd"),
+        ("h2o", {"budget": 64, "group_reduce": "median"}, "group_reduce"),
+        ("full", {"budget": 64}, "takes no budget"),
+        ("snapkv", {}, "budget is required"),
+    ],
+)
+def test_bad_policy_parameters(name, params, message):
+    with pytest.raises(ValueError, match=message):
+        make_policy(name, **params)
+
+
+def test_unknown_policy_and_parameter():
+    with pytest.raises(ValueError, match="unknown policy 'snapkvv'; available policies: .*snapkv"):
+        make_policy("snapkvv", budget=4)
+    with pytest.raises(ValueError, match="has no parameter windw"):
+        make_policy("snapkv", budget=64, windw=4)
+
+
+def test_attention_not_switched_is_caught(tiny):
+    ref, _ = tiny
+    with pytest.raises(RuntimeError, match="set_attn_implementation\\('kvgates'\\)"):
+        ref(torch.randint(1, 128, (1, 8)), past_key_values=BudgetCache(ref.config, "h2o", budget=4))
+
+
+def test_model_without_attention_interface_is_refused():
+    from transformers import BloomConfig, BloomForCausalLM
+
+    model = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2))
+    with pytest.raises(UnsupportedModelError, match="does not route attention through transformers' AttentionInterface"):
+        kvgates.prepare_model(model)
+
+
+def test_model_with_only_sliding_layers_is_refused():
+    from transformers import MistralConfig
+
+    config = MistralConfig(num_hidden_layers=2, sliding_window=16, hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(UnsupportedModelError, match="no full-attention layer"):
+        BudgetCache(config, "h2o", budget=8)
+
+
+def test_policy_params_table_covers_registry():
+    assert set(POLICIES) <= set(POLICY_PARAMS)

@@ -1,0 +1,96 @@
+"""With a budget no smaller than the sequence, every policy must reproduce transformers' DynamicCache + sdpa."""
+
+import pytest
+import torch
+from helpers import FAMILIES, POLICY_PARAMS, dynamic_cache, policy_kwargs, teacher_forced_logits, tiny_model
+
+from kvgates import POLICIES, BudgetCache
+
+PROMPT, DECODE = 24, 64
+ATOL = 1e-4
+
+
+def test_every_policy_has_test_parameters():
+    assert set(POLICIES) <= set(POLICY_PARAMS), "add the new policy to tests/helpers.py POLICY_PARAMS"
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_no_eviction_prefill_and_64_decode_steps(tiny, name):
+    ref, model = tiny
+    ids = torch.randint(1, 128, (1, PROMPT + DECODE), generator=torch.Generator().manual_seed(1))
+    expected = teacher_forced_logits(ref, dynamic_cache(ref), ids, PROMPT)
+    cache = BudgetCache(model.config, name, **policy_kwargs(name, PROMPT + DECODE))
+    got = teacher_forced_logits(model, cache, ids, PROMPT)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_no_eviction_chunked_prefill(tiny, name):
+    ref, model = tiny
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(2))
+    expected = teacher_forced_logits(ref, dynamic_cache(ref), ids, 32)
+    cache = BudgetCache(model.config, name, **policy_kwargs(name, 64))
+    got = teacher_forced_logits(model, cache, ids, 32, chunk=7)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_no_eviction_left_padded_batch_generate(tiny, name):
+    ref, model = tiny
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 128, (3, 20), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    mask[2, :3] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = ref.generate(ids, **kwargs)
+        cache = BudgetCache(model.config, name, **policy_kwargs(name, 64))
+        got = model.generate(ids, past_key_values=cache, **kwargs)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), atol=ATOL, rtol=0)
+    assert torch.equal(got.sequences, expected.sequences)
+    # Padding never takes a slot: each row holds exactly its real tokens (prompt + generated - last token).
+    held = cache.held_tokens()[:, :, 0]
+    real = mask.sum(1) + 15
+    assert torch.equal(held, real.expand_as(held))
+
+
+def test_generate_sampled_matches_with_same_seed(tiny):
+    ref, model = tiny
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(max_new_tokens=20, do_sample=True, top_k=20, temperature=0.9)
+    torch.manual_seed(7)
+    expected = ref.generate(ids, **kwargs)
+    torch.manual_seed(7)
+    got = model.generate(ids, past_key_values=BudgetCache(model.config, "h2o", budget=64), **kwargs)
+    assert torch.equal(got, expected)
+
+
+def test_generate_with_prefill_chunks(tiny):
+    ref, model = tiny
+    ids = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(5))
+    expected = ref.generate(ids, max_new_tokens=10, do_sample=False)
+    got = model.generate(
+        ids, past_key_values=BudgetCache(model.config, "snapkv", budget=128, window=4), prefill_chunk_size=16,
+        max_new_tokens=10, do_sample=False,
+    )
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_architectures_match_without_eviction_and_run_with_it(family):
+    ref, model = tiny_model(family)
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(6))
+    expected = teacher_forced_logits(ref, dynamic_cache(ref), ids, 24)
+    got = teacher_forced_logits(model, BudgetCache(model.config, "h2o", budget=64), ids, 24)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    cache = BudgetCache(model.config, "h2o", budget=12)
+    teacher_forced_logits(model, cache, ids, 24)
+    assert int(cache.held_tokens().max()) <= 12
+
+
+def test_no_cache_forward_is_sdpa(tiny):
+    ref, model = tiny
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=0, rtol=0)

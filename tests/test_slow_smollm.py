@@ -1,0 +1,54 @@
+"""The real embedded SmolLM2-135M (slow; CI runs the tests marked ci_slice)."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvgates import BudgetCache
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.ci_slice
+def test_embedded_model_matches_dynamic_cache_without_eviction(smollm):
+    from data.corpus import paul_graham_essays
+
+    model, tok = smollm
+    ids = tok(paul_graham_essays()[:3000], return_tensors="pt")["input_ids"][:, :512]
+    with torch.no_grad():
+        ref_cache, cache = DynamicCache(config=model.config), BudgetCache(model.config, "snapkv", budget=1024)
+        expected = [model(ids, past_key_values=ref_cache).logits[:, -1]]
+        got = [model(ids, past_key_values=cache).logits[:, -1]]
+        token = expected[0].argmax(-1, keepdim=True)
+        for _ in range(8):
+            expected.append(model(token, past_key_values=ref_cache).logits[:, -1])
+            got.append(model(token, past_key_values=cache).logits[:, -1])
+            token = expected[-1].argmax(-1, keepdim=True)
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected), atol=1e-4, rtol=0)
+
+
+@pytest.mark.ci_slice
+def test_needle_found_with_full_cache_and_budget_holds(smollm):
+    from data.needle import NeedleTask, build_needle_dataset, is_correct
+
+    model, tok = smollm
+    rows = build_needle_dataset(tok, NeedleTask(context_tokens=1000, depths=2))
+    for row in rows:
+        ids = tok(row["prompt"], return_tensors="pt")["input_ids"]
+        for policy, params in [("full", {}), ("snapkv", {"budget": 512})]:
+            cache = BudgetCache(model.config, policy, **params)
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+            if policy == "full":  # a heuristic's accuracy is a measurement (eval/), not an invariant
+                assert is_correct(tok.decode(out[0, ids.shape[1]:]), row["answer"]), row["depth"]
+            else:
+                assert int(cache.held_tokens().max()) <= 512 + 8
+
+
+def test_needle_demo_config_runs(tmp_path):
+    from eval.config import NeedleRunConfig
+    from eval.needle import run_needle, write_report
+
+    config = NeedleRunConfig.from_yaml("configs/needle_demo.yaml", depths=2, context_tokens=[600], budgets=[128], output_dir=str(tmp_path))
+    results = run_needle(config)
+    table = write_report(config, results)
+    assert "snapkv" in table and (tmp_path / "needle_heatmap.png").is_file()

@@ -1,0 +1,70 @@
+"""The statistics the runtime hands to policies equal a naive softmax over visible slots."""
+
+import pytest
+import torch
+from helpers import make_layer, random_positions
+
+from kvgates import kernels
+from kvgates.policies.full import Full
+from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
+
+
+def naive_probs(q, k, slot_pos, q_pos, scale):
+    """[B, H, r, C] by explicit loops over (b, head, row)."""
+    b, h, r, _ = q.shape
+    hkv, c = k.shape[1], k.shape[2]
+    g = h // hkv
+    out = torch.zeros(b, h, r, c)
+    for i in range(b):
+        for head in range(h):
+            kv = head // g
+            for row in range(r):
+                vis = [s for s in range(c) if 0 <= slot_pos[i, kv, s] <= q_pos[i, row]]
+                if not vis:
+                    continue
+                logits = torch.stack([q[i, head, row] @ k[i, kv, s] * scale for s in vis])
+                out[i, head, row, vis] = torch.softmax(logits, 0)
+    return out
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
+def test_rows_and_colsum_match_naive(reduce):
+    torch.manual_seed(0)
+    pos = random_positions(2, 2, 12, held=9, seed=1)
+    layer = make_layer(Full(), pos)
+    k = layer.keys.view(2, 2, 12, 8)
+    q = torch.randn(2, 6, 5, 8)
+    q_pos = torch.tensor([[3, 6, 7, 8, 30], [0, 2, 4, 9, 30]])
+    q_real = torch.tensor([[True, True, False, True, True], [True, True, True, True, True]])
+    layer.num_heads = 6
+    stats = AttnStats(phase=Phase.PREFILL, q_len=5, new_slots=torch.zeros(2, 2, 5, dtype=torch.long))
+    layer._prefill_stats(q, 0.5, q_pos, q_real, StatsRequest(rows=3, colsum=True, reduce=reduce), stats)
+    probs = naive_probs(q, k, pos, q_pos, 0.5) * q_real[:, None, :, None]
+    torch.testing.assert_close(stats.rows, kernels.group_reduce(probs[:, :, -3:], 2, reduce), atol=1e-6, rtol=0)
+    torch.testing.assert_close(stats.colsum, kernels.group_reduce(probs.sum(2), 2, reduce), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
+def test_decode_probs_match_naive(reduce):
+    pos = random_positions(2, 2, 10, held=7, seed=2)
+    layer = make_layer(Full(), pos)
+    k = layer.keys.view(2, 2, 10, 8)
+    v = layer.values.view(2, 2, 10, 8)
+    q = torch.randn(2, 6, 1, 8)
+    stats = AttnStats(phase=Phase.DECODE, q_len=1, new_slots=torch.zeros(2, 2, 1, dtype=torch.long))
+    out = layer._decode(q, 0.3, StatsRequest(rows=1, reduce=reduce), stats)
+    probs = naive_probs(q, k, pos, torch.full((2, 1), 10**6), 0.3)
+    torch.testing.assert_close(stats.rows[:, :, 0], kernels.group_reduce(probs[:, :, 0], 2, reduce), atol=1e-6, rtol=0)
+    expected = torch.einsum("bhc,bhcd->bhd", probs[:, :, 0], v.repeat_interleave(3, 1))
+    torch.testing.assert_close(out[:, :, 0], expected, atol=1e-5, rtol=0)
+
+
+def test_pool_by_position_ignores_slot_order():
+    scores = torch.tensor([[[0.1, 0.9, 0.0, 0.3, 0.2]]])
+    pos = torch.tensor([[[4, 0, -1, 2, 1]]])
+    # In position order: p0=0.9, p1=0.2, p2=0.3, p4=0.1 -> max-pool k=3 over [0.9, 0.2, 0.3, 0.1]
+    pooled = kernels.pool_by_position(scores, pos, 3, "max")
+    assert pooled[0, 0, 1] == pytest.approx(0.9)  # p0
+    assert pooled[0, 0, 4] == pytest.approx(0.9)  # p1: neighbours p0, p2
+    assert pooled[0, 0, 3] == pytest.approx(0.3)  # p2: neighbours p1, p4
+    assert pooled[0, 0, 0] == pytest.approx(0.3)  # p4: neighbours p2 and padding
