@@ -61,3 +61,135 @@ def pyramid_budgets(budget: int, window: int, prompt_len: int, layers: int, beta
 
 def tova(scores: dict[int, float], budget: int) -> set[int]:
     return top_by_score(scores, budget, set())
+
+
+# ------------------------------------------------------------------------------------------------ seed policies
+def morphkv(rows: list[dict[int, float]], positions: list[int], budget: int, recent_n: int, fusion: str) -> set[int]:
+    """rows: one {position: prob} per recorded query (missing = 0)."""
+    fused = {}
+    for p in positions:
+        vals = [r.get(p, 0.0) for r in rows]
+        fused[p] = sum(vals) if fusion == "sum" else max(vals)
+    win = recent(positions, recent_n)
+    return win | top_by_score(fused, budget - len(win), win)
+
+
+def variance(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return sum((v - mean) ** 2 for v in values) / len(values)
+
+
+def d2o_layer_variance(per_head_scores: list[list[float]]) -> float:
+    var = [variance(s) for s in per_head_scores]
+    lo, hi = min(var), max(var)
+    return sum(((v - lo) / (hi - lo) if hi > lo else 0.0) for v in var) / len(var)
+
+
+def d2o_ratios(variances: list[float], rho: float, min_ratio: float = 0.01) -> list[float]:
+    import math
+
+    exps = [math.exp(-v) for v in variances]
+    n = len(variances)
+    return [min(1.0, max(min_ratio, e / sum(exps) * n * rho)) for e in exps]
+
+
+def d2o_keep(scores: dict[int, float], budget: int, n_sinks: int, heavy: int, recent_share: int) -> set[int]:
+    n_recent = round(budget * recent_share / (heavy + recent_share))
+    forced = sinks(list(scores), n_sinks) | recent(list(scores), n_recent)
+    return forced | top_by_score(scores, budget - len(forced), forced)
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    import math
+
+    dot = sum(x * y for x, y in zip(a, b))
+    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
+
+
+def d2o_merge(keys: dict[int, list[float]], values: dict[int, list[float]], kept: set[int], evicted: set[int],
+              tau: float | None, beta: float, rule: str) -> tuple[dict, dict, float]:
+    """One head's merge; returns (new keys of kept tokens, new values, updated tau given this head alone)."""
+    import math
+
+    best = {}
+    for e in evicted:
+        sims = {c: cosine(keys[e], keys[c]) for c in kept}
+        target = max(sims, key=lambda c: sims[c])
+        best[e] = (sims[target], target)
+    mean_m = sum(m for m, _ in best.values()) / len(best)
+    tau = mean_m if tau is None else beta * mean_m + (1 - beta) * tau
+    received: dict[int, list[tuple[float, int]]] = {c: [] for c in kept}
+    for e, (m, target) in best.items():
+        if m >= tau:
+            received[target].append((m, e))
+    new_k, new_v = {}, {}
+    for c in kept:
+        if not received[c]:
+            new_k[c], new_v[c] = keys[c], values[c]
+            continue
+        if rule == "paper":
+            denom = sum(math.exp(m) for m, _ in received[c]) + math.e
+            wc = math.e / denom
+            new_k[c] = [wc * x + sum(math.exp(m) / denom * keys[e][i] for m, e in received[c]) for i, x in enumerate(keys[c])]
+            new_v[c] = [wc * x + sum(math.exp(m) / denom * values[e][i] for m, e in received[c]) for i, x in enumerate(values[c])]
+        else:
+            n = len(received[c])
+            new_k[c] = [(x + sum(m * keys[e][i] for m, e in received[c])) / (1 + n) for i, x in enumerate(keys[c])]
+            new_v[c] = [(x + sum(m * values[e][i] for m, e in received[c])) / (1 + n) for i, x in enumerate(values[c])]
+    return new_k, new_v, tau
+
+
+def dynamickv_budgets(counts: list[int], room: int, num_layers: int, r_max: float) -> list[int]:
+    import math
+
+    top = max(max(counts), 1)
+    z = [math.floor(r_max * room * c / top) for c in counts]
+    if sum(z) == 0:
+        return [room] * len(counts)
+    r = sum(z) / (room * num_layers)
+    return [math.floor(x / r) for x in z]
+
+
+def kvmerger_sets(keys: list[list[float]], mergeable: list[bool], eps: float) -> list[list[int]]:
+    """Merging sets (lists of indices into the position-ordered tokens)."""
+    sets, current, anchor = [], None, None
+    for j, ok in enumerate(mergeable):
+        if not ok:
+            current = None
+            continue
+        if current is not None and cosine(keys[anchor], keys[j]) > eps:
+            current.append(j)
+        else:
+            current, anchor = [j], j
+            sets.append(current)
+    return sets
+
+
+def kvmerger_merge(keys, values, scores, members: list[int], sigma: float | None, scale_values: bool):
+    """Pivot index and merged (key, value) of one set."""
+    import math
+
+    pivot = max(members, key=lambda i: (scores[i], -i))
+    dist = {i: math.dist(keys[pivot], keys[i]) for i in members}
+    if sigma is None:
+        others = [dist[i] for i in members if i != pivot]
+        sigma = max(sum(others) / max(len(others), 1), 1e-6)
+    g = {i: math.exp(-dist[i] ** 2 / (2 * sigma**2)) for i in members}
+    total = sum(g.values())
+    w = {i: g[i] / total for i in members}
+    scale = len(members) if scale_values else 1
+    k = [sum(w[i] * keys[i][d] for i in members) for d in range(len(keys[pivot]))]
+    v = [sum(w[i] * scale * values[i][d] for i in members) for d in range(len(values[pivot]))]
+    return pivot, k, v
+
+
+def adakv_budgets(per_head_scores: list[dict[int, float]], forced: list[set[int]], budget: int, alpha: float) -> list[int]:
+    import math
+
+    rooms = [budget - len(f) for f in forced]
+    flat = [(s, h) for h, scores in enumerate(per_head_scores) for p, s in scores.items() if p not in forced[h]]
+    flat.sort(key=lambda t: -t[0])
+    counts = [0] * len(per_head_scores)
+    for _, h in flat[: sum(rooms)]:
+        counts[h] += 1
+    return [round(counts[h] * (1 - alpha) + math.floor(alpha * rooms[h])) + len(forced[h]) for h in range(len(counts))]

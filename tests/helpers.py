@@ -54,6 +54,12 @@ POLICY_PARAMS = {
     "snapkv": {"window": 4, "kernel": 3},
     "pyramidkv": {"window": 4, "kernel": 3},
     "tova": {},
+    "morphkv": {"recent": 4},
+    "d2o": {"sinks": 2},
+    "dynamickv": {"window": 4, "kernel": 3, "update_every": 2},
+    "kvmerger": {"window": 4, "heavy": 2},
+    "adakv": {"base": "snapkv", "base_params": {"window": 4, "kernel": 3}},
+    "merge": {"base": "h2o"},
 }
 
 

@@ -1,20 +1,31 @@
 """Eviction policies, one per file, registered by name (``make_policy("snapkv", budget=256)``)."""
 
 from kvgates.policies.base import POLICIES, Policy, make_policy, register_policy
+from kvgates.policies.d2o import D2O
+from kvgates.policies.dynamickv import DynamicKV
 from kvgates.policies.full import Full
 from kvgates.policies.h2o import H2O
+from kvgates.policies.kvmerger import KVMerger
+from kvgates.policies.morphkv import MorphKV
 from kvgates.policies.pyramidkv import PyramidKV
 from kvgates.policies.snapkv import SnapKV
 from kvgates.policies.streaming import StreamingLLM
 from kvgates.policies.tova import TOVA
+from kvgates.policies.wrappers import AdaKV, Merge
 
 __all__ = [
     "POLICIES",
     "Policy",
     "make_policy",
     "register_policy",
+    "AdaKV",
+    "D2O",
+    "DynamicKV",
     "Full",
     "H2O",
+    "KVMerger",
+    "Merge",
+    "MorphKV",
     "PyramidKV",
     "SnapKV",
     "StreamingLLM",

@@ -4,9 +4,11 @@ A policy is a small dataclass of validated parameters plus a few hooks the runti
 
 * ``stats_request(phase)``: which attention statistics the layer's attention call must produce;
 * ``slot_state()``: per-slot tensors the policy keeps on each layer (initial value for new tokens);
-* ``step(layer, stats)``: called after every attention call; updates state and returns a keep mask
-  ``[B, H_kv, C]`` (or ``None`` for no eviction). The default ``step`` calls ``observe``, decides whether the
-  layer is over its budget in a phase where the policy evicts, and then calls ``select``;
+* ``step(layer, stats)``: called after every attention call; returns a keep mask ``[B, H_kv, C]`` (or ``None``
+  for no eviction). It runs ``observe`` (update state), ``decide`` (evict only in the policy's phases, every
+  ``decode_interval`` decode steps, when the layer is over ``layer_budget``: then ``select``), and
+  ``after_step``. Scoring policies only implement ``score`` -> ``(scores, forced)``; ``select`` keeps the
+  forced slots plus the best-scoring others, which is also what wrappers (Ada-KV, merging) build on;
 * ``on_forward_end(cache, phase)``: after the last layer of a forward, for policies that decide across
   layers (D2O, DynamicKV).
 
@@ -95,9 +97,14 @@ class Policy:
         return {}
 
     @property
+    def decode_interval(self) -> int:
+        """Decode steps between evictions (1 = every step)."""
+        return 1
+
+    @property
     def decode_slack(self) -> int:
         """Free slots a layer keeps after an eviction: tokens that arrive before the next one."""
-        return 1
+        return self.decode_interval
 
     def layer_budget(self, layer: "BudgetLayer", stats: AttnStats) -> int:
         """Tokens each KV head of ``layer`` may hold after this step."""
@@ -107,20 +114,47 @@ class Policy:
     def observe(self, layer: "BudgetLayer", stats: AttnStats) -> None:
         """Update per-slot state from this call's statistics (before any eviction)."""
 
-    def select(self, layer: "BudgetLayer", stats: AttnStats, budget: int) -> torch.Tensor:
-        """Keep mask ``[B, H_kv, C]`` of at most ``budget`` valid slots per head."""
-        raise NotImplementedError
+    def score(self, layer: "BudgetLayer", stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scores [B, H_kv, C], forced [B, H_kv, C])``: higher scores are kept first; forced slots always are.
 
-    def step(self, layer: "BudgetLayer", stats: AttnStats) -> torch.Tensor | None:
-        """Runtime entry after each attention call: observe, then evict if over budget in an evicting phase."""
-        self.observe(layer, stats)
+        Scoring policies implement this; wrappers (head-wise budgets, merging) build on it.
+        """
+        raise NotImplementedError(f"{self.name} does not expose per-slot scores")
+
+    def select(self, layer: "BudgetLayer", stats: AttnStats, budget: int | torch.Tensor) -> torch.Tensor:
+        """Keep mask ``[B, H_kv, C]``: the forced slots plus the best-scoring others, ``budget`` per head."""
+        scores, forced = self.score(layer, stats)
+        return keep_forced_and_top(layer, scores, budget, forced)
+
+    def due(self, layer: "BudgetLayer", stats: AttnStats) -> bool:
+        """Whether this step may evict: a phase the policy evicts in, and every ``decode_interval`` decode steps."""
         if stats.phase not in self.evicts_in:
+            return False
+        if stats.phase is Phase.DECODE and self.decode_interval > 1:
+            count = layer.scratch.get("decode_steps", 0) + 1
+            layer.scratch["decode_steps"] = count
+            return count % self.decode_interval == 0
+        return True
+
+    def decide(self, layer: "BudgetLayer", stats: AttnStats) -> torch.Tensor | None:
+        """Keep mask if this step evicts (``due`` and the layer is over budget), else ``None``."""
+        if not self.due(layer, stats):
             return None
         budget = self.layer_budget(layer, stats)
         layer.budget = budget
         if int(layer.held().max()) <= budget:
             return None
         return self.select(layer, stats, budget)
+
+    def after_step(self, layer: "BudgetLayer", stats: AttnStats, keep: torch.Tensor | None) -> None:
+        """Bookkeeping after the decision, before the eviction is applied (e.g. recording this query's row)."""
+
+    def step(self, layer: "BudgetLayer", stats: AttnStats) -> torch.Tensor | None:
+        """Runtime entry after each attention call: ``observe``, ``decide``, ``after_step``."""
+        self.observe(layer, stats)
+        keep = self.decide(layer, stats)
+        self.after_step(layer, stats, keep)
+        return keep
 
     def on_forward_end(self, cache: "BudgetCache", phase: Phase) -> None:
         """Called after the last budgeted layer of every forward (cross-layer decisions)."""

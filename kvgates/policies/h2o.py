@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgates.kernels import GROUP_REDUCTIONS
-from kvgates.policies.base import Policy, keep_forced_and_top, recent_mask, register_policy
+from kvgates.policies.base import Policy, recent_mask, register_policy
 from kvgates.runtime.layer import SlotState
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 
@@ -54,5 +54,5 @@ class H2O(Policy):
     def observe(self, layer, stats: AttnStats) -> None:
         layer.state["h2o_score"] += stats.colsum
 
-    def select(self, layer, stats: AttnStats, budget: int) -> torch.Tensor:
-        return keep_forced_and_top(layer, layer.state["h2o_score"], budget, recent_mask(layer, self.recent))
+    def score(self, layer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer.state["h2o_score"], recent_mask(layer, self.recent)

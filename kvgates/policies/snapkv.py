@@ -8,7 +8,7 @@ import torch
 
 from kvgates import kernels
 from kvgates.kernels import GROUP_REDUCTIONS
-from kvgates.policies.base import Policy, keep_forced_and_top, recent_mask, register_policy
+from kvgates.policies.base import Policy, recent_mask, register_policy
 from kvgates.policies.history import fuse, history_state, push_row
 from kvgates.runtime.layer import SlotState
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
@@ -71,23 +71,14 @@ class SnapKV(Policy):
         return {_HISTORY: history_state(self.window)} if self.decode else {}
 
     @property
-    def decode_slack(self) -> int:
+    def decode_interval(self) -> int:
         return self.decode_every if self.decode else 1
 
     def observe(self, layer, stats: AttnStats) -> None:
         if self.decode and stats.phase is Phase.DECODE:
             push_row(layer, _HISTORY, stats.rows[:, :, -1])
 
-    def step(self, layer, stats: AttnStats):
-        if self.decode and stats.phase is Phase.DECODE:
-            count = layer.scratch.get("snapkv.steps", 0) + 1
-            layer.scratch["snapkv.steps"] = count
-            if count % self.decode_every:
-                self.observe(layer, stats)
-                return None
-        return super().step(layer, stats)
-
-    def select(self, layer, stats: AttnStats, budget: int) -> torch.Tensor:
+    def score(self, layer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
         if stats.phase is Phase.PREFILL:
             window = min(self.window, stats.rows.shape[2])
             scores = stats.rows.sum(2)
@@ -95,4 +86,4 @@ class SnapKV(Policy):
             window = self.window
             scores = fuse(layer, _HISTORY, "sum")
         scores = kernels.pool_by_position(scores, layer.pos, self.kernel, self.pooling)
-        return keep_forced_and_top(layer, scores, budget, recent_mask(layer, window))
+        return scores, recent_mask(layer, window)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.policies.base import Policy, recent_mask, register_policy, sink_mask
+from kvgates.policies.base import Policy, register_policy, sink_mask
 from kvgates.runtime.stats import AttnStats, Phase
 
 
@@ -36,5 +36,5 @@ class StreamingLLM(Policy):
             raise ValueError(f"{self.name}: sinks must be >= 0, got {self.sinks}")
         self._require_budget(self.sinks, f"sinks={self.sinks}")
 
-    def select(self, layer, stats: AttnStats, budget: int) -> torch.Tensor:
-        return sink_mask(layer, self.sinks) | recent_mask(layer, budget - self.sinks)
+    def score(self, layer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer.pos.float(), sink_mask(layer, self.sinks)

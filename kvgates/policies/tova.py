@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.policies.base import Policy, register_policy, topk_mask
+from kvgates.policies.base import Policy, register_policy
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 
 
@@ -37,11 +37,11 @@ class TOVA(Policy):
     def stats_request(self, phase: Phase) -> StatsRequest:
         return StatsRequest(rows=1, reduce="mean")
 
-    def select(self, layer, stats: AttnStats, budget: int) -> torch.Tensor:
+    def score(self, layer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
         scores = stats.rows[:, :, -1]
         if not self.per_head:
             # Shared selection needs the heads' slots to hold the same tokens; TOVA's own evictions keep them so.
             if not torch.equal(layer.pos, layer.pos[:, :1].expand_as(layer.pos)):
                 raise RuntimeError("tova: KV heads of a layer hold different tokens; use per_head=True")
             scores = scores.mean(1, keepdim=True).expand_as(scores)
-        return topk_mask(scores, budget, layer.valid, layer.pos)
+        return scores, torch.zeros_like(layer.valid)

@@ -1,0 +1,187 @@
+"""KVMerger: merge runs of consecutive, similar keys into their most attended token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvgates.kernels import GROUP_REDUCTIONS
+from kvgates.policies.base import Policy, recent_mask, register_policy, topk_mask
+from kvgates.runtime.layer import SlotState
+from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
+
+_SCORE = "kvmerger_score"
+
+
+def merging_set_starts(keys: torch.Tensor, mergeable: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """Which tokens open a new merging set, ``[E, B, H, L]``, for each threshold in ``eps`` (``[E, B]``).
+
+    ``keys`` ``[B, H, L, D]`` are in position order. Scanning left to right, a mergeable token joins the open
+    set when its cosine similarity with the set's first token (the anchor) exceeds ``eps``; otherwise it
+    opens a new set. A non-mergeable token (heavy hitter, window, empty) closes the open set.
+    """
+    e = eps.shape[0]
+    b, h, n, d = keys.shape
+    kn = torch.nn.functional.normalize(keys.float(), dim=-1)
+    starts = torch.zeros((e, b, h, n), dtype=torch.bool, device=keys.device)
+    anchor_key = torch.zeros((e, b, h, d), device=keys.device)
+    open_set = torch.zeros((e, b, h), dtype=torch.bool, device=keys.device)
+    thresh = eps[:, :, None]
+    for j in range(n):
+        here = mergeable[:, :, j]
+        key = kn[:, :, j]
+        join = open_set & here & ((anchor_key * key).sum(-1) > thresh)
+        start = here & ~join
+        starts[..., j] = start
+        anchor_key = torch.where(start[..., None], key, anchor_key)
+        open_set = here.expand_as(open_set)
+    return starts
+
+
+@register_policy
+@dataclass
+class KVMerger(Policy):
+    """KVMerger (Wang et al. 2024, "Model Tells You Where to Merge", arXiv:2407.08454); prompt only.
+
+    The ``heavy`` tokens with the largest aggregated attention (cumulative over the prompt's queries, so
+    attention sinks are among them) and the last ``window`` tokens are never merged. The other tokens of
+    each KV head, in position order, form merging sets of consecutive tokens: a set grows while the next
+    token's key has cosine similarity above ``epsilon`` with the set's first key. In each set the pivot is the
+    token with the largest aggregated attention; with ``g_i = exp(-||k_p - k_i||^2 / (2 sigma^2))`` and
+    ``w_i = g_i / sum g``, the pivot becomes ``k_p = sum w_i k_i``, ``v_p = sum w_i v_i`` and the set collapses
+    into the pivot's slot.
+
+    ``epsilon`` is per layer: by default it is calibrated per layer and sequence (largest value on a refined
+    grid) so every head ends within ``budget``; a fixed ``epsilon`` is lowered the same way when it would
+    exceed the budget. The paper's sigma rule is ambiguous: by default sigma is the mean distance of a set's
+    keys to its pivot; a number fixes it. The paper scales value weights by the set size; ``scale_values``
+    turns that on. No official code exists; this follows the paper and ../shared/spec/policies.md. Decode
+    appends.
+
+    Args:
+        budget: tokens per KV head after merging.
+        window: recent tokens never merged (default 16).
+        heavy: heavy hitters never merged (default ``budget // 8``).
+        epsilon: fixed similarity threshold, or None to calibrate.
+        sigma: Gaussian kernel width, or None for the mean key distance to the pivot.
+        scale_values: scale value weights by the set size (paper).
+        group_reduce: how query heads combine into the aggregated attention.
+    """
+
+    name = "kvmerger"
+
+    window: int = 16
+    heavy: int | None = None
+    epsilon: float | None = None
+    sigma: float | None = None
+    scale_values: bool = False
+    group_reduce: str = "mean"
+    grid: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        budget = self._require_budget()
+        if self.heavy is None:
+            self.heavy = max(1, budget // 8)
+        if self.window < 0 or self.heavy < 0:
+            raise ValueError(f"{self.name}: window and heavy must be >= 0, got {self.window}, {self.heavy}")
+        # With every run merged into one token, a head holds at most heavy + window + (heavy + 1) tokens.
+        self._require_budget(2 * self.heavy + self.window, f"2 * heavy + window ({2 * self.heavy + self.window})")
+        if self.epsilon is not None and not -1.0 <= self.epsilon <= 1.0:
+            raise ValueError(f"{self.name}: epsilon is a cosine similarity in [-1, 1], got {self.epsilon}")
+        if self.sigma is not None and self.sigma <= 0:
+            raise ValueError(f"{self.name}: sigma must be positive, got {self.sigma}")
+        if self.group_reduce not in GROUP_REDUCTIONS:
+            raise ValueError(f"{self.name}: group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
+        if self.grid < 2:
+            raise ValueError(f"{self.name}: grid must be >= 2, got {self.grid}")
+
+    def stats_request(self, phase: Phase) -> StatsRequest:
+        return StatsRequest(colsum=True, reduce=self.group_reduce) if phase is Phase.PREFILL else StatsRequest()
+
+    def slot_state(self) -> dict[str, SlotState]:
+        return {_SCORE: SlotState()}
+
+    def observe(self, layer, stats: AttnStats) -> None:
+        if stats.colsum is not None:
+            layer.state[_SCORE] += stats.colsum
+
+    def protected(self, layer) -> torch.Tensor:
+        """Slots never merged: the recent window and the heavy hitters among the others."""
+        window = recent_mask(layer, self.window)
+        return window | topk_mask(layer.state[_SCORE], self.heavy, layer.valid & ~window, layer.pos)
+
+    def calibrate(self, keys: torch.Tensor, mergeable: torch.Tensor, fixed: torch.Tensor, budget: int) -> torch.Tensor:
+        """Per sequence ``[B]``: the largest threshold (up to ``epsilon``) keeping every head within ``budget``."""
+        b = keys.shape[0]
+        hi = torch.full((b,), 1.0001 if self.epsilon is None else self.epsilon, device=keys.device)
+        lo = torch.full((b,), -1.0001, device=keys.device)  # merges every run: always feasible
+        for _ in range(2):  # a grid, then a finer grid between the best feasible value and the next one
+            frac = torch.linspace(0.0, 1.0, self.grid, device=keys.device)[:, None]
+            eps = lo[None] + frac * (hi - lo)[None]  # [E, B]
+            tokens = merging_set_starts(keys, mergeable, eps).sum(-1) + fixed[None]  # [E, B, H]
+            ok = (tokens <= budget).all(-1)  # [E, B]
+            ok[0] = True
+            best = (ok * torch.arange(self.grid, device=keys.device)[:, None]).amax(0)
+            step = (hi - lo) / (self.grid - 1)
+            lo = torch.gather(eps, 0, best[None])[0]
+            hi = torch.where(best < self.grid - 1, lo + step, lo)
+        return lo
+
+    def decide(self, layer, stats: AttnStats) -> torch.Tensor | None:
+        if stats.phase is not Phase.PREFILL:
+            return None
+        layer.budget = self.budget
+        if int(layer.held().max()) <= self.budget:
+            return None
+        return self.merge(layer, self.budget)
+
+    def merge(self, layer, budget: int) -> torch.Tensor:
+        """Merge the mergeable tokens of ``layer`` in place; return the keep mask (protected tokens + pivots)."""
+        (_, k, v, pos), = layer.head_views()
+        protected = self.protected(layer) & layer.valid
+        order = torch.argsort(torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max), dim=-1, stable=True)
+
+        def gather(t: torch.Tensor) -> torch.Tensor:  # slot order -> position order
+            return torch.gather(t, 2, order.reshape(*order.shape, *[1] * (t.dim() - 3)).expand(*order.shape, *t.shape[3:]))
+
+        ks, vs = gather(k.float()), gather(v.float())
+        mergeable = gather((layer.valid & ~protected)[..., None])[..., 0]
+        score = gather(layer.state[_SCORE][..., None])[..., 0]
+        eps = self.calibrate(ks, mergeable, protected.sum(-1), budget)
+        layer.scratch["kvmerger.epsilon"] = eps
+        starts = merging_set_starts(ks, mergeable, eps[None])[0]  # [B, H, L]
+        # Set ids over mergeable tokens; sets are runs, so a scatter per set gives pivots and weights.
+        set_id = torch.where(mergeable, starts.long().cumsum(-1) - 1, torch.zeros_like(starts, dtype=torch.long))
+        n_sets = int(starts.sum(-1).max()) if bool(starts.any()) else 0
+        shape = (*set_id.shape[:2], max(n_sets, 1))
+        masked_score = torch.where(mergeable, score, torch.full_like(score, float("-inf")))
+        best = torch.full(shape, float("-inf"), device=k.device).scatter_reduce(2, set_id, masked_score, "amax")
+        idx = torch.arange(set_id.shape[-1], device=k.device).expand_as(set_id)
+        is_best = mergeable & (masked_score == torch.gather(best, 2, set_id))
+        big = set_id.shape[-1]
+        pivot = torch.full(shape, big, device=k.device).scatter_reduce(2, set_id, torch.where(is_best, idx, big), "amin")
+        pivot_of = torch.gather(pivot, 2, set_id).clamp(max=big - 1)  # [B, H, L] pivot index of each token's set
+        k_pivot = torch.gather(ks, 2, pivot_of[..., None].expand_as(ks))
+        dist = (ks - k_pivot).norm(dim=-1)
+        member = mergeable.float()
+        size = torch.zeros(shape, device=k.device).scatter_add_(2, set_id, member)
+        if self.sigma is None:
+            sigma = torch.zeros(shape, device=k.device).scatter_add_(2, set_id, dist * member) / (size - 1).clamp(min=1)
+            sigma = torch.gather(sigma, 2, set_id).clamp(min=1e-6)
+        else:
+            sigma = torch.full_like(dist, self.sigma)
+        g = torch.exp(-(dist**2) / (2 * sigma**2)) * member
+        norm = torch.zeros(shape, device=k.device).scatter_add_(2, set_id, g)
+        w = g / torch.gather(norm, 2, set_id).clamp(min=1e-30)
+        wv = w * torch.gather(size, 2, set_id) if self.scale_values else w
+        new_k = torch.zeros((*shape, ks.shape[-1]), device=k.device).scatter_add_(2, set_id[..., None].expand_as(ks), ks * w[..., None])
+        new_v = torch.zeros((*shape, vs.shape[-1]), device=k.device).scatter_add_(2, set_id[..., None].expand_as(vs), vs * wv[..., None])
+        is_pivot = mergeable & (idx == pivot_of)
+        # Every token goes back through the permutation ``order``; pivots carry their set's merge.
+        for store, merged, ordered in ((k, new_k, ks), (v, new_v, vs)):
+            value = torch.where(is_pivot[..., None], torch.gather(merged, 2, set_id[..., None].expand_as(ordered)), ordered)
+            store.scatter_(2, order[..., None].expand_as(value), value.to(store.dtype))
+        keep_sorted = gather(protected[..., None])[..., 0] | is_pivot
+        return torch.zeros_like(layer.valid).scatter(2, order, keep_sorted)

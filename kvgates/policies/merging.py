@@ -1,0 +1,83 @@
+"""D2O's similarity-guided merging of evicted tokens into kept ones (used by ``d2o`` and the ``merge`` wrapper).
+
+For each evicted token ``e`` of a KV head: ``u_ec = cos(k_e, k_c)`` over the kept tokens ``c`` of that head,
+``m_e = max_c u_ec`` and ``c*(e) = argmax``. The threshold is an exponential moving average kept per layer
+and sequence: ``tau_1`` = mean ``m`` at the first eviction, then ``tau_t = beta mean(m_t) + (1 - beta)
+tau_{t-1}``. Tokens with ``m_e < tau`` are dropped; the others merge into ``c*(e)``:
+
+* ``rule="paper"`` (D2O paper): a kept token ``c`` receiving ``E_c`` becomes a softmax-weighted average of
+  itself (similarity 1) and its merged tokens, ``w_e = exp(u_ec) / (sum_{E_c} exp(u) + e)``,
+  ``w_c = e / (sum_{E_c} exp(u) + e)``, ``k_c <- w_c k_c + sum w_e k_e`` and the same weights for ``v``;
+* ``rule="official"`` (D2O code): ``k_c <- (k_c + sum_e m_e k_e) / (1 + |E_c|)``, likewise ``v``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvgates.runtime.layer import BudgetLayer
+
+MERGE_RULES = ("paper", "official")
+
+
+def _evicted_slots(evicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices ``[B, H, E]`` of evicted slots (padded) and which of them are real."""
+    count = int(evicted.sum(-1).max())
+    order = torch.argsort((~evicted).to(torch.uint8), dim=-1, stable=True)[..., :count]
+    return order, torch.gather(evicted, -1, order)
+
+
+def merge_evicted(layer: BudgetLayer, keep: torch.Tensor, beta: float = 0.7, rule: str = "paper") -> None:
+    """Merge the tokens ``keep`` evicts into their most similar kept token, in place on ``layer``'s storage."""
+    if rule not in MERGE_RULES:
+        raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
+    evicted_all = layer.valid & ~keep
+    if not bool(evicted_all.any()):
+        return
+    # Pass 1: best match of every evicted token, per group of heads sharing a storage layout.
+    matches = []
+    for heads, k, v, _ in layer.head_views():
+        c = k.shape[2]
+        evicted, kept = evicted_all[:, heads, :c], keep[:, heads, :c] & layer.valid[:, heads, :c]
+        idx, real = _evicted_slots(evicted)
+        kn = torch.nn.functional.normalize(k.float(), dim=-1)
+        ke = torch.gather(kn, 2, idx[..., None].expand(*idx.shape, kn.shape[-1]))
+        sim = torch.matmul(ke, kn.transpose(-1, -2)).masked_fill(~kept[:, :, None, :], float("-inf"))
+        best, target = sim.max(-1)
+        real = real & torch.isfinite(best)  # a head that keeps nothing receives nothing
+        matches.append((heads, k, v, idx, real, best.nan_to_num(0.0, neginf=0.0), target))
+    # The threshold: one EMA per sequence over every evicted token of the layer.
+    total = sum((best * real).sum((1, 2)) for _, _, _, _, real, best, _ in matches)
+    count = sum(real.sum((1, 2)) for _, _, _, _, real, _, _ in matches)
+    mean = total / count.clamp(min=1)
+    tau = layer.scratch.get("merge.tau")
+    has = count > 0
+    tau = mean if tau is None else torch.where(has, beta * mean + (1 - beta) * tau, tau)
+    layer.scratch["merge.tau"] = tau
+    # Pass 2: merge.
+    for heads, k, v, idx, real, best, target in matches:
+        merging = real & (best >= tau[:, None, None])
+        if not bool(merging.any()):
+            continue
+        d = k.shape[-1]
+        ke = torch.gather(k.float(), 2, idx[..., None].expand(*idx.shape, d))
+        ve = torch.gather(v.float(), 2, idx[..., None].expand(*idx.shape, v.shape[-1]))
+        if rule == "paper":
+            w = torch.where(merging, best.exp(), torch.zeros_like(best))
+            self_w = math.e
+        else:
+            w = torch.where(merging, best, torch.zeros_like(best))
+            self_w = 1.0
+        received = torch.zeros(k.shape[:3], device=k.device).scatter_add_(2, target, merging.float())
+        receivers = received > 0
+        if rule == "paper":
+            denom = torch.zeros(k.shape[:3], device=k.device).scatter_add_(2, target, w) + self_w
+        else:
+            denom = received + self_w
+        for store, extra in ((k, ke), (v, ve)):
+            acc = store.float() * self_w
+            acc.scatter_add_(2, target[..., None].expand_as(extra), extra * w[..., None])
+            merged = (acc / denom[..., None]).to(store.dtype)
+            store.copy_(torch.where(receivers[..., None], merged, store))
