@@ -18,15 +18,18 @@ import kvgates
 from kvgates import dynamic_cache_bytes
 
 
-def trace(model, cache, ids, tokens: int, every: int, size) -> list[int]:
-    sizes = []
+def trace(model, cache, ids, tokens: int, every: int, size) -> tuple[list[int], set[int]]:
+    """KV bytes every ``every`` tokens, and the distinct per-head token counts seen after every step."""
+    sizes, held = [], set()
     with torch.no_grad():
         token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
         for step in range(1, tokens + 1):
             token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            if isinstance(cache, kvgates.BudgetCache):
+                held.update(cache.held_tokens().unique().tolist())
             if step % every == 0:
                 sizes.append(size(cache))
-    return sizes
+    return sizes, held
 
 
 def main() -> None:
@@ -36,15 +39,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--budget", type=int, default=128)
     parser.add_argument("--every", type=int, default=250)
-    parser.add_argument("--policies", nargs="+", default=["streaming_llm", "h2o", "tova"])
+    parser.add_argument("--policies", nargs="+", default=["streaming_llm", "h2o", "tova", "morphkv"])
     args = parser.parse_args()
     model, tokenizer = load(args)
     ids = essay_ids(tokenizer, args.prompt, args.device)
     print(f"device: {device_name(args.device)}; model: {args.model}; prompt {args.prompt}; budget {args.budget}")
-    columns = {"DynamicCache": trace(model, DynamicCache(config=model.config), ids, args.tokens, args.every, dynamic_cache_bytes)}
+    columns, held = {}, {}
+    columns["DynamicCache"], _ = trace(model, DynamicCache(config=model.config), ids, args.tokens, args.every, dynamic_cache_bytes)
     for policy in args.policies:
         cache = kvgates.BudgetCache(model.config, policy, budget=args.budget)
-        columns[f"{policy}@{args.budget}"] = trace(model, cache, ids, args.tokens, args.every, lambda c: c.kv_bytes())
+        label = f"{policy}@{args.budget}"
+        columns[label], held[label] = trace(model, cache, ids, args.tokens, args.every, lambda c: c.kv_bytes())
     names = list(columns)
     print("generated  " + "  ".join(f"{n:>18s}" for n in names) + "   (KV MiB)")
     for i in range(len(columns[names[0]])):
@@ -53,7 +58,9 @@ def main() -> None:
     base = columns["DynamicCache"][-1]
     for n in names[1:]:
         flat = "flat" if len(set(columns[n])) == 1 else "NOT flat"
-        print(f"{n}: {columns[n][-1] / base:.3f}x DynamicCache at the end, {flat}")
+        counts = sorted(held[n])
+        print(f"{n}: {columns[n][-1] / base:.3f}x DynamicCache at the end, {flat}; tokens per head after every step: "
+              f"{counts[0]}..{counts[-1]}")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,11 @@ def head_scores(layer, scores, b, h):
     return {int(p): float(s) for p, s in zip(layer.pos[b, h].tolist(), scores[b, h].tolist()) if p >= 0}
 
 
-def stats_with(rows=None, colsum=None, phase=Phase.PREFILL):
-    return AttnStats(phase=phase, q_len=8, new_slots=torch.zeros(B, HKV, 1, dtype=torch.long), rows=rows, colsum=colsum)
+def stats_with(rows=None, colsum=None, phase=Phase.PREFILL, window=None):
+    return AttnStats(
+        phase=phase, q_len=8, new_slots=torch.zeros(B, HKV, 1, dtype=torch.long), rows=rows, colsum=colsum,
+        window=None if window is None else window.sum(2), window_rows=0 if window is None else window.shape[2],
+    )
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -65,7 +68,7 @@ def test_snapkv(seed, window, kernel, pooling):
     policy = SnapKV(budget=budget, window=window, kernel=kernel, pooling=pooling)
     layer = make_layer(policy, random_positions(B, HKV, C, held=17, seed=seed))
     rows = torch.rand(B, HKV, window, C, generator=torch.Generator().manual_seed(seed))
-    keep = policy.select(layer, stats_with(rows=rows), budget)
+    keep = policy.select(layer, stats_with(window=rows), budget)
     for b in range(B):
         for h in range(HKV):
             scores = head_scores(layer, rows.sum(2), b, h)

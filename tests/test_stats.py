@@ -38,9 +38,12 @@ def test_rows_and_colsum_match_naive(reduce):
     q_real = torch.tensor([[True, True, False, True, True], [True, True, True, True, True]])
     layer.num_heads = 6
     stats = AttnStats(phase=Phase.PREFILL, q_len=5, new_slots=torch.zeros(2, 2, 5, dtype=torch.long))
-    layer._prefill_stats(q, 0.5, q_pos, q_real, StatsRequest(rows=3, colsum=True, reduce=reduce), stats)
+    layer._prefill_stats(q, 0.5, q_pos, q_real, StatsRequest(rows=3, window=4, colsum=True, reduce=reduce), stats)
     probs = naive_probs(q, k, pos, q_pos, 0.5) * q_real[:, None, :, None]
     torch.testing.assert_close(stats.rows, kernels.group_reduce(probs[:, :, -3:], 2, reduce), atol=1e-6, rtol=0)
+    window = kernels.group_reduce(probs[:, :, -4:].sum(2), 2, reduce)
+    torch.testing.assert_close(stats.window, window, atol=1e-6, rtol=0)
+    assert stats.window_rows == 4
     torch.testing.assert_close(stats.colsum, kernels.group_reduce(probs.sum(2), 2, reduce), atol=1e-6, rtol=0)
 
 

@@ -9,8 +9,9 @@ from kvgates.kernels.reference import (
     attention_probs,
     column_sums,
     decode_attention,
-    gather_flat,
-    gather_slots,
+    compact_slots,
+    decode_attention_flat,
+    dense_groups,
     group_reduce,
     masked_attention,
     pool_by_position,
@@ -18,6 +19,8 @@ from kvgates.kernels.reference import (
     retention_sum,
     scatter_flat,
     visibility,
+    window_scores,
+    window_scores_flat,
 )
 
 __all__ = [
@@ -25,8 +28,9 @@ __all__ = [
     "attention_probs",
     "column_sums",
     "decode_attention",
-    "gather_flat",
-    "gather_slots",
+    "compact_slots",
+    "decode_attention_flat",
+    "dense_groups",
     "group_reduce",
     "masked_attention",
     "pool_by_position",
@@ -34,4 +38,6 @@ __all__ = [
     "retention_sum",
     "scatter_flat",
     "visibility",
+    "window_scores",
+    "window_scores_flat",
 ]

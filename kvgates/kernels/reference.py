@@ -5,6 +5,10 @@ dispatch in ``kvgates.kernels`` calls these on CPU and the Triton versions on CU
 
 * a dense slot layout is ``[B, H_kv, C, D]`` for keys/values and ``[B, H_kv, C]`` for slot positions
   (int64, ``-1`` = empty slot);
+* the *flat* layout of a cache layer keeps keys/values as ``[B, S, D]`` where KV head ``h`` owns the rows
+  ``offset[h] : offset[h] + caps[h]`` (heads may have different capacities); positions and per-slot state stay
+  padded to ``[B, H_kv, C_max(, F)]``, and padded index ``j >= caps[h]`` is never valid. The ``*_flat``
+  functions take that layout; with equal capacities it is exactly the dense layout viewed flat;
 * queries are ``[B, H, q, D]`` with ``H = G * H_kv``; query head ``i`` reads KV head ``i // G`` (the
   ``repeat_kv`` convention of transformers);
 * slot ``s`` is visible to a query at position ``p`` iff ``pos[s] >= 0`` and ``pos[s] <= p``. Visibility
@@ -27,8 +31,11 @@ __all__ = [
     "decode_attention",
     "column_sums",
     "pool_by_position",
-    "gather_slots",
-    "gather_flat",
+    "dense_groups",
+    "decode_attention_flat",
+    "window_scores",
+    "window_scores_flat",
+    "compact_slots",
     "scatter_flat",
     "retention_scores",
     "retention_sum",
@@ -186,18 +193,129 @@ def pool_by_position(scores: torch.Tensor, slot_pos: torch.Tensor, kernel: int, 
     return out.reshape(shape)
 
 
-def gather_slots(tensors: list[torch.Tensor], index: torch.Tensor) -> list[torch.Tensor]:
-    """Compaction: ``out[b, h, j] = t[b, h, index[b, h, j]]`` for each ``[B, H_kv, C, ...]`` tensor."""
-    out = []
-    for t in tensors:
-        idx = index.reshape(*index.shape, *([1] * (t.dim() - 3))).expand(*index.shape, *t.shape[3:])
-        out.append(torch.gather(t, 2, idx))
-    return out
+def dense_groups(
+    keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, caps: list[int]
+) -> list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Flat storage as dense ``(heads, k [B, h, c, D], v, pos [B, h, c])`` views: one group when every head has
+    the same capacity, else one group per head."""
+    b, hkv = keys.shape[0], len(caps)
+    d, dv = keys.shape[-1], values.shape[-1]
+    if len(set(caps)) <= 1:
+        c = caps[0] if caps else 0
+        return [(slice(0, hkv), keys.view(b, hkv, c, d), values.view(b, hkv, c, dv), pos[:, :, :c])]
+    groups, off = [], 0
+    for h, c in enumerate(caps):
+        groups.append(
+            (slice(h, h + 1), keys[:, off : off + c].view(b, 1, c, d), values[:, off : off + c].view(b, 1, c, dv), pos[:, h : h + 1, :c])
+        )
+        off += c
+    return groups
 
 
-def gather_flat(tensors: list[torch.Tensor], index: torch.Tensor) -> list[torch.Tensor]:
-    """Compaction of flat storage: ``out[b, j] = t[b, index[b, j]]`` for each ``[B, S, D]`` tensor."""
-    return [torch.gather(t, 1, index[..., None].expand(*index.shape, t.shape[-1])) for t in tensors]
+def _pad_slots(parts: list[torch.Tensor], cmax: int) -> torch.Tensor:
+    return torch.cat([F.pad(p, (0, cmax - p.shape[-1])) for p in parts], dim=1)
+
+
+def decode_attention_flat(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    caps: list[int],
+    scale: float,
+    reduce: str = "sum",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_attention`` over flat (possibly ragged) storage; probabilities padded to ``C_max``."""
+    g = q.shape[1] // len(caps)
+    outs, probs = [], []
+    for heads, k, v, p in dense_groups(keys, values, pos, caps):
+        o, pr = decode_attention(q[:, heads.start * g : heads.stop * g], k, v, p, scale, reduce)
+        outs.append(o)
+        probs.append(pr)
+    return torch.cat(outs, dim=1), _pad_slots(probs, pos.shape[-1])
+
+
+def window_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    slot_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_valid: torch.Tensor,
+    scale: float,
+    reduce: str = "sum",
+) -> torch.Tensor:
+    """Observation-window score ``[B, H_kv, C]``: attention probabilities of the (valid) window rows ``q``
+    ``[B, H, w, D]`` summed over rows, then over (``sum``) or averaged across (``mean``) each GQA group."""
+    probs = attention_probs(q, k, slot_pos, q_pos, scale) * q_valid[:, None, :, None]
+    return group_reduce(probs.sum(2), k.shape[1], reduce)
+
+
+def window_scores_flat(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    caps: list[int],
+    q_pos: torch.Tensor,
+    q_valid: torch.Tensor,
+    scale: float,
+    reduce: str = "sum",
+) -> torch.Tensor:
+    """``window_scores`` over flat (possibly ragged) storage, padded to ``C_max``."""
+    g = q.shape[1] // len(caps)
+    parts = [
+        window_scores(q[:, heads.start * g : heads.stop * g], k, p, q_pos, q_valid, scale, reduce)
+        for heads, k, _, p in dense_groups(keys, values, pos, caps)
+    ]
+    return _pad_slots(parts, pos.shape[-1])
+
+
+def compact_slots(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    state: torch.Tensor,
+    index: torch.Tensor,
+    old_caps: list[int],
+    new_caps: list[int],
+    state_init: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rebuild a layer's storage: new slot ``j`` of head ``h`` takes old slot ``index[b, h, j]``.
+
+    Args:
+        keys, values: flat ``[B, S, D]`` storage laid out by ``old_caps``.
+        pos: ``[B, H_kv, C_old]``; state: ``[B, H_kv, C_old, F]`` float32 per-slot policy state.
+        index: ``[B, H_kv, C_new]`` with ``C_new = max(new_caps)``. Entries at ``j >= new_caps[h]`` are ignored;
+            an entry ``>= old_caps[h]`` makes an empty slot (zero key/value, position -1, ``state_init``).
+        state_init: ``[F]`` initial state of an empty slot.
+
+    Returns:
+        ``(keys, values, pos, state)`` laid out by ``new_caps``.
+    """
+    b, hkv = pos.shape[:2]
+    cnew = index.shape[-1]
+    old_caps_t = torch.tensor(old_caps, device=pos.device)[None, :, None]
+    new_exists = (torch.arange(cnew, device=pos.device)[None, :] < torch.tensor(new_caps, device=pos.device)[:, None])[None]
+    src_ok = (index < old_caps_t) & new_exists
+    safe = torch.where(src_ok, index, torch.zeros_like(index)).clamp(max=max(pos.shape[-1] - 1, 0))
+    offsets = torch.tensor([sum(old_caps[:h]) for h in range(hkv)], device=pos.device)[None, :, None]
+    flat_src = torch.cat([(safe + offsets)[:, h, : new_caps[h]] for h in range(hkv)], dim=1)
+    flat_ok = torch.cat([src_ok[:, h, : new_caps[h]] for h in range(hkv)], dim=1)[..., None]
+    if keys.shape[1]:
+        new_k = torch.gather(keys, 1, flat_src[..., None].expand(*flat_src.shape, keys.shape[-1]))
+        new_v = torch.gather(values, 1, flat_src[..., None].expand(*flat_src.shape, values.shape[-1]))
+        new_k, new_v = torch.where(flat_ok, new_k, 0), torch.where(flat_ok, new_v, 0)
+    else:
+        new_k = keys.new_zeros((b, flat_src.shape[1], keys.shape[-1]))
+        new_v = values.new_zeros((b, flat_src.shape[1], values.shape[-1]))
+    if pos.shape[-1]:
+        new_pos = torch.where(src_ok, torch.gather(pos, 2, safe), torch.full_like(safe, -1))
+        new_state = torch.gather(state, 2, safe[..., None].expand(b, hkv, cnew, state.shape[-1]))
+        new_state = torch.where(src_ok[..., None], new_state, state_init.to(state.dtype))
+    else:
+        new_pos = torch.full_like(index, -1)
+        new_state = state_init.to(state.dtype).expand(b, hkv, cnew, state.shape[-1]).clone()
+    return new_k, new_v, new_pos, new_state
 
 
 def scatter_flat(tensors: list[torch.Tensor], index: torch.Tensor, updates: list[torch.Tensor]) -> None:

@@ -77,7 +77,7 @@ class DynamicKV(Policy):
             raise ValueError(f"{self.name}: group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
 
     def stats_request(self, phase: Phase) -> StatsRequest:
-        return StatsRequest(rows=self.window, reduce=self.group_reduce) if phase is Phase.PREFILL else StatsRequest()
+        return StatsRequest(window=self.window, reduce=self.group_reduce) if phase is Phase.PREFILL else StatsRequest()
 
     def slot_state(self) -> dict[str, SlotState]:
         return {_SCORE: SlotState()}
@@ -88,9 +88,9 @@ class DynamicKV(Policy):
     def decide(self, layer, stats: AttnStats) -> torch.Tensor | None:
         if stats.phase is not Phase.PREFILL:
             return None
-        window = min(self.window, stats.rows.shape[2])
+        window = stats.window_rows
         layer.scratch["dynamickv.window"] = window
-        scores = kernels.pool_by_position(stats.rows.sum(2), layer.pos, self.kernel, self.pooling)
+        scores = kernels.pool_by_position(stats.window, layer.pos, self.kernel, self.pooling)
         layer.state[_SCORE].copy_(scores)
         room = self.budget - self.window
         cap = min(int(self.r_max * room), int(layer.held().max()) - window)

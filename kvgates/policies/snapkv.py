@@ -64,7 +64,7 @@ class SnapKV(Policy):
 
     def stats_request(self, phase: Phase) -> StatsRequest:
         if phase is Phase.PREFILL:
-            return StatsRequest(rows=self.window, reduce=self.group_reduce)
+            return StatsRequest(window=self.window, reduce=self.group_reduce)
         return StatsRequest(rows=1, reduce=self.group_reduce) if self.decode else StatsRequest()
 
     def slot_state(self) -> dict[str, SlotState]:
@@ -80,8 +80,8 @@ class SnapKV(Policy):
 
     def score(self, layer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
         if stats.phase is Phase.PREFILL:
-            window = min(self.window, stats.rows.shape[2])
-            scores = stats.rows.sum(2)
+            window = stats.window_rows
+            scores = stats.window
         else:
             window = self.window
             scores = fuse(layer, _HISTORY, "sum")

@@ -13,6 +13,7 @@ later token reuses it, so slot order says nothing about token order.
 
 from __future__ import annotations
 
+import math
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,17 +36,31 @@ _POS_BIG = torch.iinfo(torch.int64).max
 
 @dataclass(frozen=True)
 class SlotState:
-    """A per-slot tensor a policy keeps on each layer (cumulative attention, attention-row history, ...).
+    """A per-slot float32 tensor a policy keeps on each layer (cumulative attention, attention-row history, ...).
 
     Attributes:
         shape: trailing shape per slot (``()`` for a scalar).
         init: value a freshly written slot starts with.
-        dtype: storage dtype.
     """
 
     shape: tuple[int, ...] = ()
     init: float = 0.0
-    dtype: torch.dtype = torch.float32
+
+    @property
+    def size(self) -> int:
+        return int(math.prod(self.shape))
+
+
+class StateViews(dict):
+    """Named views into a layer's packed per-slot state. Assigning to a name writes into the storage
+    (so ``layer.state["score"] += x`` updates the layer, as with a plain tensor attribute)."""
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        if name not in self:
+            raise KeyError(f"no per-slot state {name!r}; the policy declares {sorted(self)}")
+        target = dict.__getitem__(self, name)
+        if value is not target:
+            target.copy_(value)
 
 
 class BudgetLayer(CacheLayerMixin):
@@ -61,7 +76,7 @@ class BudgetLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.caps: list[int] = []
         self.pos: torch.Tensor | None = None
-        self.state: dict[str, torch.Tensor] = {}
+        self.slot_data: torch.Tensor | None = None
         self.scratch: dict[str, Any] = {}
         self.seen = 0
         self.budget: int | None = None
@@ -81,11 +96,26 @@ class BudgetLayer(CacheLayerMixin):
         self.values = value_states.new_zeros((b, 0, value_states.shape[-1]))
         self.caps = [0] * hkv
         self.pos = torch.full((b, hkv, 0), -1, dtype=torch.int64, device=self.device)
-        self.state = {
-            name: torch.full((b, hkv, 0, *spec.shape), spec.init, dtype=spec.dtype, device=self.device)
-            for name, spec in self.cache.policy.slot_state().items()
-        }
+        specs = self.cache.policy.slot_state()
+        self._state_layout, offset = {}, 0
+        for name, spec in specs.items():
+            self._state_layout[name] = (offset, spec.shape)
+            offset += spec.size
+        init = [spec.init for spec in specs.values() for _ in range(spec.size)]
+        self.state_init = torch.tensor(init, dtype=torch.float32, device=self.device)
+        self.slot_data = torch.zeros((b, hkv, 0, offset), dtype=torch.float32, device=self.device)
         self.is_initialized = True
+
+    @property
+    def state(self) -> StateViews:
+        """Per-slot policy state by name, each ``[B, H_kv, C_max, *shape]`` (views into ``slot_data``)."""
+        views = StateViews()
+        b, hkv, c, _ = self.slot_data.shape
+        for name, (offset, shape) in self._state_layout.items():
+            size = int(math.prod(shape))
+            block = self.slot_data[..., offset : offset + size]
+            dict.__setitem__(views, name, block.reshape(b, hkv, c, *shape) if shape else block[..., 0])
+        return views
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -113,16 +143,17 @@ class BudgetLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = self.pos = None
-        self.caps, self.state, self.scratch = [], {}, {}
+        self.keys = self.values = self.pos = self.slot_data = None
+        self.caps, self.scratch = [], {}
         self.seen, self.budget, self.head_budgets, self._pending = 0, None, None, None
         self.is_initialized = False
 
     def _select_batch(self, fn) -> None:
         if not self.is_initialized:
             return
-        self.keys, self.values, self.pos = fn(self.keys), fn(self.values), fn(self.pos)
-        self.state = {name: fn(t) for name, t in self.state.items()}
+        self.keys, self.values, self.pos, self.slot_data = (
+            fn(self.keys), fn(self.values), fn(self.pos), fn(self.slot_data)
+        )
         self.batch_size = self.keys.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -180,59 +211,18 @@ class BudgetLayer(CacheLayerMixin):
 
         One group covering every head when capacities are uniform, else one group per head.
         """
-        b, d, dv = self.batch_size, self.head_dim, self.values.shape[-1]
-        if self.uniform:
-            c = self.capacity
-            hkv = self.num_kv_heads
-            return [
-                (slice(0, hkv), self.keys.view(b, hkv, c, d), self.values.view(b, hkv, c, dv), self.pos)
-            ]
-        views = []
-        for h, (off, c) in enumerate(zip(self.offsets, self.caps)):
-            k = self.keys[:, off : off + c].view(b, 1, c, d)
-            v = self.values[:, off : off + c].view(b, 1, c, dv)
-            views.append((slice(h, h + 1), k, v, self.pos[:, h : h + 1, :c]))
-        return views
+        return kernels.dense_groups(self.keys, self.values, self.pos, self.caps)
 
     def _flat_index(self, index: torch.Tensor) -> torch.Tensor:
         """Padded per-head slot indices ``[B, H_kv, n]`` -> flat storage indices ``[B, H_kv, n]``."""
         return index + torch.tensor(self.offsets, device=self.device)[None, :, None]
 
     def relayout(self, index: torch.Tensor, new_caps: list[int]) -> None:
-        """Rebuild storage: new slot ``j`` of head ``h`` takes old padded slot ``index[b, h, j]``.
-
-        ``index`` is ``[B, H_kv, max(new_caps)]``; entries ``j >= new_caps[h]`` are ignored, and entries that
-        point past a head's old capacity (growth) come out empty with the policy state's initial values.
-        """
-        b, hkv = self.batch_size, self.num_kv_heads
-        cmax = max(new_caps)
-        src_exists = index < torch.tensor(self.caps, device=self.device)[None, :, None]
-        safe = torch.where(src_exists, index, torch.zeros_like(index))
-        # Keys/values: one gather from the old flat buffer into the new flat buffer.
-        flat = self._flat_index(safe)
-        pieces = [flat[:, h, : new_caps[h]] for h in range(hkv)]
-        flat_idx = torch.cat(pieces, dim=1)
-        if self.keys.shape[1] == 0:  # growth of an empty layer: nothing to copy
-            self.keys = self.keys.new_zeros((b, flat_idx.shape[1], self.keys.shape[-1]))
-            self.values = self.values.new_zeros((b, flat_idx.shape[1], self.values.shape[-1]))
-        else:
-            self.keys, self.values = kernels.gather_flat([self.keys, self.values], flat_idx)
-        # Positions and state: gather on the padded axis, then blank what does not exist.
-        new_exists = torch.arange(cmax, device=self.device)[None, :] < torch.tensor(new_caps, device=self.device)[
-            :, None
-        ]
-        keep = src_exists & new_exists[None]
-        pos = torch.gather(self.pos, 2, safe) if self.pos.shape[2] else torch.full_like(safe, -1)
-        self.pos = torch.where(keep, pos, torch.full_like(pos, -1))
-        specs = self.cache.policy.slot_state()
-        for name, t in self.state.items():
-            spec = specs[name]
-            if t.shape[2]:
-                g = kernels.gather_slots([t], safe)[0]
-            else:
-                g = torch.full((b, hkv, cmax, *spec.shape), spec.init, dtype=spec.dtype, device=self.device)
-            fill = keep.reshape(*keep.shape, *([1] * len(spec.shape)))
-            self.state[name] = torch.where(fill, g, torch.full_like(g, spec.init))
+        """Rebuild storage: new slot ``j`` of head ``h`` takes old slot ``index[b, h, j]`` (see
+        ``kernels.compact_slots``; an index past a head's old capacity makes an empty slot)."""
+        self.keys, self.values, self.pos, self.slot_data = kernels.compact_slots(
+            self.keys, self.values, self.pos, self.slot_data, index, self.caps, list(new_caps), self.state_init
+        )
         self.caps = list(new_caps)
 
     def _grow(self, extra: int) -> None:
@@ -267,11 +257,9 @@ class BudgetLayer(CacheLayerMixin):
         flat = self._flat_index(slots).reshape(b, hkv * n)
         kernels.scatter_flat([self.keys, self.values], flat, [key_states, value_states])
         self.pos.scatter_(2, slots, positions[:, None, :].expand(b, hkv, n))
-        specs = self.cache.policy.slot_state()
-        for name, t in self.state.items():
-            spec = specs[name]
-            idx = slots.reshape(b, hkv, n, *([1] * len(spec.shape))).expand(b, hkv, n, *spec.shape)
-            t.scatter_(2, idx, torch.full(idx.shape, spec.init, dtype=t.dtype, device=t.device))
+        if self.slot_data.shape[-1]:
+            f = self.slot_data.shape[-1]
+            self.slot_data.scatter_(2, slots[..., None].expand(b, hkv, n, f), self.state_init.expand(b, hkv, n, f).clone())
         return slots
 
     def evict(self, keep: torch.Tensor, slack: int = 1) -> None:
@@ -365,29 +353,22 @@ class BudgetLayer(CacheLayerMixin):
             q_real = q_real.expand(b, n)
         return q_pos.contiguous(), q_real.contiguous()
 
-    def _assemble(self, parts: list[torch.Tensor], dim_heads: int = 1) -> torch.Tensor:
-        """Pad per-group slot axes to ``C_max`` and concatenate along the head axis."""
-        cmax = self.capacity
-        padded = [torch.nn.functional.pad(p, (0, cmax - p.shape[-1])) for p in parts]
-        return torch.cat(padded, dim=dim_heads)
-
     def _decode(self, query: torch.Tensor, scale: float, request, stats: AttnStats) -> torch.Tensor:
         g = query.shape[1] // self.num_kv_heads
         reduce = "none" if request.reduce == "max" else "sum"
-        outs, probs = [], []
-        for heads, k, v, pos in self.head_views():
-            q = query[:, heads.start * g : heads.stop * g, 0]
-            o, p = kernels.decode_attention(q, k, v, pos, scale, reduce=reduce)
-            outs.append(o)
-            probs.append(p if reduce == "sum" else kernels.group_reduce(p, k.shape[1], "max"))
-        out = torch.cat(outs, dim=1)[:, :, None]
+        out, probs = kernels.decode_attention_flat(
+            query[:, :, 0], self.keys, self.values, self.pos, self.caps, scale, reduce=reduce
+        )
         if not request.empty:
-            p = self._assemble(probs)
-            if request.reduce == "mean":
-                p = p / g
-            stats.rows = p[:, :, None]
-            stats.colsum = p
-        return out
+            if request.reduce == "max":
+                probs = kernels.group_reduce(probs, self.num_kv_heads, "max")
+            elif request.reduce == "mean":
+                probs = probs / g
+            stats.rows = probs[:, :, None]
+            stats.window = probs if request.window else None
+            stats.window_rows = 1
+            stats.colsum = probs
+        return out[:, :, None]
 
     def _masked(self, query: torch.Tensor, scale: float, q_pos: torch.Tensor) -> torch.Tensor:
         g = query.shape[1] // self.num_kv_heads
@@ -397,26 +378,49 @@ class BudgetLayer(CacheLayerMixin):
             outs.append(kernels.masked_attention(q, k, v, pos, q_pos, scale))
         return torch.cat(outs, dim=1)
 
+    def _per_group(self, fn, query: torch.Tensor) -> torch.Tensor:
+        """Apply ``fn(q, k, pos) -> [B, h, ..., c]`` per head group and pad the slot axis to ``C_max``."""
+        g = query.shape[1] // self.num_kv_heads
+        parts = [fn(query[:, heads.start * g : heads.stop * g], k, pos) for heads, k, _, pos in self.head_views()]
+        cmax = self.capacity
+        return torch.cat([torch.nn.functional.pad(p, (0, cmax - p.shape[-1])) for p in parts], dim=1)
+
     def _prefill_stats(
         self, query: torch.Tensor, scale: float, q_pos: torch.Tensor, q_real: torch.Tensor, request, stats: AttnStats
     ) -> None:
         if request.empty:
             return
-        g = query.shape[1] // self.num_kv_heads
         n = query.shape[2]
-        r = min(request.rows, n)
-        rows, colsums = [], []
-        for heads, k, _, pos in self.head_views():
-            q = query[:, heads.start * g : heads.stop * g]
-            hk = k.shape[1]
-            if r:
+        reduce = request.reduce
+        if request.rows:
+            r = min(request.rows, n)
+
+            def rows(q, k, pos):
                 p = kernels.attention_probs(q[:, :, n - r :], k, pos, q_pos[:, n - r :], scale)
-                p = p * q_real[:, None, n - r :, None]
-                rows.append(kernels.group_reduce(p, hk, request.reduce))
-            if request.colsum:
-                c = kernels.column_sums(q, k, pos, q_pos, q_real, scale)
-                colsums.append(kernels.group_reduce(c, hk, request.reduce))
-        if r:
-            stats.rows = self._assemble(rows)
+                return kernels.group_reduce(p * q_real[:, None, n - r :, None], k.shape[1], reduce)
+
+            stats.rows = self._per_group(rows, query)
+        if request.window:
+            w = min(request.window, n)
+            stats.window_rows = w
+            q_win, pos_win, real_win = query[:, :, n - w :], q_pos[:, n - w :], q_real[:, n - w :]
+            if reduce == "max":
+                stats.window = self._per_group(
+                    lambda q, k, pos: kernels.group_reduce(
+                        (kernels.attention_probs(q, k, pos, pos_win, scale) * real_win[:, None, :, None]).sum(2),
+                        k.shape[1],
+                        "max",
+                    ),
+                    q_win,
+                )
+            else:
+                stats.window = kernels.window_scores_flat(
+                    q_win, self.keys, self.values, self.pos, self.caps, pos_win, real_win, scale, reduce
+                )
         if request.colsum:
-            stats.colsum = self._assemble(colsums)
+            stats.colsum = self._per_group(
+                lambda q, k, pos: kernels.group_reduce(
+                    kernels.column_sums(q, k, pos, q_pos, q_real, scale), k.shape[1], reduce
+                ),
+                query,
+            )

@@ -22,24 +22,26 @@ class StatsRequest:
     """Statistics a policy needs from one attention call.
 
     Attributes:
-        rows: probabilities of the last ``rows`` query rows of this forward over the slots (0 = none).
+        rows: probabilities of the last ``rows`` query rows of this forward over the slots, row by row (0 = none).
+        window: probabilities of the last ``window`` query rows summed over rows (observation-window score).
         colsum: sum of the probabilities of every (real) query row of this forward, per slot.
         reduce: how the query heads of a GQA group are combined into their KV head (sum | mean | max).
     """
 
     rows: int = 0
+    window: int = 0
     colsum: bool = False
     reduce: str = "mean"
 
     def __post_init__(self) -> None:
-        if self.rows < 0:
-            raise ValueError(f"rows must be >= 0, got {self.rows}")
+        if self.rows < 0 or self.window < 0:
+            raise ValueError(f"rows and window must be >= 0, got {self.rows}, {self.window}")
         if self.reduce not in GROUP_REDUCTIONS:
             raise ValueError(f"reduce must be one of {GROUP_REDUCTIONS}, got {self.reduce!r}")
 
     @property
     def empty(self) -> bool:
-        return self.rows == 0 and not self.colsum
+        return self.rows == 0 and self.window == 0 and not self.colsum
 
 
 NO_STATS = StatsRequest()
@@ -54,6 +56,8 @@ class AttnStats:
         q_len: number of query tokens in this forward (padding included).
         new_slots: ``[B, H_kv, q_len]`` slot index each new token was written to (padding tokens' slots stay empty).
         rows: ``[B, H_kv, r, C]`` probabilities of the last ``r`` query rows (padded rows are zero), or None.
+        window: ``[B, H_kv, C]`` probabilities of the last ``w`` real query rows summed over rows, or None;
+            ``window_rows`` says how many rows there were (fewer than asked when the chunk is shorter).
         colsum: ``[B, H_kv, C]`` summed probabilities of all real query rows, or None.
     """
 
@@ -61,4 +65,6 @@ class AttnStats:
     q_len: int
     new_slots: torch.Tensor
     rows: torch.Tensor | None = None
+    window: torch.Tensor | None = None
+    window_rows: int = 0
     colsum: torch.Tensor | None = None

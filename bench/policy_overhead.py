@@ -1,0 +1,78 @@
+"""Per-decode-step cost of each policy, as a fraction of the step time, in one run.
+
+    python bench/policy_overhead.py --prompt 1024 --budget 256 --steps 64
+
+Prefills ``--prompt`` essay tokens into a BudgetCache per policy, then decodes ``--steps`` tokens and times
+(per step, summed over layers) the policy's own work (``policy.step``: state updates and the keep decision)
+and applying evictions (``layer.evict``), against the whole step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import add_model_args, device_name, essay_ids, load, sync
+
+import kvgates
+
+DEFAULT = ["streaming_llm", "h2o", "snapkv", "pyramidkv", "tova", "morphkv", "d2o", "dynamickv", "kvmerger", "adakv"]
+
+
+class Stopwatch:
+    """Accumulates the time of the calls it wraps (instance attributes only; nothing global is patched)."""
+
+    def __init__(self, device) -> None:
+        self.total, self.device = 0.0, device
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            sync(self.device)
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync(self.device)
+            self.total += time.perf_counter() - start
+            return out
+
+        return timed
+
+
+def measure(model, policy_name: str, budget: int, ids, steps: int, device) -> tuple[float, float, float]:
+    """(ms per step, ms in policy.step per step, ms in evictions per step)."""
+    cache = kvgates.BudgetCache(model.config, policy_name, budget=budget)
+    with torch.no_grad():
+        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+        policy_clock, evict_clock = Stopwatch(device), Stopwatch(device)
+        cache.policy.step = policy_clock.wrap(cache.policy.step)
+        for layer in cache.budget_layers:
+            layer.evict = evict_clock.wrap(layer.evict)
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+        sync(device)
+        total = time.perf_counter() - start
+    return 1e3 * total / steps, 1e3 * policy_clock.total / steps, 1e3 * evict_clock.total / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--policies", nargs="+", default=DEFAULT)
+    args = parser.parse_args()
+    model, tokenizer = load(args)
+    ids = essay_ids(tokenizer, args.prompt, args.device)
+    print(f"device: {device_name(args.device)}; model: {args.model}; prompt {args.prompt}; budget {args.budget}")
+    print(f"{'policy':16s} {'step ms':>8s} {'policy ms':>10s} {'evict ms':>9s} {'overhead':>9s}")
+    for name in args.policies:
+        step, policy, evict = measure(model, name, args.budget, ids, args.steps, args.device)
+        print(f"{name:16s} {step:8.2f} {policy:10.2f} {evict:9.2f} {(policy + evict) / step:9.1%}")
+
+
+if __name__ == "__main__":
+    main()
