@@ -1,34 +1,128 @@
 """Kernels of the cache runtime: torch reference semantics everywhere, Triton on CUDA tensors.
 
-Call these functions, not the implementations: each picks the Triton kernel when its inputs live on a CUDA
-device and Triton is importable, and the torch reference (``kvgates.kernels.reference``) otherwise.
+Call these functions, not the implementations. Each of ``decode_attention_flat``, ``window_scores_flat``,
+``pool_by_position``, ``compact_slots``, ``retention_scores`` and ``retention_sum`` runs its Triton kernel
+(``kvgates.kernels.triton_ops``) when its inputs are CUDA tensors and the torch reference
+(``kvgates.kernels.reference``) otherwise. ``KVGATES_KERNELS=reference`` forces the reference everywhere;
+``KVGATES_KERNELS=triton`` forces Triton, which on CPU needs ``TRITON_INTERPRET=1`` (how CI runs the runtime
+on the kernels). The other functions here are reference-only.
 """
 
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from kvgates.kernels import reference
 from kvgates.kernels.reference import (
     GROUP_REDUCTIONS,
     attention_probs,
     column_sums,
     decode_attention,
-    compact_slots,
-    decode_attention_flat,
     dense_groups,
     group_reduce,
     masked_attention,
-    pool_by_position,
-    retention_scores,
-    retention_sum,
     scatter_flat,
     visibility,
     window_scores,
-    window_scores_flat,
 )
 
+BACKENDS = ("auto", "reference", "triton")
+
+
+def backend(tensor: torch.Tensor) -> str:
+    """``"triton"`` or ``"reference"`` for kernels whose inputs live where ``tensor`` does."""
+    mode = os.environ.get("KVGATES_KERNELS", "auto")
+    if mode not in BACKENDS:
+        raise ValueError(f"KVGATES_KERNELS must be one of {BACKENDS}, got {mode!r}")
+    if mode == "auto":
+        return "triton" if tensor.is_cuda and _triton_importable() else "reference"
+    return mode
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _impl(tensor: torch.Tensor) -> ModuleType:
+    if backend(tensor) == "triton":
+        from kvgates.kernels import triton_ops
+
+        return triton_ops
+    return reference
+
+
+def decode_attention_flat(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    caps: list[int],
+    scale: float,
+    reduce: str = "sum",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention plus per-slot probabilities over flat storage (see ``reference.decode_attention_flat``)."""
+    return _impl(q).decode_attention_flat(q, keys, values, pos, caps, scale, reduce)
+
+
+def window_scores_flat(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    caps: list[int],
+    q_pos: torch.Tensor,
+    q_valid: torch.Tensor,
+    scale: float,
+    reduce: str = "sum",
+) -> torch.Tensor:
+    """Observation-window scores over flat storage (see ``reference.window_scores_flat``)."""
+    return _impl(q).window_scores_flat(q, keys, values, pos, caps, q_pos, q_valid, scale, reduce)
+
+
+def pool_by_position(scores: torch.Tensor, slot_pos: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
+    """1-D pooling along token order (see ``reference.pool_by_position``)."""
+    return _impl(scores).pool_by_position(scores, slot_pos, kernel, mode)
+
+
+def compact_slots(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    state: torch.Tensor,
+    index: torch.Tensor,
+    old_caps: list[int],
+    new_caps: list[int],
+    state_init: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rebuild a layer's storage from keep indices (see ``reference.compact_slots``)."""
+    return _impl(pos).compact_slots(keys, values, pos, state, index, old_caps, new_caps, state_init)
+
+
+def retention_scores(log_beta: torch.Tensor, slot_pos: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """TRIM-KV decayed retention scores (see ``reference.retention_scores``)."""
+    return _impl(log_beta).retention_scores(log_beta, slot_pos, t)
+
+
+def retention_sum(log_beta: torch.Tensor) -> torch.Tensor:
+    """Training-time retention mass ``S_t`` with its gradient (see ``reference.retention_sum``)."""
+    return _impl(log_beta).retention_sum(log_beta)
+
+
 __all__ = [
+    "BACKENDS",
     "GROUP_REDUCTIONS",
     "attention_probs",
+    "backend",
     "column_sums",
-    "decode_attention",
     "compact_slots",
+    "decode_attention",
     "decode_attention_flat",
     "dense_groups",
     "group_reduce",

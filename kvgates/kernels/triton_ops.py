@@ -1,0 +1,586 @@
+"""Triton kernels of the cache runtime. Each function has the signature and semantics of its namesake in
+``kvgates.kernels.reference`` (the tests hold them to it, on CPU under ``TRITON_INTERPRET=1``).
+
+* ``decode_attention_flat`` — split-K flash decoding over flat (ragged) storage; the query heads of a GQA group
+  share every key/value load; each slot's logit is written once and normalised into probabilities (summed over
+  the group) by a second small kernel, so policies need no second pass over the keys.
+* ``window_scores_flat`` — observation-window scoring: a row-statistics pass and a column pass over the keys,
+  one ``BLOCK_R x BLOCK_N`` tile at a time (the ``w x C`` probabilities never exist).
+* ``pool_by_position`` — 1-D pooling along token order through a slot permutation.
+* ``compact_slots`` — keys, values, positions and per-slot state of a layer rebuilt in one launch.
+* ``retention_scores`` / ``retention_sum`` — TRIM-KV decayed scores, and the capacity-loss retention mass with
+  its backward, tiled so no ``T x T`` matrix is formed.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(max(int(n), 1)))
+
+
+@lru_cache(maxsize=256)
+def _layout(caps: tuple[int, ...], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offsets, caps) of a flat layout as int32 device tensors, cached per layout."""
+    offsets = [sum(caps[:h]) for h in range(len(caps))]
+    return (
+        torch.tensor(offsets, dtype=torch.int32, device=device),
+        torch.tensor(caps, dtype=torch.int32, device=device),
+    )
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    """Triton's CPU interpreter computes ``tl.dot`` on bfloat16 wrongly; there, dots run in float32."""
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PREC)
+
+
+def _num_programs_target(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+# ---------------------------------------------------------------------------------------------- decode attention
+@triton.jit
+def _decode_partial(
+    Q, K, V, POS, OFFS, CAPS, LOGITS, M_PART, L_PART, O_PART,
+    scale_log2, H, G, D, SPLIT,
+    sqb, sqh, skb, sks, svb, svs, spb, sph, slb, slh, smb, smh, sob, soh, sos,
+    G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    hkv = H // G
+    b = (pid // hkv).to(tl.int64)
+    h = pid % hkv
+    off = tl.load(OFFS + h).to(tl.int64)
+    cap = tl.load(CAPS + h)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, BLOCK_D)
+    gm = g < G
+    dm = d < D
+    qh = h * G + g
+    q = tl.load(Q + b * sqb + qh[:, None] * sqh + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+    start = split * SPLIT
+    end = tl.minimum(start + SPLIT, cap)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < end
+        p = tl.load(POS + b * spb + h * sph + n, mask=nm, other=-1)
+        ok = nm & (p >= 0)
+        rows = (off + n)[:, None]
+        k = tl.load(K + b * skb + rows * sks + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+        s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
+        s = tl.where(ok[None, :], s, float("-inf"))
+        tl.store(LOGITS + b * slb + qh[:, None] * slh + n[None, :], s, mask=gm[:, None] & nm[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        pe = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(pe, 1)
+        v = tl.load(V + b * svb + rows * svs + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(pe.to(v.dtype), v, PREC, UPCAST)
+        m_i = m_new
+    tl.store(M_PART + b * smb + qh * smh + split, m_i, mask=gm)
+    tl.store(L_PART + b * smb + qh * smh + split, l_i, mask=gm)
+    tl.store(O_PART + b * sob + qh[:, None] * soh + split * sos + d[None, :], acc, mask=gm[:, None] & dm[None, :])
+
+
+@triton.jit
+def _decode_combine(
+    M_PART, L_PART, O_PART, OUT, M_FIN, L_FIN, H, NS, D,
+    smb, smh, sob, soh, sos, sb, sh,
+    NS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    head = pid % H
+    s = tl.arange(0, NS_PAD)
+    d = tl.arange(0, BLOCK_D)
+    sm = s < NS
+    dm = d < D
+    m = tl.load(M_PART + b * smb + head * smh + s, mask=sm, other=float("-inf"))
+    l = tl.load(L_PART + b * smb + head * smh + s, mask=sm, other=0.0)
+    top = tl.max(m, 0)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(m - top_safe)
+    total = tl.sum(w * l, 0)
+    o = tl.load(O_PART + b * sob + head * soh + s[:, None] * sos + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(OUT + b * sb + head * sh + d, out.to(OUT.dtype.element_ty), mask=dm)
+    tl.store(M_FIN + b * H + head, top)
+    tl.store(L_FIN + b * H + head, total)
+
+
+@triton.jit
+def _decode_probs(
+    LOGITS, M_FIN, L_FIN, CAPS, PROBS, H, G, C_MAX,
+    slb, slh, spb, sph,
+    REDUCE_SUM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    blk = tl.program_id(1)
+    hkv = H // G
+    b = (pid // hkv).to(tl.int64)
+    h = pid % hkv
+    cap = tl.load(CAPS + h)
+    n = blk * BLOCK + tl.arange(0, BLOCK)
+    inside = n < C_MAX
+    live = n < cap
+    acc = tl.zeros([BLOCK], tl.float32)
+    for gi in range(G):
+        qh = h * G + gi
+        top = tl.load(M_FIN + b * H + qh)
+        top = tl.where(top == float("-inf"), 0.0, top)  # a head with no valid slot: every logit is -inf
+        total = tl.load(L_FIN + b * H + qh)
+        s = tl.load(LOGITS + b * slb + qh * slh + n, mask=live, other=float("-inf"))
+        p = tl.where(live, tl.exp2(s - top) / tl.where(total > 0, total, 1.0), 0.0)
+        if REDUCE_SUM:
+            acc += p
+        else:
+            tl.store(PROBS + b * spb + qh * sph + n, p, mask=inside)
+    if REDUCE_SUM:
+        tl.store(PROBS + b * spb + h * sph + n, acc, mask=inside)
+
+
+def decode_attention_flat(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    caps: list[int],
+    scale: float,
+    reduce: str = "sum",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if reduce not in ("sum", "none"):
+        raise ValueError(f"reduce must be 'sum' or 'none', got {reduce!r}")
+    b, h, d = q.shape
+    hkv = len(caps)
+    g = h // hkv
+    cmax = pos.shape[-1]
+    dev = q.device
+    out = torch.zeros((b, h, d), dtype=q.dtype, device=dev)
+    probs = torch.zeros((b, hkv if reduce == "sum" else h, cmax), dtype=torch.float32, device=dev)
+    if cmax == 0 or b == 0:
+        return out, probs
+    q, keys, values, pos = q.contiguous(), keys.contiguous(), values.contiguous(), pos.contiguous()
+    offs, caps_t = _layout(tuple(caps), str(dev))
+    block_n = 64 if d <= 64 else 32
+    splits = max(1, min(triton.cdiv(cmax, block_n), triton.cdiv(_num_programs_target(dev), b * hkv)))
+    split = triton.cdiv(triton.cdiv(cmax, splits), block_n) * block_n
+    splits = triton.cdiv(cmax, split)
+    logits = torch.empty((b, h, cmax), dtype=torch.float32, device=dev)
+    m_part = torch.empty((b, h, splits), dtype=torch.float32, device=dev)
+    l_part = torch.empty_like(m_part)
+    o_part = torch.empty((b, h, splits, d), dtype=torch.float32, device=dev)
+    block_d = _pow2(d)
+    _decode_partial[(b * hkv, splits)](
+        q, keys, values, pos, offs, caps_t, logits, m_part, l_part, o_part,
+        scale * _LOG2E, h, g, d, split,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+        pos.stride(0), pos.stride(1), logits.stride(0), logits.stride(1), m_part.stride(0), m_part.stride(1),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        G_PAD=_pow2(g), BLOCK_N=block_n, BLOCK_D=block_d, PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype),
+    )
+    m_fin = torch.empty((b, h), dtype=torch.float32, device=dev)
+    l_fin = torch.empty_like(m_fin)
+    _decode_combine[(b * h,)](
+        m_part, l_part, o_part, out, m_fin, l_fin, h, splits, d,
+        m_part.stride(0), m_part.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        out.stride(0), out.stride(1),
+        NS_PAD=_pow2(splits, 2), BLOCK_D=block_d,
+    )
+    block = 128
+    _decode_probs[(b * hkv, triton.cdiv(cmax, block))](
+        logits, m_fin, l_fin, caps_t, probs, h, g, cmax,
+        logits.stride(0), logits.stride(1), probs.stride(0), probs.stride(1),
+        REDUCE_SUM=reduce == "sum", BLOCK=block,
+    )
+    return out, probs
+
+
+# ---------------------------------------------------------------------------------------------- window scores
+@triton.jit
+def _window_row_stats(
+    Q, K, POS, OFFS, CAPS, QPOS, M_OUT, L_OUT,
+    scale_log2, H, G, W, D,
+    sqb, sqh, sqw, skb, sks, spb, sph, sqpb, smb, smh,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rb = tl.program_id(1)
+    hkv = H // G
+    b = (pid // hkv).to(tl.int64)
+    h = pid % hkv
+    off = tl.load(OFFS + h).to(tl.int64)
+    cap = tl.load(CAPS + h)
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = r < G * W
+    gi = r // W
+    wi = r % W
+    qh = h * G + gi
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    q = tl.load(Q + b * sqb + qh[:, None] * sqh + wi[:, None] * sqw + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+    qp = tl.load(QPOS + b * sqpb + wi, mask=rm, other=-1)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    for n0 in range(0, cap, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < cap
+        p = tl.load(POS + b * spb + h * sph + n, mask=nm, other=-1)
+        k = tl.load(K + b * skb + (off + n)[:, None] * sks + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+        s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
+        vis = (p[None, :] >= 0) & (p[None, :] <= qp[:, None]) & nm[None, :]
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+        m_i = m_new
+    tl.store(M_OUT + b * smb + qh * smh + wi, m_i, mask=rm)
+    tl.store(L_OUT + b * smb + qh * smh + wi, l_i, mask=rm)
+
+
+@triton.jit
+def _window_columns(
+    Q, K, POS, OFFS, CAPS, QPOS, QVALID, M, L, OUT,
+    scale_log2, H, G, W, D, C_MAX,
+    sqb, sqh, sqw, skb, sks, spb, sph, sqpb, smb, smh, sob, soh,
+    MEAN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nb = tl.program_id(1)
+    hkv = H // G
+    b = (pid // hkv).to(tl.int64)
+    h = pid % hkv
+    off = tl.load(OFFS + h).to(tl.int64)
+    cap = tl.load(CAPS + h)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < cap
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    p = tl.load(POS + b * spb + h * sph + n, mask=nm, other=-1)
+    k = tl.load(K + b * skb + (off + n)[:, None] * sks + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+    col = tl.zeros([BLOCK_N], tl.float32)
+    for r0 in range(0, G * W, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        rm = r < G * W
+        gi = r // W
+        wi = r % W
+        qh = h * G + gi
+        q = tl.load(Q + b * sqb + qh[:, None] * sqh + wi[:, None] * sqw + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+        qp = tl.load(QPOS + b * sqpb + wi, mask=rm, other=-1)
+        qv = tl.load(QVALID + b * sqpb + wi, mask=rm, other=0)
+        m = tl.load(M + b * smb + qh * smh + wi, mask=rm, other=0.0)
+        l = tl.load(L + b * smb + qh * smh + wi, mask=rm, other=0.0)
+        s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
+        vis = (rm & (qv != 0) & (l > 0))[:, None] & nm[None, :] & (p[None, :] >= 0) & (p[None, :] <= qp[:, None])
+        prob = tl.where(vis, tl.exp2(s - m[:, None]) / tl.where(l > 0, l, 1.0)[:, None], 0.0)
+        col += tl.sum(prob, 0)
+    if MEAN:
+        col = col / G
+    tl.store(OUT + b * sob + h * soh + n, col, mask=n < C_MAX)
+
+
+def window_scores_flat(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    caps: list[int],
+    q_pos: torch.Tensor,
+    q_valid: torch.Tensor,
+    scale: float,
+    reduce: str = "sum",
+) -> torch.Tensor:
+    if reduce not in ("sum", "mean"):
+        raise ValueError(f"the Triton window score reduces groups by 'sum' or 'mean', got {reduce!r}")
+    b, h, w, d = q.shape
+    hkv = len(caps)
+    g = h // hkv
+    cmax = pos.shape[-1]
+    dev = q.device
+    out = torch.zeros((b, hkv, cmax), dtype=torch.float32, device=dev)
+    if cmax == 0 or w == 0:
+        return out
+    q, keys, pos = q.contiguous(), keys.contiguous(), pos.contiguous()
+    q_pos = q_pos.to(torch.int64).contiguous()
+    q_valid = q_valid.to(torch.int8).contiguous()
+    offs, caps_t = _layout(tuple(caps), str(dev))
+    m = torch.empty((b, h, w), dtype=torch.float32, device=dev)
+    l = torch.empty_like(m)
+    block_r, block_n, block_d = 32, 64 if d <= 64 else 32, _pow2(d)
+    common = (
+        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), pos.stride(0), pos.stride(1),
+        q_pos.stride(0), m.stride(0), m.stride(1),
+    )
+    _window_row_stats[(b * hkv, triton.cdiv(g * w, block_r))](
+        q, keys, pos, offs, caps_t, q_pos, m, l, scale * _LOG2E, h, g, w, d, *common,
+        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype),
+    )
+    _window_columns[(b * hkv, triton.cdiv(cmax, block_n))](
+        q, keys, pos, offs, caps_t, q_pos, q_valid, m, l, out, scale * _LOG2E, h, g, w, d, cmax, *common,
+        out.stride(0), out.stride(1),
+        MEAN=reduce == "mean", BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype),
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- pooling
+@triton.jit
+def _pool_ordered(
+    SCORES, ORDER, POS, OUT, C,
+    KERNEL: tl.constexpr, MAX: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    i = blk * BLOCK + tl.arange(0, BLOCK)
+    im = i < C
+    if MAX:
+        acc = tl.full([BLOCK], float("-inf"), tl.float32)
+    else:
+        acc = tl.zeros([BLOCK], tl.float32)
+    for o in tl.static_range(KERNEL):
+        j = i + (o - KERNEL // 2)
+        jm = (j >= 0) & (j < C) & im
+        slot = tl.load(ORDER + row * C + j, mask=jm, other=0)
+        valid = tl.load(POS + row * C + slot, mask=jm, other=-1) >= 0
+        v = tl.load(SCORES + row * C + slot, mask=jm & valid, other=0.0)
+        if MAX:
+            acc = tl.maximum(acc, tl.where(jm, v, float("-inf")))
+        else:
+            acc += v
+    if not MAX:
+        acc = acc / KERNEL
+    slot_i = tl.load(ORDER + row * C + i, mask=im, other=0)
+    tl.store(OUT + row * C + slot_i, acc, mask=im)
+
+
+def pool_by_position(scores: torch.Tensor, slot_pos: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
+    if kernel <= 1:
+        return scores
+    if kernel % 2 == 0:
+        raise ValueError(f"pooling kernel must be odd to keep positions aligned, got {kernel}")
+    if mode not in ("max", "avg"):
+        raise ValueError(f"pooling must be 'max' or 'avg', got {mode!r}")
+    shape = scores.shape
+    c = shape[-1]
+    flat_scores = scores.reshape(-1, c).float().contiguous()
+    flat_pos = slot_pos.reshape(-1, c).contiguous()
+    big = torch.iinfo(flat_pos.dtype).max
+    order = torch.argsort(torch.where(flat_pos >= 0, flat_pos, big), dim=-1, stable=True).contiguous()
+    out = torch.empty_like(flat_scores)
+    if c:
+        block = 128
+        _pool_ordered[(flat_scores.shape[0], triton.cdiv(c, block))](
+            flat_scores, order, flat_pos, out, c, KERNEL=kernel, MAX=mode == "max", BLOCK=block
+        )
+    return out.reshape(shape).to(scores.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- compaction
+@triton.jit
+def _compact(
+    K, V, POS, STATE, INDEX, OLD_OFFS, OLD_CAPS, NEW_OFFS, NEW_CAPS, INIT,
+    K_OUT, V_OUT, POS_OUT, STATE_OUT,
+    HKV, D, DV, F, C_OLD, C_NEW,
+    skb, sks, svb, svs, sokb, soks, sovb, sovs,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nb = tl.program_id(1)
+    b = (pid // HKV).to(tl.int64)
+    h = pid % HKV
+    j = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    jm = j < C_NEW
+    new_cap = tl.load(NEW_CAPS + h)
+    old_cap = tl.load(OLD_CAPS + h)
+    old_off = tl.load(OLD_OFFS + h).to(tl.int64)
+    new_off = tl.load(NEW_OFFS + h).to(tl.int64)
+    exists = jm & (j < new_cap)
+    src = tl.load(INDEX + (b * HKV + h) * C_NEW + j, mask=jm, other=0)
+    ok = exists & (src < old_cap)
+    src = tl.where(ok, src, 0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    kv = tl.load(K + b * skb + (old_off + src)[:, None] * sks + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
+    tl.store(K_OUT + b * sokb + (new_off + j)[:, None] * soks + d[None, :], kv, mask=exists[:, None] & (d[None, :] < D))
+    dv = tl.arange(0, BLOCK_DV)
+    vv = tl.load(V + b * svb + (old_off + src)[:, None] * svs + dv[None, :], mask=ok[:, None] & (dv[None, :] < DV), other=0.0)
+    tl.store(V_OUT + b * sovb + (new_off + j)[:, None] * sovs + dv[None, :], vv, mask=exists[:, None] & (dv[None, :] < DV))
+    p = tl.load(POS + (b * HKV + h) * C_OLD + src, mask=ok, other=-1)
+    tl.store(POS_OUT + (b * HKV + h) * C_NEW + j, p, mask=jm)
+    if BLOCK_F > 0:
+        f = tl.arange(0, BLOCK_F)
+        fm = f < F
+        init = tl.load(INIT + f, mask=fm, other=0.0)
+        st = tl.load(STATE + ((b * HKV + h) * C_OLD + src)[:, None] * F + f[None, :], mask=ok[:, None] & fm[None, :], other=0.0)
+        st = tl.where(ok[:, None], st, init[None, :])
+        tl.store(STATE_OUT + ((b * HKV + h) * C_NEW + j)[:, None] * F + f[None, :], st, mask=jm[:, None] & fm[None, :])
+
+
+def compact_slots(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    state: torch.Tensor,
+    index: torch.Tensor,
+    old_caps: list[int],
+    new_caps: list[int],
+    state_init: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, hkv = pos.shape[:2]
+    c_old, c_new, f = pos.shape[-1], index.shape[-1], state.shape[-1]
+    dev = pos.device
+    total = sum(new_caps)
+    new_k = keys.new_empty((b, total, keys.shape[-1]))
+    new_v = values.new_empty((b, total, values.shape[-1]))
+    new_pos = torch.empty((b, hkv, c_new), dtype=pos.dtype, device=dev)
+    new_state = torch.empty((b, hkv, c_new, f), dtype=state.dtype, device=dev)
+    if c_new == 0 or b == 0:
+        return new_k, new_v, new_pos, new_state
+    keys, values, pos, state = keys.contiguous(), values.contiguous(), pos.contiguous(), state.contiguous()
+    index = index.to(torch.int64).contiguous()
+    old_offs, old_caps_t = _layout(tuple(old_caps), str(dev))
+    new_offs, new_caps_t = _layout(tuple(new_caps), str(dev))
+    if c_old == 0:  # nothing to read: point every source past its head's (zero) capacity
+        pos = torch.full((b, hkv, 1), -1, dtype=pos.dtype, device=dev)
+        state = state_init.to(state.dtype).expand(b, hkv, 1, f).contiguous()
+        keys = keys.new_zeros((b, 1, keys.shape[-1]))
+        values = values.new_zeros((b, 1, values.shape[-1]))
+        c_old = 1
+    block_n = 64
+    _compact[(b * hkv, triton.cdiv(c_new, block_n))](
+        keys, values, pos, state, index, old_offs, old_caps_t, new_offs, new_caps_t, state_init.float().contiguous(),
+        new_k, new_v, new_pos, new_state,
+        hkv, keys.shape[-1], values.shape[-1], f, c_old, c_new,
+        keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
+        BLOCK_N=block_n, BLOCK_D=_pow2(keys.shape[-1]), BLOCK_DV=_pow2(values.shape[-1]),
+        BLOCK_F=_pow2(f, 1) if f else 0,
+    )
+    return new_k, new_v, new_pos, new_state
+
+
+# ---------------------------------------------------------------------------------------------- retention
+@triton.jit
+def _retention_scores(LB, POS, T, OUT, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    i = blk * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    lb = tl.load(LB + row * N + i, mask=m, other=0.0)
+    p = tl.load(POS + row * N + i, mask=m, other=-1)
+    t = tl.load(T + row)
+    age = (t - p).to(tl.float32)
+    tl.store(OUT + row * N + i, tl.where(p >= 0, age * lb, float("-inf")), mask=m)
+
+
+def retention_scores(log_beta: torch.Tensor, slot_pos: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    b = log_beta.shape[0]
+    n = log_beta[0].numel() if b else 0
+    out = torch.empty(log_beta.shape, dtype=torch.float32, device=log_beta.device)
+    if n == 0:
+        return out
+    block = 256
+    _retention_scores[(b, triton.cdiv(n, block))](
+        log_beta.float().contiguous(), slot_pos.contiguous(), t.to(torch.int64).contiguous(), out, n, BLOCK=block
+    )
+    return out
+
+
+@triton.jit
+def _retention_sum_fwd(LB, S, T, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    tb = tl.program_id(1)
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < T
+    acc = tl.zeros([BLOCK_T], tl.float32)
+    hi = tl.minimum((tb + 1) * BLOCK_T, T)
+    for i0 in range(0, hi, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        im = i < T
+        lb = tl.load(LB + row * T + i, mask=im, other=0.0)
+        age = (t[:, None] - i[None, :]).to(tl.float32)
+        live = (age >= 0) & im[None, :] & tm[:, None]
+        acc += tl.sum(tl.where(live, tl.exp(tl.where(live, age, 0.0) * lb[None, :]), 0.0), 1)
+    tl.store(S + row * T + t, acc, mask=tm)
+
+
+@triton.jit
+def _retention_sum_bwd(LB, GRAD, GLB, T, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ib = tl.program_id(1)
+    i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
+    im = i < T
+    lb = tl.load(LB + row * T + i, mask=im, other=0.0)
+    acc = tl.zeros([BLOCK_I], tl.float32)
+    for t0 in range(ib * BLOCK_I, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < T
+        g = tl.load(GRAD + row * T + t, mask=tm, other=0.0)
+        age = (t[:, None] - i[None, :]).to(tl.float32)
+        live = (age >= 0) & im[None, :] & tm[:, None]
+        safe = tl.where(live, age, 0.0)
+        acc += tl.sum(tl.where(live, g[:, None] * safe * tl.exp(safe * lb[None, :]), 0.0), 0)
+    tl.store(GLB + row * T + i, acc, mask=im)
+
+
+class _RetentionSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, log_beta: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        shape = log_beta.shape
+        flat = log_beta.float().reshape(-1, shape[-1]).contiguous()
+        out = torch.empty_like(flat)
+        n, t = flat.shape
+        if n and t:
+            _retention_sum_fwd[(n, triton.cdiv(t, 64))](flat, out, t, BLOCK_T=64, BLOCK_I=64)
+        ctx.save_for_backward(flat)
+        ctx.shape, ctx.dtype = shape, log_beta.dtype
+        return out.reshape(shape).to(log_beta.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (flat,) = ctx.saved_tensors
+        g = grad.float().reshape(flat.shape).contiguous()
+        out = torch.empty_like(flat)
+        n, t = flat.shape
+        if n and t:
+            _retention_sum_bwd[(n, triton.cdiv(t, 64))](flat, g, out, t, BLOCK_T=64, BLOCK_I=64)
+        return out.reshape(ctx.shape).to(ctx.dtype)
+
+
+def retention_sum(log_beta: torch.Tensor) -> torch.Tensor:
+    return _RetentionSum.apply(log_beta)
+
+
+__all__ = [
+    "compact_slots",
+    "decode_attention_flat",
+    "pool_by_position",
+    "retention_scores",
+    "retention_sum",
+    "window_scores_flat",
+]

@@ -1,0 +1,138 @@
+"""Every Triton kernel equals its torch reference over a grid of small shapes.
+
+On CPU this needs TRITON_INTERPRET=1 (set by `make test`); on a CUDA machine it runs on the GPU.
+Tolerances: float32 tight (1e-5), float16/bfloat16 as stated per test (inputs rounded, fp32 accumulation).
+"""
+
+import os
+
+import pytest
+import torch
+
+from kvgates.kernels import reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
+)
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from kvgates.kernels import triton_ops
+
+    return triton_ops
+
+
+def flat_layer(b, caps, d, dtype, seed=0, holes=0.3):
+    """Random flat storage (keys, values) and padded positions with holes, for the given head capacities."""
+    g = torch.Generator().manual_seed(seed)
+    s, cmax = sum(caps), max(caps)
+    keys = torch.randn(b, s, d, generator=g).to(dtype)
+    values = torch.randn(b, s, d, generator=g).to(dtype)
+    pos = torch.full((b, len(caps), cmax), -1, dtype=torch.int64)
+    for i in range(b):
+        for h, c in enumerate(caps):
+            perm = torch.randperm(c * 3, generator=g)[:c]
+            keep = torch.rand(c, generator=g) > holes
+            pos[i, h, :c] = torch.where(keep, perm, torch.full_like(perm, -1))
+    return keys.to(DEVICE), values.to(DEVICE), pos.to(DEVICE)
+
+
+SHAPES = [  # (batch, caps, query heads, head_dim)
+    (1, [40, 40], 4, 16),
+    (2, [65, 65, 65], 9, 64),
+    (3, [17, 80, 33], 6, 32),  # ragged heads (Ada-KV)
+    (1, [130], 8, 64),  # MQA
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("b,caps,h,d", SHAPES)
+@pytest.mark.parametrize("reduce", ["sum", "none"])
+def test_decode_attention(ops, b, caps, h, d, dtype, reduce):
+    keys, values, pos = flat_layer(b, caps, d, dtype)
+    q = torch.randn(b, h, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    scale = d**-0.5
+    out, probs = ops.decode_attention_flat(q, keys, values, pos, caps, scale, reduce)
+    ref_out, ref_probs = reference.decode_attention_flat(q, keys, values, pos, caps, scale, reduce)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol * 5, rtol=tol * 5)
+    torch.testing.assert_close(probs, ref_probs, atol=tol, rtol=tol * 5)
+
+
+def test_decode_attention_empty_heads(ops):
+    keys, values, pos = flat_layer(1, [8, 8], 16, torch.float32)
+    pos[:, 1] = -1  # a head holding nothing attends to nothing
+    q = torch.randn(1, 4, 16, device=DEVICE)
+    out, probs = ops.decode_attention_flat(q, keys, values, pos, [8, 8], 0.25)
+    ref_out, ref_probs = reference.decode_attention_flat(q, keys, values, pos, [8, 8], 0.25)
+    torch.testing.assert_close(out, ref_out)
+    assert torch.all(probs[:, 1] == 0) and torch.all(out[:, 2:] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,caps,h,d", SHAPES)
+@pytest.mark.parametrize("w,reduce", [(5, "sum"), (32, "mean")])
+def test_window_scores(ops, b, caps, h, d, dtype, w, reduce):
+    keys, values, pos = flat_layer(b, caps, d, dtype, seed=2)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(b, h, w, d, generator=g).to(dtype).to(DEVICE)
+    q_pos = torch.randint(0, max(caps) * 3, (b, w), generator=g).sort(-1).values.to(DEVICE)
+    q_valid = (torch.rand(b, w, generator=g) > 0.2).to(DEVICE)
+    got = ops.window_scores_flat(q, keys, values, pos, caps, q_pos, q_valid, d**-0.5, reduce)
+    ref = reference.window_scores_flat(q, keys, values, pos, caps, q_pos, q_valid, d**-0.5, reduce)
+    tol = TOL[dtype] * 10
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kernel,mode", [(7, "max"), (3, "avg"), (5, "max"), (1, "avg")])
+@pytest.mark.parametrize("c", [9, 200])
+def test_pool_by_position(ops, kernel, mode, c):
+    g = torch.Generator().manual_seed(4)
+    scores = torch.rand(2, 3, c, generator=g).to(DEVICE)
+    pos = torch.stack([torch.randperm(c, generator=g) for _ in range(6)]).reshape(2, 3, c)
+    pos = torch.where(torch.rand(2, 3, c, generator=g) > 0.25, pos, torch.full_like(pos, -1)).to(DEVICE)
+    torch.testing.assert_close(ops.pool_by_position(scores, pos, kernel, mode), reference.pool_by_position(scores, pos, kernel, mode))
+
+
+@pytest.mark.parametrize("f", [0, 1, 5])
+@pytest.mark.parametrize(
+    "old_caps,new_caps", [([20, 20], [12, 12]), ([20, 20], [30, 30]), ([10, 25, 7], [4, 25, 9]), ([0, 0], [16, 16])]
+)
+def test_compact_slots(ops, old_caps, new_caps, f):
+    b = 2
+    keys, values, pos = (flat_layer(b, old_caps, 16, torch.float16) if max(old_caps) else (
+        torch.zeros(b, 0, 16, dtype=torch.float16, device=DEVICE), torch.zeros(b, 0, 16, dtype=torch.float16, device=DEVICE),
+        torch.zeros(b, 2, 0, dtype=torch.int64, device=DEVICE)))
+    g = torch.Generator().manual_seed(5)
+    state = torch.randn(b, len(old_caps), max(old_caps), f, generator=g).to(DEVICE)
+    init = torch.arange(f, dtype=torch.float32).to(DEVICE)
+    index = torch.randint(0, max(max(old_caps), 1) + 5, (b, len(new_caps), max(new_caps)), generator=g).to(DEVICE)
+    got = ops.compact_slots(keys, values, pos, state, index, old_caps, new_caps, init)
+    ref = reference.compact_slots(keys, values, pos, state, index, old_caps, new_caps, init)
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a, r, atol=0, rtol=0)
+
+
+def test_retention_scores(ops):
+    g = torch.Generator().manual_seed(6)
+    log_beta = -torch.rand(2, 3, 50, generator=g).to(DEVICE)
+    pos = torch.randint(-1, 40, (2, 3, 50), generator=g).to(DEVICE)
+    t = torch.tensor([45, 60]).to(DEVICE)
+    torch.testing.assert_close(ops.retention_scores(log_beta, pos, t), reference.retention_scores(log_beta, pos, t))
+
+
+@pytest.mark.parametrize("shape", [(3, 17), (2, 2, 130), (1, 64)])
+def test_retention_sum_and_gradient(ops, shape):
+    g = torch.Generator().manual_seed(7)
+    base = (-torch.rand(*shape, generator=g) * 0.2).to(DEVICE)
+    a, b = base.clone().requires_grad_(), base.clone().requires_grad_()
+    got, ref = ops.retention_sum(a), reference.retention_sum(b)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
+    weights = torch.randn(*shape, generator=g).to(DEVICE)
+    (got * weights).sum().backward()
+    (ref * weights).sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, atol=1e-3, rtol=1e-4)

@@ -1,0 +1,34 @@
+"""The runtime on the Triton kernels (KVGATES_KERNELS=triton; the CPU interpreter in CI) decides and computes
+exactly what it does on the torch reference, with no change to policy code."""
+
+import os
+
+import pytest
+import torch
+from helpers import policy_kwargs, teacher_forced_logits
+
+from kvgates import BudgetCache
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
+)
+
+
+def run(model, name, budget, ids, backend, monkeypatch):
+    monkeypatch.setenv("KVGATES_KERNELS", backend)
+    cache = BudgetCache(model.config, name, **policy_kwargs(name, budget))
+    logits = teacher_forced_logits(model, cache, ids, 24)
+    return logits, cache
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "tova", "morphkv", "adakv"])
+def test_same_decisions_and_logits_on_both_backends(tiny, name, monkeypatch):
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, 34), generator=torch.Generator().manual_seed(0))
+    ref_logits, ref_cache = run(model, name, 12, ids, "reference", monkeypatch)
+    tri_logits, tri_cache = run(model, name, 12, ids, "triton", monkeypatch)
+    torch.testing.assert_close(tri_logits, ref_logits, atol=1e-4, rtol=1e-4)
+    for a, b in zip(ref_cache.budget_layers, tri_cache.budget_layers):
+        assert a.caps == b.caps
+        assert torch.equal(torch.sort(a.pos, -1).values, torch.sort(b.pos, -1).values)
