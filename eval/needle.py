@@ -33,8 +33,9 @@ def run_needle(config: NeedleRunConfig, model=None, tokenizer=None) -> list[dict
     results = []
     bar = tqdm(total=len(runs) * len(examples), desc="needle", unit="prompt")
     for spec, budget in runs:
+        policy = spec.build(budget).attach(model)
         for row, ids in examples:
-            cache = kvgates.BudgetCache(model.config, spec.build(budget))
+            cache = kvgates.BudgetCache(model.config, policy)
             start = time.perf_counter()
             with torch.no_grad():
                 out = model.generate(
@@ -63,6 +64,7 @@ def run_needle(config: NeedleRunConfig, model=None, tokenizer=None) -> list[dict
             )
             bar.set_postfix_str(spec.label(budget))
             bar.update()
+        policy.detach()
     bar.close()
     return results
 

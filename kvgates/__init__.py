@@ -11,7 +11,8 @@ from kvgates.runtime import attention as _attention
 _attention.register()
 
 from kvgates.errors import AdapterError, UnsupportedModelError  # noqa: E402
-from kvgates.models import EMBEDDED_MODELS, check_supported, load_model, prepare_model  # noqa: E402
+from kvgates.gates import GateSet, GlobalRetentionGates, RetainingHeads, RetentionGates, load_gates  # noqa: E402
+from kvgates.models import EMBEDDED_MODELS, check_supported, load_model, model_fingerprint, prepare_model  # noqa: E402
 from kvgates.policies import POLICIES, Policy, make_policy, register_policy  # noqa: E402
 from kvgates.runtime.cache import BudgetCache, dynamic_cache_bytes  # noqa: E402
 from kvgates.runtime.layer import BudgetLayer, SlotState  # noqa: E402
@@ -25,16 +26,22 @@ __all__ = [
     "BudgetCache",
     "BudgetLayer",
     "EMBEDDED_MODELS",
+    "GateSet",
+    "GlobalRetentionGates",
     "POLICIES",
     "Phase",
     "Policy",
+    "RetainingHeads",
+    "RetentionGates",
     "SlotState",
     "StatsRequest",
     "UnsupportedModelError",
     "check_supported",
     "dynamic_cache_bytes",
+    "load_gates",
     "load_model",
     "make_policy",
+    "model_fingerprint",
     "prepare_model",
     "register_policy",
 ]

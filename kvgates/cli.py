@@ -89,6 +89,7 @@ def _generate(argv: list[str]) -> int:
     if args.chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
     inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+    policy.attach(model)  # learned policies hook their gate inputs; heuristics need nothing
     cache = BudgetCache(model.config, policy)
     torch.manual_seed(args.seed)
     start = time.perf_counter()

@@ -143,3 +143,31 @@ def load_model(
 def hub_id_of(model: PreTrainedModel) -> str:
     """The Hugging Face id a model came from (embedded models report the id of their original weights)."""
     return str(getattr(model.config, "_name_or_path", "") or model.config.model_type)
+
+
+def model_fingerprint(model: PreTrainedModel) -> str:
+    """A short hash of a model's architecture and weights, stable across processes and devices.
+
+    It covers the attention geometry (what a gate adapter's shapes depend on) and a fixed sample of the
+    weights of the embedding, the first and last decoder layers and the final norm (so a fine-tune or a
+    different quantisation of the same architecture gets another fingerprint).
+    """
+    import hashlib
+
+    config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    geometry = [
+        config.model_type, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+        config.num_key_value_heads, head_dim, getattr(config, "vocab_size", 0),
+    ]
+    digest = hashlib.sha256(json.dumps(geometry).encode())
+    params = dict(model.named_parameters())
+    names = sorted(params)
+    sample = [n for n in names if "embed" in n][:1] + [n for n in names if ".0." in n][:2] + names[-2:]
+    for name in sample:
+        flat = params[name].detach().reshape(-1)
+        steps = min(4096, flat.numel())
+        idx = (torch.arange(steps, dtype=torch.int64) * (flat.numel() - 1) // max(steps - 1, 1)).to(flat.device)
+        digest.update(name.encode())
+        digest.update(flat[idx].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]

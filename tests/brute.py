@@ -193,3 +193,27 @@ def adakv_budgets(per_head_scores: list[dict[int, float]], forced: list[set[int]
     for _, h in flat[: sum(rooms)]:
         counts[h] += 1
     return [round(counts[h] * (1 - alpha) + math.floor(alpha * rooms[h])) + len(forced[h]) for h in range(len(counts))]
+
+
+# ------------------------------------------------------------------------------------------------ learned
+def trimkv(log_beta: dict[int, float], t: int, budget: int, window: int) -> set[int]:
+    """Keep the recent window plus the top (t - pos) * log_beta."""
+    scores = {p: (t - p) * lb for p, lb in log_beta.items()}
+    win = recent(list(scores), window)
+    return win | top_by_score(scores, budget - len(win), win)
+
+
+def trimkv_global(heads: list[tuple[dict[int, float], int]], total: int, window: int, min_per_head: int) -> list[set[int]]:
+    """heads: [(log_beta by position, t)] for every (layer, head) of one sequence; returns kept positions per head."""
+    scored = [{p: (t - p) * lb for p, lb in lbs.items()} for lbs, t in heads]
+    forced = []
+    for s in scored:
+        win = recent(list(s), window)
+        forced.append(win | top_by_score(s, min_per_head, set()))
+    room = total - sum(len(f) for f in forced)
+    rest = [(s[p], p, h) for h, s in enumerate(scored) for p in s if p not in forced[h]]
+    rest.sort(key=lambda x: (-x[0], -x[1]))
+    kept = [set(f) for f in forced]
+    for _, p, h in rest[: max(room, 0)]:
+        kept[h].add(p)
+    return kept

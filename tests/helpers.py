@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 
 import torch
 from transformers import (
@@ -60,7 +61,13 @@ POLICY_PARAMS = {
     "kvmerger": {"window": 4, "heavy": 2},
     "adakv": {"base": "snapkv", "base_params": {"window": 4, "kernel": 3}},
     "merge": {"base": "h2o"},
+    "trimkv": {},
+    "trimkv-global": {},
+    "locret": {"stabilizers": 2, "local": 2},
 }
+
+#: Gate kind of each learned policy (fresh, randomly initialised gates in tests).
+LEARNED = {"trimkv": "retention", "trimkv-global": "retention-global", "locret": "retaining-head"}
 
 
 def policy_kwargs(name: str, budget: int | None) -> dict:
@@ -68,6 +75,22 @@ def policy_kwargs(name: str, budget: int | None) -> dict:
     if name != "full":
         params["budget"] = budget
     return params
+
+
+@contextmanager
+def policy_on(model, name: str, budget: int | None, **overrides):
+    """A registered policy with small-model parameters, attached to ``model`` for the block (learned policies get
+    fresh gates of the model's shape with a moderate bias, so their scores vary)."""
+    from kvgates.gates import GATE_KINDS
+
+    params = {**policy_kwargs(name, budget), **overrides}
+    if name in LEARNED:
+        params["gates"] = GATE_KINDS[LEARNED[name]].for_model(model, init_bias=2.0)
+    policy = kvgates.make_policy(name, **params).attach(model)
+    try:
+        yield policy
+    finally:
+        policy.detach()
 
 
 def tiny_model(family: str = "llama", seed: int = 0, **overrides):

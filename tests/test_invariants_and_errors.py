@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import POLICY_PARAMS, policy_kwargs
+from helpers import POLICY_PARAMS, policy_kwargs, policy_on
 
 import kvgates
 from kvgates import POLICIES, BudgetCache, UnsupportedModelError, make_policy
@@ -23,9 +23,7 @@ def run_steps(model, cache, ids, prompt_len, check):
 def test_every_layer_within_budget_after_every_step(tiny, name):
     _, model = tiny
     budget = 10
-    cache = BudgetCache(model.config, name, **policy_kwargs(name, budget))
     ids = torch.randint(1, 128, (2, 70), generator=torch.Generator().manual_seed(0))
-    decode_evicts = kvgates.Phase.DECODE in cache.policy.evicts_in
 
     def check(cache, seen):
         grown = 0 if decode_evicts or seen == 30 else seen - 30  # appended since the prompt by prefill-only policies
@@ -33,13 +31,18 @@ def test_every_layer_within_budget_after_every_step(tiny, name):
             held = layer.held()
             if layer.head_budgets is not None:  # head-wise budgets (Ada-KV) or per-sequence budgets (D2O)
                 assert bool((held <= layer.head_budgets + grown).all())
-                if cache.policy.ragged_heads:  # Ada-KV redistributes the layer total (rounding: < 1 per head)
+                if cache.policy.name == "adakv":  # Ada-KV redistributes the layer total (rounding: < 1 per head)
                     assert bool((held.sum(-1) <= (layer.budget + 1 + grown) * layer.num_kv_heads).all())
             else:
                 assert int(held.max()) <= layer.budget + grown
+        if cache.policy.name == "trimkv-global":  # one budget for every layer and head
+            total = sum(layer.held().sum(-1) for layer in cache.budget_layers)
+            assert int(total.max()) <= budget * len(cache.budget_layers) * cache.budget_layers[0].num_kv_heads
         assert cache.get_seq_length() == seen
 
-    run_steps(model, cache, ids, 30, check)
+    with policy_on(model, name, budget) as policy:
+        decode_evicts = kvgates.Phase.DECODE in policy.evicts_in
+        run_steps(model, BudgetCache(model.config, policy), ids, 30, check)
 
 
 def test_streaming_llm_keeps_sinks_and_recent(tiny):

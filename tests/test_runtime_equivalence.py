@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import FAMILIES, POLICY_PARAMS, dynamic_cache, policy_kwargs, teacher_forced_logits, tiny_model
+from helpers import FAMILIES, POLICY_PARAMS, dynamic_cache, policy_on, teacher_forced_logits, tiny_model
 
 from kvgates import POLICIES, BudgetCache
 
@@ -19,8 +19,8 @@ def test_no_eviction_prefill_and_64_decode_steps(tiny, name):
     ref, model = tiny
     ids = torch.randint(1, 128, (1, PROMPT + DECODE), generator=torch.Generator().manual_seed(1))
     expected = teacher_forced_logits(ref, dynamic_cache(ref), ids, PROMPT)
-    cache = BudgetCache(model.config, name, **policy_kwargs(name, PROMPT + DECODE))
-    got = teacher_forced_logits(model, cache, ids, PROMPT)
+    with policy_on(model, name, PROMPT + DECODE) as policy:
+        got = teacher_forced_logits(model, BudgetCache(model.config, policy), ids, PROMPT)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
@@ -29,8 +29,8 @@ def test_no_eviction_chunked_prefill(tiny, name):
     ref, model = tiny
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(2))
     expected = teacher_forced_logits(ref, dynamic_cache(ref), ids, 32)
-    cache = BudgetCache(model.config, name, **policy_kwargs(name, 64))
-    got = teacher_forced_logits(model, cache, ids, 32, chunk=7)
+    with policy_on(model, name, 64) as policy:
+        got = teacher_forced_logits(model, BudgetCache(model.config, policy), ids, 32, chunk=7)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
@@ -46,8 +46,9 @@ def test_no_eviction_left_padded_batch_generate(tiny, name):
     kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         expected = ref.generate(ids, **kwargs)
-        cache = BudgetCache(model.config, name, **policy_kwargs(name, 64))
-        got = model.generate(ids, past_key_values=cache, **kwargs)
+        with policy_on(model, name, 64) as policy:
+            cache = BudgetCache(model.config, policy)
+            got = model.generate(ids, past_key_values=cache, **kwargs)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), atol=ATOL, rtol=0)
     assert torch.equal(got.sequences, expected.sequences)
     # Padding never takes a slot: each row holds exactly its real tokens (prompt + generated - last token).

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from helpers import policy_kwargs, teacher_forced_logits
+from helpers import policy_on, teacher_forced_logits
 
 from kvgates import BudgetCache
 
@@ -17,12 +17,14 @@ pytestmark = pytest.mark.skipif(
 
 def run(model, name, budget, ids, backend, monkeypatch):
     monkeypatch.setenv("KVGATES_KERNELS", backend)
-    cache = BudgetCache(model.config, name, **policy_kwargs(name, budget))
-    logits = teacher_forced_logits(model, cache, ids, 24)
+    torch.manual_seed(0)  # same fresh gates for learned policies on both backends
+    with policy_on(model, name, budget) as policy:
+        cache = BudgetCache(model.config, policy)
+        logits = teacher_forced_logits(model, cache, ids, 24)
     return logits, cache
 
 
-@pytest.mark.parametrize("name", ["h2o", "snapkv", "tova", "morphkv", "adakv"])
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "tova", "morphkv", "adakv", "trimkv", "trimkv-global"])
 def test_same_decisions_and_logits_on_both_backends(tiny, name, monkeypatch):
     _, model = tiny
     ids = torch.randint(1, 128, (2, 34), generator=torch.Generator().manual_seed(0))

@@ -6,11 +6,15 @@ from kvgates.policies.dynamickv import DynamicKV
 from kvgates.policies.full import Full
 from kvgates.policies.h2o import H2O
 from kvgates.policies.kvmerger import KVMerger
+from kvgates.policies.learned import LearnedPolicy
+from kvgates.policies.locret import Locret
 from kvgates.policies.morphkv import MorphKV
 from kvgates.policies.pyramidkv import PyramidKV
 from kvgates.policies.snapkv import SnapKV
 from kvgates.policies.streaming import StreamingLLM
 from kvgates.policies.tova import TOVA
+from kvgates.policies.trimkv import TrimKV
+from kvgates.policies.trimkv_global import TrimKVGlobal
 from kvgates.policies.wrappers import AdaKV, Merge
 
 __all__ = [
@@ -24,10 +28,14 @@ __all__ = [
     "Full",
     "H2O",
     "KVMerger",
+    "LearnedPolicy",
+    "Locret",
     "Merge",
     "MorphKV",
     "PyramidKV",
     "SnapKV",
     "StreamingLLM",
     "TOVA",
+    "TrimKV",
+    "TrimKVGlobal",
 ]

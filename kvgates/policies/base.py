@@ -88,6 +88,13 @@ class Policy:
         return self.budget
 
     # -- runtime hooks
+    def attach(self, model: Any) -> "Policy":
+        """Prepare to run on ``model`` (learned policies hook their gate inputs here); heuristics need nothing."""
+        return self
+
+    def detach(self) -> None:
+        """Undo ``attach`` (remove hooks from the model)."""
+
     def stats_request(self, phase: Phase) -> StatsRequest:
         """Statistics this policy needs from the attention call in ``phase``."""
         return NO_STATS

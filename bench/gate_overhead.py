@@ -1,0 +1,60 @@
+"""Cost of computing learned gate scores during decode, as a fraction of the step time, in one run.
+
+    python bench/gate_overhead.py --prompt 1024 --budget 256 --steps 64
+
+Runs TRIM-KV (retention gates), global TRIM-KV and Locret (retaining heads) with freshly initialised gates of
+the model's shape, and times every gate evaluation (capture hand-over + gate MLP) against the whole decode
+step, with the gates in float32 and in float16. The target for SmolLM2-135M on CPU is under 5%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+import torch
+from common import add_model_args, device_name, essay_ids, load, sync
+from policy_overhead import Stopwatch
+
+import kvgates
+
+KINDS = {"trimkv": kvgates.RetentionGates, "trimkv-global": kvgates.GlobalRetentionGates, "locret": kvgates.RetainingHeads}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--gate-dtypes", nargs="+", default=["float32", "float16"])
+    args = parser.parse_args()
+    model, tokenizer = load(args)
+    ids = essay_ids(tokenizer, args.prompt, args.device)
+    print(f"device: {device_name(args.device)}; model: {args.model}; prompt {args.prompt}; budget {args.budget}")
+    print(f"{'policy':14s} {'gate dtype':>10s} {'gate params':>11s} {'step ms':>8s} {'gates ms':>9s} {'overhead':>9s}")
+    for (name, kind), gate_dtype in itertools.product(KINDS.items(), args.gate_dtypes):
+        gates = kind.for_model(model, training_budget=args.budget)
+        extra = {"stabilizers": 32, "local": 32} if name == "locret" else {}
+        policy = kvgates.make_policy(name, budget=args.budget, gates=gates, gate_dtype=gate_dtype, **extra).attach(model)
+        cache = kvgates.BudgetCache(model.config, policy)
+        clock = Stopwatch(args.device)
+        with torch.no_grad():
+            token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            policy.new_token_scores = clock.wrap(policy.new_token_scores)
+            sync(args.device)
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            sync(args.device)
+            total = time.perf_counter() - start
+        policy.detach()
+        params = sum(p.numel() for p in gates.parameters())
+        step, gate = 1e3 * total / args.steps, 1e3 * clock.total / args.steps
+        print(f"{name:14s} {gate_dtype:>10s} {params / 1e6:10.2f}M {step:8.2f} {gate:9.2f} {gate / step:9.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,372 @@
+"""Gate adapters: a trained (or fresh) set of per-layer gate modules for one base model, as a Hub-shareable folder.
+
+A folder holds ``config.json`` (kind, version, base model id and fingerprint, shapes, training budget, training
+data summary, results), ``model.safetensors`` (gate parameters only) and ``README.md`` (a model card).
+``save_pretrained`` / ``from_pretrained`` (local folder or Hub id) / ``push_to_hub`` follow the 🤗 conventions.
+Loading never unpickles (safetensors only), and a missing, truncated or corrupt file, an unknown kind or a
+shape mismatch each raise ``AdapterError`` with one sentence saying what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel
+
+from kvgates.errors import AdapterError
+from kvgates.gates.modules import GlobalRetentionTrunk, RetainingHead, RetentionGate, SharedRetentionHead
+
+ADAPTER_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+CARD_FILE = "README.md"
+
+GATE_KINDS: dict[str, type["GateSet"]] = {}
+
+
+@dataclass
+class GateConfig:
+    """What a gate adapter is for and how it is shaped (``config.json``)."""
+
+    kind: str
+    base_model: str
+    fingerprint: str
+    num_layers: int
+    layer_ids: list[int]
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    gate_hidden: int
+    activation: str = "silu"
+    init_bias: float = 18.0
+    training_budget: int | None = None
+    training_data: str | None = None
+    results: dict[str, Any] = field(default_factory=dict)
+    version: int = ADAPTER_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "config.json") -> "GateConfig":
+        if not isinstance(data, dict):
+            raise AdapterError(f"{source} must hold a JSON object, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        missing = sorted(required - set(data))
+        if missing:
+            raise AdapterError(f"{source} lacks {', '.join(missing)}; it is not a kvgates gate adapter config")
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise AdapterError(f"{source} has unknown fields {', '.join(unknown)} (written by a newer kvgates?)")
+        if data.get("version", ADAPTER_VERSION) > ADAPTER_VERSION:
+            raise AdapterError(f"{source} is adapter format version {data['version']}; this kvgates reads up to {ADAPTER_VERSION}")
+        if data["kind"] not in GATE_KINDS:
+            raise AdapterError(f"{source} names gate kind {data['kind']!r}; known kinds: {', '.join(sorted(GATE_KINDS))}")
+        return cls(**data)
+
+
+def _geometry(model: PreTrainedModel) -> dict[str, Any]:
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    config = model.config.get_text_config(decoder=True)
+    layer_types, _ = get_layer_types_and_kwargs(config)
+    return dict(
+        num_layers=config.num_hidden_layers,
+        layer_ids=[i for i, kind in enumerate(layer_types) if kind == "full_attention"],
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        activation=getattr(config, "hidden_act", "silu"),
+    )
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write through a temporary file in the same folder, so an interrupted save leaves the old file intact."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+class GateSet(nn.Module):
+    """Base of gate adapters: one gate module per gated (full-attention) layer of a base model.
+
+    Subclasses set ``kind`` (the ``config.json`` kind), ``captures`` (what the hooks must capture from the
+    model: ``"hidden"`` = the normed hidden state entering attention, ``"qkv"`` = raw q/k/v projections) and
+    build their modules from a ``GateConfig``; ``forward(layer_idx, captured)`` gives ``[B, T, H_kv]`` scores.
+    """
+
+    kind: ClassVar[str] = ""
+    captures: ClassVar[str] = "hidden"
+    default_hidden: ClassVar[int] = 512
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.kind:
+            GATE_KINDS[cls.kind] = cls
+
+    def __init__(self, config: GateConfig):
+        super().__init__()
+        if config.kind != self.kind:
+            raise AdapterError(f"{type(self).__name__} holds {self.kind!r} gates, the config says {config.kind!r}")
+        self.config = config
+        self._position = {layer: i for i, layer in enumerate(config.layer_ids)}
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def for_model(
+        cls,
+        model: PreTrainedModel,
+        gate_hidden: int | None = None,
+        training_budget: int | None = None,
+        init_bias: float = 18.0,
+    ) -> "GateSet":
+        """Freshly initialised gates shaped for ``model`` (recording its id and fingerprint)."""
+        from kvgates.models import hub_id_of, model_fingerprint
+
+        config = GateConfig(
+            kind=cls.kind,
+            base_model=hub_id_of(model),
+            fingerprint=model_fingerprint(model),
+            gate_hidden=gate_hidden or cls.default_hidden,
+            init_bias=init_bias,
+            training_budget=training_budget,
+            **_geometry(model),
+        )
+        return cls(config).to(device=model.device)
+
+    def layer_position(self, layer_idx: int) -> int:
+        if layer_idx not in self._position:
+            raise AdapterError(f"layer {layer_idx} has no gate; this adapter gates layers {self.config.layer_ids}")
+        return self._position[layer_idx]
+
+    def forward(self, layer_idx: int, captured: Any) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def check_model(self, model: PreTrainedModel, strict: bool = True) -> None:
+        """Refuse a model other than the one the gates were trained for (``strict=False``: same shapes suffice)."""
+        from kvgates.models import hub_id_of, model_fingerprint
+
+        geometry = _geometry(model)
+        mine = {k: getattr(self.config, k) for k in geometry}
+        if geometry != mine:
+            diff = ", ".join(f"{k} {mine[k]} vs {geometry[k]}" for k in geometry if geometry[k] != mine[k])
+            raise AdapterError(
+                f"these gates were trained for {self.config.base_model} and do not fit {hub_id_of(model)} ({diff})"
+            )
+        fingerprint = model_fingerprint(model)
+        if strict and fingerprint != self.config.fingerprint:
+            raise AdapterError(
+                f"these gates were trained for {self.config.base_model} (fingerprint {self.config.fingerprint}), not for "
+                f"this model {hub_id_of(model)} (fingerprint {fingerprint}); pass strict=False to attach them anyway"
+            )
+
+    # ------------------------------------------------------------------ saving and loading
+    def save_pretrained(self, folder: str | os.PathLike) -> Path:
+        """Write ``config.json``, ``model.safetensors`` and ``README.md`` to ``folder`` (created if needed)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
+        metadata = {"format": "pt", "kind": self.kind, "fingerprint": self.config.fingerprint}
+        _atomic_write(folder / WEIGHTS_FILE, lambda p: save_file(tensors, p, metadata=metadata))
+        text = json.dumps(self.config.to_dict(), indent=2)
+        _atomic_write(folder / CONFIG_FILE, lambda p: Path(p).write_text(text))
+        card = self.model_card()
+        _atomic_write(folder / CARD_FILE, lambda p: Path(p).write_text(card))
+        return folder
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_id: str | os.PathLike,
+        revision: str | None = None,
+        endpoint: str | None = None,
+        token: str | None = None,
+    ) -> "GateSet":
+        """Load an adapter from a local folder or a Hub repository id (on the base class: any kind)."""
+        folder = Path(path_or_id)
+        if not folder.is_dir():
+            folder = _download(str(path_or_id), revision, endpoint, token)
+        config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+        for path in (config_path, weights_path):
+            if not path.is_file():
+                raise AdapterError(f"{folder} has no {path.name}; a gate adapter folder holds {CONFIG_FILE}, {WEIGHTS_FILE} and {CARD_FILE}")
+        try:
+            raw = json.loads(config_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise AdapterError(f"{config_path} is not valid JSON ({err}); the file is corrupt or truncated") from err
+        config = GateConfig.from_dict(raw, str(config_path))
+        target = GATE_KINDS[config.kind]
+        if cls is not GateSet and not issubclass(target, cls):
+            raise AdapterError(f"{folder} holds {config.kind!r} gates, not {cls.kind!r} gates")
+        try:
+            tensors = load_file(str(weights_path))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise AdapterError(f"{weights_path} is truncated or corrupt ({err})") from err
+        gates = target(config)
+        expected = gates.state_dict()
+        missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+        if missing or unexpected:
+            raise AdapterError(
+                f"{weights_path} does not match its config: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}"
+            )
+        for name, tensor in tensors.items():
+            if tensor.shape != expected[name].shape:
+                raise AdapterError(f"{weights_path}: {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}")
+        gates.load_state_dict(tensors)
+        return gates
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        private: bool = False,
+        token: str | None = None,
+        endpoint: str | None = None,
+        commit_message: str = "Upload kvgates gate adapter",
+    ) -> str:
+        """Create (if needed) the Hub model repository ``repo_id`` and upload the adapter; returns the commit URL."""
+        from huggingface_hub import HfApi
+
+        api = HfApi(endpoint=endpoint, token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            info = api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=commit_message, repo_type="model")
+        return str(getattr(info, "commit_url", info))
+
+    def model_card(self) -> str:
+        c = self.config
+        results = "\n".join(f"| {k} | {v} |" for k, v in c.results.items()) or "| (none recorded yet) | |"
+        return f"""---
+library_name: kvgates
+base_model: {c.base_model}
+tags: [kvgates, kv-cache, kv-cache-eviction, {c.kind}]
+---
+
+# kvgates {c.kind} gates for {c.base_model}
+
+Learned KV-cache eviction modules ({c.kind}) for `{c.base_model}` (fingerprint `{c.fingerprint}`): one gate per
+gated layer ({len(c.layer_ids)} of {c.num_layers}), {c.num_kv_heads} KV heads, gate width {c.gate_hidden}.
+Training budget: {c.training_budget if c.training_budget is not None else "not trained yet"}.
+Training data: {c.training_data or "none recorded"}.
+
+## Usage
+
+```python
+import kvgates
+model, tok = kvgates.load_model("{c.base_model}")
+policy = kvgates.make_policy("{_POLICY_OF_KIND.get(c.kind, 'trimkv')}", budget={c.training_budget or 256}, gates="<this repo id or folder>")
+policy.attach(model)
+cache = kvgates.BudgetCache(model.config, policy)
+out = model.generate(**tok("...", return_tensors="pt"), past_key_values=cache, max_new_tokens=64)
+```
+
+## Results
+
+| metric | value |
+|---|---|
+{results}
+"""
+
+
+_POLICY_OF_KIND = {"retention": "trimkv", "retention-global": "trimkv-global", "retaining-head": "locret"}
+
+
+def _download(repo_id: str, revision: str | None, endpoint: str | None, token: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                repo_id=repo_id,
+                revision=revision,
+                allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, CARD_FILE],
+                endpoint=endpoint,
+                token=token,
+            )
+        )
+    except Exception as err:  # the Hub client raises many types (offline, 404, auth, bad id)
+        raise AdapterError(
+            f"no local folder {repo_id!r} and it could not be fetched from the Hub ({type(err).__name__}: {err}); "
+            "pass an existing adapter folder or a reachable Hub repository id"
+        ) from err
+
+
+def load_gates(path_or_id: str | os.PathLike, **kwargs: Any) -> GateSet:
+    """Load a gate adapter of any kind from a folder or Hub id."""
+    return GateSet.from_pretrained(path_or_id, **kwargs)
+
+
+class RetentionGates(GateSet):
+    """TRIM-KV retention gates, one ``RetentionGate`` per gated layer; scores are ``log beta`` (<= 0)."""
+
+    kind = "retention"
+    captures = "hidden"
+
+    def __init__(self, config: GateConfig):
+        super().__init__(config)
+        self.gates = nn.ModuleList(
+            RetentionGate(config.hidden_size, config.num_kv_heads, config.gate_hidden, config.activation, config.init_bias)
+            for _ in config.layer_ids
+        )
+
+    def forward(self, layer_idx: int, captured: torch.Tensor) -> torch.Tensor:
+        gate = self.gates[self.layer_position(layer_idx)]
+        return gate(captured.to(gate.up.weight.dtype))
+
+
+class GlobalRetentionGates(GateSet):
+    """DBTrimKV global retention gates: per-layer trunks and one final projection + bias shared by all layers,
+    so ``log beta`` is comparable across layers and heads (a single global budget)."""
+
+    kind = "retention-global"
+    captures = "hidden"
+
+    def __init__(self, config: GateConfig):
+        super().__init__(config)
+        self.trunks = nn.ModuleList(
+            GlobalRetentionTrunk(config.hidden_size, config.gate_hidden, config.activation) for _ in config.layer_ids
+        )
+        self.shared = SharedRetentionHead(config.num_kv_heads, config.gate_hidden, config.init_bias)
+
+    def forward(self, layer_idx: int, captured: torch.Tensor) -> torch.Tensor:
+        trunk = self.trunks[self.layer_position(layer_idx)]
+        return self.shared(trunk(captured.to(trunk.up.weight.dtype)))
+
+
+class RetainingHeads(GateSet):
+    """Locret retaining heads, one ``RetainingHead`` per gated layer over ``concat[q, k, v]``."""
+
+    kind = "retaining-head"
+    captures = "qkv"
+    default_hidden = 1024
+
+    def __init__(self, config: GateConfig):
+        super().__init__(config)
+        width = (config.num_attention_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.heads = nn.ModuleList(
+            RetainingHead(width, config.num_kv_heads, config.gate_hidden, config.activation) for _ in config.layer_ids
+        )
+
+    def forward(self, layer_idx: int, captured: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+        head = self.heads[self.layer_position(layer_idx)]
+        qkv = torch.cat(captured, dim=-1) if isinstance(captured, tuple) else captured
+        return head(qkv.to(head.up.weight.dtype))

@@ -1,0 +1,86 @@
+"""The learned eviction modules: TRIM-KV retention gates (per layer, and the global variant) and Locret
+retaining heads. One module per gated decoder layer, small next to the LLM; each maps a layer's inputs to one
+score per (token, KV head)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+
+def _init_linear(layer: nn.Linear, std: float = 0.02) -> None:
+    nn.init.normal_(layer.weight, std=std)
+    if layer.bias is not None:
+        nn.init.zeros_(layer.bias)
+
+
+class RetentionGate(nn.Module):
+    """TRIM-KV retention gate of one layer: normed hidden state -> ``log beta`` per KV head.
+
+    ``Linear(d_model, hidden, bias) -> activation -> Linear(hidden, H_kv, no bias) + per-head bias b`` and
+    ``log_beta = logsigmoid(.)``. Weights start at N(0, 0.02) and ``b`` large (18) so ``beta ~ 1`` (keep
+    everything) at the start of training. Token ``i`` then retains ``beta_i ** (t - i)`` at time ``t``.
+    """
+
+    def __init__(self, hidden_size: int, num_kv_heads: int, gate_hidden: int = 512, activation: str = "silu", init_bias: float = 18.0):
+        super().__init__()
+        self.up = nn.Linear(hidden_size, gate_hidden, bias=True)
+        self.act = ACT2FN[activation]
+        self.down = nn.Linear(gate_hidden, num_kv_heads, bias=False)
+        self.bias = nn.Parameter(torch.full((num_kv_heads,), float(init_bias)))
+        _init_linear(self.up)
+        _init_linear(self.down)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., d_model]`` -> ``log_beta`` ``[..., H_kv]`` (<= 0), float32 (beta near 1 needs the range)."""
+        return nn.functional.logsigmoid((self.down(self.act(self.up(hidden))) + self.bias).float())
+
+
+class GlobalRetentionTrunk(nn.Module):
+    """Per-layer part of the global retention gate (DBTrimKV): ``d_model -> hidden -> hidden`` with activations."""
+
+    def __init__(self, hidden_size: int, gate_hidden: int = 512, activation: str = "silu"):
+        super().__init__()
+        self.up = nn.Linear(hidden_size, gate_hidden, bias=True)
+        self.mid = nn.Linear(gate_hidden, gate_hidden, bias=True)
+        self.act = ACT2FN[activation]
+        _init_linear(self.up)
+        _init_linear(self.mid)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.act(self.mid(self.act(self.up(hidden))))
+
+
+class SharedRetentionHead(nn.Module):
+    """The final projection and bias of the global retention gate, shared by every layer so that scores are
+    comparable across layers and heads."""
+
+    def __init__(self, num_kv_heads: int, gate_hidden: int = 512, init_bias: float = 18.0):
+        super().__init__()
+        self.down = nn.Linear(gate_hidden, num_kv_heads, bias=False)
+        self.bias = nn.Parameter(torch.full((num_kv_heads,), float(init_bias)))
+        _init_linear(self.down)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return nn.functional.logsigmoid((self.down(features) + self.bias).float())
+
+
+class RetainingHead(nn.Module):
+    """Locret retaining head of one layer: ``concat[q, k, v]`` (raw projections, pre-RoPE) -> score per KV head.
+
+    ``Linear(in, hidden, no bias) -> activation -> Linear(hidden, H_kv, no bias)``, N(0, 0.02) init. Trained to
+    regress the causal importance of each cached token (the max pre-softmax logit later queries give it).
+    """
+
+    def __init__(self, in_features: int, num_kv_heads: int, head_hidden: int = 1024, activation: str = "silu"):
+        super().__init__()
+        self.up = nn.Linear(in_features, head_hidden, bias=False)
+        self.act = ACT2FN[activation]
+        self.down = nn.Linear(head_hidden, num_kv_heads, bias=False)
+        _init_linear(self.up)
+        _init_linear(self.down)
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        """``[..., q_dim + 2 kv_dim]`` -> ``[..., H_kv]``."""
+        return self.down(self.act(self.up(qkv)))

@@ -1,0 +1,77 @@
+"""Base of learned policies: a policy that scores new tokens with a gate adapter while the model runs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from kvgates.gates.adapter import GateSet
+from kvgates.gates.capture import GateCapture
+from kvgates.policies.base import Policy
+from kvgates.runtime.stats import AttnStats
+
+GATE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LearnedPolicy(Policy):
+    """A policy driven by a gate adapter (``gates``: a ``GateSet``, an adapter folder or a Hub id).
+
+    Before generating, ``policy.attach(model)`` checks that the gates were trained for ``model`` (its
+    fingerprint; ``strict=False`` accepts any model of the same shapes) and hooks the model instance so each
+    gated layer's inputs reach its gate during the normal forward; ``detach()`` (or leaving a ``with`` block)
+    removes the hooks. ``gate_dtype`` is the precision gates run in at inference (``float16`` halves the weight
+    traffic of every decode step; the final log-sigmoid always runs in float32).
+    """
+
+    gate_kinds: ClassVar[tuple[str, ...]] = ()
+
+    gates: GateSet | str | None = field(default=None, repr=False)
+    strict: bool = True
+    gate_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.gates is None:
+            raise ValueError(f"{self.name}: gates are required (a gate adapter folder, a Hub id, or a GateSet)")
+        if isinstance(self.gates, (str, os.PathLike)):
+            self.gates = GateSet.from_pretrained(self.gates)
+        if not isinstance(self.gates, GateSet) or self.gates.kind not in self.gate_kinds:
+            kind = getattr(self.gates, "kind", type(self.gates).__name__)
+            raise ValueError(f"{self.name} needs {' or '.join(self.gate_kinds)} gates, got {kind!r}")
+        if self.gate_dtype not in GATE_DTYPES:
+            raise ValueError(f"{self.name}: gate_dtype must be one of {sorted(GATE_DTYPES)}, got {self.gate_dtype!r}")
+        self._capture: GateCapture | None = None
+
+    def attach(self, model: Any) -> "LearnedPolicy":
+        self.gates.check_model(model, strict=self.strict)
+        self.detach()
+        self.gates.to(device=model.device, dtype=GATE_DTYPES[self.gate_dtype]).eval().requires_grad_(False)
+        self._capture = GateCapture(model, self.gates.captures, self.gates.config.layer_ids)
+        return self
+
+    def detach(self) -> None:
+        if self._capture is not None:
+            self._capture.remove()
+            self._capture = None
+
+    def __enter__(self) -> "LearnedPolicy":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    def new_token_scores(self, layer, stats: AttnStats) -> torch.Tensor:
+        """Gate scores ``[B, H_kv, q_len]`` of the tokens this forward added to ``layer``."""
+        if self._capture is None:
+            raise RuntimeError(f"{self.name}: the gates are not attached to a model; call policy.attach(model) first")
+        with torch.no_grad():
+            scores = self.gates(layer.layer_idx, self._capture.pop(layer.layer_idx))  # [B, q_len, H_kv]
+        return scores.float().transpose(1, 2)
+
+    def record(self, layer, stats: AttnStats, name: str) -> None:
+        """Store the new tokens' gate scores in the per-slot state ``name``."""
+        layer.state[name].scatter_(2, stats.new_slots, self.new_token_scores(layer, stats))

@@ -1,0 +1,62 @@
+"""Locret: learned retaining heads score cached tokens; chunked prefill keeps the top-scored ones."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvgates.policies.base import recent_mask, register_policy
+from kvgates.policies.learned import LearnedPolicy
+from kvgates.runtime.layer import SlotState
+from kvgates.runtime.stats import AttnStats, Phase
+
+SCORE = "locret_score"
+
+
+@register_policy
+@dataclass
+class Locret(LearnedPolicy):
+    """Locret (Huang et al. 2024, arXiv:2410.01805): retaining heads predict each token's causal importance.
+
+    Each new token gets a score per KV head from its layer's retaining head (over the raw q/k/v projections,
+    computed inside the forward). Meant for chunked prefill (``generate(..., prefill_chunk_size=...)``): after
+    each prompt chunk every head keeps its top ``budget`` tokens, always including the chunk's last
+    ``stabilizers`` tokens (Locret fails without them) and the most recent ``local`` tokens. Decode appends, or
+    with ``decode_evict=True`` evicts by score at the same budget.
+
+    Departure: the runtime cannot tell the last prompt chunk from the others, so it is compressed too (Locret
+    appends it whole); protecting the most recent ``local`` tokens keeps the end of the prompt as Locret's
+    ``n_loc`` does.
+
+    Args:
+        budget: b, tokens per KV head.
+        gates: a ``RetainingHeads`` adapter; strict: require the training model.
+        stabilizers: n_s, last tokens of each chunk always kept.
+        local: n_loc, most recent tokens never evicted.
+        decode_evict: evict by score during decode instead of appending.
+    """
+
+    name = "locret"
+    gate_kinds = ("retaining-head",)
+
+    stabilizers: int = 32
+    local: int = 32
+    decode_evict: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.stabilizers < 0 or self.local < 0:
+            raise ValueError(f"{self.name}: stabilizers and local must be >= 0, got {self.stabilizers}, {self.local}")
+        protected = max(self.stabilizers, self.local)
+        self._require_budget(protected, f"the protected recent tokens (max(stabilizers, local) = {protected})")
+        self.evicts_in = frozenset({Phase.PREFILL, Phase.DECODE}) if self.decode_evict else frozenset({Phase.PREFILL})
+
+    def slot_state(self) -> dict[str, SlotState]:
+        return {SCORE: SlotState()}
+
+    def observe(self, layer, stats: AttnStats) -> None:
+        self.record(layer, stats, SCORE)
+
+    def score(self, layer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer.state[SCORE], recent_mask(layer, max(self.stabilizers, self.local))

@@ -1,0 +1,83 @@
+"""TRIM-KV global: one budget shared by every layer and KV head, filled by comparable retention scores."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvgates.policies.base import recent_mask, register_policy, topk_mask
+from kvgates.policies.trimkv import LOG_BETA, TrimKV
+from kvgates.runtime.stats import AttnStats, Phase
+
+
+def global_keep(
+    scores: list[torch.Tensor], valid: list[torch.Tensor], forced: list[torch.Tensor], positions: list[torch.Tensor], total: int
+) -> list[torch.Tensor]:
+    """Keep masks per layer: the forced slots plus the best-scoring others over *all* layers and heads, so that
+    each sequence keeps ``total`` tokens in all (ties: more recent first)."""
+    b = scores[0].shape[0]
+
+    def flat(ts: list[torch.Tensor]) -> torch.Tensor:  # [B, 1, all slots of all layers and heads]
+        return torch.cat([t.reshape(b, 1, -1) for t in ts], dim=-1)
+
+    all_valid, all_forced = flat(valid), flat(forced) & flat(valid)
+    room = (total - all_forced.sum(-1)).clamp(min=0)
+    keep = all_forced | topk_mask(flat(scores), room, all_valid & ~all_forced, flat(positions))
+    out, start = [], 0
+    for s in scores:
+        n = s[0].numel()
+        out.append(keep[:, 0, start : start + n].reshape(s.shape))
+        start += n
+    return out
+
+
+@register_policy
+@dataclass
+class TrimKVGlobal(TrimKV):
+    """Global TRIM-KV (DBTrimKV, "Make Each Token Count", 2026): one top-k across layers and heads.
+
+    With global retention gates (a final projection and bias shared by all layers) scores are comparable
+    everywhere, so after each forward the cache keeps the ``budget * N_layers * H_kv`` tokens with the highest
+    ``(t - pos) * log_beta`` over every (layer, head, token), with at least ``min_per_head`` (and the recent
+    ``window``) per head. Layers and heads end up with different sizes; storage follows them (ragged heads).
+
+    Args:
+        budget: average tokens per KV head (the global budget is this times layers times KV heads).
+        gates: ``GlobalRetentionGates`` (per-layer ``RetentionGates`` are accepted for ablations).
+        min_per_head: tokens every head keeps whatever its scores.
+        buffer: evict only when the total exceeds the global budget by more than this.
+        window: recent tokens every head always keeps.
+    """
+
+    name = "trimkv-global"
+    ragged_heads = True
+
+    min_per_head: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_per_head < 0:
+            raise ValueError(f"{self.name}: min_per_head must be >= 0, got {self.min_per_head}")
+
+    def decide(self, layer, stats: AttnStats) -> torch.Tensor | None:
+        return None  # decided for all layers at once in on_forward_end
+
+    def on_forward_end(self, cache, phase: Phase) -> None:
+        layers = cache.budget_layers
+        total = self.budget * len(layers) * layers[0].num_kv_heads
+        held = sum(layer.held().sum(-1) for layer in layers)  # [B]
+        if int(held.max()) <= total + self.buffer:
+            return
+        scores, valid, forced, positions = [], [], [], []
+        for layer in layers:
+            s, window = self.score(layer, None)
+            scores.append(s)
+            valid.append(layer.valid)
+            forced.append(window | topk_mask(s, self.min_per_head, layer.valid, layer.pos))
+            positions.append(layer.pos)
+        for layer, keep in zip(layers, global_keep(scores, valid, forced, positions, total)):
+            layer.head_budgets = keep.sum(-1)
+            layer.budget = int(layer.head_budgets.max())
+            layer.evict(keep, slack=self.decode_slack)
+

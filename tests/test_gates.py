@@ -1,0 +1,270 @@
+"""Learned eviction: gate modules, TRIM-KV / global TRIM-KV / Locret policies, and the gate adapter format."""
+
+import json
+
+import brute
+import pytest
+import torch
+from fake_hub import FakeHub
+from transformers import DynamicCache
+from helpers import make_layer, random_positions, save_tiny_checkpoint, teacher_forced_logits, tiny_model
+
+import kvgates
+from kvgates import AdapterError, BudgetCache, GateSet, GlobalRetentionGates, RetainingHeads, RetentionGates
+from kvgates.policies import Locret, TrimKV, TrimKVGlobal
+from kvgates.policies.trimkv_global import global_keep
+from kvgates.runtime.stats import AttnStats, Phase
+
+KINDS = [RetentionGates, GlobalRetentionGates, RetainingHeads]
+
+
+def zero_log_beta(gates):
+    """Gates whose log beta is exactly 0 everywhere (beta = 1: keep everything)."""
+    with torch.no_grad():
+        for p in gates.parameters():
+            p.zero_()
+        for name, p in gates.named_parameters():
+            if name.endswith("bias") and p.shape[-1] == gates.config.num_kv_heads:
+                p.fill_(1e4)
+    return gates
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    return tiny_model("llama")
+
+
+# ------------------------------------------------------------------------------------------------ modules
+@pytest.mark.parametrize("cls", KINDS)
+def test_fresh_gates_match_the_model(tiny_pair, cls):
+    _, model = tiny_pair
+    gates = cls.for_model(model, training_budget=64)
+    assert gates.config.layer_ids == [0, 1, 2] and gates.config.fingerprint == kvgates.model_fingerprint(model)
+    hidden = torch.randn(2, 5, 64)
+    captured = (torch.randn(2, 5, 64), torch.randn(2, 5, 32), torch.randn(2, 5, 32)) if cls is RetainingHeads else hidden
+    out = gates(1, captured)
+    assert out.shape == (2, 5, 2)
+    if cls is not RetainingHeads:
+        assert torch.all(out <= 0) and torch.all(out > -1e-6)  # init bias 18: beta ~ 1
+
+
+def test_zero_log_beta_with_room_reproduces_full_cache(tiny_pair):
+    ref, model = tiny_pair
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    expected = teacher_forced_logits(ref, DynamicCache(config=ref.config), ids, 24)
+    for cls, name in [(RetentionGates, "trimkv"), (GlobalRetentionGates, "trimkv-global")]:
+        gates = zero_log_beta(cls.for_model(model))
+        with kvgates.make_policy(name, budget=64, gates=gates).attach(model) as policy:
+            cache = BudgetCache(model.config, policy)
+            got = teacher_forced_logits(model, cache, ids, 24)
+            assert torch.all(cache.budget_layers[0].state["log_beta"][cache.budget_layers[0].valid] == 0)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_gate_scores_are_computed_from_the_layers_own_inputs(tiny_pair):
+    """The log beta stored per slot is the gate applied to that token's normed hidden state."""
+    _, model = tiny_pair
+    gates = RetentionGates.for_model(model, init_bias=0.0)
+    ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), TrimKV(budget=64, gates=gates).attach(model) as policy:
+        cache = BudgetCache(model.config, policy)
+        out = model(ids, past_key_values=cache, output_hidden_states=True)
+        for layer_idx in range(3):
+            normed = model.model.layers[layer_idx].input_layernorm(out.hidden_states[layer_idx])
+            expected = gates(layer_idx, normed)[0].T  # [H_kv, T]
+            layer = cache.layers[layer_idx]
+            got = torch.gather(layer.state["log_beta"][0], 1, torch.argsort(layer.pos[0], -1))
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_retaining_heads_read_raw_qkv(tiny_pair):
+    _, model = tiny_pair
+    heads = RetainingHeads.for_model(model)
+    ids = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), Locret(budget=64, gates=heads, stabilizers=2, local=2).attach(model) as policy:
+        cache = BudgetCache(model.config, policy)
+        out = model(ids, past_key_values=cache, output_hidden_states=True)
+        attn = model.model.layers[2].self_attn
+        normed = model.model.layers[2].input_layernorm(out.hidden_states[2])
+        expected = heads(2, (attn.q_proj(normed), attn.k_proj(normed), attn.v_proj(normed)))[0].T
+        torch.testing.assert_close(cache.layers[2].state["locret_score"][0, :, :10], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_hooks_are_removed_on_detach(tiny_pair):
+    _, model = tiny_pair
+    before = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    policy = TrimKV(budget=8, gates=RetentionGates.for_model(model)).attach(model)
+    assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == before + 3
+    policy.detach()
+    assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == before
+
+
+def test_unattached_policy_fails_clearly(tiny_pair):
+    _, model = tiny_pair
+    policy = TrimKV(budget=8, gates=RetentionGates.for_model(model))
+    with pytest.raises(RuntimeError, match="call policy.attach\\(model\\)"):
+        model(torch.randint(1, 128, (1, 4)), past_key_values=BudgetCache(model.config, policy))
+
+
+# ------------------------------------------------------------------------------------------------ decisions
+def _stats():
+    return AttnStats(phase=Phase.DECODE, q_len=1, new_slots=torch.zeros(2, 3, 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("window", [0, 3])
+def test_trimkv_decisions_match_brute_force(tiny_pair, seed, window):
+    _, model = tiny_pair
+    policy = TrimKV(budget=9, window=window, gates=RetentionGates.for_model(model))
+    layer = make_layer(policy, random_positions(2, 3, 24, held=18, seed=seed))
+    layer.state["log_beta"] = -torch.rand(2, 3, 24, generator=torch.Generator().manual_seed(seed))
+    keep = policy.select(layer, _stats(), 9)
+    t = layer.pos.amax(dim=(1, 2))
+    for b in range(2):
+        for h in range(3):
+            lbs = {int(p): float(x) for p, x in zip(layer.pos[b, h].tolist(), layer.state["log_beta"][b, h].tolist()) if p >= 0}
+            assert set(layer.pos[b, h][keep[b, h]].tolist()) == brute.trimkv(lbs, int(t[b]), 9, window)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("window,min_per_head", [(0, 1), (2, 3)])
+def test_trimkv_global_decisions_match_brute_force(seed, window, min_per_head):
+    g = torch.Generator().manual_seed(seed)
+    layers = [random_positions(2, 3, 20, held=int(torch.randint(5, 20, (1,), generator=g)), seed=seed * 10 + i) for i in range(3)]
+    log_beta = [-torch.rand(2, 3, 20, generator=g) for _ in range(3)]
+    t = torch.stack([p.amax(dim=(1, 2)) for p in layers]).amax(0)
+    scores = [torch.where(p >= 0, (t[:, None, None] - p) * lb, torch.full_like(lb, float("-inf"))) for p, lb in zip(layers, log_beta)]
+    from kvgates.policies.base import topk_mask
+
+    forced = []
+    for p, s in zip(layers, scores):
+        valid = p >= 0
+        recent = topk_mask(p, window, valid)
+        forced.append(recent | topk_mask(s, min_per_head, valid, p))
+    keeps = global_keep(scores, [p >= 0 for p in layers], forced, layers, total=30)
+    for b in range(2):
+        heads = [({int(q): float(x) for q, x in zip(p[b, h].tolist(), lb[b, h].tolist()) if q >= 0}, int(t[b]))
+                 for p, lb in zip(layers, log_beta) for h in range(3)]
+        expected = brute.trimkv_global(heads, 30, window, min_per_head)
+        got = [set(p[b, h][k[b, h]].tolist()) for p, k in zip(layers, keeps) for h in range(3)]
+        assert got == expected
+
+
+def test_trimkv_global_runs_within_the_global_budget(tiny_pair):
+    _, model = tiny_pair
+    gates = GlobalRetentionGates.for_model(model, init_bias=0.0)
+    with torch.no_grad():
+        gates.shared.bias.copy_(torch.tensor([4.0, -4.0]))  # KV head 0 retains, head 1 forgets fast
+    with TrimKVGlobal(budget=8, gates=gates, min_per_head=2).attach(model) as policy:
+        cache = BudgetCache(model.config, policy)
+        teacher_forced_logits(model, cache, torch.randint(1, 128, (2, 50), generator=torch.Generator().manual_seed(3)), 30)
+    held = cache.held_tokens()  # [layers, B, H_kv]
+    assert int(held.sum((0, 2)).max()) <= 8 * 3 * 2 and int(held.min()) >= 2
+    assert all(len(set(layer.caps)) > 1 for layer in cache.budget_layers)  # ragged: storage follows the allocation
+    assert bool((held[:, :, 0] > held[:, :, 1]).all())
+
+
+def test_locret_with_chunked_prefill(tiny_pair):
+    _, model = tiny_pair
+    with Locret(budget=12, gates=RetainingHeads.for_model(model), stabilizers=3, local=4).attach(model) as policy:
+        out = model.generate(
+            torch.randint(1, 128, (1, 60), generator=torch.Generator().manual_seed(4)),
+            past_key_values=(cache := BudgetCache(model.config, policy)), prefill_chunk_size=16, max_new_tokens=5, do_sample=False,
+        )
+    assert out.shape[1] == 65
+    assert int(cache.held_tokens().max()) <= 12 + 4  # the last chunk's eviction, then 4 decode tokens appended
+
+
+# ------------------------------------------------------------------------------------------------ adapter format
+@pytest.mark.parametrize("cls", KINDS)
+def test_save_load_round_trip_is_bit_exact(tiny_pair, tmp_path, cls):
+    _, model = tiny_pair
+    gates = cls.for_model(model, training_budget=64)
+    gates.config.results["needle@64"] = "7/10"
+    gates.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    loaded = GateSet.from_pretrained(tmp_path)
+    assert type(loaded) is cls and loaded.config == gates.config
+    for (n1, a), (n2, b) in zip(gates.state_dict().items(), loaded.state_dict().items()):
+        assert n1 == n2 and torch.equal(a, b)
+    card = (tmp_path / "README.md").read_text()
+    assert "base_model:" in card and "needle@64" in card
+
+
+def test_push_and_pull_through_a_local_hub(tiny_pair, tmp_path, monkeypatch):
+    _, model = tiny_pair
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    gates = RetentionGates.for_model(model)
+    with FakeHub() as hub:
+        url = gates.push_to_hub("team/tiny-trimkv", endpoint=hub.url, token="hf_test")
+        assert "/team/tiny-trimkv/commit/" in url
+        assert sorted(hub.repos["team/tiny-trimkv"]) == ["README.md", "config.json", "model.safetensors"]
+        pulled = RetentionGates.from_pretrained("team/tiny-trimkv", endpoint=hub.url, token="hf_test")
+        assert hub.unhandled == []
+    assert all(torch.equal(a, b) for a, b in zip(gates.state_dict().values(), pulled.state_dict().values()))
+
+
+def test_unreachable_hub_id_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with FakeHub() as hub, pytest.raises(AdapterError, match="could not be fetched from the Hub"):
+        GateSet.from_pretrained("nobody/missing", endpoint=hub.url)
+
+
+def test_fingerprint_mismatch_is_refused(tiny_pair):
+    _, model = tiny_pair
+    _, other = tiny_model("llama", seed=1)  # same shapes, other weights
+    gates = RetentionGates.for_model(model)
+    with pytest.raises(AdapterError, match="trained for .* not for this model"):
+        TrimKV(budget=8, gates=gates).attach(other)
+    TrimKV(budget=8, gates=gates, strict=False).attach(other).detach()  # same shapes: allowed when asked
+    _, wider = tiny_model("llama", num_key_value_heads=4)
+    with pytest.raises(AdapterError, match="do not fit"):
+        TrimKV(budget=8, gates=gates, strict=False).attach(wider)
+
+
+def test_wrong_kind_for_policy(tiny_pair):
+    _, model = tiny_pair
+    with pytest.raises(ValueError, match="locret needs retaining-head gates"):
+        Locret(budget=64, gates=RetentionGates.for_model(model))
+    with pytest.raises(ValueError, match="gates are required"):
+        TrimKV(budget=64)
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:200]), "truncated or corrupt"),
+        (lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 64), "truncated or corrupt"),
+        (lambda d: (d / "config.json").write_text("{not json"), "not valid JSON"),
+        (lambda d: (d / "config.json").unlink(), "has no config.json"),
+        (lambda d: (d / "model.safetensors").unlink(), "has no model.safetensors"),
+        (lambda d: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "kind": "magic"})), "gate kind 'magic'"),
+        (lambda d: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "gate_hidden": 7})), "has shape"),
+        (lambda d: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "version": 99})), "format version 99"),
+        (lambda d: (d / "config.json").write_text(json.dumps({"kind": "retention"})), "lacks"),
+    ],
+)
+def test_damaged_adapters_give_clear_errors(tiny_pair, tmp_path, damage, message):
+    _, model = tiny_pair
+    RetentionGates.for_model(model).save_pretrained(tmp_path)
+    damage(tmp_path)
+    with pytest.raises(AdapterError, match=message):
+        GateSet.from_pretrained(tmp_path)
+
+
+def test_loading_never_unpickles(tiny_pair, tmp_path, monkeypatch):
+    _, model = tiny_pair
+    RetentionGates.for_model(model).save_pretrained(tmp_path)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load (pickle) was called"))
+    GateSet.from_pretrained(tmp_path)
+
+
+def test_cli_generate_with_gates(tmp_path, capsys):
+    from kvgates.cli import main
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "model")
+    model, _ = kvgates.load_model(str(checkpoint))
+    RetentionGates.for_model(model, training_budget=16).save_pretrained(tmp_path / "gates")
+    code = main(["generate", "--model", str(checkpoint), "--policy", "trimkv", "--budget", "16",
+                 "--gates", str(tmp_path / "gates"), "--prompt", "the lazy dog sleeps " * 6, "--max-new-tokens", "4"])
+    assert code == 0 and "policy=trimkv" in capsys.readouterr().err
