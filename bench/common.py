@@ -62,6 +62,22 @@ def timed(fn, device, repeats: int = 1) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def time_decode(model, cache, ids: torch.Tensor, steps: int, device, before_timing=None) -> float:
+    """Prefill ``ids`` into ``cache``, run one warm-up decode step, call ``before_timing()`` if given, then
+    return the seconds taken by ``steps`` greedy decode steps."""
+    with torch.no_grad():
+        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+        if before_timing is not None:
+            before_timing()
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+        sync(device)
+    return time.perf_counter() - start
+
+
 def device_name(device: str) -> str:
     if str(device).startswith("cuda"):
         return torch.cuda.get_device_name()

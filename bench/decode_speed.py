@@ -9,10 +9,9 @@ greedy decode steps. Prints tokens/s and the ratio to DynamicCache + sdpa measur
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-from common import add_model_args, device_name, essay_ids, load, sync
+from common import add_model_args, device_name, essay_ids, load, time_decode
 from transformers import DynamicCache
 
 import kvgates
@@ -20,16 +19,7 @@ import kvgates
 
 def decode_rate(model, cache, ids: torch.Tensor, steps: int, device) -> float:
     """Tokens/s of ``steps`` decode steps after prefilling ``ids`` (prefill not timed)."""
-    with torch.no_grad():
-        logits = model(ids, past_key_values=cache).logits[:, -1:]
-        token = logits.argmax(-1)
-        model(token, past_key_values=cache)  # warm-up step
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
-        sync(device)
-    return steps / (time.perf_counter() - start)
+    return steps / time_decode(model, cache, ids, steps, device)
 
 
 def main() -> None:

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import time
 
-import torch
-from common import add_model_args, device_name, essay_ids, load, sync
+from common import add_model_args, device_name, essay_ids, load, time_decode
 from policy_overhead import Stopwatch
 
 import kvgates
@@ -40,16 +38,11 @@ def main() -> None:
         policy = kvgates.make_policy(name, budget=args.budget, gates=gates, gate_dtype=gate_dtype, **extra).attach(model)
         cache = kvgates.BudgetCache(model.config, policy)
         clock = Stopwatch(args.device)
-        with torch.no_grad():
-            token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
-            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+
+        def instrument(policy=policy, clock=clock) -> None:
             policy.new_token_scores = clock.wrap(policy.new_token_scores)
-            sync(args.device)
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
-            sync(args.device)
-            total = time.perf_counter() - start
+
+        total = time_decode(model, cache, ids, args.steps, args.device, instrument)
         policy.detach()
         params = sum(p.numel() for p in gates.parameters())
         step, gate = 1e3 * total / args.steps, 1e3 * clock.total / args.steps

@@ -32,6 +32,25 @@ def trace(model, cache, ids, tokens: int, every: int, size) -> tuple[list[int], 
     return sizes, held
 
 
+def plot(columns: dict[str, list[int]], every: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, sizes in columns.items():
+        ax.plot([(i + 1) * every for i in range(len(sizes))], [s / 2**20 for s in sizes], marker="o", label=name)
+    ax.set_xlabel("generated tokens")
+    ax.set_ylabel("KV cache (MiB)")
+    ax.set_title("KV memory during generation")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
@@ -40,6 +59,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=128)
     parser.add_argument("--every", type=int, default=250)
     parser.add_argument("--policies", nargs="+", default=["streaming_llm", "h2o", "tova", "morphkv"])
+    parser.add_argument("--plot", help="also save the curves to this PNG file")
     args = parser.parse_args()
     model, tokenizer = load(args)
     ids = essay_ids(tokenizer, args.prompt, args.device)
@@ -55,6 +75,9 @@ def main() -> None:
     for i in range(len(columns[names[0]])):
         row = "  ".join(f"{columns[n][i] / 2**20:18.2f}" for n in names)
         print(f"{(i + 1) * args.every:9d}  {row}")
+    if args.plot:
+        plot(columns, args.every, args.plot)
+        print(f"plot: {args.plot}")
     base = columns["DynamicCache"][-1]
     for n in names[1:]:
         flat = "flat" if len(set(columns[n])) == 1 else "NOT flat"

@@ -12,8 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-from common import add_model_args, device_name, essay_ids, load, sync
+from common import add_model_args, device_name, essay_ids, load, sync, time_decode
 
 import kvgates
 
@@ -41,19 +40,14 @@ class Stopwatch:
 def measure(model, policy_name: str, budget: int, ids, steps: int, device) -> tuple[float, float, float]:
     """(ms per step, ms in policy.step per step, ms in evictions per step)."""
     cache = kvgates.BudgetCache(model.config, policy_name, budget=budget)
-    with torch.no_grad():
-        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
-        token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
-        policy_clock, evict_clock = Stopwatch(device), Stopwatch(device)
+    policy_clock, evict_clock = Stopwatch(device), Stopwatch(device)
+
+    def instrument() -> None:  # after the prompt, so only decode steps are counted
         cache.policy.step = policy_clock.wrap(cache.policy.step)
         for layer in cache.budget_layers:
             layer.evict = evict_clock.wrap(layer.evict)
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
-        sync(device)
-        total = time.perf_counter() - start
+
+    total = time_decode(model, cache, ids, steps, device, instrument)
     return 1e3 * total / steps, 1e3 * policy_clock.total / steps, 1e3 * evict_clock.total / steps
 
 

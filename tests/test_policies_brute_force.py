@@ -109,3 +109,20 @@ def test_tova(seed, per_head):
         for h in range(HKV):
             scores = head_scores(layer, rows[:, :, 0], b, h) if per_head else shared
             assert kept_positions(layer, keep, b, h) == brute.tova(scores, budget)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_single_drop_fast_path_matches_full_ranking(seed):
+    """With at most one slot too many per row (every decode step), topk_mask skips sorting; same decisions."""
+    from kvgates.policies.base import topk_mask
+
+    g = torch.Generator().manual_seed(seed)
+    pos = random_positions(B, HKV, C, held=12, seed=seed)
+    valid = pos >= 0
+    scores = torch.randint(0, 4, (B, HKV, C), generator=g).float()  # many ties
+    k = torch.tensor([[11, 12, 13], [11, 11, 12]])  # drop one, none, none / one, one, none
+    keep = topk_mask(scores, k, valid, pos)
+    for b in range(B):
+        for h in range(HKV):
+            s = {int(p): float(x) for p, x in zip(pos[b, h].tolist(), scores[b, h].tolist()) if p >= 0}
+            assert {int(p) for p in pos[b, h][keep[b, h]].tolist()} == brute.top_by_score(s, int(k[b, h]), set())

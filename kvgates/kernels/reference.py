@@ -154,16 +154,25 @@ def column_sums(
 ) -> torch.Tensor:
     """Sum over the (valid) query rows of their attention probabilities per slot, ``[B, H, C]`` float32.
 
-    The rows are processed ``block`` at a time, so at most ``block x C`` probabilities per head exist at once.
+    The rows are processed ``block`` at a time, so at most ``block x C`` probabilities per head exist at once;
+    the masked softmax and the row sum run in place on that block.
     """
     b, h, n, _ = q.shape
-    total = q.new_zeros((b, h, k.shape[2]), dtype=torch.float32)
+    hkv = k.shape[1]
+    total = q.new_zeros((b, hkv, h // hkv, k.shape[2]), dtype=torch.float32)
+    # Padded rows see every held slot (finite values) and then weigh nothing.
+    q_pos = torch.where(q_valid, q_pos, torch.full_like(q_pos, torch.iinfo(q_pos.dtype).max))
+    weight = q_valid.to(torch.float32)
+    held = (slot_pos >= 0)[:, :, None, :]
     for start in range(0, n, block):
         stop = min(n, start + block)
-        probs = attention_probs(q[:, :, start:stop], k, slot_pos, q_pos[:, start:stop], scale)
-        weight = q_valid[:, None, start:stop, None].to(probs.dtype)
-        total += (probs * weight).sum(2)
-    return total
+        scores = _grouped_scores(q[:, :, start:stop], k, scale)  # [B, H_kv, G, r, C]
+        visible = held & (slot_pos[:, :, None, :] <= q_pos[:, None, start:stop, None])
+        scores.masked_fill_(~visible[:, :, None], float("-inf"))
+        scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+        scores.div_(scores.sum(-1, keepdim=True))
+        total += torch.einsum("bkgrc,br->bkgc", scores, weight[:, start:stop])
+    return total.nan_to_num_(0.0).reshape(b, h, -1)
 
 
 def pool_by_position(scores: torch.Tensor, slot_pos: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:

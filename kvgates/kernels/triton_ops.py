@@ -60,6 +60,14 @@ def _num_programs_target(device: torch.device) -> int:
     return 4
 
 
+@triton.jit
+def _program_head(pid, H, G, OFFS, CAPS):
+    """(batch, KV head, flat offset, capacity) of a program that handles one KV head of one sequence."""
+    hkv = H // G
+    h = pid % hkv
+    return (pid // hkv).to(tl.int64), h, tl.load(OFFS + h).to(tl.int64), tl.load(CAPS + h)
+
+
 # ---------------------------------------------------------------------------------------------- decode attention
 @triton.jit
 def _decode_partial(
@@ -68,13 +76,8 @@ def _decode_partial(
     sqb, sqh, skb, sks, svb, svs, spb, sph, slb, slh, smb, smh, sob, soh, sos,
     G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    b, h, off, cap = _program_head(tl.program_id(0), H, G, OFFS, CAPS)
     split = tl.program_id(1)
-    hkv = H // G
-    b = (pid // hkv).to(tl.int64)
-    h = pid % hkv
-    off = tl.load(OFFS + h).to(tl.int64)
-    cap = tl.load(CAPS + h)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, BLOCK_D)
     gm = g < G
@@ -230,13 +233,8 @@ def _window_row_stats(
     sqb, sqh, sqw, skb, sks, spb, sph, sqpb, smb, smh,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    b, h, off, cap = _program_head(tl.program_id(0), H, G, OFFS, CAPS)
     rb = tl.program_id(1)
-    hkv = H // G
-    b = (pid // hkv).to(tl.int64)
-    h = pid % hkv
-    off = tl.load(OFFS + h).to(tl.int64)
-    cap = tl.load(CAPS + h)
     r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < G * W
     gi = r // W
@@ -271,13 +269,8 @@ def _window_columns(
     sqb, sqh, sqw, skb, sks, spb, sph, sqpb, smb, smh, sob, soh,
     MEAN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    b, h, off, cap = _program_head(tl.program_id(0), H, G, OFFS, CAPS)
     nb = tl.program_id(1)
-    hkv = H // G
-    b = (pid // hkv).to(tl.int64)
-    h = pid % hkv
-    off = tl.load(OFFS + h).to(tl.int64)
-    cap = tl.load(CAPS + h)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < cap
     d = tl.arange(0, BLOCK_D)

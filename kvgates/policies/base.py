@@ -87,6 +87,27 @@ class Policy:
             )
         return self.budget
 
+    def _at_least(self, minimum: float, *names: str) -> None:
+        """Each named parameter must be at least ``minimum``."""
+        for field_name in names:
+            value = getattr(self, field_name)
+            if value < minimum:
+                raise ValueError(f"{self.name}: {field_name} must be >= {minimum}, got {value!r}")
+
+    def _one_of(self, field_name: str, choices: tuple[str, ...]) -> None:
+        """The named parameter must be one of ``choices``."""
+        value = getattr(self, field_name)
+        if value not in choices:
+            raise ValueError(f"{self.name}: {field_name} must be one of {choices}, got {value!r}")
+
+    def _observation_window(self) -> None:
+        """Checks shared by window-scored policies: ``window``, ``kernel`` (odd) and ``pooling``."""
+        self._at_least(1, "window")
+        self._require_budget(self.window, f"the observation window ({self.window})")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"{self.name}: pooling kernel must be a positive odd number, got {self.kernel}")
+        self._one_of("pooling", ("max", "avg"))
+
     # -- runtime hooks
     def attach(self, model: Any) -> "Policy":
         """Prepare to run on ``model`` (learned policies hook their gate inputs here); heuristics need nothing."""
@@ -183,6 +204,10 @@ def topk_mask(
     if kmax == 0:
         return torch.zeros_like(candidates)
     s = scores.double() if not scores.is_floating_point() else scores
+    if positions is not None:
+        excess = candidates.sum(-1) - k_t
+        if int(excess.max()) <= 1:  # the decode case: drop at most one slot per row, no sort needed
+            return candidates & ~_worst_slot(s, candidates, positions, excess > 0)
     s = s.masked_fill(~candidates, float("-inf"))
     if positions is None:
         idx = s.topk(kmax, dim=-1).indices
@@ -192,6 +217,15 @@ def topk_mask(
         idx = by_recency.gather(-1, ranked)
     take = torch.arange(kmax, device=scores.device) < k_t[..., None]
     return torch.zeros_like(candidates).scatter(-1, idx, take) & candidates
+
+
+def _worst_slot(scores: torch.Tensor, candidates: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """One-hot mask of the lowest-scoring candidate of each selected row (ties: the oldest token), i.e. what the
+    full ranking of ``topk_mask`` would leave out when it keeps all candidates but one."""
+    s = scores.masked_fill(~candidates, float("inf"))
+    tied = candidates & (s == s.amin(-1, keepdim=True))
+    oldest = positions.masked_fill(~tied, torch.iinfo(positions.dtype).max).argmin(-1, keepdim=True)
+    return torch.zeros_like(candidates).scatter(-1, oldest, rows[..., None])
 
 
 def recent_mask(layer: "BudgetLayer", n: int) -> torch.Tensor:

@@ -82,10 +82,8 @@ class D2O(Policy):
             raise ValueError(f"{self.name}: heavy:recent must be non-negative and not both 0, got {self.heavy}:{self.recent}")
         if not 0.0 < self.beta <= 1.0:
             raise ValueError(f"{self.name}: beta must be in (0, 1], got {self.beta}")
-        if self.merge_rule not in MERGE_RULES:
-            raise ValueError(f"{self.name}: merge_rule must be one of {MERGE_RULES}, got {self.merge_rule!r}")
-        if self.group_reduce not in GROUP_REDUCTIONS:
-            raise ValueError(f"{self.name}: group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
+        self._one_of("merge_rule", MERGE_RULES)
+        self._one_of("group_reduce", GROUP_REDUCTIONS)
 
     def stats_request(self, phase: Phase) -> StatsRequest:
         return StatsRequest(colsum=True, reduce=self.group_reduce)

@@ -62,19 +62,9 @@ class DynamicKV(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window < 1:
-            raise ValueError(f"{self.name}: window must be >= 1, got {self.window}")
-        self._require_budget(self.window, f"the observation window ({self.window})")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"{self.name}: pooling kernel must be a positive odd number, got {self.kernel}")
-        if self.pooling not in ("max", "avg"):
-            raise ValueError(f"{self.name}: pooling must be 'max' or 'avg', got {self.pooling!r}")
-        if self.r_max < 1:
-            raise ValueError(f"{self.name}: r_max must be >= 1, got {self.r_max}")
-        if self.update_every < 1:
-            raise ValueError(f"{self.name}: update_every must be >= 1, got {self.update_every}")
-        if self.group_reduce not in GROUP_REDUCTIONS:
-            raise ValueError(f"{self.name}: group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
+        self._observation_window()
+        self._at_least(1, "r_max", "update_every")
+        self._one_of("group_reduce", GROUP_REDUCTIONS)
 
     def stats_request(self, phase: Phase) -> StatsRequest:
         return StatsRequest(window=self.window, reduce=self.group_reduce) if phase is Phase.PREFILL else StatsRequest()

@@ -39,11 +39,9 @@ class H2O(Policy):
         budget = self._require_budget()
         if self.recent is None:
             self.recent = budget // 2
-        if self.recent < 0:
-            raise ValueError(f"{self.name}: recent must be >= 0, got {self.recent}")
+        self._at_least(0, "recent")
         self._require_budget(self.recent, f"the recent window ({self.recent})")
-        if self.group_reduce not in GROUP_REDUCTIONS:
-            raise ValueError(f"{self.name}: group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
+        self._one_of("group_reduce", GROUP_REDUCTIONS)
 
     def stats_request(self, phase: Phase) -> StatsRequest:
         return StatsRequest(colsum=True, reduce=self.group_reduce)

@@ -84,18 +84,15 @@ class KVMerger(Policy):
         budget = self._require_budget()
         if self.heavy is None:
             self.heavy = max(1, budget // 8)
-        if self.window < 0 or self.heavy < 0:
-            raise ValueError(f"{self.name}: window and heavy must be >= 0, got {self.window}, {self.heavy}")
+        self._at_least(0, "window", "heavy")
         # With every run merged into one token, a head holds at most heavy + window + (heavy + 1) tokens.
         self._require_budget(2 * self.heavy + self.window, f"2 * heavy + window ({2 * self.heavy + self.window})")
         if self.epsilon is not None and not -1.0 <= self.epsilon <= 1.0:
             raise ValueError(f"{self.name}: epsilon is a cosine similarity in [-1, 1], got {self.epsilon}")
         if self.sigma is not None and self.sigma <= 0:
             raise ValueError(f"{self.name}: sigma must be positive, got {self.sigma}")
-        if self.group_reduce not in GROUP_REDUCTIONS:
-            raise ValueError(f"{self.name}: group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
-        if self.grid < 2:
-            raise ValueError(f"{self.name}: grid must be >= 2, got {self.grid}")
+        self._one_of("group_reduce", GROUP_REDUCTIONS)
+        self._at_least(2, "grid")
 
     def stats_request(self, phase: Phase) -> StatsRequest:
         return StatsRequest(colsum=True, reduce=self.group_reduce) if phase is Phase.PREFILL else StatsRequest()

@@ -46,8 +46,7 @@ class Locret(LearnedPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.stabilizers < 0 or self.local < 0:
-            raise ValueError(f"{self.name}: stabilizers and local must be >= 0, got {self.stabilizers}, {self.local}")
+        self._at_least(0, "stabilizers", "local")
         protected = max(self.stabilizers, self.local)
         self._require_budget(protected, f"the protected recent tokens (max(stabilizers, local) = {protected})")
         self.evicts_in = frozenset({Phase.PREFILL, Phase.DECODE}) if self.decode_evict else frozenset({Phase.PREFILL})

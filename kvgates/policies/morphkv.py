@@ -52,13 +52,9 @@ class MorphKV(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.recent < 1:
-            raise ValueError(f"{self.name}: recent must be >= 1, got {self.recent}")
+        self._at_least(1, "recent", "evict_every")
         self._require_budget(self.recent, f"the recent window ({self.recent})")
-        if self.fusion not in ("sum", "max"):
-            raise ValueError(f"{self.name}: fusion must be 'sum' or 'max', got {self.fusion!r}")
-        if self.evict_every < 1:
-            raise ValueError(f"{self.name}: evict_every must be >= 1, got {self.evict_every}")
+        self._one_of("fusion", ("sum", "max"))
 
     def stats_request(self, phase: Phase) -> StatsRequest:
         return StatsRequest(rows=self.recent if phase is Phase.PREFILL else 1, reduce="sum")

@@ -49,8 +49,7 @@ class PyramidKV(SnapKV):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.beta < 1:
-            raise ValueError(f"{self.name}: beta must be >= 1, got {self.beta}")
+        self._at_least(1, "beta")
 
     def layer_budget(self, layer, stats: AttnStats) -> int:
         if stats.phase is Phase.DECODE and layer.budget is not None:

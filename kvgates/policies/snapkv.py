@@ -49,17 +49,9 @@ class SnapKV(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window < 1:
-            raise ValueError(f"{self.name}: window must be >= 1, got {self.window}")
-        self._require_budget(self.window, f"the observation window ({self.window})")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"{self.name}: pooling kernel must be a positive odd number, got {self.kernel}")
-        if self.pooling not in ("max", "avg"):
-            raise ValueError(f"{self.name}: pooling must be 'max' or 'avg', got {self.pooling!r}")
-        if self.group_reduce not in GROUP_REDUCTIONS:
-            raise ValueError(f"{self.name}: group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
-        if self.decode_every < 1:
-            raise ValueError(f"{self.name}: decode_every must be >= 1, got {self.decode_every}")
+        self._observation_window()
+        self._one_of("group_reduce", GROUP_REDUCTIONS)
+        self._at_least(1, "decode_every")
         self.evicts_in = frozenset({Phase.PREFILL, Phase.DECODE}) if self.decode else frozenset({Phase.PREFILL})
 
     def stats_request(self, phase: Phase) -> StatsRequest:

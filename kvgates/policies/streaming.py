@@ -32,8 +32,7 @@ class StreamingLLM(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.sinks < 0:
-            raise ValueError(f"{self.name}: sinks must be >= 0, got {self.sinks}")
+        self._at_least(0, "sinks")
         self._require_budget(self.sinks, f"sinks={self.sinks}")
 
     def score(self, layer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,8 +47,7 @@ class TrimKV(LearnedPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.buffer < 0 or self.window < 0:
-            raise ValueError(f"{self.name}: buffer and window must be >= 0, got {self.buffer}, {self.window}")
+        self._at_least(0, "buffer", "window")
         self._require_budget(self.window, f"the recent window ({self.window})")
 
     def slot_state(self) -> dict[str, SlotState]:

@@ -57,8 +57,7 @@ class TrimKVGlobal(TrimKV):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.min_per_head < 0:
-            raise ValueError(f"{self.name}: min_per_head must be >= 0, got {self.min_per_head}")
+        self._at_least(0, "min_per_head")
 
     def decide(self, layer, stats: AttnStats) -> torch.Tensor | None:
         return None  # decided for all layers at once in on_forward_end

@@ -178,8 +178,7 @@ class Merge(Wrapper):
         super().__post_init__()
         if not 0.0 < self.beta <= 1.0:
             raise ValueError(f"{self.name}: beta must be in (0, 1], got {self.beta}")
-        if self.merge_rule not in MERGE_RULES:
-            raise ValueError(f"{self.name}: merge_rule must be one of {MERGE_RULES}, got {self.merge_rule!r}")
+        self._one_of("merge_rule", MERGE_RULES)
 
     def decide(self, layer, stats: AttnStats) -> torch.Tensor | None:
         keep = self.inner.decide(layer, stats)

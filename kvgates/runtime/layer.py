@@ -83,6 +83,7 @@ class BudgetLayer(CacheLayerMixin):
         self.head_budgets: torch.Tensor | None = None
         self.num_heads = 0
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._derived: dict[str, Any] = {}  # layout-derived tensors and state views, dropped when storage changes
 
     def __repr__(self) -> str:
         return f"BudgetLayer(layer={self.layer_idx}, caps={self.caps}, seen={self.seen})"
@@ -104,11 +105,17 @@ class BudgetLayer(CacheLayerMixin):
         init = [spec.init for spec in specs.values() for _ in range(spec.size)]
         self.state_init = torch.tensor(init, dtype=torch.float32, device=self.device)
         self.slot_data = torch.zeros((b, hkv, 0, offset), dtype=torch.float32, device=self.device)
+        self._derived = {}
         self.is_initialized = True
 
     @property
     def state(self) -> StateViews:
         """Per-slot policy state by name, each ``[B, H_kv, C_max, *shape]`` (views into ``slot_data``)."""
+        if "state" not in self._derived:
+            self._derived["state"] = self._state_views()
+        return self._derived["state"]
+
+    def _state_views(self) -> StateViews:
         views = StateViews()
         b, hkv, c, _ = self.slot_data.shape
         for name, (offset, shape) in self._state_layout.items():
@@ -146,6 +153,7 @@ class BudgetLayer(CacheLayerMixin):
         self.keys = self.values = self.pos = self.slot_data = None
         self.caps, self.scratch = [], {}
         self.seen, self.budget, self.head_budgets, self._pending = 0, None, None, None
+        self._derived = {}
         self.is_initialized = False
 
     def _select_batch(self, fn) -> None:
@@ -155,6 +163,7 @@ class BudgetLayer(CacheLayerMixin):
             fn(self.keys), fn(self.values), fn(self.pos), fn(self.slot_data)
         )
         self.batch_size = self.keys.shape[0]
+        self._derived = {}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -193,8 +202,10 @@ class BudgetLayer(CacheLayerMixin):
 
     def exists(self) -> torch.Tensor:
         """``[H_kv, C_max]`` padded slot indices that exist in each head's storage."""
-        idx = torch.arange(self.capacity, device=self.device)
-        return idx[None, :] < torch.tensor(self.caps, device=self.device)[:, None]
+        if "exists" not in self._derived:
+            idx = torch.arange(self.capacity, device=self.device)
+            self._derived["exists"] = idx[None, :] < torch.tensor(self.caps, device=self.device)[:, None]
+        return self._derived["exists"]
 
     def held(self) -> torch.Tensor:
         """``[B, H_kv]`` number of tokens held."""
@@ -215,7 +226,9 @@ class BudgetLayer(CacheLayerMixin):
 
     def _flat_index(self, index: torch.Tensor) -> torch.Tensor:
         """Padded per-head slot indices ``[B, H_kv, n]`` -> flat storage indices ``[B, H_kv, n]``."""
-        return index + torch.tensor(self.offsets, device=self.device)[None, :, None]
+        if "offsets" not in self._derived:
+            self._derived["offsets"] = torch.tensor(self.offsets, device=self.device)[None, :, None]
+        return index + self._derived["offsets"]
 
     def relayout(self, index: torch.Tensor, new_caps: list[int]) -> None:
         """Rebuild storage: new slot ``j`` of head ``h`` takes old slot ``index[b, h, j]`` (see
@@ -224,6 +237,7 @@ class BudgetLayer(CacheLayerMixin):
             self.keys, self.values, self.pos, self.slot_data, index, self.caps, list(new_caps), self.state_init
         )
         self.caps = list(new_caps)
+        self._derived = {}
 
     def _grow(self, extra: int) -> None:
         """Add ``extra`` empty slots to every head."""
@@ -299,7 +313,7 @@ class BudgetLayer(CacheLayerMixin):
         b, h, n, _ = query.shape
         self.num_heads = h
         q_pos, q_real = self._query_positions(b, n, attention_mask, position_ids, query.device)
-        was_empty = not bool(self.valid.any())
+        was_empty = n > 1 and not bool(self.valid.any())
         slots = self.insert(key_states, value_states, torch.where(q_real, q_pos, torch.full_like(q_pos, -1)))
         self.seen += n
 
