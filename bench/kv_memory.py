@@ -39,8 +39,10 @@ def plot(columns: dict[str, list[int]], every: int, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, sizes in columns.items():
-        ax.plot([(i + 1) * every for i in range(len(sizes))], [s / 2**20 for s in sizes], marker="o", label=name)
+    styles = ["-", "--", ":", "-."]
+    for i, (name, sizes) in enumerate(columns.items()):  # budgeted caches overlap exactly: vary the line style
+        ax.plot([(j + 1) * every for j in range(len(sizes))], [s / 2**20 for s in sizes], marker="os^v"[i % 4],
+                linestyle=styles[i % 4], markersize=7 - i, label=name)
     ax.set_xlabel("generated tokens")
     ax.set_ylabel("KV cache (MiB)")
     ax.set_title("KV memory during generation")

@@ -95,3 +95,12 @@ def test_no_cache_forward_is_sdpa(tiny):
     ref, model = tiny
     ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(8))
     torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=0, rtol=0)
+
+
+def test_beam_search_and_multiple_returns_match(tiny):
+    ref, model = tiny
+    ids = torch.randint(1, 128, (2, 14), generator=torch.Generator().manual_seed(9))
+    kwargs = dict(max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False)
+    expected = ref.generate(ids, **kwargs)
+    got = model.generate(ids, past_key_values=BudgetCache(model.config, "h2o", budget=64), **kwargs)
+    assert torch.equal(got, expected)

@@ -5,6 +5,7 @@ score per (token, KV head)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
@@ -34,7 +35,9 @@ class RetentionGate(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., d_model]`` -> ``log_beta`` ``[..., H_kv]`` (<= 0), float32 (beta near 1 needs the range)."""
-        return nn.functional.logsigmoid((self.down(self.act(self.up(hidden))) + self.bias).float())
+        # Functional calls on the submodules' parameters: this runs for every layer at every decode step.
+        x = self.act(F.linear(hidden, self.up.weight, self.up.bias))
+        return F.logsigmoid((F.linear(x, self.down.weight) + self.bias).float())
 
 
 class GlobalRetentionTrunk(nn.Module):
@@ -49,7 +52,8 @@ class GlobalRetentionTrunk(nn.Module):
         _init_linear(self.mid)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.act(self.mid(self.act(self.up(hidden))))
+        x = self.act(F.linear(hidden, self.up.weight, self.up.bias))
+        return self.act(F.linear(x, self.mid.weight, self.mid.bias))
 
 
 class SharedRetentionHead(nn.Module):
@@ -63,7 +67,7 @@ class SharedRetentionHead(nn.Module):
         _init_linear(self.down)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return nn.functional.logsigmoid((self.down(features) + self.bias).float())
+        return F.logsigmoid((F.linear(features, self.down.weight) + self.bias).float())
 
 
 class RetainingHead(nn.Module):
@@ -83,4 +87,4 @@ class RetainingHead(nn.Module):
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         """``[..., q_dim + 2 kv_dim]`` -> ``[..., H_kv]``."""
-        return self.down(self.act(self.up(qkv)))
+        return F.linear(self.act(F.linear(qkv, self.up.weight)), self.down.weight)
