@@ -131,7 +131,6 @@ def decode_attention(
         ``(out [B, H, D] in q's dtype, probs float32)``; empty slots get probability 0.
     """
     b, h, d = q.shape
-    hkv = k.shape[1]
     scores = _grouped_scores(q[:, :, None], k, scale)[:, :, :, 0]  # [B, H_kv, G, C]
     scores = scores.masked_fill((slot_pos < 0)[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)

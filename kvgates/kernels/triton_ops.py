@@ -126,11 +126,11 @@ def _decode_combine(
     sm = s < NS
     dm = d < D
     m = tl.load(M_PART + b * smb + head * smh + s, mask=sm, other=float("-inf"))
-    l = tl.load(L_PART + b * smb + head * smh + s, mask=sm, other=0.0)
+    lsum = tl.load(L_PART + b * smb + head * smh + s, mask=sm, other=0.0)
     top = tl.max(m, 0)
     top_safe = tl.where(top == float("-inf"), 0.0, top)
     w = tl.exp2(m - top_safe)
-    total = tl.sum(w * l, 0)
+    total = tl.sum(w * lsum, 0)
     o = tl.load(O_PART + b * sob + head * soh + s[:, None] * sos + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
     tl.store(OUT + b * sb + head * sh + d, out.to(OUT.dtype.element_ty), mask=dm)
@@ -288,10 +288,10 @@ def _window_columns(
         qp = tl.load(QPOS + b * sqpb + wi, mask=rm, other=-1)
         qv = tl.load(QVALID + b * sqpb + wi, mask=rm, other=0)
         m = tl.load(M + b * smb + qh * smh + wi, mask=rm, other=0.0)
-        l = tl.load(L + b * smb + qh * smh + wi, mask=rm, other=0.0)
+        lsum = tl.load(L + b * smb + qh * smh + wi, mask=rm, other=0.0)
         s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
-        vis = (rm & (qv != 0) & (l > 0))[:, None] & nm[None, :] & (p[None, :] >= 0) & (p[None, :] <= qp[:, None])
-        prob = tl.where(vis, tl.exp2(s - m[:, None]) / tl.where(l > 0, l, 1.0)[:, None], 0.0)
+        vis = (rm & (qv != 0) & (lsum > 0))[:, None] & nm[None, :] & (p[None, :] >= 0) & (p[None, :] <= qp[:, None])
+        prob = tl.where(vis, tl.exp2(s - m[:, None]) / tl.where(lsum > 0, lsum, 1.0)[:, None], 0.0)
         col += tl.sum(prob, 0)
     if MEAN:
         col = col / G
@@ -324,18 +324,18 @@ def window_scores_flat(
     q_valid = q_valid.to(torch.int8).contiguous()
     offs, caps_t = _layout(tuple(caps), str(dev))
     m = torch.empty((b, h, w), dtype=torch.float32, device=dev)
-    l = torch.empty_like(m)
+    lsum = torch.empty_like(m)
     block_r, block_n, block_d = 32, 64 if d <= 64 else 32, _pow2(d)
     common = (
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), pos.stride(0), pos.stride(1),
         q_pos.stride(0), m.stride(0), m.stride(1),
     )
     _window_row_stats[(b * hkv, triton.cdiv(g * w, block_r))](
-        q, keys, pos, offs, caps_t, q_pos, m, l, scale * _LOG2E, h, g, w, d, *common,
+        q, keys, pos, offs, caps_t, q_pos, m, lsum, scale * _LOG2E, h, g, w, d, *common,
         BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype),
     )
     _window_columns[(b * hkv, triton.cdiv(cmax, block_n))](
-        q, keys, pos, offs, caps_t, q_pos, q_valid, m, l, out, scale * _LOG2E, h, g, w, d, cmax, *common,
+        q, keys, pos, offs, caps_t, q_pos, q_valid, m, lsum, out, scale * _LOG2E, h, g, w, d, cmax, *common,
         out.stride(0), out.stride(1),
         MEAN=reduce == "mean", BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype),
     )

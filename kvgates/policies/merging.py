@@ -47,17 +47,17 @@ def merge_evicted(layer: BudgetLayer, keep: torch.Tensor, beta: float = 0.7, rul
         sim = torch.matmul(ke, kn.transpose(-1, -2)).masked_fill(~kept[:, :, None, :], float("-inf"))
         best, target = sim.max(-1)
         real = real & torch.isfinite(best)  # a head that keeps nothing receives nothing
-        matches.append((heads, k, v, idx, real, best.nan_to_num(0.0, neginf=0.0), target))
+        matches.append((k, v, idx, real, best.nan_to_num(0.0, neginf=0.0), target))
     # The threshold: one EMA per sequence over every evicted token of the layer.
-    total = sum((best * real).sum((1, 2)) for _, _, _, _, real, best, _ in matches)
-    count = sum(real.sum((1, 2)) for _, _, _, _, real, _, _ in matches)
+    total = sum((best * real).sum((1, 2)) for _, _, _, real, best, _ in matches)
+    count = sum(real.sum((1, 2)) for _, _, _, real, _, _ in matches)
     mean = total / count.clamp(min=1)
     tau = layer.scratch.get("merge.tau")
     has = count > 0
     tau = mean if tau is None else torch.where(has, beta * mean + (1 - beta) * tau, tau)
     layer.scratch["merge.tau"] = tau
     # Pass 2: merge.
-    for heads, k, v, idx, real, best, target in matches:
+    for k, v, idx, real, best, target in matches:
         merging = real & (best >= tau[:, None, None])
         if not bool(merging.any()):
             continue

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.policies.base import recent_mask, register_policy, topk_mask
-from kvgates.policies.trimkv import LOG_BETA, TrimKV
+from kvgates.policies.base import register_policy, topk_mask
+from kvgates.policies.trimkv import TrimKV
 from kvgates.runtime.stats import AttnStats, Phase
 
 
