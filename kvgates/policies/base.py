@@ -120,6 +120,13 @@ class Policy:
         """Statistics this policy needs from the attention call in ``phase``."""
         return NO_STATS
 
+    def position_shift(
+        self, layer: "BudgetLayer", q_pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For policies that attend at shifted positions (StreamingLLM's re-rotation):
+        ``(inv_freq, key_delta [B, H_kv, C], query_delta [B, q])``; ``None`` keeps the original positions."""
+        return None
+
     def slot_state(self) -> dict[str, SlotState]:
         """Per-slot state tensors to keep on every layer."""
         return {}

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgates.policies.base import Policy, register_policy, sink_mask
+from kvgates.runtime.rope import rotary_frequencies
 from kvgates.runtime.stats import AttnStats, Phase
 
 
@@ -17,23 +18,46 @@ class StreamingLLM(Policy):
 
     Evicts at the end of every prompt chunk and on every decode step once a head holds more than ``budget``.
 
-    Departure from the paper: keys keep their original positions (the paper re-rotates cached keys to their
-    slot index); with RoPE models this is the common "no position shift" variant used by most re-implementations.
+    By default keys keep their original positions (the common "no position shift" variant). With
+    ``rerotate=True`` attention runs at the paper's shifted positions: every cached token is attended as if it
+    sat at its rank in the cache and the query at the next one (queries and keys are re-rotated on the fly,
+    which RoPE allows because rotations compose; storage keeps the original rotation). Re-rotation reads the
+    model's rotary frequencies, so the policy must be ``attach``-ed to the model.
 
     Args:
         budget: tokens kept per KV head.
         sinks: number of initial tokens always kept (default 4).
+        rerotate: attend at positions within the cache (the paper's position shift).
     """
 
     name = "streaming_llm"
     evicts_in = frozenset({Phase.PREFILL, Phase.DECODE})
 
     sinks: int = 4
+    rerotate: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._at_least(0, "sinks")
         self._require_budget(self.sinks, f"sinks={self.sinks}")
+        self._inv_freq: torch.Tensor | None = None
 
+    def attach(self, model) -> "StreamingLLM":
+        if self.rerotate:
+            self._inv_freq = rotary_frequencies(model)
+        return self
+
+    def position_shift(self, layer, q_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if not self.rerotate:
+            return None
+        if self._inv_freq is None:
+            raise RuntimeError(f"{self.name}: rerotate=True reads the model's rotary frequencies; call policy.attach(model)")
+        held = torch.where(layer.valid, layer.pos, torch.iinfo(layer.pos.dtype).max)
+        ordered, order = held.sort(-1)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+        key_delta = torch.where(layer.valid, rank - layer.pos, torch.zeros_like(rank))
+        # Every head holds the same tokens (sinks + window), so the first head's order ranks the queries.
+        query_rank = torch.searchsorted(ordered[:, 0].contiguous(), q_pos.contiguous())
+        return self._inv_freq, key_delta, query_rank - q_pos
     def score(self, layer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
         return layer.pos.float(), sink_mask(layer, self.sinks)

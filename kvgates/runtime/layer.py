@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvgates import kernels
+from kvgates.runtime.rope import shift_rotary
 from kvgates.runtime.stats import AttnStats, Phase
 
 if TYPE_CHECKING:
@@ -322,17 +323,25 @@ class BudgetLayer(CacheLayerMixin):
         request = policy.stats_request(phase)
         stats = AttnStats(phase=phase, q_len=n, new_slots=slots)
         all_real = bool(q_real.all())
+        keys, shift = self.keys, policy.position_shift(self, q_pos)
+        if shift is not None:  # attend at shifted positions; storage keeps the original rotation
+            inv_freq, key_delta, query_delta = shift
+            if not self.uniform:
+                raise NotImplementedError("position shifting needs equal head capacities")
+            query = shift_rotary(query, query_delta[:, None, :], inv_freq)
+            dense = self.keys.view(b, self.num_kv_heads, self.capacity, -1)
+            keys = shift_rotary(dense, key_delta, inv_freq).reshape(self.keys.shape)
         if phase is Phase.DECODE:
-            out = self._decode(query, scale, request, stats)
+            out = self._decode(query, keys, scale, request, stats)
         else:
-            if was_empty and all_real and self.uniform:
+            if was_empty and all_real and self.uniform and shift is None:
                 # Nothing held before and no padding: plain causal attention over the new tokens.
                 out = torch.nn.functional.scaled_dot_product_attention(
                     query, key_states, value_states, is_causal=True, scale=scale, enable_gqa=h != self.num_kv_heads
                 )
             else:
-                out = self._masked(query, scale, torch.where(q_real, q_pos, torch.full_like(q_pos, _POS_BIG)))
-            self._prefill_stats(query, scale, q_pos, q_real, request, stats)
+                out = self._masked(query, keys, scale, torch.where(q_real, q_pos, torch.full_like(q_pos, _POS_BIG)))
+            self._prefill_stats(query, keys, scale, q_pos, q_real, request, stats)
         if not all_real:
             out = out * q_real[:, None, :, None].to(out.dtype)
 
@@ -367,12 +376,10 @@ class BudgetLayer(CacheLayerMixin):
             q_real = q_real.expand(b, n)
         return q_pos.contiguous(), q_real.contiguous()
 
-    def _decode(self, query: torch.Tensor, scale: float, request, stats: AttnStats) -> torch.Tensor:
+    def _decode(self, query: torch.Tensor, keys: torch.Tensor, scale: float, request, stats: AttnStats) -> torch.Tensor:
         g = query.shape[1] // self.num_kv_heads
         reduce = "none" if request.reduce == "max" else "sum"
-        out, probs = kernels.decode_attention_flat(
-            query[:, :, 0], self.keys, self.values, self.pos, self.caps, scale, reduce=reduce
-        )
+        out, probs = kernels.decode_attention_flat(query[:, :, 0], keys, self.values, self.pos, self.caps, scale, reduce=reduce)
         if not request.empty:
             if request.reduce == "max":
                 probs = kernels.group_reduce(probs, self.num_kv_heads, "max")
@@ -384,23 +391,31 @@ class BudgetLayer(CacheLayerMixin):
             stats.colsum = probs
         return out[:, :, None]
 
-    def _masked(self, query: torch.Tensor, scale: float, q_pos: torch.Tensor) -> torch.Tensor:
+    def _masked(self, query: torch.Tensor, keys: torch.Tensor, scale: float, q_pos: torch.Tensor) -> torch.Tensor:
         g = query.shape[1] // self.num_kv_heads
         outs = []
-        for heads, k, v, pos in self.head_views():
+        for heads, k, v, pos in kernels.dense_groups(keys, self.values, self.pos, self.caps):
             q = query[:, heads.start * g : heads.stop * g]
             outs.append(kernels.masked_attention(q, k, v, pos, q_pos, scale))
         return torch.cat(outs, dim=1)
 
-    def _per_group(self, fn, query: torch.Tensor) -> torch.Tensor:
+    def _per_group(self, fn, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Apply ``fn(q, k, pos) -> [B, h, ..., c]`` per head group and pad the slot axis to ``C_max``."""
         g = query.shape[1] // self.num_kv_heads
-        parts = [fn(query[:, heads.start * g : heads.stop * g], k, pos) for heads, k, _, pos in self.head_views()]
+        groups = kernels.dense_groups(keys, self.values, self.pos, self.caps)
+        parts = [fn(query[:, heads.start * g : heads.stop * g], k, pos) for heads, k, _, pos in groups]
         cmax = self.capacity
         return torch.cat([torch.nn.functional.pad(p, (0, cmax - p.shape[-1])) for p in parts], dim=1)
 
     def _prefill_stats(
-        self, query: torch.Tensor, scale: float, q_pos: torch.Tensor, q_real: torch.Tensor, request, stats: AttnStats
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        scale: float,
+        q_pos: torch.Tensor,
+        q_real: torch.Tensor,
+        request,
+        stats: AttnStats,
     ) -> None:
         if request.empty:
             return
@@ -413,7 +428,7 @@ class BudgetLayer(CacheLayerMixin):
                 p = kernels.attention_probs(q[:, :, n - r :], k, pos, q_pos[:, n - r :], scale)
                 return kernels.group_reduce(p * q_real[:, None, n - r :, None], k.shape[1], reduce)
 
-            stats.rows = self._per_group(rows, query)
+            stats.rows = self._per_group(rows, query, keys)
         if request.window:
             w = min(request.window, n)
             stats.window_rows = w
@@ -426,10 +441,11 @@ class BudgetLayer(CacheLayerMixin):
                         "max",
                     ),
                     q_win,
+                    keys,
                 )
             else:
                 stats.window = kernels.window_scores_flat(
-                    q_win, self.keys, self.values, self.pos, self.caps, pos_win, real_win, scale, reduce
+                    q_win, keys, self.values, self.pos, self.caps, pos_win, real_win, scale, reduce
                 )
         if request.colsum:
             stats.colsum = self._per_group(
@@ -437,4 +453,5 @@ class BudgetLayer(CacheLayerMixin):
                     kernels.column_sums(q, k, pos, q_pos, q_real, scale), k.shape[1], reduce
                 ),
                 query,
+                keys,
             )

@@ -1,0 +1,68 @@
+"""StreamingLLM's position shift (rerotate=True): re-rotated attention equals RoPE applied at cache ranks."""
+
+import pytest
+import torch
+from helpers import dynamic_cache, teacher_forced_logits
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from kvgates import BudgetCache
+from kvgates.policies import StreamingLLM
+from kvgates.runtime.rope import rotary_frequencies, shift_rotary
+
+
+def rope(model, x, positions):
+    """transformers' own RoPE of ``x`` [B, H, T, D] at ``positions`` [B, T]."""
+    cos, sin = model.model.rotary_emb(x, positions)
+    return apply_rotary_pos_emb(x, x, cos, sin)[0]
+
+
+def test_shift_equals_rope_at_the_new_position(tiny):
+    _, model = tiny
+    x = torch.randn(1, 2, 6, 16)
+    pos = torch.tensor([[0, 3, 7, 20, 21, 40]])
+    new = torch.tensor([[0, 1, 2, 3, 4, 5]])
+    shifted = shift_rotary(rope(model, x, pos), (new - pos)[:, None, :], rotary_frequencies(model))
+    torch.testing.assert_close(shifted, rope(model, x, new), atol=1e-5, rtol=1e-5)
+
+
+def test_no_eviction_is_unchanged(tiny):
+    ref, model = tiny
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    expected = teacher_forced_logits(ref, dynamic_cache(ref), ids, 24)
+    policy = StreamingLLM(budget=64, sinks=2, rerotate=True).attach(model)
+    got = teacher_forced_logits(model, BudgetCache(model.config, policy), ids, 24)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_attention_after_eviction_uses_cache_ranks(tiny):
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(1))
+    policy = StreamingLLM(budget=8, sinks=2, rerotate=True).attach(model)
+    cache = BudgetCache(model.config, policy)
+    attn = model.model.layers[0].self_attn
+    captured = {}
+    handle = attn.register_forward_hook(lambda m, a, out: captured.__setitem__("out", out[0]))
+    with torch.no_grad():
+        model(ids[:, :20], past_key_values=cache)
+        for t in range(20, 30):
+            model(ids[:, t : t + 1], past_key_values=cache)
+        handle.remove()
+        # Layer 0 sees only embeddings, so its q/k/v can be rebuilt for any token set.
+        kept = [0, 1] + list(range(30 - 7, 30))  # sinks + the most recent 7 (the current token included)
+        hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids[:, kept]))
+        shape = (1, len(kept), -1, 16)
+        q = attn.q_proj(hidden[:, -1:]).view(1, 1, -1, 16).transpose(1, 2)
+        k = attn.k_proj(hidden).view(shape).transpose(1, 2)
+        v = attn.v_proj(hidden).view(shape).transpose(1, 2)
+        ranks = torch.arange(len(kept))[None]
+        q, k = rope(model, q, ranks[:, -1:]), rope(model, k, ranks)
+        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        probs = torch.softmax(q @ k.transpose(-1, -2) * attn.scaling, -1)
+        expected = attn.o_proj((probs @ v).transpose(1, 2).reshape(1, 1, -1))
+    torch.testing.assert_close(captured["out"], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rerotate_needs_attach(tiny):
+    _, model = tiny
+    with pytest.raises(RuntimeError, match="call policy.attach"):
+        model(torch.randint(1, 128, (1, 6)), past_key_values=BudgetCache(model.config, StreamingLLM(budget=4, sinks=1, rerotate=True)))
