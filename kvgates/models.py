@@ -123,17 +123,22 @@ def load_model(
     name_or_path: str,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    device_map: str | dict | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``(model, tokenizer)`` ready for kvgates.
 
     Args:
         name_or_path: ``"smollm2-135m"`` (the embedded GGUF, offline), a Hugging Face id, or a local folder.
         dtype: parameter dtype.
-        device: where to put the model.
+        device: where to put the model (ignored with ``device_map``).
+        device_map: spread the layers over devices with accelerate (e.g. ``"auto"``); each budgeted layer then
+            keeps its cache on its own layer's device.
     """
     path: str | Path = embedded_model_dir(name_or_path) if name_or_path in EMBEDDED_MODELS else name_or_path
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", device_map=device_map)
+    if device_map is None:
+        model = model.to(device)
     prepare_model(model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
