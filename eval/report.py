@@ -45,7 +45,8 @@ def accuracy_table(results: list[dict]) -> str:
 def needle_heatmap(results: list[dict], path: Path) -> Path:
     """Heatmap of correct (1) / wrong (0) per policy@budget (rows) and needle depth (columns), one panel per context."""
     contexts = sorted({r["context_tokens"] for r in results})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 0.45 * 12 + 1.5), squeeze=False)
+    rows = len({r["label"] for r in results})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 0.32 * rows + 1.8), squeeze=False)
     for ax, ctx in zip(axes[0], contexts):
         rows = [r for r in results if r["context_tokens"] == ctx]
         labels = list(dict.fromkeys(r["label"] for r in rows))
