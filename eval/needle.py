@@ -2,7 +2,9 @@
 
     python -m eval.needle --config configs/needle_demo.yaml
 
-Writes ``results.json``, ``report.md`` and ``needle_heatmap.png`` to the config's ``output_dir``.
+Writes ``results.json``, ``report.md`` and ``needle_heatmap.png`` to the config's ``output_dir``. Each prompt's
+result is also appended to ``results.jsonl`` there as soon as it is known, and a re-run of the same config picks up
+where an interrupted one stopped (``--fresh`` starts over).
 """
 
 from __future__ import annotations
@@ -21,8 +23,73 @@ from eval.config import NeedleRunConfig
 from eval.report import accuracy_table, needle_heatmap
 
 
-def run_needle(config: NeedleRunConfig, model=None, tokenizer=None) -> list[dict]:
-    """Run the sweep and return one result dict per (policy, budget, context, depth)."""
+JOURNAL = "results.jsonl"
+
+
+def _key(config: NeedleRunConfig, label: str, context_tokens: int, depth: float) -> str:
+    """Identity of one prompt's result: everything that changes the answer."""
+    return json.dumps(
+        [config.model, config.seed, config.max_new_tokens, config.prefill_chunk_size, label, context_tokens, round(depth, 6)]
+    )
+
+
+def load_journal(path: Path) -> dict[str, dict]:
+    """Results already recorded by an earlier (possibly interrupted) run, by key; a torn last line is ignored."""
+    done: dict[str, dict] = {}
+    if not path.is_file():
+        return done
+    text = path.read_text()
+    if text and not text.endswith("\n"):
+        with path.open("a") as f:
+            f.write("\n")  # so the next append starts a fresh line after a torn one
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a run killed mid-write leaves at most one partial line
+        done[row.pop("key")] = row
+    return done
+
+
+def _answer(model, tokenizer, policy, spec, budget, row: dict, ids: torch.Tensor, config: NeedleRunConfig) -> dict:
+    """Generate the answer to one needle prompt under ``policy`` and score it."""
+    cache = kvgates.BudgetCache(model.config, policy)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            past_key_values=cache,
+            max_new_tokens=config.max_new_tokens,
+            do_sample=False,
+            prefill_chunk_size=config.prefill_chunk_size,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    completion = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    return {
+        "policy": spec.name if not spec.params else spec.label(None),
+        "label": spec.label(budget),
+        "budget": budget,
+        "context_tokens": row["context_tokens"],
+        "prompt_tokens": ids.shape[1],
+        "depth": row["depth"],
+        "answer": row["answer"],
+        "completion": completion,
+        "correct": is_correct(completion, row["answer"]),
+        "kv_bytes": cache.kv_bytes(),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def run_needle(config: NeedleRunConfig, model=None, tokenizer=None, resume: bool = True) -> list[dict]:
+    """Run the sweep and return one result dict per (policy, budget, context, depth), in sweep order.
+
+    Results are journalled to ``<output_dir>/results.jsonl``; with ``resume`` those already there are reused.
+    """
+    journal = Path(config.output_dir) / JOURNAL
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        journal.unlink(missing_ok=True)
+    done = load_journal(journal)
     if model is None:
         model, tokenizer = kvgates.load_model(config.model)
     examples = []
@@ -33,38 +100,20 @@ def run_needle(config: NeedleRunConfig, model=None, tokenizer=None) -> list[dict
     results = []
     bar = tqdm(total=len(runs) * len(examples), desc="needle", unit="prompt")
     for spec, budget in runs:
-        policy = spec.build(budget).attach(model)
+        policy = None
         for row, ids in examples:
-            cache = kvgates.BudgetCache(model.config, policy)
-            start = time.perf_counter()
-            with torch.no_grad():
-                out = model.generate(
-                    ids,
-                    past_key_values=cache,
-                    max_new_tokens=config.max_new_tokens,
-                    do_sample=False,
-                    prefill_chunk_size=config.prefill_chunk_size,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-            completion = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-            results.append(
-                {
-                    "policy": spec.name if not spec.params else spec.label(None),
-                    "label": spec.label(budget),
-                    "budget": budget,
-                    "context_tokens": row["context_tokens"],
-                    "prompt_tokens": ids.shape[1],
-                    "depth": row["depth"],
-                    "answer": row["answer"],
-                    "completion": completion,
-                    "correct": is_correct(completion, row["answer"]),
-                    "kv_bytes": cache.kv_bytes(),
-                    "seconds": time.perf_counter() - start,
-                }
-            )
+            key = _key(config, spec.label(budget), row["context_tokens"], row["depth"])
+            if key not in done:
+                if policy is None:
+                    policy = spec.build(budget).attach(model)
+                done[key] = _answer(model, tokenizer, policy, spec, budget, row, ids, config)
+                with journal.open("a") as f:
+                    f.write(json.dumps({"key": key, **done[key]}) + "\n")
+            results.append(done[key])
             bar.set_postfix_str(spec.label(budget))
             bar.update()
-        policy.detach()
+        if policy is not None:
+            policy.detach()
     bar.close()
     return results
 
@@ -90,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-tokens", type=int, nargs="+", help="override the context lengths")
     parser.add_argument("--budgets", type=int, nargs="+", help="override the budgets")
     parser.add_argument("--output-dir", help="override where reports are written")
+    parser.add_argument("--fresh", action="store_true", help=f"ignore results already journalled in {JOURNAL}")
     args = parser.parse_args(argv)
     config = NeedleRunConfig.from_yaml(
         args.config,
@@ -99,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         budgets=args.budgets,
         output_dir=args.output_dir,
     )
-    results = run_needle(config)
+    results = run_needle(config, resume=not args.fresh)
     table = write_report(config, results)
     print(table)
     print(f"\nreport: {Path(config.output_dir) / 'report.md'}")

@@ -52,3 +52,27 @@ def test_needle_demo_config_runs(tmp_path):
     results = run_needle(config)
     table = write_report(config, results)
     assert "snapkv" in table and (tmp_path / "needle_heatmap.png").is_file()
+
+
+def test_needle_run_resumes_from_its_journal(tmp_path, smollm):
+    from eval.config import NeedleRunConfig
+    from eval.needle import JOURNAL, run_needle
+
+    model, tok = smollm
+    config = NeedleRunConfig.from_yaml("configs/needle_demo.yaml", depths=2, context_tokens=[400], budgets=[128], output_dir=str(tmp_path))
+    first = run_needle(config, model, tok)
+    journal = tmp_path / JOURNAL
+    lines = journal.read_text().splitlines()
+    assert len(lines) == len(first)
+    journal.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])  # interrupted mid-write: last result torn
+
+    calls = []
+    generate = model.generate
+    model.generate = lambda *a, **k: calls.append(1) or generate(*a, **k)
+    try:
+        again = run_needle(config, model, tok)
+    finally:
+        del model.generate
+    assert len(calls) == 1  # only the torn result is recomputed
+    assert [r["completion"] for r in again] == [r["completion"] for r in first]
+    assert len(journal.read_text().splitlines()) == len(first) + 1  # the torn line stays, skipped
