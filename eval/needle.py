@@ -90,6 +90,8 @@ def run_needle(config: NeedleRunConfig, model=None, tokenizer=None, resume: bool
     if not resume:
         journal.unlink(missing_ok=True)
     done = load_journal(journal)
+    if done:
+        print(f"reusing results journalled in {journal} where they match this config (--fresh recomputes them all)")
     if model is None:
         model, tokenizer = kvgates.load_model(config.model)
     examples = []
