@@ -9,6 +9,7 @@ correctly at every depth at 1K and 2K tokens; eviction policies are judged by ho
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 from datasets import Dataset
@@ -72,3 +73,16 @@ def build_needle_dataset(tokenizer: PreTrainedTokenizerBase, task: NeedleTask) -
 def is_correct(completion: str, answer: str) -> bool:
     """The passcode appears in the completion."""
     return answer in completion
+
+
+def digits_recalled(completion: str, answer: str) -> float:
+    """Partial credit: the share of the passcode's digits that the completion's first number reproduces, in
+    order from the first digit (``" 4393."`` for ``43936`` scores 0.8; no number scores 0)."""
+    match = re.search(r"\d+", completion)
+    got = match.group() if match else ""
+    same = 0
+    for a, b in zip(got, answer):
+        if a != b:
+            break
+        same += 1
+    return same / len(answer)

@@ -22,7 +22,6 @@ from data.needle import NeedleTask, build_needle_dataset, is_correct
 from eval.config import NeedleRunConfig
 from eval.report import accuracy_table, needle_heatmap
 
-
 JOURNAL = "results.jsonl"
 
 
@@ -127,8 +126,9 @@ def write_report(config: NeedleRunConfig, results: list[dict]) -> str:
     table = accuracy_table(results)
     heatmap = needle_heatmap(results, out / "needle_heatmap.png")
     (out / "report.md").write_text(
-        f"# Needle in a haystack: {config.model}\n\nCorrect answers out of {config.depths} depths; KV memory held "
-        f"at the end of generation in parentheses.\n\n{table}\n\n![heatmap]({heatmap.name})\n"
+        f"# Needle in a haystack: {config.model}\n\nCorrect answers out of {config.depths} depths · mean share of the "
+        f"passcode's digits recalled in order (partial credit) · KV memory held at the end of generation in "
+        f"parentheses.\n\n{table}\n\n![heatmap]({heatmap.name})\n"
     )
     return table
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import matplotlib
 
+from data.needle import digits_recalled
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -18,8 +20,14 @@ def _group(results: list[dict]) -> dict[tuple, list[dict]]:
     return groups
 
 
+def recall(result: dict) -> float:
+    """1 for a correct answer, else the share of passcode digits recalled in order (partial credit)."""
+    return 1.0 if result["correct"] else digits_recalled(result["completion"], result["answer"])
+
+
 def accuracy_table(results: list[dict]) -> str:
-    """Markdown table: one row per policy, one column per (context, budget): ``correct/total`` and KV MiB held."""
+    """Markdown table: one row per policy, one column per (context, budget): ``correct/total``, the mean share
+    of passcode digits recalled (partial credit, ``data.needle.digits_recalled``) and the KV MiB held."""
     groups = _group(results)
     policies = list(dict.fromkeys(r["policy"] for r in results))
     columns = sorted({(c, b) for (_, b, c) in groups}, key=lambda cb: (cb[0], cb[1] is not None, cb[1] or 0))
@@ -36,14 +44,16 @@ def accuracy_table(results: list[dict]) -> str:
                     cells.append("-")
                     continue
                 ok = sum(r["correct"] for r in rows)
+                digits = sum(recall(r) for r in rows) / len(rows)
                 mib = sum(r["kv_bytes"] for r in rows) / len(rows) / 2**20
-                cells.append(f"{ok}/{len(rows)} ({mib:.1f} MiB)")
+                cells.append(f"{ok}/{len(rows)} · {digits:.0%} ({mib:.1f} MiB)")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def needle_heatmap(results: list[dict], path: Path) -> Path:
-    """Heatmap of correct (1) / wrong (0) per policy@budget (rows) and needle depth (columns), one panel per context."""
+    """Heatmap of ``recall`` (1 = exact, partial credit below) per policy@budget (rows) and needle depth (columns),
+    one panel per context."""
     contexts = sorted({r["context_tokens"] for r in results})
     rows = len({r["label"] for r in results})
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 0.32 * rows + 1.8), squeeze=False)
@@ -53,12 +63,12 @@ def needle_heatmap(results: list[dict], path: Path) -> Path:
         depths = sorted({r["depth"] for r in rows})
         grid = [[0.0] * len(depths) for _ in labels]
         for r in rows:
-            grid[labels.index(r["label"])][depths.index(r["depth"])] = float(r["correct"])
+            grid[labels.index(r["label"])][depths.index(r["depth"])] = recall(r)
         ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
         ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths], rotation=45)
         ax.set_yticks(range(len(labels)), labels)
         ax.set_xlabel("needle depth")
-        ax.set_title(f"needle retrieval, {ctx} tokens (green = found)")
+        ax.set_title(f"needle, {ctx} tokens: passcode digits recalled (green = exact)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
