@@ -53,7 +53,7 @@ class NeedleRunConfig:
                 spec.build(budget)  # validates names and parameters before any model is loaded
 
     @classmethod
-    def from_yaml(cls, path: str | Path, **overrides: Any) -> "NeedleRunConfig":
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> NeedleRunConfig:
         raw = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a mapping at the top level")

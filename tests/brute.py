@@ -56,7 +56,7 @@ def pyramid_budgets(budget: int, window: int, prompt_len: int, layers: int, beta
         lo = 2 * room - hi
     import math
 
-    return [hi - math.floor(l * (hi - lo) / (layers - 1)) + window for l in range(layers)]
+    return [hi - math.floor(i * (hi - lo) / (layers - 1)) + window for i in range(layers)]
 
 
 def tova(scores: dict[int, float], budget: int) -> set[int]:

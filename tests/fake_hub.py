@@ -99,7 +99,7 @@ class FakeHub:
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
-    def __enter__(self) -> "FakeHub":
+    def __enter__(self) -> FakeHub:
         self._thread.start()
         return self
 

@@ -6,8 +6,8 @@ import brute
 import pytest
 import torch
 from fake_hub import FakeHub
-from transformers import DynamicCache
 from helpers import make_layer, random_positions, save_tiny_checkpoint, teacher_forced_logits, tiny_model
+from transformers import DynamicCache
 
 import kvgates
 from kvgates import AdapterError, BudgetCache, GateSet, GlobalRetentionGates, RetainingHeads, RetentionGates

@@ -178,7 +178,7 @@ def test_dynamickv_reallocation_matches_brute_force(tiny):
     original = policy._reallocate
 
     def spy(layers, room, num_layers):
-        snapshots["before"] = [(l.pos.clone(), l.state["dynamickv_score"].clone(), l.scratch["dynamickv.window"]) for l in layers]
+        snapshots["before"] = [(ly.pos.clone(), ly.state["dynamickv_score"].clone(), ly.scratch["dynamickv.window"]) for ly in layers]
         original(layers, room, num_layers)
 
     policy._reallocate = spy

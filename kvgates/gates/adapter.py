@@ -31,7 +31,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CARD_FILE = "README.md"
 
-GATE_KINDS: dict[str, type["GateSet"]] = {}
+GATE_KINDS: dict[str, type[GateSet]] = {}
 
 
 @dataclass
@@ -59,7 +59,7 @@ class GateConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "config.json") -> "GateConfig":
+    def from_dict(cls, data: Any, source: str = "config.json") -> GateConfig:
         if not isinstance(data, dict):
             raise AdapterError(f"{source} must hold a JSON object, got {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -137,7 +137,7 @@ class GateSet(nn.Module):
         gate_hidden: int | None = None,
         training_budget: int | None = None,
         init_bias: float = 18.0,
-    ) -> "GateSet":
+    ) -> GateSet:
         """Freshly initialised gates shaped for ``model`` (recording its id and fingerprint)."""
         from kvgates.models import hub_id_of, model_fingerprint
 
@@ -199,7 +199,7 @@ class GateSet(nn.Module):
         revision: str | None = None,
         endpoint: str | None = None,
         token: str | None = None,
-    ) -> "GateSet":
+    ) -> GateSet:
         """Load an adapter from a local folder or a Hub repository id (on the base class: any kind)."""
         folder = Path(path_or_id)
         if not folder.is_dir():

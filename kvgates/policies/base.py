@@ -30,10 +30,10 @@ if TYPE_CHECKING:
     from kvgates.runtime.cache import BudgetCache
     from kvgates.runtime.layer import BudgetLayer
 
-POLICIES: dict[str, type["Policy"]] = {}
+POLICIES: dict[str, type[Policy]] = {}
 
 
-def register_policy(cls: type["Policy"]) -> type["Policy"]:
+def register_policy(cls: type[Policy]) -> type[Policy]:
     """Class decorator: make a policy constructible by its ``name`` (configs, CLI, ``make_policy``)."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} needs a non-empty class attribute `name` to be registered")
@@ -43,7 +43,7 @@ def register_policy(cls: type["Policy"]) -> type["Policy"]:
     return cls
 
 
-def make_policy(name: str, **params: Any) -> "Policy":
+def make_policy(name: str, **params: Any) -> Policy:
     """Build a registered policy by name, e.g. ``make_policy("snapkv", budget=256, window=16)``."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; available policies: {', '.join(sorted(POLICIES))}")
@@ -109,7 +109,7 @@ class Policy:
         self._one_of("pooling", ("max", "avg"))
 
     # -- runtime hooks
-    def attach(self, model: Any) -> "Policy":
+    def attach(self, model: Any) -> Policy:
         """Prepare to run on ``model`` (learned policies hook their gate inputs here); heuristics need nothing."""
         return self
 
@@ -121,7 +121,7 @@ class Policy:
         return NO_STATS
 
     def position_shift(
-        self, layer: "BudgetLayer", q_pos: torch.Tensor
+        self, layer: BudgetLayer, q_pos: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """For policies that attend at shifted positions (StreamingLLM's re-rotation):
         ``(inv_freq, key_delta [B, H_kv, C], query_delta [B, q])``; ``None`` keeps the original positions."""
@@ -141,27 +141,27 @@ class Policy:
         """Free slots a layer keeps after an eviction: tokens that arrive before the next one."""
         return self.decode_interval
 
-    def layer_budget(self, layer: "BudgetLayer", stats: AttnStats) -> int:
+    def layer_budget(self, layer: BudgetLayer, stats: AttnStats) -> int:
         """Tokens each KV head of ``layer`` may hold after this step."""
         assert self.budget is not None
         return self.budget
 
-    def observe(self, layer: "BudgetLayer", stats: AttnStats) -> None:
+    def observe(self, layer: BudgetLayer, stats: AttnStats) -> None:
         """Update per-slot state from this call's statistics (before any eviction)."""
 
-    def score(self, layer: "BudgetLayer", stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, layer: BudgetLayer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores [B, H_kv, C], forced [B, H_kv, C])``: higher scores are kept first; forced slots always are.
 
         Scoring policies implement this; wrappers (head-wise budgets, merging) build on it.
         """
         raise NotImplementedError(f"{self.name} does not expose per-slot scores")
 
-    def select(self, layer: "BudgetLayer", stats: AttnStats, budget: int | torch.Tensor) -> torch.Tensor:
+    def select(self, layer: BudgetLayer, stats: AttnStats, budget: int | torch.Tensor) -> torch.Tensor:
         """Keep mask ``[B, H_kv, C]``: the forced slots plus the best-scoring others, ``budget`` per head."""
         scores, forced = self.score(layer, stats)
         return keep_forced_and_top(layer, scores, budget, forced)
 
-    def due(self, layer: "BudgetLayer", stats: AttnStats) -> bool:
+    def due(self, layer: BudgetLayer, stats: AttnStats) -> bool:
         """Whether this step may evict: a phase the policy evicts in, and every ``decode_interval`` decode steps."""
         if stats.phase not in self.evicts_in:
             return False
@@ -171,7 +171,7 @@ class Policy:
             return count % self.decode_interval == 0
         return True
 
-    def decide(self, layer: "BudgetLayer", stats: AttnStats) -> torch.Tensor | None:
+    def decide(self, layer: BudgetLayer, stats: AttnStats) -> torch.Tensor | None:
         """Keep mask if this step evicts (``due`` and the layer is over budget), else ``None``."""
         if not self.due(layer, stats):
             return None
@@ -181,17 +181,17 @@ class Policy:
             return None
         return self.select(layer, stats, budget)
 
-    def after_step(self, layer: "BudgetLayer", stats: AttnStats, keep: torch.Tensor | None) -> None:
+    def after_step(self, layer: BudgetLayer, stats: AttnStats, keep: torch.Tensor | None) -> None:
         """Bookkeeping after the decision, before the eviction is applied (e.g. recording this query's row)."""
 
-    def step(self, layer: "BudgetLayer", stats: AttnStats) -> torch.Tensor | None:
+    def step(self, layer: BudgetLayer, stats: AttnStats) -> torch.Tensor | None:
         """Runtime entry after each attention call: ``observe``, ``decide``, ``after_step``."""
         self.observe(layer, stats)
         keep = self.decide(layer, stats)
         self.after_step(layer, stats, keep)
         return keep
 
-    def on_forward_end(self, cache: "BudgetCache", phase: Phase) -> None:
+    def on_forward_end(self, cache: BudgetCache, phase: Phase) -> None:
         """Called after the last budgeted layer of every forward (cross-layer decisions)."""
 
 
@@ -235,18 +235,18 @@ def _worst_slot(scores: torch.Tensor, candidates: torch.Tensor, positions: torch
     return torch.zeros_like(candidates).scatter(-1, oldest, rows[..., None])
 
 
-def recent_mask(layer: "BudgetLayer", n: int) -> torch.Tensor:
+def recent_mask(layer: BudgetLayer, n: int) -> torch.Tensor:
     """The ``n`` most recent tokens held per head."""
     return topk_mask(layer.pos, n, layer.valid)
 
 
-def sink_mask(layer: "BudgetLayer", n: int) -> torch.Tensor:
+def sink_mask(layer: BudgetLayer, n: int) -> torch.Tensor:
     """The ``n`` oldest tokens held per head (attention sinks)."""
     return topk_mask(-layer.pos, n, layer.valid)
 
 
 def keep_forced_and_top(
-    layer: "BudgetLayer", scores: torch.Tensor, budget: int | torch.Tensor, forced: torch.Tensor
+    layer: BudgetLayer, scores: torch.Tensor, budget: int | torch.Tensor, forced: torch.Tensor
 ) -> torch.Tensor:
     """Keep ``forced`` slots plus the best-scoring other valid slots (ties: more recent), up to ``budget`` per head."""
     forced = forced & layer.valid

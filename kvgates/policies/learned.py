@@ -46,7 +46,7 @@ class LearnedPolicy(Policy):
             raise ValueError(f"{self.name}: gate_dtype must be one of {sorted(GATE_DTYPES)}, got {self.gate_dtype!r}")
         self._capture: GateCapture | None = None
 
-    def attach(self, model: Any) -> "LearnedPolicy":
+    def attach(self, model: Any) -> LearnedPolicy:
         self.gates.check_model(model, strict=self.strict)
         self.detach()
         self.gates.to(device=model.device, dtype=GATE_DTYPES[self.gate_dtype]).eval().requires_grad_(False)
@@ -58,7 +58,7 @@ class LearnedPolicy(Policy):
             self._capture.remove()
             self._capture = None
 
-    def __enter__(self) -> "LearnedPolicy":
+    def __enter__(self) -> LearnedPolicy:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -42,7 +42,7 @@ class StreamingLLM(Policy):
         self._require_budget(self.sinks, f"sinks={self.sinks}")
         self._inv_freq: torch.Tensor | None = None
 
-    def attach(self, model) -> "StreamingLLM":
+    def attach(self, model) -> StreamingLLM:
         if self.rerotate:
             self._inv_freq = rotary_frequencies(model)
         return self

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 # The layer whose update() ran last and whose attention call is due. transformers calls the cache's update()
 # and then the attention function, which does not receive the cache; this hand-over joins the two.
-ACTIVE_LAYER: ContextVar["BudgetLayer | None"] = ContextVar("kvgates_active_layer", default=None)
+ACTIVE_LAYER: ContextVar[BudgetLayer | None] = ContextVar("kvgates_active_layer", default=None)
 
 _POS_BIG = torch.iinfo(torch.int64).max
 
@@ -71,7 +71,7 @@ class BudgetLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, cache: "BudgetCache", layer_idx: int):
+    def __init__(self, cache: BudgetCache, layer_idx: int):
         super().__init__()
         self.cache = cache
         self.layer_idx = layer_idx
