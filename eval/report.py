@@ -68,7 +68,7 @@ def needle_heatmap(results: list[dict], path: Path) -> Path:
         ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths], rotation=45)
         ax.set_yticks(range(len(labels)), labels)
         ax.set_xlabel("needle depth")
-        ax.set_title(f"needle, {ctx} tokens: passcode digits recalled (green = exact)")
+        ax.set_title(f"{ctx} tokens: passcode digits recalled (green = exact)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
