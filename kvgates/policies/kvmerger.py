@@ -109,22 +109,26 @@ class KVMerger(Policy):
         window = recent_mask(layer, self.window)
         return window | topk_mask(layer.state[_SCORE], self.heavy, layer.valid & ~window, layer.pos)
 
-    def calibrate(self, keys: torch.Tensor, mergeable: torch.Tensor, fixed: torch.Tensor, budget: int) -> torch.Tensor:
-        """Per sequence ``[B]``: the largest threshold (up to ``epsilon``) keeping every head within ``budget``."""
+    def calibrate(
+        self, keys: torch.Tensor, mergeable: torch.Tensor, fixed: torch.Tensor, budget: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sequence ``[B]``: the largest threshold (up to ``epsilon``) keeping every head within ``budget``,
+        and the merging-set starts ``[B, H, L]`` it gives (from the scan that chose it)."""
         b = keys.shape[0]
         hi = torch.full((b,), 1.0001 if self.epsilon is None else self.epsilon, device=keys.device)
         lo = torch.full((b,), -1.0001, device=keys.device)  # merges every run: always feasible
         for _ in range(2):  # a grid, then a finer grid between the best feasible value and the next one
             frac = torch.linspace(0.0, 1.0, self.grid, device=keys.device)[:, None]
             eps = lo[None] + frac * (hi - lo)[None]  # [E, B]
-            tokens = merging_set_starts(keys, mergeable, eps).sum(-1) + fixed[None]  # [E, B, H]
-            ok = (tokens <= budget).all(-1)  # [E, B]
+            starts = merging_set_starts(keys, mergeable, eps)  # [E, B, H, L]
+            ok = (starts.sum(-1) + fixed[None] <= budget).all(-1)  # [E, B]
             ok[0] = True
             best = (ok * torch.arange(self.grid, device=keys.device)[:, None]).amax(0)
             step = (hi - lo) / (self.grid - 1)
             lo = torch.gather(eps, 0, best[None])[0]
             hi = torch.where(best < self.grid - 1, lo + step, lo)
-        return lo
+        chosen = torch.gather(starts, 0, best[None, :, None, None].expand(1, *starts.shape[1:]))[0]
+        return lo, chosen
 
     def decide(self, layer, stats: AttnStats) -> torch.Tensor | None:
         if stats.phase is not Phase.PREFILL:
@@ -146,9 +150,8 @@ class KVMerger(Policy):
         ks, vs = gather(k.float()), gather(v.float())
         mergeable = gather((layer.valid & ~protected)[..., None])[..., 0]
         score = gather(layer.state[_SCORE][..., None])[..., 0]
-        eps = self.calibrate(ks, mergeable, protected.sum(-1), budget)
+        eps, starts = self.calibrate(ks, mergeable, protected.sum(-1), budget)  # starts: [B, H, L]
         layer.scratch["kvmerger.epsilon"] = eps
-        starts = merging_set_starts(ks, mergeable, eps[None])[0]  # [B, H, L]
         # Set ids over mergeable tokens; sets are runs, so a scatter per set gives pivots and weights.
         set_id = torch.where(mergeable, starts.long().cumsum(-1) - 1, torch.zeros_like(starts, dtype=torch.long))
         n_sets = int(starts.sum(-1).max()) if bool(starts.any()) else 0
