@@ -1,23 +1,21 @@
 """Needle-in-a-haystack examples over the Paul Graham essays.
 
 A five-digit passcode sentence is inserted at a sentence boundary at a given depth of a haystack of about
-``context_tokens`` tokens; the prompt ends with a question and the start of the answer, which a small base or
-instruct model completes ("... Answer: The secret passcode is"). SmolLM2-135M with a full cache completes it
+``context_tokens`` tokens of the *test* essays (``data.splits``); the prompt ends with a question and the start of
+the answer, which a small base or instruct model completes ("... Answer: The secret passcode is"). The template is
+one of ``data.tasks``' eval templates, never used in training. SmolLM2-135M with a full cache completes it
 correctly at every depth at 1K and 2K tokens; eviction policies are judged by how much of that they keep.
 """
 
 from __future__ import annotations
 
-import random
 import re
 from dataclasses import dataclass
 
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from data.corpus import paul_graham_essays
-
-QUESTION = "\n\nQuestion: What is the secret passcode?\nAnswer: The secret passcode is"
+from data.tasks import make_example
 
 
 @dataclass(frozen=True)
@@ -41,32 +39,20 @@ class NeedleTask:
             raise ValueError(f"depths must be >= 1, got {self.depths}")
 
 
-def insert_at_depth(haystack: str, needle: str, depth: float) -> str:
-    """Insert ``needle`` at the sentence boundary closest below ``depth`` (0..1) of the haystack's characters."""
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth}")
-    cut = int(len(haystack) * depth)
-    boundary = haystack.rfind(". ", 0, cut)
-    cut = boundary + 2 if boundary >= 0 else 0
-    return haystack[:cut] + needle + " " + haystack[cut:]
-
-
 def build_needle_dataset(tokenizer: PreTrainedTokenizerBase, task: NeedleTask) -> Dataset:
-    """One row per depth: ``prompt`` (text), ``answer`` (passcode), ``depth``, ``context_tokens``."""
-    corpus_ids = tokenizer(paul_graham_essays(), add_special_tokens=False)["input_ids"]
-    rng = random.Random(task.seed)
-    overhead = len(tokenizer(QUESTION + " The secret passcode is 12345.", add_special_tokens=False)["input_ids"])
-    hay_tokens = task.context_tokens - overhead
-    if hay_tokens > len(corpus_ids):
-        raise ValueError(f"context_tokens={task.context_tokens} exceeds the corpus ({len(corpus_ids)} tokens)")
+    """One row per depth: ``prompt`` (text), ``answer`` (passcode), ``depth``, ``context_tokens``.
+
+    Haystacks come from the *test* essays only, and the template ("the secret passcode") is an eval template of
+    ``data.tasks``: no training run sees either.
+    """
     rows = []
     for i in range(task.depths):
         depth = i / (task.depths - 1) if task.depths > 1 else 0.5
-        start = rng.randrange(0, len(corpus_ids) - hay_tokens)
-        code = str(rng.randint(10000, 99999))
-        haystack = tokenizer.decode(corpus_ids[start : start + hay_tokens])
-        prompt = insert_at_depth(haystack, f"The secret passcode is {code}.", depth) + QUESTION
-        rows.append({"prompt": prompt, "answer": code, "depth": depth, "context_tokens": task.context_tokens})
+        ex = make_example(
+            "needle", tokenizer, "test", task.context_tokens, seed=task.seed * 1000 + i, template_set="eval",
+            template="secret-passcode", depth=depth,
+        )
+        rows.append({"prompt": ex["prompt"], "answer": ex["answers"][0], "depth": depth, "context_tokens": task.context_tokens})
     return Dataset.from_list(rows)
 
 

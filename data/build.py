@@ -1,0 +1,186 @@
+"""Tokenised training / validation datasets (🤗 ``datasets``, cached on disk, deterministic from a seed).
+
+A dataset is a *mix* of sources, each a dict with a ``task`` and a ``weight``:
+
+* ``essays``: long-text language-modelling windows of the split's essays; the last ``completion_tokens`` tokens
+  are the completion;
+* any task of ``data.tasks`` (``needle``, ``multikey``, ``multivalue``, ``kv``, ``variable_tracking``,
+  ``passkey``, ``common_words``), built with the *train* templates for training and validation; extra keys are
+  that task's options (``keys``, ``hops``, ``digits``, ...);
+* ``hf``: a Hugging Face dataset (``path``, optional ``name``, ``split``) and ``text``/``jsonl``: local files
+  (``path``); rows give a ``text`` field (windows as for essays; ``text_field`` renames it) or ``prompt`` and
+  ``completion`` fields.
+
+Each row holds ``input_ids`` and ``labels`` (the completion's token ids, ``-100`` on the prompt: losses are taken
+on completion tokens only), and ``task``/``template`` for reports. ``format: chat`` wraps prompt and completion
+in the tokenizer's chat template with TRL's ``apply_chat_template`` (the question goes to the user turn, the
+answer prefix and answer to the assistant turn); ``raw`` keeps plain text, as the needle evaluation uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+from transformers import PreTrainedTokenizerBase
+
+from data.splits import SPLITS
+from data.tasks import TASKS, split_ids, make_example
+
+SOURCES = ("essays", "hf", "text", "jsonl") + TASKS + ("multikey",)
+FORMATS = ("raw", "chat")
+#: Keys every source accepts; the others are task options.
+_COMMON = {"task", "weight"}
+_SOURCE_KEYS = {
+    "essays": {"completion_tokens"},
+    "hf": {"path", "name", "split", "text_field", "completion_tokens"},
+    "text": {"path", "completion_tokens"},
+    "jsonl": {"path", "text_field", "completion_tokens"},
+}
+_TASK_OPTIONS = {"digits", "values", "pairs", "hops", "keys", "top", "distinct"}
+
+
+def check_mix(mix: list[dict[str, Any]]) -> None:
+    """Raise ``ValueError`` (one sentence) for an empty mix, an unknown source, a bad weight or an unknown key."""
+    if not mix:
+        raise ValueError("the data mix is empty; list at least one source (e.g. {task: essays})")
+    for i, source in enumerate(mix):
+        if not isinstance(source, dict) or "task" not in source:
+            raise ValueError(f"data source {i} must be a mapping with a 'task' key, got {source!r}")
+        task = source["task"]
+        if task not in SOURCES:
+            raise ValueError(f"data source {i}: unknown task {task!r}; known: {', '.join(SOURCES)}")
+        weight = source.get("weight", 1.0)
+        if not isinstance(weight, (int, float)) or weight <= 0:
+            raise ValueError(f"data source {i} ({task}): weight must be a positive number, got {weight!r}")
+        allowed = _COMMON | _SOURCE_KEYS.get(task, _TASK_OPTIONS)
+        unknown = sorted(set(source) - allowed)
+        if unknown:
+            raise ValueError(f"data source {i} ({task}) has unknown keys {unknown}; allowed: {sorted(allowed)}")
+        if task in ("hf", "text", "jsonl") and "path" not in source:
+            raise ValueError(f"data source {i} ({task}) needs a 'path'")
+        if task in ("text", "jsonl") and not Path(source["path"]).exists():
+            raise ValueError(f"data source {i} ({task}): {source['path']} does not exist")
+
+
+def _external_rows(source: dict[str, Any]) -> datasets.Dataset:
+    """The rows of an ``hf``/``text``/``jsonl`` source (raises ``ValueError`` when it cannot be loaded)."""
+    try:
+        if source["task"] == "hf":
+            return datasets.load_dataset(source["path"], source.get("name"), split=source.get("split", "train"))
+        builder = "text" if source["task"] == "text" else "json"
+        return datasets.load_dataset(builder, data_files=str(source["path"]), split="train")
+    except Exception as err:  # datasets raises many types (missing, offline, malformed)
+        raise ValueError(f"could not load data source {source['path']!r} ({type(err).__name__}: {err})") from err
+
+
+def _window(ids: Sequence[int], seq_len: int, completion_tokens: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """A ``seq_len`` window of ``ids`` (from a random start) split into prompt and its last ``completion_tokens``."""
+    start = rng.randrange(0, max(1, len(ids) - seq_len + 1))
+    window = list(ids[start : start + seq_len])
+    cut = max(1, len(window) - completion_tokens)
+    return window[:cut], window[cut:]
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, prompt: str, completion: str, fmt: str) -> tuple[list[int], list[int]]:
+    if fmt == "chat":
+        from trl.data_utils import apply_chat_template
+
+        question, _, prefix = prompt.rpartition("\nAnswer: ")
+        conversation = {
+            "prompt": [{"role": "user", "content": question.strip()}],
+            "completion": [{"role": "assistant", "content": prefix + completion}],
+        }
+        texts = apply_chat_template(conversation, tokenizer)
+        prompt, completion = texts["prompt"], texts["completion"]
+    return (
+        tokenizer(prompt, add_special_tokens=False)["input_ids"],
+        tokenizer(completion, add_special_tokens=False)["input_ids"],
+    )
+
+
+def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, template_set):
+    mix = json.loads(mix_json)
+    rng = random.Random(f"mix:{split}:{seed}")
+    weights = [s.get("weight", 1.0) for s in mix]
+    external = {i: _external_rows(s) for i, s in enumerate(mix) if s["task"] in ("hf", "text", "jsonl")}
+    for index in range(num_examples):
+        i = rng.choices(range(len(mix)), weights)[0]
+        source = mix[i]
+        task = source["task"]
+        options = {k: v for k, v in source.items() if k not in _COMMON}
+        template = ""
+        if task == "essays":
+            prompt_ids, completion_ids = _window(split_ids(tokenizer, split), seq_len, options.get("completion_tokens", 64), rng)
+        elif i in external:
+            rows = external[i]
+            row = rows[rng.randrange(len(rows))]
+            field = options.get("text_field", "text")
+            if field in row:
+                ids = tokenizer(row[field], add_special_tokens=False)["input_ids"]
+                prompt_ids, completion_ids = _window(ids, seq_len, options.get("completion_tokens", 64), rng)
+            elif "prompt" in row and "completion" in row:
+                prompt_ids, completion_ids = _encode(tokenizer, row["prompt"], row["completion"], fmt)
+            else:
+                raise ValueError(f"rows of {source['path']!r} need a {field!r} field or 'prompt' and 'completion'")
+        else:
+            ex = make_example(task, tokenizer, split, seq_len, seed=seed * 1_000_003 + index, template_set=template_set, **options)
+            template = ex["template"]
+            prompt_ids, completion_ids = _encode(tokenizer, ex["prompt"], ex["completion"], fmt)
+        prompt_ids = prompt_ids[-max(1, seq_len - len(completion_ids)) :]  # the prompt gives way to the completion
+        yield {
+            "input_ids": prompt_ids + completion_ids,
+            "labels": [-100] * len(prompt_ids) + completion_ids,
+            "task": task,
+            "template": template,
+        }
+
+
+def build_dataset(
+    tokenizer: PreTrainedTokenizerBase,
+    mix: list[dict[str, Any]],
+    split: str,
+    num_examples: int,
+    seq_len: int,
+    seed: int = 0,
+    fmt: str = "raw",
+    template_set: str = "train",
+    cache_dir: str | None = None,
+) -> datasets.Dataset:
+    """``num_examples`` rows from ``mix`` over the ``split`` essays, each at most ``seq_len`` tokens; synthetic tasks
+    use the ``template_set`` templates (``"train"``; ``"eval"`` for held-out reports).
+
+    Built with ``datasets.Dataset.from_generator``: the result is cached on disk (under ``cache_dir``, default the
+    🤗 datasets cache) keyed by every argument, so a second run with the same config loads it instead of
+    regenerating it. Same arguments, same rows.
+    """
+    check_mix(mix)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    if num_examples < 1 or seq_len < 64:
+        raise ValueError(f"need num_examples >= 1 and seq_len >= 64, got {num_examples} and {seq_len}")
+    return datasets.Dataset.from_generator(
+        _generate,
+        gen_kwargs={
+            # A list-valued keyword would be split into shards by ``from_generator``: the mix travels as JSON.
+            "tokenizer": tokenizer, "mix_json": json.dumps(mix, sort_keys=True), "split": split, "num_examples": num_examples,
+            "seq_len": seq_len, "seed": seed, "fmt": fmt, "template_set": template_set,
+        },
+        cache_dir=cache_dir,
+    )
+
+
+def summarize(dataset: datasets.Dataset) -> str:
+    """One line: rows, tokens, completion tokens, and the share of each task (for adapter configs and cards)."""
+    tasks = dataset["task"]
+    share = {t: tasks.count(t) / len(tasks) for t in sorted(set(tasks))}
+    tokens = sum(len(x) for x in dataset["input_ids"])
+    completion = sum(sum(1 for y in x if y != -100) for x in dataset["labels"])
+    mix = ", ".join(f"{t} {s:.0%}" for t, s in share.items())
+    return f"{len(tasks)} rows, {tokens} tokens ({completion} completion tokens); {mix}"

@@ -1,0 +1,115 @@
+"""The essay split, the synthetic tasks and their template sets, and the dataset builder."""
+
+import pytest
+
+from data.build import build_dataset, check_mix, summarize
+from data.splits import SPLITS, essay_split, make_essay_split, split_text
+from data.tasks import HAYSTACK_TASKS, TASKS, TEMPLATES, make_example, n_tokens, score, templates
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from kvgates.models import embedded_model_dir
+
+    return AutoTokenizer.from_pretrained(embedded_model_dir("smollm2-135m"))
+
+
+def test_split_is_recorded_disjoint_and_complete():
+    split = essay_split()
+    assert split == make_essay_split(0)  # the committed record is what the code makes
+    names = [n for s in SPLITS for n in split[s]]
+    assert len(names) == len(set(names))
+    for s in SPLITS:
+        assert split[s] and split_text(s)
+    # The test split's text shares no essay with training.
+    assert not set(split["train"]) & set(split["test"])
+
+
+def test_template_sets_never_share_a_template():
+    for task, ts in TEMPLATES.items():
+        train = {(t.statement, t.question) for t in ts if t.set == "train"}
+        held = {(t.statement, t.question) for t in ts if t.set == "eval"}
+        assert train and held, task
+        assert not train & held, task
+        assert all(t.set in ("train", "eval") for t in ts)
+        assert len({t.name for t in ts}) == len(ts)
+    # eval/needle.py's passcode template is held out, and no training phrasing mentions a passcode.
+    assert any("passcode" in t.statement for t in templates("needle", "eval"))
+    assert not any("passcode" in (t.statement + t.question + t.answer) for ts in TEMPLATES.values() for t in ts if t.set == "train")
+
+
+@pytest.mark.parametrize("task", TASKS + ("multikey",))
+def test_examples_are_deterministic_answerable_and_sized(tok, task):
+    a = make_example(task, tok, "test", 600, seed=3, template_set="eval")
+    b = make_example(task, tok, "test", 600, seed=3, template_set="eval")
+    c = make_example(task, tok, "test", 600, seed=4, template_set="eval")
+    assert a == b and a != c
+    assert templates("needle" if task == "multikey" else task, "eval")[0].set == "eval"
+    assert score(a, a["completion"]) == {"exact": 1.0, "recall": 1.0}
+    assert score(a, " nothing.")["exact"] == 0.0
+    assert abs(n_tokens(tok, a["prompt"]) - 600) < 120
+    if task in HAYSTACK_TASKS:
+        for answer in a["answers"]:
+            assert answer in a["prompt"]  # the answer is findable in the context
+
+
+def test_needle_depth_places_the_statement(tok):
+    early = make_example("needle", tok, "test", 800, seed=1, template_set="eval", template="secret-passcode", depth=0.0)
+    late = make_example("needle", tok, "test", 800, seed=1, template_set="eval", template="secret-passcode", depth=1.0)
+    assert early["prompt"].index("secret passcode is") < 40
+    assert late["prompt"].index("secret passcode is") > len(late["prompt"]) - 200
+
+
+def test_score_partial_credit():
+    ex = {"answers": ["43936"]}
+    assert score(ex, " 4393.") == {"exact": 0.0, "recall": 0.8}
+    assert score({"answers": ["AB", "CD"]}, "AB and EF") == {"exact": 0.0, "recall": 0.5}
+
+
+def test_template_set_mismatch_and_unknowns_are_refused(tok):
+    with pytest.raises(ValueError, match="eval template"):
+        make_example("needle", tok, "train", 300, seed=0, template_set="train", template="secret-passcode")
+    with pytest.raises(ValueError, match="unknown task"):
+        make_example("nope", tok, "train", 300, seed=0)
+    with pytest.raises(ValueError, match="split"):
+        make_example("needle", tok, "dev", 300, seed=0)
+
+
+def test_build_dataset_cached_deterministic_completion_only(tok, tmp_path):
+    mix = [{"task": "essays", "completion_tokens": 16}, {"task": "needle"}, {"task": "kv", "pairs": 3}]
+    a = build_dataset(tok, mix, "train", 6, 128, seed=1, cache_dir=str(tmp_path))
+    b = build_dataset(tok, mix, "train", 6, 128, seed=1, cache_dir=str(tmp_path))
+    assert len(a) == 6 and a["input_ids"] == b["input_ids"]
+    for row in a:
+        assert len(row["input_ids"]) == len(row["labels"]) <= 128
+        first = next(i for i, y in enumerate(row["labels"]) if y != -100)
+        assert all(y == -100 for y in row["labels"][:first])
+        assert row["labels"][first:] == row["input_ids"][first:]
+    assert summarize(a).startswith("6 rows")
+    chat = build_dataset(tok, [{"task": "needle"}], "train", 1, 256, fmt="chat", cache_dir=str(tmp_path))
+    assert "<|im_start|>assistant" in tok.decode(chat[0]["input_ids"])
+
+
+@pytest.mark.parametrize(
+    "mix, message",
+    [
+        ([], "empty"),
+        ([{"task": "novel"}], "unknown task"),
+        ([{"task": "needle", "weight": 0}], "weight"),
+        ([{"task": "needle", "colour": 1}], "unknown keys"),
+        ([{"task": "jsonl", "path": "/nonexistent.jsonl"}], "does not exist"),
+        ([{"task": "hf"}], "needs a 'path'"),
+    ],
+)
+def test_bad_mixes_fail_with_one_sentence(mix, message):
+    with pytest.raises(ValueError, match=message):
+        check_mix(mix)
+
+
+def test_local_jsonl_source(tok, tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "Say hi.", "completion": " Hi."}\n')
+    ds = build_dataset(tok, [{"task": "jsonl", "path": str(path)}], "train", 2, 64, cache_dir=str(tmp_path / "c"))
+    assert tok.decode(ds[0]["input_ids"]) == "Say hi. Hi."
