@@ -110,9 +110,15 @@ def retention_scores(log_beta: torch.Tensor, slot_pos: torch.Tensor, t: torch.Te
     return _impl(log_beta).retention_scores(log_beta, slot_pos, t)
 
 
-def retention_sum(log_beta: torch.Tensor) -> torch.Tensor:
-    """Training-time retention mass ``S_t`` with its gradient (see ``reference.retention_sum``)."""
-    return _impl(log_beta).retention_sum(log_beta)
+def retention_sum(log_beta: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Training-time retention mass ``S_t`` with its gradient, at positions ``rows`` (default all; see
+    ``reference.retention_sum``). The Triton kernel computes every ``t`` and the requested ones are selected."""
+    if _impl(log_beta) is reference:
+        return reference.retention_sum(log_beta, rows)
+    from kvgates.kernels import triton_ops
+
+    out = triton_ops.retention_sum(log_beta)
+    return out if rows is None else out.index_select(-1, rows.to(out.device))
 
 
 __all__ = [

@@ -345,16 +345,53 @@ def retention_scores(log_beta: torch.Tensor, slot_pos: torch.Tensor, t: torch.Te
     return torch.where(slot_pos >= 0, age * log_beta, torch.full_like(log_beta, float("-inf")))
 
 
-def retention_sum(log_beta: torch.Tensor) -> torch.Tensor:
-    """Training-time retention mass ``S_t = sum_{i <= t} beta_i^(t - i)`` for every t, ``[..., T]``.
+def _age(rows: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[len(rows), n]`` ages ``t - i`` for the rows ``t`` in ``rows``, ``-1`` where ``i > t``."""
+    age = (rows[:, None] - torch.arange(n, device=rows.device)[None, :]).to(dtype)
+    return age.masked_fill(age < 0, -1.0)
 
-    ``log_beta`` is ``[..., T]``. Computed by the recurrence ``S_t = beta_t^0 + sum_{i<t} beta_i^(t-i)``
-    in the log domain over explicit ``(t, i)`` pairs, which is the definition; the Triton kernel computes the
-    same thing without the ``T x T`` matrix.
+
+class _RetentionSum(torch.autograd.Function):
+    """``S_t = sum_{i <= t} exp((t - i) lb_i)`` for the requested rows ``t``, ``block`` rows at a time in the forward
+    and the backward: memory is ``block x T`` per row of ``log_beta``, never ``T x T`` for all of them."""
+
+    @staticmethod
+    def forward(ctx, log_beta: torch.Tensor, rows: torch.Tensor, block: int) -> torch.Tensor:
+        lb = log_beta if log_beta.dtype == torch.float64 else log_beta.float()
+        n = lb.shape[-1]
+        out = lb.new_empty((*lb.shape[:-1], rows.numel()))
+        for start in range(0, rows.numel(), block):
+            age = _age(rows[start : start + block], n, lb.dtype)
+            # lb <= 0 and age >= 0: every term is in (0, 1], so a plain sum is stable. Future tokens weigh 0.
+            out[..., start : start + block] = torch.where(age >= 0, torch.exp(age * lb[..., None, :]), 0.0).sum(-1)
+        ctx.save_for_backward(lb, rows)
+        ctx.block = block
+        return out.to(log_beta.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        lb, rows = ctx.saved_tensors
+        n = lb.shape[-1]
+        g = grad.to(lb.dtype)
+        out = torch.zeros_like(lb)
+        for start in range(0, rows.numel(), ctx.block):
+            age = _age(rows[start : start + ctx.block], n, lb.dtype)
+            # dS_t / dlb_i = (t - i) exp((t - i) lb_i) for i <= t.
+            term = torch.where(age >= 0, age * torch.exp(age * lb[..., None, :]), 0.0)
+            out += (term * g[..., start : start + ctx.block, None]).sum(-2)
+        return out.to(grad.dtype), None, None
+
+
+def retention_sum(log_beta: torch.Tensor, rows: torch.Tensor | None = None, block: int = 128) -> torch.Tensor:
+    """Training-time retention mass ``S_t = sum_{i <= t} beta_i^(t - i)``, differentiable.
+
+    Args:
+        log_beta: ``[..., T]`` (<= 0, as retention gates give).
+        rows: 1-D positions ``t`` to compute (default: all ``T``); the result is ``[..., len(rows)]``. The capacity
+            loss only needs ``t`` beyond the budget, and a strided subset of those estimates its mean.
+        block: rows processed at once; memory stays ``block x T`` per leading index in the forward and the
+            backward (the Triton kernel keeps one tile per program instead).
     """
-    n = log_beta.shape[-1]
-    idx = torch.arange(n, device=log_beta.device)
-    age = (idx[:, None] - idx[None, :]).to(log_beta.dtype)  # [t, i]
-    logits = age * log_beta[..., None, :]
-    logits = logits.masked_fill(age < 0, float("-inf"))
-    return torch.logsumexp(logits, dim=-1).exp()
+    if rows is None:
+        rows = torch.arange(log_beta.shape[-1], device=log_beta.device)
+    return _RetentionSum.apply(log_beta, rows.to(device=log_beta.device, dtype=torch.int64), block)

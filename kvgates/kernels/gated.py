@@ -1,0 +1,155 @@
+"""Training-time kernels: TRIM-KV gated attention, and Locret's causal-importance labels.
+
+Gated attention (TRIM-KV, "Cache What Lasts"). A student attends with
+
+    logits[t, i] = scale * q_t . k_i + (t - i) * log_beta_i          for i <= t
+
+where ``log_beta_i`` (<= 0) belongs to token ``i``'s KV head and is broadcast over that head's query heads: a
+token with ``beta < 1`` fades with its age, which is the soft counterpart of evicting it. ``log_beta = 0`` is the
+frozen model exactly.
+
+``gated_attention_reference`` builds the ``T x T`` bias literally (the definition, for tests).
+``gated_attention`` never builds it: the bias is separable, ``(t - i) lb_i = t lb_i - i lb_i``, so two extra query
+channels ``[t - c, 1]`` and two extra key channels ``[lb_i, -(i - c) lb_i] / scale`` carry it exactly through
+any fused attention kernel (here ``scaled_dot_product_attention``: the CPU flash kernel, FlashAttention or the
+memory-efficient kernel on GPU), with exact gradients into ``log_beta``. Precision: ``(t - c) lb`` and
+``(i - c) lb`` are subtracted inside the kernel's dot product, so their rounding error grows with the length;
+centring on ``c = (T - 1) / 2`` halves the magnitudes, and the whole product runs in float32 (half-precision
+inputs are upcast for this call: in bf16, ``t`` itself would be rounded by up to 8 positions at T = 2048).
+``gated_attention_flex`` is the other GPU route, FlexAttention with a ``score_mod`` that adds the bias in float32
+inside the kernel; it needs ``torch.compile`` on CUDA to be fast (not measured: no GPU was lent).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["causal_importance", "gated_attention", "gated_attention_flex", "gated_attention_reference"]
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 stays float64 (gradient checks); everything else runs in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _visible(t: int, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``[B or 1, 1, T, T]`` bool: causal, and ``mask`` (bool, True = attend; or additive float) when given."""
+    idx = torch.arange(t, device=device)
+    causal = (idx[:, None] >= idx[None, :])[None, None]
+    if mask is None:
+        return causal
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    return causal & allowed
+
+
+def gated_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_beta: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The definition, with an explicit ``[B, H, T, T]`` bias.
+
+    Args:
+        q: ``[B, H, T, D]``; k, v: ``[B, H_kv, T, D]`` (one sequence, no cache: key ``i`` sits at position ``i``).
+        log_beta: ``[B, H_kv, T]`` per-token log retention (<= 0) of each KV head.
+        scale: softmax scale.
+        mask: optional ``[B, 1, T, T]`` bool (True = may attend) or additive float mask, on top of causality.
+
+    Returns:
+        ``[B, H, T, D]`` in ``q``'s dtype; a row that may attend to nothing is zero.
+    """
+    b, h, t, _ = q.shape
+    g = h // k.shape[1]
+    work = _work_dtype(q)
+    kk, vv = k.repeat_interleave(g, 1).to(work), v.repeat_interleave(g, 1).to(work)
+    lb = log_beta.repeat_interleave(g, 1).to(work)
+    idx = torch.arange(t, device=q.device, dtype=work)
+    logits = torch.matmul(q.to(work), kk.transpose(-1, -2)) * scale + (idx[:, None] - idx[None, :]) * lb[:, :, None, :]
+    logits = logits.masked_fill(~_visible(t, mask, q.device), float("-inf"))
+    probs = torch.softmax(logits, -1).nan_to_num(0.0)
+    return torch.matmul(probs, vv).to(q.dtype)
+
+
+def gated_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_beta: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``gated_attention_reference`` through ``scaled_dot_product_attention`` with two extra channels (no ``T x T``
+    bias; see the module docstring). Same arguments and result."""
+    b, h, t, d = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    dtype, work = q.dtype, _work_dtype(q)
+    q, k, v = q.to(work), k.to(work), v.to(work)
+    pos = torch.arange(t, device=q.device, dtype=work) - (t - 1) / 2
+    lb = log_beta.to(work) / scale
+    q_aug = torch.cat([q, pos.expand(b, h, t)[..., None], q.new_ones(b, h, t, 1)], dim=-1)
+    k_aug = torch.cat([k, lb[..., None], (-pos * lb)[..., None]], dim=-1)
+    # Equal q/k/v widths keep sdpa on its fused kernels; the padded value channels are dropped after.
+    pad = d + 2 - dv
+    v_aug = torch.cat([v, v.new_zeros(b, hkv, t, pad)], dim=-1) if pad > 0 else v
+    if mask is None:
+        out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, is_causal=True, scale=scale, enable_gqa=h != hkv)
+    else:
+        out = F.scaled_dot_product_attention(
+            q_aug, k_aug, v_aug, attn_mask=_visible(t, mask, q.device), scale=scale, enable_gqa=h != hkv
+        )
+        out = out.nan_to_num(0.0)
+    return out[..., :dv].to(dtype)
+
+
+def gated_attention_flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_beta: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``gated_attention_reference`` with FlexAttention: the bias is a ``score_mod`` computed in float32 inside the
+    kernel. Causality (and ``mask``, bool only) becomes a block mask. Meant for CUDA under ``torch.compile``."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    b, h, t, _ = q.shape
+    g = h // k.shape[1]
+    lb = log_beta.float()
+
+    def score_mod(score, batch, head, q_idx, kv_idx):
+        return score + lb[batch, head // g, kv_idx] * (q_idx - kv_idx).to(torch.float32)
+
+    if mask is not None and mask.dtype != torch.bool:
+        raise ValueError("gated_attention_flex takes a boolean mask")
+
+    def mask_mod(batch, head, q_idx, kv_idx):
+        keep = q_idx >= kv_idx
+        if mask is not None:
+            keep = keep & mask[batch if mask.shape[0] > 1 else 0, 0, q_idx, kv_idx]
+        return keep
+
+    block_mask = create_block_mask(mask_mod, B=b if mask is not None else None, H=None, Q_LEN=t, KV_LEN=t, device=q.device)
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=g > 1)
+
+
+def causal_importance(
+    q: torch.Tensor, k: torch.Tensor, scale: float, q_valid: torch.Tensor | None = None, block: int = 256
+) -> torch.Tensor:
+    """Locret's label: for each token ``i`` and KV head, the largest pre-softmax logit ``scale * q_p . k_i`` that any
+    *later* query ``p > i`` of the head's query group gives it, ``[B, H_kv, T]`` float32.
+
+    Tokens no later (valid) query sees get ``-inf`` (the last token always does): leave them out of the loss.
+    Query rows are processed ``block`` at a time, so at most ``block x T`` logits per head exist at once.
+
+    Args:
+        q: ``[B, H, T, D]`` post-RoPE queries; k: ``[B, H_kv, T, D]`` post-RoPE keys (what attention sees).
+        scale: softmax scale.
+        q_valid: ``[B, T]`` bool, False for padding queries (they give no label).
+    """
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    kf = k.float().transpose(-1, -2)  # [B, H_kv, D, T]
+    best = torch.full((b, hkv, t), float("-inf"), device=q.device)
+    idx = torch.arange(t, device=q.device)
+    for start in range(0, t, block):
+        stop = min(t, start + block)
+        rows = q[:, :, start:stop].float().reshape(b, hkv, g * (stop - start), d)
+        logits = torch.matmul(rows, kf).view(b, hkv, g, stop - start, t) * scale
+        later = idx[start:stop, None] > idx[None, :]  # query p strictly after key i
+        allowed = later[None, None, None]
+        if q_valid is not None:
+            allowed = allowed & q_valid[:, None, None, start:stop, None]
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        best = torch.maximum(best, logits.amax(dim=(2, 3)))
+    return best
