@@ -166,7 +166,8 @@ def model_fingerprint(model: PreTrainedModel) -> str:
         config.num_key_value_heads, head_dim, getattr(config, "vocab_size", 0),
     ]
     digest = hashlib.sha256(json.dumps(geometry).encode())
-    params = dict(model.named_parameters())
+    # Gates registered on the model while they train (``kvgates.gates.training``) are not part of its identity.
+    params = {n: p for n, p in model.named_parameters() if not n.startswith("kvgates_gates.")}
     names = sorted(params)
     sample = [n for n in names if "embed" in n][:1] + [n for n in names if ".0." in n][:2] + names[-2:]
     for name in sample:

@@ -53,6 +53,10 @@ class GateConfig:
     training_budget: int | None = None
     training_data: str | None = None
     results: dict[str, Any] = field(default_factory=dict)
+    #: How the gates were trained: recipe (the run config), command, wall time, machine, data split.
+    training: dict[str, Any] = field(default_factory=dict)
+    #: Markdown results (held-out and A/B tables) shown in the model card.
+    report: str = ""
     version: int = ADAPTER_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -255,6 +259,11 @@ class GateSet(nn.Module):
     def model_card(self) -> str:
         c = self.config
         results = "\n".join(f"| {k} | {v} |" for k, v in c.results.items()) or "| (none recorded yet) | |"
+        report = f"\n{c.report.strip()}\n" if c.report.strip() else ""
+        training = ""
+        if c.training:
+            recipe = json.dumps(c.training, indent=1, sort_keys=True)
+            training = f"\n## Training\n\n```json\n{recipe}\n```\n"
         return f"""---
 library_name: kvgates
 base_model: {c.base_model}
@@ -284,7 +293,7 @@ out = model.generate(**tok("...", return_tensors="pt"), past_key_values=cache, m
 | metric | value |
 |---|---|
 {results}
-"""
+{report}{training}"""
 
 
 _POLICY_OF_KIND = {"retention": "trimkv", "retention-global": "trimkv-global", "retaining-head": "locret"}

@@ -1,0 +1,12 @@
+"""Train KV-eviction gates on a frozen LLM: ``accelerate launch train.py [--config configs/train/X.yaml] [key=value ...]``.
+
+With no argument it runs the quickstart (``configs/train/quickstart.yaml``) on the embedded SmolLM2-135M and the
+Paul Graham essays. The run itself reads top to bottom in ``train/run.py``.
+"""
+
+import sys
+
+from train.run import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Training run configs: YAML files in ``configs/train/``, single keys overridable on the command line.
+
+    accelerate launch train.py --config configs/train/quickstart.yaml training.max_steps=50 budget=128
+
+Every key is known and checked before anything runs: an unknown key, a bad budget, an unknown gate kind or
+teacher policy, or a bad data source each stop the run with one sentence, before any file is written. The
+``training`` section is passed to ``transformers.TrainingArguments`` (its keys are checked against it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from data.build import FORMATS, check_mix
+from kvgates import POLICIES
+
+KINDS = {"trimkv": "retention", "trimkv-global": "retention-global", "locret": "retaining-head"}
+#: The policy that runs each kind's gates at inference (and in validation).
+POLICY_OF_KIND = {"trimkv": "trimkv", "trimkv-global": "trimkv-global", "locret": "locret"}
+LEARNED_POLICIES = ("trimkv", "trimkv-global", "locret", "full")
+
+
+class ConfigError(ValueError):
+    """A training config that cannot run (one sentence saying what is wrong)."""
+
+
+@dataclass
+class GateSpec:
+    """Shape of the gates: ``hidden`` units (None = the kind's default), initial retention bias (TRIM-KV)."""
+
+    hidden: int | None = None
+    init_bias: float = 18.0
+
+
+@dataclass
+class DataSpec:
+    """Training and validation data (``data.build``): a mix of sources at ``seq_len`` tokens."""
+
+    seq_len: int = 512
+    format: str = "raw"
+    train_examples: int = 400
+    validation_examples: int = 8
+    seed: int = 0
+    mix: list[dict[str, Any]] = field(default_factory=lambda: [{"task": "essays"}])
+
+
+@dataclass
+class LossSpec:
+    """Loss weights. ``budget_ramp_steps``: the capacity budget falls linearly from ``seq_len`` to ``budget`` over
+    these optimizer steps (0: the target from the start), as DMS ramps its compression."""
+
+    lambda_cap: float = 1.0
+    capacity_stride: int = 4
+    budget_ramp_steps: int = 0
+    distill_chunk: int = 256
+    locret_smoothness: float = 0.0025
+
+
+@dataclass
+class TeacherSpec:
+    """A heuristic policy whose keep-set at ``budget`` supervises the gates (``train.losses.teacher_ranking_loss``)
+    with ``weight``, annealed linearly to 0 over ``anneal_steps`` optimizer steps (0: constant)."""
+
+    policy: str
+    params: dict[str, Any] = field(default_factory=dict)
+    weight: float = 1.0
+    anneal_steps: int = 0
+    pairs: int = 256
+
+
+@dataclass
+class ValidationSpec:
+    """Hard-eviction validation every ``training.eval_steps`` steps and at the end, on validation essays."""
+
+    needles: int = 4
+    needle_tokens: int | None = None  # default: data.seq_len
+
+
+@dataclass
+class ReportSpec:
+    """The final held-out table (test essays, eval templates) at the training budget."""
+
+    examples: int = 8
+    needles: int = 10
+    policies: list[str] = field(default_factory=lambda: ["streaming_llm", "h2o", "snapkv", "tova"])
+    max_new_tokens: int = 8
+
+
+@dataclass
+class TrainConfig:
+    """One training run. See ``configs/train/quickstart.yaml`` for a commented example."""
+
+    run_name: str = "run"
+    output_dir: str = "checkpoints/run"
+    model: str = "smollm2-135m"
+    kind: str = "trimkv"
+    budget: int = 256
+    gates: GateSpec = field(default_factory=GateSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    loss: LossSpec = field(default_factory=LossSpec)
+    teacher: TeacherSpec | None = None
+    validation: ValidationSpec = field(default_factory=ValidationSpec)
+    report: ReportSpec = field(default_factory=ReportSpec)
+    training: dict[str, Any] = field(default_factory=dict)
+    push_to_hub: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"unknown kind {self.kind!r}; kinds: {', '.join(KINDS)}")
+        if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
+            raise ConfigError(f"budget must be a whole number of tokens per KV head, at least 1; got {self.budget!r}")
+        if self.data.format not in FORMATS:
+            raise ConfigError(f"data.format must be one of {FORMATS}, got {self.data.format!r}")
+        if self.data.seq_len < 64 or self.data.seq_len <= self.budget:
+            raise ConfigError(f"data.seq_len ({self.data.seq_len}) must be at least 64 and larger than the budget ({self.budget})")
+        if self.data.train_examples < 1 or self.data.validation_examples < 1:
+            raise ConfigError("data.train_examples and data.validation_examples must be at least 1")
+        try:
+            check_mix(self.data.mix)
+        except ValueError as err:
+            raise ConfigError(f"data.mix: {err}") from None
+        if self.loss.capacity_stride < 1 or self.loss.budget_ramp_steps < 0 or self.loss.lambda_cap < 0:
+            raise ConfigError("loss.capacity_stride must be >= 1, loss.budget_ramp_steps and loss.lambda_cap >= 0")
+        if self.teacher is not None:
+            if self.kind == "locret":
+                raise ConfigError("a heuristic teacher supervises retention gates; locret trains on its own labels")
+            if self.teacher.policy not in POLICIES or self.teacher.policy in LEARNED_POLICIES:
+                heuristics = sorted(set(POLICIES) - set(LEARNED_POLICIES))
+                raise ConfigError(f"unknown teacher policy {self.teacher.policy!r}; heuristic policies: {', '.join(heuristics)}")
+            from kvgates import make_policy
+
+            try:
+                make_policy(self.teacher.policy, budget=self.budget, **self.teacher.params)
+            except (ValueError, TypeError) as err:
+                raise ConfigError(f"teacher: {err}") from None
+        for name in self.report.policies:
+            if name not in POLICIES or name in LEARNED_POLICIES:
+                raise ConfigError(f"report.policies: {name!r} is not a heuristic policy")
+        _check_training_args(self.training)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> TrainConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a mapping at the top level")
+        return _build(cls, raw, source)
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: list[str] = ()) -> TrainConfig:
+        """Read a YAML config and apply ``key.sub=value`` overrides (values parsed as YAML)."""
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path} is not valid YAML ({err})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        for item in overrides:
+            apply_override(raw, item)
+        return cls.from_dict(raw, str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @property
+    def gate_kind(self) -> str:
+        return KINDS[self.kind]
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set ``raw[a][b] = value`` for an override ``a.b=value``."""
+    if "=" not in item:
+        raise ConfigError(f"overrides look like key=value or section.key=value, got {item!r}")
+    key, value = item.split("=", 1)
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a section")
+    node[parts[-1]] = yaml.safe_load(value)
+
+
+def _build(cls: type, raw: dict[str, Any], where: str):
+    """Construct dataclass ``cls`` from ``raw``, refusing unknown keys and building nested sections."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {unknown}; known keys: {sorted(fields)}")
+    kwargs = {}
+    for name, value in raw.items():
+        kind = _SECTIONS.get((cls, name))
+        if kind is not None and value is not None:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: {name} must be a mapping, got {value!r}")
+            value = _build(kind, value, f"{where}: {name}")
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as err:  # a required key missing (e.g. teacher.policy)
+        raise ConfigError(f"{where}: {err}") from None
+
+
+_SECTIONS = {
+    (TrainConfig, "gates"): GateSpec,
+    (TrainConfig, "data"): DataSpec,
+    (TrainConfig, "loss"): LossSpec,
+    (TrainConfig, "teacher"): TeacherSpec,
+    (TrainConfig, "validation"): ValidationSpec,
+    (TrainConfig, "report"): ReportSpec,
+}
+
+#: TrainingArguments the run sets itself (from other keys), so a config must not.
+_RESERVED_ARGS = {"output_dir", "run_name", "remove_unused_columns", "metric_for_best_model", "greater_is_better"}
+
+
+def _check_training_args(training: dict[str, Any]) -> None:
+    from transformers import TrainingArguments
+
+    known = {f.name for f in dataclasses.fields(TrainingArguments)}
+    unknown = sorted(set(training) - known)
+    if unknown:
+        raise ConfigError(f"training: {unknown} are not transformers.TrainingArguments fields")
+    reserved = sorted(set(training) & _RESERVED_ARGS)
+    if reserved:
+        raise ConfigError(f"training: {reserved} are set by the run itself; remove them from the config")

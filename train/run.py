@@ -1,0 +1,177 @@
+"""A training run from top to bottom: config -> frozen model + fresh gates -> data -> Trainer -> adapter + table.
+
+    accelerate launch train.py                                       # configs/train/quickstart.yaml
+    accelerate launch train.py --config configs/train/trimkv-256.yaml training.max_steps=200
+    accelerate launch train.py --config ... --resume                  # continue from the last checkpoint
+
+Outputs in ``output_dir``: ``checkpoint-*`` (gate adapter + optimizer/scheduler/RNG/trainer state, no LLM),
+``metrics.jsonl`` (every log line), ``run_config.json``, ``wandb/`` (offline unless ``WANDB_MODE`` says otherwise),
+and at the end ``adapter/`` (the best checkpoint's gates, with the held-out table in its model card) and
+``report.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainingArguments, set_seed
+
+import kvgates
+from data.build import build_dataset, summarize
+from data.splits import essay_split
+from eval.heldout import markdown_table
+from kvgates.gates import GATE_KINDS
+from kvgates.gates.training import GateTraining
+from train.config import ConfigError, TrainConfig
+from train.trainer import GateTrainer, MetricsJsonl
+from train.validation import Validator, final_table
+
+DEFAULT_CONFIG = "configs/train/quickstart.yaml"
+RUN_CONFIG = "run_config.json"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="train.py", description="Train KV-eviction gates on a frozen LLM.", epilog="Overrides: key=value or section.key=value."
+    )
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML run config (default {DEFAULT_CONFIG})")
+    parser.add_argument("--resume", action="store_true", help="continue the run in output_dir from its last checkpoint")
+    parser.add_argument("overrides", nargs="*", help="single-key overrides, e.g. training.max_steps=20 budget=128")
+    return parser.parse_args(argv)
+
+
+def prepare_output_dir(config: TrainConfig, resume: bool) -> Path:
+    """Refuse to overwrite an earlier run, or to resume one made with another config; write ``run_config.json``."""
+    out = Path(config.output_dir)
+    recorded = out / RUN_CONFIG
+    has_checkpoints = out.is_dir() and any(p.name.startswith("checkpoint-") for p in out.iterdir())
+    if resume:
+        if not has_checkpoints:
+            raise ConfigError(f"--resume: {out} holds no checkpoint to resume from")
+        before = json.loads(recorded.read_text()) if recorded.is_file() else {}
+        now = json.loads(config.to_json())
+        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        if changed:
+            raise ConfigError(f"--resume: {out} was trained with another config (differs in {', '.join(changed)})")
+    elif has_checkpoints:
+        raise ConfigError(f"{out} already holds checkpoints of a run; pass --resume to continue it or pick another output_dir")
+    out.mkdir(parents=True, exist_ok=True)
+    recorded.write_text(config.to_json())
+    return out
+
+
+def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
+    """TrainingArguments: the config's ``training`` section over the run's defaults."""
+    defaults = dict(
+        per_device_train_batch_size=1,
+        learning_rate=2e-4,
+        lr_scheduler_type="cosine",
+        warmup_steps=10,
+        logging_steps=5,
+        eval_strategy="steps",
+        save_strategy="steps",
+        eval_steps=50,
+        save_steps=50,
+        save_total_limit=2,
+        load_best_model_at_end=True,
+        report_to=["wandb"],
+        dataloader_num_workers=0,
+        seed=config.data.seed,
+    )
+    args = {**defaults, **config.training}
+    if args.get("gradient_checkpointing"):
+        args.setdefault("gradient_checkpointing_kwargs", {"use_reentrant": False})  # gates need the backward graph
+    return TrainingArguments(
+        output_dir=str(out), run_name=config.run_name, metric_for_best_model="kl", greater_is_better=False, **args
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = TrainConfig.load(args.config, args.overrides)
+        out = prepare_output_dir(config, args.resume)
+    except ConfigError as err:
+        print(f"train.py: {err}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_PROJECT", "kvgates")
+    os.environ.setdefault("WANDB_DIR", str(out))
+    started = time.time()
+    train_args = training_arguments(config, out)
+    set_seed(train_args.seed)
+
+    # The frozen LLM and fresh gates; only the gates train.
+    model, tokenizer = kvgates.load_model(config.model)
+    model.requires_grad_(False)
+    gates = GATE_KINDS[config.gate_kind].for_model(
+        model, gate_hidden=config.gates.hidden, training_budget=config.budget, init_bias=config.gates.init_bias
+    )
+    untrained = copy.deepcopy(gates)
+    gated = GateTraining(model, gates)  # registers the gates on the model and routes its attention
+    assert {id(p) for p in model.parameters() if p.requires_grad} == {id(p) for p in gates.parameters()}
+
+    # Data: training rows from the train essays; validation on validation essays.
+    data = config.data
+    train_rows = build_dataset(tokenizer, data.mix, "train", data.train_examples, data.seq_len, data.seed, data.format)
+    validator = Validator.build(config, tokenizer)
+
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    trainer = GateTrainer(
+        config=config,
+        training=gated,
+        validator=validator,
+        model=model,
+        args=train_args,
+        train_dataset=train_rows,
+        eval_dataset=validator.heldout.rows,
+        data_collator=DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id),
+        processing_class=tokenizer,
+        callbacks=[MetricsJsonl(out / "metrics.jsonl")],
+    )
+    try:
+        trainer.train(resume_from_checkpoint=True if args.resume else None)
+        validation = trainer.evaluate()  # the loaded best checkpoint
+    except kvgates.AdapterError as err:
+        print(f"train.py: {err}", file=sys.stderr)
+        return 2
+    gated.close()
+    if not trainer.is_world_process_zero():
+        return 0
+
+    # The held-out table at the training budget, and the adapter.
+    table = markdown_table(final_table(config, model, tokenizer, gates, untrained))
+    seconds = time.time() - started
+    gates.config.training_data = f"{summarize(train_rows)}; essays split by file, train split: {len(essay_split()['train'])} files"
+    gates.config.results = {k: round(v, 5) for k, v in validation.items() if isinstance(v, float)}
+    gates.config.training = {
+        "recipe": config.to_dict(),
+        "command": " ".join(shlex.quote(a) for a in ["train.py", *sys.argv[1:]]),
+        "seconds": round(seconds),
+        "steps": trainer.state.global_step,
+        "best_checkpoint": trainer.state.best_model_checkpoint,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {'CUDA' if torch.cuda.is_available() else 'CPU'}",
+        "essay_split": essay_split(),
+    }
+    heading = (
+        f"Held-out comparison at budget {config.budget} (tokens per KV head per layer), hard eviction, on test essays "
+        f"with evaluation templates never used in training ({config.report.examples} completions, "
+        f"{config.report.needles} needles of {data.seq_len} tokens):"
+    )
+    gates.config.report = f"{heading}\n\n{table}"
+    adapter = gates.save_pretrained(out / "adapter")
+    (out / "report.md").write_text(f"# {config.run_name}\n\n{heading}\n\n{table}\n\nValidation (best checkpoint): {validation}\n")
+    print(f"\n{heading}\n\n{table}\n\nadapter: {adapter}  ({seconds / 60:.1f} min)")
+    if config.push_to_hub:
+        print(f"pushed: {gates.push_to_hub(config.push_to_hub)}")
+    return 0

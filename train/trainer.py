@@ -1,0 +1,212 @@
+"""``GateTrainer``: transformers' ``Trainer`` for gate sets on a frozen LLM.
+
+The Trainer brings devices, DDP/DeepSpeed/FSDP through accelerate, mixed precision, gradient accumulation and
+checkpointing, the optimizer and schedule, checkpoint/resume (optimizer, scheduler, RNG, data order), best-checkpoint
+tracking, wandb logging and progress bars. This subclass changes only what is specific to gates:
+
+* ``compute_loss``: teacher forward (plain attention, no grad), student forward (gated attention), and the losses
+  of ``train.losses``; Locret trains its heads from one labelling forward instead;
+* ``evaluate``: validation with *hard* eviction through ``kvgates.BudgetCache`` (``train.validation``), never the
+  soft training proxy; the best checkpoint is chosen by its KL;
+* checkpoints hold the gate adapter (and the Trainer's optimizer/scheduler/RNG state), never the LLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+import kvgates
+from kvgates.gates.training import GateTraining
+from train.config import TrainConfig
+from train.losses import capacity_loss, distillation_loss, locret_loss, teacher_ranking_loss
+from train.validation import Validator
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Run the block with ``model`` in eval mode (the frozen teacher), restoring its mode after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def keep_sets(cache: kvgates.BudgetCache, length: int) -> torch.Tensor:
+    """``[L, B, H_kv, T]`` bool: the positions each budgeted layer's heads still hold."""
+    out = []
+    for layer in cache.budget_layers:
+        pos = layer.pos
+        keep = torch.zeros((*pos.shape[:2], length + 1), dtype=torch.bool, device=pos.device)
+        keep.scatter_(2, torch.where(pos >= 0, pos, length).clamp(max=length), True)
+        out.append(keep[..., :length])
+    return torch.stack(out)
+
+
+class GateTrainer(Trainer):
+    """Trains the gates of ``training`` (a ``GateTraining`` on the model) according to ``config``.
+
+    Args:
+        config: the run config.
+        training: the gated-attention set-up of the model (its gates are the only trainable parameters).
+        validator: hard-eviction validation on held-out rows.
+        **kwargs: ``transformers.Trainer`` arguments (model, args, datasets, collator, callbacks).
+    """
+
+    loss_is_scaled_for_ga = False  # compute_loss returns a per-batch mean
+
+    def __init__(self, *, config: TrainConfig, training: GateTraining, validator: Validator, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.config = config
+        self.gated = training
+        self.gates = training.gates
+        self.validator = validator
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._pair_generator = torch.Generator().manual_seed(self.args.seed)
+
+    # ------------------------------------------------------------------ what trains
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        gates = {id(p) for p in self.gates.parameters()}
+        if held != gates:
+            raise RuntimeError(
+                f"the optimizer holds {len(held)} tensors but the gates have {len(gates)}: only gate parameters may train"
+            )
+        return optimizer
+
+    # ------------------------------------------------------------------ schedules
+    def current_budget(self) -> float:
+        """The capacity budget at this step: ramps linearly from ``seq_len`` to ``budget`` (``loss.budget_ramp_steps``)."""
+        ramp = self.config.loss.budget_ramp_steps
+        target, start = float(self.config.budget), float(self.config.data.seq_len)
+        if ramp == 0:
+            return target
+        done = min(1.0, self.state.global_step / ramp)
+        return start + (target - start) * done
+
+    def teacher_weight(self) -> float:
+        teacher = self.config.teacher
+        if teacher is None:
+            return 0.0
+        if teacher.anneal_steps == 0:
+            return teacher.weight
+        return teacher.weight * max(0.0, 1.0 - self.state.global_step / teacher.anneal_steps)
+
+    # ------------------------------------------------------------------ the loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        ids, mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
+        lengths = mask.sum(-1)
+        attention_mask = None if bool(mask.all()) else mask  # no padding: the fused causal kernels
+        if self.config.kind == "locret":
+            loss, parts = self._locret_loss(model, ids, attention_mask)
+        else:
+            loss, parts = self._retention_loss(model, ids, attention_mask, labels, lengths)
+        for name, value in parts.items():
+            self._metrics[name].append(float(value))
+        return (loss, None) if return_outputs else loss
+
+    def _retention_loss(self, model, ids, attention_mask, labels, lengths) -> tuple[torch.Tensor, dict[str, float]]:
+        cfg = self.config
+        unwrapped = self.accelerator.unwrap_model(model)
+        weight = self.teacher_weight()
+        self.gated.set_mode(None)
+        with torch.no_grad(), eval_mode(model):
+            cache = None
+            if cfg.teacher is not None and weight > 0:
+                policy = kvgates.make_policy(cfg.teacher.policy, budget=cfg.budget, **cfg.teacher.params)
+                cache = kvgates.BudgetCache(unwrapped.config, policy)
+            teacher = model(
+                input_ids=ids, attention_mask=attention_mask, past_key_values=cache, use_cache=cache is not None,
+                output_hidden_states=True, logits_to_keep=1,
+            )
+        targets = labels[:, 1:]
+        completion = targets != -100
+        teacher_hidden = teacher.hidden_states[-1][:, :-1][completion]
+        self.gated.set_mode("gated")
+        student = model(input_ids=ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+        student_hidden = student.hidden_states[-1][:, :-1][completion]
+        kl, ce = distillation_loss(
+            student_hidden, teacher_hidden, targets[completion], unwrapped.get_output_embeddings(), cfg.loss.distill_chunk
+        )
+        log_beta = torch.stack([self.gated.log_beta[i] for i in self.gates.config.layer_ids])  # [L, B, H_kv, T]
+        budget = self.current_budget()
+        cap = capacity_loss(log_beta, budget, lengths, cfg.kind == "trimkv-global", cfg.loss.capacity_stride)
+        loss = (kl + ce) / 2 + cfg.loss.lambda_cap * cap
+        parts = {"kl": kl.item(), "ce": ce.item(), "capacity": cap.item(), "budget": budget}
+        if cache is not None:
+            keep = keep_sets(cache, ids.shape[1]).to(log_beta.device)
+            rank = teacher_ranking_loss(log_beta, keep, lengths, cfg.teacher.pairs, self._pair_generator)
+            loss = loss + weight * rank
+            parts.update(teacher_rank=rank.item(), teacher_weight=weight)
+        parts["log_beta_mean"] = log_beta.detach().mean().item()
+        return loss, parts
+
+    def _locret_loss(self, model, ids, attention_mask) -> tuple[torch.Tensor, dict[str, float]]:
+        self.gated.set_mode("labels")
+        model(input_ids=ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+        layers = self.gates.config.layer_ids
+        scores = torch.stack([self.gated.scores[i] for i in layers])
+        labels = torch.stack([self.gated.labels[i] for i in layers])
+        loss, regression, smooth = locret_loss(scores, labels, self.config.loss.locret_smoothness)
+        return loss, {"regression": regression.item(), "smoothness": smooth.item()}
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the means of the loss parts since the last training log (KL, CE, capacity, ...)."""
+        if "loss" in logs and self._metrics:
+            logs.update({name: sum(v) / len(v) for name, v in self._metrics.items()})
+            self._metrics.clear()
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ validation with hard eviction
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        self.gated.set_mode(None)
+        model = self.accelerator.unwrap_model(self.model)
+        with eval_mode(model):
+            metrics = self.validator.run(model, self.gates)
+        metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints hold the gates, not the LLM
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        if self.args.should_save:
+            self.gates.save_pretrained(output_dir or self.args.output_dir)
+
+    def _load_gates(self, folder: str) -> None:
+        loaded = kvgates.load_gates(folder)
+        if loaded.config.fingerprint != self.gates.config.fingerprint or loaded.kind != self.gates.kind:
+            raise kvgates.AdapterError(
+                f"{folder} holds {loaded.kind} gates for {loaded.config.base_model} (fingerprint "
+                f"{loaded.config.fingerprint}); this run trains {self.gates.kind} gates for fingerprint {self.gates.config.fingerprint}"
+            )
+        with torch.no_grad():
+            self.gates.load_state_dict(loaded.state_dict())
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        self._load_gates(resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        self._load_gates(self.state.best_model_checkpoint)
+
+
+class MetricsJsonl(TrainerCallback):
+    """Appends every log (training losses, validation metrics) as one JSON line to ``path`` (main process)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": state.global_step, **logs}) + "\n")

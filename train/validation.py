@@ -1,0 +1,79 @@
+"""Validation and the final held-out table of a training run, both with hard eviction (``eval.heldout``).
+
+* ``Validator`` (every ``training.eval_steps`` and at the end): the gates being trained, run by their inference
+  policy at the training budget on *validation* essays (rows of the config's mix, needles with train templates).
+  The best checkpoint is the one with the lowest KL here; the test split is never used to choose anything.
+* ``final_table``: the held-out comparison that ends a run, on *test* essays with *eval* templates: trained gates,
+  the same gates untrained, the configured heuristics, and the full cache, all at the training budget.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+import kvgates
+from data.build import build_dataset
+from data.tasks import make_example
+from eval.heldout import HeldOut
+from train.config import POLICY_OF_KIND, TrainConfig
+
+
+def needle_examples(tokenizer: PreTrainedTokenizerBase, split: str, template_set: str, count: int, tokens: int, seed: int) -> list[dict]:
+    """``count`` single-needle examples at evenly spaced depths."""
+    depths = [i / max(count - 1, 1) for i in range(count)]
+    return [
+        make_example("needle", tokenizer, split, tokens, seed=seed * 7919 + i, template_set=template_set, depth=d)
+        for i, d in enumerate(depths)
+    ]
+
+
+def learned_policy(config: TrainConfig, gates: kvgates.GateSet) -> kvgates.Policy:
+    """The inference policy of ``gates`` at the training budget, on a copy (attaching never touches the original)."""
+    return kvgates.make_policy(POLICY_OF_KIND[config.kind], budget=config.budget, gates=copy.deepcopy(gates))
+
+
+class Validator:
+    """Hard-eviction validation of the gates being trained (see the module docstring)."""
+
+    def __init__(self, config: TrainConfig, tokenizer: PreTrainedTokenizerBase, heldout: HeldOut):
+        self.config, self.tokenizer, self.heldout = config, tokenizer, heldout
+
+    @classmethod
+    def build(cls, config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> Validator:
+        data = config.data
+        rows = build_dataset(tokenizer, data.mix, "validation", data.validation_examples, data.seq_len, data.seed, data.format)
+        tokens = config.validation.needle_tokens or data.seq_len
+        needles = needle_examples(tokenizer, "validation", "train", config.validation.needles, tokens, data.seed)
+        return cls(config, tokenizer, HeldOut.build(tokenizer, rows, needles))
+
+    @torch.no_grad()
+    def run(self, model: PreTrainedModel, gates: kvgates.GateSet) -> dict[str, float]:
+        policy = learned_policy(self.config, gates).attach(model)
+        try:
+            return self.heldout.evaluate(model, self.tokenizer, policy, self.config.report.max_new_tokens)
+        finally:
+            policy.detach()
+
+
+@torch.no_grad()
+def final_table(
+    config: TrainConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, trained: kvgates.GateSet, untrained: kvgates.GateSet
+) -> dict[str, dict[str, float]]:
+    """The held-out comparison at the training budget (test essays, eval templates); results by arm."""
+    data, report = config.data, config.report
+    rows = build_dataset(
+        tokenizer, data.mix, "test", report.examples, data.seq_len, data.seed, data.format, template_set="eval"
+    )
+    needles = needle_examples(tokenizer, "test", "eval", report.needles, data.seq_len, data.seed)
+    heldout = HeldOut.build(tokenizer, rows, needles)
+    arms = {
+        f"{config.kind} (trained)": lambda: learned_policy(config, trained),
+        f"{config.kind} (untrained)": lambda: learned_policy(config, untrained),
+    }
+    for name in report.policies:
+        arms[name] = lambda name=name: kvgates.make_policy(name, budget=config.budget)
+    arms["full"] = lambda: kvgates.make_policy("full")
+    return heldout.compare(model, tokenizer, arms, report.max_new_tokens)
