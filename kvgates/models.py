@@ -112,10 +112,12 @@ def check_supported(model: PreTrainedModel) -> None:
 
 
 def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
-    """Check ``model`` and switch its attention to ``"kvgates"`` (identical to sdpa without a BudgetCache)."""
+    """Check ``model`` and switch its attention to ``"kvgates"`` (identical to sdpa without a BudgetCache).
+
+    The module's mode is left as it is: a model being trained keeps dropout and gradient checkpointing.
+    """
     check_supported(model)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    model.eval()
     return model
 
 
@@ -125,7 +127,7 @@ def load_model(
     device: str | torch.device = "cpu",
     device_map: str | dict | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load ``(model, tokenizer)`` ready for kvgates.
+    """Load ``(model, tokenizer)`` ready for kvgates, in eval mode (as ``from_pretrained`` leaves it).
 
     Args:
         name_or_path: ``"smollm2-135m"`` (the embedded GGUF, offline), a Hugging Face id, or a local folder.
