@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvgates.errors import UnsupportedModelError
-from kvgates.runtime.attention import ATTN_IMPLEMENTATION
+from kvgates.runtime.attention import ATTN_IMPLEMENTATION, attention_inputs, refusal, unsupported_inputs
 
 
 @dataclass(frozen=True)
@@ -112,10 +112,28 @@ def check_supported(model: PreTrainedModel) -> None:
 
 
 def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
-    """Check ``model`` and switch its attention to ``"kvgates"`` (identical to sdpa without a BudgetCache)."""
+    """Check ``model`` and switch its attention to ``"kvgates"`` (identical to sdpa without a BudgetCache).
+
+    A one-token dry run records what the model's attention modules pass to their attention function; a model
+    passing an input kvgates would have to drop (GPT-OSS's attention sinks, Gemma-2's logit soft-capping) is
+    refused with ``UnsupportedModelError`` and keeps its previous attention. The module's mode is left as it
+    is: a model being trained keeps dropout and gradient checkpointing.
+    """
     check_supported(model)
+    name = type(model).__name__
+    previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    model.eval()
+    try:
+        inputs = attention_inputs(model)
+    except Exception as err:  # whatever stops a one-token forward also stops generation; say so here
+        model.set_attn_implementation(previous)
+        raise UnsupportedModelError(
+            f"{name} could not run the one-token forward kvgates uses to check its attention inputs ({type(err).__name__}: {err})"
+        ) from err
+    for owner, passed in inputs.items():
+        if unsupported_inputs(passed):
+            model.set_attn_implementation(previous)
+            raise refusal(f"{name} ({owner})", unsupported_inputs(passed))
     return model
 
 
@@ -125,7 +143,7 @@ def load_model(
     device: str | torch.device = "cpu",
     device_map: str | dict | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load ``(model, tokenizer)`` ready for kvgates.
+    """Load ``(model, tokenizer)`` ready for kvgates, in eval mode (as ``from_pretrained`` leaves it).
 
     Args:
         name_or_path: ``"smollm2-135m"`` (the embedded GGUF, offline), a Hugging Face id, or a local folder.

@@ -42,9 +42,12 @@ def pool(scores: dict[int, float], kernel: int, mode: str) -> dict[int, float]:
 
 
 def snapkv(scores: dict[int, float], budget: int, window: int, kernel: int, mode: str) -> set[int]:
-    pooled = pool(scores, kernel, mode) if kernel > 1 else scores
+    # Only the tokens outside the window are scored and pooled (the window's own scores never enter the pooling);
+    # the window is kept whole.
     win = recent(list(scores), window)
-    return win | top_by_score(pooled, budget - len(win), win)
+    outside = {p: s for p, s in scores.items() if p not in win}
+    pooled = pool(outside, kernel, mode) if kernel > 1 else outside
+    return win | top_by_score(pooled, budget - len(win), set())
 
 
 def pyramid_budgets(budget: int, window: int, prompt_len: int, layers: int, beta: int) -> list[int]:

@@ -99,6 +99,29 @@ def test_hooks_are_removed_on_detach(tiny_pair):
     assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == before
 
 
+@pytest.mark.parametrize("cls,name", [(RetentionGates, "trimkv"), (GlobalRetentionGates, "trimkv-global"), (RetainingHeads, "locret")])
+@pytest.mark.parametrize("gate_dtype", ["float32", "float16"])
+def test_attach_and_detach_leave_the_callers_gates_unchanged(tiny_pair, cls, name, gate_dtype):
+    """An evaluation in the middle of training must not freeze, cast or switch the mode of the gates it was given."""
+    _, model = tiny_pair
+    gates = cls.for_model(model, init_bias=2.0).train()
+    before = {n: t.clone() for n, t in gates.state_dict().items()}
+
+    def unchanged():
+        assert gates.training and all(m.training for m in gates.modules())
+        assert all(p.requires_grad and p.dtype == torch.float32 for p in gates.parameters())
+        assert all(torch.equal(t, before[n]) for n, t in gates.state_dict().items())
+
+    extra = {"stabilizers": 2, "local": 2} if name == "locret" else {}
+    policy = kvgates.make_policy(name, budget=8, gates=gates, gate_dtype=gate_dtype, **extra).attach(model)
+    unchanged()
+    with torch.no_grad():
+        model(torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(0)), past_key_values=BudgetCache(model.config, policy))
+    unchanged()
+    policy.detach()
+    unchanged()
+
+
 def test_unattached_policy_fails_clearly(tiny_pair):
     _, model = tiny_pair
     policy = TrimKV(budget=8, gates=RetentionGates.for_model(model))

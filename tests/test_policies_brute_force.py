@@ -75,6 +75,21 @@ def test_snapkv(seed, window, kernel, pooling):
             assert kept_positions(layer, keep, b, h) == brute.snapkv(scores, budget, window, kernel, pooling)
 
 
+@pytest.mark.parametrize("policy", [SnapKV(budget=9, window=4, kernel=7), PyramidKV(budget=9, window=4, kernel=7)])
+def test_snapkv_pooling_stays_outside_the_observation_window(policy):
+    """The window's large self-attention must not leak into its neighbours through the pooling: with a heavy
+    token 1 and a window (13-16) attending mostly to itself, the 5 kept outside tokens are token 1's
+    neighbourhood, not tokens 10-12 next to the window."""
+    pos = torch.arange(17).expand(1, 1, 17).contiguous()
+    layer = make_layer(policy, pos)
+    scores = torch.full((1, 1, 17), 0.01)
+    scores[..., 1] = 0.5
+    scores[..., 13:] = 1.0
+    keep = policy.select(layer, stats_with(window=scores[:, :, None].expand(1, 1, 4, 17) / 4), 9)
+    assert kept_positions(layer, keep, 0, 0) == {0, 1, 2, 3, 4, 13, 14, 15, 16}
+    assert kept_positions(layer, keep, 0, 0) == brute.snapkv(head_scores(layer, scores, 0, 0), 9, 4, 7, "max")
+
+
 @pytest.mark.parametrize("budget,window,prompt,layers", [(64, 8, 500, 30), (32, 4, 40, 5), (20, 4, 21, 3), (16, 2, 300, 7)])
 def test_pyramid_budgets(budget, window, prompt, layers):
     got = pyramid_budgets(budget, window, prompt, layers, 20)

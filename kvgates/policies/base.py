@@ -141,8 +141,8 @@ class Policy:
         """Free slots a layer keeps after an eviction: tokens that arrive before the next one."""
         return self.decode_interval
 
-    def layer_budget(self, layer: BudgetLayer, stats: AttnStats) -> int:
-        """Tokens each KV head of ``layer`` may hold after this step."""
+    def layer_budget(self, layer: BudgetLayer, stats: AttnStats) -> int | torch.Tensor:
+        """Tokens each KV head of ``layer`` may hold after this step: an int, or ``[B, 1]`` per sequence."""
         assert self.budget is not None
         return self.budget
 
@@ -175,9 +175,8 @@ class Policy:
         """Keep mask if this step evicts (``due`` and the layer is over budget), else ``None``."""
         if not self.due(layer, stats):
             return None
-        budget = self.layer_budget(layer, stats)
-        layer.budget = budget
-        if int(layer.held().max()) <= budget:
+        budget = record_budget(layer, self.layer_budget(layer, stats))
+        if bool((layer.held() <= budget).all()):
             return None
         return self.select(layer, stats, budget)
 
@@ -196,6 +195,16 @@ class Policy:
 
 
 # ---------------------------------------------------------------------------------------------- selection helpers
+def record_budget(layer: BudgetLayer, budget: int | torch.Tensor) -> int | torch.Tensor:
+    """Note on ``layer`` the budget this step applies (per-sequence budgets as ``head_budgets``); returns it."""
+    if isinstance(budget, torch.Tensor):
+        layer.head_budgets = budget.expand(layer.batch_size, layer.num_kv_heads).contiguous()
+        layer.budget = int(budget.max())
+    else:
+        layer.budget = budget
+    return budget
+
+
 def topk_mask(
     scores: torch.Tensor, k: int | torch.Tensor, candidates: torch.Tensor, positions: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -129,7 +129,7 @@ class D2O(Policy):
             # A prompt that fits the budget is not compressed; later tokens are evicted at the uniform budget.
             budget = torch.where(prompt[:, None] <= self.budget, torch.full_like(budget, self.budget), budget)
             if self.protect_edge_layers and rank in (0, 1, len(layers) - 1):
-                budget = torch.full_like(budget, int(prompt.max()))
+                budget = prompt[:, None].long()
             layer.head_budgets = budget.expand(-1, layer.num_kv_heads).contiguous()
             layer.budget = int(budget.max())
             keep = self._evict(layer, layer.head_budgets)

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates import kernels
 from kvgates.kernels import GROUP_REDUCTIONS
 from kvgates.policies.base import Policy, keep_forced_and_top, recent_mask, register_policy
+from kvgates.policies.snapkv import pool_outside_window
 from kvgates.runtime.layer import SlotState
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 
@@ -34,9 +34,9 @@ def dynamickv_allocation(counts: torch.Tensor, room: int, num_layers: int, r_max
 class DynamicKV(Policy):
     """DynamicKV (Zhou et al. 2024, arXiv:2412.14838), prompt compression only; decode appends.
 
-    Each layer scores its tokens by the pooled attention of the last ``window`` queries (SnapKV's score) and
-    first keeps the window plus its top ``min(r_max * b, L - window)`` tokens, ``b = budget - window``,
-    remembering their scores. After every ``update_every`` layers (and the last), the global top
+    Each layer scores the tokens outside the window by the pooled attention of the last ``window`` queries
+    (SnapKV's score, ``pool_outside_window``) and first keeps the window plus its top ``min(r_max * b,
+    L - window)`` tokens, ``b = budget - window``, remembering their scores. After every ``update_every`` layers (and the last), the global top
     ``b * H_kv * n`` scores over the ``n`` processed layers are counted per layer and turned into budgets with
     ``dynamickv_allocation`` (they share ``b * N_layers``); each processed layer is truncated to the window
     plus its top ``f_i``. ``f_i`` is clamped to what the layer holds: the official code can select window
@@ -80,7 +80,7 @@ class DynamicKV(Policy):
             return None
         window = stats.window_rows
         layer.scratch["dynamickv.window"] = window
-        scores = kernels.pool_by_position(stats.window, layer.pos, self.kernel, self.pooling)
+        scores, _ = pool_outside_window(layer, stats.window, window, self.kernel, self.pooling)
         layer.state[_SCORE].copy_(scores)
         room = self.budget - self.window
         cap = min(int(self.r_max * room), int(layer.held().max()) - window)

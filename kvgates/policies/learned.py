@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -25,6 +26,11 @@ class LearnedPolicy(Policy):
     gated layer's inputs reach its gate during the normal forward; ``detach()`` (or leaving a ``with`` block)
     removes the hooks. ``gate_dtype`` is the precision gates run in at inference (``float16`` halves the weight
     traffic of every decode step; the final log-sigmoid always runs in float32).
+
+    ``attach`` never changes the ``gates`` it was given (their dtype, device, mode and ``requires_grad`` stay as
+    the caller left them, so an evaluation in the middle of training leaves the gates training): gates already in
+    ``gate_dtype`` on the model's device are read as they are, under ``torch.no_grad``; otherwise the policy runs
+    a cast copy, made at ``attach`` and dropped at ``detach``.
     """
 
     gate_kinds: ClassVar[tuple[str, ...]] = ()
@@ -45,18 +51,27 @@ class LearnedPolicy(Policy):
         if self.gate_dtype not in GATE_DTYPES:
             raise ValueError(f"{self.name}: gate_dtype must be one of {sorted(GATE_DTYPES)}, got {self.gate_dtype!r}")
         self._capture: GateCapture | None = None
+        self._running: GateSet | None = None  # what computes scores while attached: the gates or a cast copy
 
     def attach(self, model: Any) -> LearnedPolicy:
         self.gates.check_model(model, strict=self.strict)
         self.detach()
-        self.gates.to(device=model.device, dtype=GATE_DTYPES[self.gate_dtype]).eval().requires_grad_(False)
+        self._running = self._gates_for(model.device)
         self._capture = GateCapture(model, self.gates.captures, self.gates.config.layer_ids)
         return self
+
+    def _gates_for(self, device: torch.device) -> GateSet:
+        """The gates in ``gate_dtype`` on ``device``: the caller's own when they already are, else a cast copy."""
+        dtype = GATE_DTYPES[self.gate_dtype]
+        if all(p.dtype == dtype and p.device == device for p in self.gates.parameters()):
+            return self.gates
+        return copy.deepcopy(self.gates).to(device=device, dtype=dtype).eval().requires_grad_(False)
 
     def detach(self) -> None:
         if self._capture is not None:
             self._capture.remove()
             self._capture = None
+        self._running = None
 
     def __enter__(self) -> LearnedPolicy:
         return self
@@ -66,10 +81,10 @@ class LearnedPolicy(Policy):
 
     def new_token_scores(self, layer, stats: AttnStats) -> torch.Tensor:
         """Gate scores ``[B, H_kv, q_len]`` of the tokens this forward added to ``layer``."""
-        if self._capture is None:
+        if self._capture is None or self._running is None:
             raise RuntimeError(f"{self.name}: the gates are not attached to a model; call policy.attach(model) first")
         with torch.no_grad():
-            scores = self.gates(layer.layer_idx, self._capture.pop(layer.layer_idx))  # [B, q_len, H_kv]
+            scores = self._running(layer.layer_idx, self._capture.pop(layer.layer_idx))  # [B, q_len, H_kv]
         return scores.float().transpose(1, 2)
 
     def record(self, layer, stats: AttnStats, name: str) -> None:

@@ -2,8 +2,9 @@
 
 For each evicted token ``e`` of a KV head: ``u_ec = cos(k_e, k_c)`` over the kept tokens ``c`` of that head,
 ``m_e = max_c u_ec`` and ``c*(e) = argmax``. The threshold is an exponential moving average kept per layer
-and sequence: ``tau_1`` = mean ``m`` at the first eviction, then ``tau_t = beta mean(m_t) + (1 - beta)
-tau_{t-1}``. Tokens with ``m_e < tau`` are dropped; the others merge into ``c*(e)``:
+and sequence: ``tau_1`` = mean ``m`` at the sequence's first eviction, then ``tau_t = beta mean(m_t) + (1 - beta)
+tau_{t-1}`` (a sequence that evicts nothing in a step keeps its threshold, so a row of a batch gets the
+threshold it would get alone). Tokens with ``m_e < tau`` are dropped; the others merge into ``c*(e)``:
 
 * ``rule="paper"`` (D2O paper): a kept token ``c`` receiving ``E_c`` becomes a softmax-weighted average of
   itself (similarity 1) and its merged tokens, ``w_e = exp(u_ec) / (sum_{E_c} exp(u) + e)``,
@@ -52,9 +53,11 @@ def merge_evicted(layer: BudgetLayer, keep: torch.Tensor, beta: float = 0.7, rul
     total = sum((best * real).sum((1, 2)) for _, _, _, real, best, _ in matches)
     count = sum(real.sum((1, 2)) for _, _, _, real, _, _ in matches)
     mean = total / count.clamp(min=1)
-    tau = layer.scratch.get("merge.tau")
-    has = count > 0
-    tau = mean if tau is None else torch.where(has, beta * mean + (1 - beta) * tau, tau)
+    tau = layer.scratch.get("merge.tau")  # [B], NaN until the sequence's first eviction
+    if tau is None:
+        tau = torch.full_like(mean, float("nan"))
+    updated = torch.where(tau.isnan(), mean, beta * mean + (1 - beta) * tau)
+    tau = torch.where(count > 0, updated, tau)
     layer.scratch["merge.tau"] = tau
     # Pass 2: merge.
     for k, v, idx, real, best, target in matches:

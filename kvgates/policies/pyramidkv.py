@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kvgates.policies.base import register_policy
 from kvgates.policies.snapkv import SnapKV
 from kvgates.runtime.stats import AttnStats, Phase
@@ -36,7 +38,8 @@ class PyramidKV(SnapKV):
 
     Total memory matches ``budget`` per layer on average; each layer is compressed with SnapKV's rule (see
     ``SnapKV``) to its own budget from ``pyramid_budgets``. The step uses ``N_layers - 1`` (the paper's
-    ``m - 1``). The prompt length ``L`` is what the layer holds when the chunk ends.
+    ``m - 1``). The prompt length ``L`` is what the layer holds when the chunk ends, for each sequence on its own
+    (a short row of a padded batch gets the budgets it would get alone).
 
     Args:
         beta: ratio controlling the smallest layer budget, ``(budget - window) / beta`` (default 20).
@@ -51,11 +54,12 @@ class PyramidKV(SnapKV):
         super().__post_init__()
         self._at_least(1, "beta")
 
-    def layer_budget(self, layer, stats: AttnStats) -> int:
-        if stats.phase is Phase.DECODE and layer.budget is not None:
-            return layer.budget
+    def layer_budget(self, layer, stats: AttnStats) -> torch.Tensor:
+        """``[B, 1]``: this layer's pyramid budget for each sequence's own prompt length."""
+        if stats.phase is Phase.DECODE and layer.head_budgets is not None:
+            return layer.head_budgets[:, :1]
         cache = layer.cache
-        budgets = pyramid_budgets(
-            self.budget, self.window, int(layer.held().max()), cache.num_budget_layers, self.beta
-        )
-        return budgets[cache.budget_rank(layer.layer_idx)]
+        rank, layers = cache.budget_rank(layer.layer_idx), cache.num_budget_layers
+        lengths = layer.held().amax(-1).tolist()
+        per_length = {n: pyramid_budgets(self.budget, self.window, n, layers, self.beta)[rank] for n in set(lengths)}
+        return torch.tensor([[per_length[n]] for n in lengths], device=layer.device)

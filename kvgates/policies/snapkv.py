@@ -16,14 +16,26 @@ from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 _HISTORY = "snapkv_rows"
 
 
+def pool_outside_window(layer, scores: torch.Tensor, window: int, kernel: int, pooling: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pooled scores, window mask)``: SnapKV's smoothing of per-slot ``scores`` ``[B, H_kv, C]``.
+
+    Only the tokens outside the ``window`` most recent ones are scored: they are pooled along token order among
+    themselves (the window's own, typically large, self-attention never enters the pooling, as in SnapKV's and
+    kvpress's code) and the window is kept whole. The pooled values of window slots are meaningless.
+    """
+    in_window = recent_mask(layer, window)
+    outside = torch.where(in_window, torch.full_like(layer.pos, -1), layer.pos)  # window slots pool as padding
+    return kernels.pool_by_position(scores, outside, kernel, pooling), in_window
+
+
 @register_policy
 @dataclass
 class SnapKV(Policy):
     """SnapKV (Li et al. 2024, arXiv:2404.14469).
 
-    At the end of each prompt chunk: ``a_j = sum over the last `window` queries of A[q, j]`` (causal inside the
-    window), smoothed by 1-D pooling along token order, and each KV head keeps the window plus the top
-    ``budget - window`` other tokens. Decode appends without eviction, unless ``decode=True``: then every
+    At the end of each prompt chunk: ``a_j = sum over the last `window` queries of A[q, j]`` for the tokens
+    outside the window, smoothed by 1-D pooling along token order among those tokens only
+    (``pool_outside_window``), and each KV head keeps the window plus the top ``budget - window`` others. Decode appends without eviction, unless ``decode=True``: then every
     ``decode_every`` steps the rule is re-applied with the last ``window`` decode queries' rows.
 
     When a chunk is shorter than the window, the window shrinks to the chunk.
@@ -77,5 +89,4 @@ class SnapKV(Policy):
         else:
             window = self.window
             scores = fuse(layer, _HISTORY, "sum")
-        scores = kernels.pool_by_position(scores, layer.pos, self.kernel, self.pooling)
-        return scores, recent_mask(layer, window)
+        return pool_outside_window(layer, scores, window, self.kernel, self.pooling)

@@ -68,6 +68,7 @@ class TrimKV(LearnedPolicy):
         if not self.due(layer, stats):
             return None
         layer.budget = self.budget
-        if int(layer.held().max()) <= self.budget + self.buffer:
+        over = (layer.held() > self.budget + self.buffer).any(-1)  # [B]: only these sequences evict
+        if not bool(over.any()):
             return None
-        return self.select(layer, stats, self.budget)
+        return torch.where(over[:, None, None], self.select(layer, stats, self.budget), layer.valid)

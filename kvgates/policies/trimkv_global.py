@@ -66,7 +66,8 @@ class TrimKVGlobal(TrimKV):
         layers = cache.budget_layers
         total = self.budget * len(layers) * layers[0].num_kv_heads
         held = sum(layer.held().sum(-1) for layer in layers)  # [B]
-        if int(held.max()) <= total + self.buffer:
+        over = held > total + self.buffer  # only these sequences evict
+        if not bool(over.any()):
             return
         scores, valid, forced, positions = [], [], [], []
         for layer in layers:
@@ -76,6 +77,7 @@ class TrimKVGlobal(TrimKV):
             forced.append(window | topk_mask(s, self.min_per_head, layer.valid, layer.pos))
             positions.append(layer.pos)
         for layer, keep in zip(layers, global_keep(scores, valid, forced, positions, total)):
+            keep = torch.where(over[:, None, None], keep, layer.valid)
             layer.head_budgets = keep.sum(-1)
             layer.budget = int(layer.head_budgets.max())
             layer.evict(keep, slack=self.decode_slack)

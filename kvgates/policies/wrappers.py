@@ -83,9 +83,10 @@ class Wrapper(Policy):
 
 
 def adakv_head_budgets(
-    scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, budget: int, alpha: float
+    scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, budget: int | torch.Tensor, alpha: float
 ) -> torch.Tensor:
-    """Ada-KV per-head budgets ``[B, H_kv]`` (forced tokens included) for a layer budget of ``budget`` per head.
+    """Ada-KV per-head budgets ``[B, H_kv]`` (forced tokens included) for a layer budget of ``budget`` per head
+    (an int or ``[B, 1]`` per sequence).
 
     With ``B = budget - forced`` per head and candidates the non-forced tokens: take the top ``H_kv * B``
     candidate scores across the layer's heads, ``n_h`` = how many fall in head ``h``, and give head ``h``
@@ -94,7 +95,7 @@ def adakv_head_budgets(
     forced = forced & valid
     cand = valid & ~forced
     n_forced = forced.sum(-1)
-    room = (budget - n_forced).clamp(min=0)  # B, per head
+    room = (torch.as_tensor(budget, device=scores.device) - n_forced).clamp(min=0)  # B, per head
     b, h, c = scores.shape
     total = room.sum(-1)  # [B]
     flat = scores.float().masked_fill(~cand, float("-inf")).reshape(b, h * c)
@@ -116,8 +117,9 @@ class AdaKV(Wrapper):
     The wrapped policy (``base``, default SnapKV; PyramidKV, H2O, MorphKV ... work alike) scores the tokens and
     decides when to evict; Ada-KV redistributes the layer's ``H_kv * budget`` tokens among its KV heads with
     ``adakv_head_budgets`` (the ``alpha`` floor keeps every head at least ``floor(alpha * B)``), and each head
-    keeps its forced tokens (window, sinks) plus its own top ``B_h``. Budgets are set at the end of each prompt
-    chunk and kept for decode-time evictions. Storage follows the per-head budgets (ragged head capacities),
+    keeps its forced tokens (window, sinks) plus its own top ``B_h``. A sequence's head budgets are set when it
+    first exceeds the layer budget (re-set at the end of each later prompt chunk) and kept for decode-time
+    evictions; a sequence within the layer budget is left alone, as it would be outside the batch. Storage follows the per-head budgets (ragged head capacities),
     so memory drops with them rather than masking a full-size cache.
 
     Args:
@@ -142,16 +144,27 @@ class AdaKV(Wrapper):
     def decide(self, layer, stats: AttnStats) -> torch.Tensor | None:
         if not self.inner.due(layer, stats):
             return None
+        head_budgets = layer.scratch.get("adakv.head_budgets")  # [B, H_kv], -1 until the sequence is first over
         budget = self.inner.layer_budget(layer, stats)
-        layer.budget = budget
-        scores, forced = self.inner.score(layer, stats)
-        if stats.phase is Phase.PREFILL or layer.head_budgets is None:
-            if int(layer.held().max()) <= budget:
-                return None
-            layer.head_budgets = adakv_head_budgets(scores, forced, layer.valid, budget, self.alpha)
-        if bool((layer.held() <= layer.head_budgets).all()):
+        layer.budget = budget if not isinstance(budget, torch.Tensor) else int(budget.max())
+        held = layer.held()
+        if head_budgets is None:
+            head_budgets = torch.full_like(held, -1)
+        over = (held > torch.as_tensor(budget, device=held.device)).any(-1)
+        fresh = over & ((head_budgets < 0).any(-1) | (stats.phase is Phase.PREFILL))
+        if not bool(fresh.any()) and not bool(((head_budgets >= 0) & (held > head_budgets)).any()):
             return None
-        return keep_forced_and_top(layer, scores, layer.head_budgets, forced)
+        scores, forced = self.inner.score(layer, stats)
+        if bool(fresh.any()):
+            computed = adakv_head_budgets(scores, forced, layer.valid, budget, self.alpha)
+            head_budgets = torch.where(fresh[:, None], computed, head_budgets)
+        layer.scratch["adakv.head_budgets"] = head_budgets
+        set_rows = (head_budgets >= 0).all(-1)
+        layer.head_budgets = torch.where(set_rows[:, None], head_budgets, torch.full_like(held, layer.budget))
+        if bool((held <= layer.head_budgets).all()):
+            return None
+        keep = keep_forced_and_top(layer, scores, layer.head_budgets, forced)
+        return torch.where(set_rows[:, None, None], keep, layer.valid)
 
 
 @register_policy

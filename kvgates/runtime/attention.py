@@ -6,10 +6,17 @@ position-based visibility, computes the statistics the policy asked for, and let
 gates are being trained (``kvgates.gates.training.GateTraining``) gets that object's attention. For any
 other layer (no cache, a ``DynamicCache``, a sliding-window layer) it is exactly transformers' ``sdpa``
 attention, with the same masks: the ``"kvgates"`` mask function is transformers' ``sdpa_mask``.
+
+Attention modules pass model-specific inputs as keyword arguments (GPT-OSS its attention sinks ``s_aux``,
+Gemma-2 a logit ``softcap``). Only those in ``HONOURED_INPUTS`` are accepted; ``prepare_model`` refuses a model
+whose attention passes anything else (``attention_inputs`` finds out with a one-token dry run), and every call
+checks again, cheaply, so no input is ever dropped silently.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -17,6 +24,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvgates.errors import UnsupportedModelError
 from kvgates.runtime.layer import ACTIVE_LAYER
 
 #: Attribute of an attention module whose calls go to a ``kvgates.gates.training.GateTraining`` (set and removed
@@ -24,6 +32,37 @@ from kvgates.runtime.layer import ACTIVE_LAYER
 TRAINING_ATTR = "_kvgates_training"
 
 ATTN_IMPLEMENTATION = "kvgates"
+
+#: Keyword inputs of an attention call that kvgates honours: ``position_ids`` (used for visibility), flags that do
+#: not change the attention output, ``sliding_window`` (sliding layers keep transformers' own cache and sdpa;
+#: budgeted layers are full attention), and two inputs only at their default: ``softcap`` off (``None``) and
+#: ``is_causal`` not ``False``. Anything else (attention sinks, packed-sequence offsets, biases) is refused.
+HONOURED_INPUTS = frozenset(
+    {
+        "position_ids", "use_cache", "cache_position", "num_items_in_batch", "output_attentions",
+        "output_hidden_states", "output_router_logits", "sliding_window", "softcap", "is_causal",
+    }
+)
+
+# While a dry run is in progress (``attention_inputs``), the inputs each attention module class passed.
+_PROBE: ContextVar[dict[str, dict[str, Any]] | None] = ContextVar("kvgates_attention_probe", default=None)
+
+
+def unsupported_inputs(inputs: dict[str, Any]) -> list[str]:
+    """The attention inputs in ``inputs`` that kvgates cannot honour (empty when it honours them all)."""
+    softcap, causal = inputs.get("softcap"), inputs.get("is_causal")
+    if inputs.keys() <= HONOURED_INPUTS and softcap is None and causal is not False:  # the per-call fast path
+        return []
+    return sorted(inputs.keys() - HONOURED_INPUTS) + ["softcap"] * (softcap is not None) + ["is_causal=False"] * (causal is False)
+
+
+def refusal(owner: str, names: list[str]) -> UnsupportedModelError:
+    """The one-sentence error for an attention that passes inputs kvgates would drop."""
+    return UnsupportedModelError(
+        f"{owner} passes {', '.join(names)} to its attention function, which kvgates cannot honour (dropping it "
+        f"would silently change the output); kvgates supports attention whose extra inputs are among "
+        f"{', '.join(sorted(HONOURED_INPUTS))} (softcap only when off, is_causal not False)"
+    )
 
 
 def kvgates_attention(
@@ -37,6 +76,13 @@ def kvgates_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention over a budgeted cache layer, or plain sdpa when the layer is not budgeted."""
+    probe = _PROBE.get()
+    if probe is not None:  # prepare_model's dry run: record the inputs, compute nothing
+        probe.setdefault(type(module).__name__, {}).update(kwargs)
+        b, _, n, _ = query.shape
+        return value.new_zeros((b, n, query.shape[1], value.shape[-1])), None
+    if unsupported_inputs(kwargs):
+        raise refusal(type(module).__name__, unsupported_inputs(kwargs))
     layer = ACTIVE_LAYER.get()
     if layer is None or not layer.staged(getattr(module, "layer_idx", None), key):
         training = getattr(module, TRAINING_ATTR, None)
@@ -44,13 +90,40 @@ def kvgates_attention(
             return training.attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     ACTIVE_LAYER.set(None)
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("kvgates attention does not support logit soft-capping on budgeted layers")
+    if kwargs.get("sliding_window") is not None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} (layer {layer.layer_idx}) is a sliding-window attention on a layer the model's "
+            "config declares full attention, so kvgates cannot budget it"
+        )
     if dropout and module.training:
         raise NotImplementedError("kvgates budgeted attention is for inference; disable attention dropout")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = layer.attend(query, scale, attention_mask, kwargs.get("position_ids"))
     return out, None
+
+
+@contextmanager
+def _probing():
+    inputs: dict[str, dict[str, Any]] = {}
+    token = _PROBE.set(inputs)
+    try:
+        yield inputs
+    finally:
+        _PROBE.reset(token)
+
+
+def attention_inputs(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """The keyword inputs each attention module class of ``model`` passes to its attention function.
+
+    Found by a one-token forward with ``model``'s attention set to ``"kvgates"``, during which attention computes
+    nothing (it returns zeros). The random number generators are left as they were, and so is the module's mode.
+    """
+    embeddings = model.get_input_embeddings()
+    device = embeddings.weight.device if embeddings is not None else next(model.parameters()).device
+    devices = [device] if device.type == "cuda" else []
+    with _probing() as inputs, torch.no_grad(), torch.random.fork_rng(devices=devices):
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
+    return inputs
 
 
 def register() -> None:
