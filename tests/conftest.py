@@ -4,7 +4,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# OMP_NUM_THREADS=1 keeps a test run from fighting another job for the cores (oversubscribed spinning threads
+# slow both down far more than sharing does).
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session")
