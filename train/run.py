@@ -49,24 +49,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def prepare_output_dir(config: TrainConfig, resume: bool) -> Path:
-    """Refuse to overwrite an earlier run, or to resume one made with another config; write ``run_config.json``."""
+def prepare_output_dir(config: TrainConfig, resume: bool) -> tuple[Path, str | None]:
+    """``(output folder, checkpoint to resume from or None)``. Refuses to overwrite an earlier run, or to resume
+    one made with another config or one without a complete checkpoint; only then writes ``run_config.json``."""
     out = Path(config.output_dir)
     recorded = out / RUN_CONFIG
-    has_checkpoints = out.is_dir() and any(p.name.startswith("checkpoint-") for p in out.iterdir())
+    checkpoint = None
     if resume:
-        if not has_checkpoints:
-            raise ConfigError(f"--resume: {out} holds no checkpoint to resume from")
-        before = json.loads(recorded.read_text()) if recorded.is_file() else {}
-        now = json.loads(config.to_json())
+        checkpoint = last_complete_checkpoint(out)
+        if not recorded.is_file():
+            raise ConfigError(f"--resume: {out} has checkpoints but no {RUN_CONFIG}; it was not made by train.py")
+        before, now = json.loads(recorded.read_text()), json.loads(config.to_json())
         changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
         if changed:
             raise ConfigError(f"--resume: {out} was trained with another config (differs in {', '.join(changed)})")
-    elif has_checkpoints:
+    elif out.is_dir() and any(out.glob("checkpoint-*")):
         raise ConfigError(f"{out} already holds checkpoints of a run; pass --resume to continue it or pick another output_dir")
     out.mkdir(parents=True, exist_ok=True)
     recorded.write_text(config.to_json())
-    return out
+    return out, checkpoint
+
+
+def last_complete_checkpoint(out: Path) -> str:
+    """The newest ``checkpoint-N`` whose trainer state was written (a run killed while saving leaves a partial one)."""
+    done = [p for p in out.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
+    if not done:
+        raise ConfigError(f"--resume: {out} holds no complete checkpoint to resume from")
+    return str(max(done, key=lambda p: int(p.name.split("-")[-1])))
 
 
 def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
@@ -86,6 +95,9 @@ def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
         report_to=["wandb"],
         dataloader_num_workers=0,
         seed=config.data.seed,
+        # Without this, TrainingArguments on a machine without CUDA ignores the process group that torchrun /
+        # `accelerate launch --multi_gpu` set up; with it, accelerate picks gloo and the run is MULTI_CPU.
+        use_cpu=not torch.cuda.is_available(),
     )
     args = {**defaults, **config.training}
     if args.get("gradient_checkpointing"):
@@ -95,18 +107,11 @@ def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        config = TrainConfig.load(args.config, args.overrides)
-        out = prepare_output_dir(config, args.resume)
-    except ConfigError as err:
-        print(f"train.py: {err}", file=sys.stderr)
-        return 2
+def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.GateSet]:
+    """The frozen model with fresh gates, the data and the Trainer; returns ``(trainer, untrained copy of the gates)``."""
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_PROJECT", "kvgates")
     os.environ.setdefault("WANDB_DIR", str(out))
-    started = time.time()
     train_args = training_arguments(config, out)
     set_seed(train_args.seed)
 
@@ -118,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     untrained = copy.deepcopy(gates)
     gated = GateTraining(model, gates)  # registers the gates on the model and routes its attention
-    assert {id(p) for p in model.parameters() if p.requires_grad} == {id(p) for p in gates.parameters()}
 
     # Data: training rows from the train essays; validation on validation essays.
     data = config.data
@@ -139,19 +143,34 @@ def main(argv: list[str] | None = None) -> int:
         processing_class=tokenizer,
         callbacks=[MetricsJsonl(out / "metrics.jsonl")],
     )
+    return trainer, untrained
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
-        trainer.train(resume_from_checkpoint=True if args.resume else None)
-        validation = trainer.evaluate()  # the loaded best checkpoint
+        config = TrainConfig.load(args.config, args.overrides)
+        out, resume = prepare_output_dir(config, args.resume)
+    except ConfigError as err:
+        print(f"train.py: {err}", file=sys.stderr)
+        return 2
+    started = time.time()
+    trainer, untrained = build_trainer(config, out)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+        validation = trainer.evaluate()  # the best checkpoint, loaded at the end of training
     except kvgates.AdapterError as err:
         print(f"train.py: {err}", file=sys.stderr)
         return 2
-    gated.close()
+    trainer.gated.close()
     if not trainer.is_world_process_zero():
         return 0
 
     # The held-out table at the training budget, and the adapter.
+    gates, model, tokenizer = trainer.gates, trainer.model, trainer.processing_class
     table = markdown_table(final_table(config, model, tokenizer, gates, untrained))
     seconds = time.time() - started
+    train_rows = trainer.train_dataset
     gates.config.training_data = f"{summarize(train_rows)}; essays split by file, train split: {len(essay_split()['train'])} files"
     gates.config.results = {k: round(v, 5) for k, v in validation.items() if isinstance(v, float)}
     gates.config.training = {
@@ -159,14 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(shlex.quote(a) for a in ["train.py", *sys.argv[1:]]),
         "seconds": round(seconds),
         "steps": trainer.state.global_step,
-        "best_checkpoint": trainer.state.best_model_checkpoint,
+        "best_checkpoint": Path(trainer.state.best_model_checkpoint or "").name,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {'CUDA' if torch.cuda.is_available() else 'CPU'}",
         "essay_split": essay_split(),
     }
     heading = (
         f"Held-out comparison at budget {config.budget} (tokens per KV head per layer), hard eviction, on test essays "
         f"with evaluation templates never used in training ({config.report.examples} completions, "
-        f"{config.report.needles} needles of {data.seq_len} tokens):"
+        f"{config.report.needles} needles of {config.data.seq_len} tokens):"
     )
     gates.config.report = f"{heading}\n\n{table}"
     adapter = gates.save_pretrained(out / "adapter")

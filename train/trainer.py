@@ -71,7 +71,6 @@ class GateTrainer(Trainer):
         self.gates = training.gates
         self.validator = validator
         self._metrics: dict[str, list[float]] = defaultdict(list)
-        self._pair_generator = torch.Generator().manual_seed(self.args.seed)
 
     # ------------------------------------------------------------------ what trains
     def create_optimizer(self, model=None):
@@ -145,7 +144,7 @@ class GateTrainer(Trainer):
         parts = {"kl": kl.item(), "ce": ce.item(), "capacity": cap.item(), "budget": budget}
         if cache is not None:
             keep = keep_sets(cache, ids.shape[1]).to(log_beta.device)
-            rank = teacher_ranking_loss(log_beta, keep, lengths, cfg.teacher.pairs, self._pair_generator)
+            rank = teacher_ranking_loss(log_beta, keep, lengths, cfg.teacher.pairs)  # global RNG: resumed with the run
             loss = loss + weight * rank
             parts.update(teacher_rank=rank.item(), teacher_weight=weight)
         parts["log_beta_mean"] = log_beta.detach().mean().item()
@@ -182,6 +181,30 @@ class GateTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         if self.args.should_save:
             self.gates.save_pretrained(output_dir or self.args.output_dir)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self.is_deepspeed_enabled:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # DeepSpeed's own checkpoint holds the optimizer partitions (and the LR scheduler it manages) beside the
+        # module's parameters: only the trainable ones (the gates), never a copy of the frozen LLM.
+        from accelerate.utils import DeepSpeedSchedulerWrapper
+
+        self.model_wrapped.save_checkpoint(output_dir, exclude_frozen_parameters=True)
+        if self.args.should_save and not isinstance(self.lr_scheduler, DeepSpeedSchedulerWrapper):
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if not self.is_deepspeed_enabled or resume_from_checkpoint is None:
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        # The Trainer resumes DeepSpeed strictly, which a checkpoint without the frozen LLM cannot satisfy: load the
+        # gates (checked against this model) and DeepSpeed's optimizer state ourselves, non-strictly.
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        self._load_gates(resume_from_checkpoint)
+        self.model_wrapped.load_checkpoint(
+            resume_from_checkpoint, load_module_strict=False, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        return model, train_dataloader
 
     def _load_gates(self, folder: str) -> None:
         loaded = kvgates.load_gates(folder)

@@ -74,6 +74,11 @@ def gated_attention(
 ) -> torch.Tensor:
     """``gated_attention_reference`` through ``scaled_dot_product_attention`` with two extra channels (no ``T x T``
     bias; see the module docstring). Same arguments and result."""
+    with torch.autocast(q.device.type, enabled=False):  # bf16 autocast would round the position channels
+        return _gated_sdpa(q, k, v, log_beta, scale, mask)
+
+
+def _gated_sdpa(q, k, v, log_beta, scale, mask):
     b, h, t, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
     dtype, work = q.dtype, _work_dtype(q)

@@ -1,0 +1,160 @@
+"""Training-time kernels and losses against literal brute-force definitions."""
+
+import math
+
+import pytest
+import torch
+
+from kvgates.kernels.gated import causal_importance, gated_attention, gated_attention_flex, gated_attention_reference
+from kvgates.kernels.reference import retention_sum
+from train.losses import capacity_loss, distillation_loss, locret_loss, teacher_ranking_loss
+
+
+def _inputs(b=2, h=4, hkv=2, t=9, d=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, t, d, generator=g, dtype=dtype)
+    k = torch.randn(b, hkv, t, d, generator=g, dtype=dtype)
+    v = torch.randn(b, hkv, t, d, generator=g, dtype=dtype)
+    lb = -torch.rand(b, hkv, t, generator=g, dtype=dtype)
+    return q, k, v, lb
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_gated_attention_equals_the_t_by_t_reference_in_values_and_gradients(masked):
+    q, k, v, lb = _inputs()
+    mask = None
+    if masked:
+        mask = torch.ones(2, 1, 9, 9, dtype=torch.bool)
+        mask[1, ..., 6:] = False  # right padding of the second sequence
+    args = [x.clone().requires_grad_() for x in (q, k, v, lb)]
+    refs = [x.clone().requires_grad_() for x in (q, k, v, lb)]
+    out, ref = gated_attention(*args, 0.3, mask), gated_attention_reference(*refs, 0.3, mask)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    for a, r in zip(args, refs):
+        torch.testing.assert_close(a.grad, r.grad, atol=1e-10, rtol=1e-8)
+    assert torch.autograd.gradcheck(lambda *x: gated_attention(*x, 0.3, mask), [x.clone().requires_grad_() for x in (q, k, v, lb)])
+
+
+def test_gated_attention_reference_is_the_formula():
+    q, k, v, lb = _inputs(b=1, h=2, hkv=1, t=5, d=4)
+    out = gated_attention_reference(q, k, v, lb, 0.5)
+    for head in range(2):
+        for t in range(5):
+            logits = [0.5 * float(q[0, head, t] @ k[0, 0, i]) + (t - i) * float(lb[0, 0, i]) for i in range(t + 1)]
+            m = max(logits)
+            w = [math.exp(x - m) for x in logits]
+            expected = sum(wi * v[0, 0, i] for i, wi in enumerate(w)) / sum(w)
+            torch.testing.assert_close(out[0, head, t], expected)
+
+
+def test_gated_attention_float32_at_long_length_and_zero_log_beta_is_plain_attention():
+    q, k, v, lb = _inputs(b=1, h=3, hkv=1, t=700, d=16, dtype=torch.float32)
+    lb = lb * 0.01
+    torch.testing.assert_close(gated_attention(q, k, v, lb, 0.25), gated_attention_reference(q, k, v, lb, 0.25), atol=2e-5, rtol=1e-4)
+    plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(gated_attention(q, k, v, torch.zeros_like(lb), 0.25), plain, atol=1e-5, rtol=1e-5)
+
+
+def test_gated_attention_flex_forward_matches():
+    q, k, v, lb = _inputs(dtype=torch.float32)
+    with torch.no_grad():  # FlexAttention has no CPU backward; the GPU path is unmeasured here
+        torch.testing.assert_close(gated_attention_flex(q, k, v, lb, 0.3), gated_attention_reference(q, k, v, lb, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def _brute_s(lb: list[float]) -> list[float]:
+    return [sum(math.exp((t - i) * lb[i]) for i in range(t + 1)) for t in range(len(lb))]
+
+
+def test_retention_sum_is_the_definition_with_gradients_and_selected_rows():
+    lb = -torch.rand(2, 3, 20, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    s = retention_sum(lb, block=7)
+    for b in range(2):
+        for h in range(3):
+            torch.testing.assert_close(s[b, h], torch.tensor(_brute_s(lb[b, h].tolist()), dtype=torch.float64))
+    rows = torch.tensor([3, 11, 19])
+    torch.testing.assert_close(retention_sum(lb, rows, block=2), s[..., rows])
+    assert torch.autograd.gradcheck(lambda x: retention_sum(x, rows, block=2), (lb.clone().requires_grad_(),))
+
+
+def _brute_capacity(lb, budget, lengths, global_budget, stride):
+    """Mean of the positive hinges, literally (lb: nested lists [L][B][H][T])."""
+    n_layers, hkv = len(lb), len(lb[0][0])
+    hinges = []
+    for b, length in enumerate(lengths):
+        for t in range(int(budget), length, stride):
+            if global_budget:
+                s = sum(_brute_s(lb[l][b][h][:length])[t] for l in range(n_layers) for h in range(hkv))
+                hinges.append((s - budget * n_layers * hkv) / (max(t - budget, 1) * n_layers * hkv))
+            else:
+                for l in range(n_layers):
+                    for h in range(hkv):
+                        s = _brute_s(lb[l][b][h][:length])[t]
+                        hinges.append((s - budget) / max(t - budget, 1))
+    positive = [x for x in hinges if x > 0]
+    return sum(positive) / len(positive) if positive else 0.0
+
+
+@pytest.mark.parametrize("global_budget", [False, True])
+@pytest.mark.parametrize("stride", [1, 3])
+def test_capacity_loss_against_brute_force(global_budget, stride):
+    g = torch.Generator().manual_seed(2)
+    lb = -torch.rand(3, 2, 2, 24, dtype=torch.float64, generator=g) * 0.3
+    lb[0, 0, 0] *= 0.01  # one head that keeps nearly everything
+    lengths = torch.tensor([24, 17])
+    got = capacity_loss(lb, 5, lengths, global_budget, stride)
+    expected = _brute_capacity(lb.tolist(), 5, lengths.tolist(), global_budget, stride)
+    assert abs(float(got) - expected) < 1e-10
+    assert float(capacity_loss(lb, 30, lengths, global_budget, stride)) == 0.0  # the budget exceeds every length
+
+
+def test_causal_importance_against_brute_force():
+    q, k, _, _ = _inputs(b=2, h=4, hkv=2, t=7, d=5)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    valid[1, 5:] = False
+    got = causal_importance(q, k, 0.4, valid, block=3)
+    for b in range(2):
+        for j in range(2):
+            for i in range(7):
+                logits = [0.4 * float(q[b, hq, p] @ k[b, j, i]) for hq in (2 * j, 2 * j + 1) for p in range(i + 1, 7) if valid[b, p]]
+                assert float(got[b, j, i]) == pytest.approx(max(logits) if logits else float("-inf"))
+
+
+def test_locret_loss_by_hand():
+    scores = torch.tensor([[[[1.0, 3.0, 0.0]]]])
+    labels = torch.tensor([[[[1.5, 1.0, float("-inf")]]]])
+    total, regression, smooth = locret_loss(scores, labels, smoothness=0.5)
+    assert float(regression) == pytest.approx((0.5 * 0.5**2 + (2.0 - 0.5)) / 2)  # SmoothL1, beta 1
+    assert float(smooth) == pytest.approx((1.0 - 3.0) ** 2)  # only the pair with two labels
+    assert float(total) == pytest.approx(float(regression) + 0.5 * float(smooth))
+
+
+def test_distillation_loss_chunks_equal_whole_and_match_the_formula():
+    g = torch.Generator().manual_seed(3)
+    head = torch.nn.Linear(6, 11, bias=False)
+    s = torch.randn(9, 6, generator=g, requires_grad=True)
+    t = torch.randn(9, 6, generator=g)
+    y = torch.randint(0, 11, (9,), generator=g)
+    kl, ce = distillation_loss(s, t, y, head, chunk=4)
+    ps, pt = torch.log_softmax(head(s), -1), torch.log_softmax(head(t), -1)
+    torch.testing.assert_close(kl, (pt.exp() * (pt - ps)).sum(-1).mean())
+    torch.testing.assert_close(ce, torch.nn.functional.cross_entropy(head(s), y))
+    grad_chunked = torch.autograd.grad(kl + ce, s)[0]
+    whole = distillation_loss(s, t, y, head, chunk=100)
+    torch.testing.assert_close(grad_chunked, torch.autograd.grad(whole[0] + whole[1], s)[0])
+    same = distillation_loss(t, t, y, head)[0].detach()
+    assert float(same) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_teacher_ranking_loss_is_low_when_the_order_agrees():
+    lengths = torch.tensor([8])
+    keep = torch.zeros(1, 1, 1, 8, dtype=torch.bool)
+    keep[..., [1, 6, 7]] = True
+    agree = torch.full((1, 1, 1, 8), -3.0)
+    agree[..., [1, 6, 7]] = 0.0  # kept tokens retain everything: top scores at the end
+    disagree = torch.where(keep, torch.tensor(-3.0), torch.tensor(0.0))
+    low = teacher_ranking_loss(agree, keep, lengths, generator=torch.Generator().manual_seed(0))
+    high = teacher_ranking_loss(disagree, keep, lengths, generator=torch.Generator().manual_seed(0))
+    assert float(low) < 0.05 < 1.0 < float(high)

@@ -1,0 +1,291 @@
+"""Gate training end to end on a tiny random Llama saved with a character tokenizer (fast, no real model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import kvgates
+from kvgates.gates.training import GateTraining
+from train.config import ConfigError, TrainConfig
+from train.run import build_trainer, main, prepare_output_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from helpers import save_tiny_checkpoint
+
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-model"))
+
+
+def tiny_config(model_dir, out, **sections) -> dict:
+    cfg = {
+        "run_name": "tiny",
+        "output_dir": str(out),
+        "model": str(model_dir),
+        "kind": "trimkv",
+        "budget": 24,
+        "gates": {"hidden": 8, "init_bias": 4.0},
+        "data": {
+            "seq_len": 96,
+            "train_examples": 12,
+            "validation_examples": 2,
+            "mix": [{"task": "essays", "completion_tokens": 8}, {"task": "passkey"}],
+        },
+        "validation": {"needles": 1},
+        "report": {"examples": 2, "needles": 1, "policies": ["streaming_llm"], "max_new_tokens": 4},
+        "training": {
+            "max_steps": 4, "learning_rate": 1.0e-2, "warmup_steps": 0, "logging_steps": 1, "eval_steps": 2,
+            "save_steps": 2, "report_to": [], "save_total_limit": 10,
+        },
+    }
+    for name, value in sections.items():
+        if isinstance(value, dict) and isinstance(cfg.get(name), dict):
+            cfg[name] = {**cfg[name], **value}
+        else:
+            cfg[name] = value
+    return cfg
+
+
+def write(cfg: dict, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_tiny_run_trains_exports_and_reports(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["--config", str(write(tiny_config(tiny_dir, out), tmp_path / "c.yaml"))]) == 0
+    printed = capsys.readouterr().out
+    for arm in ("trimkv (trained)", "trimkv (untrained)", "streaming_llm", "full"):
+        assert f"| {arm} |" in printed
+    gates = kvgates.load_gates(out / "adapter")
+    assert gates.kind == "retention" and gates.config.training_budget == 24
+    assert gates.config.training["recipe"]["budget"] == 24 and "essay_split" in gates.config.training
+    assert "Held-out comparison" in (out / "adapter" / "README.md").read_text()
+    logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_logs = [r for r in logs if "loss" in r]
+    assert len(train_logs) == 4 and all({"kl", "ce", "capacity", "budget"} <= set(r) for r in train_logs)
+    assert any("eval_kl" in r for r in logs)
+    # Checkpoints hold the gates and the trainer state, never the LLM.
+    for ckpt in out.glob("checkpoint-*"):
+        names = {p.name for p in ckpt.iterdir()}
+        assert {"config.json", "model.safetensors", "trainer_state.json", "optimizer.pt"} <= names
+        assert (ckpt / "model.safetensors").stat().st_size < 200_000
+        assert json.loads((ckpt / "config.json").read_text())["kind"] == "retention"
+    # The exported adapter runs through the command line on the model it was made for.
+    from kvgates.cli import main as cli
+
+    code = cli(["generate", "--model", str(tiny_dir), "--policy", "trimkv", "--budget", "24", "--gates", str(out / "adapter"),
+                "--prompt", "abc " * 20, "--max-new-tokens", "3"])
+    assert code == 0
+
+
+def test_only_gate_parameters_train(tiny_dir, tmp_path):
+    cfg = TrainConfig.from_dict(tiny_config(tiny_dir, tmp_path / "run"))
+    out, _ = prepare_output_dir(cfg, resume=False)
+    trainer, _ = build_trainer(cfg, out)
+    model = trainer.model
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith("kvgates_gates.") for n in trainable)
+    trainer.create_optimizer()  # asserts the optimizer holds exactly the gate parameters
+    trainer.optimizer = None
+    model.model.norm.weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="only gate parameters"):
+        trainer.create_optimizer()
+    trainer.gated.close()
+
+
+def test_log_beta_zero_gives_the_teacher_logits(tiny_dir):
+    model, _ = kvgates.load_model(str(tiny_dir))
+    gates = kvgates.RetentionGates.for_model(model, gate_hidden=8, init_bias=200.0)  # logsigmoid(200) == 0 in fp32
+    ids = torch.randint(3, 100, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        teacher = model(ids, use_cache=False).logits
+    with GateTraining(model, gates) as run:
+        run.set_mode("gated")
+        student = model(ids, use_cache=False).logits
+        assert set(run.log_beta) == set(gates.config.layer_ids)
+        assert all(float(lb.abs().max()) == 0.0 for lb in run.log_beta.values())
+    torch.testing.assert_close(student, teacher, atol=1e-5, rtol=0)
+    assert not hasattr(model, "kvgates_gates")  # close() took everything off the model
+
+
+def test_gated_student_sends_gradients_to_every_gate(tiny_dir):
+    model, _ = kvgates.load_model(str(tiny_dir))
+    model.requires_grad_(False)
+    gates = kvgates.RetentionGates.for_model(model, gate_hidden=8, init_bias=3.0)
+    ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(1))
+    with GateTraining(model, gates) as run:
+        run.set_mode("gated")
+        model(ids, use_cache=False).logits[:, -5:].logsumexp(-1).sum().backward()
+    assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in gates.parameters())
+
+
+def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
+    """Training on the ranking term alone moves the gates' top-M toward the teacher's keep-set."""
+    from train.losses import teacher_ranking_loss
+    from train.trainer import keep_sets
+
+    model, _ = kvgates.load_model(str(tiny_dir))
+    model.requires_grad_(False)
+    torch.manual_seed(0)
+    gates = kvgates.RetentionGates.for_model(model, gate_hidden=16, init_bias=3.0)
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randint(3, 100, (1, 48), generator=g) for _ in range(4)]
+    budget, lengths = 12, torch.tensor([48])
+    keeps = []
+    for ids in batches:
+        cache = kvgates.BudgetCache(model.config, "h2o", budget=budget)
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        keeps.append(keep_sets(cache, 48))
+
+    def overlap(run) -> float:
+        shares = []
+        for ids, keep in zip(batches, keeps):
+            with torch.no_grad():
+                model(ids, use_cache=False)
+            lb = torch.stack([run.log_beta[i] for i in gates.config.layer_ids])
+            scores = (47 - torch.arange(48)) * lb
+            top = torch.zeros_like(keep).scatter(-1, scores.topk(budget, -1).indices, True)
+            shares.append(float((top & keep).sum() / keep.sum()))
+        return sum(shares) / len(shares)
+
+    optimizer = torch.optim.Adam(gates.parameters(), lr=3e-2)
+    with GateTraining(model, gates) as run:
+        run.set_mode("gated")
+        before = overlap(run)
+        for step in range(40):
+            ids, keep = batches[step % 4], keeps[step % 4]
+            model(ids, use_cache=False)
+            lb = torch.stack([run.log_beta[i] for i in gates.config.layer_ids])
+            loss = teacher_ranking_loss(lb, keep, lengths)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        after = overlap(run)
+    assert after > before + 0.15, (before, after)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"colour": "blue"}, "unknown keys"),
+        ({"budget": 0}, "budget must be"),
+        ({"kind": "magic"}, "unknown kind"),
+        ({"teacher": {"policy": "oracle"}}, "unknown teacher policy"),
+        ({"teacher": {"policy": "snapkv", "params": {"window": 2}}, "kind": "locret"}, "locret trains on its own labels"),
+        ({"data": {"mix": [{"task": "jsonl", "path": "/no/such/file.jsonl"}]}}, "does not exist"),
+        ({"data": {"mix": [{"task": "hf"}]}}, "needs a 'path'"),
+        ({"training": {"max_stepz": 3}}, "not transformers.TrainingArguments fields"),
+        ({"training": {"output_dir": "elsewhere"}}, "set by the run itself"),
+        ({"loss": {"lambda_cap": -1}}, "lambda_cap"),
+    ],
+)
+def test_config_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, capsys, change, message):
+    out = tmp_path / "never"
+    cfg = tiny_config(tiny_dir, out, **change)
+    assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and err.startswith("train.py: ")
+    assert not out.exists()
+
+
+def test_overrides_and_missing_config(tmp_path, tiny_dir):
+    cfg = TrainConfig.load(write(tiny_config(tiny_dir, tmp_path / "o"), tmp_path / "c.yaml"), ["training.max_steps=9", "budget=30"])
+    assert cfg.training["max_steps"] == 9 and cfg.budget == 30
+    with pytest.raises(ConfigError, match="does not exist"):
+        TrainConfig.load(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="key=value"):
+        TrainConfig.load(tmp_path / "c.yaml", ["budget"])
+
+
+def test_rerun_and_resume_refusals_leave_the_run_untouched(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    path = write(tiny_config(tiny_dir, out, training={"max_steps": 2, "eval_steps": 2, "save_steps": 2}), tmp_path / "c.yaml")
+    assert main(["--config", str(path)]) == 0
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    assert main(["--config", str(path)]) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    changed = write(tiny_config(tiny_dir, out, budget=20, training={"max_steps": 2, "eval_steps": 2, "save_steps": 2}), tmp_path / "d.yaml")
+    assert main(["--config", str(changed), "--resume"]) == 2
+    assert "differs in budget" in capsys.readouterr().err
+    fresh = write(tiny_config(tiny_dir, tmp_path / "empty"), tmp_path / "e.yaml")
+    assert main(["--config", str(fresh), "--resume"]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+
+
+def _losses(out: Path) -> dict[int, float]:
+    """Training loss by step (the last line logged for a step wins, as a resumed run re-logs nothing earlier)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["kl"], r["capacity"]) for r in rows if "loss" in r}
+
+
+def _gates(folder: Path) -> dict[str, torch.Tensor]:
+    return kvgates.load_gates(folder).state_dict()
+
+
+def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_dir, tmp_path):
+    steps = {"max_steps": 6, "eval_steps": 3, "save_steps": 3, "lr_scheduler_type": "linear"}
+    whole = tmp_path / "whole"
+    assert main(["--config", str(write(tiny_config(tiny_dir, whole, training=steps), tmp_path / "w.yaml"))]) == 0
+
+    cut = tmp_path / "cut"
+    path = write(tiny_config(tiny_dir, cut, training=steps), tmp_path / "k.yaml")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "--config", str(path)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while not (cut / "checkpoint-3" / "trainer_state.json").is_file():
+            assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not (cut / "adapter").exists()  # killed mid-run
+    assert main(["--config", str(path), "--resume"]) == 0
+
+    final = f"checkpoint-{steps['max_steps']}"
+    for name, tensor in _gates(whole / final).items():
+        torch.testing.assert_close(_gates(cut / final)[name], tensor, atol=1e-6, rtol=0)
+    a, b = _losses(whole), _losses(cut)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=1e-5, abs=1e-7), step
+
+
+def test_two_cpu_processes_give_the_gates_of_one_with_the_same_global_batch(tiny_dir, tmp_path):
+    """DDP over gloo (two processes, batch 1 each) against one process accumulating two batches: same examples per
+    optimizer step, same gates up to float32 reduction order. On a machine without CUDA, accelerate starts several
+    processes only with ``--multi_gpu`` (torchrun; ``--cpu --num_processes 2`` needs MPI and otherwise starts one);
+    the run's ``use_cpu`` makes them a gloo process group."""
+    steps = {"max_steps": 3, "eval_steps": 3, "save_steps": 3, "lr_scheduler_type": "constant"}
+    one = tmp_path / "one"
+    cfg_one = tiny_config(tiny_dir, one, training={**steps, "gradient_accumulation_steps": 2})
+    assert main(["--config", str(write(cfg_one, tmp_path / "one.yaml"))]) == 0
+    two = tmp_path / "two"
+    path = write(tiny_config(tiny_dir, two, training=steps), tmp_path / "two.yaml")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "train.py"), "--config", str(path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The same examples in every step: the mean loss (averaged over processes) agrees step by step.
+    assert {k: v[0] for k, v in _losses(one).items()} == pytest.approx({k: v[0] for k, v in _losses(two).items()}, rel=1e-5)
+    for name, tensor in _gates(one / "checkpoint-3").items():
+        torch.testing.assert_close(_gates(two / "checkpoint-3")[name], tensor, atol=1e-5, rtol=1e-4)
