@@ -267,21 +267,30 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_dir, tmp_path)
         assert a[step] == pytest.approx(b[step], rel=1e-5, abs=1e-7), step
 
 
-def test_two_cpu_processes_give_the_gates_of_one_with_the_same_global_batch(tiny_dir, tmp_path):
-    """DDP over gloo (two processes, batch 1 each) against one process accumulating two batches: same examples per
-    optimizer step, same gates up to float32 reduction order. On a machine without CUDA, accelerate starts several
-    processes only with ``--multi_gpu`` (torchrun; ``--cpu --num_processes 2`` needs MPI and otherwise starts one);
-    the run's ``use_cpu`` makes them a gloo process group."""
+LAUNCHERS = {
+    # accelerate starts several CPU processes with --multi_gpu (torchrun); --cpu --num_processes 2 needs MPI.
+    "ddp": (["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+             "--mixed_precision", "no", "--dynamo_backend", "no"], []),
+    "deepspeed-zero2": (["-m", "torch.distributed.run", "--nproc_per_node", "2"],
+                        [f"training.deepspeed={REPO / 'configs/deepspeed/zero2.json'}"]),
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_two_cpu_processes_give_the_gates_of_one_with_the_same_global_batch(tiny_dir, tmp_path, launcher):
+    """Two processes over gloo (batch 1 each; DDP, or DeepSpeed ZeRO-2 with DS_ACCELERATOR=cpu) against one
+    process accumulating two batches: the same examples in every optimizer step, the same gates up to float32
+    reduction order. ``train.py`` sets ``use_cpu`` so that accelerate builds a gloo process group on CPU."""
     steps = {"max_steps": 3, "eval_steps": 3, "save_steps": 3, "lr_scheduler_type": "constant"}
     one = tmp_path / "one"
     cfg_one = tiny_config(tiny_dir, one, training={**steps, "gradient_accumulation_steps": 2})
     assert main(["--config", str(write(cfg_one, tmp_path / "one.yaml"))]) == 0
     two = tmp_path / "two"
     path = write(tiny_config(tiny_dir, two, training=steps), tmp_path / "two.yaml")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    launch, overrides = LAUNCHERS[launcher]
     done = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-         "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "train.py"), "--config", str(path)],
+        [sys.executable, *launch, str(REPO / "train.py"), "--config", str(path), *overrides],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -289,3 +298,6 @@ def test_two_cpu_processes_give_the_gates_of_one_with_the_same_global_batch(tiny
     assert {k: v[0] for k, v in _losses(one).items()} == pytest.approx({k: v[0] for k, v in _losses(two).items()}, rel=1e-5)
     for name, tensor in _gates(one / "checkpoint-3").items():
         torch.testing.assert_close(_gates(two / "checkpoint-3")[name], tensor, atol=1e-5, rtol=1e-4)
+    if launcher == "deepspeed-zero2":  # DeepSpeed's own checkpoint leaves the frozen LLM out
+        states = list((two / "checkpoint-3").glob("global_step*/mp_rank_00_model_states.pt"))
+        assert states and states[0].stat().st_size < 100_000
