@@ -19,6 +19,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="model to load, or 'random' for a random SmolLM2-135M")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers of the 'random' model (SmolLM2-135M has 30)")
 
 
 def load(args: argparse.Namespace):
@@ -28,7 +29,7 @@ def load(args: argparse.Namespace):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(
-            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers, num_attention_heads=9,
             num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
         )
         torch.manual_seed(0)

@@ -1,28 +1,67 @@
 """StreamingLLM's position shift (rerotate=True): re-rotated attention equals RoPE applied at cache ranks."""
 
+import copy
+import sys
+
 import pytest
 import torch
-from helpers import dynamic_cache, teacher_forced_logits
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from helpers import _COMMON, dynamic_cache, teacher_forced_logits
+from transformers import CohereConfig, CohereForCausalLM, GlmConfig, GlmForCausalLM
 
-from kvgates import BudgetCache
+import kvgates
+from kvgates import BudgetCache, UnsupportedModelError
 from kvgates.policies import StreamingLLM
-from kvgates.runtime.rope import rotary_frequencies, shift_rotary
+from kvgates.runtime.rope import rotary_of, shift_rotary
+
+#: Families whose RoPE rotates interleaved feature pairs (2i, 2i+1) instead of halves (i, i + D/2); GLM also
+#: rotates only half of each head (partial rotary).
+INTERLEAVED = {"cohere": (CohereConfig, CohereForCausalLM), "glm": (GlmConfig, GlmForCausalLM)}
+
+
+def pair(family):
+    """(reference sdpa model, kvgates model) of a tiny random ``family`` model."""
+    config_cls, model_cls = INTERLEAVED[family]
+    torch.manual_seed(0)
+    ref = model_cls(config_cls(**_COMMON)).eval()
+    ref.set_attn_implementation("sdpa")
+    return ref, kvgates.prepare_model(copy.deepcopy(ref))
 
 
 def rope(model, x, positions):
-    """transformers' own RoPE of ``x`` [B, H, T, D] at ``positions`` [B, T]."""
+    """transformers' own RoPE of ``x`` [B, H, T, D] at ``positions`` [B, T], by the model's own modeling code."""
     cos, sin = model.model.rotary_emb(x, positions)
-    return apply_rotary_pos_emb(x, x, cos, sin)[0]
+    return sys.modules[type(model).__module__].apply_rotary_pos_emb(x, x, cos, sin)[0]
 
 
-def test_shift_equals_rope_at_the_new_position(tiny):
-    _, model = tiny
+@pytest.mark.parametrize("family", ["llama", "cohere", "glm"])
+def test_shift_equals_rope_at_the_new_position(tiny, family):
+    model = tiny[1] if family == "llama" else pair(family)[1]
     x = torch.randn(1, 2, 6, 16)
     pos = torch.tensor([[0, 3, 7, 20, 21, 40]])
     new = torch.tensor([[0, 1, 2, 3, 4, 5]])
-    shifted = shift_rotary(rope(model, x, pos), (new - pos)[:, None, :], rotary_frequencies(model))
+    shifted = shift_rotary(rope(model, x, pos), (new - pos)[:, None, :], rotary_of(model))
     torch.testing.assert_close(shifted, rope(model, x, new), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(INTERLEAVED))
+def test_interleaved_rope_without_eviction_is_unchanged(family):
+    ref, model = pair(family)
+    ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    expected = teacher_forced_logits(ref, dynamic_cache(ref), ids, 20)
+    policy = StreamingLLM(budget=64, sinks=2, rerotate=True).attach(model)
+    torch.testing.assert_close(teacher_forced_logits(model, BudgetCache(model.config, policy), ids, 20), expected, atol=1e-4, rtol=0)
+
+
+def test_a_rotary_layout_that_does_not_compose_is_refused(monkeypatch):
+    """A model whose rotation kvgates cannot reproduce by shifting is refused at attach, not run with wrong keys."""
+    _, model = pair("cohere")
+    module = sys.modules[type(model).__module__]
+    rotate = module.apply_rotary_pos_emb
+    # Pairs counted from the last feature: a rotation, but of other feature pairs than either layout turns.
+    mirrored = lambda q, k, cos, sin, **kw: tuple(t.flip(-1) for t in rotate(q.flip(-1), k.flip(-1), cos, sin, **kw))  # noqa: E731
+    monkeypatch.setattr(module, "apply_rotary_pos_emb", mirrored)
+    with pytest.raises(UnsupportedModelError, match="rerotate=True"):
+        StreamingLLM(budget=8, sinks=2, rerotate=True).attach(model)
 
 
 def test_no_eviction_is_unchanged(tiny):
@@ -34,8 +73,9 @@ def test_no_eviction_is_unchanged(tiny):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
-def test_attention_after_eviction_uses_cache_ranks(tiny):
-    _, model = tiny
+@pytest.mark.parametrize("family", ["llama", "cohere", "glm"])
+def test_attention_after_eviction_uses_cache_ranks(tiny, family):
+    model = tiny[1] if family == "llama" else pair(family)[1]
     ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(1))
     policy = StreamingLLM(budget=8, sinks=2, rerotate=True).attach(model)
     cache = BudgetCache(model.config, policy)

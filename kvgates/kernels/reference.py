@@ -43,6 +43,16 @@ __all__ = [
 
 GROUP_REDUCTIONS = ("sum", "mean", "max")
 
+#: Attention scores (or mask entries) that may exist at once when a long prompt chunk attends over many slots:
+#: query rows are processed in tiles of ``row_tile`` rows, so memory follows the chunk and the slots held
+#: (linearly), never their product for every head (64 MiB of float32 scores).
+TILE_ELEMENTS = 1 << 24
+
+
+def row_tile(batch: int, heads: int, slots: int) -> int:
+    """Query rows per tile so that ``batch x heads x rows x slots`` stays within ``TILE_ELEMENTS``."""
+    return max(1, TILE_ELEMENTS // max(1, batch * heads * slots))
+
 
 def group_reduce(x: torch.Tensor, num_kv_heads: int, mode: str) -> torch.Tensor:
     """Reduce ``[B, H, ...]`` over each GQA group to ``[B, H_kv, ...]`` with ``sum``, ``mean`` or ``max``."""
@@ -99,14 +109,23 @@ def masked_attention(
     q_pos: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of ``q`` over the slots under position visibility, ``[B, H, q, D]`` in the input dtype."""
+    """Attention of ``q`` over the slots under position visibility, ``[B, H, q, D]`` in the input dtype.
+
+    The visibility mask is built from positions one tile of query rows at a time (``row_tile``), so a long chunk
+    never holds a ``[B, H, q, C]`` mask.
+    """
     b, h, n, d = q.shape
-    hkv = k.shape[1]
-    mask = visibility(slot_pos, q_pos)
-    # A row that sees nothing would give NaN; such rows (padded queries) are discarded by the caller.
-    mask = mask | ~mask.any(-1, keepdim=True)
-    mask = mask[:, :, None].expand(b, hkv, h // hkv, n, mask.shape[-1]).reshape(b, h, n, -1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hkv != h)
+    hkv, c = k.shape[1], k.shape[2]
+    tile = row_tile(b, h, c)
+    out = []
+    for start in range(0, n, tile):
+        stop = min(n, start + tile)
+        mask = visibility(slot_pos, q_pos[:, start:stop])
+        # A row that sees nothing would give NaN; such rows (padded queries) are discarded by the caller.
+        mask = mask | ~mask.any(-1, keepdim=True)
+        mask = mask[:, :, None].expand(b, hkv, h // hkv, stop - start, c).reshape(b, h, stop - start, c)
+        out.append(F.scaled_dot_product_attention(q[:, :, start:stop], k, v, attn_mask=mask, scale=scale, enable_gqa=hkv != h))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 
 def decode_attention(
@@ -149,15 +168,15 @@ def column_sums(
     q_pos: torch.Tensor,
     q_valid: torch.Tensor,
     scale: float,
-    block: int = 256,
 ) -> torch.Tensor:
     """Sum over the (valid) query rows of their attention probabilities per slot, ``[B, H, C]`` float32.
 
-    The rows are processed ``block`` at a time, so at most ``block x C`` probabilities per head exist at once;
-    the masked softmax and the row sum run in place on that block.
+    The rows are processed one tile at a time (``row_tile``: at most ``TILE_ELEMENTS`` probabilities exist at
+    once); the masked softmax and the row sum run in place on that tile.
     """
     b, h, n, _ = q.shape
     hkv = k.shape[1]
+    block = row_tile(b, h, k.shape[2])
     total = q.new_zeros((b, hkv, h // hkv, k.shape[2]), dtype=torch.float32)
     # Padded rows see every held slot (finite values) and then weigh nothing.
     q_pos = torch.where(q_valid, q_pos, torch.full_like(q_pos, torch.iinfo(q_pos.dtype).max))

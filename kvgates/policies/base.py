@@ -29,6 +29,7 @@ from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
 if TYPE_CHECKING:
     from kvgates.runtime.cache import BudgetCache
     from kvgates.runtime.layer import BudgetLayer
+    from kvgates.runtime.rope import Rotary
 
 POLICIES: dict[str, type[Policy]] = {}
 
@@ -120,11 +121,9 @@ class Policy:
         """Statistics this policy needs from the attention call in ``phase``."""
         return NO_STATS
 
-    def position_shift(
-        self, layer: BudgetLayer, q_pos: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def position_shift(self, layer: BudgetLayer, q_pos: torch.Tensor) -> tuple[Rotary, torch.Tensor, torch.Tensor] | None:
         """For policies that attend at shifted positions (StreamingLLM's re-rotation):
-        ``(inv_freq, key_delta [B, H_kv, C], query_delta [B, q])``; ``None`` keeps the original positions."""
+        ``(rotary, key_delta [B, H_kv, C], query_delta [B, q])``; ``None`` keeps the original positions."""
         return None
 
     def slot_state(self) -> dict[str, SlotState]:

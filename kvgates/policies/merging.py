@@ -18,16 +18,47 @@ import math
 
 import torch
 
+from kvgates.kernels.reference import row_tile
 from kvgates.runtime.layer import BudgetLayer
 
 MERGE_RULES = ("paper", "official")
 
 
-def _evicted_slots(evicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices ``[B, H, E]`` of evicted slots (padded) and which of them are real."""
-    count = int(evicted.sum(-1).max())
-    order = torch.argsort((~evicted).to(torch.uint8), dim=-1, stable=True)[..., :count]
-    return order, torch.gather(evicted, -1, order)
+def _slots_of(mask: torch.Tensor, at_least: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices ``[B, H, n]`` of the slots set in ``mask`` (padded to the largest count, at least ``at_least``) and
+    which of them are real."""
+    count = max(int(mask.sum(-1).max()), at_least)
+    order = torch.argsort((~mask).to(torch.uint8), dim=-1, stable=True)[..., :count]
+    return order, torch.gather(mask, -1, order)
+
+
+def _gather_slots(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return torch.gather(t, 2, idx[..., None].expand(*idx.shape, t.shape[-1]))
+
+
+def best_matches(keys: torch.Tensor, evicted: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """For every evicted slot of each head, its most similar kept slot by key cosine similarity.
+
+    Returns ``(evicted slot indices [B, H, E], real [B, H, E], best similarity, target kept slot)``. Evicted keys
+    are compared with the kept ones only, one tile of evicted tokens at a time (``row_tile``), so memory follows
+    ``E x K`` tiles rather than every slot against every slot.
+    """
+    idx, real = _slots_of(evicted)
+    kept_idx, kept_real = _slots_of(kept, at_least=1)
+    ke = torch.nn.functional.normalize(_gather_slots(keys, idx).float(), dim=-1)
+    kk = torch.nn.functional.normalize(_gather_slots(keys, kept_idx).float(), dim=-1).transpose(-1, -2)
+    b, h, e = idx.shape
+    tile = row_tile(b, h, kept_idx.shape[-1])
+    best, target = [], []
+    for start in range(0, e, tile):
+        sim = torch.matmul(ke[:, :, start : start + tile], kk).masked_fill(~kept_real[:, :, None, :], float("-inf"))
+        top = sim.max(-1)
+        best.append(top.values)
+        target.append(top.indices)
+    best_t = torch.cat(best, -1) if best else ke.new_zeros((b, h, 0))
+    target_t = torch.gather(kept_idx, -1, torch.cat(target, -1)) if target else idx
+    real = real & torch.isfinite(best_t)  # a head that keeps nothing receives nothing
+    return idx, real, best_t.nan_to_num(0.0, neginf=0.0), target_t
 
 
 def merge_evicted(layer: BudgetLayer, keep: torch.Tensor, beta: float = 0.7, rule: str = "paper") -> None:
@@ -42,13 +73,7 @@ def merge_evicted(layer: BudgetLayer, keep: torch.Tensor, beta: float = 0.7, rul
     for heads, k, v, _ in layer.head_views():
         c = k.shape[2]
         evicted, kept = evicted_all[:, heads, :c], keep[:, heads, :c] & layer.valid[:, heads, :c]
-        idx, real = _evicted_slots(evicted)
-        kn = torch.nn.functional.normalize(k.float(), dim=-1)
-        ke = torch.gather(kn, 2, idx[..., None].expand(*idx.shape, kn.shape[-1]))
-        sim = torch.matmul(ke, kn.transpose(-1, -2)).masked_fill(~kept[:, :, None, :], float("-inf"))
-        best, target = sim.max(-1)
-        real = real & torch.isfinite(best)  # a head that keeps nothing receives nothing
-        matches.append((k, v, idx, real, best.nan_to_num(0.0, neginf=0.0), target))
+        matches.append((k, v, *best_matches(k, evicted, kept)))
     # The threshold: one EMA per sequence over every evicted token of the layer.
     total = sum((best * real).sum((1, 2)) for _, _, _, real, best, _ in matches)
     count = sum(real.sum((1, 2)) for _, _, _, real, _, _ in matches)
@@ -64,9 +89,7 @@ def merge_evicted(layer: BudgetLayer, keep: torch.Tensor, beta: float = 0.7, rul
         merging = real & (best >= tau[:, None, None])
         if not bool(merging.any()):
             continue
-        d = k.shape[-1]
-        ke = torch.gather(k.float(), 2, idx[..., None].expand(*idx.shape, d))
-        ve = torch.gather(v.float(), 2, idx[..., None].expand(*idx.shape, v.shape[-1]))
+        ke, ve = _gather_slots(k, idx).float(), _gather_slots(v, idx).float()
         if rule == "paper":
             w = torch.where(merging, best.exp(), torch.zeros_like(best))
             self_w = math.e

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgates.policies.base import Policy, register_policy, sink_mask
-from kvgates.runtime.rope import rotary_frequencies
+from kvgates.runtime.rope import Rotary, rotary_of
 from kvgates.runtime.stats import AttnStats, Phase
 
 
@@ -22,7 +22,8 @@ class StreamingLLM(Policy):
     ``rerotate=True`` attention runs at the paper's shifted positions: every cached token is attended as if it
     sat at its rank in the cache and the query at the next one (queries and keys are re-rotated on the fly,
     which RoPE allows because rotations compose; storage keeps the original rotation). Re-rotation reads the
-    model's rotary frequencies, so the policy must be ``attach``-ed to the model.
+    model's rotary frequencies and layout (halves or interleaved pairs, ``kvgates.runtime.rope``), so the policy
+    must be ``attach``-ed to the model; a model whose RoPE is neither layout is refused there.
 
     Args:
         budget: tokens kept per KV head.
@@ -40,17 +41,17 @@ class StreamingLLM(Policy):
         super().__post_init__()
         self._at_least(0, "sinks")
         self._require_budget(self.sinks, f"sinks={self.sinks}")
-        self._inv_freq: torch.Tensor | None = None
+        self._rotary: Rotary | None = None
 
     def attach(self, model) -> StreamingLLM:
         if self.rerotate:
-            self._inv_freq = rotary_frequencies(model)
+            self._rotary = rotary_of(model)
         return self
 
-    def position_shift(self, layer, q_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def position_shift(self, layer, q_pos: torch.Tensor) -> tuple[Rotary, torch.Tensor, torch.Tensor] | None:
         if not self.rerotate:
             return None
-        if self._inv_freq is None:
+        if self._rotary is None:
             raise RuntimeError(f"{self.name}: rerotate=True reads the model's rotary frequencies; call policy.attach(model)")
         held = torch.where(layer.valid, layer.pos, torch.iinfo(layer.pos.dtype).max)
         ordered, order = held.sort(-1)
@@ -58,6 +59,7 @@ class StreamingLLM(Policy):
         key_delta = torch.where(layer.valid, rank - layer.pos, torch.zeros_like(rank))
         # Every head holds the same tokens (sinks + window), so the first head's order ranks the queries.
         query_rank = torch.searchsorted(ordered[:, 0].contiguous(), q_pos.contiguous())
-        return self._inv_freq, key_delta, query_rank - q_pos
+        return self._rotary, key_delta, query_rank - q_pos
+
     def score(self, layer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
         return layer.pos.float(), sink_mask(layer, self.sinks)

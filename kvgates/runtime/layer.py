@@ -325,12 +325,12 @@ class BudgetLayer(CacheLayerMixin):
         all_real = bool(q_real.all())
         keys, shift = self.keys, policy.position_shift(self, q_pos)
         if shift is not None:  # attend at shifted positions; storage keeps the original rotation
-            inv_freq, key_delta, query_delta = shift
+            rotary, key_delta, query_delta = shift
             if not self.uniform:
                 raise NotImplementedError("position shifting needs equal head capacities")
-            query = shift_rotary(query, query_delta[:, None, :], inv_freq)
+            query = shift_rotary(query, query_delta[:, None, :], rotary)
             dense = self.keys.view(b, self.num_kv_heads, self.capacity, -1)
-            keys = shift_rotary(dense, key_delta, inv_freq).reshape(self.keys.shape)
+            keys = shift_rotary(dense, key_delta, rotary).reshape(self.keys.shape)
         if phase is Phase.DECODE:
             out = self._decode(query, keys, scale, request, stats)
         else:
