@@ -116,7 +116,7 @@ def test_log_beta_zero_gives_the_teacher_logits(tiny_dir):
         run.set_mode("gated")
         student = model(ids, use_cache=False).logits
         assert set(run.log_beta) == set(gates.config.layer_ids)
-        assert all(float(lb.abs().max()) == 0.0 for lb in run.log_beta.values())
+        assert all(float(lb.detach().abs().max()) == 0.0 for lb in run.log_beta.values())
     torch.testing.assert_close(student, teacher, atol=1e-5, rtol=0)
     assert not hasattr(model, "kvgates_gates")  # close() took everything off the model
 
@@ -238,7 +238,8 @@ def _gates(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_dir, tmp_path):
-    steps = {"max_steps": 6, "eval_steps": 3, "save_steps": 3, "lr_scheduler_type": "linear"}
+    # Long enough that the kill lands mid-run even when this process is slow to notice the first checkpoint.
+    steps = {"max_steps": 12, "eval_steps": 3, "save_steps": 3, "lr_scheduler_type": "linear"}
     whole = tmp_path / "whole"
     assert main(["--config", str(write(tiny_config(tiny_dir, whole, training=steps), tmp_path / "w.yaml"))]) == 0
 
@@ -248,7 +249,7 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_dir, tmp_path)
     proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "--config", str(path)], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 240
+        deadline = time.time() + 300
         while not (cut / "checkpoint-3" / "trainer_state.json").is_file():
             assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
             time.sleep(0.2)
@@ -262,7 +263,7 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_dir, tmp_path)
     for name, tensor in _gates(whole / final).items():
         torch.testing.assert_close(_gates(cut / final)[name], tensor, atol=1e-6, rtol=0)
     a, b = _losses(whole), _losses(cut)
-    assert sorted(a) == sorted(b) == list(range(1, 7))
+    assert sorted(a) == sorted(b) == list(range(1, steps["max_steps"] + 1))
     for step in a:
         assert a[step] == pytest.approx(b[step], rel=1e-5, abs=1e-7), step
 
