@@ -63,31 +63,44 @@ def write(cfg: dict, path: Path) -> Path:
     return path
 
 
-def test_tiny_run_trains_exports_and_reports(tiny_dir, tmp_path, capsys):
+KINDS = {
+    "trimkv": ({}, "retention", {"kl", "ce", "capacity", "budget"}),
+    "trimkv+teacher": ({"teacher": {"policy": "snapkv", "params": {"window": 4}, "anneal_steps": 8}}, "retention",
+                       {"kl", "capacity", "teacher_rank", "teacher_weight"}),
+    "trimkv-global": ({"kind": "trimkv-global"}, "retention-global", {"kl", "ce", "capacity"}),
+    "locret": ({"kind": "locret", "policy": {"stabilizers": 4, "local": 4}}, "retaining-head", {"regression", "smoothness"}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(KINDS))
+def test_tiny_run_trains_exports_and_reports(tiny_dir, tmp_path, capsys, variant):
+    change, gate_kind, logged = KINDS[variant]
     out = tmp_path / "run"
-    assert main(["--config", str(write(tiny_config(tiny_dir, out), tmp_path / "c.yaml"))]) == 0
+    assert main(["--config", str(write(tiny_config(tiny_dir, out, **change), tmp_path / "c.yaml"))]) == 0
     printed = capsys.readouterr().out
-    for arm in ("trimkv (trained)", "trimkv (untrained)", "streaming_llm", "full"):
+    kind = change.get("kind", "trimkv")
+    for arm in (f"{kind} (trained)", f"{kind} (untrained)", "streaming_llm", "full"):
         assert f"| {arm} |" in printed
     gates = kvgates.load_gates(out / "adapter")
-    assert gates.kind == "retention" and gates.config.training_budget == 24
+    assert gates.kind == gate_kind and gates.config.training_budget == 24
     assert gates.config.training["recipe"]["budget"] == 24 and "essay_split" in gates.config.training
     assert "Held-out comparison" in (out / "adapter" / "README.md").read_text()
     logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_logs = [r for r in logs if "loss" in r]
-    assert len(train_logs) == 4 and all({"kl", "ce", "capacity", "budget"} <= set(r) for r in train_logs)
+    assert len(train_logs) == 4 and all(logged <= set(r) for r in train_logs)
     assert any("eval_kl" in r for r in logs)
     # Checkpoints hold the gates and the trainer state, never the LLM.
     for ckpt in out.glob("checkpoint-*"):
         names = {p.name for p in ckpt.iterdir()}
         assert {"config.json", "model.safetensors", "trainer_state.json", "optimizer.pt"} <= names
         assert (ckpt / "model.safetensors").stat().st_size < 200_000
-        assert json.loads((ckpt / "config.json").read_text())["kind"] == "retention"
+        assert json.loads((ckpt / "config.json").read_text())["kind"] == gate_kind
     # The exported adapter runs through the command line on the model it was made for.
     from kvgates.cli import main as cli
 
-    code = cli(["generate", "--model", str(tiny_dir), "--policy", "trimkv", "--budget", "24", "--gates", str(out / "adapter"),
-                "--prompt", "abc " * 20, "--max-new-tokens", "3"])
+    code = cli(["generate", "--model", str(tiny_dir), "--policy", kind, "--budget", "24", "--gates", str(out / "adapter"),
+                "--prompt", "abc " * 20, "--max-new-tokens", "3",
+                *[a for k, v in change.get("policy", {}).items() for a in (f"--{k}", str(v))]])
     assert code == 0
 
 
@@ -191,6 +204,8 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
         ({"training": {"max_stepz": 3}}, "not transformers.TrainingArguments fields"),
         ({"training": {"output_dir": "elsewhere"}}, "set by the run itself"),
         ({"loss": {"lambda_cap": -1}}, "lambda_cap"),
+        ({"kind": "locret"}, "policy: locret: budget 24 must be larger"),
+        ({"policy": {"windoww": 3}}, "policy: policy 'trimkv' has no parameter windoww"),
     ],
 )
 def test_config_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, capsys, change, message):

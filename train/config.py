@@ -101,6 +101,9 @@ class TrainConfig:
     model: str = "smollm2-135m"
     kind: str = "trimkv"
     budget: int = 256
+    #: Parameters of the gates' inference policy (validation and the final table), e.g. ``{window: 16}`` for
+    #: trimkv or ``{stabilizers: 32, local: 32}`` for locret; the budget is ``budget``.
+    policy: dict[str, Any] = field(default_factory=dict)
     gates: GateSpec = field(default_factory=GateSpec)
     data: DataSpec = field(default_factory=DataSpec)
     loss: LossSpec = field(default_factory=LossSpec)
@@ -115,6 +118,7 @@ class TrainConfig:
             raise ConfigError(f"unknown kind {self.kind!r}; kinds: {', '.join(KINDS)}")
         if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
             raise ConfigError(f"budget must be a whole number of tokens per KV head, at least 1; got {self.budget!r}")
+        _check_learned_policy(self.kind, self.budget, self.policy)
         if self.data.format not in FORMATS:
             raise ConfigError(f"data.format must be one of {FORMATS}, got {self.data.format!r}")
         if self.data.seq_len < 64 or self.data.seq_len <= self.budget:
@@ -223,6 +227,21 @@ _SECTIONS = {
 
 #: TrainingArguments the run sets itself (from other keys), so a config must not.
 _RESERVED_ARGS = {"output_dir", "run_name", "remove_unused_columns", "metric_for_best_model", "greater_is_better"}
+
+
+def _check_learned_policy(kind: str, budget: int, params: dict[str, Any]) -> None:
+    """Build the inference policy once on placeholder gates, so bad parameters fail before training, not after."""
+    from kvgates import make_policy
+    from kvgates.gates import GATE_KINDS, GateConfig
+
+    placeholder = GATE_KINDS[KINDS[kind]](
+        GateConfig(kind=KINDS[kind], base_model="-", fingerprint="-", num_layers=1, layer_ids=[0], hidden_size=4,
+                   num_attention_heads=1, num_kv_heads=1, head_dim=4, gate_hidden=1)
+    )
+    try:
+        make_policy(POLICY_OF_KIND[kind], budget=budget, gates=placeholder, **params)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"policy: {err}") from None
 
 
 def _check_training_args(training: dict[str, Any]) -> None:

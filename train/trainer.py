@@ -52,6 +52,65 @@ def keep_sets(cache: kvgates.BudgetCache, length: int) -> torch.Tensor:
     return torch.stack(out)
 
 
+def gate_loss(
+    model: torch.nn.Module,
+    lm_head: torch.nn.Linear,
+    gated: GateTraining,
+    config: TrainConfig,
+    inputs: dict[str, torch.Tensor],
+    budget: float,
+    teacher_weight: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The training loss of one batch and its parts (for logging), for ``config.kind``'s gates.
+
+    Retention gates (TRIM-KV): a teacher forward (plain attention, no gradient; through a ``BudgetCache`` with the
+    heuristic teacher when one is configured, which leaves the logits unchanged and yields its keep-set), a student
+    forward with gated attention, then ``(KL + CE) / 2 + lambda_cap * capacity (+ teacher_weight * ranking)``.
+    Retaining heads (Locret): one labelling forward, then the regression loss. ``model`` may be wrapped (DDP,
+    DeepSpeed); ``lm_head`` is its output projection.
+    """
+    ids, mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
+    lengths = mask.sum(-1)
+    attention_mask = None if bool(mask.all()) else mask  # no padding: the fused causal kernels
+    layers = gated.gates.config.layer_ids
+    if config.kind == "locret":
+        gated.set_mode("labels")
+        model(input_ids=ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+        scores = torch.stack([gated.scores[i] for i in layers])
+        targets = torch.stack([gated.labels[i] for i in layers])
+        loss, regression, smooth = locret_loss(scores, targets, config.loss.locret_smoothness)
+        return loss, {"regression": regression.item(), "smoothness": smooth.item()}
+
+    gated.set_mode(None)
+    with torch.no_grad(), eval_mode(model):
+        cache = None
+        if config.teacher is not None and teacher_weight > 0:
+            policy = kvgates.make_policy(config.teacher.policy, budget=config.budget, **config.teacher.params)
+            cache = kvgates.BudgetCache(gated.model.config, policy)
+        teacher = model(
+            input_ids=ids, attention_mask=attention_mask, past_key_values=cache, use_cache=cache is not None,
+            output_hidden_states=True, logits_to_keep=1,
+        )
+    targets = labels[:, 1:]
+    completion = targets != -100
+    teacher_hidden = teacher.hidden_states[-1][:, :-1][completion]
+    gated.set_mode("gated")
+    student = model(input_ids=ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    student_hidden = student.hidden_states[-1][:, :-1][completion]
+    kl, ce = distillation_loss(student_hidden, teacher_hidden, targets[completion], lm_head, config.loss.distill_chunk)
+    log_beta = torch.stack([gated.log_beta[i] for i in layers])  # [L, B, H_kv, T]
+    cap = capacity_loss(log_beta, budget, lengths, config.kind == "trimkv-global", config.loss.capacity_stride)
+    loss = (kl + ce) / 2 + config.loss.lambda_cap * cap
+    parts = {"kl": kl.item(), "ce": ce.item(), "capacity": cap.item(), "budget": budget}
+    if cache is not None:
+        keep = keep_sets(cache, ids.shape[1]).to(log_beta.device)
+        rank = teacher_ranking_loss(log_beta, keep, lengths, config.teacher.pairs)  # global RNG: resumed with the run
+        loss = loss + teacher_weight * rank
+        parts.update(teacher_rank=rank.item(), teacher_weight=teacher_weight)
+    parts["log_beta_mean"] = log_beta.detach().mean().item()
+    return loss, parts
+
+
 class GateTrainer(Trainer):
     """Trains the gates of ``training`` (a ``GateTraining`` on the model) according to ``config``.
 
@@ -103,61 +162,11 @@ class GateTrainer(Trainer):
 
     # ------------------------------------------------------------------ the loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        ids, mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
-        lengths = mask.sum(-1)
-        attention_mask = None if bool(mask.all()) else mask  # no padding: the fused causal kernels
-        if self.config.kind == "locret":
-            loss, parts = self._locret_loss(model, ids, attention_mask)
-        else:
-            loss, parts = self._retention_loss(model, ids, attention_mask, labels, lengths)
+        lm_head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        loss, parts = gate_loss(model, lm_head, self.gated, self.config, inputs, self.current_budget(), self.teacher_weight())
         for name, value in parts.items():
             self._metrics[name].append(float(value))
         return (loss, None) if return_outputs else loss
-
-    def _retention_loss(self, model, ids, attention_mask, labels, lengths) -> tuple[torch.Tensor, dict[str, float]]:
-        cfg = self.config
-        unwrapped = self.accelerator.unwrap_model(model)
-        weight = self.teacher_weight()
-        self.gated.set_mode(None)
-        with torch.no_grad(), eval_mode(model):
-            cache = None
-            if cfg.teacher is not None and weight > 0:
-                policy = kvgates.make_policy(cfg.teacher.policy, budget=cfg.budget, **cfg.teacher.params)
-                cache = kvgates.BudgetCache(unwrapped.config, policy)
-            teacher = model(
-                input_ids=ids, attention_mask=attention_mask, past_key_values=cache, use_cache=cache is not None,
-                output_hidden_states=True, logits_to_keep=1,
-            )
-        targets = labels[:, 1:]
-        completion = targets != -100
-        teacher_hidden = teacher.hidden_states[-1][:, :-1][completion]
-        self.gated.set_mode("gated")
-        student = model(input_ids=ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True, logits_to_keep=1)
-        student_hidden = student.hidden_states[-1][:, :-1][completion]
-        kl, ce = distillation_loss(
-            student_hidden, teacher_hidden, targets[completion], unwrapped.get_output_embeddings(), cfg.loss.distill_chunk
-        )
-        log_beta = torch.stack([self.gated.log_beta[i] for i in self.gates.config.layer_ids])  # [L, B, H_kv, T]
-        budget = self.current_budget()
-        cap = capacity_loss(log_beta, budget, lengths, cfg.kind == "trimkv-global", cfg.loss.capacity_stride)
-        loss = (kl + ce) / 2 + cfg.loss.lambda_cap * cap
-        parts = {"kl": kl.item(), "ce": ce.item(), "capacity": cap.item(), "budget": budget}
-        if cache is not None:
-            keep = keep_sets(cache, ids.shape[1]).to(log_beta.device)
-            rank = teacher_ranking_loss(log_beta, keep, lengths, cfg.teacher.pairs)  # global RNG: resumed with the run
-            loss = loss + weight * rank
-            parts.update(teacher_rank=rank.item(), teacher_weight=weight)
-        parts["log_beta_mean"] = log_beta.detach().mean().item()
-        return loss, parts
-
-    def _locret_loss(self, model, ids, attention_mask) -> tuple[torch.Tensor, dict[str, float]]:
-        self.gated.set_mode("labels")
-        model(input_ids=ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
-        layers = self.gates.config.layer_ids
-        scores = torch.stack([self.gated.scores[i] for i in layers])
-        labels = torch.stack([self.gated.labels[i] for i in layers])
-        loss, regression, smooth = locret_loss(scores, labels, self.config.loss.locret_smoothness)
-        return loss, {"regression": regression.item(), "smoothness": smooth.item()}
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the means of the loss parts since the last training log (KL, CE, capacity, ...)."""

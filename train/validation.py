@@ -32,7 +32,7 @@ def needle_examples(tokenizer: PreTrainedTokenizerBase, split: str, template_set
 
 def learned_policy(config: TrainConfig, gates: kvgates.GateSet) -> kvgates.Policy:
     """The inference policy of ``gates`` at the training budget, on a copy (attaching never touches the original)."""
-    return kvgates.make_policy(POLICY_OF_KIND[config.kind], budget=config.budget, gates=copy.deepcopy(gates))
+    return kvgates.make_policy(POLICY_OF_KIND[config.kind], budget=config.budget, gates=copy.deepcopy(gates), **config.policy)
 
 
 class Validator:
