@@ -18,3 +18,13 @@ def test_kernel_bench_smoke():
     assert result.returncode == 0, result.stderr
     for kernel in ("decode+probs", "window scores", "compaction", "retention", "retention sum"):
         assert kernel in result.stdout
+
+
+def test_train_step_bench_runs_on_a_small_random_model():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "train_step.py"), "--model", "random", "--layers", "2", "--lengths", "160",
+         "--budget", "64", "--repeats", "1"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "| trimkv | 160 |" in result.stdout and "| locret | 160 |" in result.stdout
