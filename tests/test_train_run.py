@@ -318,3 +318,19 @@ def test_two_cpu_processes_give_the_gates_of_one_with_the_same_global_batch(tiny
     if launcher == "deepspeed-zero2":  # DeepSpeed's own checkpoint leaves the frozen LLM out
         states = list((two / "checkpoint-3").glob("global_step*/mp_rank_00_model_states.pt"))
         assert states and states[0].stat().st_size < 100_000
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "train").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_committed_training_config_validates(path):
+    config = TrainConfig.load(path)
+    assert config.output_dir.startswith("checkpoints/") and config.training.get("max_steps")
+
+
+def test_a_config_builds_on_its_base(tmp_path):
+    (tmp_path / "base.yaml").write_text("budget: 40\ndata: {seq_len: 128, train_examples: 5}\ntraining: {max_steps: 7}\n")
+    (tmp_path / "top.yaml").write_text("base: base.yaml\ndata: {seq_len: 256}\n")
+    config = TrainConfig.load(tmp_path / "top.yaml")
+    assert (config.budget, config.data.seq_len, config.data.train_examples, config.training["max_steps"]) == (40, 256, 5, 7)
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        TrainConfig.load(tmp_path / "loop.yaml")

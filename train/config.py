@@ -157,16 +157,12 @@ class TrainConfig:
 
     @classmethod
     def load(cls, path: str | Path, overrides: list[str] = ()) -> TrainConfig:
-        """Read a YAML config and apply ``key.sub=value`` overrides (values parsed as YAML)."""
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path} is not valid YAML ({err})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
+        """Read a YAML config and apply ``key.sub=value`` overrides (values parsed as YAML).
+
+        A config may start from another: ``base: other.yaml`` (relative to the file) is read first and the file's
+        own keys are merged over it, section by section.
+        """
+        raw = _read_yaml(Path(path), seen=())
         for item in overrides:
             apply_override(raw, item)
         return cls.from_dict(raw, str(path))
@@ -180,6 +176,31 @@ class TrainConfig:
     @property
     def gate_kind(self) -> str:
         return KINDS[self.kind]
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: 'base' configs form a cycle")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML ({err})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    return _merge(_read_yaml(path.parent / base, (*seen, path.resolve())), raw)
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``; sections (mappings) merge key by key, everything else is replaced."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
