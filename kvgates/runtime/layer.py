@@ -78,7 +78,7 @@ class BudgetLayer(CacheLayerMixin):
         self.caps: list[int] = []
         self.pos: torch.Tensor | None = None
         self.slot_data: torch.Tensor | None = None
-        self.scratch: dict[str, Any] = {}
+        self.scratch: dict[str, Any] = {}  # policy values kept per layer; tensors are per sequence (dim 0)
         self.seen = 0
         self.budget: int | None = None
         self.head_budgets: torch.Tensor | None = None
@@ -158,11 +158,16 @@ class BudgetLayer(CacheLayerMixin):
         self.is_initialized = False
 
     def _select_batch(self, fn) -> None:
+        """Apply a batch selection (beam reordering, repetition) to every per-sequence value: storage, positions,
+        per-slot state, budgets, and the policy's scratch tensors (each is per sequence along dim 0)."""
         if not self.is_initialized:
             return
         self.keys, self.values, self.pos, self.slot_data = (
             fn(self.keys), fn(self.values), fn(self.pos), fn(self.slot_data)
         )
+        if self.head_budgets is not None:
+            self.head_budgets = fn(self.head_budgets)
+        self.scratch = {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in self.scratch.items()}
         self.batch_size = self.keys.shape[0]
         self._derived = {}
 
