@@ -120,8 +120,8 @@ class D2O(Policy):
         for layer in layers:
             if "d2o.variance" not in layer.scratch:
                 layer.scratch["d2o.variance"] = layer_variance(layer.state[_SCORE], layer.valid)
-        held = torch.stack([layer.held().amax(-1) for layer in layers])  # [N, B]
-        prompt = held.amax(0).float()
+        # Prompt length seen so far, per sequence: its newest position + 1 (positions never shift).
+        prompt = (layers[0].pos.amax(dim=(1, 2)) + 1).clamp(min=1).float()
         rho = self.budget / prompt
         ratios = d2o_layer_ratios(torch.stack([layer.scratch["d2o.variance"] for layer in layers]), rho)
         for rank, layer in enumerate(layers):
