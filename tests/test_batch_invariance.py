@@ -49,3 +49,31 @@ def test_a_sequence_gets_the_same_logits_alone_and_in_a_padded_batch(tiny, name,
         for i, row in enumerate(rows):
             alone = padded_logits(model, policy, [row], decode[i : i + 1])[0]
             torch.testing.assert_close(batched[i], alone, atol=1e-5, rtol=0, msg=lambda m, i=i: f"row {i} ({LENGTHS[i]} tokens): {m}")
+
+
+#: Policies that read per-sequence budgets during decode evictions.
+DECODE_BUDGETS = [("adakv", {"base": "h2o", "base_params": {}}), ("pyramidkv", {"decode": True})]
+
+
+@pytest.mark.parametrize("name,overrides", [(name, {}) for name in sorted(POLICIES)] + DECODE_BUDGETS)
+def test_reordering_the_batch_reorders_every_per_sequence_state(tiny, name, overrides):
+    """Beam search reorders the cache's sequences; every per-sequence value a policy keeps (budgets, thresholds,
+    scratch) must follow, or the reordered rows continue with another row's state."""
+    _, model = tiny
+    g = torch.Generator().manual_seed(12)
+    prompts = torch.randint(1, 128, (2, 30), generator=g)
+    steps = torch.randint(1, 128, (2, 8), generator=g)
+    swap = torch.tensor([1, 0])
+
+    def run(first: torch.Tensor, reorder: bool) -> torch.Tensor:
+        torch.manual_seed(0)  # learned policies: the same fresh gates for both runs
+        with policy_on(model, name, BUDGET, **overrides) as policy, torch.no_grad():
+            cache = BudgetCache(model.config, policy)
+            model(prompts[first], past_key_values=cache)
+            for t in range(3):
+                model(steps[first, t : t + 1], past_key_values=cache)
+            if reorder:
+                cache.reorder_cache(swap)
+            return torch.cat([model(steps[swap, t : t + 1], past_key_values=cache).logits for t in range(3, 8)], 1)
+
+    torch.testing.assert_close(run(torch.tensor([0, 1]), reorder=True), run(swap, reorder=False), atol=1e-5, rtol=0)

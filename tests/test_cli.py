@@ -1,8 +1,10 @@
 """The ``kvgates`` command line on a tiny local checkpoint."""
 
 import pytest
-from helpers import save_tiny_checkpoint
+import torch
+from helpers import policy_on, save_tiny_checkpoint
 
+from kvgates import BudgetCache, load_model
 from kvgates.cli import main
 
 
@@ -54,12 +56,27 @@ def test_policies_lists_registry(capsys):
 
 
 def test_load_model_with_an_accelerate_device_map(checkpoint):
-    import torch
-
-    from kvgates import BudgetCache, load_model
-
     model, tok = load_model(checkpoint, device_map={"": "cpu"})
     assert all(p.device.type == "cpu" for p in model.parameters()) and not model.training
     ids = tok("hello world", return_tensors="pt")["input_ids"]
     out = model.generate(ids, past_key_values=BudgetCache(model.config, "h2o", budget=4), max_new_tokens=3, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 3 and torch.isfinite(model(ids).logits).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to spread layers over two devices")
+@pytest.mark.parametrize("name", ["d2o", "dynamickv", "trimkv-global"])
+def test_cross_layer_policies_with_layers_on_two_devices(checkpoint, name):
+    """device_map may put layers on different devices; policies that decide across layers must still work."""
+    ids = torch.randint(3, 90, (2, 40), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for device_map in ({"": "cpu"}, {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": 0,
+                                     "model.layers.2": 0, "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0}):
+        model, _ = load_model(checkpoint, device_map=device_map)
+        torch.manual_seed(0)
+        with policy_on(model, name, 12) as policy, torch.no_grad():
+            cache = BudgetCache(model.config, policy)
+            out = [model(ids[:, :30], past_key_values=cache).logits[:, -1]]
+            out += [model(ids[:, t : t + 1], past_key_values=cache).logits[:, -1] for t in range(30, 40)]
+        logits.append(torch.stack(out).cpu())
+        assert int(cache.held_tokens().max()) <= 12 + 10
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)

@@ -101,6 +101,28 @@ def test_prefill_chunks_bound_peak_memory(tiny):
     assert peak <= 16 + 1 + 25
 
 
+def test_phase_comes_from_what_the_cache_has_seen_not_from_the_query_length(tiny):
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        # A one-token prompt is a prompt: D2O allocates its layer budgets there and evicts during decode.
+        cache = BudgetCache(model.config, "d2o", budget=6, sinks=2)
+        for t in range(20):
+            model(ids[:, t : t + 1], past_key_values=cache)
+        assert int(cache.held_tokens().max()) == 6
+        # A multi-token step once decoding has begun (speculative decoding) is a decode step: SnapKV appends it.
+        cache = BudgetCache(model.config, "snapkv", budget=8, window=4, kernel=3)
+        model(ids[:, :16], past_key_values=cache)
+        model(ids[:, 16:17], past_key_values=cache)
+        model(ids[:, 17:21], past_key_values=cache)
+        assert cache.held_tokens().unique().tolist() == [8 + 1 + 4]
+        # Prompt chunks before the first decode step stay prompt: each is compressed.
+        cache = BudgetCache(model.config, "snapkv", budget=8, window=4, kernel=3)
+        model(ids[:, :12], past_key_values=cache)
+        model(ids[:, 12:20], past_key_values=cache)
+        assert cache.held_tokens().unique().tolist() == [8]
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 @pytest.mark.parametrize(
     "name,params,message",

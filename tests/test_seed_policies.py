@@ -150,6 +150,22 @@ def test_d2o_layer_budgets_follow_variance(tiny):
     assert cache.held_tokens()[:, 0, 0].tolist() == expected
 
 
+def test_d2o_later_prompt_chunks_use_the_prompt_length_seen_so_far():
+    """The layer variances come from the first chunk; each later chunk's layer budgets are ``r_l`` times the
+    prompt length seen so far, not the tokens held after the previous compression. The length shows through
+    the clamp ``r_l >= 0.01``: a layer whose share is below 1% of the prompt seen keeps that 1%."""
+    _, model = tiny_model("llama", num_key_value_heads=4)  # four KV heads: the layers' variances differ
+    cache = BudgetCache(model.config, "d2o", budget=4, sinks=2)
+    ids = torch.randint(1, 128, (1, 600), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model(ids[:, :500], past_key_values=cache)
+        model(ids[:, 500:], past_key_values=cache)
+    variances = [layer.scratch["d2o.variance"].item() for layer in cache.budget_layers]
+    expected = [max(round(r * 600), 3) for r in brute.d2o_ratios(variances, 4 / 600)]
+    assert [layer.budget for layer in cache.budget_layers] == expected
+    assert min(expected) == 6  # the 1% floor of the 600 tokens seen
+
+
 def test_merge_wrapper_merges_what_the_base_evicts(tiny):
     _, model = tiny
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(3))

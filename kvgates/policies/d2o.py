@@ -120,17 +120,19 @@ class D2O(Policy):
         for layer in layers:
             if "d2o.variance" not in layer.scratch:
                 layer.scratch["d2o.variance"] = layer_variance(layer.state[_SCORE], layer.valid)
-        held = torch.stack([layer.held().amax(-1) for layer in layers])  # [N, B]
-        prompt = held.amax(0).float()
+        # Prompt length seen so far, per sequence: its newest position + 1 (positions never shift).
+        prompt = (layers[0].pos.amax(dim=(1, 2)) + 1).clamp(min=1).float()
         rho = self.budget / prompt
-        ratios = d2o_layer_ratios(torch.stack([layer.scratch["d2o.variance"] for layer in layers]), rho)
+        # Layers may sit on different devices (device_map="auto"): decide on the first layer's, apply on each's own.
+        variances = torch.stack([layer.scratch["d2o.variance"].to(prompt.device) for layer in layers])
+        ratios = d2o_layer_ratios(variances, rho)
         for rank, layer in enumerate(layers):
             budget = torch.round(ratios[rank] * prompt).long().clamp(min=self.sinks + 1)[:, None]  # [B, 1]
             # A prompt that fits the budget is not compressed; later tokens are evicted at the uniform budget.
             budget = torch.where(prompt[:, None] <= self.budget, torch.full_like(budget, self.budget), budget)
             if self.protect_edge_layers and rank in (0, 1, len(layers) - 1):
                 budget = prompt[:, None].long()
-            layer.head_budgets = budget.expand(-1, layer.num_kv_heads).contiguous()
+            layer.head_budgets = budget.to(layer.device).expand(-1, layer.num_kv_heads).contiguous()
             layer.budget = int(budget.max())
             keep = self._evict(layer, layer.head_budgets)
             if keep is not None:

@@ -95,10 +95,13 @@ class DynamicKV(Policy):
 
     def _reallocate(self, layers, room: int, num_layers: int) -> None:
         """Re-split ``room * num_layers`` tokens among the processed ``layers`` and truncate them."""
-        b = layers[0].batch_size
+        b, device = layers[0].batch_size, layers[0].device  # layers may sit on different devices (device_map)
         candidates = [layer.valid & ~self._window(layer) for layer in layers]
         flat = torch.cat(
-            [layer.state[_SCORE].masked_fill(~cand, float("-inf")).reshape(b, -1) for layer, cand in zip(layers, candidates)],
+            [
+                layer.state[_SCORE].masked_fill(~cand, float("-inf")).reshape(b, -1).to(device)
+                for layer, cand in zip(layers, candidates)
+            ],
             dim=1,
         )
         owner = torch.cat([torch.full((layer.state[_SCORE][0].numel(),), i) for i, layer in enumerate(layers)])

@@ -16,7 +16,9 @@ from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 _HISTORY = "snapkv_rows"
 
 
-def pool_outside_window(layer, scores: torch.Tensor, window: int, kernel: int, pooling: str) -> tuple[torch.Tensor, torch.Tensor]:
+def pool_outside_window(
+    layer, scores: torch.Tensor, window: int, kernel: int, pooling: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(pooled scores, window mask)``: SnapKV's smoothing of per-slot ``scores`` ``[B, H_kv, C]``.
 
     Only the tokens outside the ``window`` most recent ones are scored: they are pooled along token order among
@@ -35,8 +37,9 @@ class SnapKV(Policy):
 
     At the end of each prompt chunk: ``a_j = sum over the last `window` queries of A[q, j]`` for the tokens
     outside the window, smoothed by 1-D pooling along token order among those tokens only
-    (``pool_outside_window``), and each KV head keeps the window plus the top ``budget - window`` others. Decode appends without eviction, unless ``decode=True``: then every
-    ``decode_every`` steps the rule is re-applied with the last ``window`` decode queries' rows.
+    (``pool_outside_window``), and each KV head keeps the window plus the top ``budget - window`` others.
+    Decode appends without eviction, unless ``decode=True``: then every ``decode_every`` steps the rule is
+    re-applied with the last ``window`` decode queries' rows.
 
     When a chunk is shorter than the window, the window shrinks to the chunk.
 

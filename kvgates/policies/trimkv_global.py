@@ -65,19 +65,20 @@ class TrimKVGlobal(TrimKV):
     def on_forward_end(self, cache, phase: Phase) -> None:
         layers = cache.budget_layers
         total = self.budget * len(layers) * layers[0].num_kv_heads
-        held = sum(layer.held().sum(-1) for layer in layers)  # [B]
+        device = layers[0].device  # layers may sit on different devices (device_map): decide on the first's
+        held = sum(layer.held().sum(-1).to(device) for layer in layers)  # [B]
         over = held > total + self.buffer  # only these sequences evict
         if not bool(over.any()):
             return
         scores, valid, forced, positions = [], [], [], []
         for layer in layers:
             s, window = self.score(layer, None)
-            scores.append(s)
-            valid.append(layer.valid)
-            forced.append(window | topk_mask(s, self.min_per_head, layer.valid, layer.pos))
-            positions.append(layer.pos)
+            scores.append(s.to(device))
+            valid.append(layer.valid.to(device))
+            forced.append((window | topk_mask(s, self.min_per_head, layer.valid, layer.pos)).to(device))
+            positions.append(layer.pos.to(device))
         for layer, keep in zip(layers, global_keep(scores, valid, forced, positions, total)):
-            keep = torch.where(over[:, None, None], keep, layer.valid)
+            keep = torch.where(over.to(layer.device)[:, None, None], keep.to(layer.device), layer.valid)
             layer.head_budgets = keep.sum(-1)
             layer.budget = int(layer.head_budgets.max())
             layer.evict(keep, slack=self.decode_slack)

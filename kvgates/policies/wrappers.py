@@ -119,8 +119,9 @@ class AdaKV(Wrapper):
     ``adakv_head_budgets`` (the ``alpha`` floor keeps every head at least ``floor(alpha * B)``), and each head
     keeps its forced tokens (window, sinks) plus its own top ``B_h``. A sequence's head budgets are set when it
     first exceeds the layer budget (re-set at the end of each later prompt chunk) and kept for decode-time
-    evictions; a sequence within the layer budget is left alone, as it would be outside the batch. Storage follows the per-head budgets (ragged head capacities),
-    so memory drops with them rather than masking a full-size cache.
+    evictions; a sequence within the layer budget is left alone, as it would be outside the batch. Storage
+    follows the per-head budgets (ragged head capacities), so memory drops with them rather than masking a
+    full-size cache.
 
     Args:
         budget: average tokens per KV head.

@@ -111,8 +111,10 @@ class BudgetCache(Cache):
         return total
 
     def held_tokens(self) -> torch.Tensor:
-        """``[num_budget_layers, B, H_kv]`` tokens currently held by each budgeted layer and head."""
-        return torch.stack([layer.held() for layer in self.budget_layers])
+        """``[num_budget_layers, B, H_kv]`` tokens currently held by each budgeted layer and head (on the first
+        budgeted layer's device, when ``device_map`` spread the layers over several)."""
+        layers = self.budget_layers
+        return torch.stack([layer.held().to(layers[0].device) for layer in layers])
 
     def __repr__(self) -> str:
         return f"BudgetCache(policy={self.policy!r}, layers={len(self.layers)})"

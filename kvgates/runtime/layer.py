@@ -78,8 +78,9 @@ class BudgetLayer(CacheLayerMixin):
         self.caps: list[int] = []
         self.pos: torch.Tensor | None = None
         self.slot_data: torch.Tensor | None = None
-        self.scratch: dict[str, Any] = {}
+        self.scratch: dict[str, Any] = {}  # policy values kept per layer; tensors are per sequence (dim 0)
         self.seen = 0
+        self.decoding = False  # whether a decode step has run (see ``phase``)
         self.budget: int | None = None
         self.head_budgets: torch.Tensor | None = None
         self.num_heads = 0
@@ -153,16 +154,21 @@ class BudgetLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self.pos = self.slot_data = None
         self.caps, self.scratch = [], {}
-        self.seen, self.budget, self.head_budgets, self._pending = 0, None, None, None
+        self.seen, self.decoding, self.budget, self.head_budgets, self._pending = 0, False, None, None, None
         self._derived = {}
         self.is_initialized = False
 
     def _select_batch(self, fn) -> None:
+        """Apply a batch selection (beam reordering, repetition) to every per-sequence value: storage, positions,
+        per-slot state, budgets, and the policy's scratch tensors (each is per sequence along dim 0)."""
         if not self.is_initialized:
             return
         self.keys, self.values, self.pos, self.slot_data = (
             fn(self.keys), fn(self.values), fn(self.pos), fn(self.slot_data)
         )
+        if self.head_budgets is not None:
+            self.head_budgets = fn(self.head_budgets)
+        self.scratch = {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in self.scratch.items()}
         self.batch_size = self.keys.shape[0]
         self._derived = {}
 
@@ -313,13 +319,13 @@ class BudgetLayer(CacheLayerMixin):
         self.cache.release_pending(self.layer_idx)
         b, h, n, _ = query.shape
         self.num_heads = h
+        phase = self.phase(n)
         q_pos, q_real = self._query_positions(b, n, attention_mask, position_ids, query.device)
         was_empty = n > 1 and not bool(self.valid.any())
         slots = self.insert(key_states, value_states, torch.where(q_real, q_pos, torch.full_like(q_pos, -1)))
         self.seen += n
 
         policy = self.cache.policy
-        phase = Phase.PREFILL if n > 1 else Phase.DECODE
         request = policy.stats_request(phase)
         stats = AttnStats(phase=phase, q_len=n, new_slots=slots)
         all_real = bool(q_real.all())
@@ -331,7 +337,7 @@ class BudgetLayer(CacheLayerMixin):
             query = shift_rotary(query, query_delta[:, None, :], rotary)
             dense = self.keys.view(b, self.num_kv_heads, self.capacity, -1)
             keys = shift_rotary(dense, key_delta, rotary).reshape(self.keys.shape)
-        if phase is Phase.DECODE:
+        if n == 1:
             out = self._decode(query, keys, scale, request, stats)
         else:
             if was_empty and all_real and self.uniform and shift is None:
@@ -350,6 +356,18 @@ class BudgetLayer(CacheLayerMixin):
             self.evict(keep, slack=policy.decode_slack)
         self.cache.layer_done(self.layer_idx, phase)
         return out.transpose(1, 2).contiguous()
+
+    def phase(self, n: int) -> Phase:
+        """The phase of a call bringing ``n`` tokens, from what this layer has seen, not from ``n`` alone.
+
+        The first call is the prompt (a one-token prompt too); later calls continue the prompt in chunks until
+        the first single-token call, the first decode step; from then on every call is a decode step
+        (speculative decoding and assisted generation verify several tokens in one).
+        """
+        if self.seen and (n == 1 or self.decoding):
+            self.decoding = True
+            return Phase.DECODE
+        return Phase.PREFILL
 
     def _query_positions(
         self,

@@ -11,7 +11,8 @@ from kvgates.kernels.reference import GROUP_REDUCTIONS
 
 
 class Phase(enum.Enum):
-    """Which kind of forward a layer is in: a prompt chunk (``q_len > 1``) or one decode token."""
+    """Which kind of forward a layer is in: the prompt (in one call or chunks) or a decode step (one token, or
+    several when speculative decoding verifies them). ``BudgetLayer.phase`` decides from what the cache has seen."""
 
     PREFILL = "prefill"
     DECODE = "decode"
