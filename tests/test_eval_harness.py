@@ -231,6 +231,25 @@ def test_cli_exits_non_zero_with_one_sentence_before_loading_a_model(tmp_path, c
     assert main(["ab", "--config", "configs/eval/demo.yaml", "--quick"]) == 2  # the demo has no quick section
 
 
+def test_every_data_task_is_an_answer_task_of_the_harness():
+    from data.tasks import TASKS
+    from eval.config import ANSWER_OPTIONS
+
+    assert set(ANSWER_OPTIONS) == set(TASKS) | {"multikey"}
+
+
+def test_an_adapter_arm_is_keyed_by_its_weights(tmp_path, model):
+    from eval.config import ArmSpec
+
+    kvgates.RetentionGates.for_model(model).save_pretrained(tmp_path / "a")
+    arm = ArmSpec("tk", "trimkv", gates=str(tmp_path / "a"))
+    before = arm.identity()
+    assert arm.identity() == before
+    torch.manual_seed(1)
+    kvgates.RetentionGates.for_model(model).save_pretrained(tmp_path / "a")  # retrained in place
+    assert arm.identity() != before
+
+
 @pytest.mark.parametrize("path", ["configs/eval/ab.yaml", "configs/eval/demo.yaml", "configs/eval/needle_seed.yaml"])
 def test_committed_configs_are_valid(path):
     config = ABConfig.load(path)
