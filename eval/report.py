@@ -14,7 +14,7 @@ import numpy as np
 
 from eval.config import ABConfig, TaskSpec
 from eval.runner import ABResults
-from eval.stats import Comparison
+from eval.stats import MIN_PAIRS, Comparison
 from eval.tasks import metrics_of
 
 matplotlib.use("Agg")
@@ -99,15 +99,17 @@ def task_table(config: ABConfig, task: TaskSpec, budget: int, summary: Summary) 
 
 
 def verdict_counts(comparisons: list[Comparison]) -> list[str]:
-    """Per compared arm: how many comparisons it won, lost, and left undecided."""
-    tally: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    """Per compared arm: how many comparisons it won, lost, and left undecided (and how many had too few pairs)."""
+    tally: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
     for c in comparisons:
         tally[c.a][0 if c.decided and c.improvement > 0 else 1 if c.decided else 2] += 1
-    return [
-        f"{a}: beats its comparison arm in {w}, loses in {l}, no clear difference in {u} of {w + l + u} paired comparisons "
-        "(primary metric of each task, at each budget)."
-        for a, (w, l, u) in tally.items()
-    ]
+        tally[c.a][3] += c.n < MIN_PAIRS
+    lines = []
+    for a, (won, lost, open_, few) in tally.items():
+        line = f"{a} against its comparison arms: {won} wins, {lost} losses, {open_} without a clear difference"
+        line += f" ({few} of them with fewer than {MIN_PAIRS} paired examples)" if few else ""
+        lines.append(line + f", over {won + lost + open_} comparisons (each task's primary metric at each budget).")
+    return lines
 
 
 def plot_score_vs_kv(config: ABConfig, summary: Summary, path: Path) -> Path:
@@ -234,7 +236,7 @@ def write_report(results: ABResults, command: str = "") -> str:
         f"{len(config.all_arms)} arms (the full cache and {', '.join(a.label for a in config.arms)}) at budgets "
         f"{', '.join(map(str, config.budgets))} tokens per KV head, on {len(config.tasks)} tasks built from the test "
         f"essays (seed {config.seed}); every arm ran on exactly the same examples. Model time: {compute_h:.2f} h "
-        f"({len(rows)} results); this invocation took {results.seconds / 60:.1f} min.",
+        f"({len(rows)} results); this invocation computed {results.computed} of them in {results.seconds / 60:.1f} min.",
     ]
     if len(rows) < results.expected:
         md += ["", f"**In progress: {len(rows)} of {results.expected} results so far**; tables and verdicts cover the examples done."]
