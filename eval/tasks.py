@@ -6,7 +6,8 @@ Two families:
 * **Answer tasks** (``needle``, ``multikey``, ``multivalue``, ``kv``, ``variable_tracking``, ``passkey``,
   ``common_words``; ``data.tasks`` builds them): the arm answers greedily and ``data.tasks.score`` grades the
   answer: ``recall`` (share of the answer reproduced, partial credit) and ``exact`` (binary, for McNemar).
-  Haystack tasks put their first statement at evenly spaced depths, each prompt length getting every depth.
+  Haystack tasks put their first statement at evenly spaced depths; each prompt length gets the same depths
+  and templates (cycled over the examples), with its own haystacks and values.
 * **Reference tasks**, scored against the full cache's own behaviour on test-essay text:
   ``fidelity`` (the full cache generates ``new_tokens`` greedily; each arm is teacher-forced through them after
   its own compressed prompt: mean KL, top-1 agreement, first departure of its greedy choice),
@@ -88,17 +89,19 @@ def build_examples(task: TaskSpec, tokenizer: PreTrainedTokenizerBase, seed: int
             if task.answer:
                 examples.append(_answer_example(task, tokenizer, seed, index, length, i))
             else:
-                examples.append(_text_example(task, tokenizer, seed, index, length))
+                examples.append(_text_example(task, tokenizer, seed, index, length, i))
     return examples
 
 
 def _answer_example(task: TaskSpec, tokenizer, seed: int, index: int, length: int, i: int) -> Example:
+    """Example ``i`` of one length: every length gets the same depths and templates (its own haystacks and
+    values: ``make_example`` seeds by length too), so adding a length leaves the others' examples unchanged."""
     base = "needle" if task.task == "multikey" else task.task
-    name = task.templates[index % len(task.templates)]
+    name = task.templates[i % len(task.templates)]
     template = template_by_name(base, name)
     depth = None if task.task == "common_words" else (i / (task.examples - 1) if task.examples > 1 else 0.5)
     ex = make_example(
-        task.task, tokenizer, SPLIT, length, seed=seed * 100_003 + index, template_set=template.set, template=name,
+        task.task, tokenizer, SPLIT, length, seed=seed * 100_003 + i, template_set=template.set, template=name,
         depth=depth, **task.options,
     )
     ids = tokenizer(ex["prompt"], return_tensors="pt")["input_ids"][0]
@@ -106,12 +109,12 @@ def _answer_example(task: TaskSpec, tokenizer, seed: int, index: int, length: in
     return Example(index, ids, meta, ex)
 
 
-def _text_example(task: TaskSpec, tokenizer, seed: int, index: int, length: int) -> Example:
-    """A window of ``length`` consecutive test-essay tokens from a seeded start."""
+def _text_example(task: TaskSpec, tokenizer, seed: int, index: int, length: int, i: int) -> Example:
+    """Window ``i`` of ``length`` consecutive test-essay tokens, from a start seeded by the length and ``i``."""
     ids = split_ids(tokenizer, SPLIT)
     if length + 1 > len(ids):
         raise ValueError(f"task {task.name!r}: {length} tokens exceed the {SPLIT} essays ({len(ids)} tokens)")
-    start = random.Random(f"{task.task}:{seed}:{length}:{index}").randrange(0, len(ids) - length)
+    start = random.Random(f"{task.task}:{seed}:{length}:{i}").randrange(0, len(ids) - length)
     return Example(index, torch.tensor(ids[start : start + length]), {"context_tokens": length, "start": start})
 
 

@@ -116,7 +116,9 @@ def test_examples_are_deterministic_from_the_seed_and_use_the_test_essays(tmp_pa
         assert len(a) == task.examples * len(task.context_tokens)
     needle = build_examples(config.tasks[0], tok, seed=0)
     assert [x.meta["depth"] for x in needle] == [0.0, 1.0, 0.0, 1.0]  # lengths x evenly spaced depths
-    assert [x.meta["template"] for x in needle] == ["secret-passcode", "pin", "vault", "secret-passcode"]  # cycled
+    assert [x.meta["template"] for x in needle] == ["secret-passcode", "pin"] * 2  # cycled, the same for each length
+    one_length = ABConfig.from_dict({"tasks": [{**TASKS[0], "context_tokens": [200]}]}).tasks[0]
+    assert [x.prompt.tolist() for x in build_examples(one_length, tok, 0)] == [x.prompt.tolist() for x in needle[2:]]
     assert all(x.source["split"] == "test" and x.meta["template_set"] == "eval" for x in needle)
     trained = ABConfig.from_dict({"tasks": [{"task": "needle", "templates": ["magic-number", "pin"], "examples": 2, "context_tokens": 100}]})
     assert [x.meta["template_set"] for x in build_examples(trained.tasks[0], tok, 0)] == ["train", "eval"]
