@@ -153,7 +153,7 @@ def plot_depth_heatmaps(config: ABConfig, task: TaskSpec, rows: list[dict], path
             cells[(r["arm"], r["budget"], r["meta"]["context_tokens"], r["meta"]["depth"])].append(r["metrics"]["recall"])
     arms = config.all_arms
     cols = len(config.budgets)
-    fig, axes = plt.subplots(len(arms), cols, figsize=(2.6 * cols + 1, 0.55 * len(lengths) * len(arms) + 1.2), squeeze=False)
+    fig, axes = plt.subplots(len(arms), cols, figsize=(max(6.0, 2.6 * cols + 1), 0.55 * len(lengths) * len(arms) + 1.2), squeeze=False)
     for i, arm in enumerate(arms):
         for j, budget in enumerate(config.budgets):
             ax = axes[i, j]
@@ -166,7 +166,7 @@ def plot_depth_heatmaps(config: ABConfig, task: TaskSpec, rows: list[dict], path
             ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
             ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths] if i == len(arms) - 1 else [], fontsize=6, rotation=90)
             ax.set_title(arm.label + (f" @{budget}" if arm.budgeted else ""), fontsize=8)
-    fig.suptitle(f"{task.name}: recall by prompt length (tokens) and depth (green = exact)", fontsize=10)
+    fig.suptitle(f"{task.name}: recall by prompt length (tokens, rows) and depth (columns); green = exact", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
