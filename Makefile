@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(PY) -m eval.needle --config configs/needle_demo.yaml
+	$(PY) -m eval ab --config configs/eval/demo.yaml
 
 test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_ARGS)

@@ -10,9 +10,9 @@ Tasks (RULER-style): ``needle`` (one keyed statement), ``multikey`` (several key
 (one key, several values, all asked), ``kv`` (a block of key: value pairs), ``variable_tracking`` (a chain of
 assignments, every variable holding the value asked), ``passkey`` (a repeated pass key), ``common_words``
 (the most frequent words of a list; no essay text). Each template belongs to the ``train`` or the ``eval`` set;
-the sets never share a template, and the template of ``eval/needle.py`` ("the secret passcode") is an eval
-template, so a model evaluated on it never saw it in training. Keys are drawn from separate train and eval word
-lists too.
+the sets never share a template, and the demo's needle template (``configs/eval/demo.yaml``, "the secret
+passcode") is an eval template, so a model evaluated on it never saw it in training. Keys are drawn from separate
+train and eval word lists too.
 
 Everything is deterministic from ``(seed, index)``: ``make_example(task, tokenizer, split, context_tokens, seed)``
 returns the same example for the same arguments.
@@ -68,7 +68,7 @@ TEMPLATES: dict[str, tuple[Template, ...]] = {
                  "What is the lucky number of {key}?", "The lucky number of {key} is"),
         Template("serial", "train", "The serial number printed on the {key} box is {value}.",
                  "What is the serial number printed on the {key} box?", "The serial number printed on the {key} box is"),
-        # eval/needle.py's template: it has no key.
+        # The demo's needle template (configs/eval/demo.yaml): it has no key.
         Template("secret-passcode", "eval", "The secret passcode is {value}.", "What is the secret passcode?",
                  "The secret passcode is"),
         Template("pin", "eval", "The PIN of the {key} account is {value}.", "What is the PIN of the {key} account?",
@@ -99,6 +99,10 @@ TEMPLATES: dict[str, tuple[Template, ...]] = {
                  "The variables set to {value} are", first="Set {var} to {value}."),
         Template("var", "eval", "VAR {var} = VAR {src}", "Find all variables that are assigned the value {value}.",
                  "The variables assigned the value {value} are", first="VAR {var} = {value}"),
+        # The answer prefix ends with "VAR", cueing the form of the names: SmolLM2-135M with a full cache finds
+        # half to all of a 2-hop chain this way, and none of it with "var" (which starts its answer with ":").
+        Template("var-cued", "eval", "VAR {var} = VAR {src}", "Find all variables that are assigned the value {value}.",
+                 "The variables assigned the value {value} are VAR", first="VAR {var} = {value}"),
     ),
     "passkey": (
         Template("pass-key", "train", "The pass key is {value}. Remember it. {value} is the pass key.",

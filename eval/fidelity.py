@@ -11,7 +11,13 @@ slot. Policies give a sequence the same result alone and in a padded batch (a te
 
 * ``completion_fidelity``: KL(full || policy) of the next-token distributions at each completion token, top-1
   agreement and the KV bytes each sequence holds.
-* ``greedy_answers``: the policy's greedy continuations of a batch of prompts.
+* ``greedy_generate``: the policy's greedy continuations of a batch of prompts (token ids) and the memory held.
+* ``stream_nll``: the negative log-likelihood of each token of a text streamed through the budgeted cache in
+  chunks (eviction as tokens arrive); ``perplexity`` of it.
+
+Memory is what each sequence really holds at the end: ``held_bytes`` (keys and values of the slots holding a
+token) and ``state_bytes`` (the per-slot policy state beside them: cumulative attention, attention-row history,
+retention scores ...).
 
 Training validation (``train/``) and the A/B harness use these same functions.
 """
@@ -33,6 +39,7 @@ class Fidelity:
     kl: torch.Tensor  # [n] KL(full || policy) at each completion token
     top1: torch.Tensor  # [n] bool: the policy's most likely next token equals the full cache's
     kv_bytes: int  # KV bytes this sequence held at the end
+    state_bytes: int = 0  # per-slot policy state bytes this sequence held at the end
 
     @property
     def mean_kl(self) -> float:
@@ -101,6 +108,27 @@ def held_bytes(cache: kvgates.BudgetCache) -> list[int]:
     return [int(t) * per_token for t in tokens.tolist()]
 
 
+def state_bytes(cache: kvgates.BudgetCache) -> list[int]:
+    """Per-slot policy state bytes each sequence of ``cache`` holds beside its KV (slots holding a token x the
+    state a slot carries, summed over budgeted layers); 0 for a policy that keeps no per-slot state."""
+    total = None
+    for layer in cache.budget_layers:
+        per_slot = layer.slot_data.shape[-1] * layer.slot_data.element_size()
+        held = layer.held().sum(-1) * per_slot  # [B]
+        total = held if total is None else total + held
+    return [int(x) for x in total.tolist()]
+
+
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood (nats) of ``targets`` ``[...]`` under ``logits`` ``[..., V]``, in float32."""
+    return -torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+def perplexity(nll: torch.Tensor) -> float:
+    """``exp`` of the mean negative log-likelihood."""
+    return float(torch.exp(nll.float().mean()))
+
+
 @torch.no_grad()
 def reference_logprobs(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
     """Full-cache log-probabilities ``[B, n, V]`` (CPU, float32): row ``j`` predicts completion token ``j``."""
@@ -148,20 +176,31 @@ def completion_fidelity(
                 past_key_values=cache,
             ).logits
     kl, agree = torch.stack(kls, 1), torch.stack(top1, 1)
-    held = held_bytes(cache)
-    return [Fidelity(kl[i, :m], agree[i, :m], held[i]) for i, m in enumerate(batch.completion_lens)]
+    held, state = held_bytes(cache), state_bytes(cache)
+    return [Fidelity(kl[i, :m], agree[i, :m], held[i], state[i]) for i, m in enumerate(batch.completion_lens)]
+
+
+@dataclass
+class Generation:
+    """Greedy continuations of a batch: ``tokens`` (each row's new token ids) and what each sequence held."""
+
+    tokens: list[list[int]]
+    kv_bytes: list[int]
+    state_bytes: list[int]
 
 
 @torch.no_grad()
-def greedy_answers(
+def greedy_generate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     policy: kvgates.Policy,
     prompts: list[torch.Tensor],
     max_new_tokens: int = 8,
     prefill_chunk: int | None = None,
-) -> tuple[list[str], list[int]]:
-    """``(greedy continuations, KV bytes each sequence held at the end)`` of 1-D prompt tensors under ``policy``."""
+    min_new_tokens: int = 0,
+) -> Generation:
+    """Greedy continuations of 1-D prompt tensors under ``policy`` (padding after an end of sequence dropped);
+    ``min_new_tokens = max_new_tokens`` makes every row exactly that long."""
     batch = make_batch(prompts, [torch.zeros(0, dtype=torch.long)] * len(prompts), tokenizer.pad_token_id)
     cache = kvgates.BudgetCache(model.config, policy)
     out = model.generate(
@@ -169,12 +208,35 @@ def greedy_answers(
         attention_mask=batch.mask.to(model.device),
         past_key_values=cache,
         max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens or None,
         do_sample=False,
         prefill_chunk_size=prefill_chunk,
         pad_token_id=tokenizer.pad_token_id,
     )
-    texts = tokenizer.batch_decode(out[:, batch.prompt_len :], skip_special_tokens=True)
-    return texts, held_bytes(cache)
+    tokens = []
+    for row in out[:, batch.prompt_len :].tolist():
+        stop = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        tokens.append(row[:stop])
+    return Generation(tokens, held_bytes(cache), state_bytes(cache))
+
+
+@torch.no_grad()
+def stream_nll(model: PreTrainedModel, policy: kvgates.Policy, ids: torch.Tensor, chunk: int) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Stream ``ids`` ``[B, T]`` (rows of equal length) through a cache of ``policy`` ``chunk`` tokens at a time,
+    evicting after each chunk as a long generation would.
+
+    Returns ``(nll [B, T - 1], KV bytes held per row, state bytes held per row)``: ``nll[:, t]`` is the negative
+    log-likelihood of token ``t + 1`` given what the cache held when it was predicted.
+    """
+    cache = kvgates.BudgetCache(model.config, policy)
+    dev = model.device
+    ids = ids.to(dev)
+    nll = []
+    for start in range(0, ids.shape[1] - 1, chunk):
+        stop = min(start + chunk, ids.shape[1] - 1)
+        logits = model(ids[:, start:stop], past_key_values=cache).logits
+        nll.append(token_nll(logits, ids[:, start + 1 : stop + 1]).cpu())
+    return torch.cat(nll, 1), held_bytes(cache), state_bytes(cache)
 
 
 def split_prompt(input_ids: list[int], labels: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

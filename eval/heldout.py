@@ -16,7 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kvgates
 from data.tasks import score
-from eval.fidelity import Batch, completion_fidelity, greedy_answers, make_batch, reference_logprobs, split_prompt
+from eval.fidelity import Batch, completion_fidelity, greedy_generate, make_batch, reference_logprobs, split_prompt
 
 
 @dataclass
@@ -69,9 +69,9 @@ class HeldOut:
         exact, recall = [], []
         for i in range(0, len(self.needles), self.batch_size):
             chunk = self.needles[i : i + self.batch_size]
-            texts, _ = greedy_answers(model, tokenizer, policy, [p for p, _ in chunk], max_new_tokens)
-            for text, (_, example) in zip(texts, chunk):
-                s = score(example, text)
+            gen = greedy_generate(model, tokenizer, policy, [p for p, _ in chunk], max_new_tokens)
+            for tokens, (_, example) in zip(gen.tokens, chunk):
+                s = score(example, tokenizer.decode(tokens, skip_special_tokens=True))
                 exact.append(s["exact"])
                 recall.append(s["recall"])
         mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731

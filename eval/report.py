@@ -1,75 +1,271 @@
-"""Tables and plots of evaluation results."""
+"""The A/B report: ``results.json``, ``report.md`` (headline first, then a table per task and budget with the
+verdict sentences) and PNG plots (score against KV bytes held, needle heatmaps depth x length, fidelity KL along
+the generated tokens)."""
 
 from __future__ import annotations
 
+import json
+import platform
 from collections import defaultdict
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
-from data.needle import digits_recalled
+from eval.config import ABConfig, TaskSpec
+from eval.runner import ABResults
+from eval.stats import MIN_PAIRS, Comparison
+from eval.tasks import metrics_of
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
+
+MIB = 2**20
 
 
-def _group(results: list[dict]) -> dict[tuple, list[dict]]:
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in results:
-        groups[(r["policy"], r["budget"], r["context_tokens"])].append(r)
-    return groups
+def _fmt(value: float, spec: str) -> str:
+    return format(value, spec) if np.isfinite(value) else "-"
 
 
-def recall(result: dict) -> float:
-    """1 for a correct answer, else the share of passcode digits recalled in order (partial credit)."""
-    return 1.0 if result["correct"] else digits_recalled(result["completion"], result["answer"])
+def _budget_label(budget: int | None) -> str:
+    return "—" if budget is None else str(budget)
 
 
-def accuracy_table(results: list[dict]) -> str:
-    """Markdown table: one row per policy, one column per (context, budget): ``correct/total``, the mean share
-    of passcode digits recalled (partial credit, ``data.needle.digits_recalled``) and the KV MiB held."""
-    groups = _group(results)
-    policies = list(dict.fromkeys(r["policy"] for r in results))
-    columns = sorted({(c, b) for (_, b, c) in groups}, key=lambda cb: (cb[0], cb[1] is not None, cb[1] or 0))
-    budgets = sorted({b for (_, b) in columns if b is not None})
-    contexts = sorted({c for (c, _) in columns})
-    header = ["policy"] + [f"{c} tok, budget {b}" for c in contexts for b in budgets]
+class Summary:
+    """Means of every metric and of the memory held, per (task, arm, budget) and optionally per prompt length."""
+
+    def __init__(self, rows: list[dict]):
+        self.groups: dict[tuple, list[dict]] = defaultdict(list)
+        for r in rows:
+            self.groups[(r["task"], r["arm"], r["budget"])].append(r)
+            self.groups[(r["task"], r["arm"], r["budget"], r["meta"]["context_tokens"])].append(r)
+
+    def rows(self, task: str, arm: str, budget: int | None, length: int | None = None) -> list[dict]:
+        key = (task, arm, budget) if length is None else (task, arm, budget, length)
+        return self.groups.get(key, [])
+
+    def mean(self, task: str, arm: str, budget: int | None, field: str, length: int | None = None) -> float:
+        rows = self.rows(task, arm, budget, length)
+        if not rows:
+            return float("nan")
+        values = [r[field] if field in ("kv_bytes", "state_bytes") else r["metrics"][field] for r in rows]
+        return float(np.mean(values))
+
+
+def _colors(config: ABConfig) -> dict[str, tuple]:
+    """One colour per arm, the same in every plot (the full cache is black)."""
+    cmap = plt.get_cmap("tab20")
+    order = list(range(0, 20, 2)) + list(range(1, 20, 2))  # ten distinct hues first, then their light shades
+    return {"full": (0, 0, 0, 1), **{a.label: cmap(order[i % 20]) for i, a in enumerate(config.arms)}}
+
+
+def _arm_budgets(config: ABConfig) -> list[tuple[str, int | None]]:
+    return [(a.label, b) for a in config.all_arms for b in (config.budgets if a.budgeted else [None])]
+
+
+def headline_table(config: ABConfig, summary: Summary) -> str:
+    """One row per arm and budget, one column per task (its primary metric), and the mean KV MiB held."""
+    header = ["arm", "budget"] + [f"{t.name}: {metrics_of(t)[0].name}" for t in config.tasks] + ["KV MiB / seq"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for policy in policies:
-        cells = [policy]
-        for c in contexts:
-            for b in budgets:
-                rows = groups.get((policy, b, c)) or groups.get((policy, None, c))
-                if not rows:
-                    cells.append("-")
-                    continue
-                ok = sum(r["correct"] for r in rows)
-                digits = sum(recall(r) for r in rows) / len(rows)
-                mib = sum(r["kv_bytes"] for r in rows) / len(rows) / 2**20
-                cells.append(f"{ok}/{len(rows)} · {digits:.0%} ({mib:.1f} MiB)")
+    for arm, budget in _arm_budgets(config):
+        cells = [arm, _budget_label(budget)]
+        for t in config.tasks:
+            m = metrics_of(t)[0]
+            cells.append(_fmt(summary.mean(t.name, arm, budget, m.name), m.fmt))
+        kv = np.mean([summary.mean(t.name, arm, budget, "kv_bytes") for t in config.tasks]) / MIB
+        cells.append(f"{kv:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def needle_heatmap(results: list[dict], path: Path) -> Path:
-    """Heatmap of ``recall`` (1 = exact, partial credit below) per policy@budget (rows) and needle depth (columns),
-    one panel per context."""
-    contexts = sorted({r["context_tokens"] for r in results})
-    rows = len({r["label"] for r in results})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 0.32 * rows + 1.8), squeeze=False)
-    for ax, ctx in zip(axes[0], contexts):
-        rows = [r for r in results if r["context_tokens"] == ctx]
-        labels = list(dict.fromkeys(r["label"] for r in rows))
-        depths = sorted({r["depth"] for r in rows})
-        grid = [[0.0] * len(depths) for _ in labels]
-        for r in rows:
-            grid[labels.index(r["label"])][depths.index(r["depth"])] = recall(r)
-        ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-        ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths], rotation=45)
-        ax.set_yticks(range(len(labels)), labels)
-        ax.set_xlabel("needle depth")
-        ax.set_title(f"{ctx} tokens: passcode digits recalled (green = exact)")
+def task_table(config: ABConfig, task: TaskSpec, budget: int, summary: Summary) -> str:
+    """The full cache and every arm at ``budget`` on ``task``: each metric, per length when there are several,
+    and the memory held per sequence (KV and policy state)."""
+    metrics = metrics_of(task)
+    lengths = task.context_tokens if len(task.context_tokens) > 1 else ()
+    header = ["arm", "n"] + [m.name for m in metrics] + [f"{metrics[0].name} @{n}" for n in lengths] + ["KV MiB / seq", "state KiB / seq"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for arm in config.all_arms:
+        b = budget if arm.budgeted else None
+        rows = summary.rows(task.name, arm.label, b)
+        cells = [arm.label, str(len(rows))]
+        cells += [_fmt(summary.mean(task.name, arm.label, b, m.name), m.fmt) for m in metrics]
+        cells += [_fmt(summary.mean(task.name, arm.label, b, metrics[0].name, n), metrics[0].fmt) for n in lengths]
+        cells.append(f"{summary.mean(task.name, arm.label, b, 'kv_bytes') / MIB:.2f}")
+        cells.append(f"{summary.mean(task.name, arm.label, b, 'state_bytes') / 1024:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdict_counts(comparisons: list[Comparison]) -> list[str]:
+    """Per compared arm: how many comparisons it won, lost, and left undecided (and how many had too few pairs)."""
+    tally: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for c in comparisons:
+        tally[c.a][0 if c.decided and c.improvement > 0 else 1 if c.decided else 2] += 1
+        tally[c.a][3] += c.n < MIN_PAIRS
+    lines = []
+    for a, (won, lost, open_, few) in tally.items():
+        line = f"{a} against its comparison arms: {won} wins, {lost} losses, {open_} without a clear difference"
+        line += f" ({few} of them with fewer than {MIN_PAIRS} paired examples)" if few else ""
+        lines.append(line + f", over {won + lost + open_} comparisons (each task's primary metric at each budget).")
+    return lines
+
+
+def plot_score_vs_kv(config: ABConfig, summary: Summary, path: Path) -> Path:
+    """Per task: each arm's primary metric against the KV MiB it held per sequence, one point per budget."""
+    n = len(config.tasks)
+    cols = min(3, n)
+    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(5.2 * cols, 4 * ((n + cols - 1) // cols)), squeeze=False)
+    colors = _colors(config)
+    for ax, task in zip(axes.flat, config.tasks):
+        m = metrics_of(task)[0]
+        for arm in config.all_arms:
+            budgets = config.budgets if arm.budgeted else [None]
+            xs = [summary.mean(task.name, arm.label, b, "kv_bytes") / MIB for b in budgets]
+            ys = [summary.mean(task.name, arm.label, b, m.name) for b in budgets]
+            style = dict(marker="*", markersize=14) if not arm.budgeted else dict(marker="o")
+            ax.plot(xs, ys, label=arm.label, linestyle="-" if arm.budgeted else "none", color=colors[arm.label], **style)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("KV MiB held per sequence")
+        ax.set_ylabel(f"{m.name} ({'higher' if m.higher_is_better else 'lower'} is better)")
+        ax.set_title(task.name)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def plot_depth_heatmaps(config: ABConfig, task: TaskSpec, rows: list[dict], path: Path) -> Path:
+    """One panel per arm and budget: mean recall by prompt length (rows) and depth (columns)."""
+    depths = sorted({r["meta"]["depth"] for r in rows if r["task"] == task.name})
+    lengths = list(task.context_tokens)
+    cells: dict[tuple, list[float]] = defaultdict(list)
+    for r in rows:
+        if r["task"] == task.name:
+            cells[(r["arm"], r["budget"], r["meta"]["context_tokens"], r["meta"]["depth"])].append(r["metrics"]["recall"])
+    arms = config.all_arms
+    cols = len(config.budgets)
+    fig, axes = plt.subplots(len(arms), cols, figsize=(max(6.0, 2.6 * cols + 1), 0.55 * len(lengths) * len(arms) + 1.2), squeeze=False)
+    for i, arm in enumerate(arms):
+        for j, budget in enumerate(config.budgets):
+            ax = axes[i, j]
+            b = budget if arm.budgeted else None
+            if not arm.budgeted and j:
+                ax.axis("off")
+                continue
+            grid = [[np.mean(cells[(arm.label, b, n, d)]) if cells[(arm.label, b, n, d)] else np.nan for d in depths] for n in lengths]
+            ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+            ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+            ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths] if i == len(arms) - 1 else [], fontsize=6, rotation=90)
+            ax.set_title(arm.label + (f" @{budget}" if arm.budgeted else ""), fontsize=8)
+    fig.suptitle(f"{task.name}: recall by prompt length (tokens, rows) and depth (columns); green = exact", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_kl_curves(config: ABConfig, task: TaskSpec, rows: list[dict], path: Path, smooth: int = 16) -> Path:
+    """Per budget: each arm's KL to the full cache along the generated tokens (mean over examples, moving
+    average of ``smooth`` tokens)."""
+    fig, axes = plt.subplots(1, len(config.budgets), figsize=(5.5 * len(config.budgets), 4), squeeze=False, sharey=True)
+    colors = _colors(config)
+    for ax, budget in zip(axes[0], config.budgets):
+        for arm in config.arms:
+            curves = [r["kl_curve"] for r in rows if r["task"] == task.name and r["arm"] == arm.label and r["budget"] == budget]
+            if not curves:
+                continue
+            n = min(len(c) for c in curves)
+            mean = np.mean([c[:n] for c in curves], axis=0)
+            k = max(1, min(smooth, n // 4))
+            ax.plot(np.convolve(mean, np.ones(k) / k, mode="valid"), label=arm.label, color=colors[arm.label])
+        ax.set_yscale("log")
+        ax.set_xlabel("generated token")
+        ax.set_title(f"{task.name}, budget {budget}")
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel(f"KL(full || arm), moving average of up to {smooth} tokens")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _task_line(task: TaskSpec) -> str:
+    lengths = ", ".join(str(n) for n in task.context_tokens)
+    what = f"`{task.task}`, prompts of {lengths} tokens, {task.examples} examples per length"
+    if task.templates:
+        what += f", templates {', '.join(task.templates)}"
+    if task.options:
+        what += ", " + ", ".join(f"{k}={v}" for k, v in task.options.items())
+    return what
+
+
+def write_report(results: ABResults, command: str = "") -> str:
+    """Write ``results.json``, ``report.md`` and the plots to the run's output folder; returns the headline table."""
+    config, rows = results.config, results.rows
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = Summary(rows)
+    compute_h = results.compute_seconds / 3600
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "model": config.model, "seed": config.seed, "budgets": list(config.budgets),
+                "arms": [a.__dict__ for a in config.all_arms], "tasks": [t.__dict__ for t in config.tasks],
+                "seconds": results.seconds, "compute_seconds": results.compute_seconds, "machine": platform.platform(),
+                "comparisons": [c.to_dict() for c in results.comparisons], "rows": rows,
+            },
+            indent=1,
+        )
+    )
+    headline = headline_table(config, summary)
+    plots = [plot_score_vs_kv(config, summary, out / "score_vs_kv.png")]
+    md = [
+        f"# A/B evaluation on {config.model}",
+        "",
+        f"{len(config.all_arms)} arms (the full cache and {', '.join(a.label for a in config.arms)}) at budgets "
+        f"{', '.join(map(str, config.budgets))} tokens per KV head, on {len(config.tasks)} tasks built from the test "
+        f"essays (seed {config.seed}); every arm ran on exactly the same examples. Model time: {compute_h:.2f} h "
+        f"({len(rows)} results); this invocation computed {results.computed} of them in {results.seconds / 60:.1f} min.",
+    ]
+    if len(rows) < results.expected:
+        md += ["", f"**In progress: {len(rows)} of {results.expected} results so far**; tables and verdicts cover the examples done."]
+    if command:
+        md += ["", f"`{command}`"]
+    md += ["", "## Headline", "", headline, "", *verdict_counts(results.comparisons), "", f"![score vs KV bytes]({plots[0].name})", ""]
+    for task in config.tasks:
+        md += [f"## {task.name}", "", _task_line(task) + ".", ""]
+        for budget in config.budgets:
+            md += [f"### {task.name}, budget {budget}", "", task_table(config, task, budget, summary), ""]
+            md += [f"- {c.sentence()}" for c in results.comparisons if c.task == task.name and c.budget == budget]
+            md.append("")
+        if task.answer and task.task != "common_words":
+            plots.append(plot_depth_heatmaps(config, task, rows, out / f"heatmap_{task.name}.png"))
+            md += [f"![{task.name} heatmap]({plots[-1].name})", ""]
+        if task.task == "fidelity":
+            plots.append(plot_kl_curves(config, task, rows, out / f"kl_{task.name}.png"))
+            md += [f"![{task.name} KL along the generated tokens]({plots[-1].name})", ""]
+    md += [
+        "## Notes",
+        "",
+        "- KV MiB / seq: key and value bytes of the slots each sequence really held at the end (budgeted layers); "
+        "state KiB / seq: the per-slot policy state held beside them.",
+        "- Verdicts: paired per example; percentile bootstrap 95% interval of the mean difference "
+        f"({config.n_boot} resamples); a difference counts only when its interval excludes 0; McNemar's exact test "
+        "on exact answers. Metrics: recall = share of the answer reproduced (partial credit), exact = whole answer; "
+        "kl = mean KL(full || arm) over the teacher-forced tokens, top1 = greedy agreement, first_divergence = "
+        "first position the greedy choice departs; prefix = generated tokens identical to the full cache's before "
+        "the first departure; nll = mean negative log-likelihood per streamed token (ppl = its exp).",
+    ]
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    return headline

@@ -35,7 +35,7 @@ def test_template_sets_never_share_a_template():
         assert not train & held, task
         assert all(t.set in ("train", "eval") for t in ts)
         assert len({t.name for t in ts}) == len(ts)
-    # eval/needle.py's passcode template is held out, and no training phrasing mentions a passcode.
+    # The demo's passcode template is held out, and no training phrasing mentions a passcode.
     assert any("passcode" in t.statement for t in templates("needle", "eval"))
     assert not any("passcode" in (t.statement + t.question + t.answer) for ts in TEMPLATES.values() for t in ts if t.set == "train")
 

@@ -29,50 +29,77 @@ def test_embedded_model_matches_dynamic_cache_without_eviction(smollm):
 
 @pytest.mark.ci_slice
 def test_needle_found_with_full_cache_and_budget_holds(smollm):
-    from data.needle import NeedleTask, build_needle_dataset, is_correct
+    from data.tasks import make_example, score
 
     model, tok = smollm
-    rows = build_needle_dataset(tok, NeedleTask(context_tokens=1000, depths=2))
-    for row in rows:
-        ids = tok(row["prompt"], return_tensors="pt")["input_ids"]
+    for depth in (0.0, 1.0):
+        ex = make_example("needle", tok, "test", 1000, seed=0, template_set="eval", template="secret-passcode", depth=depth)
+        ids = tok(ex["prompt"], return_tensors="pt")["input_ids"]
         for policy, params in [("full", {}), ("snapkv", {"budget": 512})]:
             cache = BudgetCache(model.config, policy, **params)
             out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
             if policy == "full":  # a heuristic's accuracy is a measurement (eval/), not an invariant
-                assert is_correct(tok.decode(out[0, ids.shape[1]:]), row["answer"]), row["depth"]
+                assert score(ex, tok.decode(out[0, ids.shape[1]:]))["exact"] == 1.0, depth
             else:
                 assert int(cache.held_tokens().max()) <= 512 + 8
 
 
-def test_needle_demo_config_runs(tmp_path):
-    from eval.config import NeedleRunConfig
-    from eval.needle import run_needle, write_report
-
-    config = NeedleRunConfig.from_yaml("configs/needle_demo.yaml", depths=2, context_tokens=[600], budgets=[128], output_dir=str(tmp_path))
-    results = run_needle(config)
-    table = write_report(config, results)
-    assert "snapkv" in table and (tmp_path / "needle_heatmap.png").is_file()
-
-
-def test_needle_run_resumes_from_its_journal(tmp_path, smollm):
-    from eval.config import NeedleRunConfig
-    from eval.needle import JOURNAL, run_needle
+def test_a_sample_of_task_answers_is_findable_by_the_full_cache(smollm):
+    """The harness's answer tasks are answerable: the full cache answers at least half of a sample exactly. SmolLM2-135M
+    is a weak reader (the vault template at depth 1 defeats it, a second key at the end of the haystack can mislead
+    it, and variable tracking only half-works even with the "var-cued" template), so this checks that the tasks are
+    well-posed, not that the model is perfect."""
+    import kvgates
+    from data.tasks import score
+    from eval.config import ABConfig
+    from eval.fidelity import greedy_generate
+    from eval.tasks import build_examples
 
     model, tok = smollm
-    config = NeedleRunConfig.from_yaml("configs/needle_demo.yaml", depths=2, context_tokens=[400], budgets=[128], output_dir=str(tmp_path))
-    first = run_needle(config, model, tok)
-    journal = tmp_path / JOURNAL
-    lines = journal.read_text().splitlines()
-    assert len(lines) == len(first)
-    journal.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])  # interrupted mid-write: last result torn
+    config = ABConfig.from_dict({"tasks": [
+        {"task": "needle", "context_tokens": [1000, 2000], "examples": 3},  # every eval template, depths 0, 0.5, 1
+        {"task": "multikey", "context_tokens": 1000, "examples": 2, "keys": 2, "templates": ["pin"]},
+        {"task": "passkey", "context_tokens": 1000, "examples": 2},
+        {"task": "variable_tracking", "context_tokens": 1000, "examples": 2, "hops": 2, "templates": ["var-cued"]},
+    ]})
+    failed = {}
+    for task in config.tasks:
+        examples = build_examples(task, tok, seed=0)
+        gen = greedy_generate(model, tok, kvgates.make_policy("full"), [ex.prompt for ex in examples], task.max_new_tokens)
+        scores = [score(ex.source, tok.decode(tokens, skip_special_tokens=True)) for ex, tokens in zip(examples, gen.tokens)]
+        misses = [(ex.meta["template"], ex.meta["depth"], tok.decode(t)) for ex, t, s in zip(examples, gen.tokens, scores) if s["exact"] < 1]
+        if task.task == "variable_tracking":  # partial credit: at least one variable of each chain is found
+            ok = all(s["recall"] > 0 for s in scores)
+        else:  # most answers exact
+            ok = 2 * len(misses) <= len(examples)
+        if not ok:
+            failed[task.name] = misses
+    assert not failed, failed
 
-    calls = []
-    generate = model.generate
-    model.generate = lambda *a, **k: calls.append(1) or generate(*a, **k)
-    try:
-        again = run_needle(config, model, tok)
-    finally:
-        del model.generate
-    assert len(calls) == 1  # only the torn result is recomputed
-    assert [r["completion"] for r in again] == [r["completion"] for r in first]
-    assert len(journal.read_text().splitlines()) == len(first) + 1  # the torn line stays, skipped
+
+@pytest.mark.ci_slice
+def test_harness_runs_every_task_kind_on_the_embedded_model(tmp_path, smollm):
+    from eval.config import ABConfig
+    from eval.report import write_report
+    from eval.runner import run_ab
+
+    model, tok = smollm
+    config = ABConfig.from_dict({
+        "budgets": [64],
+        "arms": ["snapkv", {"policy": "trimkv", "gates": "untrained"}],
+        "tasks": [
+            {"task": "needle", "context_tokens": 400, "examples": 2},
+            {"task": "fidelity", "context_tokens": 200, "examples": 2, "new_tokens": 16},
+            {"task": "generation", "context_tokens": 200, "examples": 2, "new_tokens": 8},
+            {"task": "perplexity", "context_tokens": 256, "examples": 2, "chunk": 64},
+        ],
+        "output_dir": str(tmp_path),
+    })
+    results = run_ab(config, model, tok)
+    full = [r for r in results.rows if r["arm"] == "full"]
+    assert all(r["metrics"]["exact"] == 1.0 for r in full if r["task"] == "needle")
+    assert all(r["metrics"]["ppl"] < 100 for r in full if r["task"] == "perplexity")
+    fid = [r for r in results.rows if r["task"] == "fidelity" and r["arm"] == "snapkv"]
+    assert all(0 < r["metrics"]["kl"] < 10 for r in fid)
+    write_report(results)
+    assert "trimkv (untrained)" in (tmp_path / "report.md").read_text()

@@ -1,0 +1,50 @@
+"""Command line of the evaluation workbench (run from the repo root).
+
+    python -m eval ab --config configs/eval/ab.yaml            # the full A/B report
+    python -m eval ab --config configs/eval/ab.yaml --quick    # its smaller, complete version
+    python -m eval ab --config configs/eval/demo.yaml --out outputs/demo --fresh
+
+``ab`` validates the whole config (arms, budgets, tasks, adapters) before any model work, runs every arm at
+every budget on the same examples, journals each result to ``results.jsonl`` (an interrupted run resumes; ``--fresh``
+starts over) and writes ``results.json``, ``report.md`` and PNG plots to the output folder. ``--report-only``
+writes them from the results journalled so far, without loading the model (the progress of a long run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from eval.config import ABConfig, ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    ab = commands.add_parser("ab", help="A/B evaluation of policies and gate adapters at matched KV memory")
+    ab.add_argument("--config", required=True, help="YAML run config (configs/eval/*.yaml)")
+    ab.add_argument("--quick", action="store_true", help="apply the config's quick section: a smaller, complete report")
+    ab.add_argument("--out", help="output folder (default: the config's output_dir)")
+    ab.add_argument("--fresh", action="store_true", help="ignore results already journalled in results.jsonl")
+    ab.add_argument("--report-only", action="store_true", help="compute nothing: report what results.jsonl holds so far")
+    args = parser.parse_args(argv)
+
+    try:
+        config = ABConfig.load(args.config, quick=args.quick, output_dir=args.out)
+        from eval.report import write_report
+        from eval.runner import run_ab
+
+        results = run_ab(config, resume=not args.fresh, compute=not args.report_only)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    command = "python -m eval " + shlex.join(sys.argv[1:] if argv is None else argv)
+    print(write_report(results, command))
+    print(f"\nreport: {Path(config.output_dir) / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

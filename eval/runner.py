@@ -1,0 +1,217 @@
+"""The A/B runner: every arm at every budget on exactly the same examples of every task, journalled as it goes.
+
+    results = run_ab(ABConfig.load("configs/eval/ab.yaml"))
+
+Work goes task by task and batch by batch; within a batch the full cache runs first (its results are the
+batch's references, computed once and shared by every other arm), then each arm at each budget. Each example's
+result is appended to ``<output_dir>/results.jsonl`` as soon as it is known; a re-run of the same config reuses
+every journalled result whose key still matches (task settings, example, arm, budget, model, seed) and computes
+only the rest, so an interrupted run resumes. ``resume=False`` (``--fresh``) starts over.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+import kvgates
+from eval.config import UNTRAINED, UNTRAINED_GATES, ABConfig, ArmSpec, ConfigError, TaskSpec, build_policy, load_adapter
+from eval.stats import Comparison, compare
+from eval.tasks import Example, binary_metric, build_examples, cost, metrics_of, run_batch
+from kvgates.errors import AdapterError
+from kvgates.gates import GATE_KINDS
+
+JOURNAL = "results.jsonl"
+
+
+@dataclass
+class ABResults:
+    """What a run produced: one row per (task, example, arm, budget), the comparisons, and the run's timing."""
+
+    config: ABConfig
+    rows: list[dict]
+    comparisons: list[Comparison]
+    seconds: float  # wall time of this invocation
+    compute_seconds: float  # model time summed over every row, journalled ones included
+    expected: int  # results a complete run has (more than ``len(rows)`` while a run is in progress)
+    computed: int  # results computed by this invocation (the rest came from the journal)
+
+
+def load_journal(path: Path) -> dict[str, dict]:
+    """Rows recorded by an earlier (possibly interrupted) run, by key; a torn last line is skipped."""
+    done: dict[str, dict] = {}
+    if not path.is_file():
+        return done
+    text = path.read_text()
+    if text and not text.endswith("\n"):
+        with path.open("a") as f:
+            f.write("\n")  # so the next append starts a fresh line after a torn one
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a run killed mid-write leaves at most one partial line
+        done[row["key"]] = row
+    return done
+
+
+def prepare_arms(config: ABConfig, model: PreTrainedModel) -> dict[str, kvgates.GateSet | None]:
+    """Gates of every arm, checked against ``model`` and built into each arm's policy at every budget.
+
+    Adapters made for another model and bad parameters of learned arms raise ``ConfigError`` here, before any
+    example runs. Untrained gates are initialised from the run's seed (``UNTRAINED_GATES``).
+    """
+    gates: dict[str, kvgates.GateSet | None] = {}
+    for arm in config.all_arms:
+        g = None
+        if arm.learned:
+            if arm.gates == UNTRAINED:
+                kind = kvgates.POLICIES[arm.policy].gate_kinds[0]
+                torch.manual_seed(config.seed)
+                g = GATE_KINDS[kind].for_model(model, **UNTRAINED_GATES)
+            else:
+                g = load_adapter(arm.gates, arm.label)
+                try:
+                    g.check_model(model, strict=arm.params.get("strict", True))
+                except AdapterError as err:
+                    raise ConfigError(f"arm {arm.label!r}: {err}") from None
+        for budget in config.budgets if arm.budgeted else [None]:
+            try:
+                build_policy(arm, budget, g)
+            except (ValueError, TypeError) as err:
+                raise ConfigError(f"arm {arm.label!r} at budget {budget}: {err}") from None
+        gates[arm.label] = g
+    return gates
+
+
+def batches(task: TaskSpec, examples: list[Example], config: ABConfig) -> list[list[Example]]:
+    """Consecutive examples of one prompt length, at most ``max_batch`` rows and ``batch_tokens`` prompt tokens."""
+    out: list[list[Example]] = []
+    for length in task.context_tokens:
+        same = [ex for ex in examples if ex.meta["context_tokens"] == length]
+        size = max(1, min(config.max_batch, config.batch_tokens // max(len(ex.prompt) for ex in same)))
+        out += [same[i : i + size] for i in range(0, len(same), size)]
+    return out
+
+
+def _key(config: ABConfig, task: TaskSpec, index: int, arm: ArmSpec, budget: int | None) -> str:
+    return json.dumps([task.name, task.identity(config.model, config.seed, config.prefill_chunk), index, arm.label, arm.identity(), budget])
+
+
+def _runs(config: ABConfig) -> list[tuple[ArmSpec, int | None]]:
+    """``(arm, budget)`` pairs, the full cache first (once, unbudgeted)."""
+    return [(arm, budget) for arm in config.all_arms for budget in (config.budgets if arm.budgeted else [None])]
+
+
+def _keys(config: ABConfig) -> list[str]:
+    """Every result's journal key, in report order: task, example, arm, budget."""
+    return [
+        _key(config, task, index, arm, budget)
+        for task in config.tasks for index in range(task.examples * len(task.context_tokens)) for arm, budget in _runs(config)
+    ]
+
+
+def run_ab(
+    config: ABConfig,
+    model: PreTrainedModel | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    resume: bool = True,
+    compute: bool = True,
+) -> ABResults:
+    """Run every (task, example, arm, budget) not already journalled and return all rows and comparisons.
+
+    ``compute=False`` runs nothing (no model is loaded): the results are what the journal holds so far, and
+    comparisons use the examples both arms have, so a long run's progress can be reported while it goes on.
+    """
+    start = time.perf_counter()
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    journal = out / JOURNAL
+    if not resume:
+        journal.unlink(missing_ok=True)
+    done = load_journal(journal)
+    keys = _keys(config)
+    reused = sum(key in done for key in keys)
+    if reused:
+        print(f"{reused} of {len(keys)} results are already journalled in {journal} (--fresh recomputes them all)")
+    if compute:
+        if model is None:
+            model, tokenizer = kvgates.load_model(config.model)
+        _compute(config, model, tokenizer, done, journal)
+    rows = [done[key] for key in keys if key in done]
+    seconds = sum(r["seconds"] for r in rows)
+    elapsed = time.perf_counter() - start
+    return ABResults(config, rows, comparisons(config, rows), elapsed, seconds, len(keys), len(rows) - reused)
+
+
+def _compute(config: ABConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, done: dict[str, dict], journal: Path) -> None:
+    """Run and journal every result missing from ``done`` (updated in place), batch by batch."""
+    gates = prepare_arms(config, model)
+    examples = {task.name: build_examples(task, tokenizer, config.seed) for task in config.tasks}
+    runs = _runs(config)
+    full_arm = config.all_arms[0]
+    units = [(task, ex, _key(config, task, ex.index, arm, budget)) for task in config.tasks for ex in examples[task.name] for arm, budget in runs]
+    bar = tqdm(
+        total=sum(cost(t, ex) for t, ex, _ in units), initial=sum(cost(t, ex) for t, ex, k in units if k in done),
+        desc="A/B", unit="tok", unit_scale=True, dynamic_ncols=True,
+    )
+    with torch.no_grad():
+        for task in config.tasks:
+            for batch in batches(task, examples[task.name], config):
+                shared: dict = {}  # the batch's full-cache references, computed once for every arm
+                for arm, budget in runs:
+                    keys = [_key(config, task, ex.index, arm, budget) for ex in batch]
+                    if all(k in done for k in keys):
+                        continue
+                    bar.set_postfix_str(f"{task.name} {arm.label}" + (f"@{budget}" if budget else ""), refresh=False)
+                    reference = [done[_key(config, task, ex.index, full_arm, None)] for ex in batch] if arm.budgeted else None
+                    policy = build_policy(arm, budget, gates[arm.label]).attach(model)
+                    t0 = time.perf_counter()
+                    try:
+                        results = run_batch(task, model, tokenizer, policy, batch, reference, config.prefill_chunk, shared)
+                    finally:
+                        policy.detach()
+                    seconds = (time.perf_counter() - t0) / len(batch)
+                    with journal.open("a") as f:
+                        for ex, key, result in zip(batch, keys, results):
+                            row = {
+                                "key": key, "task": task.name, "kind": task.task, "example": ex.index, "arm": arm.label,
+                                "policy": arm.policy, "budget": budget, "meta": ex.meta, "seconds": round(seconds, 3), **result,
+                            }
+                            done[key] = row
+                            f.write(json.dumps(row) + "\n")
+                    bar.update(sum(cost(task, ex) for ex in batch))
+    bar.close()
+
+
+def comparisons(config: ABConfig, rows: list[dict]) -> list[Comparison]:
+    """The configured pairs on every task at every budget: the primary metric, with McNemar on a binary one.
+    Pairs are formed over the examples both arms have results for (all of them once a run is complete)."""
+    by = {(r["task"], r["arm"], r["budget"], r["example"]): r for r in rows}
+    found = []
+    for task in config.tasks:
+        primary, binary = metrics_of(task)[0], binary_metric(task)
+        indices = sorted({r["example"] for r in rows if r["task"] == task.name})
+        for budget in config.budgets:
+            for a, b in config.pairs():
+                ka, kb = ((task.name, x, budget if config.arm(x).budgeted else None) for x in (a, b))
+                shared = [i for i in indices if (*ka, i) in by and (*kb, i) in by]
+                if not shared:
+                    continue
+                ra, rb = [by[(*ka, i)] for i in shared], [by[(*kb, i)] for i in shared]
+                values = lambda rs, m: [r["metrics"][m] for r in rs]  # noqa: E731
+                found.append(
+                    compare(
+                        values(ra, primary.name), values(rb, primary.name), task=task.name, budget=budget, a=a, b=b,
+                        metric=primary.name, higher_is_better=primary.higher_is_better,
+                        binary_a=values(ra, binary.name) if binary else None, binary_b=values(rb, binary.name) if binary else None,
+                        n_boot=config.n_boot, seed=config.seed,
+                    )
+                )
+    return found

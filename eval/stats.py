@@ -1,0 +1,161 @@
+"""Paired statistics of two arms on the same examples: bootstrap interval, win/tie/loss, McNemar, a verdict sentence.
+
+Every comparison is *paired*: arm A and arm B ran on exactly the same examples, so the unit of analysis is the
+per-example difference. ``improvement`` orients it so that a positive value always means "A did better" (for a
+lower-is-better metric such as KL it is ``B - A``).
+
+* ``bootstrap_ci``: percentile bootstrap interval of the mean difference (resampling examples with replacement),
+  vectorised over any leading axes so that a thousand simulated experiments run in one call.
+* ``win_tie_loss``: how many examples A did better on, the same, worse.
+* ``mcnemar_exact``: the exact (binomial) McNemar test for a binary outcome (answer correct or not).
+* ``compare`` puts them together into a ``Comparison``; ``Comparison.sentence`` is the one-line verdict.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+#: Fewer paired examples than this never make a verdict: a percentile bootstrap of 2-4 values is no interval.
+MIN_PAIRS = 5
+
+
+def bootstrap_ci(diffs: np.ndarray, n_boot: int = 2000, level: float = 0.95, seed: int = 0, chunk: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile bootstrap ``(low, high)`` interval of the mean of ``diffs`` over its last axis.
+
+    Args:
+        diffs: ``[..., n]`` paired differences; leading axes are independent experiments.
+        n_boot: bootstrap resamples.
+        level: coverage of the interval.
+        seed: seeds the resampling (same inputs and seed, same interval).
+        chunk: experiments resampled at once (bounds memory at ``chunk * n_boot * n`` floats).
+    """
+    diffs = np.asarray(diffs, dtype=np.float64)
+    if diffs.shape[-1] < 1:
+        raise ValueError("bootstrap_ci needs at least one paired difference")
+    flat = diffs.reshape(-1, diffs.shape[-1])
+    n = flat.shape[1]
+    rng = np.random.default_rng(seed)
+    alpha = (1.0 - level) / 2
+    low, high = np.empty(len(flat)), np.empty(len(flat))
+    for start in range(0, len(flat), chunk):
+        part = flat[start : start + chunk]
+        idx = rng.integers(0, n, size=(len(part), n_boot, n))
+        means = np.take_along_axis(part[:, None, :], idx, axis=2).mean(-1)  # [chunk, n_boot]
+        low[start : start + chunk], high[start : start + chunk] = np.quantile(means, [alpha, 1 - alpha], axis=1)
+    return low.reshape(diffs.shape[:-1]), high.reshape(diffs.shape[:-1])
+
+
+def win_tie_loss(improvement: np.ndarray, tol: float = 1e-9) -> tuple[int, int, int]:
+    """``(wins, ties, losses)`` of A: examples with ``improvement`` above ``tol``, within it, below ``-tol``."""
+    improvement = np.asarray(improvement, dtype=np.float64)
+    wins, losses = int((improvement > tol).sum()), int((improvement < -tol).sum())
+    return wins, len(improvement) - wins - losses, losses
+
+
+def mcnemar_exact(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sided exact McNemar p-value for paired binary outcomes ``a`` and ``b`` (1 = success).
+
+    Only discordant pairs count: with ``n01`` (A failed, B succeeded) and ``n10`` (A succeeded, B failed), under
+    the null each discordant pair goes either way with probability 1/2, so ``p = min(1, 2 P[X <= min(n01, n10)])``
+    for ``X ~ Binomial(n01 + n10, 1/2)``. No discordant pair gives ``p = 1``.
+    """
+    a, b = np.asarray(a).astype(bool), np.asarray(b).astype(bool)
+    n10, n01 = int((a & ~b).sum()), int((~a & b).sum())
+    n = n10 + n01
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(n10, n01) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+@dataclass
+class Comparison:
+    """Arm ``a`` against arm ``b`` on one task at one budget, for one metric."""
+
+    task: str
+    budget: int
+    a: str
+    b: str
+    metric: str
+    higher_is_better: bool
+    n: int
+    mean_a: float
+    mean_b: float
+    improvement: float  # mean advantage of a (positive: a better)
+    ci_low: float
+    ci_high: float
+    wins: int
+    ties: int
+    losses: int
+    #: Binary tasks: exact answers of each arm and the exact McNemar p-value.
+    exact_a: int | None = None
+    exact_b: int | None = None
+    mcnemar_p: float | None = None
+
+    @property
+    def decided(self) -> bool:
+        """At least ``MIN_PAIRS`` examples and an interval that excludes zero."""
+        return self.n >= MIN_PAIRS and (self.ci_low > 0 or self.ci_high < 0)
+
+    def sentence(self) -> str:
+        """The verdict in one plain sentence, the winner first (e.g. "trimkv beats snapkv at 256 by 0.31 KL ...")."""
+        where = f"at {self.budget} on {self.task}"
+        if self.decided and self.improvement > 0:
+            head = f"{self.a} beats {self.b} {where} by {self.improvement:.3g} {self.metric}"
+            ci, wins, losses = (self.ci_low, self.ci_high), self.wins, self.losses
+        elif self.decided:
+            head = f"{self.b} beats {self.a} {where} by {-self.improvement:.3g} {self.metric}"
+            ci, wins, losses = (-self.ci_high, -self.ci_low), self.losses, self.wins
+        else:
+            why = "no clear difference" if self.n >= MIN_PAIRS else f"too few examples ({self.n} < {MIN_PAIRS}) to decide"
+            head = f"{why} between {self.a} and {self.b} {where} ({self.a} {self.improvement:+.3g} {self.metric})"
+            ci, wins, losses = (self.ci_low, self.ci_high), self.wins, self.losses
+        text = f"{head}, 95% CI {ci[0]:.3g} to {ci[1]:.3g}, {wins} wins {losses} losses"
+        if self.ties:
+            text += f" {self.ties} ties"
+        if self.mcnemar_p is not None:
+            text += f"; exact answers {self.exact_a} vs {self.exact_b} of {self.n}, McNemar p = {self.mcnemar_p:.3g}"
+        return text + "."
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "sentence": self.sentence()}
+
+
+def compare(
+    values_a: np.ndarray,
+    values_b: np.ndarray,
+    *,
+    task: str,
+    budget: int,
+    a: str,
+    b: str,
+    metric: str,
+    higher_is_better: bool,
+    binary_a: np.ndarray | None = None,
+    binary_b: np.ndarray | None = None,
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> Comparison:
+    """Paired comparison of per-example ``values_a`` and ``values_b`` (same examples, same order).
+
+    ``binary_a``/``binary_b`` (optional): per-example binary outcomes (exact answers) for the McNemar test.
+    """
+    va, vb = np.asarray(values_a, dtype=np.float64), np.asarray(values_b, dtype=np.float64)
+    if va.shape != vb.shape or va.ndim != 1 or not len(va):
+        raise ValueError(f"paired values need the same non-empty 1-D shape, got {va.shape} and {vb.shape}")
+    improvement = va - vb if higher_is_better else vb - va
+    low, high = bootstrap_ci(improvement, n_boot=n_boot, seed=seed)
+    wins, ties, losses = win_tie_loss(improvement)
+    extra = {}
+    if binary_a is not None and binary_b is not None:
+        extra = dict(
+            exact_a=int(np.sum(binary_a)), exact_b=int(np.sum(binary_b)), mcnemar_p=mcnemar_exact(binary_a, binary_b)
+        )
+    return Comparison(
+        task=task, budget=budget, a=a, b=b, metric=metric, higher_is_better=higher_is_better, n=len(va),
+        mean_a=float(va.mean()), mean_b=float(vb.mean()), improvement=float(improvement.mean()),
+        ci_low=float(low), ci_high=float(high), wins=wins, ties=ties, losses=losses, **extra,
+    )

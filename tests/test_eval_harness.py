@@ -1,0 +1,268 @@
+"""The A/B harness end to end on a tiny random model with the real tokenizer: examples, journal and resume,
+comparisons, report; config errors; the metrics' hand cases."""
+
+import json
+import math
+
+import pytest
+import torch
+from helpers import tiny_model
+
+import kvgates
+from eval import runner as runner_module
+from eval.__main__ import main
+from eval.config import ABConfig, ConfigError
+from eval.fidelity import first_false, kl_divergence, make_batch, perplexity, state_bytes, stream_nll, token_nll
+from eval.report import write_report
+from eval.runner import JOURNAL, prepare_arms, run_ab
+from eval.tasks import build_examples
+
+TASKS = [
+    {"task": "needle", "context_tokens": [120, 200], "examples": 2},
+    {"task": "multikey", "context_tokens": 160, "examples": 2, "keys": 3},
+    {"task": "variable_tracking", "context_tokens": 160, "examples": 1, "hops": 2},
+    {"task": "fidelity", "context_tokens": 100, "examples": 2, "new_tokens": 6},
+    {"task": "generation", "context_tokens": 100, "examples": 2, "new_tokens": 5},
+    {"task": "perplexity", "context_tokens": 90, "examples": 2, "chunk": 16},
+]
+
+
+def small_config(tmp_path, **overrides) -> ABConfig:
+    raw = {
+        "budgets": [16, 32],
+        "arms": ["streaming_llm", {"policy": "snapkv", "params": {"window": 4, "kernel": 3}}, "h2o",
+                 {"policy": "trimkv", "gates": "untrained"}],
+        "tasks": TASKS,
+        "output_dir": str(tmp_path / "out"),
+        "batch_tokens": 400,
+        "n_boot": 200,
+        **overrides,
+    }
+    return ABConfig.from_dict(raw)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from kvgates.models import embedded_model_dir
+
+    t = AutoTokenizer.from_pretrained(embedded_model_dir("smollm2-135m"))
+    t.pad_token = t.pad_token or t.eos_token
+    return t
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    """A tiny random Llama over the real tokenizer's vocabulary."""
+    return tiny_model("llama", vocab_size=len(tok), max_position_embeddings=2048)[1]
+
+
+# ---------------------------------------------------------------------- metrics: hand cases
+def test_kl_of_identical_distributions_is_zero_and_of_known_ones_is_exact():
+    logp = torch.log_softmax(torch.randn(3, 50), -1)
+    assert torch.equal(kl_divergence(logp, logp), torch.zeros(3))
+    p, q = torch.tensor([0.5, 0.5]), torch.tensor([0.25, 0.75])
+    expected = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
+    assert float(kl_divergence(p.log(), q.log())) == pytest.approx(expected)
+
+
+def test_first_divergence_index():
+    assert first_false(torch.tensor([True, True, False, True, False])) == 2
+    assert first_false(torch.tensor([False])) == 0
+    assert first_false(torch.tensor([True, True])) == 2  # never departs: the length
+
+
+def test_perplexity_of_known_distributions():
+    vocab = 64
+    uniform = torch.zeros(5, vocab)  # uniform over the vocabulary: perplexity = vocabulary size
+    assert perplexity(token_nll(uniform, torch.arange(5))) == pytest.approx(vocab)
+    half = torch.full((4, 3), float("-inf"))
+    half[:, :2] = 0.0  # the target always has probability 1/2: perplexity 2
+    assert perplexity(token_nll(half, torch.zeros(4, dtype=torch.long))) == pytest.approx(2.0)
+
+
+def test_stream_nll_of_the_full_cache_equals_one_forward(tok, model):
+    ids = torch.randint(0, len(tok), (2, 40))
+    full = model(ids).logits[:, :-1]
+    expected = token_nll(full, ids[:, 1:])
+    nll, kv, state = stream_nll(model, kvgates.make_policy("full"), ids, chunk=7)
+    torch.testing.assert_close(nll, expected, atol=1e-4, rtol=0)
+    assert kv[0] == kv[1] > 0 and state == [0, 0]
+
+
+def test_held_state_bytes_count_the_policy_state_beside_the_kv(model):
+    ids = torch.randint(0, 100, (1, 30))
+    cache = kvgates.BudgetCache(model.config, "h2o", budget=8)
+    model(ids, past_key_values=cache)
+    layers = len(cache.budget_layers)
+    per_slot = cache.budget_layers[0].slot_data.shape[-1] * 4
+    assert per_slot > 0 and state_bytes(cache) == [layers * model.config.num_key_value_heads * 8 * per_slot]
+
+
+def test_make_batch_is_still_left_then_right_padded():
+    b = make_batch([torch.tensor([5, 6]), torch.tensor([7])], [torch.tensor([1]), torch.tensor([2, 3])], pad_id=0)
+    assert b.ids.tolist() == [[5, 6, 1, 0], [0, 7, 2, 3]]
+
+
+# ---------------------------------------------------------------------- examples
+def test_examples_are_deterministic_from_the_seed_and_use_the_test_essays(tmp_path, tok):
+    config = small_config(tmp_path)
+    for task in config.tasks:
+        a, b = build_examples(task, tok, seed=0), build_examples(task, tok, seed=0)
+        c = build_examples(task, tok, seed=1)
+        assert [x.prompt.tolist() for x in a] == [x.prompt.tolist() for x in b]
+        assert [x.prompt.tolist() for x in a] != [x.prompt.tolist() for x in c]
+        assert len(a) == task.examples * len(task.context_tokens)
+    needle = build_examples(config.tasks[0], tok, seed=0)
+    assert [x.meta["depth"] for x in needle] == [0.0, 1.0, 0.0, 1.0]  # lengths x evenly spaced depths
+    assert [x.meta["template"] for x in needle] == ["secret-passcode", "pin"] * 2  # cycled, the same for each length
+    one_length = ABConfig.from_dict({"tasks": [{**TASKS[0], "context_tokens": [200]}]}).tasks[0]
+    assert [x.prompt.tolist() for x in build_examples(one_length, tok, 0)] == [x.prompt.tolist() for x in needle[2:]]
+    assert all(x.source["split"] == "test" and x.meta["template_set"] == "eval" for x in needle)
+    trained = ABConfig.from_dict({"tasks": [{"task": "needle", "templates": ["magic-number", "pin"], "examples": 2, "context_tokens": 100}]})
+    assert [x.meta["template_set"] for x in build_examples(trained.tasks[0], tok, 0)] == ["train", "eval"]
+
+
+# ---------------------------------------------------------------------- the run
+def test_run_journals_resumes_compares_and_reports(tmp_path, tok, model, monkeypatch):
+    config = small_config(tmp_path)
+    first = run_ab(config, model, tok)
+    arms_at_budgets = 1 + 4 * 2
+    examples = sum(t.examples * len(t.context_tokens) for t in config.tasks)
+    assert len(first.rows) == examples * arms_at_budgets
+    journal = tmp_path / "out" / JOURNAL
+    assert len(journal.read_text().splitlines()) == len(first.rows)
+    for row in first.rows:
+        assert row["kv_bytes"] > 0 and row["state_bytes"] >= 0
+        if row["arm"] in ("streaming_llm", "h2o"):  # they evict every step: at most the budget (+ the newest token)
+            per_token = 2 * model.config.head_dim * 4 * model.config.num_key_value_heads * model.config.num_hidden_layers
+            assert row["kv_bytes"] <= (row["budget"] + 1) * per_token, row
+    full = [r for r in first.rows if r["arm"] == "full" and r["kind"] == "fidelity"]
+    assert all(r["metrics"]["kl"] == 0.0 and len(r["tokens"]) == 6 for r in full)
+    fid = [r for r in first.rows if r["kind"] == "fidelity" and r["budget"] == 16]
+    assert all(len(r["kl_curve"]) == 6 and r["metrics"]["kl"] >= 0 for r in fid)
+    # Default comparisons: the learned arm against each of the three heuristics, per task and budget.
+    assert len(first.comparisons) == 3 * len(config.tasks) * 2
+    assert {c.a for c in first.comparisons} == {"trimkv (untrained)"}
+    needle = next(c for c in first.comparisons if c.task == "needle")
+    assert needle.mcnemar_p is not None and needle.sentence().endswith(".")
+
+    # Interrupted mid-write: the last result is torn; a re-run recomputes only that batch of that arm.
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:25])
+    calls = []
+    original = runner_module.run_batch
+    monkeypatch.setattr(runner_module, "run_batch", lambda *a, **k: calls.append(a[0].name) or original(*a, **k))
+    again = run_ab(config, model, tok)
+    assert calls == [config.tasks[-1].name]
+    assert [r["metrics"] for r in again.rows] == [r["metrics"] for r in first.rows]
+    # A fresh run recomputes everything.
+    calls.clear()
+    run_ab(small_config(tmp_path, tasks=TASKS[:1], arms=["h2o"], budgets=[16]), model, tok, resume=False)
+    assert len(calls) == 2 * 2  # full + h2o, one batch per prompt length
+
+    headline = write_report(again, "python -m eval ab --config x.yaml")
+    out = tmp_path / "out"
+    report = (out / "report.md").read_text()
+    assert report.index("## Headline") < report.index("## needle") and headline in report
+    assert "trimkv (untrained)" in report and "95% CI" in report
+    for png in ["score_vs_kv.png", "heatmap_needle.png", "heatmap_multikey.png", "kl_fidelity.png"]:
+        assert (out / png).stat().st_size > 0, png
+    saved = json.loads((out / "results.json").read_text())
+    assert len(saved["rows"]) == len(first.rows) and saved["comparisons"][0]["sentence"]
+
+
+def test_batches_respect_the_token_budget_and_never_mix_lengths(tmp_path, tok):
+    config = small_config(tmp_path, batch_tokens=250)
+    task = config.tasks[0]
+    groups = runner_module.batches(task, build_examples(task, tok, 0), config)
+    assert [len(g) for g in groups] == [2, 1, 1]
+    assert all(len({ex.meta["context_tokens"] for ex in g}) == 1 for g in groups)
+
+
+# ---------------------------------------------------------------------- config errors: one sentence, before any work
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"arms": ["snapkvv"]}, "unknown policy 'snapkvv'"),
+        ({"budgets": [128, 0]}, "budget 0 is not a whole number of tokens of at least 1"),
+        ({"budgets": [-5]}, "budget -5"),
+        ({"tasks": [{"task": "needles"}]}, "unknown task 'needles'"),
+        ({"tasks": [{"task": "needle", "hops": 3}]}, "unknown key 'hops'"),
+        ({"tasks": [{"task": "needle", "templates": ["nope"]}]}, "has no template 'nope'"),
+        ({"colour": "red"}, "unknown key 'colour'"),
+        ({"arms": [{"policy": "snapkv", "params": {"windw": 4}}]}, "has no parameter windw"),
+        ({"arms": [{"policy": "snapkv", "params": {"window": 64}}], "budgets": [32]}, "at budget 32"),
+        ({"arms": [{"policy": "trimkv"}]}, "needs 'gates'"),
+        ({"arms": [{"policy": "trimkv", "gates": "/nonexistent/adapter"}]}, "adapter /nonexistent/adapter is neither an existing folder"),
+        ({"arms": [{"policy": "trimkv", "gates": "configs"}]}, "configs has no config.json"),
+        ({"arms": ["h2o", "h2o"]}, "two arms are labelled 'h2o'"),
+        ({"comparisons": [["h2o", "tova"]], "arms": ["h2o"]}, "names arm 'tova'"),
+    ],
+)
+def test_bad_configs_fail_with_one_sentence(change, message):
+    raw = {"arms": ["h2o"], "tasks": ["needle"], "budgets": [128], **change}
+    with pytest.raises(ConfigError, match=message) as info:
+        ABConfig.from_dict(raw)
+    text = str(info.value)
+    assert "\n" not in text and text.count(". ") == 0
+
+
+def test_adapter_for_another_model_fails_before_any_example(tmp_path, model):
+    _, other = tiny_model("llama", seed=1, vocab_size=model.config.vocab_size, max_position_embeddings=2048)
+    kvgates.RetentionGates.for_model(other).save_pretrained(tmp_path / "adapter")
+    config = ABConfig.from_dict({"arms": [{"policy": "trimkv", "gates": str(tmp_path / "adapter")}], "tasks": ["needle"]})
+    with pytest.raises(ConfigError, match="trained for .* not for this model"):
+        prepare_arms(config, model)
+    kvgates.RetentionGates.for_model(model).save_pretrained(tmp_path / "mine")
+    mine = ABConfig.from_dict({"arms": [{"policy": "trimkv", "gates": str(tmp_path / "mine"), "label": "tk"}], "tasks": ["needle"]})
+    assert isinstance(prepare_arms(mine, model)["tk"], kvgates.RetentionGates)
+    with pytest.raises(ConfigError, match="locret needs retaining-head gates"):
+        prepare_arms(ABConfig.from_dict({"arms": [{"policy": "locret", "gates": str(tmp_path / "mine")}], "tasks": ["needle"]}), model)
+
+
+def test_cli_exits_non_zero_with_one_sentence_before_loading_a_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    path = tmp_path / "bad.yaml"
+    path.write_text("arms: [snapkv]\nbudgets: [0]\ntasks: [needle]\n")
+    assert main(["ab", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "budget 0" in err and len(err.splitlines()) == 1
+    assert main(["ab", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert main(["ab", "--config", "configs/eval/demo.yaml", "--quick"]) == 2  # the demo has no quick section
+
+
+def test_every_data_task_is_an_answer_task_of_the_harness():
+    from data.tasks import TASKS
+    from eval.config import ANSWER_OPTIONS
+
+    assert set(ANSWER_OPTIONS) == set(TASKS) | {"multikey"}
+
+
+def test_an_adapter_arm_is_keyed_by_its_weights(tmp_path, model):
+    from eval.config import ArmSpec
+
+    kvgates.RetentionGates.for_model(model).save_pretrained(tmp_path / "a")
+    arm = ArmSpec("tk", "trimkv", gates=str(tmp_path / "a"))
+    before = arm.identity()
+    assert arm.identity() == before
+    torch.manual_seed(1)
+    kvgates.RetentionGates.for_model(model).save_pretrained(tmp_path / "a")  # retrained in place
+    assert arm.identity() != before
+
+
+@pytest.mark.parametrize("path", ["configs/eval/ab.yaml", "configs/eval/demo.yaml", "configs/eval/needle_seed.yaml"])
+def test_committed_configs_are_valid(path):
+    config = ABConfig.load(path)
+    assert config.tasks and config.arms and config.pairs()
+
+
+def test_quick_section_shrinks_a_committed_config():
+    full = ABConfig.load("configs/eval/ab.yaml")
+    quick = ABConfig.load("configs/eval/ab.yaml", quick=True)
+    assert quick.output_dir != full.output_dir
+    cost = lambda c: len(c.all_arms) * len(c.budgets) * sum(t.examples * sum(t.context_tokens) for t in c.tasks)  # noqa: E731
+    assert cost(quick) < cost(full) / 10
+    assert {t.task for t in quick.tasks} >= {"needle", "fidelity", "generation", "perplexity"}
+    assert [a.label for a in full.arms if a.learned] == [a.label for a in quick.arms if a.learned] == ["trimkv (untrained)"]
