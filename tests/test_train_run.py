@@ -334,3 +334,25 @@ def test_a_config_builds_on_its_base(tmp_path):
     (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
     with pytest.raises(ConfigError, match="cycle"):
         TrainConfig.load(tmp_path / "loop.yaml")
+
+
+def test_shipping_an_adapter_makes_it_loadable_by_name(tiny_dir, tmp_path, monkeypatch):
+    import kvgates.gates.embedded as embedded
+    import train.ship as ship
+
+    monkeypatch.setattr(embedded, "EMBEDDED_DIR", tmp_path / "embedded")
+    monkeypatch.setattr(ship, "EMBEDDED_DIR", tmp_path / "embedded")
+    model, _ = kvgates.load_model(str(tiny_dir))
+    trained = kvgates.RetentionGates.for_model(model, gate_hidden=8, training_budget=24)
+    trained.save_pretrained(tmp_path / "adapter")
+    ship.main([str(tmp_path / "adapter"), "tiny-trimkv", "--report", str(write({"x": 1}, tmp_path / "r.md"))])
+    assert embedded.embedded_adapters() == ["tiny-trimkv"]
+    loaded = kvgates.load_gates("tiny-trimkv")  # by name, offline
+    assert loaded.config.report == "x: 1\n" and "x: 1" in (tmp_path / "embedded" / "tiny-trimkv" / "README.md").read_text()
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "embedded" / "tiny-trimkv" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
+    for name, tensor in trained.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor.half().float())
+    assert embedded.embedded_adapter_dir("../adapter") is None and embedded.default_gates("tiny", "trimkv") is None

@@ -204,10 +204,13 @@ class GateSet(nn.Module):
         endpoint: str | None = None,
         token: str | None = None,
     ) -> GateSet:
-        """Load an adapter from a local folder or a Hub repository id (on the base class: any kind)."""
+        """Load an adapter from a local folder, the name of an adapter shipped with kvgates
+        (``kvgates.gates.embedded``) or a Hub repository id (on the base class: any kind)."""
+        from kvgates.gates.embedded import embedded_adapter_dir
+
         folder = Path(path_or_id)
         if not folder.is_dir():
-            folder = _download(str(path_or_id), revision, endpoint, token)
+            folder = embedded_adapter_dir(str(path_or_id)) or _download(str(path_or_id), revision, endpoint, token)
         config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
         for path in (config_path, weights_path):
             if not path.is_file():
@@ -320,7 +323,7 @@ def _download(repo_id: str, revision: str | None, endpoint: str | None, token: s
 
 
 def load_gates(path_or_id: str | os.PathLike, **kwargs: Any) -> GateSet:
-    """Load a gate adapter of any kind from a folder or Hub id."""
+    """Load a gate adapter of any kind from a folder, a shipped adapter's name or a Hub id."""
     return GateSet.from_pretrained(path_or_id, **kwargs)
 
 
