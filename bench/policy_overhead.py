@@ -9,10 +9,9 @@ and applying evictions (``layer.evict``), against the whole step.
 
 from __future__ import annotations
 
-import argparse
 import time
 
-from common import add_model_args, device_name, essay_ids, load, sync, time_decode
+from common import essay_ids, setup, sync, time_decode
 
 import kvgates
 
@@ -52,16 +51,8 @@ def measure(model, policy_name: str, budget: int, ids, steps: int, device) -> tu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(parser)
-    parser.add_argument("--prompt", type=int, default=1024)
-    parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--policies", nargs="+", default=DEFAULT)
-    args = parser.parse_args()
-    model, tokenizer = load(args)
+    args, model, tokenizer = setup(__doc__, prompt=1024, budget=256, steps=64, policies=DEFAULT)
     ids = essay_ids(tokenizer, args.prompt, args.device)
-    print(f"device: {device_name(args.device)}; model: {args.model}; prompt {args.prompt}; budget {args.budget}")
     print(f"{'policy':16s} {'step ms':>8s} {'policy ms':>10s} {'evict ms':>9s} {'overhead':>9s}")
     for name in args.policies:
         step, policy, evict = measure(model, name, args.budget, ids, args.steps, args.device)
