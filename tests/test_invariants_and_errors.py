@@ -3,9 +3,10 @@
 import pytest
 import torch
 from helpers import POLICY_PARAMS, policy_kwargs, policy_on
+from transformers import DynamicCache
 
 import kvgates
-from kvgates import POLICIES, BudgetCache, UnsupportedModelError, make_policy
+from kvgates import POLICIES, BudgetCache, UnsupportedModelError, dynamic_cache_bytes, make_policy
 
 EVICTING = sorted(set(POLICIES) - {"full"})
 
@@ -83,6 +84,21 @@ def test_storage_is_flat_during_decode(tiny, name):
     assert len(set(sizes)) == 1
     # budget + 1 slot of slack per head, 2 tensors, 3 layers, 2 KV heads, head_dim 16, float32
     assert sizes[0] == 3 * 2 * 2 * 17 * 16 * 4
+
+
+def test_a_full_cache_allocates_what_dynamic_cache_does_and_reports_held_bytes(tiny):
+    """No over-allocation for a cache that keeps everything; held and allocated bytes are reported apart."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, 60), generator=torch.Generator().manual_seed(6))
+    full, dynamic = BudgetCache(model.config, "full"), DynamicCache(config=model.config)
+    snap = BudgetCache(model.config, "snapkv", budget=16, window=4, kernel=3)
+    with torch.no_grad():
+        for cache in (full, dynamic, snap):
+            model(ids[:, :40], past_key_values=cache)
+            for t in range(40, 60):
+                model(ids[:, t : t + 1], past_key_values=cache)
+    assert full.kv_bytes() == full.held_bytes() == dynamic_cache_bytes(dynamic)
+    assert snap.held_bytes() == int(snap.held_tokens().sum()) * 2 * 16 * 4 < snap.kv_bytes()  # K+V, head_dim, fp32
 
 
 def test_prefill_chunks_bound_peak_memory(tiny):

@@ -92,11 +92,24 @@ class BudgetCache(Cache):
         return len(self.budget_layer_ids)
 
     def kv_bytes(self) -> int:
-        """Bytes of key/value storage allocated by every layer (budgeted and passthrough)."""
+        """Bytes of key/value storage allocated by every layer (budgeted and passthrough): held tokens plus the
+        free slots kept for the next ones."""
         total = 0
         for layer in self.layers:
             if isinstance(layer, BudgetLayer):
                 total += layer.kv_bytes()
+            elif getattr(layer, "is_initialized", False) and layer.keys is not None:
+                total += layer.keys.numel() * layer.keys.element_size() * 2
+        return total
+
+    def held_bytes(self) -> int:
+        """Bytes of key/value storage holding tokens (budgeted layers' valid slots, passthrough layers' tokens)."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, BudgetLayer):
+                if layer.is_initialized:
+                    per_slot = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+                    total += int(layer.held().sum()) * per_slot
             elif getattr(layer, "is_initialized", False) and layer.keys is not None:
                 total += layer.keys.numel() * layer.keys.element_size() * 2
         return total

@@ -290,7 +290,23 @@ class BudgetLayer(CacheLayerMixin):
         self._derived = {}
 
     def _grow(self, extra: int) -> None:
-        """Add ``extra`` empty slots to every head."""
+        """Add ``extra`` empty slots to every head (uniform storage: appended in place of a relayout)."""
+        if self.uniform:
+            b, hkv, c = self.batch_size, self.num_kv_heads, self.max_slots
+
+            def padded(dense: torch.Tensor, fill: torch.Tensor | float) -> torch.Tensor:
+                """``[B, H_kv, C, ...]`` -> ``[B, H_kv, C + extra, ...]``, the new slots set to ``fill``."""
+                tail = dense.new_empty((b, hkv, extra, *dense.shape[3:]))
+                tail[:] = fill
+                return torch.cat([dense, tail], dim=2)
+
+            d, dv = self.keys.shape[-1], self.values.shape[-1]
+            self.keys = padded(self.keys.view(b, hkv, c, d), 0.0).view(b, -1, d)
+            self.values = padded(self.values.view(b, hkv, c, dv), 0.0).view(b, -1, dv)
+            self.pos, self.slot_data = padded(self.pos, -1), padded(self.slot_data, self.state_init)
+            self.head_slots = [c + extra] * hkv
+            self._derived = {}
+            return
         cmax = self.max_slots
         index = torch.arange(cmax + extra, device=self.device).expand(self.batch_size, self.num_kv_heads, -1)
         # Existing slots map to themselves; indices past a head's old slots come out empty.
@@ -302,9 +318,12 @@ class BudgetLayer(CacheLayerMixin):
         free = ~self.valid & self.exists()[None]
         missing = n - int(free.sum(-1).min()) if free.numel() else n
         if missing > 0:
-            # Decode grows geometrically (amortised); a prompt chunk grows by exactly what it needs.
-            extra = missing if n > 1 else max(missing, 16, self.max_slots // 8)
-            self._grow(extra)
+            # A prompt chunk grows by exactly what it needs. Decode steps of a policy that appends them grow
+            # storage geometrically (amortised copies), except for a cache that never evicts: it grows exactly,
+            # so a full cache allocates what DynamicCache does.
+            schedule = self.cache.policy.schedule
+            never_evicts = not schedule.prefill and not schedule.decode_every
+            self._grow(missing if n > 1 or never_evicts else max(missing, 16, self.max_slots // 8))
             free = ~self.valid & self.exists()[None]
         if n == 1:
             return free.to(torch.uint8).argmax(-1, keepdim=True)
