@@ -106,3 +106,10 @@ def test_converting_the_embedded_model_prints_nothing_to_stdout_and_imports_no_d
     assert result.returncode == 0, result.stderr
     assert result.stdout == "False\n"
 
+
+def test_generate_answers_an_instruct_question_without_the_chat_flag(capsys):
+    from kvgates.cli import main
+
+    assert main(["generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out and out.count("\n") == 1
