@@ -20,7 +20,7 @@ from tqdm import tqdm
 import kvgates
 from data.needle import NeedleTask, build_needle_dataset, is_correct
 from eval.config import NeedleRunConfig
-from eval.report import accuracy_table, needle_heatmap
+from eval.report import TABLE_LEGEND, accuracy_table, needle_heatmap
 
 JOURNAL = "results.jsonl"
 
@@ -120,17 +120,16 @@ def run_needle(config: NeedleRunConfig, model=None, tokenizer=None, resume: bool
 
 
 def write_report(config: NeedleRunConfig, results: list[dict]) -> str:
+    """Write results.json, report.md and the heatmap; return the table with its legend, for the terminal."""
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     table = accuracy_table(results)
     heatmap = needle_heatmap(results, out / "needle_heatmap.png")
     (out / "report.md").write_text(
-        f"# Needle in a haystack: {config.model}\n\nCorrect answers out of {config.depths} depths · mean share of the "
-        f"passcode's digits recalled in order (partial credit) · KV memory held at the end of generation in "
-        f"parentheses.\n\n{table}\n\n![heatmap]({heatmap.name})\n"
+        f"# Needle in a haystack: {config.model}\n\n{TABLE_LEGEND}\n\n{table}\n\n![heatmap]({heatmap.name})\n"
     )
-    return table
+    return f"{TABLE_LEGEND}\n\n{table}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,8 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         output_dir=args.output_dir,
     )
     results = run_needle(config, resume=not args.fresh)
-    table = write_report(config, results)
-    print(table)
+    print(write_report(config, results))
     print(f"\nreport: {Path(config.output_dir) / 'report.md'}")
 
 

@@ -25,6 +25,13 @@ def recall(result: dict) -> float:
     return 1.0 if result["correct"] else digits_recalled(result["completion"], result["answer"])
 
 
+#: How to read a cell of ``accuracy_table`` (printed with the table in the terminal and in report.md).
+TABLE_LEGEND = (
+    "Each cell: correct answers / needle depths · mean share of the passcode's digits recalled in order (partial "
+    "credit) · KV cache memory at the end of generation (MiB)."
+)
+
+
 def accuracy_table(results: list[dict]) -> str:
     """Markdown table: one row per policy, one column per (context, budget): ``correct/total``, the mean share
     of passcode digits recalled (partial credit, ``data.needle.digits_recalled``) and the KV MiB held."""
@@ -64,11 +71,12 @@ def needle_heatmap(results: list[dict], path: Path) -> Path:
         grid = [[0.0] * len(depths) for _ in labels]
         for r in rows:
             grid[labels.index(r["label"])][depths.index(r["depth"])] = recall(r)
-        ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
         ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths], rotation=45)
         ax.set_yticks(range(len(labels)), labels)
         ax.set_xlabel("needle depth")
         ax.set_title(f"{ctx} tokens: passcode digits recalled (green = exact)")
+        fig.colorbar(image, ax=ax, label="share of passcode digits recalled (1 = exact answer)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -3,7 +3,7 @@
 import pytest
 
 from data.needle import digits_recalled, is_correct
-from eval.report import accuracy_table, needle_heatmap, recall
+from eval.report import TABLE_LEGEND, accuracy_table, needle_heatmap, recall
 
 
 @pytest.mark.parametrize(
@@ -34,3 +34,19 @@ def test_accuracy_table_counts_exact_answers_and_partial_credit(tmp_path):
     assert lines[2] == "| full | 2/2 · 100% (1.0 MiB) | 2/2 · 100% (1.0 MiB) |"  # the full cache fills every budget column
     assert lines[3] == "| snapkv | 0/2 · 40% (0.5 MiB) | 1/2 · 70% (2.0 MiB) |"
     assert needle_heatmap(results, tmp_path / "h.png").stat().st_size > 0
+
+
+def test_terminal_table_has_a_legend_and_the_heatmap_a_colour_bar(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from eval.config import NeedleRunConfig
+    from eval.needle import write_report
+
+    bars = []
+    colorbar = Figure.colorbar
+    monkeypatch.setattr(Figure, "colorbar", lambda self, *a, **k: bars.append(k.get("label")) or colorbar(self, *a, **k))
+    config = NeedleRunConfig.from_yaml("configs/needle_demo.yaml", output_dir=str(tmp_path))
+    text = write_report(config, [_row("full", None, " 43936."), _row("snapkv", 128, " 4393.", ctx=4000)])
+    assert text.startswith(TABLE_LEGEND) and "| snapkv |" in text
+    assert TABLE_LEGEND in (tmp_path / "report.md").read_text()
+    assert len(bars) == 2 and all("recalled" in label for label in bars)  # one per context panel
