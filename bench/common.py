@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,14 +16,33 @@ import kvgates  # noqa: E402
 from data.corpus import paul_graham_essays  # noqa: E402
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
+def setup(doc: str, choices: dict[str, list[str]] | None = None, **options: Any) -> tuple[argparse.Namespace, Any, Any]:
+    """Parse a bench script's command line, load its model and print the run's header line.
+
+    Every script takes ``--model`` (``random``: SmolLM2-135M's shape with random weights, ``--layers`` of them),
+    ``--device`` and ``--dtype``; its own options are given as ``name=default`` (the type follows the default; a
+    list default takes one or more values; ``None`` takes a string) with optional ``choices``. Returns
+    ``(args, model, tokenizer)``; the tokenizer is None for the random model.
+    """
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="model to load, or 'random' for a random SmolLM2-135M")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--layers", type=int, default=30, help="decoder layers of the 'random' model (SmolLM2-135M has 30)")
+    for name, default in options.items():
+        kind = type(default[0] if isinstance(default, list) else default)
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", default=default, type=None if default is None else kind,
+            nargs="+" if isinstance(default, list) else None, choices=(choices or {}).get(name), help=f"default: {default}",
+        )
+    args = parser.parse_args()
+    model, tokenizer = _load(args)
+    facts = "; ".join(f"{name} {getattr(args, name)}" for name, default in options.items() if not isinstance(default, list))
+    print(f"device: {device_name(args.device)}; model: {args.model} ({model.config.num_hidden_layers} layers); {facts}")
+    return args, model, tokenizer
 
 
-def load(args: argparse.Namespace):
+def _load(args: argparse.Namespace):
     """(model, tokenizer or None) on the requested device; ``random`` builds SmolLM2-135M's shape with random weights."""
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     if args.model == "random":
@@ -35,8 +55,7 @@ def load(args: argparse.Namespace):
         torch.manual_seed(0)
         model = LlamaForCausalLM(config).to(device=args.device, dtype=dtype).eval()
         return kvgates.prepare_model(model), None
-    model, tokenizer = kvgates.load_model(args.model, dtype=dtype, device=args.device)
-    return model, tokenizer
+    return kvgates.load_model(args.model, dtype=dtype, device=args.device)
 
 
 def essay_ids(tokenizer, n: int, device: str | torch.device) -> torch.Tensor:

@@ -8,10 +8,8 @@ greedy decode steps. Prints tokens/s and the ratio to DynamicCache + sdpa measur
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from common import add_model_args, device_name, essay_ids, load, time_decode
+from common import essay_ids, setup, time_decode
 from transformers import DynamicCache
 
 import kvgates
@@ -23,16 +21,8 @@ def decode_rate(model, cache, ids: torch.Tensor, steps: int, device) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(parser)
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--policies", nargs="+", default=["streaming_llm", "h2o", "snapkv", "tova"])
-    args = parser.parse_args()
-    model, tokenizer = load(args)
+    args, model, tokenizer = setup(__doc__, context=4096, budget=256, steps=64, policies=["streaming_llm", "h2o", "snapkv", "tova"])
     ids = essay_ids(tokenizer, args.context, args.device)
-    print(f"device: {device_name(args.device)}; model: {args.model}; context {args.context}; budget {args.budget}")
     baseline = decode_rate(model, DynamicCache(config=model.config), ids, args.steps, args.device)
     print(f"{'DynamicCache + sdpa':28s} {baseline:8.1f} tok/s   1.00x")
     runs = [("full (kvgates runtime)", kvgates.BudgetCache(model.config, "full"))]

@@ -9,10 +9,9 @@ step, with the gates in float32 and in float16. The target for SmolLM2-135M on C
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
-from common import add_model_args, device_name, essay_ids, load, time_decode
+from common import essay_ids, setup, time_decode
 from policy_overhead import Stopwatch
 
 import kvgates
@@ -21,16 +20,8 @@ KINDS = {"trimkv": kvgates.RetentionGates, "trimkv-global": kvgates.GlobalRetent
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(parser)
-    parser.add_argument("--prompt", type=int, default=1024)
-    parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--gate-dtypes", nargs="+", default=["float32", "float16"])
-    args = parser.parse_args()
-    model, tokenizer = load(args)
+    args, model, tokenizer = setup(__doc__, prompt=1024, budget=256, steps=64, gate_dtypes=["float32", "float16"])
     ids = essay_ids(tokenizer, args.prompt, args.device)
-    print(f"device: {device_name(args.device)}; model: {args.model}; prompt {args.prompt}; budget {args.budget}")
     print(f"{'policy':14s} {'gate dtype':>10s} {'gate params':>11s} {'step ms':>8s} {'gates ms':>9s} {'overhead':>9s}")
     for (name, kind), gate_dtype in itertools.product(KINDS.items(), args.gate_dtypes):
         gates = kind.for_model(model, training_budget=args.budget)

@@ -8,10 +8,8 @@ holds every ``--every`` tokens, plus the ratio to DynamicCache at the end.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from common import add_model_args, device_name, essay_ids, load
+from common import essay_ids, setup
 from transformers import DynamicCache
 
 import kvgates
@@ -54,18 +52,10 @@ def plot(columns: dict[str, list[int]], every: int, path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(parser)
-    parser.add_argument("--prompt", type=int, default=200)
-    parser.add_argument("--tokens", type=int, default=2000)
-    parser.add_argument("--budget", type=int, default=128)
-    parser.add_argument("--every", type=int, default=250)
-    parser.add_argument("--policies", nargs="+", default=["streaming_llm", "h2o", "tova", "morphkv"])
-    parser.add_argument("--plot", help="also save the curves to this PNG file")
-    args = parser.parse_args()
-    model, tokenizer = load(args)
+    args, model, tokenizer = setup(
+        __doc__, prompt=200, tokens=2000, budget=128, every=250, policies=["streaming_llm", "h2o", "tova", "morphkv"], plot=None
+    )
     ids = essay_ids(tokenizer, args.prompt, args.device)
-    print(f"device: {device_name(args.device)}; model: {args.model}; prompt {args.prompt}; budget {args.budget}")
     columns, held = {}, {}
     columns["DynamicCache"], _ = trace(model, DynamicCache(config=model.config), ids, args.tokens, args.every, dynamic_cache_bytes)
     for policy in args.policies:

@@ -3,16 +3,15 @@
     python bench/policy_overhead.py --prompt 1024 --budget 256 --steps 64
 
 Prefills ``--prompt`` essay tokens into a BudgetCache per policy, then decodes ``--steps`` tokens and times
-(per step, summed over layers) the policy's own work (``policy.step``: state updates and the keep decision)
-and applying evictions (``layer.evict``), against the whole step.
+(per step, summed over layers) the policy's own work (``BudgetLayer.step`` without the eviction: state updates,
+quota and the keep decision) and applying evictions (``layer.evict``), against the whole step.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
-from common import add_model_args, device_name, essay_ids, load, sync, time_decode
+from common import essay_ids, setup, sync, time_decode
 
 import kvgates
 
@@ -38,30 +37,22 @@ class Stopwatch:
 
 
 def measure(model, policy_name: str, budget: int, ids, steps: int, device) -> tuple[float, float, float]:
-    """(ms per step, ms in policy.step per step, ms in evictions per step)."""
+    """(ms per step, ms of policy work per step, ms in evictions per step)."""
     cache = kvgates.BudgetCache(model.config, policy_name, budget=budget)
-    policy_clock, evict_clock = Stopwatch(device), Stopwatch(device)
+    step_clock, evict_clock = Stopwatch(device), Stopwatch(device)
 
     def instrument() -> None:  # after the prompt, so only decode steps are counted
-        cache.policy.step = policy_clock.wrap(cache.policy.step)
         for layer in cache.budget_layers:
+            layer.step = step_clock.wrap(layer.step)
             layer.evict = evict_clock.wrap(layer.evict)
 
     total = time_decode(model, cache, ids, steps, device, instrument)
-    return 1e3 * total / steps, 1e3 * policy_clock.total / steps, 1e3 * evict_clock.total / steps
+    return 1e3 * total / steps, 1e3 * (step_clock.total - evict_clock.total) / steps, 1e3 * evict_clock.total / steps
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(parser)
-    parser.add_argument("--prompt", type=int, default=1024)
-    parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--policies", nargs="+", default=DEFAULT)
-    args = parser.parse_args()
-    model, tokenizer = load(args)
+    args, model, tokenizer = setup(__doc__, prompt=1024, budget=256, steps=64, policies=DEFAULT)
     ids = essay_ids(tokenizer, args.prompt, args.device)
-    print(f"device: {device_name(args.device)}; model: {args.model}; prompt {args.prompt}; budget {args.budget}")
     print(f"{'policy':16s} {'step ms':>8s} {'policy ms':>10s} {'evict ms':>9s} {'overhead':>9s}")
     for name in args.policies:
         step, policy, evict = measure(model, name, args.budget, ids, args.steps, args.device)

@@ -16,12 +16,11 @@ and the chunk, the square of the length ratio when an intermediate grows with th
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import gc
 
 import torch
-from common import add_model_args, device_name, load
+from common import setup
 
 import kvgates
 
@@ -65,18 +64,11 @@ def padded_chunked_prefill(model, tokens: int, budget: int, chunk: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(parser)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
-    parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--chunk", type=int, default=2048)
-    parser.add_argument("--runs", nargs="+", choices=["d2o", "padded"], default=["d2o", "padded"])
-    args = parser.parse_args()
+    args, model, _ = setup(
+        __doc__, choices={"runs": ["d2o", "padded"]}, tokens=[8192, 16384], budget=256, chunk=2048, runs=["d2o", "padded"]
+    )
     if not args.device.startswith("cpu"):
-        parser.error("this bench measures CPU memory (the process's resident high-water mark); pass --device cpu")
-    model, _ = load(args)
-    print(f"device: {device_name(args.device)}; model: {args.model} ({model.config.num_hidden_layers} layers); "
-          f"budget {args.budget}; chunk {args.chunk}")
+        raise SystemExit("this bench measures CPU memory (the process's resident high-water mark); pass --device cpu")
     runs = {"d2o": ("d2o", lambda n: d2o_prefill(model, n, args.budget)),
             "padded": ("padded x4", lambda n: padded_chunked_prefill(model, n, args.budget, args.chunk))}
     for label, run in (runs[name] for name in args.runs):

@@ -8,25 +8,15 @@ SnapKV (window scoring + compaction at the end of the prompt). Prints seconds an
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from common import add_model_args, device_name, essay_ids, load, timed
+from common import essay_ids, setup, timed
 from transformers import DynamicCache
 
 import kvgates
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(parser)
-    parser.add_argument("--context", type=int, nargs="+", default=[2048, 4096])
-    parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--policies", nargs="+", default=["snapkv", "pyramidkv", "h2o"])
-    args = parser.parse_args()
-    model, tokenizer = load(args)
-    print(f"device: {device_name(args.device)}; model: {args.model}; budget {args.budget}")
+    args, model, tokenizer = setup(__doc__, context=[2048, 4096], budget=256, repeats=2, policies=["snapkv", "pyramidkv", "h2o"])
     for n in args.context:
         ids = essay_ids(tokenizer, n, args.device)
 

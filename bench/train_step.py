@@ -13,12 +13,11 @@ It prints seconds, the ratio step / teacher forward, and the peak resident memor
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
-from common import add_model_args, device_name, essay_ids, load
+from common import essay_ids, setup
 from prefill_memory import peak_extra_bytes
 
 from kvgates.gates import GATE_KINDS
@@ -28,19 +27,11 @@ from train.trainer import gate_loss
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(parser)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
-    parser.add_argument("--kinds", nargs="+", default=["trimkv", "locret"], choices=["trimkv", "trimkv-global", "locret"])
-    parser.add_argument("--budget", type=int, default=128)
-    parser.add_argument("--gate-hidden", type=int, default=64)
-    parser.add_argument("--completion", type=int, default=64, help="completion tokens the distillation loss covers")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-
-    model, tokenizer = load(args)
+    args, model, tokenizer = setup(
+        __doc__, choices={"kinds": ["trimkv", "trimkv-global", "locret"]},
+        lengths=[512, 1024, 2048], kinds=["trimkv", "locret"], budget=128, gate_hidden=64, completion=64, repeats=3,
+    )
     model.requires_grad_(False)
-    print(f"device: {device_name(args.device)}; budget {args.budget}; completion {args.completion} tokens")
     print("| kind | T | teacher forward (s) | training step (s) | step / forward | teacher peak (MiB) | step peak (MiB) |")
     print("|---|---|---|---|---|---|---|")
     for kind in args.kinds:

@@ -13,9 +13,9 @@ _attention.register()
 from kvgates.errors import AdapterError, UnsupportedModelError  # noqa: E402
 from kvgates.gates import GateSet, GlobalRetentionGates, RetainingHeads, RetentionGates, load_gates  # noqa: E402
 from kvgates.models import EMBEDDED_MODELS, check_supported, load_model, model_fingerprint, prepare_model  # noqa: E402
-from kvgates.policies import POLICIES, Policy, make_policy, register_policy  # noqa: E402
+from kvgates.policies import POLICIES, Policy, Schedule, make_policy, register_policy  # noqa: E402
 from kvgates.runtime.cache import BudgetCache, dynamic_cache_bytes  # noqa: E402
-from kvgates.runtime.layer import BudgetLayer, SlotState  # noqa: E402
+from kvgates.runtime.layer import BudgetLayer, LayerState, SlotState  # noqa: E402
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest  # noqa: E402
 
 __version__ = "0.1.0"
@@ -28,11 +28,13 @@ __all__ = [
     "EMBEDDED_MODELS",
     "GateSet",
     "GlobalRetentionGates",
+    "LayerState",
     "POLICIES",
     "Phase",
     "Policy",
     "RetainingHeads",
     "RetentionGates",
+    "Schedule",
     "SlotState",
     "StatsRequest",
     "UnsupportedModelError",

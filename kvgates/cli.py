@@ -1,22 +1,45 @@
-"""Command line: ``kvgates generate``, ``kvgates policies``.
+"""Command line: ``kvgates generate``, ``kvgates policies``, ``kvgates --version``.
 
     kvgates generate --model smollm2-135m --policy snapkv --budget 256 --prompt-file essay.txt --window 16
 
-Every parameter of the chosen policy is an option (``kvgates generate --policy snapkv --help`` lists them).
+Every parameter of the chosen policy is an option (``kvgates generate --policy snapkv --help`` lists them). The
+generated text is the only thing written to stdout; the KV memory report and every error (one sentence, non-zero
+exit) go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
 import typing
 from pathlib import Path
+from typing import NoReturn
 
 import torch
+import transformers
 
+import kvgates
 from kvgates import POLICIES, BudgetCache, load_model, make_policy
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (exit status 2), not the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def _bool(text: str) -> bool:
@@ -53,19 +76,22 @@ def _generate(argv: list[str]) -> int:
     if known.policy not in POLICIES:
         print(f"kvgates: unknown policy {known.policy!r}; available policies: {', '.join(sorted(POLICIES))}", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog="kvgates generate", description="Generate text with a budgeted KV cache.")
+    parser = _Parser(prog="kvgates generate", description="Generate text with a budgeted KV cache.")
     parser.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' (embedded), a Hub id or a local folder")
     parser.add_argument("--policy", default="full", choices=sorted(POLICIES))
     parser.add_argument("--budget", type=int, help="tokens kept per KV head and layer (not for --policy full)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", type=Path, help="a file holding the prompt")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--chat", action=argparse.BooleanOptionalAction, default=None,
+        help="wrap the prompt in the model's chat template (default: when the tokenizer has one; --no-chat for raw text)",
+    )
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=64)
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prefill-chunk", type=int, help="feed the prompt in chunks of this many tokens")
+    parser.add_argument("--prefill-chunk", type=_positive_int, help="feed the prompt in chunks of this many tokens")
     names = _policy_options(parser, known.policy)
     args = parser.parse_args(argv)
 
@@ -85,27 +111,30 @@ def _generate(argv: list[str]) -> int:
     if not prompt.strip():
         parser.error("the prompt is empty")
 
-    model, tokenizer = load_model(args.model)
-    if args.chat:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-    inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
-    policy.attach(model)  # learned policies hook their gate inputs; heuristics need nothing
-    cache = BudgetCache(model.config, policy)
-    torch.manual_seed(args.seed)
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            past_key_values=cache,
-            max_new_tokens=args.max_new_tokens,
-            do_sample=args.sample,
-            temperature=args.temperature if args.sample else None,
-            top_p=None,
-            top_k=None,
-            prefill_chunk_size=args.prefill_chunk,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    seconds = time.perf_counter() - start
+    # Libraries may print (DeepSpeed's accelerator notice, progress bars): nothing but the text goes to stdout.
+    with contextlib.redirect_stdout(sys.stderr):
+        model, tokenizer = load_model(args.model)
+        chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+        if chat:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+        policy.attach(model)  # learned policies hook their gate inputs; heuristics need nothing
+        cache = BudgetCache(model.config, policy)
+        torch.manual_seed(args.seed)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                **inputs,
+                past_key_values=cache,
+                max_new_tokens=args.max_new_tokens,
+                do_sample=args.sample,
+                temperature=args.temperature if args.sample else None,
+                top_p=None,
+                top_k=None,
+                prefill_chunk_size=args.prefill_chunk,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        seconds = time.perf_counter() - start
     new = out[0, inputs["input_ids"].shape[1] :]
     print(tokenizer.decode(new, skip_special_tokens=True))
     seen = cache.get_seq_length()
@@ -113,10 +142,11 @@ def _generate(argv: list[str]) -> int:
     config = model.config.get_text_config(decoder=True)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     full = 2 * layers * config.num_key_value_heads * head_dim * model.dtype.itemsize * seen
-    held = cache.kv_bytes()
+    held, allocated = cache.held_bytes(), cache.kv_bytes()
     print(
-        f"\n[kvgates] policy={policy.name} tokens={seen} (prompt {inputs['input_ids'].shape[1]}, new {len(new)}) "
-        f"KV held {held / 2**20:.2f} MiB vs full cache {full / 2**20:.2f} MiB ({held / full:.1%}); {seconds:.1f} s",
+        f"\n[kvgates] policy={policy.name} tokens={seen} (prompt {inputs['input_ids'].shape[1]}, new {len(new)}{', chat' if chat else ''}) "
+        f"KV held {held / 2**20:.2f} MiB vs full cache {full / 2**20:.2f} MiB ({held / full:.1%}), "
+        f"allocated {allocated / 2**20:.2f} MiB; {seconds:.1f} s",
         file=sys.stderr,
     )
     return 0
@@ -132,10 +162,20 @@ def _policies(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"generate": _generate, "policies": _policies}
+    if argv[:1] == ["--version"]:
+        print(f"kvgates {kvgates.__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: kvgates {generate,policies} [options]\n\n" + (__doc__ or ""), file=sys.stderr)
+        print("usage: kvgates {generate,policies} [options] | kvgates --version\n\n" + (__doc__ or ""), file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return commands[argv[0]](argv[1:])
+    transformers.utils.logging.set_verbosity_error()  # library notices and progress bars are not for the command line
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        return commands[argv[0]](argv[1:])
+    except (ValueError, OSError) as err:  # bad parameters, AdapterError, UnsupportedModelError, a model that cannot load
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"kvgates: {message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

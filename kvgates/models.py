@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -10,7 +13,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import huggingface_hub
 import torch
+from huggingface_hub import try_to_load_from_cache
+from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvgates.errors import UnsupportedModelError
@@ -54,42 +60,82 @@ def _gguf_path(spec: EmbeddedModel) -> Path:
     return path
 
 
-def embedded_model_dir(name: str) -> Path:
-    """Folder with the embedded model converted to safetensors, converting the GGUF once on first use.
+def embedded_key(spec: EmbeddedModel, gguf: Path) -> str:
+    """What identifies an embedded model's content: the package and its version, the file's name and size.
 
-    Dequantising the GGUF takes ~15 s; the converted folder loads in under a second. The conversion is
-    written to a temporary folder and renamed into place, so an interrupted run leaves nothing half-written.
+    Where the package is installed does not enter, so every install (clones, venvs, CI) of the same package
+    version shares one converted folder.
+    """
+    try:
+        version = importlib.metadata.version(spec.package.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    ident = json.dumps([spec.package, version, spec.filename, gguf.stat().st_size, spec.hub_id])
+    return hashlib.sha256(ident.encode()).hexdigest()[:12]
+
+
+def embedded_model_dir(name: str) -> Path:
+    """Folder with the embedded model converted to safetensors, converting the GGUF once per content.
+
+    Dequantising the GGUF takes ~15 s; the converted folder loads in under a second. The folder is named by
+    ``embedded_key`` (``$KVGATES_HOME/models/<name>-<key>``), written to a temporary folder and renamed into
+    place, and concurrent processes take a lock while converting: the second one waits and uses the first
+    one's folder.
     """
     spec = EMBEDDED_MODELS[name]
     gguf = _gguf_path(spec)
-    stamp = {"gguf": str(gguf), "size": gguf.stat().st_size, "hub_id": spec.hub_id}
-    target = kvgates_home() / "models" / name
-    stamp_file = target / "kvgates_source.json"
-    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
+    models = kvgates_home() / "models"
+    target = models / f"{name}-{embedded_key(spec, gguf)}"
+    if target.is_dir():
         return target
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config_dict = quantized.config.to_dict()
-    config_dict.pop("quantization_config", None)
-    config_dict["_name_or_path"] = spec.hub_id
-    config = type(quantized.config).from_dict(config_dict)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(quantized.state_dict(), assign=True)
-    model.tie_weights()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "kvgates_source.json").write_text(json.dumps(stamp))
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+    models.mkdir(parents=True, exist_ok=True)
+    with open(models / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if target.is_dir():  # another process converted it while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(dir=models, prefix=f".{target.name}-"))
+        try:
+            convert_gguf(gguf, spec.hub_id, tmp)
+            os.rename(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
     return target
+
+
+def convert_gguf(gguf: Path, hub_id: str, folder: Path) -> None:
+    """Dequantise ``gguf`` into a float32 safetensors checkpoint with its tokenizer in ``folder``.
+
+    The weights are written with safetensors directly (``PreTrainedModel.save_pretrained`` would make
+    accelerate import DeepSpeed, which prints to stdout); the config names ``hub_id`` as where the weights come
+    from.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["_name_or_path"] = hub_id
+    type(model.config).from_dict(config).save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
+
+
+def _embedded_name(name_or_path: str) -> str | None:
+    """The embedded model to load for ``name_or_path``: its short name, or the Hub id it came from when that id is
+    neither reachable nor in the local Hugging Face cache (so an adapter's base model loads anywhere)."""
+    if name_or_path in EMBEDDED_MODELS:
+        return name_or_path
+    name = next((n for n, spec in EMBEDDED_MODELS.items() if spec.hub_id == name_or_path), None)
+    if name is None or try_to_load_from_cache(name_or_path, "config.json") is not None:
+        return None
+    if not huggingface_hub.constants.HF_HUB_OFFLINE:
+        try:
+            huggingface_hub.model_info(name_or_path, timeout=5)
+            return None
+        except Exception:  # offline, no DNS, timeout, server error: the embedded copy is the way
+            pass
+    return name
 
 
 def check_supported(model: PreTrainedModel) -> None:
@@ -146,15 +192,21 @@ def load_model(
     """Load ``(model, tokenizer)`` ready for kvgates, in eval mode (as ``from_pretrained`` leaves it).
 
     Args:
-        name_or_path: ``"smollm2-135m"`` (the embedded GGUF, offline), a Hugging Face id, or a local folder.
+        name_or_path: ``"smollm2-135m"`` (the embedded GGUF, offline), a Hugging Face id, or a local folder. The
+            Hub id an embedded model came from (``HuggingFaceTB/SmolLM2-135M-Instruct``) loads the embedded copy
+            when the Hub cannot be reached and the id is not in the local Hugging Face cache.
         dtype: parameter dtype.
         device: where to put the model (ignored with ``device_map``).
         device_map: spread the layers over devices with accelerate (e.g. ``"auto"``); each budgeted layer then
             keeps its cache on its own layer's device.
     """
-    path: str | Path = embedded_model_dir(name_or_path) if name_or_path in EMBEDDED_MODELS else name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", device_map=device_map)
+    embedded = _embedded_name(str(name_or_path))
+    source = embedded_model_dir(embedded) if embedded else _local_or_hub(str(name_or_path))
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", device_map=device_map)
+    if embedded:  # a portable identity, never the conversion folder: the Hub id of the weights and the short name
+        model.config._name_or_path = EMBEDDED_MODELS[embedded].hub_id
+        model.config.kvgates_embedded_model = embedded
     if device_map is None:
         model = model.to(device)
     prepare_model(model)
@@ -163,9 +215,32 @@ def load_model(
     return model, tokenizer
 
 
+def _local_or_hub(name_or_path: str) -> str:
+    """``name_or_path`` itself, after refusing a local path that holds no model (one sentence, not a tokenizer error)."""
+    path = Path(name_or_path)
+    looks_local = path.exists() or path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1
+    if looks_local and not (path / "config.json").is_file():
+        raise UnsupportedModelError(
+            f"{name_or_path} is not a model folder (no config.json there); pass a model folder, a Hugging Face id or "
+            f"an embedded model ({', '.join(EMBEDDED_MODELS)})"
+        )
+    return name_or_path
+
+
 def hub_id_of(model: PreTrainedModel) -> str:
-    """The Hugging Face id a model came from (embedded models report the id of their original weights)."""
-    return str(getattr(model.config, "_name_or_path", "") or model.config.model_type)
+    """A portable name for the model: the Hugging Face id it came from (embedded models report the id of their
+    original weights), or for a model from a local folder ``local:<folder name>`` (never a path on this disk)."""
+    name = str(getattr(model.config, "_name_or_path", "") or "")
+    if not name:
+        return str(model.config.model_type)
+    if os.path.isabs(name) or os.path.exists(name):
+        return f"local:{Path(name).name}"
+    return name
+
+
+def embedded_name_of(model: PreTrainedModel) -> str | None:
+    """The short name of the embedded model ``model`` was loaded from (``load_model("smollm2-135m")``), if any."""
+    return getattr(model.config, "kvgates_embedded_model", None)
 
 
 def model_fingerprint(model: PreTrainedModel) -> str:

@@ -140,7 +140,6 @@ def make_layer(policy, positions: torch.Tensor, head_dim: int = 8, seed: int = 0
     layer.keys.copy_(k.reshape(b, hkv * c, head_dim))
     layer.values.copy_(torch.randn(b, hkv * c, head_dim, generator=g))
     layer.pos.copy_(positions)
-    layer.num_heads = hkv
     return layer
 
 

@@ -1,10 +1,14 @@
 """The ``kvgates`` command line on a tiny local checkpoint."""
 
+import re
+
 import pytest
 import torch
-from helpers import policy_on, save_tiny_checkpoint
+from helpers import policy_on, save_tiny_checkpoint, tiny_model
+from transformers import AutoTokenizer
 
-from kvgates import BudgetCache, load_model
+import kvgates
+from kvgates import BudgetCache, RetentionGates, load_model
 from kvgates.cli import main
 
 
@@ -31,18 +35,72 @@ def test_generate_sampled_with_chunks(checkpoint, capsys):
     assert code == 0
 
 
+@pytest.fixture(scope="module")
+def foreign_gates(tmp_path_factory):
+    """A gate adapter made for another model of the same shapes."""
+    folder = tmp_path_factory.mktemp("foreign")
+    RetentionGates.for_model(tiny_model("llama", seed=1)[1]).save_pretrained(folder)
+    return str(folder)
+
+
+def run(argv: list[str]) -> int:
+    """``main(argv)``'s exit status, whether it returns it or exits with it."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
         (["--policy", "snapkv", "--budget", "8", "--window", "16", "--prompt", "x"], "observation window"),
         (["--policy", "h2o", "--budget", "0", "--prompt", "x"], "at least 1"),
         (["--policy", "h2o", "--budget", "8", "--prompt-file", "/nonexistent"], "does not exist"),
+        (["--max-new-tokens", "-1", "--prompt", "x"], "--max-new-tokens: must be a positive integer, got '-1'"),
+        (["--prefill-chunk", "0", "--prompt", "x"], "--prefill-chunk: must be a positive integer, got '0'"),
+        (["--policy", "trimkv", "--budget", "8", "--gates", "/tmp/nonexistent", "--prompt", "x"],
+         "/tmp/nonexistent is neither an adapter folder nor a Hub repository id"),
+        (["--policy", "trimkv", "--budget", "8", "--gates", "FOREIGN", "--prompt", "x"], "were trained for"),
+        (["--model", "EMPTY", "--prompt", "x"], "is not a model folder (no config.json there)"),
     ],
 )
-def test_bad_input_is_one_clear_error(checkpoint, capsys, argv, message):
-    with pytest.raises(SystemExit):
-        main(["generate", "--model", checkpoint, *argv])
-    assert message in capsys.readouterr().err
+def test_bad_input_is_one_clear_error(checkpoint, foreign_gates, tmp_path, capsys, argv, message):
+    argv = [{"FOREIGN": foreign_gates, "EMPTY": str(tmp_path)}.get(a, a) for a in argv]
+    if "--model" not in argv:
+        argv = ["--model", checkpoint, *argv]
+    assert run(["generate", *argv]) != 0
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert out == "" and len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"kvgates {kvgates.__version__}"
+
+
+def test_stdout_holds_the_generated_text_only(checkpoint, capsys):
+    code = main(["generate", "--model", checkpoint, "--prompt", "the lazy dog", "--max-new-tokens", "6"])
+    out, err = capsys.readouterr()
+    model, tok = load_model(checkpoint)
+    ids = tok("the lazy dog", return_tensors="pt")["input_ids"]
+    expected = tok.decode(model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:],
+                          skip_special_tokens=True)
+    assert code == 0 and out == expected + "\n"
+    assert "KV held" in err and "allocated" in err
+
+
+def test_chat_template_is_the_default_when_the_tokenizer_has_one(tmp_path, capsys):
+    checkpoint = save_tiny_checkpoint(tmp_path)
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    tok.save_pretrained(checkpoint)
+    prompts = {}
+    for flag in ([], ["--no-chat"]):
+        assert main(["generate", "--model", str(checkpoint), "--prompt", "hi", "--max-new-tokens", "2", *flag]) == 0
+        prompts[bool(flag)] = int(re.search(r"prompt (\d+)", capsys.readouterr().err).group(1))
+    assert prompts == {False: len("<user>hi<assistant>"), True: len("hi")}  # one token per character
 
 
 def test_unknown_policy(capsys):

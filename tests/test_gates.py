@@ -131,7 +131,7 @@ def test_unattached_policy_fails_clearly(tiny_pair):
 
 # ------------------------------------------------------------------------------------------------ decisions
 def _stats():
-    return AttnStats(phase=Phase.DECODE, q_len=1, new_slots=torch.zeros(2, 3, 1, dtype=torch.long))
+    return AttnStats(phase=Phase.DECODE, new_slots=torch.zeros(2, 3, 1, dtype=torch.long))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -157,7 +157,7 @@ def test_trimkv_global_decisions_match_brute_force(seed, window, min_per_head):
     log_beta = [-torch.rand(2, 3, 20, generator=g) for _ in range(3)]
     t = torch.stack([p.amax(dim=(1, 2)) for p in layers]).amax(0)
     scores = [torch.where(p >= 0, (t[:, None, None] - p) * lb, torch.full_like(lb, float("-inf"))) for p, lb in zip(layers, log_beta)]
-    from kvgates.policies.base import topk_mask
+    from kvgates.policies.selection import topk_mask
 
     forced = []
     for p, s in zip(layers, scores):
@@ -183,7 +183,7 @@ def test_trimkv_global_runs_within_the_global_budget(tiny_pair):
         teacher_forced_logits(model, cache, torch.randint(1, 128, (2, 50), generator=torch.Generator().manual_seed(3)), 30)
     held = cache.held_tokens()  # [layers, B, H_kv]
     assert int(held.sum((0, 2)).max()) <= 8 * 3 * 2 and int(held.min()) >= 2
-    assert all(len(set(layer.caps)) > 1 for layer in cache.budget_layers)  # ragged: storage follows the allocation
+    assert all(len(set(layer.head_slots)) > 1 for layer in cache.budget_layers)  # ragged: storage follows the allocation
     assert bool((held[:, :, 0] > held[:, :, 1]).all())
 
 

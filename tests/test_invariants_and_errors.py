@@ -3,9 +3,10 @@
 import pytest
 import torch
 from helpers import POLICY_PARAMS, policy_kwargs, policy_on
+from transformers import DynamicCache
 
 import kvgates
-from kvgates import POLICIES, BudgetCache, UnsupportedModelError, make_policy
+from kvgates import POLICIES, BudgetCache, UnsupportedModelError, dynamic_cache_bytes, make_policy
 
 EVICTING = sorted(set(POLICIES) - {"full"})
 
@@ -29,19 +30,17 @@ def test_every_layer_within_budget_after_every_step(tiny, name):
         grown = 0 if decode_evicts or seen == 30 else seen - 30  # appended since the prompt by prefill-only policies
         for layer in cache.budget_layers:
             held = layer.held()
-            if layer.head_budgets is not None:  # head-wise budgets (Ada-KV) or per-sequence budgets (D2O)
-                assert bool((held <= layer.head_budgets + grown).all())
-                if cache.policy.name == "adakv":  # Ada-KV redistributes the layer total (rounding: < 1 per head)
-                    assert bool((held.sum(-1) <= (layer.budget + 1 + grown) * layer.num_kv_heads).all())
-            else:
-                assert int(held.max()) <= layer.budget + grown
+            if layer.quota is not None:  # per head and sequence (Ada-KV's head budgets, D2O's layer budgets ...)
+                assert bool((held <= layer.quota + grown).all())
+            if cache.policy.name == "adakv":  # Ada-KV redistributes the layer total (rounding: < 1 per head)
+                assert bool((held.sum(-1) <= (budget + 1 + grown) * layer.num_kv_heads).all())
         if cache.policy.name == "trimkv-global":  # one budget for every layer and head
             total = sum(layer.held().sum(-1) for layer in cache.budget_layers)
             assert int(total.max()) <= budget * len(cache.budget_layers) * cache.budget_layers[0].num_kv_heads
         assert cache.get_seq_length() == seen
 
     with policy_on(model, name, budget) as policy:
-        decode_evicts = kvgates.Phase.DECODE in policy.evicts_in
+        decode_evicts = policy.schedule.decode_every > 0
         run_steps(model, BudgetCache(model.config, policy), ids, 30, check)
 
 
@@ -87,6 +86,21 @@ def test_storage_is_flat_during_decode(tiny, name):
     assert sizes[0] == 3 * 2 * 2 * 17 * 16 * 4
 
 
+def test_a_full_cache_allocates_what_dynamic_cache_does_and_reports_held_bytes(tiny):
+    """No over-allocation for a cache that keeps everything; held and allocated bytes are reported apart."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, 60), generator=torch.Generator().manual_seed(6))
+    full, dynamic = BudgetCache(model.config, "full"), DynamicCache(config=model.config)
+    snap = BudgetCache(model.config, "snapkv", budget=16, window=4, kernel=3)
+    with torch.no_grad():
+        for cache in (full, dynamic, snap):
+            model(ids[:, :40], past_key_values=cache)
+            for t in range(40, 60):
+                model(ids[:, t : t + 1], past_key_values=cache)
+    assert full.kv_bytes() == full.held_bytes() == dynamic_cache_bytes(dynamic)
+    assert snap.held_bytes() == int(snap.held_tokens().sum()) * 2 * 16 * 4 < snap.kv_bytes()  # K+V, head_dim, fp32
+
+
 def test_prefill_chunks_bound_peak_memory(tiny):
     _, model = tiny
     cache = BudgetCache(model.config, "snapkv", budget=16, window=4, kernel=3)
@@ -95,7 +109,7 @@ def test_prefill_chunks_bound_peak_memory(tiny):
     with torch.no_grad():
         for start in range(0, 200, 25):
             model(ids[:, start : start + 25], past_key_values=cache)
-            peak = max(peak, max(layer.capacity for layer in cache.budget_layers))
+            peak = max(peak, max(layer.max_slots for layer in cache.budget_layers))
             assert int(cache.held_tokens().max()) <= 16
     # The largest storage ever allocated is what was held plus one chunk.
     assert peak <= 16 + 1 + 25

@@ -1,13 +1,17 @@
 """Preparing and loading models for kvgates."""
 
 import copy
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import save_tiny_checkpoint, tiny_model
 
 import kvgates
-from kvgates import BudgetCache, UnsupportedModelError
+from kvgates import BudgetCache, RetentionGates, UnsupportedModelError, models
+from kvgates.models import embedded_name_of, hub_id_of
 
 
 def test_prepare_model_keeps_training_mode_and_gradient_checkpointing():
@@ -65,3 +69,69 @@ def test_prepare_model_dry_run_keeps_the_random_state():
     state = torch.random.get_rng_state()
     kvgates.prepare_model(model)
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_a_model_from_a_local_folder_is_named_without_its_path(tmp_path):
+    """Adapters record a portable base-model name: never a folder on their author's disk."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "my-model")
+    model, _ = kvgates.load_model(str(checkpoint))
+    assert hub_id_of(model) == "local:my-model" and embedded_name_of(model) is None
+    RetentionGates.for_model(model).save_pretrained(tmp_path / "gates")
+    config = json.loads((tmp_path / "gates" / "config.json").read_text())
+    assert config["base_model"] == "local:my-model" and config["base_model_embedded"] is None
+    assert str(tmp_path) not in (tmp_path / "gates" / "config.json").read_text() + (tmp_path / "gates" / "README.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------------ embedded model cache
+@pytest.fixture
+def fake_installs(tmp_path, monkeypatch):
+    """Two installs (clones, venvs) of the same embedded-model package, and a converter that counts its calls."""
+    monkeypatch.setenv("KVGATES_HOME", str(tmp_path / "home"))
+    installs = []
+    for clone in ("clone-a", "clone-b"):
+        gguf = tmp_path / clone / "site-packages" / "model.gguf"
+        gguf.parent.mkdir(parents=True)
+        gguf.write_bytes(b"GGUF" + bytes(4096))
+        installs.append(gguf)
+    calls = []
+
+    def convert(gguf, hub_id, folder):
+        calls.append(gguf)
+        time.sleep(0.3)  # long enough for concurrent callers to overlap
+        (folder / "config.json").write_text(json.dumps({"_name_or_path": hub_id}))
+
+    monkeypatch.setattr(models, "convert_gguf", convert)
+    return installs, calls
+
+
+def test_two_installs_share_one_converted_model(fake_installs, monkeypatch):
+    installs, calls = fake_installs
+    folders = []
+    for gguf in installs:
+        monkeypatch.setattr(models, "_gguf_path", lambda spec, gguf=gguf: gguf)
+        folders.append(models.embedded_model_dir("smollm2-135m"))
+    assert folders[0] == folders[1] and len(calls) == 1
+    assert folders[0].name.startswith("smollm2-135m-") and json.loads((folders[0] / "config.json").read_text())
+
+
+def test_concurrent_processes_convert_once(fake_installs, monkeypatch):
+    installs, calls = fake_installs
+    monkeypatch.setattr(models, "_gguf_path", lambda spec: installs[0])
+    with ThreadPoolExecutor(4) as pool:  # a lock file: each caller opens its own handle, as processes do
+        folders = list(pool.map(lambda _: models.embedded_model_dir("smollm2-135m"), range(4)))
+    assert len(set(folders)) == 1 and len(calls) == 1
+
+
+def test_an_interrupted_conversion_leaves_nothing_behind(fake_installs, monkeypatch):
+    installs, _ = fake_installs
+    monkeypatch.setattr(models, "_gguf_path", lambda spec: installs[0])
+
+    def crash(gguf, hub_id, folder):
+        (folder / "partial").write_text("x")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "convert_gguf", crash)
+    with pytest.raises(KeyboardInterrupt):
+        models.embedded_model_dir("smollm2-135m")
+    home = models.kvgates_home() / "models"
+    assert [p.name for p in home.iterdir() if not p.name.endswith(".lock")] == []

@@ -6,6 +6,7 @@ import torch
 from helpers import make_layer, random_positions
 
 from kvgates.policies import H2O, TOVA, PyramidKV, SnapKV, StreamingLLM
+from kvgates.policies.h2o import CUMULATIVE
 from kvgates.policies.pyramidkv import pyramid_budgets
 from kvgates.runtime.stats import AttnStats, Phase
 
@@ -22,7 +23,7 @@ def head_scores(layer, scores, b, h):
 
 def stats_with(rows=None, colsum=None, phase=Phase.PREFILL, window=None):
     return AttnStats(
-        phase=phase, q_len=8, new_slots=torch.zeros(B, HKV, 1, dtype=torch.long), rows=rows, colsum=colsum,
+        phase=phase, new_slots=torch.zeros(B, HKV, 1, dtype=torch.long), rows=rows, colsum=colsum,
         window=None if window is None else window.sum(2), window_rows=0 if window is None else window.shape[2],
     )
 
@@ -44,11 +45,11 @@ def test_streaming_llm(seed, budget, sinks):
 def test_h2o(seed, budget, recent):
     policy = H2O(budget=budget, recent=recent)
     layer = make_layer(policy, random_positions(B, HKV, C, held=17, seed=seed))
-    layer.state["h2o_score"] = torch.rand(B, HKV, C, generator=torch.Generator().manual_seed(seed))
+    layer.state[CUMULATIVE] = torch.rand(B, HKV, C, generator=torch.Generator().manual_seed(seed))
     keep = policy.select(layer, stats_with(), budget)
     for b in range(B):
         for h in range(HKV):
-            scores = head_scores(layer, layer.state["h2o_score"], b, h)
+            scores = head_scores(layer, layer.state[CUMULATIVE], b, h)
             assert kept_positions(layer, keep, b, h) == brute.h2o(scores, budget, policy.recent)
 
 
@@ -58,7 +59,7 @@ def test_h2o_accumulates_prefill_and_decode_scores():
     first, second = torch.rand(B, HKV, C), torch.rand(B, HKV, C)
     policy.observe(layer, stats_with(colsum=first))
     policy.observe(layer, stats_with(colsum=second, phase=Phase.DECODE))
-    torch.testing.assert_close(layer.state["h2o_score"], first + second)
+    torch.testing.assert_close(layer.state[CUMULATIVE], first + second)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -106,7 +107,7 @@ def test_pyramidkv_uses_layer_budget(tiny):
     with torch.no_grad():
         model(ids, past_key_values=cache)
     expected = pyramid_budgets(16, 4, 60, 3, 20)
-    assert [layer.budget for layer in cache.budget_layers] == expected
+    assert [int(layer.quota.max()) for layer in cache.budget_layers] == expected
     assert cache.held_tokens()[:, 0, 0].tolist() == expected
 
 
@@ -129,7 +130,7 @@ def test_tova(seed, per_head):
 @pytest.mark.parametrize("seed", range(6))
 def test_single_drop_fast_path_matches_full_ranking(seed):
     """With at most one slot too many per row (every decode step), topk_mask skips sorting; same decisions."""
-    from kvgates.policies.base import topk_mask
+    from kvgates.policies.selection import topk_mask
 
     g = torch.Generator().manual_seed(seed)
     pos = random_positions(B, HKV, C, held=12, seed=seed)

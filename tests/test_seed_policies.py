@@ -7,19 +7,20 @@ from helpers import make_layer, random_positions, teacher_forced_logits, tiny_mo
 
 from kvgates import BudgetCache
 from kvgates.policies import D2O, AdaKV, DynamicKV, KVMerger, Merge, MorphKV
+from kvgates.policies.adakv import adakv_head_budgets
 from kvgates.policies.d2o import d2o_layer_ratios, layer_variance
 from kvgates.policies.dynamickv import dynamickv_allocation
-from kvgates.policies.history import push_row
+from kvgates.policies.h2o import CUMULATIVE
+from kvgates.policies.history import push_rows
 from kvgates.policies.kvmerger import merging_set_starts
-from kvgates.policies.merging import merge_evicted
-from kvgates.policies.wrappers import adakv_head_budgets
+from kvgates.policies.merging import MergeState, merge_evicted
 from kvgates.runtime.stats import AttnStats, Phase
 
 B, HKV, C = 2, 3, 24
 
 
 def stats(phase=Phase.PREFILL, rows=None, colsum=None):
-    return AttnStats(phase=phase, q_len=1, new_slots=torch.zeros(B, HKV, 1, dtype=torch.long), rows=rows, colsum=colsum)
+    return AttnStats(phase=phase, new_slots=torch.zeros(B, HKV, 1, dtype=torch.long), rows=rows, colsum=colsum)
 
 
 def kept(layer, keep, b, h):
@@ -37,11 +38,9 @@ def test_morphkv_selection(fusion, seed):
     policy = MorphKV(budget=10, recent=4, fusion=fusion)
     layer = make_layer(policy, random_positions(B, HKV, C, held=18, seed=seed))
     g = torch.Generator().manual_seed(seed)
-    history = []
-    for _ in range(4):
-        row = torch.rand(B, HKV, C, generator=g)
-        push_row(layer, "morph_rows", row)
-        history.append(row)
+    history = [torch.rand(B, HKV, C, generator=g) for _ in range(4)]
+    current = torch.rand(B, HKV, C, generator=g)  # recorded before the decision, left out of it
+    push_rows(layer, "morph_rows", policy.layer_state(layer), torch.stack(history + [current], dim=2))
     keep = policy.select(layer, stats(Phase.DECODE), 10)
     for b in range(B):
         for h in range(HKV):
@@ -57,17 +56,31 @@ def test_morphkv_ring_buffer_keeps_last_rows_and_new_slots_start_at_zero(tiny):
     with torch.no_grad():
         model(ids[:, :20], past_key_values=cache)
         layer = cache.budget_layers[0]
-        assert layer.state["morph_rows"].shape[-1] == 3
+        assert layer.state["morph_rows"].shape[-1] == 3 + 1  # the R recent rows and the current one
         for t in range(20, 40):
             model(ids[:, t : t + 1], past_key_values=cache)
             assert int(layer.held().max()) == 12 and int(layer.held().min()) == 12
             # the newest token was written after every recorded row but the current one: zero in all older rows
             newest = layer.pos == t
-            rows = layer.state["morph_rows"][newest]  # [H_kv, R]
-            nxt = layer.scratch["morph_rows.next"]
-            current = (nxt - 1) % 3
-            others = [r for r in range(3) if r != current]
+            rows = layer.state["morph_rows"][newest]  # [H_kv, R + 1]
+            current = cache.policy.layer_state(layer).newest
+            others = [r for r in range(4) if r != current]
             assert torch.all(rows[:, others] == 0) and torch.all(rows[:, current] > 0)
+
+
+def test_morphkv_records_every_row_of_a_multi_token_decode_step(tiny):
+    """A decode step verifying several tokens (speculative decoding) records all their rows, not just the last."""
+    _, model = tiny
+    cache = BudgetCache(model.config, MorphKV(budget=12, recent=3))
+    ids = torch.randint(1, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids[:, :20], past_key_values=cache)
+        model(ids[:, 20:21], past_key_values=cache)
+        history = [cache.policy.layer_state(layer) for layer in cache.budget_layers]
+        before = [h.newest for h in history]
+        model(ids[:, 21:24], past_key_values=cache)
+    assert [h.newest for h in history] == [(n + 3) % 4 for n in before]
+    assert cache.held_tokens().unique().tolist() == [12]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -99,12 +112,12 @@ def test_d2o_layer_variance_and_ratios():
 def test_d2o_keep_mask(seed):
     policy = D2O(budget=12, sinks=2, merge=False)
     layer = make_layer(policy, random_positions(B, HKV, C, held=20, seed=seed))
-    layer.state["d2o_score"] = torch.rand(B, HKV, C, generator=torch.Generator().manual_seed(seed))
+    layer.state[CUMULATIVE] = torch.rand(B, HKV, C, generator=torch.Generator().manual_seed(seed))
     budget = torch.tensor([[12], [9]])
-    keep = policy.keep_mask(layer, budget)
+    keep = policy.select(layer, None, budget)
     for b in range(B):
         for h in range(HKV):
-            expected = brute.d2o_keep(scores_of(layer, layer.state["d2o_score"], b, h), int(budget[b]), 2, 3, 1)
+            expected = brute.d2o_keep(scores_of(layer, layer.state[CUMULATIVE], b, h), int(budget[b]), 2, 3, 1)
             assert kept(layer, keep, b, h) == expected
 
 
@@ -119,9 +132,10 @@ def test_d2o_merge_matches_brute_force(rule):
     keep[0, 0, :6] = True
     kept_pos = {int(p) for p in pos[0, 0, :6].tolist()}
     evicted_pos = set(keys) - kept_pos
-    merge_evicted(layer, keep, beta=0.7, rule=rule)
+    state = MergeState()
+    merge_evicted(layer, keep, state, beta=0.7, rule=rule)
     new_k, new_v, tau = brute.d2o_merge(keys, values, kept_pos, evicted_pos, None, 0.7, rule)
-    assert layer.scratch["merge.tau"].item() == pytest.approx(tau, abs=1e-6)
+    assert state.tau.item() == pytest.approx(tau, abs=1e-6)
     for s in range(6):
         p = int(pos[0, 0, s])
         assert layer.keys[0, s].tolist() == pytest.approx(new_k[p], abs=1e-5)
@@ -132,9 +146,9 @@ def test_d2o_merge_matches_brute_force(rule):
     layer.pos[0, 0, 6:] = -1
     keys2 = {p: (layer.keys[0, s].tolist()) for s, p in enumerate(pos[0, 0, :6].tolist())}
     values2 = {p: (layer.values[0, s].tolist()) for s, p in enumerate(pos[0, 0, :6].tolist())}
-    merge_evicted(layer, keep2, beta=0.7, rule=rule)
+    merge_evicted(layer, keep2, state, beta=0.7, rule=rule)
     _, _, tau2 = brute.d2o_merge(keys2, values2, set(pos[0, 0, 3:6].tolist()), set(pos[0, 0, :3].tolist()), tau, 0.7, rule)
-    assert layer.scratch["merge.tau"].item() == pytest.approx(tau2, abs=1e-6)
+    assert state.tau.item() == pytest.approx(tau2, abs=1e-6)
 
 
 def test_d2o_layer_budgets_follow_variance(tiny):
@@ -143,10 +157,10 @@ def test_d2o_layer_budgets_follow_variance(tiny):
     ids = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         model(ids, past_key_values=cache)
-    variances = [layer.scratch["d2o.variance"].item() for layer in cache.budget_layers]
+    variances = [cache.policy.layer_state(layer).variance.item() for layer in cache.budget_layers]
     ratios = brute.d2o_ratios(variances, 10 / 50)
     expected = [max(round(r * 50), 3) for r in ratios]
-    assert [layer.budget for layer in cache.budget_layers] == expected
+    assert [int(layer.quota.max()) for layer in cache.budget_layers] == expected
     assert cache.held_tokens()[:, 0, 0].tolist() == expected
 
 
@@ -160,9 +174,9 @@ def test_d2o_later_prompt_chunks_use_the_prompt_length_seen_so_far():
     with torch.no_grad():
         model(ids[:, :500], past_key_values=cache)
         model(ids[:, 500:], past_key_values=cache)
-    variances = [layer.scratch["d2o.variance"].item() for layer in cache.budget_layers]
+    variances = [cache.policy.layer_state(layer).variance.item() for layer in cache.budget_layers]
     expected = [max(round(r * 600), 3) for r in brute.d2o_ratios(variances, 4 / 600)]
-    assert [layer.budget for layer in cache.budget_layers] == expected
+    assert [int(layer.quota.max()) for layer in cache.budget_layers] == expected
     assert min(expected) == 6  # the 1% floor of the 600 tokens seen
 
 
@@ -194,7 +208,7 @@ def test_dynamickv_reallocation_matches_brute_force(tiny):
     original = policy._reallocate
 
     def spy(layers, room, num_layers):
-        snapshots["before"] = [(ly.pos.clone(), ly.state["dynamickv_score"].clone(), ly.scratch["dynamickv.window"]) for ly in layers]
+        snapshots["before"] = [(ly.pos.clone(), ly.state["dynamickv_score"].clone(), policy.layer_state(ly).window) for ly in layers]
         original(layers, room, num_layers)
 
     policy._reallocate = spy
@@ -253,16 +267,16 @@ def test_kvmerger_merge_matches_brute_force(sigma, scale):
     policy = KVMerger(budget=14, window=3, heavy=2, epsilon=0.0, sigma=sigma, scale_values=scale)
     pos = random_positions(1, 1, C, held=20, seed=7)
     layer = make_layer(policy, pos, head_dim=4, seed=7)
-    layer.state["kvmerger_score"] = torch.rand(1, 1, C, generator=torch.Generator().manual_seed(7))
+    layer.state[CUMULATIVE] = torch.rand(1, 1, C, generator=torch.Generator().manual_seed(7))
     slots = {int(p): s for s, p in enumerate(pos[0, 0].tolist()) if p >= 0}
     order = sorted(slots)
     keys = [layer.keys[0, slots[p]].tolist() for p in order]
     values = [layer.values[0, slots[p]].tolist() for p in order]
-    score = [layer.state["kvmerger_score"][0, 0, slots[p]].item() for p in order]
+    score = [layer.state[CUMULATIVE][0, 0, slots[p]].item() for p in order]
     protected = brute.recent(order, 3) | brute.top_by_score(dict(zip(order, score)), 2, brute.recent(order, 3))
     mergeable = [p not in protected for p in order]
-    keep = policy.merge(layer, 14)
-    eps = layer.scratch["kvmerger.epsilon"].item()
+    keep = policy.select(layer, None, torch.tensor([[14]]))
+    eps = policy.layer_state(layer).epsilon.item()
     sets = brute.kvmerger_sets(keys, mergeable, eps)
     assert eps <= 0.0 and len(sets) + len(protected) <= 14  # calibrated down from the fixed epsilon to fit
     assert any(len(m) > 1 for m in sets)
@@ -290,7 +304,7 @@ def test_kvmerger_calibrates_to_budget(tiny):
 def test_adakv_budgets_and_selection(seed):
     policy = AdaKV(budget=9, base="h2o", base_params={"recent": 3})
     layer = make_layer(policy, random_positions(B, HKV, C, held=20, seed=seed))
-    layer.state["h2o_score"] = torch.rand(B, HKV, C, generator=torch.Generator().manual_seed(seed)) ** 3
+    layer.state[CUMULATIVE] = torch.rand(B, HKV, C, generator=torch.Generator().manual_seed(seed)) ** 3
     scores, forced = policy.inner.score(layer, stats())
     budgets = adakv_head_budgets(scores, forced, layer.valid, 9, 0.2)
     for b in range(B):
@@ -306,11 +320,11 @@ def test_adakv_memory_follows_head_budgets(tiny):
     with torch.no_grad():
         model(ids, past_key_values=cache)
     for layer in cache.budget_layers:
-        caps = layer.caps
+        slots = layer.head_slots
         held = layer.held()[0].tolist()
-        assert caps == [h + 1 for h in held]  # each head's storage = its own budget + 1 slack slot
-        assert layer.kv_bytes() == sum(caps) * 2 * layer.head_dim * 4
-    assert any(len(set(layer.caps)) > 1 for layer in cache.budget_layers)  # ragged, not padded to the max
+        assert slots == [h + 1 for h in held]  # each head's storage = its own budget + 1 slack slot
+        assert layer.kv_bytes() == sum(slots) * 2 * layer.head_dim * 4
+    assert any(len(set(layer.head_slots)) > 1 for layer in cache.budget_layers)  # ragged, not padded to the max
 
 
 @pytest.mark.parametrize("base,params", [("snapkv", {"window": 4, "kernel": 3}), ("pyramidkv", {"window": 4, "kernel": 3}),
@@ -321,8 +335,8 @@ def test_adakv_wraps_scoring_policies(tiny, base, params):
     ids = torch.randint(1, 128, (2, 60), generator=torch.Generator().manual_seed(10))
     teacher_forced_logits(model, cache, ids, 40)
     for layer in cache.budget_layers:
-        grown = 0 if cache.policy.inner.evicts_in == {Phase.PREFILL} else 20
-        assert bool((layer.held() <= layer.head_budgets + 20 - grown).all())
+        grown = 20 if cache.policy.inner.schedule.decode_every == 0 else 0
+        assert bool((layer.held() <= layer.quota + grown).all())
 
 
 def test_adakv_refuses_a_base_without_scores():

@@ -103,3 +103,40 @@ def test_harness_runs_every_task_kind_on_the_embedded_model(tmp_path, smollm):
     assert all(0 < r["metrics"]["kl"] < 10 for r in fid)
     write_report(results)
     assert "trimkv (untrained)" in (tmp_path / "report.md").read_text()
+
+
+def test_embedded_model_is_named_by_its_hub_id_and_loads_by_it_offline(smollm, monkeypatch):
+    """An adapter for the embedded model names the upstream Hub id (and the embedded name), and that id loads the
+    embedded copy when the Hub cannot be reached: an adapter's base model loads anywhere."""
+    import huggingface_hub
+
+    import kvgates
+    from kvgates.models import embedded_name_of, hub_id_of
+
+    model, _ = smollm
+    assert hub_id_of(model) == "HuggingFaceTB/SmolLM2-135M-Instruct" and embedded_name_of(model) == "smollm2-135m"
+    config = kvgates.RetentionGates.for_model(model).config
+    assert (config.base_model, config.base_model_embedded) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    again, _ = kvgates.load_model(config.base_model)
+    assert kvgates.model_fingerprint(again) == config.fingerprint
+
+
+def test_converting_the_embedded_model_prints_nothing_to_stdout_and_imports_no_deepspeed(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys, kvgates; kvgates.load_model('smollm2-135m'); print('deepspeed' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "KVGATES_HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "False\n"
+
+
+def test_generate_answers_an_instruct_question_without_the_chat_flag(capsys):
+    from kvgates.cli import main
+
+    assert main(["generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out and out.count("\n") == 1

@@ -36,8 +36,7 @@ def test_rows_and_colsum_match_naive(reduce):
     q = torch.randn(2, 6, 5, 8)
     q_pos = torch.tensor([[3, 6, 7, 8, 30], [0, 2, 4, 9, 30]])
     q_real = torch.tensor([[True, True, False, True, True], [True, True, True, True, True]])
-    layer.num_heads = 6
-    stats = AttnStats(phase=Phase.PREFILL, q_len=5, new_slots=torch.zeros(2, 2, 5, dtype=torch.long))
+    stats = AttnStats(phase=Phase.PREFILL, new_slots=torch.zeros(2, 2, 5, dtype=torch.long))
     layer._prefill_stats(q, layer.keys, 0.5, q_pos, q_real, StatsRequest(rows=3, window=4, colsum=True, reduce=reduce), stats)
     probs = naive_probs(q, k, pos, q_pos, 0.5) * q_real[:, None, :, None]
     torch.testing.assert_close(stats.rows, kernels.group_reduce(probs[:, :, -3:], 2, reduce), atol=1e-6, rtol=0)
@@ -54,7 +53,7 @@ def test_decode_probs_match_naive(reduce):
     k = layer.keys.view(2, 2, 10, 8)
     v = layer.values.view(2, 2, 10, 8)
     q = torch.randn(2, 6, 1, 8)
-    stats = AttnStats(phase=Phase.DECODE, q_len=1, new_slots=torch.zeros(2, 2, 1, dtype=torch.long))
+    stats = AttnStats(phase=Phase.DECODE, new_slots=torch.zeros(2, 2, 1, dtype=torch.long))
     out = layer._decode(q, layer.keys, 0.3, StatsRequest(rows=1, reduce=reduce), stats)
     probs = naive_probs(q, k, pos, torch.full((2, 1), 10**6), 0.3)
     torch.testing.assert_close(stats.rows[:, :, 0], kernels.group_reduce(probs[:, :, 0], 2, reduce), atol=1e-6, rtol=0)

@@ -36,7 +36,11 @@ GATE_KINDS: dict[str, type[GateSet]] = {}
 
 @dataclass
 class GateConfig:
-    """What a gate adapter is for and how it is shaped (``config.json``)."""
+    """What a gate adapter is for and how it is shaped (``config.json``).
+
+    ``base_model`` is portable: the base model's Hugging Face id (for an embedded model, the id its weights came
+    from, with ``base_model_embedded`` its short name in kvgates), never a path on the author's disk.
+    """
 
     kind: str
     base_model: str
@@ -50,6 +54,7 @@ class GateConfig:
     gate_hidden: int
     activation: str = "silu"
     init_bias: float = 18.0
+    base_model_embedded: str | None = None
     training_budget: int | None = None
     training_data: str | None = None
     results: dict[str, Any] = field(default_factory=dict)
@@ -143,11 +148,12 @@ class GateSet(nn.Module):
         init_bias: float = 18.0,
     ) -> GateSet:
         """Freshly initialised gates shaped for ``model`` (recording its id and fingerprint)."""
-        from kvgates.models import hub_id_of, model_fingerprint
+        from kvgates.models import embedded_name_of, hub_id_of, model_fingerprint
 
         config = GateConfig(
             kind=cls.kind,
             base_model=hub_id_of(model),
+            base_model_embedded=embedded_name_of(model),
             fingerprint=model_fingerprint(model),
             gate_hidden=gate_hidden or cls.default_hidden,
             init_bias=init_bias,
@@ -267,6 +273,7 @@ class GateSet(nn.Module):
         if c.training:
             recipe = json.dumps(c.training, indent=1, sort_keys=True)
             training = f"\n## Training\n\n```json\n{recipe}\n```\n"
+        embedded = f" (kvgates ships it as `{c.base_model_embedded}`: it loads offline)" if c.base_model_embedded else ""
         return f"""---
 library_name: kvgates
 base_model: {c.base_model}
@@ -275,7 +282,7 @@ tags: [kvgates, kv-cache, kv-cache-eviction, {c.kind}]
 
 # kvgates {c.kind} gates for {c.base_model}
 
-Learned KV-cache eviction modules ({c.kind}) for `{c.base_model}` (fingerprint `{c.fingerprint}`): one gate per
+Learned KV-cache eviction modules ({c.kind}) for `{c.base_model}`{embedded} (fingerprint `{c.fingerprint}`): one gate per
 gated layer ({len(c.layer_ids)} of {c.num_layers}), {c.num_kv_heads} KV heads, gate width {c.gate_hidden}.
 Training budget: {c.training_budget if c.training_budget is not None else "not trained yet"}.
 Training data: {c.training_data or "none recorded"}.
@@ -304,7 +311,15 @@ _POLICY_OF_KIND = {"retention": "trimkv", "retention-global": "trimkv-global", "
 
 def _download(repo_id: str, revision: str | None, endpoint: str | None, token: str | None) -> Path:
     from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise AdapterError(
+            f"{repo_id} is neither an adapter folder nor a Hub repository id; pass an existing adapter folder "
+            "(config.json, model.safetensors) or an id like 'user/name'"
+        ) from None
     try:
         return Path(
             snapshot_download(
@@ -315,9 +330,9 @@ def _download(repo_id: str, revision: str | None, endpoint: str | None, token: s
                 token=token,
             )
         )
-    except Exception as err:  # the Hub client raises many types (offline, 404, auth, bad id)
+    except Exception as err:  # the Hub client raises many types (offline, 404, auth)
         raise AdapterError(
-            f"no local folder {repo_id!r} and it could not be fetched from the Hub ({type(err).__name__}: {err}); "
+            f"no local folder {repo_id!r} and it could not be fetched from the Hub ({type(err).__name__}); "
             "pass an existing adapter folder or a reachable Hub repository id"
         ) from err
 

@@ -1,6 +1,7 @@
 """Eviction policies, one per file, registered by name (``make_policy("snapkv", budget=256)``)."""
 
-from kvgates.policies.base import POLICIES, Policy, make_policy, register_policy
+from kvgates.policies.adakv import AdaKV
+from kvgates.policies.base import POLICIES, Policy, Schedule, make_policy, register_policy
 from kvgates.policies.d2o import D2O
 from kvgates.policies.dynamickv import DynamicKV
 from kvgates.policies.full import Full
@@ -8,6 +9,7 @@ from kvgates.policies.h2o import H2O
 from kvgates.policies.kvmerger import KVMerger
 from kvgates.policies.learned import LearnedPolicy
 from kvgates.policies.locret import Locret
+from kvgates.policies.merging import Merge
 from kvgates.policies.morphkv import MorphKV
 from kvgates.policies.pyramidkv import PyramidKV
 from kvgates.policies.snapkv import SnapKV
@@ -15,11 +17,11 @@ from kvgates.policies.streaming import StreamingLLM
 from kvgates.policies.tova import TOVA
 from kvgates.policies.trimkv import TrimKV
 from kvgates.policies.trimkv_global import TrimKVGlobal
-from kvgates.policies.wrappers import AdaKV, Merge
 
 __all__ = [
     "POLICIES",
     "Policy",
+    "Schedule",
     "make_policy",
     "register_policy",
     "AdaKV",

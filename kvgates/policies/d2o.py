@@ -6,13 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.kernels import GROUP_REDUCTIONS
-from kvgates.policies.base import Policy, keep_forced_and_top, recent_mask, register_policy, sink_mask
-from kvgates.policies.merging import MERGE_RULES, merge_evicted
-from kvgates.runtime.layer import SlotState
-from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
-
-_SCORE = "d2o_score"
+from kvgates.policies.base import Schedule, register_policy
+from kvgates.policies.h2o import CUMULATIVE, CumulativeAttention
+from kvgates.policies.merging import MERGE_RULES, MergeState, merge_evicted
+from kvgates.policies.selection import keep_forced_and_top, recent_mask, sink_mask
+from kvgates.runtime.stats import AttnStats, Phase
 
 
 def layer_variance(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -33,20 +31,30 @@ def d2o_layer_ratios(variances: torch.Tensor, rho: torch.Tensor, min_ratio: floa
     return (torch.softmax(-variances, dim=0) * n * rho[None]).clamp(min_ratio, 1.0)
 
 
+@dataclass
+class D2OState(MergeState):
+    """D2O's values on one layer: its prompt variance ``v_l`` ``[B]`` (from the first prompt forward) and each
+    sequence's layer budget ``[B, 1]`` (set at the end of every prompt forward)."""
+
+    variance: torch.Tensor | None = None
+    layer_budget: torch.Tensor | None = None
+
+
 @register_policy
 @dataclass
-class D2O(Policy):
+class D2O(CumulativeAttention):
     """Dynamic Discriminative Operations (Wan et al. 2024, arXiv:2406.13035).
 
     Layer level, once per prompt: each KV head's column sums of the causal prompt attention give a variance
     over tokens; per layer the variances are min-max normalised across heads and averaged into ``v_l``, and
     layer ``l`` keeps ``r_l = clamp(softmax_l(-v_l) N rho, 0.01, 1)`` of the prompt, where ``rho = budget /
     prompt length`` (so layers average ``budget`` tokens); a prompt that fits ``budget`` is left whole and
-    every layer gets ``budget`` for later evictions. Layer budgets are split heavy:recent = 3:1.
-    Token level: H2O eviction (cumulative attention over prompt and decode queries) with ``sinks`` always
-    kept, at the end of every prompt (all layers at once, after the last one, since the allocation needs every
-    layer) and one token per decode step. Evicted tokens merge into their most similar kept token when the
-    similarity passes the EMA threshold (``kvgates.policies.merging``).
+    every layer gets ``budget`` for later evictions. A layer's budget keeps ``recent_share`` of it as the recent
+    window and the rest as heavy hitters (the paper's heavy:recent = 3:1 is 0.25).
+    Token level: H2O's cumulative attention (``CumulativeAttention``, over prompt and decode queries) with
+    ``sinks`` always kept, at the end of every prompt (all layers at once, after the last one, since the
+    allocation needs every layer) and one token per decode step. Evicted tokens merge into their most similar
+    kept token when the similarity passes the EMA threshold (``kvgates.policies.merging``).
 
     Departures: the official code never compresses layers 0, 1 and the last (``protect_edge_layers=True``
     reproduces it; off by default, matching the paper); ``merge_rule="official"`` gives the code's merge
@@ -56,7 +64,7 @@ class D2O(Policy):
     Args:
         budget: average tokens per KV head per layer.
         sinks: initial tokens always kept (default 4).
-        heavy, recent: heavy:recent split of each layer's budget (default 3:1).
+        recent_share: share of each layer's budget kept as the recent window (default 0.25, i.e. heavy:recent 3:1).
         beta: EMA weight of the merge threshold (default 0.7).
         merge: merge evicted tokens (default True); merge_rule: ``"paper"`` | ``"official"``.
         protect_edge_layers: never compress layers 0, 1 and the last (official code).
@@ -64,76 +72,58 @@ class D2O(Policy):
     """
 
     name = "d2o"
-    evicts_in = frozenset({Phase.PREFILL, Phase.DECODE})
+    # The prompt is compressed for all layers at once, after the last one (``after_layer``).
+    schedule = Schedule(prefill=False, decode_every=1)
+    state_type = D2OState
 
     sinks: int = 4
-    heavy: int = 3
-    recent: int = 1
+    recent_share: float = 0.25
     beta: float = 0.7
     merge: bool = True
     merge_rule: str = "paper"
     protect_edge_layers: bool = False
-    group_reduce: str = "mean"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._require_budget(self.sinks, f"sinks={self.sinks}")
-        if self.heavy < 0 or self.recent < 0 or self.heavy + self.recent == 0:
-            raise ValueError(f"{self.name}: heavy:recent must be non-negative and not both 0, got {self.heavy}:{self.recent}")
+        if not 0.0 <= self.recent_share <= 1.0:
+            raise ValueError(f"{self.name}: recent_share must be in [0, 1], got {self.recent_share}")
         if not 0.0 < self.beta <= 1.0:
             raise ValueError(f"{self.name}: beta must be in (0, 1], got {self.beta}")
         self._one_of("merge_rule", MERGE_RULES)
-        self._one_of("group_reduce", GROUP_REDUCTIONS)
 
-    def stats_request(self, phase: Phase) -> StatsRequest:
-        return StatsRequest(colsum=True, reduce=self.group_reduce)
+    def quota(self, layer, stats: AttnStats | None) -> torch.Tensor | int:
+        layer_budget = self.layer_state(layer).layer_budget
+        return self.budget if layer_budget is None else layer_budget
 
-    def slot_state(self) -> dict[str, SlotState]:
-        return {_SCORE: SlotState()}
-
-    def observe(self, layer, stats: AttnStats) -> None:
-        layer.state[_SCORE] += stats.colsum
-
-    def keep_mask(self, layer, budget: torch.Tensor) -> torch.Tensor:
-        """Sinks + the recent share of ``budget`` (``[B, 1]``) + the top cumulative scores for the rest."""
-        recent = torch.round(budget * self.recent / (self.heavy + self.recent)).long()
+    def select(self, layer, stats: AttnStats | None, quota: torch.Tensor) -> torch.Tensor:
+        """Sinks + the recent share of ``quota`` + the top cumulative scores for the rest; evicted tokens merge."""
+        recent = torch.round(quota * self.recent_share).long()
         forced = sink_mask(layer, self.sinks) | recent_mask(layer, recent)
-        return keep_forced_and_top(layer, layer.state[_SCORE], budget, forced)
-
-    def _evict(self, layer, budget: torch.Tensor) -> torch.Tensor | None:
-        if bool((layer.held() <= budget).all()):
-            return None
-        keep = self.keep_mask(layer, budget)
+        keep = keep_forced_and_top(layer, layer.state[CUMULATIVE], quota, forced)
         if self.merge:
-            merge_evicted(layer, keep, self.beta, self.merge_rule)
+            merge_evicted(layer, keep, self.layer_state(layer), self.beta, self.merge_rule)
         return keep
 
-    def decide(self, layer, stats: AttnStats) -> torch.Tensor | None:
-        if stats.phase is Phase.PREFILL or layer.head_budgets is None:
-            return None  # the prompt is compressed for all layers at once in on_forward_end
-        return self._evict(layer, layer.head_budgets)
+    def after_layer(self, layer, stats: AttnStats) -> None:
+        if stats.phase is Phase.PREFILL and layer.is_last:
+            self._allocate(layer.cache.budget_layers)
 
-    def on_forward_end(self, cache, phase: Phase) -> None:
-        if phase is not Phase.PREFILL:
-            return
-        layers = cache.budget_layers
-        for layer in layers:
-            if "d2o.variance" not in layer.scratch:
-                layer.scratch["d2o.variance"] = layer_variance(layer.state[_SCORE], layer.valid)
+    def _allocate(self, layers) -> None:
+        """Give every layer its budget from the prompt variances and compress it."""
+        states = [self.layer_state(layer) for layer in layers]
+        for layer, state in zip(layers, states):
+            if state.variance is None:
+                state.variance = layer_variance(layer.state[CUMULATIVE], layer.valid)
         # Prompt length seen so far, per sequence: its newest position + 1 (positions never shift).
         prompt = (layers[0].pos.amax(dim=(1, 2)) + 1).clamp(min=1).float()
-        rho = self.budget / prompt
         # Layers may sit on different devices (device_map="auto"): decide on the first layer's, apply on each's own.
-        variances = torch.stack([layer.scratch["d2o.variance"].to(prompt.device) for layer in layers])
-        ratios = d2o_layer_ratios(variances, rho)
-        for rank, layer in enumerate(layers):
-            budget = torch.round(ratios[rank] * prompt).long().clamp(min=self.sinks + 1)[:, None]  # [B, 1]
+        ratios = d2o_layer_ratios(torch.stack([state.variance.to(prompt.device) for state in states]), self.budget / prompt)
+        for rank, (layer, state) in enumerate(zip(layers, states)):
+            budget = torch.round(ratios[rank] * prompt).long().clamp(min=self.sinks + 1)
             # A prompt that fits the budget is not compressed; later tokens are evicted at the uniform budget.
-            budget = torch.where(prompt[:, None] <= self.budget, torch.full_like(budget, self.budget), budget)
+            budget = torch.where(prompt <= self.budget, torch.full_like(budget, self.budget), budget)
             if self.protect_edge_layers and rank in (0, 1, len(layers) - 1):
-                budget = prompt[:, None].long()
-            layer.head_budgets = budget.to(layer.device).expand(-1, layer.num_kv_heads).contiguous()
-            layer.budget = int(budget.max())
-            keep = self._evict(layer, layer.head_budgets)
-            if keep is not None:
-                layer.evict(keep, slack=self.decode_slack)
+                budget = prompt.long()
+            state.layer_budget = budget[:, None].to(layer.device)
+            layer.enforce(None)

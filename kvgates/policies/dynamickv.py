@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.kernels import GROUP_REDUCTIONS
-from kvgates.policies.base import Policy, keep_forced_and_top, recent_mask, register_policy
-from kvgates.policies.snapkv import pool_outside_window
-from kvgates.runtime.layer import SlotState
-from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
+from kvgates.policies.base import register_policy
+from kvgates.policies.selection import recent_mask
+from kvgates.policies.snapkv import WindowScored
+from kvgates.runtime.layer import LayerState, SlotState
+from kvgates.runtime.stats import AttnStats, Phase
 
 _SCORE = "dynamickv_score"
 
@@ -29,18 +29,27 @@ def dynamickv_allocation(counts: torch.Tensor, room: int, num_layers: int, r_max
     return torch.where(r > 0, torch.floor(z / r.clamp(min=1e-12)), torch.full_like(z, room)).long()
 
 
+@dataclass
+class DynamicKVState(LayerState):
+    """The prompt's observation window on this layer, and the quota ``[B, 1]`` of the latest reallocation (None
+    before this layer's first one: then the layer is cut to ``r_max * b``)."""
+
+    window: int = 0
+    quota: torch.Tensor | None = None
+
+
 @register_policy
 @dataclass
-class DynamicKV(Policy):
+class DynamicKV(WindowScored):
     """DynamicKV (Zhou et al. 2024, arXiv:2412.14838), prompt compression only; decode appends.
 
     Each layer scores the tokens outside the window by the pooled attention of the last ``window`` queries
-    (SnapKV's score, ``pool_outside_window``) and first keeps the window plus its top ``min(r_max * b,
-    L - window)`` tokens, ``b = budget - window``, remembering their scores. After every ``update_every`` layers (and the last), the global top
-    ``b * H_kv * n`` scores over the ``n`` processed layers are counted per layer and turned into budgets with
-    ``dynamickv_allocation`` (they share ``b * N_layers``); each processed layer is truncated to the window
-    plus its top ``f_i``. ``f_i`` is clamped to what the layer holds: the official code can select window
-    tokens twice there (the clamp fix).
+    (SnapKV's score, ``WindowScored``) and first keeps the window plus its top ``min(r_max * b, L - window)``
+    tokens, ``b = budget - window``, remembering their scores. After every ``update_every`` layers (and the
+    last), the global top ``b * H_kv * n`` scores over the ``n`` processed layers are counted per layer and turned
+    into budgets with ``dynamickv_allocation`` (they share ``b * N_layers``); each processed layer is truncated
+    to the window plus its top ``f_i``. ``f_i`` is clamped to what the layer holds: the official code can select
+    window tokens twice there (the clamp fix).
 
     Args:
         budget: average tokens per KV head per layer (window included).
@@ -52,51 +61,43 @@ class DynamicKV(Policy):
     """
 
     name = "dynamickv"
+    state_type = DynamicKVState
 
     window: int = 8
-    kernel: int = 7
-    pooling: str = "max"
     r_max: float = 10.0
     update_every: int = 4
-    group_reduce: str = "mean"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._observation_window()
         self._at_least(1, "r_max", "update_every")
-        self._one_of("group_reduce", GROUP_REDUCTIONS)
-
-    def stats_request(self, phase: Phase) -> StatsRequest:
-        return StatsRequest(window=self.window, reduce=self.group_reduce) if phase is Phase.PREFILL else StatsRequest()
 
     def slot_state(self) -> dict[str, SlotState]:
         return {_SCORE: SlotState()}
 
-    def _window(self, layer) -> torch.Tensor:
-        return recent_mask(layer, layer.scratch["dynamickv.window"])
+    def observe(self, layer, stats: AttnStats) -> None:
+        if stats.phase is Phase.PREFILL:
+            state = self.layer_state(layer)
+            state.window, state.quota = stats.window_rows, None
+            layer.state[_SCORE] = self.window_scores(layer, stats.window, stats.window_rows)[0]
 
-    def decide(self, layer, stats: AttnStats) -> torch.Tensor | None:
-        if stats.phase is not Phase.PREFILL:
-            return None
-        window = stats.window_rows
-        layer.scratch["dynamickv.window"] = window
-        scores, _ = pool_outside_window(layer, stats.window, window, self.kernel, self.pooling)
-        layer.state[_SCORE].copy_(scores)
-        room = self.budget - self.window
-        cap = min(int(self.r_max * room), int(layer.held().max()) - window)
-        layer.budget = cap + window
-        if int(layer.held().max()) > cap + window:
-            layer.evict(keep_forced_and_top(layer, scores, cap + window, self._window(layer)), slack=self.decode_slack)
-        cache = layer.cache
-        rank, total = cache.budget_rank(layer.layer_idx), cache.num_budget_layers
-        if (rank + 1) % self.update_every == 0 or rank == total - 1:
-            self._reallocate(cache.budget_layers[: rank + 1], room, total)
-        return None
+    def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer.state[_SCORE], recent_mask(layer, self.layer_state(layer).window)
+
+    def quota(self, layer, stats: AttnStats | None) -> torch.Tensor:
+        state = self.layer_state(layer)
+        if state.quota is not None:
+            return state.quota
+        cap = (layer.held().amax(-1, keepdim=True) - state.window).clamp(max=int(self.r_max * (self.budget - self.window)))
+        return cap + state.window
+
+    def after_layer(self, layer, stats: AttnStats) -> None:
+        if stats.phase is Phase.PREFILL and ((layer.rank + 1) % self.update_every == 0 or layer.is_last):
+            self._reallocate(layer.cache.budget_layers[: layer.rank + 1], self.budget - self.window, layer.cache.num_budget_layers)
 
     def _reallocate(self, layers, room: int, num_layers: int) -> None:
         """Re-split ``room * num_layers`` tokens among the processed ``layers`` and truncate them."""
         b, device = layers[0].batch_size, layers[0].device  # layers may sit on different devices (device_map)
-        candidates = [layer.valid & ~self._window(layer) for layer in layers]
+        candidates = [layer.valid & ~self.score(layer, None)[1] for layer in layers]
         flat = torch.cat(
             [
                 layer.state[_SCORE].masked_fill(~cand, float("-inf")).reshape(b, -1).to(device)
@@ -114,8 +115,5 @@ class DynamicKV(Policy):
         budgets = dynamickv_allocation(counts, room, num_layers, self.r_max)
         for layer, cand, f in zip(layers, candidates, budgets):
             f = torch.minimum(f.to(cand.device)[:, None], cand.sum(-1))  # clamp to what the layer holds
-            window = self._window(layer)
-            layer.budget = int(f.max()) + int(window.sum(-1).max())
-            keep = keep_forced_and_top(layer, layer.state[_SCORE], f + window.sum(-1), window)
-            if bool((keep != layer.valid).any()):
-                layer.evict(keep, slack=self.decode_slack)
+            self.layer_state(layer).quota = f + (layer.valid & ~cand).sum(-1)  # plus the window
+            layer.enforce(None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgates.policies.base import Policy, register_policy
+from kvgates.policies.base import NEVER, Policy, register_policy
 
 
 @register_policy
@@ -13,7 +13,7 @@ class Full(Policy):
     """Keep every token (no budget). Its outputs equal transformers' ``DynamicCache`` with sdpa attention."""
 
     name = "full"
-    evicts_in = frozenset()
+    schedule = NEVER
 
     def __post_init__(self) -> None:
         super().__post_init__()

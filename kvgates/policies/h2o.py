@@ -1,4 +1,4 @@
-"""H2O: heavy hitters by cumulative attention plus a recent window."""
+"""H2O: heavy hitters by cumulative attention plus a recent window; the cumulative score D2O and KVMerger share."""
 
 from __future__ import annotations
 
@@ -7,32 +7,57 @@ from dataclasses import dataclass
 import torch
 
 from kvgates.kernels import GROUP_REDUCTIONS
-from kvgates.policies.base import Policy, recent_mask, register_policy
+from kvgates.policies.base import EVERY_STEP, Policy, register_policy
+from kvgates.policies.selection import recent_mask
 from kvgates.runtime.layer import SlotState
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
+
+#: Per-slot state: the attention a token has received, summed over every query that saw it.
+CUMULATIVE = "cumulative_attention"
+
+
+@dataclass
+class CumulativeAttention(Policy):
+    """Base of policies that score a token by the attention it received from every query so far (prompt rows,
+    computed tile by tile, and decode rows), aggregated over each GQA group by ``group_reduce``."""
+
+    group_reduce: str = "mean"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._one_of("group_reduce", GROUP_REDUCTIONS)
+
+    def stats_request(self, phase: Phase) -> StatsRequest:
+        return StatsRequest(colsum=True, reduce=self.group_reduce)
+
+    def slot_state(self) -> dict[str, SlotState]:
+        return {CUMULATIVE: SlotState()}
+
+    def observe(self, layer, stats: AttnStats) -> None:
+        if stats.colsum is not None:
+            layer.state[CUMULATIVE] += stats.colsum
 
 
 @register_policy
 @dataclass
-class H2O(Policy):
+class H2O(CumulativeAttention):
     """Heavy-Hitter Oracle (Zhang et al. 2023, arXiv:2306.14048).
 
     Each slot accumulates ``s_j = sum_q A[q, j]`` over every query that has seen it: all prompt rows (computed
-    block by block, never an ``L x L`` matrix for all heads at once) and every decode row. Keeps the ``recent``
+    tile by tile, never an ``L x L`` matrix for all heads at once) and every decode row. Keeps the ``recent``
     most recent tokens plus the top ``budget - recent`` others by ``s``. Evicts at the end of every prompt chunk
     and then one token per decode step.
 
     Args:
         budget: tokens kept per KV head.
-        recent: recent-window size (default ``budget // 2``, the paper's 50/50 split).
+        recent: recent-window size in tokens (default ``budget // 2``, the paper's 50/50 split).
         group_reduce: how query heads of a GQA group combine into their KV head's score.
     """
 
     name = "h2o"
-    evicts_in = frozenset({Phase.PREFILL, Phase.DECODE})
+    schedule = EVERY_STEP
 
     recent: int | None = None
-    group_reduce: str = "mean"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -41,16 +66,6 @@ class H2O(Policy):
             self.recent = budget // 2
         self._at_least(0, "recent")
         self._require_budget(self.recent, f"the recent window ({self.recent})")
-        self._one_of("group_reduce", GROUP_REDUCTIONS)
 
-    def stats_request(self, phase: Phase) -> StatsRequest:
-        return StatsRequest(colsum=True, reduce=self.group_reduce)
-
-    def slot_state(self) -> dict[str, SlotState]:
-        return {"h2o_score": SlotState()}
-
-    def observe(self, layer, stats: AttnStats) -> None:
-        layer.state["h2o_score"] += stats.colsum
-
-    def score(self, layer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
-        return layer.state["h2o_score"], recent_mask(layer, self.recent)
+    def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer.state[CUMULATIVE], recent_mask(layer, self.recent)

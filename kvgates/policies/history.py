@@ -2,14 +2,26 @@
 
 Row ``r`` of the buffer is one query's attention probabilities over the slots, stored in the slot's state
 vector at index ``r``. A slot written after a row was recorded starts at 0 for it (that query never saw the
-token), and evicting a slot drops its column with it, so the buffer needs no separate bookkeeping.
+token), and evicting a slot drops its column with it, so the buffer needs no bookkeeping beyond ``History``:
+the ring index of the newest row.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kvgates.runtime.layer import BudgetLayer, SlotState
+from kvgates.runtime.layer import BudgetLayer, LayerState, SlotState
+
+FUSIONS = ("sum", "max")
+
+
+@dataclass
+class History(LayerState):
+    """Where the newest recorded row of a layer's ring buffer is (-1: none yet)."""
+
+    newest: int = -1
 
 
 def history_state(size: int) -> SlotState:
@@ -17,30 +29,32 @@ def history_state(size: int) -> SlotState:
     return SlotState(shape=(size,))
 
 
-def load_rows(layer: BudgetLayer, name: str, rows: torch.Tensor) -> None:
+def load_rows(layer: BudgetLayer, name: str, history: History, rows: torch.Tensor) -> None:
     """Replace the buffer by ``rows`` (``[B, H_kv, r, C]``, oldest first), e.g. the last prompt queries."""
     buf = layer.state[name]
-    size = buf.shape[-1]
-    rows = rows[:, :, -size:]
+    rows = rows[:, :, -buf.shape[-1] :]
     r = rows.shape[2]
     buf.zero_()
     buf[..., :r] = rows.transpose(-1, -2)
-    layer.scratch[f"{name}.next"] = r % size
+    history.newest = r - 1
 
 
-def push_row(layer: BudgetLayer, name: str, row: torch.Tensor) -> None:
-    """Record one query's row ``[B, H_kv, C]``, overwriting the oldest."""
+def push_rows(layer: BudgetLayer, name: str, history: History, rows: torch.Tensor) -> None:
+    """Record the rows ``[B, H_kv, r, C]`` (oldest first), each overwriting the oldest recorded row."""
     buf = layer.state[name]
-    nxt = layer.scratch.get(f"{name}.next", 0)
-    buf[..., nxt] = row
-    layer.scratch[f"{name}.next"] = (nxt + 1) % buf.shape[-1]
+    for i in range(rows.shape[2]):
+        history.newest = (history.newest + 1) % buf.shape[-1]
+        buf[..., history.newest] = rows[:, :, i]
 
 
-def fuse(layer: BudgetLayer, name: str, mode: str) -> torch.Tensor:
-    """Combine the recorded rows per slot: ``sum`` or ``max`` (rows not yet recorded are 0)."""
+def fuse(layer: BudgetLayer, name: str, mode: str, history: History | None = None) -> torch.Tensor:
+    """Combine the recorded rows per slot, ``sum`` or ``max`` (rows not yet recorded are 0); with ``history``,
+    leave out its newest row."""
     buf = layer.state[name]
+    if history is not None and history.newest >= 0:
+        buf = buf.index_fill(-1, torch.tensor([history.newest], device=buf.device), 0.0)  # 0 is neutral for both
     if mode == "sum":
         return buf.sum(-1)
     if mode == "max":
         return buf.amax(-1)
-    raise ValueError(f"fusion must be 'sum' or 'max', got {mode!r}")
+    raise ValueError(f"fusion must be one of {FUSIONS}, got {mode!r}")

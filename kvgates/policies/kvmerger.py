@@ -6,12 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.kernels import GROUP_REDUCTIONS
-from kvgates.policies.base import Policy, recent_mask, register_policy, topk_mask
-from kvgates.runtime.layer import SlotState
-from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
-
-_SCORE = "kvmerger_score"
+from kvgates.policies.base import register_policy
+from kvgates.policies.h2o import CUMULATIVE, CumulativeAttention
+from kvgates.policies.selection import recent_mask, topk_mask
+from kvgates.runtime.layer import LayerState
+from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
 
 
 def merging_set_starts(keys: torch.Tensor, mergeable: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
@@ -39,13 +38,20 @@ def merging_set_starts(keys: torch.Tensor, mergeable: torch.Tensor, eps: torch.T
     return starts
 
 
+@dataclass
+class KVMergerState(LayerState):
+    """The similarity threshold ``epsilon`` ``[B]`` the latest merge used on this layer."""
+
+    epsilon: torch.Tensor | None = None
+
+
 @register_policy
 @dataclass
-class KVMerger(Policy):
+class KVMerger(CumulativeAttention):
     """KVMerger (Wang et al. 2024, "Model Tells You Where to Merge", arXiv:2407.08454); prompt only.
 
-    The ``heavy`` tokens with the largest aggregated attention (cumulative over the prompt's queries, so
-    attention sinks are among them) and the last ``window`` tokens are never merged. The other tokens of
+    The ``heavy`` tokens with the largest aggregated attention (cumulative over the prompt's queries,
+    ``CumulativeAttention``, so attention sinks are among them) and the last ``window`` tokens are never merged. The other tokens of
     each KV head, in position order, form merging sets of consecutive tokens: a set grows while the next
     token's key has cosine similarity above ``epsilon`` with the set's first key. In each set the pivot is the
     token with the largest aggregated attention; with ``g_i = exp(-||k_p - k_i||^2 / (2 sigma^2))`` and
@@ -70,13 +76,13 @@ class KVMerger(Policy):
     """
 
     name = "kvmerger"
+    state_type = KVMergerState
 
     window: int = 16
     heavy: int | None = None
     epsilon: float | None = None
     sigma: float | None = None
     scale_values: bool = False
-    group_reduce: str = "mean"
     grid: int = 16
 
     def __post_init__(self) -> None:
@@ -91,28 +97,21 @@ class KVMerger(Policy):
             raise ValueError(f"{self.name}: epsilon is a cosine similarity in [-1, 1], got {self.epsilon}")
         if self.sigma is not None and self.sigma <= 0:
             raise ValueError(f"{self.name}: sigma must be positive, got {self.sigma}")
-        self._one_of("group_reduce", GROUP_REDUCTIONS)
         self._at_least(2, "grid")
 
     def stats_request(self, phase: Phase) -> StatsRequest:
-        return StatsRequest(colsum=True, reduce=self.group_reduce) if phase is Phase.PREFILL else StatsRequest()
-
-    def slot_state(self) -> dict[str, SlotState]:
-        return {_SCORE: SlotState()}
-
-    def observe(self, layer, stats: AttnStats) -> None:
-        if stats.colsum is not None:
-            layer.state[_SCORE] += stats.colsum
+        return super().stats_request(phase) if phase is Phase.PREFILL else NO_STATS  # decode appends
 
     def protected(self, layer) -> torch.Tensor:
         """Slots never merged: the recent window and the heavy hitters among the others."""
         window = recent_mask(layer, self.window)
-        return window | topk_mask(layer.state[_SCORE], self.heavy, layer.valid & ~window, layer.pos)
+        return window | topk_mask(layer.state[CUMULATIVE], self.heavy, layer.valid & ~window, layer.pos)
 
     def calibrate(
-        self, keys: torch.Tensor, mergeable: torch.Tensor, fixed: torch.Tensor, budget: int
+        self, keys: torch.Tensor, mergeable: torch.Tensor, fixed: torch.Tensor, budget: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per sequence ``[B]``: the largest threshold (up to ``epsilon``) keeping every head within ``budget``,
+        """Per sequence ``[B]``: the largest threshold (up to ``epsilon``) keeping every head within ``budget``
+        (``[B, H_kv]``),
         and the merging-set starts ``[B, H, L]`` it gives (from the scan that chose it)."""
         b = keys.shape[0]
         hi = torch.full((b,), 1.0001 if self.epsilon is None else self.epsilon, device=keys.device)
@@ -130,15 +129,7 @@ class KVMerger(Policy):
         chosen = torch.gather(starts, 0, best[None, :, None, None].expand(1, *starts.shape[1:]))[0]
         return lo, chosen
 
-    def decide(self, layer, stats: AttnStats) -> torch.Tensor | None:
-        if stats.phase is not Phase.PREFILL:
-            return None
-        layer.budget = self.budget
-        if int(layer.held().max()) <= self.budget:
-            return None
-        return self.merge(layer, self.budget)
-
-    def merge(self, layer, budget: int) -> torch.Tensor:
+    def select(self, layer, stats: AttnStats | None, quota: torch.Tensor) -> torch.Tensor:
         """Merge the mergeable tokens of ``layer`` in place; return the keep mask (protected tokens + pivots)."""
         (_, k, v, pos), = layer.head_views()
         protected = self.protected(layer) & layer.valid
@@ -149,9 +140,9 @@ class KVMerger(Policy):
 
         ks, vs = gather(k.float()), gather(v.float())
         mergeable = gather((layer.valid & ~protected)[..., None])[..., 0]
-        score = gather(layer.state[_SCORE][..., None])[..., 0]
-        eps, starts = self.calibrate(ks, mergeable, protected.sum(-1), budget)  # starts: [B, H, L]
-        layer.scratch["kvmerger.epsilon"] = eps
+        score = gather(layer.state[CUMULATIVE][..., None])[..., 0]
+        eps, starts = self.calibrate(ks, mergeable, protected.sum(-1), quota)  # starts: [B, H, L]
+        self.layer_state(layer).epsilon = eps
         # Set ids over mergeable tokens; sets are runs, so a scatter per set gives pivots and weights.
         set_id = torch.where(mergeable, starts.long().cumsum(-1) - 1, torch.zeros_like(starts, dtype=torch.long))
         n_sets = int(starts.sum(-1).max()) if bool(starts.any()) else 0

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.policies.base import recent_mask, register_policy
+from kvgates.policies.base import EVERY_STEP, PROMPT, Schedule, register_policy
 from kvgates.policies.learned import LearnedPolicy
+from kvgates.policies.selection import recent_mask
 from kvgates.runtime.layer import SlotState
-from kvgates.runtime.stats import AttnStats, Phase
+from kvgates.runtime.stats import AttnStats
 
 SCORE = "locret_score"
 
@@ -49,7 +50,10 @@ class Locret(LearnedPolicy):
         self._at_least(0, "stabilizers", "local")
         protected = max(self.stabilizers, self.local)
         self._require_budget(protected, f"the protected recent tokens (max(stabilizers, local) = {protected})")
-        self.evicts_in = frozenset({Phase.PREFILL, Phase.DECODE}) if self.decode_evict else frozenset({Phase.PREFILL})
+
+    @property
+    def schedule(self) -> Schedule:
+        return EVERY_STEP if self.decode_evict else PROMPT
 
     def slot_state(self) -> dict[str, SlotState]:
         return {SCORE: SlotState()}
@@ -57,5 +61,5 @@ class Locret(LearnedPolicy):
     def observe(self, layer, stats: AttnStats) -> None:
         self.record(layer, stats, SCORE)
 
-    def score(self, layer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
         return layer.state[SCORE], recent_mask(layer, max(self.stabilizers, self.local))

@@ -1,4 +1,5 @@
-"""D2O's similarity-guided merging of evicted tokens into kept ones (used by ``d2o`` and the ``merge`` wrapper).
+"""D2O's similarity-guided merging of evicted tokens into kept ones: the helper ``d2o`` uses, and the ``merge``
+policy that adds it to any other.
 
 For each evicted token ``e`` of a KV head: ``u_ec = cos(k_e, k_c)`` over the kept tokens ``c`` of that head,
 ``m_e = max_c u_ec`` and ``c*(e) = argmax``. The threshold is an exponential moving average kept per layer
@@ -15,13 +16,24 @@ threshold it would get alone). Tokens with ``m_e < tau`` are dropped; the others
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from kvgates.kernels.reference import row_tile
-from kvgates.runtime.layer import BudgetLayer
+from kvgates.policies.base import register_policy
+from kvgates.policies.wrappers import Wrapper
+from kvgates.runtime.layer import BudgetLayer, LayerState
+from kvgates.runtime.stats import AttnStats
 
 MERGE_RULES = ("paper", "official")
+
+
+@dataclass
+class MergeState(LayerState):
+    """The merge threshold ``tau`` ``[B]`` of each sequence on this layer (NaN until its first eviction)."""
+
+    tau: torch.Tensor | None = None
 
 
 def _slots_of(mask: torch.Tensor, at_least: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,8 +73,9 @@ def best_matches(keys: torch.Tensor, evicted: torch.Tensor, kept: torch.Tensor) 
     return idx, real, best_t.nan_to_num(0.0, neginf=0.0), target_t
 
 
-def merge_evicted(layer: BudgetLayer, keep: torch.Tensor, beta: float = 0.7, rule: str = "paper") -> None:
-    """Merge the tokens ``keep`` evicts into their most similar kept token, in place on ``layer``'s storage."""
+def merge_evicted(layer: BudgetLayer, keep: torch.Tensor, state: MergeState, beta: float = 0.7, rule: str = "paper") -> None:
+    """Merge the tokens ``keep`` evicts into their most similar kept token, in place on ``layer``'s storage,
+    updating the threshold in ``state``."""
     if rule not in MERGE_RULES:
         raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
     evicted_all = layer.valid & ~keep
@@ -78,12 +91,9 @@ def merge_evicted(layer: BudgetLayer, keep: torch.Tensor, beta: float = 0.7, rul
     total = sum((best * real).sum((1, 2)) for _, _, _, real, best, _ in matches)
     count = sum(real.sum((1, 2)) for _, _, _, real, _, _ in matches)
     mean = total / count.clamp(min=1)
-    tau = layer.scratch.get("merge.tau")  # [B], NaN until the sequence's first eviction
-    if tau is None:
-        tau = torch.full_like(mean, float("nan"))
+    tau = state.tau if state.tau is not None else torch.full_like(mean, float("nan"))
     updated = torch.where(tau.isnan(), mean, beta * mean + (1 - beta) * tau)
-    tau = torch.where(count > 0, updated, tau)
-    layer.scratch["merge.tau"] = tau
+    tau = state.tau = torch.where(count > 0, updated, tau)
     # Pass 2: merge.
     for k, v, idx, real, best, target in matches:
         merging = real & (best >= tau[:, None, None])
@@ -107,3 +117,36 @@ def merge_evicted(layer: BudgetLayer, keep: torch.Tensor, beta: float = 0.7, rul
             acc.scatter_add_(2, target[..., None].expand_as(extra), extra * w[..., None])
             merged = (acc / denom[..., None]).to(store.dtype)
             store.copy_(torch.where(receivers[..., None], merged, store))
+
+
+@register_policy
+@dataclass
+class Merge(Wrapper):
+    """D2O-style merging (Wan et al. 2024, arXiv:2406.13035) on top of any policy.
+
+    Whatever the wrapped policy evicts is not simply dropped: each evicted token close enough to a kept token
+    of its head (cosine similarity above an EMA threshold) is averaged into it. See ``kvgates.policies.merging``.
+
+    Args:
+        budget: as the wrapped policy's.
+        base: the wrapped policy's name; base_params: its parameters.
+        beta: EMA weight of the merge threshold (default 0.7).
+        merge_rule: ``"paper"`` (softmax weights) or ``"official"`` (D2O code's average).
+    """
+
+    name = "merge"
+    state_type = MergeState
+
+    beta: float = 0.7
+    merge_rule: str = "paper"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 < self.beta <= 1.0:
+            raise ValueError(f"{self.name}: beta must be in (0, 1], got {self.beta}")
+        self._one_of("merge_rule", MERGE_RULES)
+
+    def select(self, layer, stats: AttnStats | None, quota: torch.Tensor) -> torch.Tensor:
+        keep = self.inner.select(layer, stats, quota)
+        merge_evicted(layer, keep, self.layer_state(layer), self.beta, self.merge_rule)
+        return keep

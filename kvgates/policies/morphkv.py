@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.policies.base import Policy, recent_mask, register_policy
-from kvgates.policies.history import fuse, history_state, load_rows, push_row
+from kvgates.policies.base import Policy, Schedule, register_policy
+from kvgates.policies.history import FUSIONS, History, fuse, history_state, load_rows, push_rows
+from kvgates.policies.selection import recent_mask
 from kvgates.runtime.layer import SlotState
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 
@@ -20,13 +21,14 @@ class MorphKV(Policy):
     """MorphKV (Ghadia et al. 2025, "Dialogue Without Limits", arXiv:2503.00979).
 
     Holds exactly ``budget`` = C tokens per KV head: the ``recent`` = R most recent tokens plus the C - R older
-    tokens most correlated with them. Each KV head keeps a ring buffer of the attention rows of its last R
+    tokens most correlated with them. Each KV head keeps a ring buffer of the attention rows of its recent
     queries over the slots, every row summed over the query heads of the group (paper, Algorithm 1). At a
     decode step the rows of tokens t-1 ... t-R (not the current one) are fused per old slot, ``sum``
-    (``F_j = sum_r A_r[j]``) or ``max``, and the top C - R old slots are kept with the R recent ones; then the
-    current query's row enters the buffer. A slot written after a row was recorded reads 0 in it; evicting a
-    slot drops its column. At the end of each prompt chunk the same rule runs with the chunk's last R
-    queries, which then seed the buffer.
+    (``F_j = sum_r A_r[j]``) or ``max``, and the top C - R old slots are kept with the R recent ones. The ring
+    holds R + 1 rows: the current query's row is recorded before the decision and left out of it. A slot
+    written after a row was recorded reads 0 in it; evicting a slot drops its column. At the end of each prompt
+    chunk the same rule runs with the chunk's last R queries, which then seed the buffer. A decode step of
+    several tokens (speculative decoding) records all their rows.
 
     Departures from the official code: it keeps C + 1 tokens and renormalises each row's softmax over the old
     tokens only; here exactly C tokens are kept and rows are the probabilities over every held token (a
@@ -44,7 +46,7 @@ class MorphKV(Policy):
     """
 
     name = "morphkv"
-    evicts_in = frozenset({Phase.PREFILL, Phase.DECODE})
+    state_type = History
 
     recent: int = 30
     fusion: str = "sum"
@@ -54,25 +56,23 @@ class MorphKV(Policy):
         super().__post_init__()
         self._at_least(1, "recent", "evict_every")
         self._require_budget(self.recent, f"the recent window ({self.recent})")
-        self._one_of("fusion", ("sum", "max"))
-
-    def stats_request(self, phase: Phase) -> StatsRequest:
-        return StatsRequest(rows=self.recent if phase is Phase.PREFILL else 1, reduce="sum")
-
-    def slot_state(self) -> dict[str, SlotState]:
-        return {_ROWS: history_state(self.recent)}
+        self._one_of("fusion", FUSIONS)
 
     @property
-    def decode_interval(self) -> int:
-        return self.evict_every
+    def schedule(self) -> Schedule:
+        return Schedule(prefill=True, decode_every=self.evict_every)
+
+    def stats_request(self, phase: Phase) -> StatsRequest:
+        return StatsRequest(rows=self.recent, reduce="sum")
+
+    def slot_state(self) -> dict[str, SlotState]:
+        return {_ROWS: history_state(self.recent + 1)}
 
     def observe(self, layer, stats: AttnStats) -> None:
-        if stats.phase is Phase.PREFILL:
-            load_rows(layer, _ROWS, stats.rows)
+        record = load_rows if stats.phase is Phase.PREFILL else push_rows
+        record(layer, _ROWS, self.layer_state(layer), stats.rows)
 
-    def score(self, layer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
-        return fuse(layer, _ROWS, self.fusion), recent_mask(layer, self.recent)
-
-    def after_step(self, layer, stats: AttnStats, keep: torch.Tensor | None) -> None:
-        if stats.phase is Phase.DECODE:
-            push_row(layer, _ROWS, stats.rows[:, :, -1])
+    def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
+        decoding = stats is not None and stats.phase is Phase.DECODE
+        fused = fuse(layer, _ROWS, self.fusion, self.layer_state(layer) if decoding else None)
+        return fused, recent_mask(layer, self.recent)

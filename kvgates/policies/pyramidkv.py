@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgates.policies.base import register_policy
+from kvgates.policies.history import History
 from kvgates.policies.snapkv import SnapKV
 from kvgates.runtime.stats import AttnStats, Phase
 
@@ -31,6 +32,14 @@ def pyramid_budgets(budget: int, window: int, prompt_len: int, num_layers: int, 
     return [high - (layer * (high - low)) // (num_layers - 1) + window for layer in range(num_layers)]
 
 
+@dataclass
+class PyramidState(History):
+    """SnapKV's decode history, and each sequence's budget on this layer ``[B, 1]``, set at the end of the prompt
+    (decode evictions reuse it)."""
+
+    layer_budget: torch.Tensor | None = None
+
+
 @register_policy
 @dataclass
 class PyramidKV(SnapKV):
@@ -47,6 +56,7 @@ class PyramidKV(SnapKV):
     """
 
     name = "pyramidkv"
+    state_type = PyramidState
 
     beta: int = 20
 
@@ -54,12 +64,14 @@ class PyramidKV(SnapKV):
         super().__post_init__()
         self._at_least(1, "beta")
 
-    def layer_budget(self, layer, stats: AttnStats) -> torch.Tensor:
+    def quota(self, layer, stats: AttnStats | None) -> torch.Tensor:
         """``[B, 1]``: this layer's pyramid budget for each sequence's own prompt length."""
-        if stats.phase is Phase.DECODE and layer.head_budgets is not None:
-            return layer.head_budgets[:, :1]
-        cache = layer.cache
-        rank, layers = cache.budget_rank(layer.layer_idx), cache.num_budget_layers
-        lengths = layer.held().amax(-1).tolist()
-        per_length = {n: pyramid_budgets(self.budget, self.window, n, layers, self.beta)[rank] for n in set(lengths)}
-        return torch.tensor([[per_length[n]] for n in lengths], device=layer.device)
+        state = self.layer_state(layer)
+        if (stats is not None and stats.phase is Phase.PREFILL) or state.layer_budget is None:
+            lengths = layer.held().amax(-1).tolist()
+            per_length = {
+                n: pyramid_budgets(self.budget, self.window, n, layer.cache.num_budget_layers, self.beta)[layer.rank]
+                for n in set(lengths)
+            }
+            state.layer_budget = torch.tensor([[per_length[n]] for n in lengths], device=layer.device)
+        return state.layer_budget

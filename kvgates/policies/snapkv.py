@@ -1,4 +1,4 @@
-"""SnapKV: prompt compression by the attention of an observation window."""
+"""SnapKV: prompt compression by the attention of an observation window; the window scoring DynamicKV shares."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import torch
 
 from kvgates import kernels
 from kvgates.kernels import GROUP_REDUCTIONS
-from kvgates.policies.base import Policy, recent_mask, register_policy
-from kvgates.policies.history import fuse, history_state, push_row
+from kvgates.policies.base import PROMPT, Policy, Schedule, register_policy
+from kvgates.policies.history import History, fuse, history_state, push_rows
+from kvgates.policies.selection import recent_mask
 from kvgates.runtime.layer import SlotState
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 
@@ -30,9 +31,36 @@ def pool_outside_window(
     return kernels.pool_by_position(scores, outside, kernel, pooling), in_window
 
 
+@dataclass
+class WindowScored(Policy):
+    """Base of policies scoring the prompt by the attention of its last ``window`` queries, pooled along token
+    order outside the window (``pool_outside_window``); the window itself is always kept."""
+
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+    group_reduce: str = "mean"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._at_least(1, "window")
+        self._require_budget(self.window, f"the observation window ({self.window})")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"{self.name}: pooling kernel must be a positive odd number, got {self.kernel}")
+        self._one_of("pooling", ("max", "avg"))
+        self._one_of("group_reduce", GROUP_REDUCTIONS)
+
+    def stats_request(self, phase: Phase) -> StatsRequest:
+        return StatsRequest(window=self.window, reduce=self.group_reduce) if phase is Phase.PREFILL else StatsRequest()
+
+    def window_scores(self, layer, scores: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pooled scores, window mask)`` of per-slot window attention ``scores`` over ``window`` queries."""
+        return pool_outside_window(layer, scores, window, self.kernel, self.pooling)
+
+
 @register_policy
 @dataclass
-class SnapKV(Policy):
+class SnapKV(WindowScored):
     """SnapKV (Li et al. 2024, arXiv:2404.14469).
 
     At the end of each prompt chunk: ``a_j = sum over the last `window` queries of A[q, j]`` for the tokens
@@ -54,42 +82,32 @@ class SnapKV(Policy):
     """
 
     name = "snapkv"
+    state_type = History
 
-    window: int = 32
-    kernel: int = 7
-    pooling: str = "max"
-    group_reduce: str = "mean"
     decode: bool = False
     decode_every: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._observation_window()
-        self._one_of("group_reduce", GROUP_REDUCTIONS)
         self._at_least(1, "decode_every")
-        self.evicts_in = frozenset({Phase.PREFILL, Phase.DECODE}) if self.decode else frozenset({Phase.PREFILL})
+
+    @property
+    def schedule(self) -> Schedule:
+        return Schedule(prefill=True, decode_every=self.decode_every) if self.decode else PROMPT
 
     def stats_request(self, phase: Phase) -> StatsRequest:
-        if phase is Phase.PREFILL:
-            return StatsRequest(window=self.window, reduce=self.group_reduce)
-        return StatsRequest(rows=1, reduce=self.group_reduce) if self.decode else StatsRequest()
+        if phase is Phase.DECODE and self.decode:
+            return StatsRequest(rows=self.window, reduce=self.group_reduce)
+        return super().stats_request(phase)
 
     def slot_state(self) -> dict[str, SlotState]:
         return {_HISTORY: history_state(self.window)} if self.decode else {}
 
-    @property
-    def decode_interval(self) -> int:
-        return self.decode_every if self.decode else 1
-
     def observe(self, layer, stats: AttnStats) -> None:
         if self.decode and stats.phase is Phase.DECODE:
-            push_row(layer, _HISTORY, stats.rows[:, :, -1])
+            push_rows(layer, _HISTORY, self.layer_state(layer), stats.rows)
 
-    def score(self, layer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
-        if stats.phase is Phase.PREFILL:
-            window = stats.window_rows
-            scores = stats.window
-        else:
-            window = self.window
-            scores = fuse(layer, _HISTORY, "sum")
-        return pool_outside_window(layer, scores, window, self.kernel, self.pooling)
+    def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if stats is not None and stats.phase is Phase.PREFILL:
+            return self.window_scores(layer, stats.window, stats.window_rows)
+        return self.window_scores(layer, fuse(layer, _HISTORY, "sum"), self.window)

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.policies.base import Policy, register_policy, sink_mask
+from kvgates.policies.base import EVERY_STEP, Policy, register_policy
+from kvgates.policies.selection import sink_mask
 from kvgates.runtime.rope import Rotary, rotary_of
-from kvgates.runtime.stats import AttnStats, Phase
+from kvgates.runtime.stats import AttnStats
 
 
 @register_policy
@@ -32,7 +33,7 @@ class StreamingLLM(Policy):
     """
 
     name = "streaming_llm"
-    evicts_in = frozenset({Phase.PREFILL, Phase.DECODE})
+    schedule = EVERY_STEP
 
     sinks: int = 4
     rerotate: bool = False
@@ -61,5 +62,5 @@ class StreamingLLM(Policy):
         query_rank = torch.searchsorted(ordered[:, 0].contiguous(), q_pos.contiguous())
         return self._rotary, key_delta, query_rank - q_pos
 
-    def score(self, layer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
         return layer.pos.float(), sink_mask(layer, self.sinks)

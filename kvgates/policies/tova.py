@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.policies.base import Policy, register_policy
+from kvgates.policies.base import EVERY_STEP, Policy, register_policy
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 
 
@@ -26,7 +26,7 @@ class TOVA(Policy):
     """
 
     name = "tova"
-    evicts_in = frozenset({Phase.PREFILL, Phase.DECODE})
+    schedule = EVERY_STEP
 
     per_head: bool = False
 
@@ -37,7 +37,7 @@ class TOVA(Policy):
     def stats_request(self, phase: Phase) -> StatsRequest:
         return StatsRequest(rows=1, reduce="mean")
 
-    def score(self, layer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
         scores = stats.rows[:, :, -1]
         if not self.per_head:
             # Shared selection needs the heads' slots to hold the same tokens; TOVA's own evictions keep them so.

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from kvgates import kernels
-from kvgates.policies.base import recent_mask, register_policy
+from kvgates.policies.base import Schedule, register_policy
 from kvgates.policies.learned import LearnedPolicy
+from kvgates.policies.selection import recent_mask
 from kvgates.runtime.layer import SlotState
-from kvgates.runtime.stats import AttnStats, Phase
+from kvgates.runtime.stats import AttnStats
 
 LOG_BETA = "log_beta"
 
@@ -40,7 +41,6 @@ class TrimKV(LearnedPolicy):
 
     name = "trimkv"
     gate_kinds = ("retention", "retention-global")
-    evicts_in = frozenset({Phase.PREFILL, Phase.DECODE})
 
     buffer: int = 0
     window: int = 0
@@ -50,25 +50,16 @@ class TrimKV(LearnedPolicy):
         self._at_least(0, "buffer", "window")
         self._require_budget(self.window, f"the recent window ({self.window})")
 
+    @property
+    def schedule(self) -> Schedule:
+        return Schedule(prefill=True, decode_every=1, tolerance=self.buffer)
+
     def slot_state(self) -> dict[str, SlotState]:
         return {LOG_BETA: SlotState()}
-
-    @property
-    def decode_slack(self) -> int:
-        return self.buffer + 1
 
     def observe(self, layer, stats: AttnStats) -> None:
         self.record(layer, stats, LOG_BETA)
 
-    def score(self, layer, stats: AttnStats) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
         scores = kernels.retention_scores(layer.state[LOG_BETA], layer.pos, current_positions(layer))
         return scores, recent_mask(layer, self.window)
-
-    def decide(self, layer, stats: AttnStats) -> torch.Tensor | None:
-        if not self.due(layer, stats):
-            return None
-        layer.budget = self.budget
-        over = (layer.held() > self.budget + self.buffer).any(-1)  # [B]: only these sequences evict
-        if not bool(over.any()):
-            return None
-        return torch.where(over[:, None, None], self.select(layer, stats, self.budget), layer.valid)

@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.policies.base import register_policy, topk_mask
+from kvgates.policies.base import NEVER, Schedule, register_policy
+from kvgates.policies.selection import topk_mask
 from kvgates.policies.trimkv import TrimKV
-from kvgates.runtime.stats import AttnStats, Phase
+from kvgates.runtime.layer import LayerState
+from kvgates.runtime.stats import AttnStats
 
 
 def global_keep(
@@ -32,6 +34,13 @@ def global_keep(
     return out
 
 
+@dataclass
+class GlobalKeep(LayerState):
+    """This layer's share of the latest global decision (kept slots), while it is being enforced."""
+
+    keep: torch.Tensor | None = None
+
+
 @register_policy
 @dataclass
 class TrimKVGlobal(TrimKV):
@@ -52,6 +61,7 @@ class TrimKVGlobal(TrimKV):
 
     name = "trimkv-global"
     ragged_heads = True
+    state_type = GlobalKeep
 
     min_per_head: int = 1
 
@@ -59,27 +69,35 @@ class TrimKVGlobal(TrimKV):
         super().__post_init__()
         self._at_least(0, "min_per_head")
 
-    def decide(self, layer, stats: AttnStats) -> torch.Tensor | None:
-        return None  # decided for all layers at once in on_forward_end
+    @property
+    def schedule(self) -> Schedule:
+        return NEVER  # decided for all layers at once, after the last one of every forward (``after_layer``)
 
-    def on_forward_end(self, cache, phase: Phase) -> None:
-        layers = cache.budget_layers
-        total = self.budget * len(layers) * layers[0].num_kv_heads
+    def quota(self, layer, stats: AttnStats | None) -> torch.Tensor:
+        return self.layer_state(layer).keep.sum(-1)
+
+    def select(self, layer, stats: AttnStats | None, quota: torch.Tensor) -> torch.Tensor:
+        return self.layer_state(layer).keep
+
+    def after_layer(self, layer, stats: AttnStats) -> None:
+        if not layer.is_last:
+            return
+        layers = layer.cache.budget_layers
         device = layers[0].device  # layers may sit on different devices (device_map): decide on the first's
-        held = sum(layer.held().sum(-1).to(device) for layer in layers)  # [B]
+        total = self.budget * len(layers) * layers[0].num_kv_heads
+        held = sum(other.held().sum(-1).to(device) for other in layers)  # [B]
         over = held > total + self.buffer  # only these sequences evict
         if not bool(over.any()):
             return
         scores, valid, forced, positions = [], [], [], []
-        for layer in layers:
-            s, window = self.score(layer, None)
+        for other in layers:
+            s, window = self.score(other, None)
             scores.append(s.to(device))
-            valid.append(layer.valid.to(device))
-            forced.append((window | topk_mask(s, self.min_per_head, layer.valid, layer.pos)).to(device))
-            positions.append(layer.pos.to(device))
-        for layer, keep in zip(layers, global_keep(scores, valid, forced, positions, total)):
-            keep = torch.where(over.to(layer.device)[:, None, None], keep.to(layer.device), layer.valid)
-            layer.head_budgets = keep.sum(-1)
-            layer.budget = int(layer.head_budgets.max())
-            layer.evict(keep, slack=self.decode_slack)
-
+            valid.append(other.valid.to(device))
+            forced.append((window | topk_mask(s, self.min_per_head, other.valid, other.pos)).to(device))
+            positions.append(other.pos.to(device))
+        for other, keep in zip(layers, global_keep(scores, valid, forced, positions, total)):
+            state = self.layer_state(other)
+            state.keep = torch.where(over.to(other.device)[:, None, None], keep.to(other.device), other.valid)
+            other.enforce(None)
+            state.keep = None

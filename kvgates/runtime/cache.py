@@ -11,7 +11,6 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_laye
 from kvgates.errors import UnsupportedModelError
 from kvgates.policies.base import Policy, make_policy
 from kvgates.runtime.layer import BudgetLayer
-from kvgates.runtime.stats import Phase
 
 #: Layer types kvgates budgets, and layer types it leaves exactly as transformers builds them.
 BUDGETED_LAYER_TYPES = ("full_attention",)
@@ -50,7 +49,7 @@ class BudgetCache(Cache):
         layers = []
         for idx, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
             if kind in BUDGETED_LAYER_TYPES:
-                layers.append(BudgetLayer(self, idx))
+                layers.append(BudgetLayer(self, idx, rank=sum(isinstance(layer, BudgetLayer) for layer in layers)))
             elif kind in PASSTHROUGH_LAYER_TYPES:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
             else:
@@ -79,13 +78,9 @@ class BudgetCache(Cache):
             )
         self._pending_layer = layer_idx
 
-    def release_pending(self, layer_idx: int) -> None:
+    def release_pending(self) -> None:
+        """The staged tokens were consumed by their attention call."""
         self._pending_layer = None
-
-    def layer_done(self, layer_idx: int, phase: Phase) -> None:
-        """Called by each budgeted layer after its attention; the last one ends the forward for the policy."""
-        if layer_idx == self.budget_layer_ids[-1]:
-            self.policy.on_forward_end(self, phase)
 
     # ------------------------------------------------------------------ views for policies and reports
     @property
@@ -96,16 +91,25 @@ class BudgetCache(Cache):
     def num_budget_layers(self) -> int:
         return len(self.budget_layer_ids)
 
-    def budget_rank(self, layer_idx: int) -> int:
-        """Index of ``layer_idx`` among the budgeted layers (depth used by per-layer budget schedules)."""
-        return self.budget_layer_ids.index(layer_idx)
-
     def kv_bytes(self) -> int:
-        """Bytes of key/value storage allocated by every layer (budgeted and passthrough)."""
+        """Bytes of key/value storage allocated by every layer (budgeted and passthrough): held tokens plus the
+        free slots kept for the next ones."""
         total = 0
         for layer in self.layers:
             if isinstance(layer, BudgetLayer):
                 total += layer.kv_bytes()
+            elif getattr(layer, "is_initialized", False) and layer.keys is not None:
+                total += layer.keys.numel() * layer.keys.element_size() * 2
+        return total
+
+    def held_bytes(self) -> int:
+        """Bytes of key/value storage holding tokens (budgeted layers' valid slots, passthrough layers' tokens)."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, BudgetLayer):
+                if layer.is_initialized:
+                    per_slot = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+                    total += int(layer.held().sum()) * per_slot
             elif getattr(layer, "is_initialized", False) and layer.keys is not None:
                 total += layer.keys.numel() * layer.keys.element_size() * 2
         return total

@@ -1,21 +1,31 @@
-"""One decoder layer's budgeted KV cache: slots with positions, per-slot policy state, ragged head capacities.
+"""One decoder layer's budgeted KV cache: slots with positions, per-slot policy state, ragged head storage.
 
 Storage. Keys and values live in one flat buffer ``[B, S, D]`` per tensor; KV head ``h`` owns the slot range
-``offsets[h] : offsets[h] + caps[h]``. When every head has the same capacity (the usual case) the buffer is
-exactly a dense ``[B, H_kv, C, D]`` tensor viewed flat; Ada-KV style per-head budgets give heads different
-capacities, and memory then follows the per-head budgets instead of the largest one. Slot positions and
-per-slot policy state are small and kept padded to ``[B, H_kv, C_max]``; a padded index ``j >= caps[h]``
-does not exist and always reads as empty.
+``offsets[h] : offsets[h] + head_slots[h]``. When every head has as many slots (the usual case) the buffer is
+exactly a dense ``[B, H_kv, C, D]`` tensor viewed flat; Ada-KV style per-head quotas give heads different
+numbers of slots, and memory then follows the per-head quotas instead of the largest one. Slot positions and
+per-slot policy state are small and kept padded to ``[B, H_kv, max_slots]``; a padded index
+``j >= head_slots[h]`` does not exist and always reads as empty.
 
 A slot is *valid* when its position is ``>= 0``. Positions never shift: eviction marks a slot empty and a
 later token reuses it, so slot order says nothing about token order.
+
+Vocabulary: a policy's ``budget`` is its parameter (tokens per KV head); a layer's ``quota`` ``[B, H_kv]`` is
+what each head of each sequence may hold after the latest eviction (a budget after per-layer, per-sequence or
+per-head adjustments); ``head_slots`` is storage (what is allocated, quota plus slack).
+
+Policy step. After each attention call ``step`` runs the policy: ``observe`` (state updates), then, when its
+``schedule`` says so, ``enforce`` — the one eviction path: ``quota``, and for the sequences holding more than
+it, ``select`` (the keep mask), then ``evict`` — and finally ``after_layer`` (cross-layer decisions, which
+``enforce`` other layers the same way).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +36,7 @@ from kvgates.runtime.rope import shift_rotary
 from kvgates.runtime.stats import AttnStats, Phase
 
 if TYPE_CHECKING:
+    from kvgates.policies.base import Policy
     from kvgates.runtime.cache import BudgetCache
 
 # The layer whose update() ran last and whose attention call is due. transformers calls the cache's update()
@@ -52,6 +63,22 @@ class SlotState:
         return int(math.prod(self.shape))
 
 
+@dataclass
+class LayerState:
+    """Base of a policy's own values on one layer (thresholds, per-sequence budgets, ring pointers ...).
+
+    Subclass it as a dataclass with defaults and name it in the policy's ``state_type``; the layer creates one per
+    policy on first use (``Policy.layer_state``). Tensor fields are per sequence (dim 0) and follow beam
+    reordering and batch selection; other fields are per layer.
+    """
+
+    def select_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                setattr(self, f.name, fn(value))
+
+
 class StateViews(dict):
     """Named views into a layer's packed per-slot state. Assigning to a name writes into the storage
     (so ``layer.state["score"] += x`` updates the layer, as with a plain tensor attribute)."""
@@ -71,24 +98,38 @@ class BudgetLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, cache: BudgetCache, layer_idx: int):
+    def __init__(self, cache: BudgetCache, layer_idx: int, rank: int):
         super().__init__()
         self.cache = cache
         self.layer_idx = layer_idx
-        self.caps: list[int] = []
+        self.rank = rank  # index among the cache's budgeted layers (depth for per-layer budget schedules)
+        self.head_slots: list[int] = []
         self.pos: torch.Tensor | None = None
         self.slot_data: torch.Tensor | None = None
-        self.scratch: dict[str, Any] = {}  # policy values kept per layer; tensors are per sequence (dim 0)
+        self.quota: torch.Tensor | None = None  # [B, H_kv] tokens each head may hold after the latest eviction
         self.seen = 0
         self.decoding = False  # whether a decode step has run (see ``phase``)
-        self.budget: int | None = None
-        self.head_budgets: torch.Tensor | None = None
-        self.num_heads = 0
+        self.decode_steps = 0
+        self._policy_states: dict[int, LayerState] = {}
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._derived: dict[str, Any] = {}  # layout-derived tensors and state views, dropped when storage changes
 
     def __repr__(self) -> str:
-        return f"BudgetLayer(layer={self.layer_idx}, caps={self.caps}, seen={self.seen})"
+        return f"BudgetLayer(layer={self.layer_idx}, head_slots={self.head_slots}, seen={self.seen})"
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this is the cache's last budgeted layer (cross-layer decisions happen after it)."""
+        return self.rank == self.cache.num_budget_layers - 1
+
+    def policy_state(self, policy: Policy) -> LayerState:
+        """``policy``'s own values on this layer, created from its ``state_type`` on first use."""
+        key = id(policy)
+        if key not in self._policy_states:
+            if policy.state_type is None:
+                raise TypeError(f"{policy.name} declares no state_type, so it keeps no values on layers")
+            self._policy_states[key] = policy.state_type()
+        return self._policy_states[key]
 
     # ------------------------------------------------------------------ transformers Cache API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -97,7 +138,7 @@ class BudgetLayer(CacheLayerMixin):
         self.batch_size, self.num_kv_heads, self.head_dim = b, hkv, d
         self.keys = key_states.new_zeros((b, 0, d))
         self.values = value_states.new_zeros((b, 0, value_states.shape[-1]))
-        self.caps = [0] * hkv
+        self.head_slots = [0] * hkv
         self.pos = torch.full((b, hkv, 0), -1, dtype=torch.int64, device=self.device)
         specs = self.cache.policy.slot_state()
         self._state_layout, offset = {}, 0
@@ -112,7 +153,7 @@ class BudgetLayer(CacheLayerMixin):
 
     @property
     def state(self) -> StateViews:
-        """Per-slot policy state by name, each ``[B, H_kv, C_max, *shape]`` (views into ``slot_data``)."""
+        """Per-slot policy state by name, each ``[B, H_kv, max_slots, *shape]`` (views into ``slot_data``)."""
         if "state" not in self._derived:
             self._derived["state"] = self._state_views()
         return self._derived["state"]
@@ -152,23 +193,24 @@ class BudgetLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = self.pos = self.slot_data = None
-        self.caps, self.scratch = [], {}
-        self.seen, self.decoding, self.budget, self.head_budgets, self._pending = 0, False, None, None, None
+        self.keys = self.values = self.pos = self.slot_data = self.quota = None
+        self.head_slots, self._policy_states = [], {}
+        self.seen, self.decoding, self.decode_steps, self._pending = 0, False, 0, None
         self._derived = {}
         self.is_initialized = False
 
     def _select_batch(self, fn) -> None:
         """Apply a batch selection (beam reordering, repetition) to every per-sequence value: storage, positions,
-        per-slot state, budgets, and the policy's scratch tensors (each is per sequence along dim 0)."""
+        per-slot state, the quota and the tensors of every policy's layer state."""
         if not self.is_initialized:
             return
         self.keys, self.values, self.pos, self.slot_data = (
             fn(self.keys), fn(self.values), fn(self.pos), fn(self.slot_data)
         )
-        if self.head_budgets is not None:
-            self.head_budgets = fn(self.head_budgets)
-        self.scratch = {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in self.scratch.items()}
+        if self.quota is not None:
+            self.quota = fn(self.quota)
+        for state in self._policy_states.values():
+            state.select_batch(fn)
         self.batch_size = self.keys.shape[0]
         self._derived = {}
 
@@ -186,18 +228,19 @@ class BudgetLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ layout
     @property
-    def capacity(self) -> int:
-        """Largest per-head capacity ``C_max`` (the padded slot axis of ``pos`` and ``state``)."""
-        return max(self.caps, default=0)
+    def max_slots(self) -> int:
+        """The most slots any head has (the padded slot axis of ``pos`` and ``state``)."""
+        return max(self.head_slots, default=0)
 
     @property
     def uniform(self) -> bool:
-        return len(set(self.caps)) <= 1
+        """Whether every head has as many slots (storage is then a dense ``[B, H_kv, C, D]``)."""
+        return len(set(self.head_slots)) <= 1
 
     @property
     def offsets(self) -> list[int]:
         out, acc = [], 0
-        for c in self.caps:
+        for c in self.head_slots:
             out.append(acc)
             acc += c
         return out
@@ -208,10 +251,10 @@ class BudgetLayer(CacheLayerMixin):
         return self.pos >= 0
 
     def exists(self) -> torch.Tensor:
-        """``[H_kv, C_max]`` padded slot indices that exist in each head's storage."""
+        """``[H_kv, max_slots]`` padded slot indices that exist in each head's storage."""
         if "exists" not in self._derived:
-            idx = torch.arange(self.capacity, device=self.device)
-            self._derived["exists"] = idx[None, :] < torch.tensor(self.caps, device=self.device)[:, None]
+            idx = torch.arange(self.max_slots, device=self.device)
+            self._derived["exists"] = idx[None, :] < torch.tensor(self.head_slots, device=self.device)[:, None]
         return self._derived["exists"]
 
     def held(self) -> torch.Tensor:
@@ -225,11 +268,11 @@ class BudgetLayer(CacheLayerMixin):
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
     def head_views(self) -> list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Groups of KV heads with a common capacity: ``(head_slice, keys, values, pos)`` dense views.
+        """Groups of KV heads with as many slots: ``(head_slice, keys, values, pos)`` dense views.
 
-        One group covering every head when capacities are uniform, else one group per head.
+        One group covering every head when storage is uniform, else one group per head.
         """
-        return kernels.dense_groups(self.keys, self.values, self.pos, self.caps)
+        return kernels.dense_groups(self.keys, self.values, self.pos, self.head_slots)
 
     def _flat_index(self, index: torch.Tensor) -> torch.Tensor:
         """Padded per-head slot indices ``[B, H_kv, n]`` -> flat storage indices ``[B, H_kv, n]``."""
@@ -237,31 +280,50 @@ class BudgetLayer(CacheLayerMixin):
             self._derived["offsets"] = torch.tensor(self.offsets, device=self.device)[None, :, None]
         return index + self._derived["offsets"]
 
-    def relayout(self, index: torch.Tensor, new_caps: list[int]) -> None:
-        """Rebuild storage: new slot ``j`` of head ``h`` takes old slot ``index[b, h, j]`` (see
-        ``kernels.compact_slots``; an index past a head's old capacity makes an empty slot)."""
+    def relayout(self, index: torch.Tensor, head_slots: list[int]) -> None:
+        """Rebuild storage with ``head_slots`` slots per head: new slot ``j`` of head ``h`` takes old slot
+        ``index[b, h, j]`` (see ``kernels.compact_slots``; an index past a head's old slots makes an empty slot)."""
         self.keys, self.values, self.pos, self.slot_data = kernels.compact_slots(
-            self.keys, self.values, self.pos, self.slot_data, index, self.caps, list(new_caps), self.state_init
+            self.keys, self.values, self.pos, self.slot_data, index, self.head_slots, list(head_slots), self.state_init
         )
-        self.caps = list(new_caps)
+        self.head_slots = list(head_slots)
         self._derived = {}
 
     def _grow(self, extra: int) -> None:
-        """Add ``extra`` empty slots to every head."""
-        cmax = self.capacity
+        """Add ``extra`` empty slots to every head (uniform storage: appended in place of a relayout)."""
+        if self.uniform:
+            b, hkv, c = self.batch_size, self.num_kv_heads, self.max_slots
+
+            def padded(dense: torch.Tensor, fill: torch.Tensor | float) -> torch.Tensor:
+                """``[B, H_kv, C, ...]`` -> ``[B, H_kv, C + extra, ...]``, the new slots set to ``fill``."""
+                tail = dense.new_empty((b, hkv, extra, *dense.shape[3:]))
+                tail[:] = fill
+                return torch.cat([dense, tail], dim=2)
+
+            d, dv = self.keys.shape[-1], self.values.shape[-1]
+            self.keys = padded(self.keys.view(b, hkv, c, d), 0.0).view(b, -1, d)
+            self.values = padded(self.values.view(b, hkv, c, dv), 0.0).view(b, -1, dv)
+            self.pos, self.slot_data = padded(self.pos, -1), padded(self.slot_data, self.state_init)
+            self.head_slots = [c + extra] * hkv
+            self._derived = {}
+            return
+        cmax = self.max_slots
         index = torch.arange(cmax + extra, device=self.device).expand(self.batch_size, self.num_kv_heads, -1)
-        # Existing slots map to themselves; indices past a head's old capacity come out empty.
-        index = torch.where(index < torch.tensor(self.caps, device=self.device)[None, :, None], index, cmax + extra)
-        self.relayout(index.contiguous(), [c + extra for c in self.caps])
+        # Existing slots map to themselves; indices past a head's old slots come out empty.
+        index = torch.where(index < torch.tensor(self.head_slots, device=self.device)[None, :, None], index, cmax + extra)
+        self.relayout(index.contiguous(), [c + extra for c in self.head_slots])
 
     def _free_slots(self, n: int) -> torch.Tensor:
         """Slot indices ``[B, H_kv, n]`` of ``n`` free slots per head, growing storage if needed."""
         free = ~self.valid & self.exists()[None]
         missing = n - int(free.sum(-1).min()) if free.numel() else n
         if missing > 0:
-            # Decode grows geometrically (amortised); a prompt chunk grows by exactly what it needs.
-            extra = missing if n > 1 else max(missing, 16, self.capacity // 8)
-            self._grow(extra)
+            # A prompt chunk grows by exactly what it needs. Decode steps of a policy that appends them grow
+            # storage geometrically (amortised copies), except for a cache that never evicts: it grows exactly,
+            # so a full cache allocates what DynamicCache does.
+            schedule = self.cache.policy.schedule
+            never_evicts = not schedule.prefill and not schedule.decode_every
+            self._grow(missing if n > 1 or never_evicts else max(missing, 16, self.max_slots // 8))
             free = ~self.valid & self.exists()[None]
         if n == 1:
             return free.to(torch.uint8).argmax(-1, keepdim=True)
@@ -284,11 +346,11 @@ class BudgetLayer(CacheLayerMixin):
         return slots
 
     def evict(self, keep: torch.Tensor, slack: int = 1) -> None:
-        """Drop every valid slot not in ``keep`` (``[B, H_kv, C_max]`` bool) and shrink storage if it is oversized.
+        """Drop every valid slot not in ``keep`` (``[B, H_kv, max_slots]`` bool) and shrink storage if oversized.
 
-        After eviction each head's capacity is what it holds (max over the batch) plus ``slack`` free slots
-        for the tokens that arrive before the next eviction; per-head capacities differ only when the policy
-        asks for ragged heads.
+        After eviction each head has what it holds (max over the batch) plus ``slack`` free slots for the tokens
+        that arrive before the next eviction; heads have different numbers of slots only when the policy asks for
+        ragged heads. Called by ``enforce`` only.
         """
         keep = keep & self.valid
         self.pos = torch.where(keep, self.pos, torch.full_like(self.pos, -1))
@@ -296,12 +358,42 @@ class BudgetLayer(CacheLayerMixin):
         need = [int(x) + slack for x in held.tolist()]
         if not self.cache.policy.ragged_heads:
             need = [max(need)] * len(need)
-        if all(n >= c for n, c in zip(need, self.caps)):
+        if all(n >= c for n, c in zip(need, self.head_slots)):
             return
-        need = [min(n, c) for n, c in zip(need, self.caps)]
+        need = [min(n, c) for n, c in zip(need, self.head_slots)]
         # Kept slots first, in position order, then free slots.
         order = torch.argsort(torch.where(keep, self.pos, _POS_BIG), dim=-1, stable=True)[..., : max(need)]
         self.relayout(order.contiguous(), need)
+
+    def enforce(self, stats: AttnStats | None) -> None:
+        """The one eviction path: bring every sequence holding more than the policy's ``quota`` (plus its
+        schedule's tolerance) back to it, with the policy's ``select``. Sequences within their quota are never
+        touched, so a sequence gets the same result alone and in a batch. ``stats`` is None when a cross-layer
+        decision enforces a layer other than the one that just attended."""
+        policy = self.cache.policy
+        quota = torch.as_tensor(policy.quota(self, stats), device=self.device)
+        self.quota = quota.expand(self.batch_size, self.num_kv_heads).long()
+        schedule = policy.schedule
+        over = (self.held() > self.quota + schedule.tolerance).any(-1)  # [B]
+        if not bool(over.any()):
+            return
+        keep = policy.select(self, stats, self.quota)
+        self.evict(torch.where(over[:, None, None], keep, self.valid), slack=schedule.slack)
+
+    def step(self, stats: AttnStats) -> None:
+        """Run the policy after this layer's attention: ``observe``, ``enforce`` when the schedule says so,
+        ``after_layer``."""
+        policy = self.cache.policy
+        policy.observe(self, stats)
+        schedule = policy.schedule
+        if stats.phase is Phase.PREFILL:
+            due = schedule.prefill
+        else:
+            self.decode_steps += 1
+            due = schedule.decode_every > 0 and self.decode_steps % schedule.decode_every == 0
+        if due:
+            self.enforce(stats)
+        policy.after_layer(self, stats)
 
     # ------------------------------------------------------------------ attention
     def attend(
@@ -316,9 +408,8 @@ class BudgetLayer(CacheLayerMixin):
             raise RuntimeError(f"layer {self.layer_idx}: attention called without a preceding cache update")
         key_states, value_states = self._pending
         self._pending = None
-        self.cache.release_pending(self.layer_idx)
+        self.cache.release_pending()
         b, h, n, _ = query.shape
-        self.num_heads = h
         phase = self.phase(n)
         q_pos, q_real = self._query_positions(b, n, attention_mask, position_ids, query.device)
         was_empty = n > 1 and not bool(self.valid.any())
@@ -327,15 +418,15 @@ class BudgetLayer(CacheLayerMixin):
 
         policy = self.cache.policy
         request = policy.stats_request(phase)
-        stats = AttnStats(phase=phase, q_len=n, new_slots=slots)
+        stats = AttnStats(phase=phase, new_slots=slots)
         all_real = bool(q_real.all())
         keys, shift = self.keys, policy.position_shift(self, q_pos)
         if shift is not None:  # attend at shifted positions; storage keeps the original rotation
             rotary, key_delta, query_delta = shift
             if not self.uniform:
-                raise NotImplementedError("position shifting needs equal head capacities")
+                raise NotImplementedError("position shifting needs as many slots in every head")
             query = shift_rotary(query, query_delta[:, None, :], rotary)
-            dense = self.keys.view(b, self.num_kv_heads, self.capacity, -1)
+            dense = self.keys.view(b, self.num_kv_heads, self.max_slots, -1)
             keys = shift_rotary(dense, key_delta, rotary).reshape(self.keys.shape)
         if n == 1:
             out = self._decode(query, keys, scale, request, stats)
@@ -350,11 +441,7 @@ class BudgetLayer(CacheLayerMixin):
             self._prefill_stats(query, keys, scale, q_pos, q_real, request, stats)
         if not all_real:
             out = out * q_real[:, None, :, None].to(out.dtype)
-
-        keep = policy.step(self, stats)
-        if keep is not None:
-            self.evict(keep, slack=policy.decode_slack)
-        self.cache.layer_done(self.layer_idx, phase)
+        self.step(stats)
         return out.transpose(1, 2).contiguous()
 
     def phase(self, n: int) -> Phase:
@@ -397,7 +484,7 @@ class BudgetLayer(CacheLayerMixin):
     def _decode(self, query: torch.Tensor, keys: torch.Tensor, scale: float, request, stats: AttnStats) -> torch.Tensor:
         g = query.shape[1] // self.num_kv_heads
         reduce = "none" if request.reduce == "max" else "sum"
-        out, probs = kernels.decode_attention_flat(query[:, :, 0], keys, self.values, self.pos, self.caps, scale, reduce=reduce)
+        out, probs = kernels.decode_attention_flat(query[:, :, 0], keys, self.values, self.pos, self.head_slots, scale, reduce=reduce)
         if not request.empty:
             if request.reduce == "max":
                 probs = kernels.group_reduce(probs, self.num_kv_heads, "max")
@@ -412,17 +499,17 @@ class BudgetLayer(CacheLayerMixin):
     def _masked(self, query: torch.Tensor, keys: torch.Tensor, scale: float, q_pos: torch.Tensor) -> torch.Tensor:
         g = query.shape[1] // self.num_kv_heads
         outs = []
-        for heads, k, v, pos in kernels.dense_groups(keys, self.values, self.pos, self.caps):
+        for heads, k, v, pos in kernels.dense_groups(keys, self.values, self.pos, self.head_slots):
             q = query[:, heads.start * g : heads.stop * g]
             outs.append(kernels.masked_attention(q, k, v, pos, q_pos, scale))
         return torch.cat(outs, dim=1)
 
     def _per_group(self, fn, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """Apply ``fn(q, k, pos) -> [B, h, ..., c]`` per head group and pad the slot axis to ``C_max``."""
+        """Apply ``fn(q, k, pos) -> [B, h, ..., c]`` per head group and pad the slot axis to ``max_slots``."""
         g = query.shape[1] // self.num_kv_heads
-        groups = kernels.dense_groups(keys, self.values, self.pos, self.caps)
+        groups = kernels.dense_groups(keys, self.values, self.pos, self.head_slots)
         parts = [fn(query[:, heads.start * g : heads.stop * g], k, pos) for heads, k, _, pos in groups]
-        cmax = self.capacity
+        cmax = self.max_slots
         return torch.cat([torch.nn.functional.pad(p, (0, cmax - p.shape[-1])) for p in parts], dim=1)
 
     def _prefill_stats(
@@ -463,7 +550,7 @@ class BudgetLayer(CacheLayerMixin):
                 )
             else:
                 stats.window = kernels.window_scores_flat(
-                    q_win, keys, self.values, self.pos, self.caps, pos_win, real_win, scale, reduce
+                    q_win, keys, self.values, self.pos, self.head_slots, pos_win, real_win, scale, reduce
                 )
         if request.colsum:
             stats.colsum = self._per_group(

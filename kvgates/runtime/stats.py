@@ -53,9 +53,9 @@ class AttnStats:
     """Statistics of one attention call, GQA-reduced to KV heads, float32, over the padded slot axis.
 
     Attributes:
-        phase: prefill chunk or decode step.
-        q_len: number of query tokens in this forward (padding included).
-        new_slots: ``[B, H_kv, q_len]`` slot index each new token was written to (padding tokens' slots stay empty).
+        phase: prompt (chunk) or decode step.
+        new_slots: ``[B, H_kv, n]`` slot index each of the ``n`` new tokens was written to (padding tokens' slots
+            stay empty).
         rows: ``[B, H_kv, r, C]`` probabilities of the last ``r`` query rows (padded rows are zero), or None.
         window: ``[B, H_kv, C]`` probabilities of the last ``w`` real query rows summed over rows, or None;
             ``window_rows`` says how many rows there were (fewer than asked when the chunk is shorter).
@@ -63,7 +63,6 @@ class AttnStats:
     """
 
     phase: Phase
-    q_len: int
     new_slots: torch.Tensor
     rows: torch.Tensor | None = None
     window: torch.Tensor | None = None

@@ -1,0 +1,94 @@
+"""Ada-KV: head-wise quotas around any scoring policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvgates.policies.base import Policy, register_policy
+from kvgates.policies.wrappers import Wrapper
+from kvgates.runtime.layer import LayerState
+from kvgates.runtime.stats import AttnStats, Phase
+
+
+def adakv_head_budgets(
+    scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, budget: int | torch.Tensor, alpha: float
+) -> torch.Tensor:
+    """Ada-KV per-head budgets ``[B, H_kv]`` (forced tokens included) for a layer budget of ``budget`` per head
+    (an int or ``[B, 1]`` per sequence).
+
+    With ``B = budget - forced`` per head and candidates the non-forced tokens: take the top ``H_kv * B``
+    candidate scores across the layer's heads, ``n_h`` = how many fall in head ``h``, and give head ``h``
+    ``round(n_h (1 - alpha) + floor(alpha B))`` tokens plus its forced ones.
+    """
+    forced = forced & valid
+    cand = valid & ~forced
+    n_forced = forced.sum(-1)
+    room = (torch.as_tensor(budget, device=scores.device) - n_forced).clamp(min=0)  # B, per head
+    b, h, c = scores.shape
+    total = room.sum(-1)  # [B]
+    flat = scores.float().masked_fill(~cand, float("-inf")).reshape(b, h * c)
+    kmax = int(total.max())
+    counts = torch.zeros((b, h), dtype=torch.long, device=scores.device)
+    if kmax:
+        top = flat.topk(min(kmax, h * c), dim=-1)
+        take = (torch.arange(top.indices.shape[-1], device=scores.device) < total[:, None]) & torch.isfinite(top.values)
+        counts.scatter_add_(1, torch.div(top.indices, c, rounding_mode="floor"), take.long())
+    alloc = torch.round(counts * (1 - alpha) + torch.floor(alpha * room)).long()
+    return alloc + n_forced
+
+
+@dataclass
+class AdaKVState(LayerState):
+    """Each sequence's head budgets ``[B, H_kv]`` on this layer (-1 until the sequence first exceeds the budget)."""
+
+    head_quota: torch.Tensor | None = None
+
+
+@register_policy
+@dataclass
+class AdaKV(Wrapper):
+    """Ada-KV head-wise budgets (Feng et al. 2024, arXiv:2407.11550) around any scoring policy.
+
+    The wrapped policy (``base``, default SnapKV; PyramidKV, H2O, MorphKV ... work alike) scores the tokens and
+    decides when to evict; Ada-KV redistributes the layer's ``H_kv * budget`` tokens among its KV heads with
+    ``adakv_head_budgets`` (the ``alpha`` floor keeps every head at least ``floor(alpha * B)``), and each head
+    keeps its forced tokens (window, sinks) plus its own top ``B_h``. A sequence's head budgets are set when it
+    first exceeds the layer budget (re-set at the end of each later prompt chunk) and kept for decode-time
+    evictions; a sequence within the layer budget is left alone, as it would be outside the batch. Storage
+    follows the per-head budgets (ragged heads), so memory drops with them rather than masking a full-size cache.
+
+    Args:
+        budget: average tokens per KV head.
+        base: the scoring policy's name; base_params: its parameters (dict or ``"k=v,k=v"``).
+        alpha: share of the budget guaranteed to every head (default 0.2).
+    """
+
+    name = "adakv"
+    ragged_heads = True
+    state_type = AdaKVState
+
+    alpha: float = 0.2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._require_budget()
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"{self.name}: alpha must be in [0, 1], got {self.alpha}")
+        if type(self.inner).score is Policy.score:
+            raise ValueError(f"{self.name}: base policy {self.base!r} does not score tokens; pick a scoring policy")
+
+    def quota(self, layer, stats: AttnStats | None) -> torch.Tensor:
+        """Head budgets of the sequences that have them; the wrapped policy's budget for the others."""
+        state = self.layer_state(layer)
+        layer_quota = torch.as_tensor(self.inner.quota(layer, stats), device=layer.device).expand_as(layer.held())
+        if state.head_quota is None:
+            state.head_quota = torch.full_like(layer_quota, -1)
+        prompt = stats is not None and stats.phase is Phase.PREFILL
+        fresh = (layer.held() > layer_quota).any(-1) & ((state.head_quota < 0).any(-1) | prompt)
+        if bool(fresh.any()):
+            scores, forced = self.inner.score(layer, stats)
+            computed = adakv_head_budgets(scores, forced, layer.valid, layer_quota[:, :1], self.alpha)
+            state.head_quota = torch.where(fresh[:, None], computed, state.head_quota)
+        return torch.where(state.head_quota >= 0, state.head_quota, layer_quota)

@@ -1,0 +1,68 @@
+"""Selection helpers every policy is built from: top-k with deterministic ties, recent tokens, sinks."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvgates.runtime.layer import BudgetLayer
+
+
+def topk_mask(
+    scores: torch.Tensor, k: int | torch.Tensor, candidates: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mark the ``k`` highest-scoring candidate slots of every ``[B, H_kv]`` row.
+
+    ``k`` is an int or a tensor broadcastable to ``scores.shape[:-1]`` (per-row budgets); rows with fewer
+    candidates keep all of them. With ``positions``, equal scores are broken in favour of the more recent
+    token, which makes decisions deterministic (pooled scores tie often); without, ties are arbitrary.
+    """
+    n = scores.shape[-1]
+    k_t = torch.as_tensor(k, device=scores.device).expand(scores.shape[:-1]).clamp(0, n)
+    kmax = int(k_t.max()) if k_t.numel() else 0
+    if kmax == 0:
+        return torch.zeros_like(candidates)
+    s = scores.double() if not scores.is_floating_point() else scores
+    if positions is not None:
+        excess = candidates.sum(-1) - k_t
+        if int(excess.max()) <= 1:  # the decode case: drop at most one slot per row, no sort needed
+            return candidates & ~_worst_slot(s, candidates, positions, excess > 0)
+    s = s.masked_fill(~candidates, float("-inf"))
+    if positions is None:
+        idx = s.topk(kmax, dim=-1).indices
+    else:
+        by_recency = torch.argsort(positions, dim=-1, descending=True, stable=True)
+        ranked = torch.argsort(s.gather(-1, by_recency), dim=-1, descending=True, stable=True)[..., :kmax]
+        idx = by_recency.gather(-1, ranked)
+    take = torch.arange(kmax, device=scores.device) < k_t[..., None]
+    return torch.zeros_like(candidates).scatter(-1, idx, take) & candidates
+
+
+def _worst_slot(scores: torch.Tensor, candidates: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """One-hot mask of the lowest-scoring candidate of each selected row (ties: the oldest token), i.e. what the
+    full ranking of ``topk_mask`` would leave out when it keeps all candidates but one."""
+    s = scores.masked_fill(~candidates, float("inf"))
+    tied = candidates & (s == s.amin(-1, keepdim=True))
+    oldest = positions.masked_fill(~tied, torch.iinfo(positions.dtype).max).argmin(-1, keepdim=True)
+    return torch.zeros_like(candidates).scatter(-1, oldest, rows[..., None])
+
+
+def recent_mask(layer: BudgetLayer, n: int | torch.Tensor) -> torch.Tensor:
+    """The ``n`` most recent tokens held per head (``n`` may be per sequence/head)."""
+    return topk_mask(layer.pos, n, layer.valid)
+
+
+def sink_mask(layer: BudgetLayer, n: int) -> torch.Tensor:
+    """The ``n`` oldest tokens held per head (attention sinks)."""
+    return topk_mask(-layer.pos, n, layer.valid)
+
+
+def keep_forced_and_top(
+    layer: BudgetLayer, scores: torch.Tensor, budget: int | torch.Tensor, forced: torch.Tensor
+) -> torch.Tensor:
+    """Keep ``forced`` slots plus the best-scoring other valid slots (ties: more recent), up to ``budget`` per head."""
+    forced = forced & layer.valid
+    room = torch.as_tensor(budget, device=scores.device) - forced.sum(-1)
+    return forced | topk_mask(scores, room.clamp(min=0), layer.valid & ~forced, layer.pos)
