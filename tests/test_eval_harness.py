@@ -157,11 +157,6 @@ def test_run_journals_resumes_compares_and_reports(tmp_path, tok, model, monkeyp
     again = run_ab(config, model, tok)
     assert calls == [config.tasks[-1].name]
     assert [r["metrics"] for r in again.rows] == [r["metrics"] for r in first.rows]
-    # A fresh run recomputes everything.
-    calls.clear()
-    run_ab(small_config(tmp_path, tasks=TASKS[:1], arms=["h2o"], budgets=[16]), model, tok, resume=False)
-    assert len(calls) == 2 * 2  # full + h2o, one batch per prompt length
-
     headline = write_report(again, "python -m eval ab --config x.yaml")
     out = tmp_path / "out"
     report = (out / "report.md").read_text()
@@ -171,6 +166,19 @@ def test_run_journals_resumes_compares_and_reports(tmp_path, tok, model, monkeyp
         assert (out / png).stat().st_size > 0, png
     saved = json.loads((out / "results.json").read_text())
     assert len(saved["rows"]) == len(first.rows) and saved["comparisons"][0]["sentence"]
+
+    # --report-only on a run in progress: no model, the results so far, comparisons over the examples done.
+    journal.write_text("\n".join(journal.read_text().splitlines()[:30]) + "\n")
+    partial = run_ab(config, compute=False)
+    assert len(partial.rows) == 30 < partial.expected and partial.computed == 0
+    assert {c.task for c in partial.comparisons} == {"needle"} and all(c.n == 2 for c in partial.comparisons)
+    write_report(partial)
+    assert "In progress: 30 of" in (out / "report.md").read_text()
+
+    # A fresh run recomputes everything.
+    calls.clear()
+    run_ab(small_config(tmp_path, tasks=TASKS[:1], arms=["h2o"], budgets=[16]), model, tok, resume=False)
+    assert len(calls) == 2 * 2  # full + h2o, one batch per prompt length
 
 
 def test_batches_respect_the_token_budget_and_never_mix_lengths(tmp_path, tok):
