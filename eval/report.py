@@ -219,7 +219,8 @@ def write_report(results: ABResults, command: str = "") -> str:
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = Summary(rows)
-    compute_h = results.compute_seconds / 3600
+    minutes = results.compute_seconds / 60
+    model_time = f"{minutes:.1f} min" if minutes < 60 else f"{minutes / 60:.2f} h"
     (out / "results.json").write_text(
         json.dumps(
             {
@@ -238,13 +239,13 @@ def write_report(results: ABResults, command: str = "") -> str:
         "",
         f"{len(config.all_arms)} arms (the full cache and {', '.join(a.label for a in config.arms)}) at budgets "
         f"{', '.join(map(str, config.budgets))} tokens per KV head, on {len(config.tasks)} tasks built from the test "
-        f"essays (seed {config.seed}); every arm ran on exactly the same examples. Model time: {compute_h:.2f} h "
-        f"({len(rows)} results); this invocation computed {results.computed} of them in {results.seconds / 60:.1f} min.",
+        f"essays (seed {config.seed}); every arm ran on exactly the same examples. Model time: {model_time} "
+        f"summed over its {len(rows)} results.",
     ]
     if len(rows) < results.expected:
         md += ["", f"**In progress: {len(rows)} of {results.expected} results so far**; tables and verdicts cover the examples done."]
     if command:
-        md += ["", f"`{command}`"]
+        md += ["", f"Reproduce: `{command}`"]
     md += ["", "## Headline", "", headline, "", *verdict_counts(results.comparisons), "", f"![score vs KV bytes]({plots[0].name})", ""]
     for task in config.tasks:
         md += [f"## {task.name}", "", _task_line(task) + ".", ""]

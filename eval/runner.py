@@ -40,7 +40,6 @@ class ABResults:
     seconds: float  # wall time of this invocation
     compute_seconds: float  # model time summed over every row, journalled ones included
     expected: int  # results a complete run has (more than ``len(rows)`` while a run is in progress)
-    computed: int  # results computed by this invocation (the rest came from the journal)
 
 
 def load_journal(path: Path) -> dict[str, dict]:
@@ -147,7 +146,7 @@ def run_ab(
     rows = [done[key] for key in keys if key in done]
     seconds = sum(r["seconds"] for r in rows)
     elapsed = time.perf_counter() - start
-    return ABResults(config, rows, comparisons(config, rows), elapsed, seconds, len(keys), len(rows) - reused)
+    return ABResults(config, rows, comparisons(config, rows), elapsed, seconds, len(keys))
 
 
 def _compute(config: ABConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, done: dict[str, dict], journal: Path) -> None:

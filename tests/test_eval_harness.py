@@ -170,7 +170,7 @@ def test_run_journals_resumes_compares_and_reports(tmp_path, tok, model, monkeyp
     # --report-only on a run in progress: no model, the results so far, comparisons over the examples done.
     journal.write_text("\n".join(journal.read_text().splitlines()[:30]) + "\n")
     partial = run_ab(config, compute=False)
-    assert len(partial.rows) == 30 < partial.expected and partial.computed == 0
+    assert len(partial.rows) == 30 < partial.expected
     assert {c.task for c in partial.comparisons} == {"needle"} and all(c.n == 2 for c in partial.comparisons)
     write_report(partial)
     assert "In progress: 30 of" in (out / "report.md").read_text()
