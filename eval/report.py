@@ -237,7 +237,7 @@ def write_report(results: ABResults, command: str = "") -> str:
     md = [
         f"# A/B evaluation on {config.model}",
         "",
-        f"{len(config.all_arms)} arms (the full cache and {', '.join(a.label for a in config.arms)}) at budgets "
+        f"{len(config.all_arms)} arms (the full cache and {', '.join(a.label for a in config.arms)}) at budget{'s' if len(config.budgets) > 1 else ''} "
         f"{', '.join(map(str, config.budgets))} tokens per KV head, on {len(config.tasks)} tasks built from the test "
         f"essays (seed {config.seed}); every arm ran on exactly the same examples. Model time: {model_time} "
         f"summed over its {len(rows)} results.",
