@@ -171,22 +171,26 @@ def test_run_journals_resumes_compares_and_reports(tmp_path, tok, model, monkeyp
     journal.write_text("\n".join(journal.read_text().splitlines()[:30]) + "\n")
     partial = run_ab(config, compute=False)
     assert len(partial.rows) == 30 < partial.expected
-    assert {c.task for c in partial.comparisons} == {"needle"} and all(c.n == 2 for c in partial.comparisons)
+    assert {c.task for c in partial.comparisons} == {"needle"} and all(c.n == 3 for c in partial.comparisons)
     write_report(partial)
     assert "In progress: 30 of" in (out / "report.md").read_text()
 
     # A fresh run recomputes everything.
     calls.clear()
     run_ab(small_config(tmp_path, tasks=TASKS[:1], arms=["h2o"], budgets=[16]), model, tok, resume=False)
-    assert len(calls) == 2 * 2  # full + h2o, one batch per prompt length
+    assert len(calls) == 2 * 4  # full and h2o, each of the 4 needle prompts alone (their lengths differ)
 
 
-def test_batches_respect_the_token_budget_and_never_mix_lengths(tmp_path, tok):
+def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
     config = small_config(tmp_path, batch_tokens=250)
-    task = config.tasks[0]
-    groups = runner_module.batches(task, build_examples(task, tok, 0), config)
-    assert [len(g) for g in groups] == [2, 1, 1]
-    assert all(len({ex.meta["context_tokens"] for ex in g}) == 1 for g in groups)
+    for task in config.tasks:
+        examples = build_examples(task, tok, 0)
+        groups = runner_module.batches(task, examples, config)
+        assert sorted(ex.index for g in groups for ex in g) == [ex.index for ex in examples]
+        for g in groups:
+            assert len({len(ex.prompt) for ex in g}) == 1 and (len(g) == 1 or len(g) * len(g[0].prompt) <= 250)
+        if not task.answer:  # text windows share their length: full batches
+            assert len(groups) == -(-len(examples) // max(1, 250 // task.context_tokens[0]))
 
 
 # ---------------------------------------------------------------------- config errors: one sentence, before any work
