@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    command = "python -m eval " + shlex.join(sys.argv[1:] if argv is None else argv)
+    # The command that reproduces these results (what --fresh/--report-only did is not part of them).
+    command = "python -m eval ab " + shlex.join(["--config", args.config] + ["--quick"] * args.quick + (["--out", args.out] if args.out else []))
     print(write_report(results, command))
     print(f"\nreport: {Path(config.output_dir) / 'report.md'}")
     return 0

@@ -73,8 +73,8 @@ def headline_table(config: ABConfig, summary: Summary) -> str:
         for t in config.tasks:
             m = metrics_of(t)[0]
             cells.append(_fmt(summary.mean(t.name, arm, budget, m.name), m.fmt))
-        kv = np.mean([summary.mean(t.name, arm, budget, "kv_bytes") for t in config.tasks]) / MIB
-        cells.append(f"{kv:.2f}")
+        kv = [summary.mean(t.name, arm, budget, "kv_bytes") / MIB for t in config.tasks]
+        cells.append(_fmt(np.mean([x for x in kv if np.isfinite(x)] or [np.nan]), ".2f"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -92,8 +92,8 @@ def task_table(config: ABConfig, task: TaskSpec, budget: int, summary: Summary) 
         cells = [arm.label, str(len(rows))]
         cells += [_fmt(summary.mean(task.name, arm.label, b, m.name), m.fmt) for m in metrics]
         cells += [_fmt(summary.mean(task.name, arm.label, b, metrics[0].name, n), metrics[0].fmt) for n in lengths]
-        cells.append(f"{summary.mean(task.name, arm.label, b, 'kv_bytes') / MIB:.2f}")
-        cells.append(f"{summary.mean(task.name, arm.label, b, 'state_bytes') / 1024:.1f}")
+        cells.append(_fmt(summary.mean(task.name, arm.label, b, "kv_bytes") / MIB, ".2f"))
+        cells.append(_fmt(summary.mean(task.name, arm.label, b, "state_bytes") / 1024, ".1f"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -162,6 +162,9 @@ def plot_depth_heatmaps(config: ABConfig, task: TaskSpec, rows: list[dict], path
                 ax.axis("off")
                 continue
             grid = [[np.mean(cells[(arm.label, b, n, d)]) if cells[(arm.label, b, n, d)] else np.nan for d in depths] for n in lengths]
+            if np.isnan(grid).all():  # nothing yet (a run in progress)
+                ax.axis("off")
+                continue
             ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
             ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
             ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths] if i == len(arms) - 1 else [], fontsize=6, rotation=90)
@@ -216,7 +219,8 @@ def write_report(results: ABResults, command: str = "") -> str:
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = Summary(rows)
-    compute_h = results.compute_seconds / 3600
+    minutes = results.compute_seconds / 60
+    model_time = f"{minutes:.1f} min" if minutes < 60 else f"{minutes / 60:.2f} h"
     (out / "results.json").write_text(
         json.dumps(
             {
@@ -233,15 +237,15 @@ def write_report(results: ABResults, command: str = "") -> str:
     md = [
         f"# A/B evaluation on {config.model}",
         "",
-        f"{len(config.all_arms)} arms (the full cache and {', '.join(a.label for a in config.arms)}) at budgets "
+        f"{len(config.all_arms)} arms (the full cache and {', '.join(a.label for a in config.arms)}) at budget{'s' if len(config.budgets) > 1 else ''} "
         f"{', '.join(map(str, config.budgets))} tokens per KV head, on {len(config.tasks)} tasks built from the test "
-        f"essays (seed {config.seed}); every arm ran on exactly the same examples. Model time: {compute_h:.2f} h "
-        f"({len(rows)} results); this invocation computed {results.computed} of them in {results.seconds / 60:.1f} min.",
+        f"essays (seed {config.seed}); every arm ran on exactly the same examples. Model time: {model_time} "
+        f"summed over its {len(rows)} results.",
     ]
     if len(rows) < results.expected:
         md += ["", f"**In progress: {len(rows)} of {results.expected} results so far**; tables and verdicts cover the examples done."]
     if command:
-        md += ["", f"`{command}`"]
+        md += ["", f"Reproduce: `{command}`"]
     md += ["", "## Headline", "", headline, "", *verdict_counts(results.comparisons), "", f"![score vs KV bytes]({plots[0].name})", ""]
     for task in config.tasks:
         md += [f"## {task.name}", "", _task_line(task) + ".", ""]
@@ -249,10 +253,10 @@ def write_report(results: ABResults, command: str = "") -> str:
             md += [f"### {task.name}, budget {budget}", "", task_table(config, task, budget, summary), ""]
             md += [f"- {c.sentence()}" for c in results.comparisons if c.task == task.name and c.budget == budget]
             md.append("")
-        if task.answer and task.task != "common_words":
+        if task.answer and task.task != "common_words" and summary.rows(task.name, "full", None):
             plots.append(plot_depth_heatmaps(config, task, rows, out / f"heatmap_{task.name}.png"))
             md += [f"![{task.name} heatmap]({plots[-1].name})", ""]
-        if task.task == "fidelity":
+        if task.task == "fidelity" and summary.rows(task.name, "full", None):
             plots.append(plot_kl_curves(config, task, rows, out / f"kl_{task.name}.png"))
             md += [f"![{task.name} KL along the generated tokens]({plots[-1].name})", ""]
     md += [

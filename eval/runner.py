@@ -40,7 +40,6 @@ class ABResults:
     seconds: float  # wall time of this invocation
     compute_seconds: float  # model time summed over every row, journalled ones included
     expected: int  # results a complete run has (more than ``len(rows)`` while a run is in progress)
-    computed: int  # results computed by this invocation (the rest came from the journal)
 
 
 def load_journal(path: Path) -> dict[str, dict]:
@@ -91,13 +90,22 @@ def prepare_arms(config: ABConfig, model: PreTrainedModel) -> dict[str, kvgates.
 
 
 def batches(task: TaskSpec, examples: list[Example], config: ABConfig) -> list[list[Example]]:
-    """Consecutive examples of one prompt length, at most ``max_batch`` rows and ``batch_tokens`` prompt tokens."""
+    """Examples of exactly the same prompt length (in tokens), at most ``max_batch`` rows and ``batch_tokens``
+    prompt tokens each, in example order.
+
+    Batches never pad: a padded prefill takes the masked attention path, which on a CPU costs about twice the
+    causal one (``bench/ab_batching.py``), more than batching saves on a few decode steps. Text windows (fidelity,
+    generation, perplexity) all have their task's length and batch fully; answer prompts differ by a few tokens
+    and mostly run alone, which costs them nothing since their work is the prefill.
+    """
+    groups: dict[int, list[Example]] = {}
+    for ex in examples:
+        groups.setdefault(len(ex.prompt), []).append(ex)
     out: list[list[Example]] = []
-    for length in task.context_tokens:
-        same = [ex for ex in examples if ex.meta["context_tokens"] == length]
-        size = max(1, min(config.max_batch, config.batch_tokens // max(len(ex.prompt) for ex in same)))
+    for length, same in groups.items():
+        size = max(1, min(config.max_batch, config.batch_tokens // length))
         out += [same[i : i + size] for i in range(0, len(same), size)]
-    return out
+    return sorted(out, key=lambda batch: batch[0].index)
 
 
 def _key(config: ABConfig, task: TaskSpec, index: int, arm: ArmSpec, budget: int | None) -> str:
@@ -147,7 +155,7 @@ def run_ab(
     rows = [done[key] for key in keys if key in done]
     seconds = sum(r["seconds"] for r in rows)
     elapsed = time.perf_counter() - start
-    return ABResults(config, rows, comparisons(config, rows), elapsed, seconds, len(keys), len(rows) - reused)
+    return ABResults(config, rows, comparisons(config, rows), elapsed, seconds, len(keys))
 
 
 def _compute(config: ABConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, done: dict[str, dict], journal: Path) -> None:

@@ -157,11 +157,6 @@ def test_run_journals_resumes_compares_and_reports(tmp_path, tok, model, monkeyp
     again = run_ab(config, model, tok)
     assert calls == [config.tasks[-1].name]
     assert [r["metrics"] for r in again.rows] == [r["metrics"] for r in first.rows]
-    # A fresh run recomputes everything.
-    calls.clear()
-    run_ab(small_config(tmp_path, tasks=TASKS[:1], arms=["h2o"], budgets=[16]), model, tok, resume=False)
-    assert len(calls) == 2 * 2  # full + h2o, one batch per prompt length
-
     headline = write_report(again, "python -m eval ab --config x.yaml")
     out = tmp_path / "out"
     report = (out / "report.md").read_text()
@@ -172,13 +167,30 @@ def test_run_journals_resumes_compares_and_reports(tmp_path, tok, model, monkeyp
     saved = json.loads((out / "results.json").read_text())
     assert len(saved["rows"]) == len(first.rows) and saved["comparisons"][0]["sentence"]
 
+    # --report-only on a run in progress: no model, the results so far, comparisons over the examples done.
+    journal.write_text("\n".join(journal.read_text().splitlines()[:30]) + "\n")
+    partial = run_ab(config, compute=False)
+    assert len(partial.rows) == 30 < partial.expected
+    assert {c.task for c in partial.comparisons} == {"needle"} and all(c.n == 3 for c in partial.comparisons)
+    write_report(partial)
+    assert "In progress: 30 of" in (out / "report.md").read_text()
 
-def test_batches_respect_the_token_budget_and_never_mix_lengths(tmp_path, tok):
+    # A fresh run recomputes everything.
+    calls.clear()
+    run_ab(small_config(tmp_path, tasks=TASKS[:1], arms=["h2o"], budgets=[16]), model, tok, resume=False)
+    assert len(calls) == 2 * 4  # full and h2o, each of the 4 needle prompts alone (their lengths differ)
+
+
+def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
     config = small_config(tmp_path, batch_tokens=250)
-    task = config.tasks[0]
-    groups = runner_module.batches(task, build_examples(task, tok, 0), config)
-    assert [len(g) for g in groups] == [2, 1, 1]
-    assert all(len({ex.meta["context_tokens"] for ex in g}) == 1 for g in groups)
+    for task in config.tasks:
+        examples = build_examples(task, tok, 0)
+        groups = runner_module.batches(task, examples, config)
+        assert sorted(ex.index for g in groups for ex in g) == [ex.index for ex in examples]
+        for g in groups:
+            assert len({len(ex.prompt) for ex in g}) == 1 and (len(g) == 1 or len(g) * len(g[0].prompt) <= 250)
+        if not task.answer:  # text windows share their length: full batches
+            assert len(groups) == -(-len(examples) // max(1, 250 // task.context_tokens[0]))
 
 
 # ---------------------------------------------------------------------- config errors: one sentence, before any work
