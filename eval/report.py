@@ -79,6 +79,18 @@ def headline_table(config: ABConfig, summary: Summary) -> str:
     return "\n".join(lines)
 
 
+def headline_legend(config: ABConfig) -> str:
+    """What the headline table's cells mean, for readers of the terminal as well as of report.md."""
+    cells = "; ".join(
+        f"{t.name}: mean {metrics_of(t)[0].name} ({'higher' if metrics_of(t)[0].higher_is_better else 'lower'} is better)"
+        for t in config.tasks
+    )
+    return (
+        f"Budget: tokens held per KV head ('—' = the full cache). Cells: {cells}. KV MiB / seq: key and value bytes "
+        "each sequence really held, averaged over the tasks."
+    )
+
+
 def task_table(config: ABConfig, task: TaskSpec, budget: int, summary: Summary) -> str:
     """The full cache and every arm at ``budget`` on ``task``: each metric, per length when there are several,
     and the memory held per sequence (KV and policy state)."""
@@ -171,7 +183,9 @@ def plot_depth_heatmaps(config: ABConfig, task: TaskSpec, rows: list[dict], path
             ax.set_title(arm.label + (f" @{budget}" if arm.budgeted else ""), fontsize=8)
     fig.suptitle(f"{task.name}: recall by prompt length (tokens, rows) and depth (columns); green = exact", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    scale = plt.cm.ScalarMappable(norm=plt.Normalize(0, 1), cmap="RdYlGn")
+    fig.colorbar(scale, ax=axes.ravel().tolist(), shrink=0.6, label="share of the answer recalled")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -214,7 +228,8 @@ def _task_line(task: TaskSpec) -> str:
 
 
 def write_report(results: ABResults, command: str = "") -> str:
-    """Write ``results.json``, ``report.md`` and the plots to the run's output folder; returns the headline table."""
+    """Write ``results.json``, ``report.md`` and the plots to the run's output folder; returns the headline table
+    with its legend, for the terminal."""
     config, rows = results.config, results.rows
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -246,7 +261,8 @@ def write_report(results: ABResults, command: str = "") -> str:
         md += ["", f"**In progress: {len(rows)} of {results.expected} results so far**; tables and verdicts cover the examples done."]
     if command:
         md += ["", f"Reproduce: `{command}`"]
-    md += ["", "## Headline", "", headline, "", *verdict_counts(results.comparisons), "", f"![score vs KV bytes]({plots[0].name})", ""]
+    legend = headline_legend(config)
+    md += ["", "## Headline", "", legend, "", headline, "", *verdict_counts(results.comparisons), "", f"![score vs KV bytes]({plots[0].name})", ""]
     for task in config.tasks:
         md += [f"## {task.name}", "", _task_line(task) + ".", ""]
         for budget in config.budgets:
@@ -272,4 +288,4 @@ def write_report(results: ABResults, command: str = "") -> str:
         "the first departure; nll = mean negative log-likelihood per streamed token (ppl = its exp).",
     ]
     (out / "report.md").write_text("\n".join(md) + "\n")
-    return headline
+    return f"{legend}\n\n{headline}"

@@ -4,6 +4,7 @@ comparisons, report; config errors; the metrics' hand cases."""
 import json
 import math
 
+import matplotlib.pyplot as plt
 import pytest
 import torch
 from helpers import tiny_model
@@ -157,10 +158,16 @@ def test_run_journals_resumes_compares_and_reports(tmp_path, tok, model, monkeyp
     again = run_ab(config, model, tok)
     assert calls == [config.tasks[-1].name]
     assert [r["metrics"] for r in again.rows] == [r["metrics"] for r in first.rows]
+    colorbars = []
+    original_colorbar = plt.Figure.colorbar
+    monkeypatch.setattr(plt.Figure, "colorbar", lambda fig, *a, **k: colorbars.append(k.get("label")) or original_colorbar(fig, *a, **k))
     headline = write_report(again, "python -m eval ab --config x.yaml")
     out = tmp_path / "out"
     report = (out / "report.md").read_text()
     assert report.index("## Headline") < report.index("## needle") and headline in report
+    # The terminal table carries its legend; every depth heatmap has a colour bar.
+    assert headline.startswith("Budget: tokens held per KV head") and "mean recall (higher is better)" in headline
+    assert colorbars == ["share of the answer recalled"] * 3  # needle, multikey, variable_tracking
     assert "trimkv (untrained)" in report and "95% CI" in report
     for png in ["score_vs_kv.png", "heatmap_needle.png", "heatmap_multikey.png", "kl_fidelity.png"]:
         assert (out / png).stat().st_size > 0, png

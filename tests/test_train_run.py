@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -282,6 +283,17 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_dir, tmp_path)
     assert sorted(a) == sorted(b) == list(range(1, steps["max_steps"] + 1))
     for step in a:
         assert a[step] == pytest.approx(b[step], rel=1e-5, abs=1e-6), step
+
+    # A run that trained to the end but died before its adapter: --resume trains no further step (Trainer alone
+    # would take one more), evaluates the best checkpoint and writes the same adapter.
+    shutil.rmtree(cut / "adapter")
+    logged = (cut / "metrics.jsonl").read_text()
+    assert main(["--config", str(path), "--resume"]) == 0
+    new_lines = [json.loads(line) for line in (cut / "metrics.jsonl").read_text()[len(logged):].splitlines()]
+    assert new_lines and all(line["step"] == steps["max_steps"] and "loss" not in line for line in new_lines)
+    for name, tensor in _gates(whole / "adapter").items():
+        torch.testing.assert_close(_gates(cut / "adapter")[name], tensor, atol=1e-6, rtol=0)
+    assert kvgates.load_gates(cut / "adapter").config.training["training_seconds"] > 0
 
 
 LAUNCHERS = {

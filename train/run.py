@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import TrainingArguments, set_seed
+from transformers import TrainerState, TrainingArguments, set_seed
+from transformers.trainer import TRAINER_STATE_NAME
 
 import kvgates
 from data.build import build_dataset, summarize
@@ -37,6 +38,7 @@ from train.validation import Validator, final_table
 
 DEFAULT_CONFIG = "configs/train/quickstart.yaml"
 RUN_CONFIG = "run_config.json"
+METRICS = "metrics.jsonl"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -76,6 +78,13 @@ def last_complete_checkpoint(out: Path) -> str:
     if not done:
         raise ConfigError(f"--resume: {out} holds no complete checkpoint to resume from")
     return str(max(done, key=lambda p: int(p.name.split("-")[-1])))
+
+
+def training_seconds(out: Path) -> float:
+    """Seconds ``Trainer.train`` ran in this folder, summed over the invocations that reached the end (resumed runs
+    add up; time lost in a killed invocation is not counted)."""
+    lines = (json.loads(line) for line in (out / METRICS).read_text().splitlines() if line.strip())
+    return sum(line.get("train_runtime", 0.0) for line in lines)
 
 
 def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
@@ -141,7 +150,7 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
         eval_dataset=validator.heldout.rows,
         data_collator=DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id),
         processing_class=tokenizer,
-        callbacks=[MetricsJsonl(out / "metrics.jsonl")],
+        callbacks=[MetricsJsonl(out / METRICS)],
     )
     return trainer, untrained
 
@@ -157,7 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     trainer, untrained = build_trainer(config, out)
     try:
-        trainer.train(resume_from_checkpoint=resume)
+        finished = TrainerState.load_from_json(str(Path(resume) / TRAINER_STATE_NAME)) if resume else None
+        if finished is not None and finished.global_step >= trainer.args.max_steps:
+            # The run trained to the end and stopped before its adapter (Trainer would take one more step).
+            trainer.state = finished
+            trainer._load_best_model() if finished.best_model_checkpoint else trainer._load_from_checkpoint(resume)
+        else:
+            trainer.train(resume_from_checkpoint=resume)
         validation = trainer.evaluate()  # the best checkpoint, loaded at the end of training
     except kvgates.AdapterError as err:
         print(f"train.py: {err}", file=sys.stderr)
@@ -177,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "recipe": config.to_dict(),
         "command": " ".join(shlex.quote(a) for a in ["train.py", *sys.argv[1:]]),
         "seconds": round(seconds),
+        "training_seconds": round(training_seconds(out)),
         "steps": trainer.state.global_step,
         "best_checkpoint": Path(trainer.state.best_model_checkpoint or "").name,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {'CUDA' if torch.cuda.is_available() else 'CPU'}",
