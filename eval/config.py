@@ -8,10 +8,11 @@
       - {policy: adakv, params: {base: snapkv}}             # parameters
       - {policy: trimkv, gates: untrained}                  # freshly initialised gates, labelled "(untrained)"
       - {policy: trimkv, gates: checkpoints/run/adapter, label: trimkv}    # an adapter folder or a Hub id
+      - {policy: trimkv, gates: smollm2-135m-trimkv}        # or the name of an adapter shipped in the package
     tasks:
       - {task: needle, context_tokens: [2000, 4000], examples: 10}       # lengths x evenly spaced depths
       - {task: multikey, context_tokens: 2000, examples: 10, keys: 4}
-      - {task: fidelity, context_tokens: 2000, examples: 8, new_tokens: 512}
+      - {task: fidelity, context_tokens: 2000, examples: 8, new_tokens: 512, budgets: [128, 256]}   # some budgets only
     comparisons: auto            # each learned arm vs each heuristic at the same budget; or [[a, b], ...] labels
     quick: {budgets: [128], arms: [snapkv], tasks: {needle: {examples: 3}}}    # what --quick changes
     output_dir: outputs/ab
@@ -39,6 +40,7 @@ import yaml
 import kvgates
 from data.tasks import templates
 from kvgates.errors import AdapterError
+from kvgates.gates.embedded import embedded_adapter_dir, embedded_adapters
 from kvgates.policies.learned import LearnedPolicy
 
 #: Gates of an arm built fresh for the model (``gates: untrained``), as the training issue initialises them.
@@ -65,7 +67,7 @@ ANSWER_KINDS = tuple(ANSWER_OPTIONS)  # data.tasks.TASKS and multikey (a test ke
 #: Tasks scored against the full cache's own output rather than a known answer.
 REFERENCE_OPTIONS = {"fidelity": ("new_tokens",), "generation": ("new_tokens",), "perplexity": ("chunk",)}
 TASK_KINDS = ANSWER_KINDS + tuple(REFERENCE_OPTIONS)
-COMMON_TASK_KEYS = ("name", "task", "context_tokens", "examples")
+COMMON_TASK_KEYS = ("name", "task", "context_tokens", "examples", "budgets")
 ANSWER_KEYS = ("templates", "max_new_tokens")
 TASK_DEFAULTS = {"new_tokens": 128, "chunk": 64}
 
@@ -107,6 +109,8 @@ class ArmSpec:
     def identity(self) -> str:
         """What changes this arm's results (journal keys); adapters by the digest of their weights file."""
         gates = self.gates
+        if gates and gates != UNTRAINED and embedded_adapter_dir(gates) is not None:
+            gates = str(embedded_adapter_dir(gates))
         if gates and gates != UNTRAINED and Path(gates).is_dir():
             weights = Path(gates) / "model.safetensors"
             gates = _file_digest(str(weights), weights.stat().st_mtime_ns, weights.stat().st_ino) if weights.is_file() else gates
@@ -127,6 +131,7 @@ class TaskSpec:
         templates: answer tasks: template names (of either set) cycled over the examples; default: the eval set.
         max_new_tokens: answer tasks: greedy tokens generated for the answer.
         options: the kind's options (``keys``, ``hops``, ``new_tokens``, ``chunk`` ...).
+        budgets: the run's budgets this task runs at (empty: all of them).
     """
 
     name: str
@@ -136,6 +141,7 @@ class TaskSpec:
     templates: tuple[str, ...] = ()
     max_new_tokens: int = 0
     options: dict[str, Any] = field(default_factory=dict)
+    budgets: tuple[int, ...] = ()
 
     @property
     def answer(self) -> bool:
@@ -145,8 +151,8 @@ class TaskSpec:
         return self.options.get(name, TASK_DEFAULTS.get(name))
 
     def identity(self, model: str, seed: int, prefill_chunk: int | None) -> str:
-        """What changes this task's examples or results (journal keys)."""
-        return _digest([model, seed, prefill_chunk, dataclasses.asdict(self)])
+        """What changes this task's examples or results (journal keys; not the budgets it runs at)."""
+        return _digest([model, seed, prefill_chunk, {k: v for k, v in dataclasses.asdict(self).items() if k != "budgets"}])
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,10 @@ class ABConfig:
     def all_arms(self) -> tuple[ArmSpec, ...]:
         """The full-cache reference first, then the configured arms."""
         return (ArmSpec("full", "full"),) + tuple(a for a in self.arms if a.label != "full")
+
+    def task_budgets(self, task: TaskSpec) -> tuple[int, ...]:
+        """The budgets ``task`` runs at: its own list, else the run's."""
+        return task.budgets or self.budgets
 
     def arm(self, label: str) -> ArmSpec:
         return next(a for a in self.all_arms if a.label == label)
@@ -255,6 +265,10 @@ class ABConfig:
             for label in pair:
                 if label not in labels:
                     raise ConfigError(f"comparison {list(pair)} names arm {label!r}, which the config does not define; arms: {', '.join(labels)}")
+        for task in self.tasks:
+            extra = sorted(set(task.budgets) - set(self.budgets))
+            if extra:
+                raise ConfigError(f"task {task.name!r} runs at budget {extra[0]!r}, which is not among the run's budgets {list(self.budgets)}")
         for arm in self.arms:
             _check_arm(arm, self.budgets)
 
@@ -356,7 +370,8 @@ def _task(entry: Any) -> TaskSpec:
     max_new = entry.get("max_new_tokens", 24 if kind in ("multivalue", "variable_tracking", "common_words") else 12) if answer else 0
     if answer and (not isinstance(max_new, int) or max_new < 1):
         raise ConfigError(f"task {name!r}: max_new_tokens must be a positive integer, got {max_new!r}")
-    return TaskSpec(name, kind, lengths, examples, names, max_new, opts)
+    budgets = tuple(_list(entry.get("budgets", []), f"task {name!r}: budgets"))
+    return TaskSpec(name, kind, lengths, examples, names, max_new, opts, budgets)
 
 
 def _check_arm(arm: ArmSpec, budgets: tuple[int, ...]) -> None:
@@ -378,9 +393,13 @@ def _check_arm(arm: ArmSpec, budgets: tuple[int, ...]) -> None:
 
 
 def load_adapter(path_or_id: str, label: str) -> kvgates.GateSet:
-    """The adapter an arm names (a folder, else a Hub id), or ``ConfigError`` saying why it cannot be read."""
-    if not Path(path_or_id).is_dir() and not HUB_ID.fullmatch(path_or_id):
-        raise ConfigError(f"arm {label!r}: the adapter {path_or_id} is neither an existing folder nor a Hub id (owner/name)")
+    """The adapter an arm names (a folder, a shipped adapter's name, else a Hub id), or ``ConfigError`` saying why
+    it cannot be read."""
+    if not Path(path_or_id).is_dir() and embedded_adapter_dir(path_or_id) is None and not HUB_ID.fullmatch(path_or_id):
+        raise ConfigError(
+            f"arm {label!r}: the adapter {path_or_id} is neither an existing folder, a shipped adapter "
+            f"({', '.join(embedded_adapters()) or 'none ship'}) nor a Hub id (owner/name)"
+        )
     try:
         return kvgates.load_gates(path_or_id)
     except AdapterError as err:

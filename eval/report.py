@@ -87,7 +87,7 @@ def headline_legend(config: ABConfig) -> str:
     )
     return (
         f"Budget: tokens held per KV head ('—' = the full cache). Cells: {cells}. KV MiB / seq: key and value bytes "
-        "each sequence really held, averaged over the tasks."
+        "each sequence really held, averaged over the tasks; '-': the task does not run at that budget."
     )
 
 
@@ -133,7 +133,7 @@ def plot_score_vs_kv(config: ABConfig, summary: Summary, path: Path) -> Path:
     for ax, task in zip(axes.flat, config.tasks):
         m = metrics_of(task)[0]
         for arm in config.all_arms:
-            budgets = config.budgets if arm.budgeted else [None]
+            budgets = config.task_budgets(task) if arm.budgeted else [None]
             xs = [summary.mean(task.name, arm.label, b, "kv_bytes") / MIB for b in budgets]
             ys = [summary.mean(task.name, arm.label, b, m.name) for b in budgets]
             style = dict(marker="*", markersize=14) if not arm.budgeted else dict(marker="o")
@@ -164,10 +164,11 @@ def plot_depth_heatmaps(config: ABConfig, task: TaskSpec, rows: list[dict], path
         if r["task"] == task.name:
             cells[(r["arm"], r["budget"], r["meta"]["context_tokens"], r["meta"]["depth"])].append(r["metrics"]["recall"])
     arms = config.all_arms
-    cols = len(config.budgets)
+    budgets = config.task_budgets(task)
+    cols = len(budgets)
     fig, axes = plt.subplots(len(arms), cols, figsize=(max(6.0, 2.6 * cols + 1), 0.55 * len(lengths) * len(arms) + 1.2), squeeze=False)
     for i, arm in enumerate(arms):
-        for j, budget in enumerate(config.budgets):
+        for j, budget in enumerate(budgets):
             ax = axes[i, j]
             b = budget if arm.budgeted else None
             if not arm.budgeted and j:
@@ -193,9 +194,10 @@ def plot_depth_heatmaps(config: ABConfig, task: TaskSpec, rows: list[dict], path
 def plot_kl_curves(config: ABConfig, task: TaskSpec, rows: list[dict], path: Path, smooth: int = 16) -> Path:
     """Per budget: each arm's KL to the full cache along the generated tokens (mean over examples, moving
     average of ``smooth`` tokens)."""
-    fig, axes = plt.subplots(1, len(config.budgets), figsize=(5.5 * len(config.budgets), 4), squeeze=False, sharey=True)
+    budgets = config.task_budgets(task)
+    fig, axes = plt.subplots(1, len(budgets), figsize=(5.5 * len(budgets), 4), squeeze=False, sharey=True)
     colors = _colors(config)
-    for ax, budget in zip(axes[0], config.budgets):
+    for ax, budget in zip(axes[0], budgets):
         for arm in config.arms:
             curves = [r["kl_curve"] for r in rows if r["task"] == task.name and r["arm"] == arm.label and r["budget"] == budget]
             if not curves:
@@ -224,6 +226,8 @@ def _task_line(task: TaskSpec) -> str:
         what += f", templates {', '.join(task.templates)}"
     if task.options:
         what += ", " + ", ".join(f"{k}={v}" for k, v in task.options.items())
+    if task.budgets:
+        what += f"; at budget{'s' if len(task.budgets) > 1 else ''} {', '.join(map(str, task.budgets))} only"
     return what
 
 
@@ -265,7 +269,7 @@ def write_report(results: ABResults, command: str = "") -> str:
     md += ["", "## Headline", "", legend, "", headline, "", *verdict_counts(results.comparisons), "", f"![score vs KV bytes]({plots[0].name})", ""]
     for task in config.tasks:
         md += [f"## {task.name}", "", _task_line(task) + ".", ""]
-        for budget in config.budgets:
+        for budget in config.task_budgets(task):
             md += [f"### {task.name}, budget {budget}", "", task_table(config, task, budget, summary), ""]
             md += [f"- {c.sentence()}" for c in results.comparisons if c.task == task.name and c.budget == budget]
             md.append("")

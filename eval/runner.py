@@ -112,16 +112,16 @@ def _key(config: ABConfig, task: TaskSpec, index: int, arm: ArmSpec, budget: int
     return json.dumps([task.name, task.identity(config.model, config.seed, config.prefill_chunk), index, arm.label, arm.identity(), budget])
 
 
-def _runs(config: ABConfig) -> list[tuple[ArmSpec, int | None]]:
-    """``(arm, budget)`` pairs, the full cache first (once, unbudgeted)."""
-    return [(arm, budget) for arm in config.all_arms for budget in (config.budgets if arm.budgeted else [None])]
+def _runs(config: ABConfig, task: TaskSpec) -> list[tuple[ArmSpec, int | None]]:
+    """``(arm, budget)`` pairs of ``task``, the full cache first (once, unbudgeted)."""
+    return [(arm, budget) for arm in config.all_arms for budget in (config.task_budgets(task) if arm.budgeted else [None])]
 
 
 def _keys(config: ABConfig) -> list[str]:
     """Every result's journal key, in report order: task, example, arm, budget."""
     return [
         _key(config, task, index, arm, budget)
-        for task in config.tasks for index in range(task.examples * len(task.context_tokens)) for arm, budget in _runs(config)
+        for task in config.tasks for index in range(task.examples * len(task.context_tokens)) for arm, budget in _runs(config, task)
     ]
 
 
@@ -162,9 +162,11 @@ def _compute(config: ABConfig, model: PreTrainedModel, tokenizer: PreTrainedToke
     """Run and journal every result missing from ``done`` (updated in place), batch by batch."""
     gates = prepare_arms(config, model)
     examples = {task.name: build_examples(task, tokenizer, config.seed) for task in config.tasks}
-    runs = _runs(config)
     full_arm = config.all_arms[0]
-    units = [(task, ex, _key(config, task, ex.index, arm, budget)) for task in config.tasks for ex in examples[task.name] for arm, budget in runs]
+    units = [
+        (task, ex, _key(config, task, ex.index, arm, budget))
+        for task in config.tasks for ex in examples[task.name] for arm, budget in _runs(config, task)
+    ]
     bar = tqdm(
         total=sum(cost(t, ex) for t, ex, _ in units), initial=sum(cost(t, ex) for t, ex, k in units if k in done),
         desc="A/B", unit="tok", unit_scale=True, dynamic_ncols=True,
@@ -173,7 +175,7 @@ def _compute(config: ABConfig, model: PreTrainedModel, tokenizer: PreTrainedToke
         for task in config.tasks:
             for batch in batches(task, examples[task.name], config):
                 shared: dict = {}  # the batch's full-cache references, computed once for every arm
-                for arm, budget in runs:
+                for arm, budget in _runs(config, task):
                     keys = [_key(config, task, ex.index, arm, budget) for ex in batch]
                     if all(k in done for k in keys):
                         continue
@@ -206,7 +208,7 @@ def comparisons(config: ABConfig, rows: list[dict]) -> list[Comparison]:
     for task in config.tasks:
         primary, binary = metrics_of(task)[0], binary_metric(task)
         indices = sorted({r["example"] for r in rows if r["task"] == task.name})
-        for budget in config.budgets:
+        for budget in config.task_budgets(task):
             for a, b in config.pairs():
                 ka, kb = ((task.name, x, budget if config.arm(x).budgeted else None) for x in (a, b))
                 shared = [i for i in indices if (*ka, i) in by and (*kb, i) in by]

@@ -2,7 +2,10 @@
 
     kvgates generate --model smollm2-135m --policy snapkv --budget 256 --prompt-file essay.txt --window 16
 
-Every parameter of the chosen policy is an option (``kvgates generate --policy snapkv --help`` lists them). The
+    kvgates generate --policy trimkv --budget 128 --prompt-file essay.txt     # the shipped adapter on the embedded model
+
+Every parameter of the chosen policy is an option (``kvgates generate --policy snapkv --help`` lists them); a learned
+policy without ``--gates`` on an embedded model runs the adapter shipped for it (``kvgates.gates.embedded``). The
 generated text is the only thing written to stdout; the KV memory report and every error (one sentence, non-zero
 exit) go to stderr.
 """
@@ -23,6 +26,7 @@ import transformers
 
 import kvgates
 from kvgates import POLICIES, BudgetCache, load_model, make_policy
+from kvgates.gates.embedded import default_gates
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,6 +102,11 @@ def _generate(argv: list[str]) -> int:
     params = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if args.budget is not None:
         params["budget"] = args.budget
+    if "gates" in names and "gates" not in params:
+        # A learned policy on an embedded model runs the adapter shipped for it unless --gates names another.
+        params["gates"] = default_gates(args.model, args.policy)
+        if params["gates"] is None:
+            parser.error(f"--policy {args.policy} needs --gates (a gate adapter folder or Hub id); no adapter ships for {args.model}")
     try:
         policy = make_policy(args.policy, **params)
     except ValueError as err:

@@ -62,6 +62,7 @@ def run(argv: list[str]) -> int:
         (["--policy", "trimkv", "--budget", "8", "--gates", "/tmp/nonexistent", "--prompt", "x"],
          "/tmp/nonexistent is neither an adapter folder nor a Hub repository id"),
         (["--policy", "trimkv", "--budget", "8", "--gates", "FOREIGN", "--prompt", "x"], "were trained for"),
+        (["--policy", "locret", "--budget", "8", "--prompt", "x"], "--policy locret needs --gates"),
         (["--model", "EMPTY", "--prompt", "x"], "is not a model folder (no config.json there)"),
     ],
 )

@@ -218,6 +218,8 @@ def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
         ({"arms": [{"policy": "trimkv", "gates": "configs"}]}, "configs has no config.json"),
         ({"arms": ["h2o", "h2o"]}, "two arms are labelled 'h2o'"),
         ({"comparisons": [["h2o", "tova"]], "arms": ["h2o"]}, "names arm 'tova'"),
+        ({"tasks": [{"task": "needle", "budgets": [64]}]}, "runs at budget 64, which is not among the run's budgets"),
+        ({"arms": [{"policy": "trimkv", "gates": "smollm2-1b-trimkv"}]}, "neither an existing folder, a shipped adapter"),
     ],
 )
 def test_bad_configs_fail_with_one_sentence(change, message):
@@ -250,6 +252,16 @@ def test_cli_exits_non_zero_with_one_sentence_before_loading_a_model(tmp_path, c
     assert err.startswith("error: ") and "budget 0" in err and len(err.splitlines()) == 1
     assert main(["ab", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert main(["ab", "--config", "configs/eval/demo.yaml", "--quick"]) == 2  # the demo has no quick section
+
+
+def test_a_task_can_run_at_some_of_the_budgets(tmp_path):
+    tasks = [{"task": "needle", "context_tokens": 120, "examples": 2}, {**TASKS[3], "budgets": [16]}]
+    config = small_config(tmp_path, tasks=tasks)
+    assert config.task_budgets(config.tasks[0]) == (16, 32) and config.task_budgets(config.tasks[1]) == (16,)
+    # 4 budgeted arms: needle 2 examples x (full + 4 x 2 budgets), fidelity 2 examples x (full + 4 x 1 budget)
+    assert run_ab(config, compute=False).expected == 2 * 9 + 2 * 5
+    # Which budgets a task runs at is not part of its results' keys: narrowing them reuses the journal.
+    assert config.tasks[1].identity("m", 0, None) == small_config(tmp_path, tasks=TASKS).tasks[3].identity("m", 0, None)
 
 
 def test_every_data_task_is_an_answer_task_of_the_harness():

@@ -140,3 +140,41 @@ def test_generate_answers_an_instruct_question_without_the_chat_flag(capsys):
     assert main(["generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "16"]) == 0
     out = capsys.readouterr().out
     assert "Paris" in out and out.count("\n") == 1
+
+
+SHIPPED = ["smollm2-135m-trimkv", "smollm2-135m-trimkv-global", "smollm2-135m-locret", "smollm2-135m-trimkv-snapkv"]
+
+
+@pytest.mark.ci_slice
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_adapter_loads_offline_fits_the_embedded_model_and_generates(smollm, name, monkeypatch):
+    import kvgates
+    from kvgates.gates.embedded import embedded_adapters
+    from kvgates.models import model_fingerprint
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tok = smollm
+    assert name in embedded_adapters()
+    gates = kvgates.load_gates(name)
+    assert gates.config.fingerprint == model_fingerprint(model)
+    training = gates.config.training
+    assert training["command"].startswith("train.py --config configs/train/") and training["essay_split"]["test"]
+    assert "| trimkv" in gates.config.report or "| locret" in gates.config.report  # its A/B table
+    from data.corpus import paul_graham_essays
+
+    ids = tok(paul_graham_essays()[:2000], return_tensors="pt")["input_ids"][:, :200]
+    recipe = training["recipe"]
+    policy = kvgates.make_policy(recipe["kind"], budget=64, gates=gates, **recipe.get("policy", {}))
+    with policy.attach(model):
+        cache = BudgetCache(model.config, policy)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 6 and int(cache.held_tokens().max()) <= 64
+
+
+@pytest.mark.ci_slice
+def test_generate_with_a_learned_policy_uses_the_shipped_adapter(capsys):
+    from kvgates.cli import main
+
+    assert main(["generate", "--policy", "trimkv", "--budget", "16", "--prompt", "Name a colour.", "--max-new-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "policy=trimkv" in err
