@@ -124,20 +124,42 @@ def verdict_counts(comparisons: list[Comparison]) -> list[str]:
     return lines
 
 
-def plot_score_vs_kv(config: ABConfig, summary: Summary, path: Path) -> Path:
-    """Per task: each arm's primary metric against the KV MiB it held per sequence, one point per budget."""
+def best_heuristic(config: ABConfig, summary: Summary, task: TaskSpec, budget: int) -> str | None:
+    """The heuristic arm with the best mean primary metric on ``task`` at ``budget`` (None before any result)."""
+    m = metrics_of(task)[0]
+    scored = [
+        (summary.mean(task.name, a.label, budget, m.name), a.label) for a in config.arms if a.budgeted and not a.learned
+    ]
+    scored = [(v if m.higher_is_better else -v, label) for v, label in scored if np.isfinite(v)]
+    return max(scored)[1] if scored else None
+
+
+def plot_score_vs_kv(config: ABConfig, summary: Summary, path: Path, headline: bool = False) -> Path:
+    """Per task: each arm's primary metric against the KV MiB it held per sequence, one point per budget.
+
+    ``headline``: the learned arms and the full cache against one "best heuristic" line that takes, at each budget,
+    whichever heuristic scored best there (its name beside the point)."""
     n = len(config.tasks)
-    cols = min(3, n)
+    cols = min(4 if headline else 3, n)
     fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(5.2 * cols, 4 * ((n + cols - 1) // cols)), squeeze=False)
     colors = _colors(config)
     for ax, task in zip(axes.flat, config.tasks):
         m = metrics_of(task)[0]
-        for arm in config.all_arms:
-            budgets = config.task_budgets(task) if arm.budgeted else [None]
-            xs = [summary.mean(task.name, arm.label, b, "kv_bytes") / MIB for b in budgets]
-            ys = [summary.mean(task.name, arm.label, b, m.name) for b in budgets]
-            style = dict(marker="*", markersize=14) if not arm.budgeted else dict(marker="o")
-            ax.plot(xs, ys, label=arm.label, linestyle="-" if arm.budgeted else "none", color=colors[arm.label], **style)
+        budgets = config.task_budgets(task)
+        series = [(arm.label, [(arm.label, b) for b in (budgets if arm.budgeted else [None])]) for arm in config.all_arms
+                  if not headline or arm.learned or not arm.budgeted]
+        if headline:
+            best = [(best_heuristic(config, summary, task, b), b) for b in budgets]
+            series.append(("best heuristic", [(label, b) for label, b in best if label is not None]))
+        for name, points in series:
+            xs = [summary.mean(task.name, label, b, "kv_bytes") / MIB for label, b in points]
+            ys = [summary.mean(task.name, label, b, m.name) for label, b in points]
+            style = dict(marker="*", markersize=14, linestyle="none") if name == "full" else dict(marker="o")
+            if name == "best heuristic":
+                style.update(color="grey", linestyle="--")
+                for (label, _), x, y in zip(points, xs, ys):
+                    ax.annotate(label, (x, y), fontsize=7, color="dimgrey", xytext=(3, -9), textcoords="offset points")
+            ax.plot(xs, ys, label=name, **{"color": colors.get(name), **style})
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_formatter(NullFormatter())
@@ -253,6 +275,9 @@ def write_report(results: ABResults, command: str = "") -> str:
     )
     headline = headline_table(config, summary)
     plots = [plot_score_vs_kv(config, summary, out / "score_vs_kv.png")]
+    learned = any(a.learned for a in config.arms)
+    if learned:
+        plots.append(plot_score_vs_kv(config, summary, out / "headline.png", headline=True))
     md = [
         f"# A/B evaluation on {config.model}",
         "",
@@ -266,7 +291,10 @@ def write_report(results: ABResults, command: str = "") -> str:
     if command:
         md += ["", f"Reproduce: `{command}`"]
     legend = headline_legend(config)
-    md += ["", "## Headline", "", legend, "", headline, "", *verdict_counts(results.comparisons), "", f"![score vs KV bytes]({plots[0].name})", ""]
+    md += ["", "## Headline", "", legend, "", headline, "", *verdict_counts(results.comparisons), ""]
+    if learned:
+        md += [f"![learned arms vs the best heuristic at each budget]({plots[1].name})", ""]
+    md += [f"![score vs KV bytes, every arm]({plots[0].name})", ""]
     for task in config.tasks:
         md += [f"## {task.name}", "", _task_line(task) + ".", ""]
         for budget in config.task_budgets(task):

@@ -169,7 +169,7 @@ def test_run_journals_resumes_compares_and_reports(tmp_path, tok, model, monkeyp
     assert headline.startswith("Budget: tokens held per KV head") and "mean recall (higher is better)" in headline
     assert colorbars == ["share of the answer recalled"] * 3  # needle, multikey, variable_tracking
     assert "trimkv (untrained)" in report and "95% CI" in report
-    for png in ["score_vs_kv.png", "heatmap_needle.png", "heatmap_multikey.png", "kl_fidelity.png"]:
+    for png in ["score_vs_kv.png", "headline.png", "heatmap_needle.png", "heatmap_multikey.png", "kl_fidelity.png"]:
         assert (out / png).stat().st_size > 0, png
     saved = json.loads((out / "results.json").read_text())
     assert len(saved["rows"]) == len(first.rows) and saved["comparisons"][0]["sentence"]
@@ -262,6 +262,22 @@ def test_a_task_can_run_at_some_of_the_budgets(tmp_path):
     assert run_ab(config, compute=False).expected == 2 * 9 + 2 * 5
     # Which budgets a task runs at is not part of its results' keys: narrowing them reuses the journal.
     assert config.tasks[1].identity("m", 0, None) == small_config(tmp_path, tasks=TASKS).tasks[3].identity("m", 0, None)
+
+
+def test_best_heuristic_follows_the_metric_direction(tmp_path):
+    from eval.report import Summary, best_heuristic
+
+    config = small_config(tmp_path)
+    needle, fidelity = config.tasks[0], config.tasks[3]
+    rows = [
+        {"task": t.name, "arm": arm, "budget": 16, "meta": {"context_tokens": 100}, "metrics": {m: v, "exact": 0.0}}
+        for t, m in ((needle, "recall"), (fidelity, "kl"))
+        for arm, v in (("streaming_llm", 0.2), ("h2o", 0.5), ("trimkv (untrained)", 0.9))
+    ]
+    summary = Summary(rows)
+    assert best_heuristic(config, summary, needle, 16) == "h2o"  # higher recall is better; learned arms are not heuristics
+    assert best_heuristic(config, summary, fidelity, 16) == "streaming_llm"  # lower KL is better
+    assert best_heuristic(config, summary, needle, 32) is None
 
 
 def test_every_data_task_is_an_answer_task_of_the_harness():
