@@ -12,7 +12,7 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 
-from eval.config import ABConfig, TaskSpec
+from eval.config import ABConfig, ArmSpec, TaskSpec
 from eval.runner import ABResults
 from eval.stats import MIN_PAIRS, Comparison
 from eval.tasks import metrics_of
@@ -239,6 +239,44 @@ def plot_kl_curves(config: ABConfig, task: TaskSpec, rows: list[dict], path: Pat
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def load_config(results: dict) -> ABConfig:
+    """The run's ``ABConfig`` as ``results.json`` recorded it."""
+    tasks = tuple(
+        TaskSpec(**{**t, **{k: tuple(t.get(k, ())) for k in ("context_tokens", "templates", "budgets")}}) for t in results["tasks"]
+    )
+    arms = tuple(ArmSpec(**a) for a in results["arms"] if a["label"] != "full")
+    return ABConfig(model=results["model"], seed=results["seed"], budgets=tuple(results["budgets"]), arms=arms, tasks=tasks)
+
+
+def arm_section(results_dir: str | Path, label: str) -> str:
+    """Markdown for one arm's model card from a finished run in ``results_dir``: per task and budget the arm's
+    primary metric beside the best heuristic's (named) and the full cache's, then its paired verdicts."""
+    results = json.loads((Path(results_dir) / "results.json").read_text())
+    config = load_config(results)
+    if label not in {a.label for a in config.arms}:
+        raise ValueError(f"{results_dir} has no arm {label!r}; its arms: {', '.join(a.label for a in config.arms)}")
+    summary = Summary(results["rows"])
+    lines = [
+        "| task | metric | budget | this adapter | best heuristic | full cache | KV MiB / seq (adapter) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for task in config.tasks:
+        m = metrics_of(task)[0]
+        full = _fmt(summary.mean(task.name, "full", None, m.name), m.fmt)
+        for budget in config.task_budgets(task):
+            best = best_heuristic(config, summary, task, budget)
+            best_cell = f"{_fmt(summary.mean(task.name, best, budget, m.name), m.fmt)} ({best})" if best else "-"
+            mine = _fmt(summary.mean(task.name, label, budget, m.name), m.fmt)
+            kv = _fmt(summary.mean(task.name, label, budget, "kv_bytes") / MIB, ".2f")
+            lines.append(f"| {task.name} | {m.name} | {budget} | {mine} | {best_cell} | {full} | {kv} |")
+    verdicts = [f"- {c['sentence']}" for c in results["comparisons"] if label in (c["a"], c["b"])]
+    heading = (
+        f"A/B evaluation on {config.model} (`python -m eval ab`, test essays, templates never used in training; "
+        f"budgets in tokens per KV head; {len(config.all_arms)} arms):"
+    )
+    return "\n".join([heading, "", *lines, "", *verdicts])
 
 
 def _task_line(task: TaskSpec) -> str:

@@ -357,10 +357,33 @@ def test_shipping_an_adapter_makes_it_loadable_by_name(tiny_dir, tmp_path, monke
     model, _ = kvgates.load_model(str(tiny_dir))
     trained = kvgates.RetentionGates.for_model(model, gate_hidden=8, training_budget=24)
     trained.save_pretrained(tmp_path / "adapter")
-    ship.main([str(tmp_path / "adapter"), "tiny-trimkv", "--report", str(write({"x": 1}, tmp_path / "r.md"))])
+    ab = tmp_path / "ab"
+    ab.mkdir()
+    needle = {"name": "needle", "task": "needle", "context_tokens": [2000], "examples": 2, "templates": [], "max_new_tokens": 8,
+              "options": {}, "budgets": []}
+    rows = [
+        {"task": "needle", "arm": arm, "budget": budget, "example": i, "meta": {"context_tokens": 2000},
+         "metrics": {"recall": value, "exact": value}, "kv_bytes": 2**20, "state_bytes": 0}
+        for arm, budget, value in [("full", None, 1.0), ("h2o", 64, 0.0), ("snapkv", 64, 0.5), ("trimkv", 64, 1.0)]
+        for i in range(2)
+    ]
+    comparison = {"a": "trimkv", "b": "h2o", "sentence": "trimkv beats h2o at 64 on needle by 1 recall."}
+    (ab / "results.json").write_text(json.dumps({
+        "model": "tiny", "seed": 0, "budgets": [64], "tasks": [needle], "rows": rows, "comparisons": [comparison],
+        "arms": [{"label": "full", "policy": "full", "params": {}, "gates": None}, {"label": "h2o", "policy": "h2o", "params": {}, "gates": None},
+                 {"label": "snapkv", "policy": "snapkv", "params": {}, "gates": None},
+                 {"label": "trimkv", "policy": "trimkv", "params": {}, "gates": "x"}],
+    }))
+    trained.config.report = "Held-out table of train.py"
+    trained.save_pretrained(tmp_path / "adapter")
+    ship.main([str(tmp_path / "adapter"), "tiny-trimkv", "--ab", str(ab), "--arm", "trimkv"])
     assert embedded.embedded_adapters() == ["tiny-trimkv"]
     loaded = kvgates.load_gates("tiny-trimkv")  # by name, offline
-    assert loaded.config.report == "x: 1\n" and "x: 1" in (tmp_path / "embedded" / "tiny-trimkv" / "README.md").read_text()
+    card = (tmp_path / "embedded" / "tiny-trimkv" / "README.md").read_text()
+    assert loaded.config.report.startswith("Held-out table of train.py") and "| needle | recall | 64 | 100% | 50% (snapkv) | 100% |" in card
+    assert "trimkv beats h2o at 64" in card
+    with pytest.raises(ValueError, match="has no arm 'nope'"):
+        ship.ship(tmp_path / "adapter", "other", ab, "nope")
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "embedded" / "tiny-trimkv" / "model.safetensors"), "pt") as f:

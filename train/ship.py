@@ -1,11 +1,13 @@
 """Ship a trained adapter inside the package (``kvgates/gates/embedded/NAME``), in fp16, with its A/B report.
 
-    python -m train.ship checkpoints/smollm2-135m-trimkv/adapter smollm2-135m-trimkv --report docs/reference/ab.md
+    python -m train.ship checkpoints/smollm2-135m-trimkv/adapter smollm2-135m-trimkv --ab docs/reference --arm trimkv
 
 The weights are those ``train.py`` exported (no edit beyond the cast to float16, which halves the size; the
-policies run gates in float32 by default either way). ``--report`` replaces the card's results section with the
-given Markdown (the A/B tables of the adapter against the heuristics); the training record (recipe, command,
-time, data split) stays as ``train.py`` wrote it. The folder is exactly what one would push to the Hub.
+policies run gates in float32 by default either way). ``--ab DIR --arm LABEL`` adds to the card's results the
+adapter's A/B table from the ``python -m eval ab`` run in DIR (its arm LABEL beside the best heuristic and the full
+cache at each task and budget, and its verdicts), after the held-out table ``train.py`` wrote; the training record
+(recipe, command, time, data split) stays as ``train.py`` wrote it. The folder is exactly what one would push to
+the Hub.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ from pathlib import Path
 import torch
 
 import kvgates
+from eval.report import arm_section
 from kvgates.gates.embedded import EMBEDDED_DIR
 
 
-def ship(source: str | Path, name: str, report: str | None = None) -> Path:
-    """Copy the adapter at ``source`` to ``kvgates/gates/embedded/name`` in float16; returns the folder."""
+def ship(source: str | Path, name: str, ab: str | Path | None = None, arm: str | None = None) -> Path:
+    """Copy the adapter at ``source`` to ``kvgates/gates/embedded/name`` in float16, its card extended with its arm
+    ``arm`` of the A/B run in ``ab`` when given; returns the folder."""
     gates = kvgates.load_gates(source)
-    if report is not None:
-        gates.config.report = report
+    if ab is not None:
+        gates.config.report = f"{gates.config.report.strip()}\n\n{arm_section(ab, arm or name)}".strip()
     return gates.to(torch.float16).save_pretrained(EMBEDDED_DIR / name)
 
 
@@ -31,9 +35,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a trained adapter folder (checkpoints/RUN/adapter)")
     parser.add_argument("name", help="the name it ships under (e.g. smollm2-135m-trimkv)")
-    parser.add_argument("--report", type=Path, help="a Markdown file whose text becomes the card's results")
+    parser.add_argument("--ab", type=Path, help="an A/B run's output folder (python -m eval ab) to take the card's table from")
+    parser.add_argument("--arm", help="the adapter's arm label in that run (default: the name)")
     args = parser.parse_args(argv)
-    folder = ship(args.source, args.name, args.report.read_text() if args.report else None)
+    folder = ship(args.source, args.name, args.ab, args.arm)
     size = sum(p.stat().st_size for p in folder.iterdir()) / 2**20
     print(f"shipped {args.source} as {args.name}: {folder} ({size:.1f} MiB)")
 
