@@ -289,7 +289,8 @@ def _list(value: Any, what: str) -> list:
 
 
 def _apply_quick(raw: dict, quick: Any) -> dict:
-    """``raw`` with the ``quick`` section applied: budgets/output_dir replaced, arms kept by label, tasks
+    """``raw`` with the ``quick`` section applied: budgets/output_dir replaced, arms kept by label (with the
+    comparisons between kept arms), tasks
     kept by name (when ``tasks`` lists names) or overridden per name (when it maps names to settings; a name
     the config lacks adds a task when its settings give a ``task``)."""
     if not isinstance(quick, dict):
@@ -306,6 +307,8 @@ def _apply_quick(raw: dict, quick: Any) -> dict:
         if missing:
             raise ConfigError(f"the quick section keeps arm {sorted(missing)[0]!r}, which the config does not define")
         raw["arms"] = [e for e, a in zip(raw["arms"], arms) if a.label in keep]
+        if isinstance(raw.get("comparisons"), list):  # pairs naming a dropped arm go with it
+            raw["comparisons"] = [p for p in raw["comparisons"] if set(_list(p, "comparison")) <= keep | {"full"}]
     if "tasks" in quick:
         tasks = {_task(e).name: e for e in _list(raw.get("tasks", []), "tasks")}
         wanted = quick["tasks"] if isinstance(quick["tasks"], dict) else dict.fromkeys(_list(quick["tasks"], "quick.tasks"), {})

@@ -142,7 +142,17 @@ def test_generate_answers_an_instruct_question_without_the_chat_flag(capsys):
     assert "Paris" in out and out.count("\n") == 1
 
 
-SHIPPED = ["smollm2-135m-trimkv", "smollm2-135m-trimkv-global", "smollm2-135m-locret", "smollm2-135m-trimkv-snapkv"]
+def _shipped() -> list[str]:
+    from kvgates.gates.embedded import embedded_adapters
+
+    return embedded_adapters()
+
+
+SHIPPED = _shipped()
+
+
+def test_the_trimkv_adapter_ships():
+    assert "smollm2-135m-trimkv" in SHIPPED
 
 
 @pytest.mark.ci_slice
