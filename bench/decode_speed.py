@@ -6,7 +6,8 @@ A budgeted decode step should cost what a plain ``DynamicCache`` + sdpa step ove
 kvpress user pays after prefill-only compression). For each ``context:budget`` pair the script prefills
 ``context`` essay tokens once per cache at batch 1: a DynamicCache of ``budget`` tokens (the physical reference,
 1.00x), a DynamicCache of the full context, and a ``BudgetCache`` per policy (per-step evicting policies also
-with amortised eviction, ``--slack``). Batch > 1 repeats every prefilled cache (``batch_repeat_interleave``).
+with amortised eviction over ``--slack + 1`` steps). Batch > 1 repeats every prefilled cache
+(``batch_repeat_interleave``).
 Every cache then decodes ``--steps`` greedy steps once per round, for ``--rounds`` interleaved rounds, so that
 drifts of a shared machine hit all caches alike; the table gives the median ms/step and its ratio to both
 DynamicCaches. The DynamicCaches are cropped back to their prompt before every round, so they keep their size;
@@ -28,15 +29,19 @@ POLICIES = [
     "full", "snapkv", "pyramidkv", "adakv", "dynamickv", "kvmerger",
     "streaming_llm", "h2o", "tova", "morphkv", "trimkv", "d2o",
 ]
-#: Policies that evict on every decode step and take a ``slack`` (amortised eviction).
-PER_STEP = ("streaming_llm", "h2o", "tova", "morphkv", "trimkv")
+#: Policies that evict on every decode step, and the parameter that amortises their evictions over ``slack + 1``
+#: steps (``PerStepEviction.slack``; MorphKV's ``evict_every`` and TRIM-KV's ``buffer`` are the same mechanism).
+AMORTISED = {
+    "streaming_llm": lambda s: {"slack": s}, "h2o": lambda s: {"slack": s}, "tova": lambda s: {"slack": s},
+    "morphkv": lambda s: {"evict_every": s + 1}, "trimkv": lambda s: {"buffer": s}, "d2o": lambda s: {"slack": s},
+}
 
 
 def make_policy(model, name: str, budget: int, slack: int = 0) -> kvgates.Policy:
     """``name`` at ``budget`` (full: no budget), attached to ``model``; learned policies get fresh gates."""
     params: dict = {} if name == "full" else {"budget": budget}
     if slack:
-        params["slack"] = slack
+        params.update(AMORTISED[name](slack))
     if name == "trimkv":
         params["gates"] = kvgates.RetentionGates.for_model(model, training_budget=budget)
     return kvgates.make_policy(name, **params).attach(model)
@@ -63,7 +68,7 @@ def main() -> None:
         }
         for name in args.policies:
             runs[name] = lambda name=name: kvgates.BudgetCache(model.config, make_policy(model, name, budget))
-            if name in PER_STEP and args.slack:
+            if name in AMORTISED and args.slack:
                 runs[f"{name} slack={args.slack}"] = lambda name=name: kvgates.BudgetCache(
                     model.config, make_policy(model, name, budget, args.slack)
                 )

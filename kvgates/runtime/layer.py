@@ -118,8 +118,9 @@ class BudgetLayer(CacheLayerMixin):
         self.decoding = False  # whether a decode step has run (see ``phase``)
         self.decode_steps = 0
         self.fill: list[int] = []  # per head: slots >= fill[h] are free (see "Packed layout")
-        self.packed = True  # every slot below fill[h] is valid, in every sequence
-        self._int_quota: int | None = None  # the policy's int quota ``self.quota`` was built from
+        self.packed = False  # every slot below fill[h] is valid, in every sequence
+        self._quota_source: int | torch.Tensor | None = None  # the policy's quota ``quota`` was built from
+        self._least_quota = 0  # its least entry, on the host
         self._policy_states: dict[int, LayerState] = {}
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._derived: dict[str, Any] = {}  # layout-derived tensors and state views, dropped when storage changes
@@ -149,7 +150,7 @@ class BudgetLayer(CacheLayerMixin):
         self.keys = key_states.new_zeros((b, 0, d))
         self.values = value_states.new_zeros((b, 0, value_states.shape[-1]))
         self.head_slots = [0] * hkv
-        self.fill, self.packed = [0] * hkv, True
+        self.fill, self.packed = [0] * hkv, False  # packed once written to (``_free_slots``) or compacted
         self.pos = torch.full((b, hkv, 0), -1, dtype=torch.int64, device=self.device)
         specs = self.cache.policy.slot_state()
         self._state_layout, offset = {}, 0
@@ -206,7 +207,7 @@ class BudgetLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self.pos = self.slot_data = self.quota = None
         self.head_slots, self._policy_states = [], {}
-        self.fill, self.packed, self._int_quota = [], True, None
+        self.fill, self.packed, self._quota_source = [], False, None
         self.seen, self.decoding, self.decode_steps, self._pending = 0, False, 0, None
         self._derived = {}
         self.is_initialized = False
@@ -308,6 +309,9 @@ class BudgetLayer(CacheLayerMixin):
 
             def padded(dense: torch.Tensor, fill: torch.Tensor | float) -> torch.Tensor:
                 """``[B, H_kv, C, ...]`` -> ``[B, H_kv, C + extra, ...]``, the new slots set to ``fill``."""
+                if not isinstance(fill, torch.Tensor):
+                    pad = [0, 0] * (dense.dim() - 3) + [0, extra]
+                    return torch.nn.functional.pad(dense, pad, value=fill)
                 tail = dense.new_empty((b, hkv, extra, *dense.shape[3:]))
                 tail[:] = fill
                 return torch.cat([dense, tail], dim=2)
@@ -336,15 +340,19 @@ class BudgetLayer(CacheLayerMixin):
 
     def _free_slots(self, n: int) -> torch.Tensor:
         """Slot indices ``[B, H_kv, n]`` of ``n`` free slots per head, growing storage if needed."""
+        if self.max_slots == 0:  # no storage yet: trivially packed
+            self.fill, self.packed = [0] * self.num_kv_heads, True
         if self.packed:  # the slots after each head's fill: known on the host
             missing = max(f + n - c for f, c in zip(self.fill, self.head_slots))
             if missing > 0:
                 self._grow(self._growth(missing, n))
-            key = (tuple(self.fill), n, self.batch_size)
-            if self._derived.get("next", (None,))[0] != key:
-                first = torch.tensor(self.fill, device=self.device)[None, :, None]
-                self._derived["next"] = (key, (first + torch.arange(n, device=self.device)).expand(self.batch_size, -1, -1))
-            return self._derived["next"][1]
+            fill = self.dense_fill
+            if fill is not None:  # a view of the slot numbers, nothing allocated
+                if "slot_ids" not in self._derived:
+                    self._derived["slot_ids"] = torch.arange(self.max_slots, device=self.device)
+                return self._derived["slot_ids"][fill : fill + n].expand(self.batch_size, self.num_kv_heads, n)
+            first = torch.tensor(self.fill, device=self.device)[None, :, None]
+            return (first + torch.arange(n, device=self.device)).expand(self.batch_size, -1, -1)
         free = ~self.valid & self.exists()[None]
         missing = n - int(free.sum(-1).min()) if free.numel() else n
         if missing > 0:
@@ -401,6 +409,7 @@ class BudgetLayer(CacheLayerMixin):
         need = [n + slack for n in most] if ragged else [max(most) + slack] * len(most)
         if fill is not None and least == most and len(set(most)) == 1 and need[0] >= self.max_slots:
             self._fill_holes(keep, fill, most[0])
+            self._derived.pop("probs", None)  # its entries past the new fill are no longer 0
         else:
             need = [min(n, c) for n, c in zip(need, self.head_slots)]
             # Kept slots first, in position order, then free slots.
@@ -435,17 +444,16 @@ class BudgetLayer(CacheLayerMixin):
         policy = self.cache.policy
         schedule = policy.schedule
         quota = policy.quota(self, stats)
-        if isinstance(quota, int):
-            if self._int_quota != quota or self.quota is None or self.quota.shape[0] != self.batch_size:
-                self.quota = torch.full((self.batch_size, self.num_kv_heads), quota, dtype=torch.long, device=self.device)
-                self._int_quota = quota
-            if self.packed:  # every sequence holds fill[h] tokens in head h: the host decides, without a sync
-                if max(self.fill) > quota + schedule.tolerance:
-                    self.evict(policy.select(self, stats, self.quota), slack=schedule.slack)
-                return
-        else:
+        if not (quota is self._quota_source or (isinstance(quota, int) and quota == self._quota_source)):
+            # A new quota: its least entry is read once, then the host can tell when nobody is over it.
             self.quota = torch.as_tensor(quota, device=self.device).expand(self.batch_size, self.num_kv_heads).long()
-            self._int_quota = None
+            self._quota_source, self._least_quota = quota, int(self.quota.min())
+        if self.packed:  # every sequence holds fill[h] tokens in head h: the host decides, without a sync
+            if max(self.fill) <= self._least_quota + schedule.tolerance:
+                return
+            if isinstance(quota, int):  # then every sequence is over
+                self.evict(policy.select(self, stats, self.quota), slack=schedule.slack)
+                return
         over = (self.held() > self.quota + schedule.tolerance).any(-1)  # [B]
         if not bool(over.any()):
             return
@@ -484,7 +492,7 @@ class BudgetLayer(CacheLayerMixin):
         b, h, n, _ = query.shape
         phase = self.phase(n)
         q_pos, q_real = self._query_positions(b, n, attention_mask, position_ids, query.device)
-        was_empty = n > 1 and self.packed and max(self.fill) == 0
+        was_empty = n > 1 and (self.max_slots == 0 or (self.packed and max(self.fill) == 0))
         all_real = attention_mask is None or bool(q_real.all())
         slots = self.insert(
             key_states, value_states, q_pos if all_real else torch.where(q_real, q_pos, torch.full_like(q_pos, -1)), all_real
@@ -513,7 +521,13 @@ class BudgetLayer(CacheLayerMixin):
         elif n == 1:
             out = self._decode(query, keys, scale, request, stats)
         else:
-            if was_empty and all_real and self.uniform and shift is None:
+            if was_empty and all_real and self.uniform and shift is None and request.colsum:
+                # Nothing held before and no padding: causal attention over the new tokens, whose probabilities
+                # give the column sums in the same pass.
+                out, colsum = kernels.causal_attention_colsum(query, key_states, value_states, scale)
+                colsum = torch.nn.functional.pad(colsum, (0, self.max_slots - n))
+                stats.colsum = kernels.group_reduce(colsum, self.num_kv_heads, request.reduce)
+            elif was_empty and all_real and self.uniform and shift is None:
                 # Nothing held before and no padding: plain causal attention over the new tokens.
                 out = torch.nn.functional.scaled_dot_product_attention(
                     query, key_states, value_states, is_causal=True, scale=scale, enable_gqa=h != self.num_kv_heads
@@ -572,14 +586,28 @@ class BudgetLayer(CacheLayerMixin):
         return q_pos.contiguous(), q_real.contiguous()
 
     def _decode(self, query: torch.Tensor, keys: torch.Tensor, scale: float, request, stats: AttnStats) -> torch.Tensor:
-        g = query.shape[1] // self.num_kv_heads
+        b, h, _, _ = query.shape
+        hkv, fill = self.num_kv_heads, self.dense_fill
         reduce = "none" if request.reduce == "max" else "sum"
-        out, probs = kernels.decode_attention_flat(query[:, :, 0], keys, self.values, self.pos, self.head_slots, scale, reduce=reduce)
+        dense = fill is not None and kernels.backend(query) == "reference"
+        if dense:  # the torch kernel over the held slice (the Triton kernel reads the flat storage as it is)
+            c = self.max_slots
+            out, probs = kernels.decode_attention(
+                query[:, :, 0], keys.view(b, hkv, c, -1)[:, :, :fill], self.values.view(b, hkv, c, -1)[:, :, :fill],
+                self.pos[:, :, :fill], scale, reduce=reduce,
+            )
+        else:
+            out, probs = kernels.decode_attention_flat(query[:, :, 0], keys, self.values, self.pos, self.head_slots, scale, reduce=reduce)
         if not request.empty:
             if request.reduce == "max":
-                probs = kernels.group_reduce(probs, self.num_kv_heads, "max")
+                probs = kernels.group_reduce(probs, hkv, "max")
             elif request.reduce == "mean":
-                probs = probs / g
+                probs = probs / (h // hkv)
+            if dense:  # over every slot; free slots (at and past fill) stay 0
+                if "probs" not in self._derived:
+                    self._derived["probs"] = probs.new_zeros((b, hkv, self.max_slots))
+                self._derived["probs"][..., :fill] = probs
+                probs = self._derived["probs"]
             stats.rows = probs[:, :, None]
             stats.window = probs if request.window else None
             stats.window_rows = 1
@@ -642,7 +670,7 @@ class BudgetLayer(CacheLayerMixin):
                 stats.window = kernels.window_scores_flat(
                     q_win, keys, self.values, self.pos, self.head_slots, pos_win, real_win, scale, reduce
                 )
-        if request.colsum:
+        if request.colsum and stats.colsum is None:  # not already from the attention pass
             stats.colsum = self._per_group(
                 lambda q, k, pos: kernels.group_reduce(
                     kernels.column_sums(q, k, pos, q_pos, q_real, scale), k.shape[1], reduce
