@@ -5,6 +5,7 @@ import torch
 from helpers import make_layer, random_positions
 
 from kvgates import kernels
+from kvgates.kernels import reference
 from kvgates.policies.full import Full
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 
@@ -70,3 +71,17 @@ def test_pool_by_position_ignores_slot_order():
     assert pooled[0, 0, 4] == pytest.approx(0.9)  # p1: neighbours p0, p2
     assert pooled[0, 0, 3] == pytest.approx(0.3)  # p2: neighbours p1, p4
     assert pooled[0, 0, 0] == pytest.approx(0.3)  # p4: neighbours p2 and padding
+
+
+@pytest.mark.parametrize("n", [1, 7, 40])
+def test_causal_attention_colsum_matches_sdpa_and_column_sums(n, monkeypatch):
+    monkeypatch.setattr(reference, "FUSED_TILE_ELEMENTS", 6 * 2 * 40)  # several row tiles
+    g = torch.Generator().manual_seed(n)
+    q, k, v = torch.randn(2, 6, n, 8, generator=g), torch.randn(2, 2, n, 8, generator=g), torch.randn(2, 2, n, 8, generator=g)
+    out, colsum = reference.causal_attention_colsum(q, k, v, 0.4)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.4, enable_gqa=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    pos = torch.arange(n).expand(2, 2, n)
+    q_pos = torch.arange(n).expand(2, n)
+    sums = reference.column_sums(q, k, pos, q_pos, torch.ones(2, n, dtype=torch.bool), 0.4)
+    torch.testing.assert_close(colsum, sums, atol=1e-5, rtol=0)

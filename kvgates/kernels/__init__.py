@@ -19,6 +19,7 @@ from kvgates.kernels import reference
 from kvgates.kernels.reference import (
     GROUP_REDUCTIONS,
     attention_probs,
+    causal_attention_colsum,
     column_sums,
     decode_attention,
     dense_groups,
@@ -126,6 +127,7 @@ __all__ = [
     "GROUP_REDUCTIONS",
     "attention_probs",
     "backend",
+    "causal_attention_colsum",
     "column_sums",
     "compact_slots",
     "decode_attention",

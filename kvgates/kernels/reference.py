@@ -30,6 +30,7 @@ __all__ = [
     "masked_attention",
     "decode_attention",
     "column_sums",
+    "causal_attention_colsum",
     "pool_by_position",
     "dense_groups",
     "decode_attention_flat",
@@ -47,6 +48,10 @@ GROUP_REDUCTIONS = ("sum", "mean", "max")
 #: query rows are processed in tiles of ``row_tile`` rows, so memory follows the chunk and the slots held
 #: (linearly), never their product for every head (64 MiB of float32 scores).
 TILE_ELEMENTS = 1 << 24
+
+
+#: Scores per tile of ``causal_attention_colsum``: small enough for a tile to stay in cache between its passes.
+FUSED_TILE_ELEMENTS = 1 << 22
 
 
 def row_tile(batch: int, heads: int, slots: int) -> int:
@@ -191,6 +196,43 @@ def column_sums(
         scores.div_(scores.sum(-1, keepdim=True))
         total += torch.einsum("bkgrc,br->bkgc", scores, weight[:, start:stop])
     return total.nan_to_num_(0.0).reshape(b, h, -1)
+
+
+def causal_attention_colsum(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of a prompt over its own keys, and the column sums of its probabilities, in one pass.
+
+    Args:
+        q: ``[B, H, n, D]`` the prompt's queries; k, v: ``[B, H_kv, n, D]`` its keys and values (query ``i`` sees
+            keys ``0 .. i``, the prompt's causal mask).
+        scale: softmax scale.
+
+    Returns:
+        ``(out [B, H, n, D] in q's dtype, colsum [B, H, n] float32)`` where ``colsum[b, h, j]`` is the sum over every
+        query of its probability on key ``j`` (``column_sums`` of the same rows). The rows are processed one tile
+        at a time (about ``FUSED_TILE_ELEMENTS`` scores), and a tile of rows ``[start, stop)`` scores only the
+        keys ``[0, stop)`` it can see, so the probabilities that give the output give the column sums too.
+    """
+    b, h, n, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    out = q.new_empty((b, h, n, v.shape[-1]))
+    colsum = q.new_zeros((b, hkv, g, n), dtype=torch.float32)
+    kf, vf = k.float(), v.float()
+    tile = max(1, FUSED_TILE_ELEMENTS // max(1, b * h * n))
+    for start in range(0, n, tile):
+        stop = min(n, start + tile)
+        r = stop - start
+        qg = (q[:, :, start:stop].float() * scale).reshape(b, hkv, g * r, d)
+        e = torch.matmul(qg, kf[:, :, :stop].transpose(-1, -2)).view(b, hkv, g, r, stop)
+        e[..., start:].masked_fill_(torch.ones((r, r), dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+        e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalised probabilities
+        inv = 1.0 / e.sum(-1)  # [B, H_kv, G, r]: normalise the r-row results, not the r x stop tile
+        colsum[..., :stop] += torch.matmul(inv[..., None, :], e)[..., 0, :]
+        rows = torch.matmul(e.view(b, hkv, g * r, stop), vf[:, :, :stop]).view(b, hkv, g, r, -1) * inv[..., None]
+        out[:, :, start:stop] = rows.view(b, h, r, -1).to(out.dtype)
+    return out, colsum.view(b, h, n)
 
 
 def pool_by_position(scores: torch.Tensor, slot_pos: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:

@@ -166,7 +166,10 @@ class Policy:
         raise NotImplementedError(f"{self.name} does not expose per-slot scores")
 
     def quota(self, layer: BudgetLayer, stats: AttnStats | None) -> int | torch.Tensor:
-        """Tokens each head may keep: an int, or a tensor broadcastable to ``[B, H_kv]`` (per sequence, per head)."""
+        """Tokens each head may keep: an int, or a tensor broadcastable to ``[B, H_kv]`` (per sequence, per head).
+
+        The layer reads a returned tensor once and reuses what it read while the same tensor comes back: give a
+        new tensor for new quotas, never modify a returned one in place."""
         assert self.budget is not None
         return self.budget
 
@@ -182,3 +185,29 @@ class Policy:
         """For policies that attend at shifted positions (StreamingLLM's re-rotation):
         ``(rotary, key_delta [B, H_kv, C], query_delta [B, q])``; ``None`` keeps the original positions."""
         return None
+
+
+@dataclass
+class PerStepEviction(Policy):
+    """Base of policies that evict at the end of every prompt chunk and on every decode step, with optional
+    amortised eviction.
+
+    With ``slack`` = s > 0 a head may fill to ``budget + s`` tokens during decode; the step that brings it one
+    past that evicts the ``s + 1`` lowest-ranked tokens at once, with the policy's own rule applied to what is
+    held then, back to ``budget``. This departs from per-step eviction in three ways: a token per-step eviction
+    would have dropped stays for up to s more steps (the queries in between attend to it, and it competes again
+    at the next eviction, where it may now win); the decision is made on the scores of the step that evicts,
+    not of each step; and a layer holds up to ``budget + s`` tokens between evictions (memory and attention cost
+    ``s`` more slots). With s = 0 (the default) it is per-step eviction. Each eviction costs one ranking of the
+    held tokens and one host sync, so s spreads that cost over s + 1 steps.
+    """
+
+    slack: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._at_least(0, "slack")
+
+    @property
+    def schedule(self) -> Schedule:
+        return Schedule(prefill=True, decode_every=1, tolerance=self.slack)

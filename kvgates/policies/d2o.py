@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.policies.base import Schedule, register_policy
+from kvgates.policies.base import PerStepEviction, Schedule, register_policy
 from kvgates.policies.h2o import CUMULATIVE, CumulativeAttention
 from kvgates.policies.merging import MERGE_RULES, MergeState, merge_evicted
 from kvgates.policies.selection import keep_forced_and_top, recent_mask, sink_mask
@@ -42,7 +42,7 @@ class D2OState(MergeState):
 
 @register_policy
 @dataclass
-class D2O(CumulativeAttention):
+class D2O(CumulativeAttention, PerStepEviction):
     """Dynamic Discriminative Operations (Wan et al. 2024, arXiv:2406.13035).
 
     Layer level, once per prompt: each KV head's column sums of the causal prompt attention give a variance
@@ -53,7 +53,8 @@ class D2O(CumulativeAttention):
     window and the rest as heavy hitters (the paper's heavy:recent = 3:1 is 0.25).
     Token level: H2O's cumulative attention (``CumulativeAttention``, over prompt and decode queries) with
     ``sinks`` always kept, at the end of every prompt (all layers at once, after the last one, since the
-    allocation needs every layer) and one token per decode step. Evicted tokens merge into their most similar
+    allocation needs every layer) and one token per decode step, or ``slack + 1`` tokens every ``slack + 1``
+    steps (amortised eviction, ``PerStepEviction``; the merge threshold then moves once per eviction). Evicted tokens merge into their most similar
     kept token when the similarity passes the EMA threshold (``kvgates.policies.merging``).
 
     Departures: the official code never compresses layers 0, 1 and the last (``protect_edge_layers=True``
@@ -69,11 +70,10 @@ class D2O(CumulativeAttention):
         merge: merge evicted tokens (default True); merge_rule: ``"paper"`` | ``"official"``.
         protect_edge_layers: never compress layers 0, 1 and the last (official code).
         group_reduce: how query heads of a GQA group combine into their KV head's scores.
+        slack: amortised eviction (``PerStepEviction``); 0 evicts on every step.
     """
 
     name = "d2o"
-    # The prompt is compressed for all layers at once, after the last one (``after_layer``).
-    schedule = Schedule(prefill=False, decode_every=1)
     state_type = D2OState
 
     sinks: int = 4
@@ -91,6 +91,11 @@ class D2O(CumulativeAttention):
         if not 0.0 < self.beta <= 1.0:
             raise ValueError(f"{self.name}: beta must be in (0, 1], got {self.beta}")
         self._one_of("merge_rule", MERGE_RULES)
+
+    @property
+    def schedule(self) -> Schedule:
+        # The prompt is compressed for all layers at once, after the last one (``after_layer``).
+        return Schedule(prefill=False, decode_every=1, tolerance=self.slack)
 
     def quota(self, layer, stats: AttnStats | None) -> torch.Tensor | int:
         layer_budget = self.layer_state(layer).layer_budget

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgates.kernels import GROUP_REDUCTIONS
-from kvgates.policies.base import EVERY_STEP, Policy, register_policy
+from kvgates.policies.base import PerStepEviction, Policy, register_policy
 from kvgates.policies.selection import recent_mask
 from kvgates.runtime.layer import SlotState
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
@@ -40,22 +40,23 @@ class CumulativeAttention(Policy):
 
 @register_policy
 @dataclass
-class H2O(CumulativeAttention):
+class H2O(CumulativeAttention, PerStepEviction):
     """Heavy-Hitter Oracle (Zhang et al. 2023, arXiv:2306.14048).
 
     Each slot accumulates ``s_j = sum_q A[q, j]`` over every query that has seen it: all prompt rows (computed
     tile by tile, never an ``L x L`` matrix for all heads at once) and every decode row. Keeps the ``recent``
     most recent tokens plus the top ``budget - recent`` others by ``s``. Evicts at the end of every prompt chunk
-    and then one token per decode step.
+    and then one token per decode step, or ``slack + 1`` tokens every ``slack + 1`` steps (amortised eviction,
+    ``PerStepEviction``: the recent window then spans the newest ``recent`` tokens at the evicting step).
 
     Args:
         budget: tokens kept per KV head.
         recent: recent-window size in tokens (default ``budget // 2``, the paper's 50/50 split).
         group_reduce: how query heads of a GQA group combine into their KV head's score.
+        slack: amortised eviction (``PerStepEviction``); 0 evicts on every step.
     """
 
     name = "h2o"
-    schedule = EVERY_STEP
 
     recent: int | None = None
 

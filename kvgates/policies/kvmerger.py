@@ -13,29 +13,97 @@ from kvgates.runtime.layer import LayerState
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
 
 
-def merging_set_starts(keys: torch.Tensor, mergeable: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """Which tokens open a new merging set, ``[E, B, H, L]``, for each threshold in ``eps`` (``[E, B]``).
+class MergingScan:
+    """KVMerger's merging sets of one layer's keys, for any thresholds (``starts``).
 
     ``keys`` ``[B, H, L, D]`` are in position order. Scanning left to right, a mergeable token joins the open
-    set when its cosine similarity with the set's first token (the anchor) exceeds ``eps``; otherwise it
+    set when its cosine similarity with the set's first token (the anchor) exceeds the threshold; otherwise it
     opens a new set. A non-mergeable token (heavy hitter, window, empty) closes the open set.
+
+    The scan is computed without a loop over tokens. The set anchored at token ``i`` ends at the first later
+    token that is not mergeable or not similar enough to ``i``; the next anchor is the first mergeable token from
+    there (``next(i)``), and the anchors are the chain ``first mergeable, next(first), ...``. ``next`` is found
+    for every token at once from its similarities with the ``window`` tokens after it (computed once, for every
+    threshold), and the chain is walked by pointer doubling. Only a set longer than ``window`` needs more: its
+    anchor's similarities with every token, once per such set on the chain.
     """
-    e = eps.shape[0]
-    b, h, n, d = keys.shape
-    kn = torch.nn.functional.normalize(keys.float(), dim=-1)
-    starts = torch.zeros((e, b, h, n), dtype=torch.bool, device=keys.device)
-    anchor_key = torch.zeros((e, b, h, d), device=keys.device)
-    open_set = torch.zeros((e, b, h), dtype=torch.bool, device=keys.device)
-    thresh = eps[:, :, None]
-    for j in range(n):
-        here = mergeable[:, :, j]
-        key = kn[:, :, j]
-        join = open_set & here & ((anchor_key * key).sum(-1) > thresh)
-        start = here & ~join
-        starts[..., j] = start
-        anchor_key = torch.where(start[..., None], key, anchor_key)
-        open_set = here.expand_as(open_set)
-    return starts
+
+    def __init__(self, keys: torch.Tensor, mergeable: torch.Tensor, window: int = 128):
+        b, h, n, _ = keys.shape
+        self.kn = torch.nn.functional.normalize(keys.float(), dim=-1)
+        self.mergeable, self.n = mergeable, n
+        self.idx = torch.arange(n + 1, device=keys.device)
+        # first_from[j]: the first mergeable token at or after j (n: none), j = 0 .. n.
+        open_at = torch.cat([mergeable, mergeable.new_ones((b, h, 1))], -1)
+        self.first_from = torch.where(open_at, self.idx, n).flip(-1).cummin(-1).values.flip(-1)
+        # drops[b, h, i, o]: minus the least similarity to anchor i among tokens i+1 .. i+1+o (-inf when one of
+        # them is not mergeable or past the end), non-decreasing in o.
+        self.w = w = max(0, min(window, n - 1))
+        ahead = torch.nn.functional.pad(self.kn, (0, 0, 0, w))  # tokens past the end read as zero keys
+        after_ok = torch.nn.functional.pad(mergeable, (0, w))
+        sims = self.kn.new_empty((b, h, n, w))
+        block = 256  # anchors per matmul
+        diag = torch.arange(block, device=keys.device)[:, None] + torch.arange(1, w + 1, device=keys.device)
+        for start in range(0, n, block):
+            r = min(block, n - start)
+            near = torch.matmul(self.kn[:, :, start : start + r], ahead[:, :, start : start + r + w].transpose(-1, -2))
+            at = diag[:r].expand(b, h, r, w)
+            ok = after_ok[:, :, start:].gather(-1, at.reshape(b, h, -1)).view(b, h, r, w)
+            sims[:, :, start : start + r] = near.gather(-1, at).masked_fill_(~ok, float("-inf"))
+        self.drops = -sims.cummin(-1).values if w else sims
+
+    def starts(self, eps: torch.Tensor) -> torch.Tensor:
+        """Which tokens open a new merging set, ``[E, B, H, L]``, for each threshold in ``eps`` (``[E, B]``)."""
+        e = eps.shape[0]
+        n, idx, first_from = self.n, self.idx, self.first_from
+        b, h = first_from.shape[:2]
+        thresh = eps.T[:, None, None, :].expand(-1, h, n, -1).contiguous()  # [B, H, L, E]
+        # How many of the tokens after each anchor join its set within the window, per threshold.
+        joined = torch.searchsorted(self.drops, -thresh).permute(3, 0, 1, 2)  # [E, B, H, L]
+        end = idx[:n] + 1 + joined  # where the set anchored there stops, when within the window
+        resolved = (joined < self.w) | (end >= n)
+        ends = torch.cat([end, end.new_full((e, b, h, 1), n)], -1)
+        nxt = first_from.expand(e, -1, -1, -1).gather(-1, ends.clamp(max=n))
+        # Unresolved anchors (sets longer than the window) point to themselves, and so does the end (n).
+        nxt = torch.where(torch.cat([resolved, resolved.new_ones((e, b, h, 1))], -1), nxt, idx)
+        jumps = [nxt]  # jumps[k] = next applied 2^k times (chains only move forward)
+        while (1 << (len(jumps) - 1)) <= n:
+            jumps.append(jumps[-1].gather(-1, jumps[-1]))
+        # Walk: from each segment's first anchor the table jumps to the next unresolved anchor (or the end); that
+        # set is measured directly and the walk resumes at the anchor after it.
+        sources = torch.zeros((e, b, h, n + 1), dtype=torch.int32, device=nxt.device)
+        at = first_from[None, :, :, 0].expand(e, -1, -1).contiguous()  # [E, B, H]
+        while True:
+            sources.scatter_(-1, at[..., None], 1)
+            stuck = jumps[-1].gather(-1, at[..., None])[..., 0]
+            pending = stuck < n
+            if not bool(pending.any()):
+                break
+            stop = self._set_end(eps, stuck.clamp(max=n - 1), pending)
+            sources.scatter_(-1, stuck[..., None], 1)
+            at = torch.where(pending, first_from.expand(e, -1, -1, -1).gather(-1, stop[..., None])[..., 0], n)
+        # Every anchor reached from a source: T_k = T_{k+1} + jumps[k](T_{k+1}), from the longest jump down.
+        marked = sources
+        for jump in reversed(jumps[:-1]):
+            marked = (marked + torch.zeros_like(marked).scatter_add_(-1, jump, marked)).clamp_(max=1)
+        return marked[..., :n] > 0
+
+    def _set_end(self, eps: torch.Tensor, anchor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``[E, B, H]``: for the ``rows`` whose set is anchored at ``anchor`` and joined by the window after it, the
+        first later token that does not join (``L`` when every later token joins)."""
+        kn, n = self.kn, self.n
+        anchor_key = kn.gather(2, anchor.permute(1, 2, 0)[..., None].expand(-1, -1, -1, kn.shape[-1]))  # [B, H, E, D]
+        sim = torch.matmul(anchor_key, kn.transpose(-1, -2)).permute(2, 0, 1, 3)  # [E, B, H, L]
+        later = self.idx[:n] > (anchor + self.w)[..., None]
+        stops = later & ~(self.mergeable[None] & (sim > eps[:, :, None, None]))
+        end = torch.where(stops.any(-1), stops.to(torch.uint8).argmax(-1), n)
+        return torch.where(rows, end, n)
+
+
+def merging_set_starts(keys: torch.Tensor, mergeable: torch.Tensor, eps: torch.Tensor, window: int = 128) -> torch.Tensor:
+    """Which tokens open a new merging set, ``[E, B, H, L]``, for each threshold in ``eps`` (``[E, B]``) (see
+    ``MergingScan``)."""
+    return MergingScan(keys, mergeable, window).starts(eps)
 
 
 @dataclass
@@ -116,10 +184,11 @@ class KVMerger(CumulativeAttention):
         b = keys.shape[0]
         hi = torch.full((b,), 1.0001 if self.epsilon is None else self.epsilon, device=keys.device)
         lo = torch.full((b,), -1.0001, device=keys.device)  # merges every run: always feasible
+        scan = MergingScan(keys, mergeable)
         for _ in range(2):  # a grid, then a finer grid between the best feasible value and the next one
             frac = torch.linspace(0.0, 1.0, self.grid, device=keys.device)[:, None]
             eps = lo[None] + frac * (hi - lo)[None]  # [E, B]
-            starts = merging_set_starts(keys, mergeable, eps)  # [E, B, H, L]
+            starts = scan.starts(eps)  # [E, B, H, L]
             ok = (starts.sum(-1) + fixed[None] <= budget).all(-1)  # [E, B]
             ok[0] = True
             best = (ok * torch.arange(self.grid, device=keys.device)[:, None]).amax(0)

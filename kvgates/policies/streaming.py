@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.policies.base import EVERY_STEP, Policy, register_policy
+from kvgates.policies.base import PerStepEviction, register_policy
 from kvgates.policies.selection import sink_mask
 from kvgates.runtime.rope import Rotary, rotary_of
 from kvgates.runtime.stats import AttnStats
@@ -14,10 +14,12 @@ from kvgates.runtime.stats import AttnStats
 
 @register_policy
 @dataclass
-class StreamingLLM(Policy):
+class StreamingLLM(PerStepEviction):
     """Keep the first ``sinks`` tokens and the most recent ``budget - sinks`` (Xiao et al. 2023, arXiv:2309.17453).
 
-    Evicts at the end of every prompt chunk and on every decode step once a head holds more than ``budget``.
+    Evicts at the end of every prompt chunk and on every decode step once a head holds more than ``budget``, or
+    with ``slack`` = s once it holds more than ``budget + s`` (amortised eviction, ``PerStepEviction``: the
+    window then grows to ``budget - sinks + s`` tokens before it is cut back).
 
     By default keys keep their original positions (the common "no position shift" variant). With
     ``rerotate=True`` attention runs at the paper's shifted positions: every cached token is attended as if it
@@ -30,10 +32,10 @@ class StreamingLLM(Policy):
         budget: tokens kept per KV head.
         sinks: number of initial tokens always kept (default 4).
         rerotate: attend at positions within the cache (the paper's position shift).
+        slack: amortised eviction (``PerStepEviction``); 0 evicts on every step.
     """
 
     name = "streaming_llm"
-    schedule = EVERY_STEP
 
     sinks: int = 4
     rerotate: bool = False

@@ -6,27 +6,29 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.policies.base import EVERY_STEP, Policy, register_policy
+from kvgates.policies.base import PerStepEviction, register_policy
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 
 
 @register_policy
 @dataclass
-class TOVA(Policy):
+class TOVA(PerStepEviction):
     """Token Omission Via Attention (Oren et al. 2024, arXiv:2401.06104).
 
     After each forward, ``m_j`` = mean over query heads of the last query's attention to token ``j``; keep the
     top ``budget`` tokens. By default one token set is shared by all KV heads of a layer (the paper's
     layer-wise rule, scores averaged over every query head); ``per_head=True`` ranks each KV head on its own
-    group's mean. No sinks, no window. Evicts at the end of every prompt chunk and on every decode step.
+    group's mean. No sinks, no window. Evicts at the end of every prompt chunk and on every decode step, or every
+    ``slack + 1`` steps (amortised eviction, ``PerStepEviction``: the tokens evicted at once are ranked by the
+    evicting step's query alone, where per-step eviction ranks each by the query of its own step).
 
     Args:
         budget: tokens kept per KV head.
         per_head: rank per KV head instead of one set per layer.
+        slack: amortised eviction (``PerStepEviction``); 0 evicts on every step.
     """
 
     name = "tova"
-    schedule = EVERY_STEP
 
     per_head: bool = False
 

@@ -7,8 +7,15 @@ numbers of slots, and memory then follows the per-head quotas instead of the lar
 per-slot policy state are small and kept padded to ``[B, H_kv, max_slots]``; a padded index
 ``j >= head_slots[h]`` does not exist and always reads as empty.
 
-A slot is *valid* when its position is ``>= 0``. Positions never shift: eviction marks a slot empty and a
-later token reuses it, so slot order says nothing about token order.
+A slot is *valid* when its position is ``>= 0``. Positions never shift, and slot order says nothing about token
+order: policies read positions, never slot indices.
+
+Packed layout. The layer keeps, on the host, ``fill`` (per head: slots ``>= fill[h]`` are free) and ``packed``
+(every slot below ``fill[h]`` is valid, for every sequence). Evictions compact the kept tokens to the front of
+each head, so a layer whose sequences hold as many tokens stays packed, and a decode step then appends at
+``fill`` and attends over a plain slice of storage (no mask, no search for free slots, no host sync). Padding
+tokens or sequences holding different numbers of tokens leave the layer unpacked, and it falls back to the
+general path (free-slot search, visibility from positions) until an eviction packs it again.
 
 Vocabulary: a policy's ``budget`` is its parameter (tokens per KV head); a layer's ``quota`` ``[B, H_kv]`` is
 what each head of each sequence may hold after the latest eviction (a budget after per-layer, per-sequence or
@@ -110,6 +117,10 @@ class BudgetLayer(CacheLayerMixin):
         self.seen = 0
         self.decoding = False  # whether a decode step has run (see ``phase``)
         self.decode_steps = 0
+        self.fill: list[int] = []  # per head: slots >= fill[h] are free (see "Packed layout")
+        self.packed = False  # every slot below fill[h] is valid, in every sequence
+        self._quota_source: int | torch.Tensor | None = None  # the policy's quota ``quota`` was built from
+        self._least_quota = 0  # its least entry, on the host
         self._policy_states: dict[int, LayerState] = {}
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._derived: dict[str, Any] = {}  # layout-derived tensors and state views, dropped when storage changes
@@ -139,6 +150,7 @@ class BudgetLayer(CacheLayerMixin):
         self.keys = key_states.new_zeros((b, 0, d))
         self.values = value_states.new_zeros((b, 0, value_states.shape[-1]))
         self.head_slots = [0] * hkv
+        self.fill, self.packed = [0] * hkv, False  # packed once written to (``_free_slots``) or compacted
         self.pos = torch.full((b, hkv, 0), -1, dtype=torch.int64, device=self.device)
         specs = self.cache.policy.slot_state()
         self._state_layout, offset = {}, 0
@@ -195,6 +207,7 @@ class BudgetLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self.pos = self.slot_data = self.quota = None
         self.head_slots, self._policy_states = [], {}
+        self.fill, self.packed, self._quota_source = [], False, None
         self.seen, self.decoding, self.decode_steps, self._pending = 0, False, 0, None
         self._derived = {}
         self.is_initialized = False
@@ -296,6 +309,9 @@ class BudgetLayer(CacheLayerMixin):
 
             def padded(dense: torch.Tensor, fill: torch.Tensor | float) -> torch.Tensor:
                 """``[B, H_kv, C, ...]`` -> ``[B, H_kv, C + extra, ...]``, the new slots set to ``fill``."""
+                if not isinstance(fill, torch.Tensor):
+                    pad = [0, 0] * (dense.dim() - 3) + [0, extra]
+                    return torch.nn.functional.pad(dense, pad, value=fill)
                 tail = dense.new_empty((b, hkv, extra, *dense.shape[3:]))
                 tail[:] = fill
                 return torch.cat([dense, tail], dim=2)
@@ -313,57 +329,112 @@ class BudgetLayer(CacheLayerMixin):
         index = torch.where(index < torch.tensor(self.head_slots, device=self.device)[None, :, None], index, cmax + extra)
         self.relayout(index.contiguous(), [c + extra for c in self.head_slots])
 
+    def _growth(self, missing: int, n: int) -> int:
+        """Slots to add when ``n`` new tokens lack ``missing`` free slots in some head. A prompt chunk grows by
+        exactly what it needs. Decode steps of a policy that appends them grow storage geometrically (amortised
+        copies), except for a cache that never evicts: it grows exactly, so a full cache allocates what
+        DynamicCache does."""
+        schedule = self.cache.policy.schedule
+        never_evicts = not schedule.prefill and not schedule.decode_every
+        return missing if n > 1 or never_evicts else max(missing, 16, self.max_slots // 8)
+
     def _free_slots(self, n: int) -> torch.Tensor:
         """Slot indices ``[B, H_kv, n]`` of ``n`` free slots per head, growing storage if needed."""
+        if self.max_slots == 0:  # no storage yet: trivially packed
+            self.fill, self.packed = [0] * self.num_kv_heads, True
+        if self.packed:  # the slots after each head's fill: known on the host
+            missing = max(f + n - c for f, c in zip(self.fill, self.head_slots))
+            if missing > 0:
+                self._grow(self._growth(missing, n))
+            fill = self.dense_fill
+            if fill is not None:  # a view of the slot numbers, nothing allocated
+                if "slot_ids" not in self._derived:
+                    self._derived["slot_ids"] = torch.arange(self.max_slots, device=self.device)
+                return self._derived["slot_ids"][fill : fill + n].expand(self.batch_size, self.num_kv_heads, n)
+            first = torch.tensor(self.fill, device=self.device)[None, :, None]
+            return (first + torch.arange(n, device=self.device)).expand(self.batch_size, -1, -1)
         free = ~self.valid & self.exists()[None]
         missing = n - int(free.sum(-1).min()) if free.numel() else n
         if missing > 0:
-            # A prompt chunk grows by exactly what it needs. Decode steps of a policy that appends them grow
-            # storage geometrically (amortised copies), except for a cache that never evicts: it grows exactly,
-            # so a full cache allocates what DynamicCache does.
-            schedule = self.cache.policy.schedule
-            never_evicts = not schedule.prefill and not schedule.decode_every
-            self._grow(missing if n > 1 or never_evicts else max(missing, 16, self.max_slots // 8))
+            self._grow(self._growth(missing, n))
             free = ~self.valid & self.exists()[None]
         if n == 1:
             return free.to(torch.uint8).argmax(-1, keepdim=True)
         return torch.argsort((~free).to(torch.uint8), dim=-1, stable=True)[..., :n]
 
     # ------------------------------------------------------------------ writing and evicting
-    def insert(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Write new tokens into free slots; ``positions`` is ``[B, n]`` with ``-1`` for padding (no slot kept).
+    def insert(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor, all_real: bool = False
+    ) -> torch.Tensor:
+        """Write new tokens into free slots; ``positions`` is ``[B, n]`` with ``-1`` for padding (no slot kept);
+        ``all_real`` tells the host that there is no padding (the layer then stays packed).
 
         Returns the ``[B, H_kv, n]`` slot indices used.
         """
         b, hkv, n, d = key_states.shape
+        packed = self.packed
         slots = self._free_slots(n)
-        flat = self._flat_index(slots).reshape(b, hkv * n)
-        kernels.scatter_flat([self.keys, self.values], flat, [key_states, value_states])
-        self.pos.scatter_(2, slots, positions[:, None, :].expand(b, hkv, n))
-        if self.slot_data.shape[-1]:
-            f = self.slot_data.shape[-1]
-            self.slot_data.scatter_(2, slots[..., None].expand(b, hkv, n, f), self.state_init.expand(b, hkv, n, f).clone())
+        f, c = self.dense_fill, self.max_slots
+        if f is not None:  # the same contiguous slots in every head: slice writes
+            self.keys.view(b, hkv, c, d)[:, :, f : f + n] = key_states
+            self.values.view(b, hkv, c, -1)[:, :, f : f + n] = value_states
+            self.pos[:, :, f : f + n] = positions[:, None, :]
+            if self.slot_data.shape[-1]:
+                self.slot_data[:, :, f : f + n] = self.state_init
+        else:
+            flat = self._flat_index(slots).reshape(b, hkv * n)
+            kernels.scatter_flat([self.keys, self.values], flat, [key_states, value_states])
+            self.pos.scatter_(2, slots, positions[:, None, :].expand(b, hkv, n))
+            if self.slot_data.shape[-1]:
+                f = self.slot_data.shape[-1]
+                self.slot_data.scatter_(2, slots[..., None].expand(b, hkv, n, f), self.state_init.expand(b, hkv, n, f).clone())
+        self.fill = [f + n for f in self.fill] if packed else list(self.head_slots)
+        self.packed = packed and all_real
         return slots
 
     def evict(self, keep: torch.Tensor, slack: int = 1) -> None:
-        """Drop every valid slot not in ``keep`` (``[B, H_kv, max_slots]`` bool) and shrink storage if oversized.
+        """Drop every valid slot not in ``keep`` (``[B, H_kv, max_slots]`` bool) and compact each head's kept
+        tokens to its first slots.
 
         After eviction each head has what it holds (max over the batch) plus ``slack`` free slots for the tokens
-        that arrive before the next eviction; heads have different numbers of slots only when the policy asks for
-        ragged heads. Called by ``enforce`` only.
+        that arrive before the next eviction (storage shrinks when oversized); heads have different numbers of
+        slots only when the policy asks for ragged heads. Called by ``enforce`` only.
         """
+        fill = self.dense_fill
         keep = keep & self.valid
         self.pos = torch.where(keep, self.pos, torch.full_like(self.pos, -1))
-        held = keep.sum(-1).amax(0)  # [H_kv]
-        need = [int(x) + slack for x in held.tolist()]
-        if not self.cache.policy.ragged_heads:
-            need = [max(need)] * len(need)
-        if all(n >= c for n, c in zip(need, self.head_slots)):
+        held = keep.sum(-1)  # [B, H_kv]
+        least, most = torch.stack([held.amin(0), held.amax(0)]).tolist()  # the eviction's one host sync
+        ragged = self.cache.policy.ragged_heads
+        need = [n + slack for n in most] if ragged else [max(most) + slack] * len(most)
+        if fill is not None and least == most and len(set(most)) == 1 and need[0] >= self.max_slots:
+            self._fill_holes(keep, fill, most[0])
+            self._derived.pop("probs", None)  # its entries past the new fill are no longer 0
+        else:
+            need = [min(n, c) for n, c in zip(need, self.head_slots)]
+            # Kept slots first, in position order, then free slots.
+            order = torch.argsort(torch.where(keep, self.pos, _POS_BIG), dim=-1, stable=True)[..., : max(need)]
+            self.relayout(order.contiguous(), need)
+        self.fill, self.packed = most, least == most
+
+    def _fill_holes(self, keep: torch.Tensor, fill: int, kept: int) -> None:
+        """Compact a dense layer in place when every head of every sequence keeps ``kept`` of its ``fill`` tokens:
+        the tokens kept beyond slot ``kept`` move into the evicted slots below it (a decode eviction moves a few
+        slots instead of rebuilding storage)."""
+        moved = min(fill - kept, kept)
+        if moved == 0:
             return
-        need = [min(n, c) for n, c in zip(need, self.head_slots)]
-        # Kept slots first, in position order, then free slots.
-        order = torch.argsort(torch.where(keep, self.pos, _POS_BIG), dim=-1, stable=True)[..., : max(need)]
-        self.relayout(order.contiguous(), need)
+        holes = torch.argsort(keep[..., :kept].to(torch.uint8), dim=-1, stable=True)[..., :moved]  # evicted first
+        tail = kept + torch.argsort((~keep[..., kept:fill]).to(torch.uint8), dim=-1, stable=True)[..., :moved]  # kept first
+        # A row with fewer holes than ``moved`` pairs its extra (kept) slots with evicted tail slots: those are
+        # written onto themselves instead.
+        dst = torch.where(keep.gather(-1, holes), tail, holes)
+        b, hkv, c = self.pos.shape
+        for store in (self.keys.view(b, hkv, c, -1), self.values.view(b, hkv, c, -1), self.slot_data, self.pos[..., None]):
+            if store.shape[-1]:
+                rows = store.gather(2, tail[..., None].expand(-1, -1, -1, store.shape[-1]))
+                store.scatter_(2, dst[..., None].expand(-1, -1, -1, store.shape[-1]), rows)
+        self.pos[..., kept:] = -1
 
     def enforce(self, stats: AttnStats | None) -> None:
         """The one eviction path: bring every sequence holding more than the policy's ``quota`` (plus its
@@ -371,9 +442,18 @@ class BudgetLayer(CacheLayerMixin):
         touched, so a sequence gets the same result alone and in a batch. ``stats`` is None when a cross-layer
         decision enforces a layer other than the one that just attended."""
         policy = self.cache.policy
-        quota = torch.as_tensor(policy.quota(self, stats), device=self.device)
-        self.quota = quota.expand(self.batch_size, self.num_kv_heads).long()
         schedule = policy.schedule
+        quota = policy.quota(self, stats)
+        if not (quota is self._quota_source or (isinstance(quota, int) and quota == self._quota_source)):
+            # A new quota: its least entry is read once, then the host can tell when nobody is over it.
+            self.quota = torch.as_tensor(quota, device=self.device).expand(self.batch_size, self.num_kv_heads).long()
+            self._quota_source, self._least_quota = quota, int(self.quota.min())
+        if self.packed:  # every sequence holds fill[h] tokens in head h: the host decides, without a sync
+            if max(self.fill) <= self._least_quota + schedule.tolerance:
+                return
+            if isinstance(quota, int):  # then every sequence is over
+                self.evict(policy.select(self, stats, self.quota), slack=schedule.slack)
+                return
         over = (self.held() > self.quota + schedule.tolerance).any(-1)  # [B]
         if not bool(over.any()):
             return
@@ -412,14 +492,16 @@ class BudgetLayer(CacheLayerMixin):
         b, h, n, _ = query.shape
         phase = self.phase(n)
         q_pos, q_real = self._query_positions(b, n, attention_mask, position_ids, query.device)
-        was_empty = n > 1 and not bool(self.valid.any())
-        slots = self.insert(key_states, value_states, torch.where(q_real, q_pos, torch.full_like(q_pos, -1)))
+        was_empty = n > 1 and (self.max_slots == 0 or (self.packed and max(self.fill) == 0))
+        all_real = attention_mask is None or bool(q_real.all())
+        slots = self.insert(
+            key_states, value_states, q_pos if all_real else torch.where(q_real, q_pos, torch.full_like(q_pos, -1)), all_real
+        )
         self.seen += n
 
         policy = self.cache.policy
         request = policy.stats_request(phase)
         stats = AttnStats(phase=phase, new_slots=slots)
-        all_real = bool(q_real.all())
         keys, shift = self.keys, policy.position_shift(self, q_pos)
         if shift is not None:  # attend at shifted positions; storage keeps the original rotation
             rotary, key_delta, query_delta = shift
@@ -428,10 +510,24 @@ class BudgetLayer(CacheLayerMixin):
             query = shift_rotary(query, query_delta[:, None, :], rotary)
             dense = self.keys.view(b, self.num_kv_heads, self.max_slots, -1)
             keys = shift_rotary(dense, key_delta, rotary).reshape(self.keys.shape)
-        if n == 1:
+        fill = self.dense_fill
+        if n == 1 and request.empty and shift is None and fill is not None:
+            # Nothing to measure and every slot below fill holds a visible token: sdpa over a slice of storage.
+            c = self.max_slots
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, self.keys.view(b, self.num_kv_heads, c, -1)[:, :, :fill],
+                self.values.view(b, self.num_kv_heads, c, -1)[:, :, :fill], scale=scale, enable_gqa=h != self.num_kv_heads,
+            )
+        elif n == 1:
             out = self._decode(query, keys, scale, request, stats)
         else:
-            if was_empty and all_real and self.uniform and shift is None:
+            if was_empty and all_real and self.uniform and shift is None and request.colsum:
+                # Nothing held before and no padding: causal attention over the new tokens, whose probabilities
+                # give the column sums in the same pass.
+                out, colsum = kernels.causal_attention_colsum(query, key_states, value_states, scale)
+                colsum = torch.nn.functional.pad(colsum, (0, self.max_slots - n))
+                stats.colsum = kernels.group_reduce(colsum, self.num_kv_heads, request.reduce)
+            elif was_empty and all_real and self.uniform and shift is None:
                 # Nothing held before and no padding: plain causal attention over the new tokens.
                 out = torch.nn.functional.scaled_dot_product_attention(
                     query, key_states, value_states, is_causal=True, scale=scale, enable_gqa=h != self.num_kv_heads
@@ -443,6 +539,14 @@ class BudgetLayer(CacheLayerMixin):
             out = out * q_real[:, None, :, None].to(out.dtype)
         self.step(stats)
         return out.transpose(1, 2).contiguous()
+
+    @property
+    def dense_fill(self) -> int | None:
+        """When storage is a dense ``[B, H_kv, C, D]`` whose first ``fill`` slots of every head and sequence hold
+        tokens and the rest are free: that ``fill``; else None."""
+        if self.packed and self.uniform and len(set(self.fill)) == 1:
+            return self.fill[0]
+        return None
 
     def phase(self, n: int) -> Phase:
         """The phase of a call bringing ``n`` tokens, from what this layer has seen, not from ``n`` alone.
@@ -482,14 +586,28 @@ class BudgetLayer(CacheLayerMixin):
         return q_pos.contiguous(), q_real.contiguous()
 
     def _decode(self, query: torch.Tensor, keys: torch.Tensor, scale: float, request, stats: AttnStats) -> torch.Tensor:
-        g = query.shape[1] // self.num_kv_heads
+        b, h, _, _ = query.shape
+        hkv, fill = self.num_kv_heads, self.dense_fill
         reduce = "none" if request.reduce == "max" else "sum"
-        out, probs = kernels.decode_attention_flat(query[:, :, 0], keys, self.values, self.pos, self.head_slots, scale, reduce=reduce)
+        dense = fill is not None and kernels.backend(query) == "reference"
+        if dense:  # the torch kernel over the held slice (the Triton kernel reads the flat storage as it is)
+            c = self.max_slots
+            out, probs = kernels.decode_attention(
+                query[:, :, 0], keys.view(b, hkv, c, -1)[:, :, :fill], self.values.view(b, hkv, c, -1)[:, :, :fill],
+                self.pos[:, :, :fill], scale, reduce=reduce,
+            )
+        else:
+            out, probs = kernels.decode_attention_flat(query[:, :, 0], keys, self.values, self.pos, self.head_slots, scale, reduce=reduce)
         if not request.empty:
             if request.reduce == "max":
-                probs = kernels.group_reduce(probs, self.num_kv_heads, "max")
+                probs = kernels.group_reduce(probs, hkv, "max")
             elif request.reduce == "mean":
-                probs = probs / g
+                probs = probs / (h // hkv)
+            if dense:  # over every slot; free slots (at and past fill) stay 0
+                if "probs" not in self._derived:
+                    self._derived["probs"] = probs.new_zeros((b, hkv, self.max_slots))
+                self._derived["probs"][..., :fill] = probs
+                probs = self._derived["probs"]
             stats.rows = probs[:, :, None]
             stats.window = probs if request.window else None
             stats.window_rows = 1
@@ -552,7 +670,7 @@ class BudgetLayer(CacheLayerMixin):
                 stats.window = kernels.window_scores_flat(
                     q_win, keys, self.values, self.pos, self.head_slots, pos_win, real_win, scale, reduce
                 )
-        if request.colsum:
+        if request.colsum and stats.colsum is None:  # not already from the attention pass
             stats.colsum = self._per_group(
                 lambda q, k, pos: kernels.group_reduce(
                     kernels.column_sums(q, k, pos, q_pos, q_real, scale), k.shape[1], reduce
