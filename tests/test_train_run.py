@@ -293,7 +293,8 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_dir, tmp_path)
     assert new_lines and all(line["step"] == steps["max_steps"] and "loss" not in line for line in new_lines)
     for name, tensor in _gates(whole / "adapter").items():
         torch.testing.assert_close(_gates(cut / "adapter")[name], tensor, atol=1e-6, rtol=0)
-    assert kvgates.load_gates(cut / "adapter").config.training["training_seconds"] > 0
+    runtimes = [json.loads(line).get("train_runtime", 0.0) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert kvgates.load_gates(cut / "adapter").config.training["training_seconds"] == round(sum(runtimes))
 
 
 LAUNCHERS = {
