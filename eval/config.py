@@ -109,8 +109,8 @@ class ArmSpec:
     def identity(self) -> str:
         """What changes this arm's results (journal keys); adapters by the digest of their weights file."""
         gates = self.gates
-        if gates and gates != UNTRAINED and embedded_adapter_dir(gates) is not None:
-            gates = str(embedded_adapter_dir(gates))
+        shipped = embedded_adapter_dir(gates) if gates and gates != UNTRAINED else None
+        gates = str(shipped) if shipped is not None else gates
         if gates and gates != UNTRAINED and Path(gates).is_dir():
             weights = Path(gates) / "model.safetensors"
             gates = _file_digest(str(weights), weights.stat().st_mtime_ns, weights.stat().st_ino) if weights.is_file() else gates

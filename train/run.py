@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         if finished is not None and finished.global_step >= trainer.args.max_steps:
             # The run trained to the end and stopped before its adapter (Trainer would take one more step).
             trainer.state = finished
-            trainer._load_best_model() if finished.best_model_checkpoint else trainer._load_from_checkpoint(resume)
+            trainer._load_from_checkpoint(finished.best_model_checkpoint or resume)
         else:
             trainer.train(resume_from_checkpoint=resume)
         validation = trainer.evaluate()  # the best checkpoint, loaded at the end of training
