@@ -2,6 +2,7 @@
 
     model: smollm2-135m
     seed: 0
+    split: test                  # the essays the tasks are built from; `validation` while developing a recipe
     budgets: [128, 256, 512]
     arms:
       - snapkv                                              # a registered policy with its defaults
@@ -46,6 +47,8 @@ from kvgates.policies.learned import LearnedPolicy
 #: Gates of an arm built fresh for the model (``gates: untrained``), as the training issue initialises them.
 UNTRAINED = "untrained"
 UNTRAINED_GATES = {"gate_hidden": 64, "init_bias": 8.0}
+#: Essay splits an A/B run may use; the training essays are never evaluated on.
+EVAL_SPLITS = ("test", "validation")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -150,9 +153,11 @@ class TaskSpec:
     def option(self, name: str) -> Any:
         return self.options.get(name, TASK_DEFAULTS.get(name))
 
-    def identity(self, model: str, seed: int, prefill_chunk: int | None) -> str:
-        """What changes this task's examples or results (journal keys; not the budgets it runs at)."""
-        return _digest([model, seed, prefill_chunk, {k: v for k, v in dataclasses.asdict(self).items() if k != "budgets"}])
+    def identity(self, model: str, seed: int, prefill_chunk: int | None, split: str = "test") -> str:
+        """What changes this task's examples or results (journal keys; not the budgets it runs at). The split
+        enters the key only when it is not the default, so journals of test runs keep their keys."""
+        settings = {k: v for k, v in dataclasses.asdict(self).items() if k != "budgets"}
+        return _digest([model, seed, prefill_chunk, settings] + ([split] if split != "test" else []))
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,8 @@ class ABConfig:
 
     model: str = "smollm2-135m"
     seed: int = 0
+    #: The essay split the tasks are built from: ``test`` (reports) or ``validation`` (recipe development).
+    split: str = "test"
     budgets: tuple[int, ...] = (128,)
     arms: tuple[ArmSpec, ...] = ()
     tasks: tuple[TaskSpec, ...] = ()
@@ -244,6 +251,8 @@ class ABConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "seed" else 1):
                 raise ConfigError(f"{name} must be a {'non-negative' if name == 'seed' else 'positive'} integer, got {value!r}")
+        if self.split not in EVAL_SPLITS:
+            raise ConfigError(f"split must be one of {', '.join(EVAL_SPLITS)} (never the training essays), got {self.split!r}")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise ConfigError(f"prefill_chunk must be a positive number of tokens or null, got {self.prefill_chunk!r}")
         if not self.budgets:

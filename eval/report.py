@@ -247,7 +247,7 @@ def load_config(results: dict) -> ABConfig:
         TaskSpec(**{**t, **{k: tuple(t.get(k, ())) for k in ("context_tokens", "templates", "budgets")}}) for t in results["tasks"]
     )
     arms = tuple(ArmSpec(**a) for a in results["arms"] if a["label"] != "full")
-    return ABConfig(model=results["model"], seed=results["seed"], budgets=tuple(results["budgets"]), arms=arms, tasks=tasks)
+    return ABConfig(model=results["model"], seed=results["seed"], split=results.get("split", "test"), budgets=tuple(results["budgets"]), arms=arms, tasks=tasks)
 
 
 def arm_section(results_dir: str | Path, label: str) -> str:
@@ -273,7 +273,7 @@ def arm_section(results_dir: str | Path, label: str) -> str:
             lines.append(f"| {task.name} | {m.name} | {budget} | {mine} | {best_cell} | {full} | {kv} |")
     verdicts = [f"- {c['sentence']}" for c in results["comparisons"] if label in (c["a"], c["b"])]
     heading = (
-        f"A/B evaluation on {config.model} (`python -m eval ab`, test essays, templates never used in training; "
+        f"A/B evaluation on {config.model} (`python -m eval ab`, {config.split} essays, templates never used in training; "
         f"budgets in tokens per KV head; {len(config.all_arms)} arms):"
     )
     return "\n".join([heading, "", *lines, "", *verdicts])
@@ -303,7 +303,7 @@ def write_report(results: ABResults, command: str = "") -> str:
     (out / "results.json").write_text(
         json.dumps(
             {
-                "model": config.model, "seed": config.seed, "budgets": list(config.budgets),
+                "model": config.model, "seed": config.seed, "split": config.split, "budgets": list(config.budgets),
                 "arms": [a.__dict__ for a in config.all_arms], "tasks": [t.__dict__ for t in config.tasks],
                 "seconds": results.seconds, "compute_seconds": results.compute_seconds, "machine": platform.platform(),
                 "comparisons": [c.to_dict() for c in results.comparisons], "rows": rows,
@@ -320,7 +320,7 @@ def write_report(results: ABResults, command: str = "") -> str:
         f"# A/B evaluation on {config.model}",
         "",
         f"{len(config.all_arms)} arms (the full cache and {', '.join(a.label for a in config.arms)}) at budget{'s' if len(config.budgets) > 1 else ''} "
-        f"{', '.join(map(str, config.budgets))} tokens per KV head, on {len(config.tasks)} tasks built from the test "
+        f"{', '.join(map(str, config.budgets))} tokens per KV head, on {len(config.tasks)} tasks built from the {config.split} "
         f"essays (seed {config.seed}); every arm ran on exactly the same examples. Model time: {model_time} "
         f"summed over its {len(rows)} results.",
     ]

@@ -109,7 +109,7 @@ def batches(task: TaskSpec, examples: list[Example], config: ABConfig) -> list[l
 
 
 def _key(config: ABConfig, task: TaskSpec, index: int, arm: ArmSpec, budget: int | None) -> str:
-    return json.dumps([task.name, task.identity(config.model, config.seed, config.prefill_chunk), index, arm.label, arm.identity(), budget])
+    return json.dumps([task.name, task.identity(config.model, config.seed, config.prefill_chunk, config.split), index, arm.label, arm.identity(), budget])
 
 
 def _runs(config: ABConfig, task: TaskSpec) -> list[tuple[ArmSpec, int | None]]:
@@ -161,7 +161,7 @@ def run_ab(
 def _compute(config: ABConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, done: dict[str, dict], journal: Path) -> None:
     """Run and journal every result missing from ``done`` (updated in place), batch by batch."""
     gates = prepare_arms(config, model)
-    examples = {task.name: build_examples(task, tokenizer, config.seed) for task in config.tasks}
+    examples = {task.name: build_examples(task, tokenizer, config.seed, config.split) for task in config.tasks}
     full_arm = config.all_arms[0]
     units = [
         (task, ex, _key(config, task, ex.index, arm, budget))

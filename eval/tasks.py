@@ -1,5 +1,6 @@
-"""The A/B harness's tasks: their examples (deterministic from the run's seed, over the *test* essays), how an
-arm runs a batch of them, and the metrics each result carries.
+"""The A/B harness's tasks: their examples (deterministic from the run's seed, over the *test* essays, or the
+validation essays while a recipe is being developed), how an arm runs a batch of them, and the metrics each result
+carries.
 
 Two families:
 
@@ -31,9 +32,6 @@ import kvgates
 from data.tasks import make_example, score, split_ids, template_by_name
 from eval.config import TaskSpec
 from eval.fidelity import completion_fidelity, first_false, greedy_generate, make_batch, reference_logprobs, stream_nll
-
-SPLIT = "test"
-
 
 @dataclass(frozen=True)
 class Metric:
@@ -80,20 +78,21 @@ class Example:
     source: dict[str, Any] = field(default_factory=dict)
 
 
-def build_examples(task: TaskSpec, tokenizer: PreTrainedTokenizerBase, seed: int) -> list[Example]:
-    """The task's examples, deterministic from ``seed`` (same seed, same examples), grouped by prompt length."""
+def build_examples(task: TaskSpec, tokenizer: PreTrainedTokenizerBase, seed: int, split: str = "test") -> list[Example]:
+    """The task's examples from the ``split`` essays, deterministic from ``seed`` (same seed, same examples),
+    grouped by prompt length."""
     examples = []
     for li, length in enumerate(task.context_tokens):
         for i in range(task.examples):
             index = li * task.examples + i
             if task.answer:
-                examples.append(_answer_example(task, tokenizer, seed, index, length, i))
+                examples.append(_answer_example(task, tokenizer, split, seed, index, length, i))
             else:
-                examples.append(_text_example(task, tokenizer, seed, index, length, i))
+                examples.append(_text_example(task, tokenizer, split, seed, index, length, i))
     return examples
 
 
-def _answer_example(task: TaskSpec, tokenizer, seed: int, index: int, length: int, i: int) -> Example:
+def _answer_example(task: TaskSpec, tokenizer, split: str, seed: int, index: int, length: int, i: int) -> Example:
     """Example ``i`` of one length: every length gets the same depths and templates (its own haystacks and
     values: ``make_example`` seeds by length too), so adding a length leaves the others' examples unchanged."""
     base = "needle" if task.task == "multikey" else task.task
@@ -101,7 +100,7 @@ def _answer_example(task: TaskSpec, tokenizer, seed: int, index: int, length: in
     template = template_by_name(base, name)
     depth = None if task.task == "common_words" else (i / (task.examples - 1) if task.examples > 1 else 0.5)
     ex = make_example(
-        task.task, tokenizer, SPLIT, length, seed=seed * 100_003 + i, template_set=template.set, template=name,
+        task.task, tokenizer, split, length, seed=seed * 100_003 + i, template_set=template.set, template=name,
         depth=depth, **task.options,
     )
     ids = tokenizer(ex["prompt"], return_tensors="pt")["input_ids"][0]
@@ -109,11 +108,11 @@ def _answer_example(task: TaskSpec, tokenizer, seed: int, index: int, length: in
     return Example(index, ids, meta, ex)
 
 
-def _text_example(task: TaskSpec, tokenizer, seed: int, index: int, length: int, i: int) -> Example:
-    """Window ``i`` of ``length`` consecutive test-essay tokens, from a start seeded by the length and ``i``."""
-    ids = split_ids(tokenizer, SPLIT)
+def _text_example(task: TaskSpec, tokenizer, split: str, seed: int, index: int, length: int, i: int) -> Example:
+    """Window ``i`` of ``length`` consecutive tokens of the ``split`` essays, from a start seeded by the length and ``i``."""
+    ids = split_ids(tokenizer, split)
     if length + 1 > len(ids):
-        raise ValueError(f"task {task.name!r}: {length} tokens exceed the {SPLIT} essays ({len(ids)} tokens)")
+        raise ValueError(f"task {task.name!r}: {length} tokens exceed the {split} essays ({len(ids)} tokens)")
     start = random.Random(f"{task.task}:{seed}:{length}:{i}").randrange(0, len(ids) - length)
     return Example(index, torch.tensor(ids[start : start + length]), {"context_tokens": length, "start": start})
 

@@ -125,6 +125,17 @@ def test_examples_are_deterministic_from_the_seed_and_use_the_test_essays(tmp_pa
     assert [x.meta["template_set"] for x in build_examples(trained.tasks[0], tok, 0)] == ["train", "eval"]
 
 
+def test_a_run_on_the_validation_essays_has_its_own_examples_and_keys(tmp_path, tok):
+    config = small_config(tmp_path, split="validation")
+    needle = config.tasks[0]
+    held = build_examples(needle, tok, 0, config.split)
+    assert all(x.source["split"] == "validation" for x in held)
+    assert [x.prompt.tolist() for x in held] != [x.prompt.tolist() for x in build_examples(needle, tok, 0)]
+    # Test runs keep the journal keys they had before the split was configurable; validation runs get their own.
+    assert needle.identity("m", 0, None, "test") == needle.identity("m", 0, None)
+    assert needle.identity("m", 0, None, "validation") != needle.identity("m", 0, None)
+
+
 # ---------------------------------------------------------------------- the run
 def test_run_journals_resumes_compares_and_reports(tmp_path, tok, model, monkeypatch):
     config = small_config(tmp_path)
@@ -220,6 +231,7 @@ def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
         ({"comparisons": [["h2o", "tova"]], "arms": ["h2o"]}, "names arm 'tova'"),
         ({"tasks": [{"task": "needle", "budgets": [64]}]}, "runs at budget 64, which is not among the run's budgets"),
         ({"arms": [{"policy": "trimkv", "gates": "smollm2-1b-trimkv"}]}, "neither an existing folder, a shipped adapter"),
+        ({"split": "train"}, "split must be one of test, validation"),
     ],
 )
 def test_bad_configs_fail_with_one_sentence(change, message):
@@ -312,4 +324,4 @@ def test_quick_section_shrinks_a_committed_config():
     cost = lambda c: len(c.all_arms) * len(c.budgets) * sum(t.examples * sum(t.context_tokens) for t in c.tasks)  # noqa: E731
     assert cost(quick) < cost(full) / 10
     assert {t.task for t in quick.tasks} >= {"needle", "fidelity", "generation", "perplexity"}
-    assert [a.label for a in full.arms if a.learned] == [a.label for a in quick.arms if a.learned] == ["trimkv (untrained)"]
+    assert [a.label for a in full.arms if a.learned] == [a.label for a in quick.arms if a.learned] == ["trimkv"]
