@@ -105,6 +105,29 @@ def test_tiny_run_trains_exports_and_reports(tiny_dir, tmp_path, capsys, variant
     assert code == 0
 
 
+def test_a_run_can_continue_from_a_trained_adapter(tiny_dir, tmp_path, capsys):
+    model, _ = kvgates.load_model(str(tiny_dir))
+    start = kvgates.RetentionGates.for_model(model, gate_hidden=6, training_budget=48, init_bias=3.0).half()
+    start.save_pretrained(tmp_path / "start")
+    cfg = TrainConfig.from_dict(tiny_config(tiny_dir, tmp_path / "run", gates={"init_from": str(tmp_path / "start")}))
+    out, _ = prepare_output_dir(cfg, resume=False)
+    trainer, before = build_trainer(cfg, out)
+    trainer.gated.close()
+    # The adapter's weights (in float32, for training) and shape, not fresh gates; its new budget is the run's.
+    assert before.config.gate_hidden == 6 and before.config.training_budget == 24
+    assert all(p.dtype == torch.float32 for p in trainer.gates.parameters())
+    loaded = kvgates.load_gates(tmp_path / "start")
+    for (name, a), b in zip(trainer.gates.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b.float()), name
+    # A run of another kind refuses it with one sentence and writes nothing.
+    locret = tiny_config(tiny_dir, tmp_path / "run2", kind="locret", policy={"stabilizers": 4, "local": 4},
+                         gates={"init_from": str(tmp_path / "start")})
+    assert main(["--config", str(write(locret, tmp_path / "c.yaml"))]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("train.py: gates.init_from:") and err.endswith("holds 'retention' gates; a locret run trains 'retaining-head' gates")
+    assert not (tmp_path / "run2" / "adapter").exists()
+
+
 def test_only_gate_parameters_train(tiny_dir, tmp_path):
     cfg = TrainConfig.from_dict(tiny_config(tiny_dir, tmp_path / "run"))
     out, _ = prepare_output_dir(cfg, resume=False)

@@ -32,10 +32,13 @@ class ConfigError(ValueError):
 
 @dataclass
 class GateSpec:
-    """Shape of the gates: ``hidden`` units (None = the kind's default), initial retention bias (TRIM-KV)."""
+    """Shape of the gates: ``hidden`` units (None = the kind's default), initial retention bias (TRIM-KV); or
+    ``init_from``: a trained adapter (folder, shipped name or Hub id) of the run's kind for this model, to continue
+    from (e.g. a budget curriculum: gates trained at 256 tightened to 128); its shape replaces ``hidden``."""
 
     hidden: int | None = None
     init_bias: float = 18.0
+    init_from: str | None = None
 
 
 @dataclass

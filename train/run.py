@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import TrainerState, TrainingArguments, set_seed
+from transformers import PreTrainedModel, TrainerState, TrainingArguments, set_seed
 from transformers.trainer import TRAINER_STATE_NAME
 
 import kvgates
@@ -116,8 +116,25 @@ def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
     )
 
 
+def initial_gates(config: TrainConfig, model: PreTrainedModel) -> kvgates.GateSet:
+    """Fresh gates of the run's kind and shape, or the adapter named by ``gates.init_from`` to continue from
+    (``AdapterError`` if it is of another kind or for another model)."""
+    spec = config.gates
+    if spec.init_from is None:
+        return GATE_KINDS[config.gate_kind].for_model(
+            model, gate_hidden=spec.hidden, training_budget=config.budget, init_bias=spec.init_bias
+        )
+    gates = kvgates.load_gates(spec.init_from)
+    if gates.kind != config.gate_kind:
+        raise kvgates.AdapterError(f"gates.init_from: {spec.init_from} holds {gates.kind!r} gates; a {config.kind} run trains {config.gate_kind!r} gates")
+    gates.check_model(model)
+    gates.config.training_budget = config.budget
+    return gates.float()
+
+
 def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.GateSet]:
-    """The frozen model with fresh gates, the data and the Trainer; returns ``(trainer, untrained copy of the gates)``."""
+    """The frozen model with its starting gates, the data and the Trainer; returns ``(trainer, copy of the
+    starting gates)``."""
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_PROJECT", "kvgates")
     os.environ.setdefault("WANDB_DIR", str(out))
@@ -127,9 +144,7 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
     # The frozen LLM and fresh gates; only the gates train.
     model, tokenizer = kvgates.load_model(config.model)
     model.requires_grad_(False)
-    gates = GATE_KINDS[config.gate_kind].for_model(
-        model, gate_hidden=config.gates.hidden, training_budget=config.budget, init_bias=config.gates.init_bias
-    )
+    gates = initial_gates(config, model)
     untrained = copy.deepcopy(gates)
     gated = GateTraining(model, gates)  # registers the gates on the model and routes its attention
 
@@ -164,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train.py: {err}", file=sys.stderr)
         return 2
     started = time.time()
-    trainer, untrained = build_trainer(config, out)
     try:
+        trainer, untrained = build_trainer(config, out)
         finished = TrainerState.load_from_json(str(Path(resume) / TRAINER_STATE_NAME)) if resume else None
         if finished is not None and finished.global_step >= trainer.args.max_steps:
             # The run trained to the end and stopped before its adapter (Trainer would take one more step).

@@ -4,7 +4,7 @@
   policy at the training budget on *validation* essays (rows of the config's mix, needles with train templates).
   The best checkpoint is the one with the lowest KL here; the test split is never used to choose anything.
 * ``final_table``: the held-out comparison that ends a run, on *test* essays with *eval* templates: trained gates,
-  the same gates untrained, the configured heuristics, and the full cache, all at the training budget.
+  the same gates untrained (or the adapter the run started from), the configured heuristics, and the full cache, all at the training budget.
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ class Validator:
             policy.detach()
 
 
+def start_label(config: TrainConfig) -> str:
+    """What the run's gates were before training: ``untrained``, or the adapter it continued from."""
+    return f"start: {config.gates.init_from}" if config.gates.init_from else "untrained"
+
+
 @torch.no_grad()
 def final_table(
     config: TrainConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, trained: kvgates.GateSet, untrained: kvgates.GateSet
@@ -71,7 +76,7 @@ def final_table(
     heldout = HeldOut.build(tokenizer, rows, needles)
     arms = {
         f"{config.kind} (trained)": lambda: learned_policy(config, trained),
-        f"{config.kind} (untrained)": lambda: learned_policy(config, untrained),
+        f"{config.kind} ({start_label(config)})": lambda: learned_policy(config, untrained),
     }
     for name in report.policies:
         arms[name] = lambda name=name: kvgates.make_policy(name, budget=config.budget)
