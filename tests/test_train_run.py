@@ -267,6 +267,16 @@ def test_rerun_and_resume_refusals_leave_the_run_untouched(tiny_dir, tmp_path, c
     assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
 
 
+def test_a_run_made_before_a_config_key_existed_still_resumes(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    cfg = tiny_config(tiny_dir, out, training={"max_steps": 2, "eval_steps": 2, "save_steps": 2})
+    assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 0
+    recorded = json.loads((out / "run_config.json").read_text())
+    del recorded["gates"]["init_from"]  # as written by a kvgates without gates.init_from
+    (out / "run_config.json").write_text(json.dumps(recorded))
+    assert prepare_output_dir(TrainConfig.from_dict(cfg), resume=True)[1] is not None
+
+
 def _losses(out: Path) -> dict[int, float]:
     """Training loss by step (the last line logged for a step wins, as a resumed run re-logs nothing earlier)."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -61,7 +61,9 @@ def prepare_output_dir(config: TrainConfig, resume: bool) -> tuple[Path, str | N
         checkpoint = last_complete_checkpoint(out)
         if not recorded.is_file():
             raise ConfigError(f"--resume: {out} has checkpoints but no {RUN_CONFIG}; it was not made by train.py")
-        before, now = json.loads(recorded.read_text()), json.loads(config.to_json())
+        # Both through TrainConfig, so a key added to it since the run started (at its default) is no difference.
+        before = json.loads(TrainConfig.from_dict(json.loads(recorded.read_text()), str(recorded)).to_json())
+        now = json.loads(config.to_json())
         changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
         if changed:
             raise ConfigError(f"--resume: {out} was trained with another config (differs in {', '.join(changed)})")
