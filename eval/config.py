@@ -154,9 +154,12 @@ class TaskSpec:
         return self.options.get(name, TASK_DEFAULTS.get(name))
 
     def identity(self, model: str, seed: int, prefill_chunk: int | None, split: str = "test") -> str:
-        """What changes this task's examples or results (journal keys; not the budgets it runs at). The split
-        enters the key only when it is not the default, so journals of test runs keep their keys."""
-        settings = {k: v for k, v in dataclasses.asdict(self).items() if k != "budgets"}
+        """What changes this task's examples or results (journal keys): not the budgets it runs at, nor, for text
+        tasks (whose example ``i`` is seeded by ``i`` alone), how many examples it has, so adding examples keeps
+        the results of the first ones. The split enters the key only when it is not the default, so journals of
+        test runs keep their keys."""
+        ignored = {"budgets"} if self.answer else {"budgets", "examples"}
+        settings = {k: v for k, v in dataclasses.asdict(self).items() if k not in ignored}
         return _digest([model, seed, prefill_chunk, settings] + ([split] if split != "test" else []))
 
 

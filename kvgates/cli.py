@@ -103,8 +103,9 @@ def _generate(argv: list[str]) -> int:
     if args.budget is not None:
         params["budget"] = args.budget
     if "gates" in names and "gates" not in params:
-        # A learned policy on an embedded model runs the adapter shipped for it unless --gates names another.
-        params["gates"] = default_gates(args.model, args.policy)
+        # A learned policy on an embedded model runs the adapter shipped for it (the one trained nearest the budget)
+        # unless --gates names another.
+        params["gates"] = default_gates(args.model, args.policy, params.get("budget"))
         if params["gates"] is None:
             parser.error(f"--policy {args.policy} needs --gates (a gate adapter folder or Hub id); no adapter ships for {args.model}")
     try:

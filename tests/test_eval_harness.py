@@ -276,6 +276,16 @@ def test_a_task_can_run_at_some_of_the_budgets(tmp_path):
     assert config.tasks[1].identity("m", 0, None) == small_config(tmp_path, tasks=TASKS).tasks[3].identity("m", 0, None)
 
 
+def test_more_examples_of_a_text_task_keep_the_first_ones_and_their_keys(tmp_path, tok):
+    fidelity, more = (ABConfig.from_dict({"tasks": [{**TASKS[3], "examples": n}]}).tasks[0] for n in (2, 5))
+    assert fidelity.identity("m", 0, None) == more.identity("m", 0, None)
+    first = [x.prompt.tolist() for x in build_examples(more, tok, 0)][:2]
+    assert first == [x.prompt.tolist() for x in build_examples(fidelity, tok, 0)]
+    # An answer task's depths are spread over its examples: their count changes the examples, so it keys them.
+    needle, more = (ABConfig.from_dict({"tasks": [{**TASKS[0], "examples": n}]}).tasks[0] for n in (2, 5))
+    assert needle.identity("m", 0, None) != more.identity("m", 0, None)
+
+
 def test_best_heuristic_follows_the_metric_direction(tmp_path):
     from eval.report import Summary, best_heuristic
 

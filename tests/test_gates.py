@@ -291,3 +291,16 @@ def test_cli_generate_with_gates(tmp_path, capsys):
     code = main(["generate", "--model", str(checkpoint), "--policy", "trimkv", "--budget", "16",
                  "--gates", str(tmp_path / "gates"), "--prompt", "the lazy dog sleeps " * 6, "--max-new-tokens", "4"])
     assert code == 0 and "policy=trimkv" in capsys.readouterr().err
+
+
+def test_the_default_adapter_is_the_one_trained_nearest_the_budget(tmp_path, monkeypatch):
+    from kvgates.gates import embedded
+
+    for name, budget in (("m-256", 256), ("m-128", 128)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"training_budget": budget}))
+    monkeypatch.setattr(embedded, "EMBEDDED_DIR", tmp_path)
+    monkeypatch.setattr(embedded, "DEFAULTS", {("m", "trimkv"): ("m-256", "m-128", "m-missing")})
+    pick = lambda budget: embedded.default_gates("m", "trimkv", budget)  # noqa: E731
+    assert [pick(b) for b in (32, 128, 180, 182, 256, 1024)] == ["m-128", "m-128", "m-128", "m-256", "m-256", "m-256"]
+    assert pick(None) == "m-256" and embedded.default_gates("m", "locret", 128) is None
