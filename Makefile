@@ -25,9 +25,11 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # The quickstart: accelerate launch train.py with no config trains TRIM-KV gates on the embedded model
-# (configs/train/quickstart.yaml); the flags only spell out accelerate's single-process defaults.
+# (configs/train/quickstart.yaml); the flags spell out accelerate's single-process defaults, except the CPU
+# threads: accelerate would set OMP_NUM_THREADS=1 for its one process, leaving the other cores idle.
 train: setup
-	$(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no train.py
+	$(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
+		--num_cpu_threads_per_process $(shell nproc) train.py
 
 demo: setup
 	$(PY) -m eval ab --config configs/eval/demo.yaml
