@@ -302,9 +302,8 @@ def _list(value: Any, what: str) -> list:
 
 def _apply_quick(raw: dict, quick: Any) -> dict:
     """``raw`` with the ``quick`` section applied: budgets/output_dir replaced, arms kept by label (with the
-    comparisons between kept arms), tasks
-    kept by name (when ``tasks`` lists names) or overridden per name (when it maps names to settings; a name
-    the config lacks adds a task when its settings give a ``task``)."""
+    comparisons between kept arms), tasks kept by name (when ``tasks`` lists names) or overridden per name (when
+    it maps names to settings; a name the config lacks adds a task when its settings give a ``task``)."""
     if not isinstance(quick, dict):
         raise ConfigError("--quick needs a 'quick' section in the config (budgets, arms, tasks, output_dir to change)")
     _known(quick, ["budgets", "arms", "tasks", "output_dir"], "the quick section")

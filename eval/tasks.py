@@ -33,6 +33,7 @@ from data.tasks import make_example, score, split_ids, template_by_name
 from eval.config import TaskSpec
 from eval.fidelity import completion_fidelity, first_false, greedy_generate, make_batch, reference_logprobs, stream_nll
 
+
 @dataclass(frozen=True)
 class Metric:
     """A per-example score. ``binary`` scores (0/1) also get McNemar's test in comparisons."""

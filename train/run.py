@@ -147,7 +147,7 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
     model, tokenizer = kvgates.load_model(config.model)
     model.requires_grad_(False)
     gates = initial_gates(config, model)
-    untrained = copy.deepcopy(gates)
+    start = copy.deepcopy(gates)
     gated = GateTraining(model, gates)  # registers the gates on the model and routes its attention
 
     # Data: training rows from the train essays; validation on validation essays.
@@ -169,7 +169,7 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
         processing_class=tokenizer,
         callbacks=[MetricsJsonl(out / METRICS)],
     )
-    return trainer, untrained
+    return trainer, start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = time.time()
     try:
-        trainer, untrained = build_trainer(config, out)
+        trainer, start = build_trainer(config, out)
         finished = TrainerState.load_from_json(str(Path(resume) / TRAINER_STATE_NAME)) if resume else None
         if finished is not None and finished.global_step >= trainer.args.max_steps:
             # The run trained to the end and stopped before its adapter (Trainer would take one more step).
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # The held-out table at the training budget, and the adapter.
     gates, model, tokenizer = trainer.gates, trainer.model, trainer.processing_class
-    table = markdown_table(final_table(config, model, tokenizer, gates, untrained))
+    table = markdown_table(final_table(config, model, tokenizer, gates, start))
     seconds = time.time() - started
     train_rows = trainer.train_dataset
     gates.config.training_data = f"{summarize(train_rows)}; essays split by file, train split: {len(essay_split()['train'])} files"

@@ -65,7 +65,7 @@ def start_label(config: TrainConfig) -> str:
 
 @torch.no_grad()
 def final_table(
-    config: TrainConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, trained: kvgates.GateSet, untrained: kvgates.GateSet
+    config: TrainConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, trained: kvgates.GateSet, start: kvgates.GateSet
 ) -> dict[str, dict[str, float]]:
     """The held-out comparison at the training budget (test essays, eval templates); results by arm."""
     data, report = config.data, config.report
@@ -76,7 +76,7 @@ def final_table(
     heldout = HeldOut.build(tokenizer, rows, needles)
     arms = {
         f"{config.kind} (trained)": lambda: learned_policy(config, trained),
-        f"{config.kind} ({start_label(config)})": lambda: learned_policy(config, untrained),
+        f"{config.kind} ({start_label(config)})": lambda: learned_policy(config, start),
     }
     for name in report.policies:
         arms[name] = lambda name=name: kvgates.make_policy(name, budget=config.budget)
