@@ -15,6 +15,7 @@
       - {task: multikey, context_tokens: 2000, examples: 10, keys: 4}
       - {task: fidelity, context_tokens: 2000, examples: 8, new_tokens: 512, budgets: [128, 256]}   # some budgets only
     comparisons: auto            # each learned arm vs each heuristic at the same budget; or [[a, b], ...] labels
+    reuse: [docs/reference-core/results.jsonl]   # other runs' journals: results with this run's keys are not recomputed
     quick: {budgets: [128], arms: [snapkv], tasks: {needle: {examples: 3}}}    # what --quick changes
     output_dir: outputs/ab
 
@@ -184,6 +185,9 @@ class ABConfig:
     max_batch: int = 8
     #: Bootstrap resamples per comparison.
     n_boot: int = 2000
+    #: Journals (``results.jsonl``) of other runs: a result whose key this run has (same task settings, example,
+    #: arm and adapter weights, budget, model, seed) is taken from there instead of being computed again.
+    reuse: tuple[str, ...] = ()
 
     @property
     def all_arms(self) -> tuple[ArmSpec, ...]:
@@ -237,7 +241,8 @@ class ABConfig:
         budgets = tuple(_list(raw.get("budgets", list(cls.budgets)), "budgets"))
         comparisons = raw.get("comparisons", "auto")
         config = cls(
-            **{k: v for k, v in raw.items() if k not in ("arms", "tasks", "budgets", "comparisons")},
+            **{k: v for k, v in raw.items() if k not in ("arms", "tasks", "budgets", "comparisons", "reuse")},
+            reuse=tuple(str(p) for p in _list(raw.get("reuse", []), "reuse")),
             arms=arms,
             tasks=tasks,
             budgets=budgets,
@@ -283,6 +288,9 @@ class ABConfig:
                 raise ConfigError(f"task {task.name!r} runs at budget {extra[0]!r}, which is not among the run's budgets {list(self.budgets)}")
         for arm in self.arms:
             _check_arm(arm, self.budgets)
+        for journal in self.reuse:
+            if not Path(journal).is_file():
+                raise ConfigError(f"reuse names {journal}, which is not a file; list the results.jsonl of an earlier run")
 
 
 # ---------------------------------------------------------------------- parsing helpers

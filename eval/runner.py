@@ -6,7 +6,9 @@ Work goes task by task and batch by batch; within a batch the full cache runs fi
 batch's references, computed once and shared by every other arm), then each arm at each budget. Each example's
 result is appended to ``<output_dir>/results.jsonl`` as soon as it is known; a re-run of the same config reuses
 every journalled result whose key still matches (task settings, example, arm, budget, model, seed) and computes
-only the rest, so an interrupted run resumes. ``resume=False`` (``--fresh``) starts over.
+only the rest, so an interrupted run resumes. ``resume=False`` (``--fresh``) starts over. A config's ``reuse``
+journals (other runs') supply the results whose keys this run shares with them: they are copied into this run's
+journal, so its folder holds every result it reports.
 """
 
 from __future__ import annotations
@@ -148,6 +150,8 @@ def run_ab(
     reused = sum(key in done for key in keys)
     if reused:
         print(f"{reused} of {len(keys)} results are already journalled in {journal} (--fresh recomputes them all)")
+    if resume and config.reuse:
+        _adopt(config, keys, done, journal)
     if compute:
         if model is None:
             model, tokenizer = kvgates.load_model(config.model)
@@ -156,6 +160,18 @@ def run_ab(
     seconds = sum(r["seconds"] for r in rows)
     elapsed = time.perf_counter() - start
     return ABResults(config, rows, comparisons(config, rows), elapsed, seconds, len(keys))
+
+
+def _adopt(config: ABConfig, keys: list[str], done: dict[str, dict], journal: Path) -> None:
+    """Copy the results of ``config.reuse`` journals whose keys this run has and has not journalled yet."""
+    for other in config.reuse:
+        found = load_journal(Path(other))
+        new = [key for key in keys if key in found and key not in done]
+        with journal.open("a") as f:
+            for key in new:
+                done[key] = found[key]
+                f.write(json.dumps(found[key]) + "\n")
+        print(f"{len(new)} of {len(keys)} results reused from {other}")
 
 
 def _compute(config: ABConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, done: dict[str, dict], journal: Path) -> None:

@@ -286,6 +286,29 @@ def test_more_examples_of_a_text_task_keep_the_first_ones_and_their_keys(tmp_pat
     assert needle.identity("m", 0, None) != more.identity("m", 0, None)
 
 
+def test_a_run_reuses_the_results_another_run_journalled_under_the_same_keys(tmp_path, tok, model, monkeypatch):
+    tasks = [TASKS[0], TASKS[3]]
+    first = run_ab(small_config(tmp_path, tasks=tasks, arms=["h2o"], budgets=[16], output_dir=str(tmp_path / "a")), model, tok)
+    calls = []
+    original = runner_module.run_batch
+    monkeypatch.setattr(runner_module, "run_batch", lambda *a, **k: calls.append(a[3]) or original(*a, **k))
+    config = small_config(
+        tmp_path, tasks=tasks, arms=["h2o", "tova"], budgets=[16], output_dir=str(tmp_path / "b"), reuse=[str(tmp_path / "a" / JOURNAL)]
+    )
+    second = run_ab(config, model, tok)
+    # Only tova ran (the full cache's references and h2o came from the other journal), and this run's own
+    # journal holds every result it reports.
+    assert calls and {type(p).__name__ for p in calls} == {"TOVA"}
+    assert [r for r in second.rows if r["arm"] != "tova"] == first.rows
+    assert len((tmp_path / "b" / JOURNAL).read_text().splitlines()) == len(second.rows)
+    # --fresh recomputes everything, reused results included.
+    calls.clear()
+    run_ab(config, model, tok, resume=False)
+    assert {type(p).__name__ for p in calls} == {"Full", "H2O", "TOVA"}
+    with pytest.raises(ConfigError, match="reuse names .*missing.jsonl, which is not a file"):
+        small_config(tmp_path, reuse=str(tmp_path / "missing.jsonl"))
+
+
 def test_best_heuristic_follows_the_metric_direction(tmp_path):
     from eval.report import Summary, best_heuristic
 
