@@ -4,6 +4,9 @@ A dataset is a *mix* of sources, each a dict with a ``task`` and a ``weight``:
 
 * ``essays``: long-text language-modelling windows of the split's essays; the last ``completion_tokens`` tokens
   are the completion;
+* ``continuations``: the frozen model's own greedy continuation (``completion_tokens``, default 512, full cache)
+  of a ``prompt_tokens`` window (default 1000) of the split's essays: the setting of long-response fidelity, where
+  a budgeted cache must follow the model through its own long output (``build_dataset`` needs the ``model``);
 * any task of ``data.tasks`` (``needle``, ``multikey``, ``multivalue``, ``kv``, ``variable_tracking``,
   ``passkey``, ``common_words``), built with the *train* templates for training and validation; extra keys are
   that task's options (``keys``, ``hops``, ``digits``, ...);
@@ -31,12 +34,13 @@ from transformers import PreTrainedTokenizerBase
 from data.splits import SPLITS
 from data.tasks import TASKS, split_ids, make_example
 
-SOURCES = ("essays", "hf", "text", "jsonl") + TASKS + ("multikey",)
+SOURCES = ("essays", "continuations", "hf", "text", "jsonl") + TASKS + ("multikey",)
 FORMATS = ("raw", "chat")
 #: Keys every source accepts; the others are task options.
 _COMMON = {"task", "weight"}
 _SOURCE_KEYS = {
     "essays": {"completion_tokens"},
+    "continuations": {"prompt_tokens", "completion_tokens"},
     "hf": {"path", "name", "split", "text_field", "completion_tokens"},
     "text": {"path", "completion_tokens"},
     "jsonl": {"path", "text_field", "completion_tokens"},
@@ -103,11 +107,42 @@ def _encode(tokenizer: PreTrainedTokenizerBase, prompt: str, completion: str, fm
     )
 
 
-def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, template_set):
+def _continue(model_id: str, prompts: list[list[int]], new_tokens: int, batch_size: int = 8) -> list[list[int]]:
+    """The greedy continuations (exactly ``new_tokens`` each, full cache) of ``prompts`` by ``model_id``'s model;
+    prompts of one length run as a batch (no padding)."""
+    import torch
+    from tqdm import tqdm
+
+    import kvgates
+
+    model, tokenizer = kvgates.load_model(model_id)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and len(groups[-1]) < batch_size and len(prompts[groups[-1][0]]) == len(prompts[i]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    with torch.no_grad():
+        for group in tqdm(groups, desc=f"model continuations ({new_tokens} tokens)", unit="batch", dynamic_ncols=True):
+            ids = torch.tensor([prompts[i] for i in group], device=model.device)
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, pad_token_id=tokenizer.pad_token_id,
+            )
+            for i, row in zip(group, gen[:, ids.shape[1] :].tolist()):
+                out[i] = row
+    return out
+
+
+def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, template_set, model):
     mix = json.loads(mix_json)
     rng = random.Random(f"mix:{split}:{seed}")
     weights = [s.get("weight", 1.0) for s in mix]
     external = {i: _external_rows(s) for i, s in enumerate(mix) if s["task"] in ("hf", "text", "jsonl")}
+    built: list[dict[str, Any]] = []
+    pending: dict[int, list[int]] = {}  # continuation rows by their number of new tokens
     for index in range(num_examples):
         i = rng.choices(range(len(mix)), weights)[0]
         source = mix[i]
@@ -116,6 +151,11 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
         template = ""
         if task == "essays":
             prompt_ids, completion_ids = _window(split_ids(tokenizer, split), seq_len, options.get("completion_tokens", 64), rng)
+        elif task == "continuations":  # the prompt now; the model continues every such row at once, below
+            new = options.get("completion_tokens", 512)
+            prompt_ids, _ = _window(split_ids(tokenizer, split), options.get("prompt_tokens", 1000), 0, rng)
+            completion_ids = [0] * new  # a placeholder of the right length
+            pending.setdefault(new, []).append(index)
         elif i in external:
             rows = external[i]
             row = rows[rng.randrange(len(rows))]
@@ -132,12 +172,14 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
             template = ex["template"]
             prompt_ids, completion_ids = _encode(tokenizer, ex["prompt"], ex["completion"], fmt)
         prompt_ids = prompt_ids[-max(1, seq_len - len(completion_ids)) :]  # the prompt gives way to the completion
-        yield {
-            "input_ids": prompt_ids + completion_ids,
-            "labels": [-100] * len(prompt_ids) + completion_ids,
-            "task": task,
-            "template": template,
-        }
+        built.append({"input_ids": prompt_ids, "completion": completion_ids, "task": task, "template": template})
+    for new, indices in pending.items():
+        continued = _continue(model, [built[i]["input_ids"] for i in indices], new)
+        for i, completion_ids in zip(indices, continued):
+            built[i]["completion"] = completion_ids
+    for row in built:
+        prompt_ids, completion_ids = row.pop("input_ids"), row.pop("completion")
+        yield {"input_ids": prompt_ids + completion_ids, "labels": [-100] * len(prompt_ids) + completion_ids, **row}
 
 
 def build_dataset(
@@ -150,9 +192,11 @@ def build_dataset(
     fmt: str = "raw",
     template_set: str = "train",
     cache_dir: str | None = None,
+    model: str | None = None,
 ) -> datasets.Dataset:
     """``num_examples`` rows from ``mix`` over the ``split`` essays, each at most ``seq_len`` tokens; synthetic tasks
-    use the ``template_set`` templates (``"train"``; ``"eval"`` for held-out reports).
+    use the ``template_set`` templates (``"train"``; ``"eval"`` for held-out reports). ``model`` (an id
+    ``kvgates.load_model`` takes) writes the ``continuations`` rows; the mix needs it only for them.
 
     Built with ``datasets.Dataset.from_generator``: the result is cached on disk (under ``cache_dir``, default the
     🤗 datasets cache) keyed by every argument, so a second run with the same config loads it instead of
@@ -165,12 +209,14 @@ def build_dataset(
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     if num_examples < 1 or seq_len < 64:
         raise ValueError(f"need num_examples >= 1 and seq_len >= 64, got {num_examples} and {seq_len}")
+    if model is None and any(source["task"] == "continuations" for source in mix):
+        raise ValueError("a 'continuations' source is written by the model: pass build_dataset a model")
     return datasets.Dataset.from_generator(
         _generate,
         gen_kwargs={
             # A list-valued keyword would be split into shards by ``from_generator``: the mix travels as JSON.
             "tokenizer": tokenizer, "mix_json": json.dumps(mix, sort_keys=True), "split": split, "num_examples": num_examples,
-            "seq_len": seq_len, "seed": seed, "fmt": fmt, "template_set": template_set,
+            "seq_len": seq_len, "seed": seed, "fmt": fmt, "template_set": template_set, "model": model,
         },
         cache_dir=cache_dir,
     )

@@ -92,6 +92,33 @@ def test_build_dataset_cached_deterministic_completion_only(tok, tmp_path):
     assert "<|im_start|>assistant" in tok.decode(chat[0]["input_ids"])
 
 
+def test_continuations_are_the_models_own_greedy_output(tok, tmp_path):
+    import torch
+    from helpers import tiny_model
+
+    from data.tasks import split_ids
+
+    ref, _ = tiny_model("llama", vocab_size=len(tok), max_position_embeddings=256)
+    ref.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    mix = [{"task": "continuations", "prompt_tokens": 40, "completion_tokens": 6}, {"task": "essays", "completion_tokens": 8}]
+    rows = build_dataset(tok, mix, "train", 6, 64, seed=2, cache_dir=str(tmp_path / "c"), model=str(tmp_path / "m"))
+    continued = [r for r in rows if r["task"] == "continuations"]
+    assert continued and len(continued) < len(rows)
+    essays = list(split_ids(tok, "train"))
+    for row in continued:
+        prompt = [t for t, y in zip(row["input_ids"], row["labels"]) if y == -100]
+        completion = row["input_ids"][len(prompt) :]
+        assert len(prompt) == 40 and row["labels"][len(prompt) :] == completion and len(completion) == 6
+        assert any(essays[i : i + 40] == prompt for i in range(len(essays)))  # a window of the split's essays
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            greedy = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assert completion == greedy[0, 40:].tolist()
+    with pytest.raises(ValueError, match="pass build_dataset a model"):
+        build_dataset(tok, mix, "train", 6, 64, cache_dir=str(tmp_path / "c"))
+
+
 @pytest.mark.parametrize(
     "mix, message",
     [
@@ -101,6 +128,7 @@ def test_build_dataset_cached_deterministic_completion_only(tok, tmp_path):
         ([{"task": "needle", "colour": 1}], "unknown keys"),
         ([{"task": "jsonl", "path": "/nonexistent.jsonl"}], "does not exist"),
         ([{"task": "hf"}], "needs a 'path'"),
+        ([{"task": "continuations", "keys": 3}], "unknown keys"),
     ],
 )
 def test_bad_mixes_fail_with_one_sentence(mix, message):

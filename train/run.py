@@ -152,7 +152,9 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
 
     # Data: training rows from the train essays; validation on validation essays.
     data = config.data
-    train_rows = build_dataset(tokenizer, data.mix, "train", data.train_examples, data.seq_len, data.seed, data.format)
+    train_rows = build_dataset(
+        tokenizer, data.mix, "train", data.train_examples, data.seq_len, data.seed, data.format, model=config.model
+    )
     validator = Validator.build(config, tokenizer)
 
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling

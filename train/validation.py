@@ -44,7 +44,9 @@ class Validator:
     @classmethod
     def build(cls, config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> Validator:
         data = config.data
-        rows = build_dataset(tokenizer, data.mix, "validation", data.validation_examples, data.seq_len, data.seed, data.format)
+        rows = build_dataset(
+            tokenizer, data.mix, "validation", data.validation_examples, data.seq_len, data.seed, data.format, model=config.model
+        )
         tokens = config.validation.needle_tokens or data.seq_len
         needles = needle_examples(tokenizer, "validation", "train", config.validation.needles, tokens, data.seed)
         return cls(config, tokenizer, HeldOut.build(tokenizer, rows, needles))
@@ -70,7 +72,7 @@ def final_table(
     """The held-out comparison at the training budget (test essays, eval templates); results by arm."""
     data, report = config.data, config.report
     rows = build_dataset(
-        tokenizer, data.mix, "test", report.examples, data.seq_len, data.seed, data.format, template_set="eval"
+        tokenizer, data.mix, "test", report.examples, data.seq_len, data.seed, data.format, template_set="eval", model=config.model
     )
     needles = needle_examples(tokenizer, "test", "eval", report.needles, data.seq_len, data.seed)
     heldout = HeldOut.build(tokenizer, rows, needles)
