@@ -309,12 +309,9 @@ class BudgetLayer(CacheLayerMixin):
 
             def padded(dense: torch.Tensor, fill: torch.Tensor | float) -> torch.Tensor:
                 """``[B, H_kv, C, ...]`` -> ``[B, H_kv, C + extra, ...]``, the new slots set to ``fill``."""
-                if not isinstance(fill, torch.Tensor):
-                    pad = [0, 0] * (dense.dim() - 3) + [0, extra]
-                    return torch.nn.functional.pad(dense, pad, value=fill)
                 tail = dense.new_empty((b, hkv, extra, *dense.shape[3:]))
                 tail[:] = fill
-                return torch.cat([dense, tail], dim=2)
+                return torch.cat([dense, tail], dim=2)  # one copy of the old slots (padding would also zero them)
 
             d, dv = self.keys.shape[-1], self.values.shape[-1]
             self.keys = padded(self.keys.view(b, hkv, c, d), 0.0).view(b, -1, d)
@@ -372,8 +369,8 @@ class BudgetLayer(CacheLayerMixin):
         Returns the ``[B, H_kv, n]`` slot indices used.
         """
         b, hkv, n, d = key_states.shape
-        packed = self.packed
         slots = self._free_slots(n)
+        packed = self.packed  # read after ``_free_slots``, which packs a layer holding nothing yet
         f, c = self.dense_fill, self.max_slots
         if f is not None:  # the same contiguous slots in every head: slice writes
             self.keys.view(b, hkv, c, d)[:, :, f : f + n] = key_states
