@@ -70,13 +70,14 @@ def test_heads_holding_different_numbers_decode_with_the_general_paths_logits(ti
 
 
 def test_a_full_cache_is_packed_from_its_prompt_on(tiny):
-    """The full cache decodes with sdpa over its whole storage (it never evicts, so nothing else packs it)."""
+    """The full cache decodes with sdpa over the held slice of its storage (it never evicts, so nothing else packs
+    it)."""
     _, model = tiny
     ids = torch.randint(1, 128, (2, 30), generator=torch.Generator().manual_seed(5))
 
     def check(cache):
         seen = cache.get_seq_length()
-        assert all(layer.dense_fill == seen == layer.max_slots for layer in cache.budget_layers)
+        assert all(layer.dense_fill == seen <= layer.max_slots for layer in cache.budget_layers)
 
     with torch.no_grad():
         cache = BudgetCache(model.config, "full")

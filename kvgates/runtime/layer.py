@@ -332,12 +332,11 @@ class BudgetLayer(CacheLayerMixin):
 
     def _growth(self, missing: int, n: int) -> int:
         """Slots to add when ``n`` new tokens lack ``missing`` free slots in some head. A prompt chunk grows by
-        exactly what it needs. Decode steps of a policy that appends them grow storage geometrically (amortised
-        copies), except for a cache that never evicts: it grows exactly, so a full cache allocates what
-        DynamicCache does."""
-        schedule = self.cache.policy.schedule
-        never_evicts = not schedule.prefill and not schedule.decode_every
-        return missing if n > 1 or never_evicts else max(missing, 16, self.max_slots // 8)
+        exactly what it needs. Decode steps of a policy that appends them (the full cache among them) grow storage
+        geometrically, by an eighth: a copy of the held tokens every ``max_slots / 8`` steps instead of every step
+        (DynamicCache copies its whole cache on every step), for up to an eighth more allocated than held
+        (``kv_bytes`` counts it, ``held_bytes`` does not)."""
+        return missing if n > 1 else max(missing, 16, self.max_slots // 8)
 
     def _slot_ids(self) -> torch.Tensor:
         """``[max_slots]`` slot numbers on the device (kept until storage changes)."""
