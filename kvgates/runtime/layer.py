@@ -44,7 +44,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvgates import kernels
 from kvgates.runtime.rope import shift_rotary
-from kvgates.runtime.stats import AttnStats, Phase
+from kvgates.runtime.stats import NO_STATS, AttnStats, Phase
 
 if TYPE_CHECKING:
     from kvgates.policies.base import Policy
@@ -471,6 +471,12 @@ class BudgetLayer(CacheLayerMixin):
                 store.scatter_(2, dst[..., None].expand(-1, -1, -1, store.shape[-1]), rows)
         self.pos[..., kept:] = -1
 
+    def _within_tolerance(self) -> bool:
+        """Whether the host knows that ``enforce`` would evict nothing now: a packed layer under an int quota
+        whose heads hold no more than it plus the schedule's tolerance (amortised eviction between evictions)."""
+        tolerance = self.cache.policy.schedule.tolerance
+        return self.packed and isinstance(self._quota_source, int) and max(self.fill) <= self._least_quota + tolerance
+
     def enforce(self, stats: AttnStats | None) -> None:
         """The one eviction path: bring every sequence holding more than the policy's ``quota`` (plus its
         schedule's tolerance) back to it, with the policy's ``select``. Sequences within their quota are never
@@ -536,6 +542,8 @@ class BudgetLayer(CacheLayerMixin):
 
         policy = self.cache.policy
         request = policy.stats_request(phase)
+        if phase is Phase.DECODE and policy.decode_stats_for_eviction_only and self._within_tolerance():
+            request = NO_STATS  # nothing will read them: this step evicts nothing
         stats = AttnStats(phase=phase, new_slots=slots)
         keys, shift = self.keys, policy.position_shift(self, q_pos)
         if shift is not None:  # attend at shifted positions; storage keeps the original rotation
@@ -631,7 +639,7 @@ class BudgetLayer(CacheLayerMixin):
             c = self.max_slots
             out, probs = kernels.decode_attention(
                 query[:, :, 0], keys.view(b, hkv, c, -1)[:, :, :fill], self.values.view(b, hkv, c, -1)[:, :, :fill],
-                self.pos[:, :, :fill], scale, reduce=reduce,
+                None, scale, reduce=reduce,
             )
         else:
             out, probs = kernels.decode_attention_flat(query[:, :, 0], keys, self.values, self.pos, self.head_slots, scale, reduce=reduce)
