@@ -358,20 +358,23 @@ class BudgetLayer(CacheLayerMixin):
         return base, steps
 
     def _fill_mask(self) -> torch.Tensor:
-        """``[1, H_kv, 1, max(fill)]`` bool, for a packed layer whose heads hold different numbers of tokens: slot
-        ``j`` of head ``h`` holds a token (``j < fill[h]``).
+        """``[1, H_kv, 1, max(fill)]`` additive attention mask in the storage dtype, for a packed layer whose
+        heads hold different numbers of tokens: 0 where slot ``j`` of head ``h`` holds a token (``j < fill[h]``),
+        ``-inf`` past it.
 
-        Built once as a ruler (``ruler[h, k] = k < fill0[h] + span``, ``span = max_slots``) and kept until storage
-        changes: a step that adds ``t`` slots to every head makes the mask the ruler's slice starting ``t``
-        columns earlier, so a decode step slices instead of rebuilding (a new ruler after ``span`` steps, or
-        when the fills change otherwise)."""
+        Built once as a ruler (``ruler[h, k]`` visible iff ``k < fill0[h] + span``, ``span = max_slots``) and kept
+        until storage changes: a step that adds ``t`` slots to every head makes the mask the ruler's slice
+        starting ``t`` columns earlier, so a decode step slices instead of rebuilding (a new ruler after ``span``
+        steps, or when the fills change otherwise)."""
         f0, ruler = self._derived.get("fill_mask", (None, None))
         steps = self.fill[0] - f0[0] if f0 is not None else -1
         span = ruler.shape[-1] - max(f0) if f0 is not None else 0
         if not 0 <= steps <= span or any(f - g != steps for f, g in zip(self.fill, f0)):
             f0, steps, span = list(self.fill), 0, self.max_slots
             limit = torch.tensor(f0, device=self.device)[:, None] + span
-            ruler = (torch.arange(span + max(f0), device=self.device)[None, :] < limit)[None, :, None, :]
+            visible = torch.arange(span + max(f0), device=self.device)[None, :] < limit
+            ruler = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+            ruler = ruler[None, :, None, :]
             self._derived["fill_mask"] = (f0, ruler)
         return ruler[..., span - steps : span + max(f0)]
 
