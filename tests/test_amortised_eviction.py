@@ -7,6 +7,8 @@ from helpers import policy_on
 
 from kvgates import BudgetCache, make_policy
 from kvgates.policies.base import PerStepEviction
+from kvgates.policies.tova import TOVA
+from kvgates.runtime.layer import BudgetLayer
 
 PER_STEP = ["streaming_llm", "h2o", "tova", "d2o"]
 BUDGET, SLACK, PROMPT, DECODE = 10, 4, 24, 30
@@ -98,3 +100,27 @@ def test_h2o_with_slack_evicts_to_its_budget_keeping_the_window_and_heavy_hitter
             kept, held = set(kept[kept >= 0].tolist()), set(held[held >= 0].tolist())
             assert recent <= kept  # the window, the new token included
             assert kept - recent <= held  # the heavy hitters come from what the head held
+
+
+def test_tova_with_slack_attends_without_statistics_between_evictions(tiny, monkeypatch):
+    """TOVA ranks by the evicting step's query alone, so the steps between evictions skip the statistics (sdpa
+    over the held slice); what it keeps and its logits are those of a run computing them on every step."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, PROMPT + DECODE), generator=torch.Generator().manual_seed(4))
+    with_stats = []
+    decode = BudgetLayer._decode
+
+    def counted(self, *args):
+        with_stats.append(self.layer_idx)
+        return decode(self, *args)
+
+    monkeypatch.setattr(BudgetLayer, "_decode", counted)
+    with policy_on(model, "tova", BUDGET, slack=SLACK) as policy:
+        got_logits, got_held = decode_trace(model, policy, ids)
+    evictions = DECODE // (SLACK + 1)  # the saw-tooth: every slack + 1 steps, from the first step past budget + slack
+    assert len(with_stats) == evictions * len(model.model.layers)
+    monkeypatch.setattr(TOVA, "decode_stats_for_eviction_only", False)
+    with policy_on(model, "tova", BUDGET, slack=SLACK) as policy:
+        expected_logits, expected_held = decode_trace(model, policy, ids)
+    assert got_held == expected_held
+    torch.testing.assert_close(got_logits, expected_logits, atol=1e-5, rtol=0)

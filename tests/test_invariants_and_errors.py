@@ -86,8 +86,9 @@ def test_storage_is_flat_during_decode(tiny, name):
     assert sizes[0] == 3 * 2 * 2 * 17 * 16 * 4
 
 
-def test_a_full_cache_allocates_what_dynamic_cache_does_and_reports_held_bytes(tiny):
-    """No over-allocation for a cache that keeps everything; held and allocated bytes are reported apart."""
+def test_a_full_cache_holds_what_dynamic_cache_does_and_reports_held_bytes(tiny):
+    """A cache that keeps everything holds DynamicCache's bytes; decode steps grow its storage geometrically (up to
+    an eighth, at least 16 slots, allocated beyond what it holds); held and allocated bytes are reported apart."""
     _, model = tiny
     ids = torch.randint(1, 128, (2, 60), generator=torch.Generator().manual_seed(6))
     full, dynamic = BudgetCache(model.config, "full"), DynamicCache(config=model.config)
@@ -97,7 +98,9 @@ def test_a_full_cache_allocates_what_dynamic_cache_does_and_reports_held_bytes(t
             model(ids[:, :40], past_key_values=cache)
             for t in range(40, 60):
                 model(ids[:, t : t + 1], past_key_values=cache)
-    assert full.kv_bytes() == full.held_bytes() == dynamic_cache_bytes(dynamic)
+    slot = 3 * 2 * 2 * 16 * 4 * 2  # one slot of every layer and KV head: K+V, head_dim 16, fp32, 2 sequences
+    assert full.held_bytes() == dynamic_cache_bytes(dynamic) == 60 * slot
+    assert full.kv_bytes() == (40 + 16 + 16) * slot  # the prompt exactly, then two decode growths of 16 slots
     assert snap.held_bytes() == int(snap.held_tokens().sum()) * 2 * 16 * 4 < snap.kv_bytes()  # K+V, head_dim, fp32
 
 

@@ -137,7 +137,7 @@ def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    slot_pos: torch.Tensor,
+    slot_pos: torch.Tensor | None,
     scale: float,
     reduce: str = "sum",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +146,8 @@ def decode_attention(
     Args:
         q: ``[B, H, D]`` the current query (its own key is already in a slot).
         k, v: ``[B, H_kv, C, D]``.
-        slot_pos: ``[B, H_kv, C]``; every valid slot is visible (it holds a past or the current token).
+        slot_pos: ``[B, H_kv, C]``; every valid slot is visible (it holds a past or the current token). None: every
+            slot holds a token (a packed layer's held slice), nothing to mask.
         scale: softmax scale.
         reduce: ``"sum"`` returns probabilities summed over each GQA group ``[B, H_kv, C]``;
             ``"none"`` returns them per query head ``[B, H, C]``.
@@ -156,8 +157,11 @@ def decode_attention(
     """
     b, h, d = q.shape
     scores = _grouped_scores(q[:, :, None], k, scale)[:, :, :, 0]  # [B, H_kv, G, C]
-    scores = scores.masked_fill((slot_pos < 0)[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    if slot_pos is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        scores = scores.masked_fill((slot_pos < 0)[:, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
     out = torch.matmul(probs, v.float()).reshape(b, h, d).to(q.dtype)  # [B, H_kv, G, C] @ [B, H_kv, C, D]
     if reduce == "sum":
         return out, probs.sum(2)

@@ -100,6 +100,10 @@ class Policy:
     ragged_heads: ClassVar[bool] = False
     #: The policy's own values on each layer, if it keeps any (``layer_state``).
     state_type: ClassVar[type[LayerState] | None] = None
+    #: Whether a decode step's statistics are read only by an eviction in that step (``select``; ``observe`` and
+    #: ``after_layer`` ignore them): a layer then skips them on the steps it knows evict nothing (amortised
+    #: eviction between evictions), and such a step attends with sdpa.
+    decode_stats_for_eviction_only: ClassVar[bool] = False
 
     budget: int | None = None
 

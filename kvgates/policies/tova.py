@@ -29,6 +29,7 @@ class TOVA(PerStepEviction):
     """
 
     name = "tova"
+    decode_stats_for_eviction_only = True  # the evicting step's query alone ranks the tokens
 
     per_head: bool = False
 

@@ -15,7 +15,11 @@ Packed layout. The layer keeps, on the host, ``fill`` (per head: slots ``>= fill
 each head, so a layer whose sequences hold as many tokens stays packed, and a decode step then appends at
 ``fill`` and attends over a plain slice of storage (no mask, no search for free slots, no host sync). Padding
 tokens or sequences holding different numbers of tokens leave the layer unpacked, and it falls back to the
-general path (free-slot search, visibility from positions) until an eviction packs it again.
+general path (free-slot search, visibility from positions) until an eviction packs it again. Heads holding
+different numbers of tokens (Ada-KV's head budgets, KVMerger's merges) stay packed: a decode step appends at each
+head's fill (slot numbers on the device from a base copied once, ``_fill_base``) and attends over the slots below
+the largest fill with a mask sliced from a ruler built once (``_fill_mask``; uniform storage) or head by head
+(ragged storage), again without a host sync.
 
 Vocabulary: a policy's ``budget`` is its parameter (tokens per KV head); a layer's ``quota`` ``[B, H_kv]`` is
 what each head of each sequence may hold after the latest eviction (a budget after per-layer, per-sequence or
@@ -40,7 +44,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvgates import kernels
 from kvgates.runtime.rope import shift_rotary
-from kvgates.runtime.stats import AttnStats, Phase
+from kvgates.runtime.stats import NO_STATS, AttnStats, Phase
 
 if TYPE_CHECKING:
     from kvgates.policies.base import Policy
@@ -309,12 +313,9 @@ class BudgetLayer(CacheLayerMixin):
 
             def padded(dense: torch.Tensor, fill: torch.Tensor | float) -> torch.Tensor:
                 """``[B, H_kv, C, ...]`` -> ``[B, H_kv, C + extra, ...]``, the new slots set to ``fill``."""
-                if not isinstance(fill, torch.Tensor):
-                    pad = [0, 0] * (dense.dim() - 3) + [0, extra]
-                    return torch.nn.functional.pad(dense, pad, value=fill)
                 tail = dense.new_empty((b, hkv, extra, *dense.shape[3:]))
                 tail[:] = fill
-                return torch.cat([dense, tail], dim=2)
+                return torch.cat([dense, tail], dim=2)  # one copy of the old slots (padding would also zero them)
 
             d, dv = self.keys.shape[-1], self.values.shape[-1]
             self.keys = padded(self.keys.view(b, hkv, c, d), 0.0).view(b, -1, d)
@@ -331,12 +332,51 @@ class BudgetLayer(CacheLayerMixin):
 
     def _growth(self, missing: int, n: int) -> int:
         """Slots to add when ``n`` new tokens lack ``missing`` free slots in some head. A prompt chunk grows by
-        exactly what it needs. Decode steps of a policy that appends them grow storage geometrically (amortised
-        copies), except for a cache that never evicts: it grows exactly, so a full cache allocates what
-        DynamicCache does."""
-        schedule = self.cache.policy.schedule
-        never_evicts = not schedule.prefill and not schedule.decode_every
-        return missing if n > 1 or never_evicts else max(missing, 16, self.max_slots // 8)
+        exactly what it needs. Decode steps of a policy that appends them (the full cache among them) grow storage
+        geometrically, by an eighth: a copy of the held tokens every ``max_slots / 8`` steps instead of every step
+        (DynamicCache copies its whole cache on every step), for up to an eighth more allocated than held
+        (``kv_bytes`` counts it, ``held_bytes`` does not)."""
+        return missing if n > 1 else max(missing, 16, self.max_slots // 8)
+
+    def _slot_ids(self) -> torch.Tensor:
+        """``[max_slots]`` slot numbers on the device (kept until storage changes)."""
+        if "slot_ids" not in self._derived:
+            self._derived["slot_ids"] = torch.arange(self.max_slots, device=self.device)
+        return self._derived["slot_ids"]
+
+    def _fill_base(self) -> tuple[torch.Tensor, int]:
+        """``(base [1, H_kv, 1], steps)`` with ``base + steps`` each head's ``fill`` on the device, for a packed
+        layer whose heads hold different numbers of tokens. Every packed write adds as many slots to every head,
+        so ``base`` is copied to the device once (and again when storage or the fills change otherwise) and a step
+        only adds the number of slots written since: no host-to-device copy per step."""
+        f0, base = self._derived.get("fill_base", (None, None))
+        steps = self.fill[0] - f0[0] if f0 is not None else -1
+        if steps < 0 or any(f - g != steps for f, g in zip(self.fill, f0)):
+            f0, steps = list(self.fill), 0
+            base = torch.tensor(f0, device=self.device)[None, :, None]
+            self._derived["fill_base"] = (f0, base)
+        return base, steps
+
+    def _fill_mask(self) -> torch.Tensor:
+        """``[1, H_kv, 1, max(fill)]`` additive attention mask in the storage dtype, for a packed layer whose
+        heads hold different numbers of tokens: 0 where slot ``j`` of head ``h`` holds a token (``j < fill[h]``),
+        ``-inf`` past it.
+
+        Built once as a ruler (``ruler[h, k]`` visible iff ``k < fill0[h] + span``, ``span = max_slots``) and kept
+        until storage changes: a step that adds ``t`` slots to every head makes the mask the ruler's slice
+        starting ``t`` columns earlier, so a decode step slices instead of rebuilding (a new ruler after ``span``
+        steps, or when the fills change otherwise)."""
+        f0, ruler = self._derived.get("fill_mask", (None, None))
+        steps = self.fill[0] - f0[0] if f0 is not None else -1
+        span = ruler.shape[-1] - max(f0) if f0 is not None else 0
+        if not 0 <= steps <= span or any(f - g != steps for f, g in zip(self.fill, f0)):
+            f0, steps, span = list(self.fill), 0, self.max_slots
+            limit = torch.tensor(f0, device=self.device)[:, None] + span
+            visible = torch.arange(span + max(f0), device=self.device)[None, :] < limit
+            ruler = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+            ruler = ruler[None, :, None, :]
+            self._derived["fill_mask"] = (f0, ruler)
+        return ruler[..., span - steps : span + max(f0)]
 
     def _free_slots(self, n: int) -> torch.Tensor:
         """Slot indices ``[B, H_kv, n]`` of ``n`` free slots per head, growing storage if needed."""
@@ -348,11 +388,9 @@ class BudgetLayer(CacheLayerMixin):
                 self._grow(self._growth(missing, n))
             fill = self.dense_fill
             if fill is not None:  # a view of the slot numbers, nothing allocated
-                if "slot_ids" not in self._derived:
-                    self._derived["slot_ids"] = torch.arange(self.max_slots, device=self.device)
-                return self._derived["slot_ids"][fill : fill + n].expand(self.batch_size, self.num_kv_heads, n)
-            first = torch.tensor(self.fill, device=self.device)[None, :, None]
-            return (first + torch.arange(n, device=self.device)).expand(self.batch_size, -1, -1)
+                return self._slot_ids()[fill : fill + n].expand(self.batch_size, self.num_kv_heads, n)
+            base, steps = self._fill_base()
+            return (base + (self._slot_ids()[:n] + steps)).expand(self.batch_size, -1, -1)
         free = ~self.valid & self.exists()[None]
         missing = n - int(free.sum(-1).min()) if free.numel() else n
         if missing > 0:
@@ -372,8 +410,8 @@ class BudgetLayer(CacheLayerMixin):
         Returns the ``[B, H_kv, n]`` slot indices used.
         """
         b, hkv, n, d = key_states.shape
-        packed = self.packed
         slots = self._free_slots(n)
+        packed = self.packed  # read after ``_free_slots``, which packs a layer holding nothing yet
         f, c = self.dense_fill, self.max_slots
         if f is not None:  # the same contiguous slots in every head: slice writes
             self.keys.view(b, hkv, c, d)[:, :, f : f + n] = key_states
@@ -435,6 +473,12 @@ class BudgetLayer(CacheLayerMixin):
                 rows = store.gather(2, tail[..., None].expand(-1, -1, -1, store.shape[-1]))
                 store.scatter_(2, dst[..., None].expand(-1, -1, -1, store.shape[-1]), rows)
         self.pos[..., kept:] = -1
+
+    def _within_tolerance(self) -> bool:
+        """Whether the host knows that ``enforce`` would evict nothing now: a packed layer under an int quota
+        whose heads hold no more than it plus the schedule's tolerance (amortised eviction between evictions)."""
+        tolerance = self.cache.policy.schedule.tolerance
+        return self.packed and isinstance(self._quota_source, int) and max(self.fill) <= self._least_quota + tolerance
 
     def enforce(self, stats: AttnStats | None) -> None:
         """The one eviction path: bring every sequence holding more than the policy's ``quota`` (plus its
@@ -501,6 +545,8 @@ class BudgetLayer(CacheLayerMixin):
 
         policy = self.cache.policy
         request = policy.stats_request(phase)
+        if phase is Phase.DECODE and policy.decode_stats_for_eviction_only and self._within_tolerance():
+            request = NO_STATS  # nothing will read them: this step evicts nothing
         stats = AttnStats(phase=phase, new_slots=slots)
         keys, shift = self.keys, policy.position_shift(self, q_pos)
         if shift is not None:  # attend at shifted positions; storage keeps the original rotation
@@ -518,6 +564,8 @@ class BudgetLayer(CacheLayerMixin):
                 query, self.keys.view(b, self.num_kv_heads, c, -1)[:, :, :fill],
                 self.values.view(b, self.num_kv_heads, c, -1)[:, :, :fill], scale=scale, enable_gqa=h != self.num_kv_heads,
             )
+        elif n == 1 and request.empty and shift is None and self.packed:
+            out = self._decode_packed_heads(query, scale)
         elif n == 1:
             out = self._decode(query, keys, scale, request, stats)
         else:
@@ -594,7 +642,7 @@ class BudgetLayer(CacheLayerMixin):
             c = self.max_slots
             out, probs = kernels.decode_attention(
                 query[:, :, 0], keys.view(b, hkv, c, -1)[:, :, :fill], self.values.view(b, hkv, c, -1)[:, :, :fill],
-                self.pos[:, :, :fill], scale, reduce=reduce,
+                None, scale, reduce=reduce,
             )
         else:
             out, probs = kernels.decode_attention_flat(query[:, :, 0], keys, self.values, self.pos, self.head_slots, scale, reduce=reduce)
@@ -613,6 +661,29 @@ class BudgetLayer(CacheLayerMixin):
             stats.window_rows = 1
             stats.colsum = probs
         return out[:, :, None]
+
+    def _decode_packed_heads(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode attention without statistics for a packed layer whose heads hold different numbers of tokens
+        (Ada-KV's head budgets, KVMerger's merges): every slot below a head's ``fill`` is visible. A GQA group's
+        query heads attend as rows of their KV head. Uniform storage: one sdpa over the slots below the largest
+        fill with ``_fill_mask``; ragged storage: one sdpa per head over its held slice. No search over
+        positions, no host sync. Returns ``[B, H, 1, D]``."""
+        b, h, _, d = query.shape
+        hkv = self.num_kv_heads
+        rows = query.reshape(b, hkv, h // hkv, d)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if self.uniform:
+            c, m = self.max_slots, max(self.fill)
+            keys, values = self.keys.view(b, hkv, c, -1)[:, :, :m], self.values.view(b, hkv, c, -1)[:, :, :m]
+            out = sdpa(rows, keys, values, attn_mask=self._fill_mask(), scale=scale)
+        else:
+            outs, offset = [], 0
+            for head, (slots, f) in enumerate(zip(self.head_slots, self.fill)):
+                k, v = self.keys[:, offset : offset + f, None], self.values[:, offset : offset + f, None]
+                outs.append(sdpa(rows[:, head : head + 1], k.transpose(1, 2), v.transpose(1, 2), scale=scale))
+                offset += slots
+            out = torch.cat(outs, dim=1)
+        return out.reshape(b, h, 1, -1)
 
     def _masked(self, query: torch.Tensor, keys: torch.Tensor, scale: float, q_pos: torch.Tensor) -> torch.Tensor:
         g = query.shape[1] // self.num_kv_heads

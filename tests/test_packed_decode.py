@@ -1,0 +1,86 @@
+"""Decode steps on the packed layout's fast paths give the general path's logits.
+
+A packed layer (every slot below each head's ``fill`` holds a token) decodes without a mask over positions: sdpa
+over a slice of storage when every head holds as many tokens, and ``BudgetLayer._decode_packed_heads`` when heads
+hold different numbers (Ada-KV's head budgets: ragged storage; KVMerger's merges: uniform storage, per-head fill).
+The general path (``BudgetLayer._decode``: visibility from positions) is the reference.
+"""
+
+import pytest
+import torch
+from helpers import policy_on
+
+from kvgates import BudgetCache
+from kvgates.runtime.layer import BudgetLayer
+from kvgates.runtime.stats import NO_STATS
+
+PROMPT, DECODE, BUDGET = 48, 40, 12
+
+
+def general_path(self, query, scale):
+    """``_decode_packed_heads`` replaced by the general decode path (positions, masked torch attention)."""
+    return self._decode(query, self.keys, scale, NO_STATS, None)
+
+
+def decode_logits(model, name, ids, check=None):
+    """Logits of the prompt's last token and of every decode step (teacher-forced), ``check(cache)`` after each."""
+    with policy_on(model, name, BUDGET) as policy:
+        cache = BudgetCache(model.config, policy)
+        out = []
+        with torch.no_grad():
+            for a, z in [(0, PROMPT)] + [(t, t + 1) for t in range(PROMPT, ids.shape[1])]:
+                out.append(model(ids[:, a:z], past_key_values=cache).logits[:, -1])
+                if check is not None:
+                    check(cache)
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("name", ["adakv", "kvmerger"])
+def test_heads_holding_different_numbers_decode_with_the_general_paths_logits(tiny, monkeypatch, name, batch):
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, PROMPT + DECODE), generator=torch.Generator().manual_seed(4)).repeat(batch, 1)
+    calls = []
+    fast = BudgetLayer._decode_packed_heads
+
+    def counted(self, query, scale):
+        calls.append(self.layer_idx)
+        return fast(self, query, scale)
+
+    ragged = []  # per forward: the layers whose heads hold different numbers of tokens
+
+    def check(cache):
+        assert all(layer.packed for layer in cache.budget_layers)
+        ragged.append([layer.layer_idx for layer in cache.budget_layers if layer.dense_fill is None])
+        for layer in cache.budget_layers:
+            if name == "adakv":
+                assert not layer.uniform  # storage follows the head budgets
+            elif layer.dense_fill is None:  # the mask sliced from the ruler is the mask of the current fills
+                expected = torch.arange(max(layer.fill))[None, :] < torch.tensor(layer.fill)[:, None]
+                assert torch.equal(layer._fill_mask()[0, :, 0] == 0, expected)
+
+    monkeypatch.setattr(BudgetLayer, "_decode_packed_heads", counted)
+    got = decode_logits(model, name, ids, check)
+    # Decode appends to every head, so a layer's heads differ at every step once they differ after the prompt.
+    assert ragged[0] and all(r == ragged[0] for r in ragged)
+    assert len(calls) == DECODE * len(ragged[0])
+    monkeypatch.setattr(BudgetLayer, "_decode_packed_heads", general_path)
+    expected = decode_logits(model, name, ids)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_a_full_cache_is_packed_from_its_prompt_on(tiny):
+    """The full cache decodes with sdpa over the held slice of its storage (it never evicts, so nothing else packs
+    it)."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, 30), generator=torch.Generator().manual_seed(5))
+
+    def check(cache):
+        seen = cache.get_seq_length()
+        assert all(layer.dense_fill == seen <= layer.max_slots for layer in cache.budget_layers)
+
+    with torch.no_grad():
+        cache = BudgetCache(model.config, "full")
+        for a, z in [(0, 20)] + [(t, t + 1) for t in range(20, 30)]:
+            model(ids[:, a:z], past_key_values=cache)
+            check(cache)
