@@ -105,6 +105,21 @@ def test_tiny_run_trains_exports_and_reports(tiny_dir, tmp_path, capsys, variant
     assert code == 0
 
 
+def test_a_run_stopped_during_its_held_out_table_keeps_its_adapter(tiny_dir, tmp_path, monkeypatch):
+    # The table can take longer than the training (it ran 6 arms x 11 min on a 1,536-token recipe): a run stopped
+    # there must not lose the trained gates.
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("train.run.final_table", stopped)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        main(["--config", str(write(tiny_config(tiny_dir, out), tmp_path / "c.yaml"))])
+    gates = kvgates.load_gates(out / "adapter")
+    assert gates.config.training["steps"] == 4 and "essay_split" in gates.config.training
+    assert not gates.config.report and not (out / "report.md").exists()
+
+
 def test_a_run_can_continue_from_a_trained_adapter(tiny_dir, tmp_path, capsys):
     model, _ = kvgates.load_model(str(tiny_dir))
     start = kvgates.RetentionGates.for_model(model, gate_hidden=6, training_budget=48, init_bias=3.0).half()

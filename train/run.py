@@ -200,30 +200,35 @@ def main(argv: list[str] | None = None) -> int:
     if not trainer.is_world_process_zero():
         return 0
 
-    # The held-out table at the training budget, and the adapter.
+    # The adapter first, so that a run stopped during the held-out table (tens of minutes at long sequence lengths)
+    # keeps its gates and training record; the table then joins the card.
     gates, model, tokenizer = trainer.gates, trainer.model, trainer.processing_class
-    table = markdown_table(final_table(config, model, tokenizer, gates, start))
-    seconds = time.time() - started
     train_rows = trainer.train_dataset
     gates.config.training_data = f"{summarize(train_rows)}; essays split by file, train split: {len(essay_split()['train'])} files"
     gates.config.results = {k: round(v, 5) for k, v in validation.items() if isinstance(v, float)}
     gates.config.training = {
         "recipe": config.to_dict(),
         "command": " ".join(shlex.quote(a) for a in ["train.py", *sys.argv[1:]]),
-        "seconds": round(seconds),
+        "seconds": round(time.time() - started),
         "training_seconds": round(training_seconds(out)),
         "steps": trainer.state.global_step,
         "best_checkpoint": Path(trainer.state.best_model_checkpoint or "").name,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {'CUDA' if torch.cuda.is_available() else 'CPU'}",
         "essay_split": essay_split(),
     }
+    adapter = gates.save_pretrained(out / "adapter")
+
+    # The held-out table at the training budget.
+    table = markdown_table(final_table(config, model, tokenizer, gates, start))
+    seconds = time.time() - started
+    gates.config.training["seconds"] = round(seconds)
     heading = (
         f"Held-out comparison at budget {config.budget} (tokens per KV head per layer), hard eviction, on test essays "
         f"with evaluation templates never used in training ({config.report.examples} completions, "
         f"{config.report.needles} needles of {config.data.seq_len} tokens):"
     )
     gates.config.report = f"{heading}\n\n{table}"
-    adapter = gates.save_pretrained(out / "adapter")
+    gates.save_pretrained(adapter)
     (out / "report.md").write_text(f"# {config.run_name}\n\n{heading}\n\n{table}\n\nValidation (best checkpoint): {validation}\n")
     print(f"\n{heading}\n\n{table}\n\nadapter: {adapter}  ({seconds / 60:.1f} min)")
     if config.push_to_hub:
