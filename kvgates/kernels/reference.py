@@ -51,7 +51,7 @@ TILE_ELEMENTS = 1 << 24
 
 
 #: Scores per tile of ``causal_attention_colsum``: small enough for a tile to stay in cache between its passes.
-FUSED_TILE_ELEMENTS = 1 << 22
+FUSED_TILE_ELEMENTS = 1 << 21
 
 
 def row_tile(batch: int, heads: int, slots: int) -> int:
