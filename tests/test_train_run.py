@@ -112,9 +112,14 @@ def test_a_run_stopped_during_its_held_out_table_keeps_its_adapter(tiny_dir, tmp
         raise KeyboardInterrupt
 
     monkeypatch.setattr("train.run.final_table", stopped)
+    # Started from an adapter with a card of its own, which must not pass for this run's table.
+    model, _ = kvgates.load_model(str(tiny_dir))
+    start = kvgates.RetentionGates.for_model(model, gate_hidden=8, training_budget=48)
+    start.config.report = "Held-out comparison of the run this one started from"
+    start.save_pretrained(tmp_path / "start")
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
-        main(["--config", str(write(tiny_config(tiny_dir, out), tmp_path / "c.yaml"))])
+        main(["--config", str(write(tiny_config(tiny_dir, out, gates={"init_from": str(tmp_path / "start")}), tmp_path / "c.yaml"))])
     gates = kvgates.load_gates(out / "adapter")
     assert gates.config.training["steps"] == 4 and "essay_split" in gates.config.training
     assert not gates.config.report and not (out / "report.md").exists()

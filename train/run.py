@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {'CUDA' if torch.cuda.is_available() else 'CPU'}",
         "essay_split": essay_split(),
     }
+    gates.config.report = ""  # not the card of the adapter the run started from (gates.init_from)
     adapter = gates.save_pretrained(out / "adapter")
 
     # The held-out table at the training budget.
