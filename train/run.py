@@ -130,7 +130,10 @@ def initial_gates(config: TrainConfig, model: PreTrainedModel) -> kvgates.GateSe
     if gates.kind != config.gate_kind:
         raise kvgates.AdapterError(f"gates.init_from: {spec.init_from} holds {gates.kind!r} gates; a {config.kind} run trains {config.gate_kind!r} gates")
     gates.check_model(model)
+    # The run keeps the adapter's weights and shape, not the record of the run that made it: its own record (data,
+    # results, training, tables) replaces it, and until then the adapter's card must not pass for this run's.
     gates.config.training_budget = config.budget
+    gates.config.training_data, gates.config.results, gates.config.training, gates.config.report = None, {}, {}, ""
     return gates.float()
 
 
@@ -216,7 +219,6 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {'CUDA' if torch.cuda.is_available() else 'CPU'}",
         "essay_split": essay_split(),
     }
-    gates.config.report = ""  # not the card of the adapter the run started from (gates.init_from)
     adapter = gates.save_pretrained(out / "adapter")
 
     # The held-out table at the training budget.
