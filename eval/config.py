@@ -37,7 +37,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
+from safetensors import safe_open
 
 import kvgates
 from data.tasks import templates
@@ -81,9 +83,17 @@ def _digest(obj: Any) -> str:
 
 
 @lru_cache(maxsize=32)
-def _file_digest(path: str, mtime_ns: int, inode: int) -> str:
-    """Digest of a file's bytes (cached per path, modification time and inode: journal keys ask for it often)."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+def _weights_digest(path: str, mtime_ns: int, inode: int) -> str:
+    """Digest of the tensors of a safetensors file: names, dtypes, shapes and values, not the file's bytes, so an
+    adapter saved again with another card or header order (``train.ship --ab``, a safetensors upgrade) keeps its
+    journal keys. Cached per path, modification time and inode: journal keys ask for it often."""
+    h = hashlib.sha256()
+    with safe_open(path, framework="pt") as f:
+        for name in sorted(f.keys()):
+            t = f.get_tensor(name).contiguous().reshape(-1)
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -117,7 +127,7 @@ class ArmSpec:
         gates = str(shipped) if shipped is not None else gates
         if gates and gates != UNTRAINED and Path(gates).is_dir():
             weights = Path(gates) / "model.safetensors"
-            gates = _file_digest(str(weights), weights.stat().st_mtime_ns, weights.stat().st_ino) if weights.is_file() else gates
+            gates = _weights_digest(str(weights), weights.stat().st_mtime_ns, weights.stat().st_ino) if weights.is_file() else gates
         extra = UNTRAINED_GATES if gates == UNTRAINED else {}
         return _digest([self.policy, self.params, gates, extra])
 

@@ -358,3 +358,20 @@ def test_quick_section_shrinks_a_committed_config():
     assert cost(quick) < cost(full) / 10
     assert {t.task for t in quick.tasks} >= {"needle", "fidelity", "generation", "perplexity"}
     assert [a.label for a in full.arms if a.learned] == [a.label for a in quick.arms if a.learned] == ["trimkv"]
+
+
+def test_an_adapter_saved_again_with_another_header_keeps_its_key(tmp_path, model):
+    """The shipped adapters were re-saved (card update, safetensors upgrade) with the same tensors but their header
+    in another order: their journalled results must stay theirs."""
+    from safetensors.torch import load_file, save_file
+
+    from eval.config import ArmSpec
+
+    kvgates.RetentionGates.for_model(model).save_pretrained(tmp_path / "a")
+    arm = ArmSpec("tk", "trimkv", gates=str(tmp_path / "a"))
+    before = arm.identity()
+    weights = tmp_path / "a" / "model.safetensors"
+    tensors = load_file(weights)
+    weights.unlink()
+    save_file(dict(reversed(tensors.items())), weights, metadata={"note": "re-shipped", "format": "pt"})
+    assert arm.identity() == before
