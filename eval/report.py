@@ -250,6 +250,10 @@ def load_config(results: dict) -> ABConfig:
     return ABConfig(model=results["model"], seed=results["seed"], split=results.get("split", "test"), budgets=tuple(results["budgets"]), arms=arms, tasks=tasks)
 
 
+#: How the A/B section of a model card (``arm_section``) begins.
+AB_SECTION = "A/B evaluation on"
+
+
 def arm_section(results_dir: str | Path, label: str) -> str:
     """Markdown for one arm's model card from a finished run in ``results_dir``: per task and budget the arm's
     primary metric beside the best heuristic's (named) and the full cache's, then its paired verdicts."""
@@ -273,7 +277,7 @@ def arm_section(results_dir: str | Path, label: str) -> str:
             lines.append(f"| {task.name} | {m.name} | {budget} | {mine} | {best_cell} | {full} | {kv} |")
     verdicts = [f"- {c['sentence']}" for c in results["comparisons"] if label in (c["a"], c["b"])]
     heading = (
-        f"A/B evaluation on {config.model} (`python -m eval ab`, {config.split} essays, templates never used in training; "
+        f"{AB_SECTION} {config.model} (`python -m eval ab`, {config.split} essays, templates never used in training; "
         f"budgets in tokens per KV head; {len(config.all_arms)} arms):"
     )
     return "\n".join([heading, "", *lines, "", *verdicts])

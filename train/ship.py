@@ -5,7 +5,8 @@
 The weights are those ``train.py`` exported (no edit beyond the cast to float16, which halves the size; the
 policies run gates in float32 by default either way). ``--ab DIR --arm LABEL`` adds to the card's results the
 adapter's A/B table from the ``python -m eval ab`` run in DIR (its arm LABEL beside the best heuristic and the full
-cache at each task and budget, and its verdicts), after the held-out table ``train.py`` wrote; the training record
+cache at each task and budget, and its verdicts), after the held-out table ``train.py`` wrote, in place of any
+A/B section the card had (re-shipping an adapter by its name with a newer run replaces its table); the training record
 (recipe, command, time, data split) stays as ``train.py`` wrote it. The folder is exactly what one would push to
 the Hub.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 import kvgates
-from eval.report import arm_section
+from eval.report import AB_SECTION, arm_section
 from kvgates.gates.embedded import EMBEDDED_DIR
 
 
@@ -27,7 +28,8 @@ def ship(source: str | Path, name: str, ab: str | Path | None = None, arm: str |
     ``arm`` of the A/B run in ``ab`` when given; returns the folder."""
     gates = kvgates.load_gates(source)
     if ab is not None:
-        gates.config.report = f"{gates.config.report.strip()}\n\n{arm_section(ab, arm or name)}".strip()
+        held_out = gates.config.report.split(AB_SECTION)[0].strip()  # an earlier A/B section is replaced
+        gates.config.report = f"{held_out}\n\n{arm_section(ab, arm or name)}".strip()
     return gates.to(torch.float16).save_pretrained(EMBEDDED_DIR / name)
 
 
