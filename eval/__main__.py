@@ -3,6 +3,7 @@
     python -m eval ab --config configs/eval/ab.yaml            # the full A/B report
     python -m eval ab --config configs/eval/ab.yaml --quick    # its smaller, complete version
     python -m eval ab --config configs/eval/demo.yaml --out outputs/demo --fresh
+    python -m eval softhard --budget 128 --gates smollm2-135m-trimkv-128   # training's soft KL vs inference's hard KL
 
 ``ab`` validates the whole config (arms, budgets, tasks, adapters) before any model work, runs every arm at
 every budget on the same examples, journals each result to ``results.jsonl`` (an interrupted run resumes; ``--fresh``
@@ -29,7 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     ab.add_argument("--out", help="output folder (default: the config's output_dir)")
     ab.add_argument("--fresh", action="store_true", help="ignore results already journalled in results.jsonl")
     ab.add_argument("--report-only", action="store_true", help="compute nothing: report what results.jsonl holds so far")
-    args = parser.parse_args(argv)
+    commands.add_parser("softhard", add_help=False, help="retention gates' KL to the full cache under soft and hard eviction (eval.soft_hard)")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "softhard":
+        from eval.soft_hard import main as soft_hard_main
+
+        soft_hard_main(rest)
+        return 0
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
     try:
         config = ABConfig.load(args.config, quick=args.quick, output_dir=args.out)

@@ -375,3 +375,22 @@ def test_an_adapter_saved_again_with_another_header_keeps_its_key(tmp_path, mode
     weights.unlink()
     save_file(dict(reversed(tensors.items())), weights, metadata={"note": "re-shipped", "format": "pt"})
     assert arm.identity() == before
+
+
+def test_soft_and_hard_kl_of_retention_gates(model, tok):
+    """``python -m eval softhard``: both KLs are measured on the same continuation; gates that keep everything (a
+    budget above the window, gates that barely decay) are near the full cache under both; retaining heads, which
+    no soft eviction trains, are refused."""
+    from eval.soft_hard import soft_hard, windows
+
+    (window,) = windows(tok, 1, 48)
+    assert len(window) == 48 and windows(tok, 3, 48)[0] == window
+    gates = kvgates.RetentionGates.for_model(model)  # init_bias 8: beta ~ 0.9997
+    keep_all = soft_hard(model, gates, budget=64, window=window, prompt_tokens=32)
+    assert 0 <= keep_all.hard < 1e-4 and 0 <= keep_all.soft < 1e-2
+    tight = soft_hard(model, gates, budget=8, window=window, prompt_tokens=32)
+    assert tight.hard > keep_all.hard and torch.isfinite(torch.tensor([tight.soft, tight.hard])).all()
+    with pytest.raises(ValueError, match="not trained with soft eviction"):
+        soft_hard(model, kvgates.RetainingHeads.for_model(model), budget=8, window=window, prompt_tokens=32)
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        soft_hard(model, gates, budget=8, window=window, prompt_tokens=48)

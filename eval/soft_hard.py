@@ -1,0 +1,94 @@
+"""The soft/hard gap of retention gates: the KL to the full cache that training optimises against the one
+inference gets, on the same tokens.
+
+    python -m eval softhard --budget 128 --gates smollm2-135m-trimkv-128 checkpoints/RUN/checkpoint-150
+
+Training scores TRIM-KV gates with *soft* eviction: every token stays visible, its attention logit lowered by
+``(t - i) log beta_i`` (``GateTraining`` in ``"gated"`` mode), and a capacity hinge keeps the soft retention mass
+within the budget. Inference evicts *hard*: each KV head keeps the ``budget`` tokens with the highest decayed
+score (``BudgetCache``). For windows of the *validation* essays (``prompt_tokens`` prompt, then ``new_tokens`` of the
+essay's own text, teacher-forced one decode step at a time) this prints, per gate set, the mean KL to the full
+cache over the continuation under both. Gates whose training lowers the soft KL while the hard one rises are
+optimising something inference does not reward.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+import kvgates
+from eval.fidelity import completion_fidelity, kl_divergence, make_batch, reference_logprobs
+from kvgates.gates.training import GateTraining
+
+#: Gate kinds trained with soft eviction, and the inference policy that evicts by them.
+SOFT_KINDS = {"retention": "trimkv", "retention-global": "trimkv-global"}
+
+
+@dataclass
+class SoftHard:
+    """Mean KL to the full cache over one window's continuation, under soft and under hard eviction."""
+
+    soft: float
+    hard: float
+
+
+def windows(tokenizer: PreTrainedTokenizerBase, count: int, length: int, split: str = "validation") -> list[list[int]]:
+    """``count`` windows of ``length`` tokens evenly spread over the ``split`` essays (first and last included)."""
+    from data.tasks import split_ids
+
+    ids = split_ids(tokenizer, split)
+    if len(ids) < length:
+        raise ValueError(f"the {split} essays hold {len(ids)} tokens, fewer than one window of {length}")
+    last = len(ids) - length
+    starts = [round(i * last / max(count - 1, 1)) for i in range(count)]
+    return [list(ids[s : s + length]) for s in starts]
+
+
+@torch.no_grad()
+def soft_hard(
+    model: PreTrainedModel, gates: kvgates.GateSet, budget: int, window: list[int], prompt_tokens: int
+) -> SoftHard:
+    """Soft and hard mean KL to the full cache over ``window[prompt_tokens:]`` (see the module docstring)."""
+    policy_name = SOFT_KINDS.get(gates.kind)
+    if policy_name is None:
+        raise ValueError(f"gates of kind {gates.kind!r} are not trained with soft eviction; kinds: {', '.join(SOFT_KINDS)}")
+    if not 0 < prompt_tokens < len(window):
+        raise ValueError(f"prompt_tokens must leave a continuation inside the {len(window)}-token window, got {prompt_tokens}")
+    ids = torch.tensor(window)
+    batch = make_batch([ids[:prompt_tokens]], [ids[prompt_tokens:]], pad_id=0)
+    reference = reference_logprobs(model, batch)[0]
+    n = batch.completion_len
+    with GateTraining(model, gates) as training:
+        training.set_mode("gated")
+        logits = model(batch.ids.to(model.device), use_cache=False, logits_to_keep=n + 1).logits[0, :n]
+    soft = kl_divergence(reference, torch.log_softmax(logits.float(), -1).cpu()).mean()
+    policy = kvgates.make_policy(policy_name, budget=budget, gates=gates)
+    with policy.attach(model):
+        hard = completion_fidelity(model, policy, batch, reference[None])[0].kl.mean()
+    return SoftHard(float(soft), float(hard))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eval softhard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gates", nargs="+", required=True, help="adapters: shipped names, folders or Hub ids")
+    parser.add_argument("--budget", type=int, default=128, help="tokens per KV head (default 128)")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--windows", type=int, default=3, help="validation-essay windows (default 3)")
+    parser.add_argument("--prompt-tokens", type=int, default=1000)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    args = parser.parse_args(argv)
+    model, tokenizer = kvgates.load_model(args.model)
+    texts = windows(tokenizer, args.windows, args.prompt_tokens + args.new_tokens)
+    print(f"| gates | budget | soft KL (training) | hard KL (inference) | per window (soft / hard) |\n|---|---|---|---|---|")
+    for name in args.gates:
+        gates = kvgates.load_gates(name).to(torch.float32)
+        gates.check_model(model)
+        rows = [soft_hard(model, gates, args.budget, w, args.prompt_tokens) for w in texts]
+        soft = sum(r.soft for r in rows) / len(rows)
+        hard = sum(r.hard for r in rows) / len(rows)
+        each = ", ".join(f"{r.soft:.4f} / {r.hard:.4f}" for r in rows)
+        print(f"| {name} | {args.budget} | {soft:.4f} | {hard:.4f} | {each} |", flush=True)
