@@ -178,9 +178,12 @@ def test_shipped_adapter_loads_offline_fits_the_embedded_model_and_generates(smo
     with policy.attach(model):
         cache = BudgetCache(model.config, policy)
         out = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
-    # A policy that evicts only its prompt (Locret by default) appends the generated tokens.
-    bound = 64 if policy.schedule.decode_every else 64 + 6
-    assert out.shape[1] == ids.shape[1] + 6 and int(cache.held_tokens().max()) <= bound
+    assert out.shape[1] == ids.shape[1] + 6
+    held = cache.held_tokens()  # (layers, batch, KV heads)
+    if policy.ragged_heads:  # a global top-k: heads differ, the whole cache holds budget * layers * heads
+        assert int(held.sum((0, 2)).max()) <= 64 * held.shape[0] * held.shape[2]
+    else:  # a policy that evicts only its prompt (Locret by default) appends the generated tokens
+        assert int(held.max()) <= (64 if policy.schedule.decode_every else 64 + 6)
 
 
 @pytest.mark.ci_slice
