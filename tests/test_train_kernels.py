@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from kvgates.kernels.gated import causal_importance, gated_attention, gated_attention_flex, gated_attention_reference
+from kvgates.kernels.gated import (
+    causal_importance,
+    evicted_attention,
+    gated_attention,
+    gated_attention_flex,
+    gated_attention_reference,
+    hard_eviction_mask,
+)
 from kvgates.kernels.reference import retention_sum
 from train.losses import capacity_loss, distillation_loss, locret_loss, teacher_ranking_loss
 
@@ -62,6 +69,52 @@ def test_gated_attention_flex_forward_matches():
     q, k, v, lb = _inputs(dtype=torch.float32)
     with torch.no_grad():  # FlexAttention has no CPU backward; the GPU path is unmeasured here
         torch.testing.assert_close(gated_attention_flex(q, k, v, lb, 0.3), gated_attention_reference(q, k, v, lb, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def _brute_visible(lb: torch.Tensor, budget: int, decode_from: int) -> torch.Tensor:
+    """Row by row: the prompt sees every earlier token; a decoded row sees itself and the ``budget`` best of the
+    tokens before it, ranked by ``(t - 1 - i) * lb_i`` when step ``t - 1`` evicted."""
+    t = lb.numel()
+    out = torch.zeros(t, t, dtype=torch.bool)
+    for row in range(t):
+        if row < decode_from:
+            out[row, : row + 1] = True
+            continue
+        ranked = sorted(range(row), key=lambda i: -(row - 1 - i) * float(lb[i]))
+        for i in ranked[:budget]:
+            out[row, i] = True
+        out[row, row] = True
+    return out
+
+
+@pytest.mark.parametrize("budget, decode_from", [(3, 4), (3, 12), (5, 0), (20, 2)])
+def test_hard_eviction_mask_is_inference_eviction_row_by_row(budget, decode_from):
+    _, _, _, lb = _inputs(b=2, hkv=2, t=12)
+    starts = torch.tensor([decode_from, min(decode_from + 3, 12)])
+    mask = hard_eviction_mask(lb, budget, starts)
+    for b in range(2):
+        for h in range(2):
+            assert torch.equal(mask[b, h], _brute_visible(lb[b, h], budget, int(starts[b]))), (b, h)
+
+
+def test_evicted_attention_has_the_hard_value_and_the_soft_gradient():
+    q, k, v, lb = _inputs(dtype=torch.float32)
+    starts = torch.tensor([3, 5])
+    args = [x.clone().requires_grad_() for x in (q, k, v, lb)]
+    soft_args = [x.clone().requires_grad_() for x in (q, k, v, lb)]
+    out = evicted_attention(*args, 0.3, 4, starts)
+    seen = hard_eviction_mask(lb, 4, starts).repeat_interleave(2, 1)
+    logits = (q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.3).masked_fill(~seen, float("-inf"))
+    torch.testing.assert_close(out, torch.softmax(logits, -1) @ v.repeat_interleave(2, 1), atol=1e-5, rtol=1e-5)
+    soft = gated_attention(*soft_args, 0.3)
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    (soft * w).sum().backward()
+    for a, r in zip(args, soft_args):
+        torch.testing.assert_close(a.grad, r.grad)
+    # A budget no smaller than the sequence evicts nothing: plain causal attention.
+    plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(evicted_attention(q, k, v, lb, 0.3, 9, starts * 0), plain, atol=1e-5, rtol=1e-5)
 
 
 def _brute_s(lb: list[float]) -> list[float]:

@@ -68,6 +68,7 @@ KINDS = {
     "trimkv": ({}, "retention", {"kl", "ce", "capacity", "budget"}),
     "trimkv+teacher": ({"teacher": {"policy": "snapkv", "params": {"window": 4}, "anneal_steps": 8}}, "retention",
                        {"kl", "capacity", "teacher_rank", "teacher_weight"}),
+    "trimkv+hard": ({"loss": {"hard_eviction": True}}, "retention", {"kl", "ce", "capacity"}),
     "trimkv-global": ({"kind": "trimkv-global"}, "retention-global", {"kl", "ce", "capacity"}),
     "locret": ({"kind": "locret", "policy": {"stabilizers": 4, "local": 4}}, "retaining-head", {"regression", "smoothness"}),
 }
@@ -189,6 +190,35 @@ def test_gated_student_sends_gradients_to_every_gate(tiny_dir):
     assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in gates.parameters())
 
 
+def test_hard_eviction_student_is_inference_with_trimkv(tiny_dir):
+    """The hard student's logits after its prompt are those of prefill + token-by-token decode through a
+    ``BudgetCache`` with ``TrimKV`` (one beta per head: an order that never changes, so no token re-enters)."""
+    from kvgates.gates.training import HardEviction
+
+    model, _ = kvgates.load_model(str(tiny_dir))
+    gates = kvgates.RetentionGates.for_model(model, gate_hidden=8)
+    with torch.no_grad():
+        for gate in gates.gates:
+            gate.down.weight.zero_()
+            gate.bias.copy_(torch.linspace(-1.0, 2.0, gate.bias.numel()))
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(3))
+    prompt, budget = 25, 10
+    policy = kvgates.make_policy("trimkv", budget=budget, gates=gates)
+    with policy.attach(model), torch.no_grad():
+        cache = kvgates.BudgetCache(model.config, policy)
+        steps = [model(ids[:, :prompt], past_key_values=cache).logits[:, -1]]
+        for t in range(prompt, 40):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache).logits[:, -1])
+    decoded = torch.stack(steps[:-1], 1)
+    with GateTraining(model, gates) as run, torch.no_grad():
+        run.set_mode("gated", HardEviction(budget, torch.tensor([prompt])))
+        student = model(ids, use_cache=False).logits[:, prompt - 1 : -1]
+        run.set_mode("gated")
+        soft = model(ids, use_cache=False).logits[:, prompt - 1 : -1]
+    torch.testing.assert_close(student, decoded, atol=1e-4, rtol=1e-4)
+    assert float((soft - decoded).abs().max()) > 1e-2  # the soft student is not inference
+
+
 def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
     """Training on the ranking term alone moves the gates' top-M toward the teacher's keep-set."""
     from train.losses import teacher_ranking_loss
@@ -251,6 +281,8 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
         ({"loss": {"lambda_cap": -1}}, "lambda_cap"),
         ({"kind": "locret"}, "policy: locret: budget 24 must be larger"),
         ({"policy": {"windoww": 3}}, "policy: policy 'trimkv' has no parameter windoww"),
+        ({"kind": "trimkv-global", "loss": {"hard_eviction": True}}, "hard_eviction trains per-layer retention gates"),
+        ({"policy": {"window": 4}, "loss": {"hard_eviction": True}}, "no window or buffer"),
     ],
 )
 def test_config_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, capsys, change, message):

@@ -56,11 +56,15 @@ class DataSpec:
 @dataclass
 class LossSpec:
     """Loss weights. ``budget_ramp_steps``: the capacity budget falls linearly from ``seq_len`` to ``budget`` over
-    these optimizer steps (0: the target from the start), as DMS ramps its compression."""
+    these optimizer steps (0: the target from the start), as DMS ramps its compression. ``hard_eviction``
+    (``trimkv`` only): the student's forward evicts as inference does (top-``budget`` after the prompt and after
+    each completion token) and the gates learn through the soft decay's gradient (straight-through;
+    ``kvgates.kernels.gated.evicted_attention``)."""
 
     lambda_cap: float = 1.0
     capacity_stride: int = 4
     budget_ramp_steps: int = 0
+    hard_eviction: bool = False
     distill_chunk: int = 256
     locret_smoothness: float = 0.0025
 
@@ -134,6 +138,11 @@ class TrainConfig:
             raise ConfigError(f"data.mix: {err}") from None
         if self.loss.capacity_stride < 1 or self.loss.budget_ramp_steps < 0 or self.loss.lambda_cap < 0:
             raise ConfigError("loss.capacity_stride must be >= 1, loss.budget_ramp_steps and loss.lambda_cap >= 0")
+        if self.loss.hard_eviction:
+            if self.kind != "trimkv":
+                raise ConfigError(f"loss.hard_eviction trains per-layer retention gates (kind trimkv), not {self.kind}")
+            if self.policy.get("window", 0) or self.policy.get("buffer", 0):
+                raise ConfigError("loss.hard_eviction evicts as TrimKV does with no window or buffer; drop them from policy")
         if self.teacher is not None:
             if self.kind == "locret":
                 raise ConfigError("a heuristic teacher supervises retention gates; locret trains on its own labels")

@@ -24,7 +24,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 import kvgates
-from kvgates.gates.training import GateTraining
+from kvgates.gates.training import GateTraining, HardEviction
 from train.config import TrainConfig
 from train.losses import capacity_loss, distillation_loss, locret_loss, teacher_ranking_loss
 from train.validation import Validator
@@ -52,6 +52,13 @@ def keep_sets(cache: kvgates.BudgetCache, length: int) -> torch.Tensor:
     return torch.stack(out)
 
 
+def decode_start(labels: torch.Tensor) -> torch.Tensor:
+    """``[B]`` the first position of each row's completion (``labels != -100``), where inference starts decoding
+    (the row's length when it has none)."""
+    answer = labels != -100
+    return torch.where(answer.any(-1), answer.int().argmax(-1), labels.shape[1])
+
+
 def gate_loss(
     model: torch.nn.Module,
     lm_head: torch.nn.Linear,
@@ -65,7 +72,7 @@ def gate_loss(
 
     Retention gates (TRIM-KV): a teacher forward (plain attention, no gradient; through a ``BudgetCache`` with the
     heuristic teacher when one is configured, which leaves the logits unchanged and yields its keep-set), a student
-    forward with gated attention, then ``(KL + CE) / 2 + lambda_cap * capacity (+ teacher_weight * ranking)``.
+    forward with gated attention (hard eviction with a straight-through gradient under ``loss.hard_eviction``), then ``(KL + CE) / 2 + lambda_cap * capacity (+ teacher_weight * ranking)``.
     Retaining heads (Locret): one labelling forward, then the regression loss. ``model`` may be wrapped (DDP,
     DeepSpeed); ``lm_head`` is its output projection.
     """
@@ -94,7 +101,8 @@ def gate_loss(
     targets = labels[:, 1:]
     completion = targets != -100
     teacher_hidden = teacher.hidden_states[-1][:, :-1][completion]
-    gated.set_mode("gated")
+    hard = HardEviction(max(1, round(budget)), decode_start(labels)) if config.loss.hard_eviction else None
+    gated.set_mode("gated", hard)
     student = model(input_ids=ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True, logits_to_keep=1)
     student_hidden = student.hidden_states[-1][:, :-1][completion]
     kl, ce = distillation_loss(student_hidden, teacher_hidden, targets[completion], lm_head, config.loss.distill_chunk)

@@ -8,7 +8,9 @@ synchronise them), hooks the inputs the gates read, and marks each gated attenti
 * ``None`` (teacher): plain attention, exactly transformers' sdpa;
 * ``"gated"`` (TRIM-KV student): attention with the retention bias ``(t - i) * log_beta_i`` from each layer's gate
   (``kvgates.kernels.gated.gated_attention``, exact gradients into the gates); ``log_beta`` of every layer is
-  kept in ``self.log_beta`` for the capacity loss;
+  kept in ``self.log_beta`` for the capacity loss. With a ``HardEviction`` the forward value is instead that of
+  hard top-``budget`` eviction as inference does it, the gradient still the soft one's
+  (``kvgates.kernels.gated.evicted_attention``);
 * ``"labels"`` (Locret): plain attention, plus each layer's causal-importance labels (``self.labels``, no
   gradient) and the retaining heads' predictions (``self.scores``, with gradient into the heads only). The LLM's
   own activations need no gradient, so this forward stores none.
@@ -20,6 +22,7 @@ forward did.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,11 +32,20 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvgates.gates.adapter import GateSet
 from kvgates.gates.capture import GateCapture, attention_modules
-from kvgates.kernels.gated import causal_importance, gated_attention
+from kvgates.kernels.gated import causal_importance, evicted_attention, gated_attention
 from kvgates.runtime.attention import TRAINING_ATTR
 
 GATES_ATTR = "kvgates_gates"
 MODES = (None, "gated", "labels")
+
+
+@dataclass
+class HardEviction:
+    """The student's ``"gated"`` forward evicts as inference does: ``budget`` tokens per KV head kept after each
+    decoded position, decoding from ``decode_from`` (``[B]``, the first position after each row's prompt)."""
+
+    budget: int
+    decode_from: torch.Tensor
 
 
 class GateTraining:
@@ -53,6 +65,7 @@ class GateTraining:
         gates.check_model(model, strict=False)
         self.model, self.gates = model, gates
         self.mode: str | None = None
+        self.hard: HardEviction | None = None
         self.log_beta: dict[int, torch.Tensor] = {}
         self.labels: dict[int, torch.Tensor] = {}
         self.scores: dict[int, torch.Tensor] = {}
@@ -63,15 +76,21 @@ class GateTraining:
         for module in self._marked:
             setattr(module, TRAINING_ATTR, self)
 
-    def set_mode(self, mode: str | None) -> GateTraining:
-        """Switch what the next forwards (and the backward's recomputations) do; clears the recorded tensors."""
+    def set_mode(self, mode: str | None, hard: HardEviction | None = None) -> GateTraining:
+        """Switch what the next forwards (and the backward's recomputations) do; clears the recorded tensors.
+
+        ``hard`` (mode ``"gated"`` only): evict as inference does in the forward, straight-through gradient."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if hard is not None and mode != "gated":
+            raise ValueError("hard eviction applies to the gated student (mode 'gated')")
+        if hard is not None and self.gates.kind == "retention-global":
+            raise ValueError("hard eviction is per head; global gates rank across layers, which one layer cannot see")
         if mode == "gated" and self.gates.captures != "hidden":
             raise ValueError(f"{self.gates.kind} gates do not produce retention; use mode 'labels'")
         if mode == "labels" and self.gates.captures != "qkv":
             raise ValueError(f"{self.gates.kind} gates are trained with mode 'gated', not 'labels'")
-        self.mode = mode
+        self.mode, self.hard = mode, hard
         self.log_beta, self.labels, self.scores = {}, {}, {}
         return self
 
@@ -95,7 +114,11 @@ class GateTraining:
                 raise RuntimeError("gated training attention runs on whole sequences without a cache (use_cache=False)")
             log_beta = self.gates(layer, captured).transpose(1, 2)  # [B, H_kv, T]
             self.log_beta[layer] = log_beta
-            out = gated_attention(query, key, value, log_beta, scale, attention_mask)
+            if self.hard is None:
+                out = gated_attention(query, key, value, log_beta, scale, attention_mask)
+            else:
+                hard = self.hard
+                out = evicted_attention(query, key, value, log_beta, scale, hard.budget, hard.decode_from, attention_mask)
             return out.transpose(1, 2).contiguous(), None
         if self.mode == "labels":
             q_valid = None if attention_mask is None else _real_queries(attention_mask)

@@ -25,7 +25,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_importance", "gated_attention", "gated_attention_flex", "gated_attention_reference"]
+__all__ = [
+    "causal_importance",
+    "evicted_attention",
+    "gated_attention",
+    "gated_attention_flex",
+    "gated_attention_reference",
+    "hard_eviction_mask",
+]
 
 
 def _work_dtype(x: torch.Tensor) -> torch.dtype:
@@ -98,6 +105,67 @@ def _gated_sdpa(q, k, v, log_beta, scale, mask):
         )
         out = out.nan_to_num(0.0)
     return out[..., :dv].to(dtype)
+
+
+def hard_eviction_mask(log_beta: torch.Tensor, budget: int, decode_from: torch.Tensor) -> torch.Tensor:
+    """``[B, H_kv, T, T]`` bool: the keys each query row sees when ``TrimKV(budget)`` evicts as inference does.
+
+    Inference prefills a prompt with every token visible, then decodes one token at a time, and after each step
+    keeps the ``budget`` tokens of highest ``(t - i) * log_beta_i`` (``t`` the step's position). So a query row
+    ``t < decode_from[b]`` (the prompt) sees every ``i <= t``, and a row ``t >= decode_from[b]`` sees itself and
+    the top ``budget`` of ``i <= t - 1`` ranked at ``t - 1``. One difference: inference never brings back an
+    evicted token, while this mask ranks afresh at every row (a token can re-enter when its slower-decaying
+    neighbours overtake it; identical when the order does not change, e.g. one ``beta`` per head).
+
+    Args:
+        log_beta: ``[B, H_kv, T]`` (<= 0).
+        budget: tokens per KV head kept after each decode step.
+        decode_from: ``[B]`` the first decoded position of each row (``T``: no decoding).
+    """
+    b, hkv, t = log_beta.shape
+    idx = torch.arange(t, device=log_beta.device)
+    causal = idx[:, None] >= idx[None, :]
+    with torch.no_grad():
+        score = (idx[:, None] - idx[None, :]).to(torch.float32) * log_beta.float()[:, :, None, :]  # row = ranking time
+        score = score.masked_fill(~causal, float("-inf"))
+        k = min(budget, t)
+        kth = score.topk(k, dim=-1).values[..., -1:]  # -inf where fewer than ``budget`` exist: keep them all
+        kept = (score >= kth) & causal  # kept after the step at each row's position
+        visible = torch.zeros_like(kept)
+        visible[:, :, 1:] = kept[:, :, :-1]  # row t sees what step t - 1 kept ...
+        visible |= torch.eye(t, dtype=torch.bool, device=log_beta.device)  # ... and itself
+        prompt = idx[None, :] < decode_from[:, None]  # [B, T] rows that are prefilled
+        return torch.where(prompt[:, None, :, None], causal, visible)
+
+
+def evicted_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_beta: torch.Tensor,
+    scale: float,
+    budget: int,
+    decode_from: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The TRIM-KV student under *hard* eviction, with the soft gate's gradient (a straight-through estimator).
+
+    The value is plain attention (no retention bias, as at inference) over ``hard_eviction_mask``'s keys; the
+    gradient into ``q``, ``k``, ``v`` and ``log_beta`` is ``gated_attention``'s. So the distillation loss is
+    measured where inference operates (hard top-``budget``), while the gates still learn through the soft decay:
+    the two disagree most where training's soft eviction had stopped predicting hard eviction's KL.
+
+    Args: as ``gated_attention``, plus ``budget`` and ``decode_from`` (``hard_eviction_mask``).
+    """
+    soft = gated_attention(q, k, v, log_beta, scale, mask)
+    with torch.no_grad():
+        g = q.shape[1] // k.shape[1]
+        seen = hard_eviction_mask(log_beta, budget, decode_from).repeat_interleave(g, 1)
+        if mask is not None:
+            seen = seen & _visible(q.shape[2], mask, q.device)
+        kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        hard = F.scaled_dot_product_attention(q, kk, vv, attn_mask=seen, scale=scale).nan_to_num(0.0)
+    return soft + (hard - soft).detach()
 
 
 def gated_attention_flex(
