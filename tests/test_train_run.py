@@ -69,6 +69,7 @@ KINDS = {
     "trimkv+teacher": ({"teacher": {"policy": "snapkv", "params": {"window": 4}, "anneal_steps": 8}}, "retention",
                        {"kl", "capacity", "teacher_rank", "teacher_weight"}),
     "trimkv+hard": ({"loss": {"hard_eviction": True}}, "retention", {"kl", "ce", "capacity"}),
+    "trimkv+relaxed": ({"loss": {"hard_eviction": True, "eviction_temperature": 0.5}}, "retention", {"kl", "ce", "capacity"}),
     "trimkv-global": ({"kind": "trimkv-global"}, "retention-global", {"kl", "ce", "capacity"}),
     "locret": ({"kind": "locret", "policy": {"stabilizers": 4, "local": 4}}, "retaining-head", {"regression", "smoothness"}),
 }
@@ -283,6 +284,7 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
         ({"policy": {"windoww": 3}}, "policy: policy 'trimkv' has no parameter windoww"),
         ({"kind": "trimkv-global", "loss": {"hard_eviction": True}}, "hard_eviction trains per-layer retention gates"),
         ({"policy": {"window": 4}, "loss": {"hard_eviction": True}}, "no window or buffer"),
+        ({"loss": {"hard_eviction": True, "eviction_temperature": -1.0}}, "eviction_temperature must be >= 0"),
     ],
 )
 def test_config_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, capsys, change, message):

@@ -59,12 +59,14 @@ class LossSpec:
     these optimizer steps (0: the target from the start), as DMS ramps its compression. ``hard_eviction``
     (``trimkv`` only): the student's forward evicts as inference does (top-``budget`` after the prompt and after
     each completion token) and the gates learn through the soft decay's gradient (straight-through;
-    ``kvgates.kernels.gated.evicted_attention``)."""
+    ``kvgates.kernels.gated.evicted_attention``); with ``eviction_temperature > 0`` the eviction is instead relaxed
+    at the keep-set's boundary (``relaxed_eviction_attention``), gradients through every boundary token."""
 
     lambda_cap: float = 1.0
     capacity_stride: int = 4
     budget_ramp_steps: int = 0
     hard_eviction: bool = False
+    eviction_temperature: float = 0.0
     distill_chunk: int = 256
     locret_smoothness: float = 0.0025
 
@@ -138,6 +140,8 @@ class TrainConfig:
             raise ConfigError(f"data.mix: {err}") from None
         if self.loss.capacity_stride < 1 or self.loss.budget_ramp_steps < 0 or self.loss.lambda_cap < 0:
             raise ConfigError("loss.capacity_stride must be >= 1, loss.budget_ramp_steps and loss.lambda_cap >= 0")
+        if self.loss.eviction_temperature < 0:
+            raise ConfigError(f"loss.eviction_temperature must be >= 0 (0: straight-through), got {self.loss.eviction_temperature}")
         if self.loss.hard_eviction:
             if self.kind != "trimkv":
                 raise ConfigError(f"loss.hard_eviction trains per-layer retention gates (kind trimkv), not {self.kind}")

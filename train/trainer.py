@@ -101,7 +101,9 @@ def gate_loss(
     targets = labels[:, 1:]
     completion = targets != -100
     teacher_hidden = teacher.hidden_states[-1][:, :-1][completion]
-    hard = HardEviction(max(1, round(budget)), decode_start(labels)) if config.loss.hard_eviction else None
+    hard = None
+    if config.loss.hard_eviction:
+        hard = HardEviction(max(1, round(budget)), decode_start(labels), config.loss.eviction_temperature)
     gated.set_mode("gated", hard)
     student = model(input_ids=ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True, logits_to_keep=1)
     student_hidden = student.hidden_states[-1][:, :-1][completion]

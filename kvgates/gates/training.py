@@ -32,7 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvgates.gates.adapter import GateSet
 from kvgates.gates.capture import GateCapture, attention_modules
-from kvgates.kernels.gated import causal_importance, evicted_attention, gated_attention
+from kvgates.kernels.gated import causal_importance, evicted_attention, gated_attention, relaxed_eviction_attention
 from kvgates.runtime.attention import TRAINING_ATTR
 
 GATES_ATTR = "kvgates_gates"
@@ -42,10 +42,13 @@ MODES = (None, "gated", "labels")
 @dataclass
 class HardEviction:
     """The student's ``"gated"`` forward evicts as inference does: ``budget`` tokens per KV head kept after each
-    decoded position, decoding from ``decode_from`` (``[B]``, the first position after each row's prompt)."""
+    decoded position, decoding from ``decode_from`` (``[B]``, the first position after each row's prompt).
+    ``temperature`` 0: hard eviction with the soft decay's gradient (``evicted_attention``); above 0: eviction
+    relaxed at the keep-set's boundary (``relaxed_eviction_attention``)."""
 
     budget: int
     decode_from: torch.Tensor
+    temperature: float = 0.0
 
 
 class GateTraining:
@@ -116,6 +119,11 @@ class GateTraining:
             self.log_beta[layer] = log_beta
             if self.hard is None:
                 out = gated_attention(query, key, value, log_beta, scale, attention_mask)
+            elif self.hard.temperature > 0:
+                hard = self.hard
+                out = relaxed_eviction_attention(
+                    query, key, value, log_beta, scale, hard.budget, hard.decode_from, hard.temperature, attention_mask
+                )
             else:
                 hard = self.hard
                 out = evicted_attention(query, key, value, log_beta, scale, hard.budget, hard.decode_from, attention_mask)

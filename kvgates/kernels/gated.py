@@ -138,6 +138,52 @@ def hard_eviction_mask(log_beta: torch.Tensor, budget: int, decode_from: torch.T
         return torch.where(prompt[:, None, :, None], causal, visible)
 
 
+def relaxed_eviction_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_beta: torch.Tensor,
+    scale: float,
+    budget: int,
+    decode_from: torch.Tensor,
+    temperature: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain attention with inference's eviction relaxed at its boundary (differentiable top-``budget``).
+
+    Where ``hard_eviction_mask`` lets a decoded row see the top ``budget`` tokens ranked at ``t - 1`` by
+    ``r_i = (t - 1 - i) * log_beta_i``, this adds ``logsigmoid((r_i - theta) / temperature)`` to each logit, with
+    ``theta`` (no gradient) midway between the ``budget``-th and the next score: tokens well inside the keep set
+    count fully (no decay, as at inference), tokens well outside vanish, and those near the boundary are partly
+    seen and carry the gradient that says whether keeping them would help. ``temperature -> 0`` is hard
+    eviction. Prompt rows see every earlier token; every row sees itself. The gradient into ``log_beta`` flows
+    through every score with ``theta`` held fixed (a rank statistic, as soft top-k relaxations treat it).
+
+    Args: as ``evicted_attention``, plus ``temperature`` (> 0, in units of ``r``).
+    """
+    b, h, t, _ = q.shape
+    g = h // k.shape[1]
+    work = _work_dtype(q)
+    idx = torch.arange(t, device=q.device)
+    causal = idx[:, None] >= idx[None, :]
+    score = (idx[:, None] - idx[None, :]).to(work) * log_beta.to(work)[:, :, None, :]  # row = ranking time
+    ranked = score.detach().masked_fill(~causal, float("-inf"))
+    top = ranked.topk(min(budget + 1, t), dim=-1).values
+    theta = (top[..., budget - 1 : budget] + top[..., -1:]) / 2 if budget < t else top[..., -1:]
+    keep = F.logsigmoid((score - theta.nan_to_num(0.0, neginf=-1e30)) / temperature)
+    keep = torch.where(torch.isfinite(top[..., -1:]), keep, torch.zeros_like(keep))  # fewer than budget + 1: all kept
+    bias = torch.zeros_like(keep)
+    bias[:, :, 1:] = keep[:, :, :-1]  # row t sees what step t - 1 kept ...
+    bias = bias.masked_fill(torch.eye(t, dtype=torch.bool, device=q.device), 0.0)  # ... and itself
+    prompt = idx[None, :] < decode_from[:, None]
+    bias = torch.where(prompt[:, None, :, None], torch.zeros_like(bias), bias)
+    seen = causal[None, None] if mask is None else causal[None, None] & _visible(t, mask, q.device)
+    bias = bias.masked_fill(~seen, float("-inf")).repeat_interleave(g, 1)
+    kk, vv = k.repeat_interleave(g, 1).to(work), v.repeat_interleave(g, 1).to(work)
+    out = F.scaled_dot_product_attention(q.to(work), kk, vv, attn_mask=bias, scale=scale)
+    return out.nan_to_num(0.0).to(q.dtype)
+
+
 def evicted_attention(
     q: torch.Tensor,
     k: torch.Tensor,
