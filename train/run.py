@@ -118,6 +118,15 @@ def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
     )
 
 
+def check_training_arguments(config: TrainConfig) -> None:
+    """``ConfigError`` for a ``training`` section that transformers refuses (e.g. ``save_steps`` not a multiple of
+    ``eval_steps``), before anything is written."""
+    try:
+        training_arguments(config, Path(config.output_dir))
+    except ValueError as err:
+        raise ConfigError(f"training: {err}") from None
+
+
 def initial_gates(config: TrainConfig, model: PreTrainedModel) -> kvgates.GateSet:
     """Fresh gates of the run's kind and shape, or the adapter named by ``gates.init_from`` to continue from
     (``AdapterError`` if it is of another kind or for another model)."""
@@ -181,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config = TrainConfig.load(args.config, args.overrides)
+        check_training_arguments(config)
         out, resume = prepare_output_dir(config, args.resume)
     except ConfigError as err:
         print(f"train.py: {err}", file=sys.stderr)
