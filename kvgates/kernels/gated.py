@@ -122,20 +122,34 @@ def hard_eviction_mask(log_beta: torch.Tensor, budget: int, decode_from: torch.T
         budget: tokens per KV head kept after each decode step.
         decode_from: ``[B]`` the first decoded position of each row (``T``: no decoding).
     """
-    b, hkv, t = log_beta.shape
+    with torch.no_grad():
+        score, causal = _ranking_scores(log_beta, torch.float32)
+        kth = score.topk(min(budget, score.shape[-1]), dim=-1).values[..., -1:]  # -inf: fewer exist, keep all
+        kept = (score >= kth) & causal  # kept after the step at each row's position
+        return _rows_after_step(kept, causal, decode_from)
+
+
+def _ranking_scores(log_beta: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B, H_kv, T, T] scores, [T, T] causal)``: row ``s`` holds ``(s - i) * log_beta_i`` (``-inf`` for
+    ``i > s``), the ranking an eviction after step ``s`` uses."""
+    t = log_beta.shape[-1]
     idx = torch.arange(t, device=log_beta.device)
     causal = idx[:, None] >= idx[None, :]
-    with torch.no_grad():
-        score = (idx[:, None] - idx[None, :]).to(torch.float32) * log_beta.float()[:, :, None, :]  # row = ranking time
-        score = score.masked_fill(~causal, float("-inf"))
-        k = min(budget, t)
-        kth = score.topk(k, dim=-1).values[..., -1:]  # -inf where fewer than ``budget`` exist: keep them all
-        kept = (score >= kth) & causal  # kept after the step at each row's position
-        visible = torch.zeros_like(kept)
-        visible[:, :, 1:] = kept[:, :, :-1]  # row t sees what step t - 1 kept ...
-        visible |= torch.eye(t, dtype=torch.bool, device=log_beta.device)  # ... and itself
-        prompt = idx[None, :] < decode_from[:, None]  # [B, T] rows that are prefilled
-        return torch.where(prompt[:, None, :, None], causal, visible)
+    score = (idx[:, None] - idx[None, :]).to(dtype) * log_beta.to(dtype)[:, :, None, :]
+    return score.masked_fill(~causal, float("-inf")), causal
+
+
+def _rows_after_step(kept: torch.Tensor, everything: torch.Tensor, decode_from: torch.Tensor) -> torch.Tensor:
+    """From what each step keeps (row ``s`` of ``kept``) to what each query row sees: row ``t`` sees what step
+    ``t - 1`` kept and itself (True for a bool mask, 0 for an additive one), and a prompt row
+    (``t < decode_from[b]``) sees ``everything``."""
+    t = kept.shape[-1]
+    seen = torch.zeros_like(kept)
+    seen[:, :, 1:] = kept[:, :, :-1]
+    diagonal = torch.eye(t, dtype=torch.bool, device=kept.device)
+    seen = seen | diagonal if kept.dtype == torch.bool else seen.masked_fill(diagonal, 0.0)
+    prompt = torch.arange(t, device=kept.device)[None, :] < decode_from[:, None]  # [B, T] rows that are prefilled
+    return torch.where(prompt[:, None, :, None], everything.to(kept.dtype), seen)
 
 
 def relaxed_eviction_attention(
@@ -164,19 +178,12 @@ def relaxed_eviction_attention(
     b, h, t, _ = q.shape
     g = h // k.shape[1]
     work = _work_dtype(q)
-    idx = torch.arange(t, device=q.device)
-    causal = idx[:, None] >= idx[None, :]
-    score = (idx[:, None] - idx[None, :]).to(work) * log_beta.to(work)[:, :, None, :]  # row = ranking time
-    ranked = score.detach().masked_fill(~causal, float("-inf"))
-    top = ranked.topk(min(budget + 1, t), dim=-1).values
+    score, causal = _ranking_scores(log_beta, work)
+    top = score.detach().topk(min(budget + 1, t), dim=-1).values
     theta = (top[..., budget - 1 : budget] + top[..., -1:]) / 2 if budget < t else top[..., -1:]
     keep = F.logsigmoid((score - theta.nan_to_num(0.0, neginf=-1e30)) / temperature)
     keep = torch.where(torch.isfinite(top[..., -1:]), keep, torch.zeros_like(keep))  # fewer than budget + 1: all kept
-    bias = torch.zeros_like(keep)
-    bias[:, :, 1:] = keep[:, :, :-1]  # row t sees what step t - 1 kept ...
-    bias = bias.masked_fill(torch.eye(t, dtype=torch.bool, device=q.device), 0.0)  # ... and itself
-    prompt = idx[None, :] < decode_from[:, None]
-    bias = torch.where(prompt[:, None, :, None], torch.zeros_like(bias), bias)
+    bias = _rows_after_step(keep.masked_fill(~causal, 0.0), torch.zeros_like(causal, dtype=work), decode_from)
     seen = causal[None, None] if mask is None else causal[None, None] & _visible(t, mask, q.device)
     bias = bias.masked_fill(~seen, float("-inf")).repeat_interleave(g, 1)
     kk, vv = k.repeat_interleave(g, 1).to(work), v.repeat_interleave(g, 1).to(work)
