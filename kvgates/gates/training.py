@@ -8,9 +8,9 @@ synchronise them), hooks the inputs the gates read, and marks each gated attenti
 * ``None`` (teacher): plain attention, exactly transformers' sdpa;
 * ``"gated"`` (TRIM-KV student): attention with the retention bias ``(t - i) * log_beta_i`` from each layer's gate
   (``kvgates.kernels.gated.gated_attention``, exact gradients into the gates); ``log_beta`` of every layer is
-  kept in ``self.log_beta`` for the capacity loss. With a ``HardEviction`` the forward value is instead that of
-  hard top-``budget`` eviction as inference does it, the gradient still the soft one's
-  (``kvgates.kernels.gated.evicted_attention``);
+  kept in ``self.log_beta`` for the capacity loss. With a ``HardEviction`` the student evicts as inference does
+  instead: hard top-``budget`` with the soft gradient (``kvgates.kernels.gated.evicted_attention``), or relaxed
+  at the keep-set's boundary (``relaxed_eviction_attention``);
 * ``"labels"`` (Locret): plain attention, plus each layer's causal-importance labels (``self.labels``, no
   gradient) and the retaining heads' predictions (``self.scores``, with gradient into the heads only). The LLM's
   own activations need no gradient, so this forward stores none.
@@ -82,7 +82,7 @@ class GateTraining:
     def set_mode(self, mode: str | None, hard: HardEviction | None = None) -> GateTraining:
         """Switch what the next forwards (and the backward's recomputations) do; clears the recorded tensors.
 
-        ``hard`` (mode ``"gated"`` only): evict as inference does in the forward, straight-through gradient."""
+        ``hard`` (mode ``"gated"`` only): the student evicts as inference does (see ``HardEviction``)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if hard is not None and mode != "gated":
@@ -117,15 +117,14 @@ class GateTraining:
                 raise RuntimeError("gated training attention runs on whole sequences without a cache (use_cache=False)")
             log_beta = self.gates(layer, captured).transpose(1, 2)  # [B, H_kv, T]
             self.log_beta[layer] = log_beta
-            if self.hard is None:
+            hard = self.hard
+            if hard is None:
                 out = gated_attention(query, key, value, log_beta, scale, attention_mask)
-            elif self.hard.temperature > 0:
-                hard = self.hard
+            elif hard.temperature > 0:
                 out = relaxed_eviction_attention(
                     query, key, value, log_beta, scale, hard.budget, hard.decode_from, hard.temperature, attention_mask
                 )
             else:
-                hard = self.hard
                 out = evicted_attention(query, key, value, log_beta, scale, hard.budget, hard.decode_from, attention_mask)
             return out.transpose(1, 2).contiguous(), None
         if self.mode == "labels":
