@@ -24,10 +24,6 @@ import kvgates
 from eval.fidelity import completion_fidelity, kl_divergence, make_batch, reference_logprobs
 from kvgates.gates.training import GateTraining
 
-#: Gate kinds trained with soft eviction, and the inference policy that evicts by them.
-SOFT_KINDS = {"retention": "trimkv", "retention-global": "trimkv-global"}
-
-
 @dataclass
 class SoftHard:
     """Mean KL to the full cache over one window's continuation, under soft and under hard eviction."""
@@ -53,9 +49,8 @@ def soft_hard(
     model: PreTrainedModel, gates: kvgates.GateSet, budget: int, window: list[int], prompt_tokens: int
 ) -> SoftHard:
     """Soft and hard mean KL to the full cache over ``window[prompt_tokens:]`` (see the module docstring)."""
-    policy_name = SOFT_KINDS.get(gates.kind)
-    if policy_name is None:
-        raise ValueError(f"gates of kind {gates.kind!r} are not trained with soft eviction; kinds: {', '.join(SOFT_KINDS)}")
+    if gates.captures != "hidden":  # what GateTraining's soft ("gated") student needs
+        raise ValueError(f"gates of kind {gates.kind!r} are not trained with soft eviction (retention gates are)")
     if not 0 < prompt_tokens < len(window):
         raise ValueError(f"prompt_tokens must leave a continuation inside the {len(window)}-token window, got {prompt_tokens}")
     ids = torch.tensor(window)
@@ -66,7 +61,7 @@ def soft_hard(
         training.set_mode("gated")
         logits = model(batch.ids.to(model.device), use_cache=False, logits_to_keep=n + 1).logits[0, :n]
     soft = kl_divergence(reference, torch.log_softmax(logits.float(), -1).cpu()).mean()
-    policy = kvgates.make_policy(policy_name, budget=budget, gates=gates)
+    policy = kvgates.make_policy(gates.policy_name, budget=budget, gates=gates)
     with policy.attach(model):
         hard = completion_fidelity(model, policy, batch, reference[None])[0].kl.mean()
     return SoftHard(float(soft), float(hard))

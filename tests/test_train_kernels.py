@@ -12,7 +12,6 @@ from kvgates.kernels.gated import (
     gated_attention_flex,
     gated_attention_reference,
     hard_eviction_mask,
-    relaxed_eviction_attention,
 )
 from kvgates.kernels.reference import retention_sum
 from train.losses import capacity_loss, distillation_loss, locret_loss, teacher_ranking_loss
@@ -122,18 +121,18 @@ def test_relaxed_eviction_tends_to_hard_eviction_and_has_exact_gradients():
     q, k, v, lb = _inputs()
     starts = torch.tensor([3, 5])
     hard = evicted_attention(q, k, v, lb, 0.3, 4, starts)
-    torch.testing.assert_close(relaxed_eviction_attention(q, k, v, lb, 0.3, 4, starts, 1e-6), hard, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(evicted_attention(q, k, v, lb, 0.3, 4, starts, temperature=1e-6), hard, atol=1e-6, rtol=1e-6)
     # Away from the limit the boundary tokens are partly seen, and the gradient is the function's own.
-    assert float((relaxed_eviction_attention(q, k, v, lb, 0.3, 4, starts, 0.5) - hard).abs().max()) > 1e-3
+    assert float((evicted_attention(q, k, v, lb, 0.3, 4, starts, temperature=0.5) - hard).abs().max()) > 1e-3
     assert torch.autograd.gradcheck(
-        lambda *x: relaxed_eviction_attention(*x, lb, 0.3, 4, starts, 0.5), [x.clone().requires_grad_() for x in (q, k, v)]
+        lambda *x: evicted_attention(*x, lb, 0.3, 4, starts, temperature=0.5), [x.clone().requires_grad_() for x in (q, k, v)]
     )
     # Into log_beta: through every score, the threshold held where it is (it is a rank statistic).
     theta_moves = lb.clone().requires_grad_()
-    relaxed_eviction_attention(q, k, v, theta_moves, 0.3, 4, starts, 0.5).sum().backward()
+    evicted_attention(q, k, v, theta_moves, 0.3, 4, starts, temperature=0.5).sum().backward()
     assert float(theta_moves.grad.abs().sum()) > 0
     plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
-    torch.testing.assert_close(relaxed_eviction_attention(q, k, v, lb, 0.3, 9, starts, 0.5), plain)
+    torch.testing.assert_close(evicted_attention(q, k, v, lb, 0.3, 9, starts, temperature=0.5), plain)
 
 
 def _brute_s(lb: list[float]) -> list[float]:

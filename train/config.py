@@ -60,7 +60,7 @@ class LossSpec:
     (``trimkv`` only): the student's forward evicts as inference does (top-``budget`` after the prompt and after
     each completion token) and the gates learn through the soft decay's gradient (straight-through;
     ``kvgates.kernels.gated.evicted_attention``); with ``eviction_temperature > 0`` the eviction is instead relaxed
-    at the keep-set's boundary (``relaxed_eviction_attention``), gradients through every boundary token."""
+    at the keep-set's boundary, gradients through every boundary token (same function)."""
 
     lambda_cap: float = 1.0
     capacity_stride: int = 4

@@ -72,7 +72,8 @@ def gate_loss(
 
     Retention gates (TRIM-KV): a teacher forward (plain attention, no gradient; through a ``BudgetCache`` with the
     heuristic teacher when one is configured, which leaves the logits unchanged and yields its keep-set), a student
-    forward with gated attention (hard eviction with a straight-through gradient under ``loss.hard_eviction``), then ``(KL + CE) / 2 + lambda_cap * capacity (+ teacher_weight * ranking)``.
+    forward with gated attention (evicting as inference does under ``loss.hard_eviction``), then
+    ``(KL + CE) / 2 + lambda_cap * capacity (+ teacher_weight * ranking)``.
     Retaining heads (Locret): one labelling forward, then the regression loss. ``model`` may be wrapped (DDP,
     DeepSpeed); ``lm_head`` is its output projection.
     """

@@ -117,12 +117,13 @@ def _atomic_write(path: Path, write) -> None:
 class GateSet(nn.Module):
     """Base of gate adapters: one gate module per gated (full-attention) layer of a base model.
 
-    Subclasses set ``kind`` (the ``config.json`` kind), ``captures`` (what the hooks must capture from the
-    model: ``"hidden"`` = the normed hidden state entering attention, ``"qkv"`` = raw q/k/v projections) and
-    build their modules from a ``GateConfig``; ``forward(layer_idx, captured)`` gives ``[B, T, H_kv]`` scores.
+    Subclasses set ``kind`` (the ``config.json`` kind), ``policy_name`` (the inference policy that evicts by them),
+    ``captures`` (what the hooks must capture from the model: ``"hidden"`` = the normed hidden state entering
+    attention, ``"qkv"`` = raw q/k/v projections) and build their modules from a ``GateConfig``; ``forward(layer_idx, captured)`` gives ``[B, T, H_kv]`` scores.
     """
 
     kind: ClassVar[str] = ""
+    policy_name: ClassVar[str] = ""
     captures: ClassVar[str] = "hidden"
     default_hidden: ClassVar[int] = 512
 
@@ -292,7 +293,7 @@ Training data: {c.training_data or "none recorded"}.
 ```python
 import kvgates
 model, tok = kvgates.load_model("{c.base_model}")
-policy = kvgates.make_policy("{_POLICY_OF_KIND.get(c.kind, 'trimkv')}", budget={c.training_budget or 256}, gates="<this repo id or folder>")
+policy = kvgates.make_policy("{self.policy_name}", budget={c.training_budget or 256}, gates="<this repo id or folder>")
 policy.attach(model)
 cache = kvgates.BudgetCache(model.config, policy)
 out = model.generate(**tok("...", return_tensors="pt"), past_key_values=cache, max_new_tokens=64)
@@ -304,9 +305,6 @@ out = model.generate(**tok("...", return_tensors="pt"), past_key_values=cache, m
 |---|---|
 {results}
 {report}{training}"""
-
-
-_POLICY_OF_KIND = {"retention": "trimkv", "retention-global": "trimkv-global", "retaining-head": "locret"}
 
 
 def _download(repo_id: str, revision: str | None, endpoint: str | None, token: str | None) -> Path:
@@ -346,6 +344,7 @@ class RetentionGates(GateSet):
     """TRIM-KV retention gates, one ``RetentionGate`` per gated layer; scores are ``log beta`` (<= 0)."""
 
     kind = "retention"
+    policy_name = "trimkv"
     captures = "hidden"
 
     def __init__(self, config: GateConfig):
@@ -365,6 +364,7 @@ class GlobalRetentionGates(GateSet):
     so ``log beta`` is comparable across layers and heads (a single global budget)."""
 
     kind = "retention-global"
+    policy_name = "trimkv-global"
     captures = "hidden"
 
     def __init__(self, config: GateConfig):
@@ -383,6 +383,7 @@ class RetainingHeads(GateSet):
     """Locret retaining heads, one ``RetainingHead`` per gated layer over ``concat[q, k, v]``."""
 
     kind = "retaining-head"
+    policy_name = "locret"
     captures = "qkv"
     default_hidden = 1024
 

@@ -9,8 +9,7 @@ synchronise them), hooks the inputs the gates read, and marks each gated attenti
 * ``"gated"`` (TRIM-KV student): attention with the retention bias ``(t - i) * log_beta_i`` from each layer's gate
   (``kvgates.kernels.gated.gated_attention``, exact gradients into the gates); ``log_beta`` of every layer is
   kept in ``self.log_beta`` for the capacity loss. With a ``HardEviction`` the student evicts as inference does
-  instead: hard top-``budget`` with the soft gradient (``kvgates.kernels.gated.evicted_attention``), or relaxed
-  at the keep-set's boundary (``relaxed_eviction_attention``);
+  instead (``kvgates.kernels.gated.evicted_attention``: straight-through, or relaxed at the keep-set's boundary);
 * ``"labels"`` (Locret): plain attention, plus each layer's causal-importance labels (``self.labels``, no
   gradient) and the retaining heads' predictions (``self.scores``, with gradient into the heads only). The LLM's
   own activations need no gradient, so this forward stores none.
@@ -32,7 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvgates.gates.adapter import GateSet
 from kvgates.gates.capture import GateCapture, attention_modules
-from kvgates.kernels.gated import causal_importance, evicted_attention, gated_attention, relaxed_eviction_attention
+from kvgates.kernels.gated import causal_importance, evicted_attention, gated_attention
 from kvgates.runtime.attention import TRAINING_ATTR
 
 GATES_ATTR = "kvgates_gates"
@@ -43,8 +42,8 @@ MODES = (None, "gated", "labels")
 class HardEviction:
     """The student's ``"gated"`` forward evicts as inference does: ``budget`` tokens per KV head kept after each
     decoded position, decoding from ``decode_from`` (``[B]``, the first position after each row's prompt).
-    ``temperature`` 0: hard eviction with the soft decay's gradient (``evicted_attention``); above 0: eviction
-    relaxed at the keep-set's boundary (``relaxed_eviction_attention``)."""
+    ``temperature``: ``evicted_attention``'s (0: hard eviction with the soft decay's gradient; above 0: eviction
+    relaxed at the keep-set's boundary)."""
 
     budget: int
     decode_from: torch.Tensor
@@ -120,12 +119,10 @@ class GateTraining:
             hard = self.hard
             if hard is None:
                 out = gated_attention(query, key, value, log_beta, scale, attention_mask)
-            elif hard.temperature > 0:
-                out = relaxed_eviction_attention(
-                    query, key, value, log_beta, scale, hard.budget, hard.decode_from, hard.temperature, attention_mask
-                )
             else:
-                out = evicted_attention(query, key, value, log_beta, scale, hard.budget, hard.decode_from, attention_mask)
+                out = evicted_attention(
+                    query, key, value, log_beta, scale, hard.budget, hard.decode_from, attention_mask, hard.temperature
+                )
             return out.transpose(1, 2).contiguous(), None
         if self.mode == "labels":
             q_valid = None if attention_mask is None else _real_queries(attention_mask)

@@ -152,45 +152,6 @@ def _rows_after_step(kept: torch.Tensor, everything: torch.Tensor, decode_from: 
     return torch.where(prompt[:, None, :, None], everything.to(kept.dtype), seen)
 
 
-def relaxed_eviction_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    log_beta: torch.Tensor,
-    scale: float,
-    budget: int,
-    decode_from: torch.Tensor,
-    temperature: float,
-    mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Plain attention with inference's eviction relaxed at its boundary (differentiable top-``budget``).
-
-    Where ``hard_eviction_mask`` lets a decoded row see the top ``budget`` tokens ranked at ``t - 1`` by
-    ``r_i = (t - 1 - i) * log_beta_i``, this adds ``logsigmoid((r_i - theta) / temperature)`` to each logit, with
-    ``theta`` (no gradient) midway between the ``budget``-th and the next score: tokens well inside the keep set
-    count fully (no decay, as at inference), tokens well outside vanish, and those near the boundary are partly
-    seen and carry the gradient that says whether keeping them would help. ``temperature -> 0`` is hard
-    eviction. Prompt rows see every earlier token; every row sees itself. The gradient into ``log_beta`` flows
-    through every score with ``theta`` held fixed (a rank statistic, as soft top-k relaxations treat it).
-
-    Args: as ``evicted_attention``, plus ``temperature`` (> 0, in units of ``r``).
-    """
-    b, h, t, _ = q.shape
-    g = h // k.shape[1]
-    work = _work_dtype(q)
-    score, causal = _ranking_scores(log_beta, work)
-    top = score.detach().topk(min(budget + 1, t), dim=-1).values
-    theta = (top[..., budget - 1 : budget] + top[..., -1:]) / 2 if budget < t else top[..., -1:]
-    keep = F.logsigmoid((score - theta.nan_to_num(0.0, neginf=-1e30)) / temperature)
-    keep = torch.where(torch.isfinite(top[..., -1:]), keep, torch.zeros_like(keep))  # fewer than budget + 1: all kept
-    bias = _rows_after_step(keep.masked_fill(~causal, 0.0), torch.zeros_like(causal, dtype=work), decode_from)
-    seen = causal[None, None] if mask is None else causal[None, None] & _visible(t, mask, q.device)
-    bias = bias.masked_fill(~seen, float("-inf")).repeat_interleave(g, 1)
-    kk, vv = k.repeat_interleave(g, 1).to(work), v.repeat_interleave(g, 1).to(work)
-    out = F.scaled_dot_product_attention(q.to(work), kk, vv, attn_mask=bias, scale=scale)
-    return out.nan_to_num(0.0).to(q.dtype)
-
-
 def evicted_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -200,25 +161,51 @@ def evicted_attention(
     budget: int,
     decode_from: torch.Tensor,
     mask: torch.Tensor | None = None,
+    temperature: float = 0.0,
 ) -> torch.Tensor:
-    """The TRIM-KV student under *hard* eviction, with the soft gate's gradient (a straight-through estimator).
+    """The TRIM-KV student attending as inference does: plain attention (no retention bias) over the tokens
+    ``hard_eviction_mask`` leaves, with one of two gradients into the gates.
 
-    The value is plain attention (no retention bias, as at inference) over ``hard_eviction_mask``'s keys; the
-    gradient into ``q``, ``k``, ``v`` and ``log_beta`` is ``gated_attention``'s. So the distillation loss is
-    measured where inference operates (hard top-``budget``), while the gates still learn through the soft decay:
-    the two disagree most where training's soft eviction had stopped predicting hard eviction's KL.
+    * ``temperature == 0`` (straight-through): the value is exactly hard eviction's; the gradient into ``q``,
+      ``k``, ``v`` and ``log_beta`` is ``gated_attention``'s (the soft decay's).
+    * ``temperature > 0`` (relaxed): each decoded row's logit to token ``i`` gets
+      ``logsigmoid((r_i - theta) / temperature)``, with ``r_i = (t - 1 - i) * log_beta_i`` and ``theta`` (no
+      gradient, a rank statistic as soft top-k relaxations treat it) midway between the ``budget``-th and the next
+      score: tokens well inside the keep set count fully, tokens well outside vanish, and those near the boundary
+      are partly seen and carry the gradient of whether keeping them would help. ``temperature -> 0`` is the hard
+      value. The gradient is this function's own.
 
-    Args: as ``gated_attention``, plus ``budget`` and ``decode_from`` (``hard_eviction_mask``).
+    Args: as ``gated_attention``, plus ``budget`` and ``decode_from`` (``hard_eviction_mask``) and ``temperature``
+    (in units of ``r``).
     """
+    seen = _visible(q.shape[2], mask, q.device)
+    gqa = q.shape[1] != k.shape[1]
+    if temperature > 0:
+        work = _work_dtype(q)
+        bias = _relaxed_keep_bias(log_beta, budget, decode_from, temperature, work).masked_fill(~seen, float("-inf"))
+        bias = bias.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        out = F.scaled_dot_product_attention(q.to(work), k.to(work), v.to(work), attn_mask=bias, scale=scale, enable_gqa=gqa)
+        return out.nan_to_num(0.0).to(q.dtype)
     soft = gated_attention(q, k, v, log_beta, scale, mask)
     with torch.no_grad():
-        g = q.shape[1] // k.shape[1]
-        seen = hard_eviction_mask(log_beta, budget, decode_from).repeat_interleave(g, 1)
-        if mask is not None:
-            seen = seen & _visible(q.shape[2], mask, q.device)
-        kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        hard = F.scaled_dot_product_attention(q, kk, vv, attn_mask=seen, scale=scale).nan_to_num(0.0)
+        seen = hard_eviction_mask(log_beta, budget, decode_from) & seen
+        seen = seen.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        hard = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=scale, enable_gqa=gqa).nan_to_num(0.0)
     return soft + (hard - soft).detach()
+
+
+def _relaxed_keep_bias(
+    log_beta: torch.Tensor, budget: int, decode_from: torch.Tensor, temperature: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[B, H_kv, T, T]`` additive bias of ``evicted_attention``'s relaxed form (0 where a row sees a token
+    fully; causality is the caller's)."""
+    score, causal = _ranking_scores(log_beta, dtype)
+    t = score.shape[-1]
+    top = score.detach().topk(min(budget + 1, t), dim=-1).values
+    theta = (top[..., budget - 1 : budget] + top[..., -1:]) / 2 if budget < t else top[..., -1:]
+    keep = F.logsigmoid((score - theta.nan_to_num(0.0, neginf=-1e30)) / temperature)
+    keep = torch.where(torch.isfinite(top[..., -1:]), keep, torch.zeros_like(keep))  # fewer than budget + 1: all kept
+    return _rows_after_step(keep.masked_fill(~causal, 0.0), torch.zeros_like(causal, dtype=dtype), decode_from)
 
 
 def gated_attention_flex(
