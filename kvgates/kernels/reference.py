@@ -202,6 +202,7 @@ def column_sums(
     return total.nan_to_num_(0.0).reshape(b, h, -1)
 
 
+@torch.no_grad()
 def causal_attention_colsum(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,26 +217,32 @@ def causal_attention_colsum(
         ``(out [B, H, n, D] in q's dtype, colsum [B, H, n] float32)`` where ``colsum[b, h, j]`` is the sum over every
         query of its probability on key ``j`` (``column_sums`` of the same rows). The rows are processed one tile
         at a time (about ``FUSED_TILE_ELEMENTS`` scores), and a tile of rows ``[start, stop)`` scores only the
-        keys ``[0, stop)`` it can see, so the probabilities that give the output give the column sums too.
+        keys ``[0, stop)`` it can see, so the probabilities that give the output give the column sums too. Every
+        tile's scores are written into one buffer allocated once. An inference kernel: no gradient flows through it.
     """
     b, h, n, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
     out = q.new_empty((b, h, n, v.shape[-1]))
     colsum = q.new_zeros((b, hkv, g, n), dtype=torch.float32)
-    kf, vf = k.float(), v.float()
-    tile = max(1, FUSED_TILE_ELEMENTS // max(1, b * h * n))
+    kt, vf = k.float().transpose(-1, -2), v.float()
+    qs = (q.float() * scale).view(b, hkv, g, n, d)
+    tile = min(n, max(1, FUSED_TILE_ELEMENTS // max(1, b * h * n)))
+    scores = torch.empty(b * h * tile * n, dtype=torch.float32, device=q.device)
+    future = torch.ones((tile, tile), dtype=torch.bool, device=q.device).triu_(1)
     for start in range(0, n, tile):
         stop = min(n, start + tile)
         r = stop - start
-        qg = (q[:, :, start:stop].float() * scale).reshape(b, hkv, g * r, d)
-        e = torch.matmul(qg, kf[:, :, :stop].transpose(-1, -2)).view(b, hkv, g, r, stop)
-        e[..., start:].masked_fill_(torch.ones((r, r), dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+        e = torch.matmul(
+            qs[:, :, :, start:stop].reshape(b, hkv, g * r, d), kt[..., :stop],
+            out=scores[: b * h * r * stop].view(b, hkv, g * r, stop),
+        ).view(b, hkv, g, r, stop)
+        e[..., start:].masked_fill_(future[:r, :r], float("-inf"))
         e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalised probabilities
-        inv = 1.0 / e.sum(-1)  # [B, H_kv, G, r]: normalise the r-row results, not the r x stop tile
+        inv = e.sum(-1).reciprocal_()  # [B, H_kv, G, r]: normalise the r-row results, not the r x stop tile
         colsum[..., :stop] += torch.matmul(inv[..., None, :], e)[..., 0, :]
-        rows = torch.matmul(e.view(b, hkv, g * r, stop), vf[:, :, :stop]).view(b, hkv, g, r, -1) * inv[..., None]
-        out[:, :, start:stop] = rows.view(b, h, r, -1).to(out.dtype)
+        rows = torch.matmul(e.view(b, hkv, g * r, stop), vf[:, :, :stop]).view(b, hkv, g, r, -1).mul_(inv[..., None])
+        out[:, :, start:stop] = rows.view(b, h, r, -1)
     return out, colsum.view(b, h, n)
 
 
