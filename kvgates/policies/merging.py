@@ -51,8 +51,9 @@ def _gather_slots(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def best_matches(keys: torch.Tensor, evicted: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """For every evicted slot of each head, its most similar kept slot by key cosine similarity.
 
-    Returns ``(evicted slot indices [B, H, E], real [B, H, E], best similarity, target kept slot)``. Evicted keys
-    are compared with the kept ones only, one tile of evicted tokens at a time (``row_tile``), so memory follows
+    Returns ``(evicted slot indices [B, H, E], real [B, H, E], best similarity, kept slot indices [B, H, K],
+    target [B, H, E])``: evicted token ``i`` matches kept slot ``kept[..., target[..., i]]``. Evicted keys are
+    compared with the kept ones only, one tile of evicted tokens at a time (``row_tile``), so memory follows
     ``E x K`` tiles rather than every slot against every slot.
     """
     idx, real = _slots_of(evicted)
@@ -63,14 +64,14 @@ def best_matches(keys: torch.Tensor, evicted: torch.Tensor, kept: torch.Tensor) 
     tile = row_tile(b, h, kept_idx.shape[-1])
     best, target = [], []
     for start in range(0, e, tile):
-        sim = torch.matmul(ke[:, :, start : start + tile], kk).masked_fill(~kept_real[:, :, None, :], float("-inf"))
+        sim = torch.matmul(ke[:, :, start : start + tile], kk).masked_fill_(~kept_real[:, :, None, :], float("-inf"))
         top = sim.max(-1)
         best.append(top.values)
         target.append(top.indices)
     best_t = torch.cat(best, -1) if best else ke.new_zeros((b, h, 0))
-    target_t = torch.gather(kept_idx, -1, torch.cat(target, -1)) if target else idx
+    target_t = torch.cat(target, -1) if target else idx
     real = real & torch.isfinite(best_t)  # a head that keeps nothing receives nothing
-    return idx, real, best_t.nan_to_num(0.0, neginf=0.0), target_t
+    return idx, real, best_t.nan_to_num(0.0, neginf=0.0), kept_idx, target_t
 
 
 def merge_evicted(layer: BudgetLayer, keep: torch.Tensor, state: MergeState, beta: float = 0.7, rule: str = "paper") -> None:
@@ -88,35 +89,36 @@ def merge_evicted(layer: BudgetLayer, keep: torch.Tensor, state: MergeState, bet
         evicted, kept = evicted_all[:, heads, :c], keep[:, heads, :c] & layer.valid[:, heads, :c]
         matches.append((k, v, *best_matches(k, evicted, kept)))
     # The threshold: one EMA per sequence over every evicted token of the layer.
-    total = sum((best * real).sum((1, 2)) for _, _, _, real, best, _ in matches)
-    count = sum(real.sum((1, 2)) for _, _, _, real, _, _ in matches)
+    total = sum((best * real).sum((1, 2)) for _, _, _, real, best, _, _ in matches)
+    count = sum(real.sum((1, 2)) for _, _, _, real, _, _, _ in matches)
     mean = total / count.clamp(min=1)
     tau = state.tau if state.tau is not None else torch.full_like(mean, float("nan"))
     updated = torch.where(tau.isnan(), mean, beta * mean + (1 - beta) * tau)
     tau = state.tau = torch.where(count > 0, updated, tau)
-    # Pass 2: merge.
-    for k, v, idx, real, best, target in matches:
+    # Pass 2: merge, computed over the kept slots (the only ones that receive) and written back to them.
+    for k, v, idx, real, best, kept_idx, target in matches:
         merging = real & (best >= tau[:, None, None])
         if not bool(merging.any()):
             continue
-        ke, ve = _gather_slots(k, idx).float(), _gather_slots(v, idx).float()
         if rule == "paper":
             w = torch.where(merging, best.exp(), torch.zeros_like(best))
             self_w = math.e
         else:
             w = torch.where(merging, best, torch.zeros_like(best))
             self_w = 1.0
-        received = torch.zeros(k.shape[:3], device=k.device).scatter_add_(2, target, merging.float())
-        receivers = received > 0
+        received = torch.zeros(kept_idx.shape, device=k.device).scatter_add_(2, target, merging.float())
+        receivers = (received > 0)[..., None]
         if rule == "paper":
-            denom = torch.zeros(k.shape[:3], device=k.device).scatter_add_(2, target, w) + self_w
+            denom = torch.zeros(kept_idx.shape, device=k.device).scatter_add_(2, target, w) + self_w
         else:
             denom = received + self_w
-        for store, extra in ((k, ke), (v, ve)):
-            acc = store.float() * self_w
+        for store in (k, v):
+            extra = _gather_slots(store, idx).float()
+            kept_values = _gather_slots(store, kept_idx)
+            acc = kept_values.float() * self_w
             acc.scatter_add_(2, target[..., None].expand_as(extra), extra * w[..., None])
-            merged = (acc / denom[..., None]).to(store.dtype)
-            store.copy_(torch.where(receivers[..., None], merged, store))
+            merged = torch.where(receivers, (acc / denom[..., None]).to(store.dtype), kept_values)
+            store.scatter_(2, kept_idx[..., None].expand_as(merged), merged)
 
 
 @register_policy
