@@ -33,6 +33,10 @@ class MergingScan:
         self.kn = torch.nn.functional.normalize(keys.float(), dim=-1)
         self.mergeable, self.n = mergeable, n
         self.idx = torch.arange(n + 1, device=keys.device)
+        # For ``_set_end``: transposed keys with a column past the end, and the tokens that stop every set (not
+        # mergeable, or that column), so a set ends at the first token flagged or not similar enough.
+        self.kn_t = torch.nn.functional.pad(self.kn.transpose(-1, -2), (0, 1))
+        self.blocked = torch.nn.functional.pad(~mergeable, (0, 1), value=True)[:, :, None, :]
         # first_from[j]: the first mergeable token at or after j (n: none), j = 0 .. n.
         open_at = torch.cat([mergeable, mergeable.new_ones((b, h, 1))], -1)
         self.first_from = torch.where(open_at, self.idx, n).flip(-1).cummin(-1).values.flip(-1)
@@ -85,7 +89,7 @@ class MergingScan:
         # Every anchor reached from a source: T_k = T_{k+1} + jumps[k](T_{k+1}), from the longest jump down.
         marked = sources
         for jump in reversed(jumps[:-1]):
-            marked = (marked + torch.zeros_like(marked).scatter_add_(-1, jump, marked)).clamp_(max=1)
+            marked = marked.scatter_reduce(-1, jump, marked, "amax")
         return marked[..., :n] > 0
 
     def _set_end(self, eps: torch.Tensor, anchor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -93,10 +97,9 @@ class MergingScan:
         first later token that does not join (``L`` when every later token joins)."""
         kn, n = self.kn, self.n
         anchor_key = kn.gather(2, anchor.permute(1, 2, 0)[..., None].expand(-1, -1, -1, kn.shape[-1]))  # [B, H, E, D]
-        sim = torch.matmul(anchor_key, kn.transpose(-1, -2)).permute(2, 0, 1, 3)  # [E, B, H, L]
-        later = self.idx[:n] > (anchor + self.w)[..., None]
-        stops = later & ~(self.mergeable[None] & (sim > eps[:, :, None, None]))
-        end = torch.where(stops.any(-1), stops.to(torch.uint8).argmax(-1), n)
+        sim = torch.matmul(anchor_key, self.kn_t).masked_fill_(self.blocked, float("-inf"))  # [B, H, E, L + 1]
+        sim.masked_fill_(self.idx <= (anchor + self.w).permute(1, 2, 0)[..., None], float("inf"))  # inside the window
+        end = (sim <= eps.T[:, None, :, None]).to(torch.uint8).argmax(-1).permute(2, 0, 1)  # the first that does not join
         return torch.where(rows, end, n)
 
 
