@@ -1,36 +1,54 @@
-"""Prefill time with SnapKV compression vs without, in one run.
+"""Prefill time of the kvgates runtime under each policy vs a plain DynamicCache + sdpa prefill, in one run.
 
-    python bench/prefill_speed.py --context 2048 4096 --budget 256
+    python bench/prefill_speed.py --context 2048 4096 --budget 256 --rounds 5 --policies snapkv h2o d2o kvmerger
 
-Times one forward of the prompt through: DynamicCache + sdpa, the kvgates runtime with the full policy, and
-SnapKV (window scoring + compaction at the end of the prompt). Prints seconds and the ratio to DynamicCache.
+Times one forward of the prompt through: DynamicCache + sdpa (the reference), the kvgates runtime with the full
+policy, and each policy at ``--budget`` (its prompt scoring and compression included). After one warm-up call of
+each, every arm runs once per round for ``--rounds`` interleaved rounds, so that drifts of a shared machine hit
+all arms alike; the table gives each arm's median seconds and its ratio to the reference's median.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
-from common import essay_ids, setup, timed
+from common import essay_ids, setup, sync
 from transformers import DynamicCache
 
 import kvgates
 
 
 def main() -> None:
-    args, model, tokenizer = setup(__doc__, context=[2048, 4096], budget=256, repeats=2, policies=["snapkv", "pyramidkv", "h2o"])
+    args, model, tokenizer = setup(
+        __doc__, context=[2048, 4096], budget=256, rounds=3, policies=["snapkv", "pyramidkv", "h2o", "d2o", "kvmerger"]
+    )
+    arms = [("DynamicCache + sdpa", lambda: DynamicCache(config=model.config)), ("full (kvgates)", lambda: kvgates.BudgetCache(model.config, "full"))]
+    arms += [(f"{p}@{args.budget}", lambda p=p: kvgates.BudgetCache(model.config, p, budget=args.budget)) for p in args.policies]
     for n in args.context:
         ids = essay_ids(tokenizer, n, args.device)
 
-        def prefill(make_cache):
+        def prefill(make_cache) -> float:
+            sync(args.device)
+            start = time.perf_counter()
             with torch.no_grad():
                 model(ids, past_key_values=make_cache(), logits_to_keep=1)
+            sync(args.device)
+            return time.perf_counter() - start
 
-        base = timed(lambda: prefill(lambda: DynamicCache(config=model.config)), args.device, args.repeats)
-        print(f"context {n}: DynamicCache + sdpa {base:.3f} s")
-        runs = [("full (kvgates runtime)", lambda: kvgates.BudgetCache(model.config, "full"))]
-        runs += [(f"{p}@{args.budget}", lambda p=p: kvgates.BudgetCache(model.config, p, budget=args.budget)) for p in args.policies]
-        for label, make in runs:
-            t = timed(lambda: prefill(make), args.device, args.repeats)
-            print(f"  {label:26s} {t:.3f} s   {t / base:.2f}x")
+        for _, make in arms:  # warm-up
+            prefill(make)
+        times: dict[str, list[float]] = {label: [] for label, _ in arms}
+        for _ in range(args.rounds):
+            for label, make in arms:
+                times[label].append(prefill(make))
+        seconds = {label: statistics.median(t) for label, t in times.items()}
+        base = seconds[arms[0][0]]
+        print(f"\ncontext {n}: median of {args.rounds} interleaved rounds")
+        print("| arm | seconds | vs DynamicCache + sdpa |\n|---|---:|---:|")
+        for label, s in seconds.items():
+            print(f"| {label} | {s:.3f} | {s / base:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -39,3 +39,14 @@ def test_decode_speed_bench_runs_on_a_small_random_model():
     assert result.returncode == 0, result.stderr
     for row in ("| DynamicCache 64 |", "| DynamicCache 160 |", "| snapkv |", "| h2o |", "| h2o slack=4 |", "| morphkv slack=4 |"):
         assert result.stdout.count(row) == 2, row  # batch 1 and batch 2
+
+
+def test_prefill_speed_bench_runs_on_a_small_random_model():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "prefill_speed.py"), "--model", "random", "--layers", "2", "--context", "160",
+         "--budget", "64", "--rounds", "2", "--policies", "h2o", "d2o", "kvmerger"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    for row in ("| DynamicCache + sdpa |", "| full (kvgates) |", "| h2o@64 |", "| d2o@64 |", "| kvmerger@64 |"):
+        assert row in result.stdout, row
