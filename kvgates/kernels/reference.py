@@ -19,6 +19,8 @@ Probabilities and scores are returned in float32 whatever the input dtype.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -52,6 +54,11 @@ TILE_ELEMENTS = 1 << 24
 
 #: Scores per tile of ``causal_attention_colsum``: small enough for a tile to stay in cache between its passes.
 FUSED_TILE_ELEMENTS = 1 << 21
+#: ``causal_attention_colsum`` exponentiates scores without subtracting the row maximum when every row's sum of
+#: ``exp(score)`` is finite and at least this (``e^-20``): its largest term is then at least ``e^-20 / n``, so
+#: the terms that underflow (scores below -87) weigh less than ``e^-58`` of it and the result is the shifted one's.
+_SAFE_ROW_SUM = math.exp(-20.0)
+_MAX_ROW_SUM = torch.finfo(torch.float32).max
 
 
 def row_tile(batch: int, heads: int, slots: int) -> int:
@@ -233,13 +240,16 @@ def causal_attention_colsum(
     for start in range(0, n, tile):
         stop = min(n, start + tile)
         r = stop - start
-        e = torch.matmul(
-            qs[:, :, :, start:stop].reshape(b, hkv, g * r, d), kt[..., :stop],
-            out=scores[: b * h * r * stop].view(b, hkv, g * r, stop),
-        ).view(b, hkv, g, r, stop)
+        rows_q, buffer = qs[:, :, :, start:stop].reshape(b, hkv, g * r, d), scores[: b * h * r * stop].view(b, hkv, g * r, stop)
+        e = torch.matmul(rows_q, kt[..., :stop], out=buffer).view(b, hkv, g, r, stop)
         e[..., start:].masked_fill_(future[:r, :r], float("-inf"))
-        e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalised probabilities
-        inv = e.sum(-1).reciprocal_()  # [B, H_kv, G, r]: normalise the r-row results, not the r x stop tile
+        sums = e.exp_().sum(-1)  # unnormalised probabilities, unshifted: one pass fewer than subtracting the row max
+        if not torch.equal(sums.clamp(_SAFE_ROW_SUM, _MAX_ROW_SUM), sums):
+            # A row overflowed or every score of a row is very negative: this tile again, shifted by its row maxima.
+            e = torch.matmul(rows_q, kt[..., :stop], out=buffer).view(b, hkv, g, r, stop)
+            e[..., start:].masked_fill_(future[:r, :r], float("-inf"))
+            sums = e.sub_(e.amax(-1, keepdim=True)).exp_().sum(-1)
+        inv = sums.reciprocal_()  # [B, H_kv, G, r]: normalise the r-row results, not the r x stop tile
         colsum[..., :stop] += torch.matmul(inv[..., None, :], e)[..., 0, :]
         rows = torch.matmul(e.view(b, hkv, g * r, stop), vf[:, :, :stop]).view(b, hkv, g, r, -1).mul_(inv[..., None])
         out[:, :, start:stop] = rows.view(b, h, r, -1)
