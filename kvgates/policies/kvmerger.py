@@ -72,7 +72,10 @@ class MergingScan:
         nxt = torch.where(torch.cat([resolved, resolved.new_ones((e, b, h, 1))], -1), nxt, idx)
         jumps = [nxt]  # jumps[k] = next applied 2^k times (chains only move forward)
         while (1 << (len(jumps) - 1)) <= n:
-            jumps.append(jumps[-1].gather(-1, jumps[-1]))
+            doubled = jumps[-1].gather(-1, jumps[-1])
+            if torch.equal(doubled, jumps[-1]):  # every chain has reached its end: the last table is the limit
+                break
+            jumps.append(doubled)
         # Walk: from each segment's first anchor the table jumps to the next unresolved anchor (or the end); that
         # set is measured directly and the walk resumes at the anchor after it.
         sources = torch.zeros((e, b, h, n + 1), dtype=torch.int32, device=nxt.device)
