@@ -58,6 +58,16 @@ def _load(args: argparse.Namespace):
     return kvgates.load_model(args.model, dtype=dtype, device=args.device)
 
 
+def bench_policy(model, name: str, budget: int, **params: Any) -> kvgates.Policy:
+    """``name`` at ``budget`` (``full``: no budget) with ``params``, attached to ``model``. TRIM-KV gets fresh gates
+    of the model's shape (untrained gates cost what trained ones do); detach it after its runs (``detach()``), or
+    its hooks keep capturing every forward of the model."""
+    params = dict(params) if name == "full" else {"budget": budget, **params}
+    if name == "trimkv":
+        params["gates"] = kvgates.RetentionGates.for_model(model, training_budget=budget)
+    return kvgates.make_policy(name, **params).attach(model)
+
+
 def essay_ids(tokenizer, n: int, device: str | torch.device) -> torch.Tensor:
     """``[1, n]`` token ids of the Paul Graham essays (random ids when there is no tokenizer)."""
     if tokenizer is None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 
 import torch
-from common import essay_ids, setup, time_decode
+from common import bench_policy, essay_ids, setup, time_decode
 from transformers import DynamicCache
 
 import kvgates
@@ -38,13 +38,8 @@ AMORTISED = {
 
 
 def make_policy(model, name: str, budget: int, slack: int = 0) -> kvgates.Policy:
-    """``name`` at ``budget`` (full: no budget), attached to ``model``; learned policies get fresh gates."""
-    params: dict = {} if name == "full" else {"budget": budget}
-    if slack:
-        params.update(AMORTISED[name](slack))
-    if name == "trimkv":
-        params["gates"] = kvgates.RetentionGates.for_model(model, training_budget=budget)
-    return kvgates.make_policy(name, **params).attach(model)
+    """``name`` at ``budget`` (full: no budget), attached to ``model``, with amortised eviction when ``slack``."""
+    return bench_policy(model, name, budget, **(AMORTISED[name](slack) if slack else {}))
 
 
 def prefilled(model, make_cache, ids: torch.Tensor):

@@ -14,7 +14,7 @@ import statistics
 import time
 
 import torch
-from common import essay_ids, setup, sync
+from common import bench_policy, essay_ids, setup, sync
 from transformers import DynamicCache
 
 import kvgates
@@ -25,17 +25,21 @@ def main() -> None:
         __doc__, context=[2048, 4096], budget=256, rounds=3, policies=["snapkv", "pyramidkv", "h2o", "d2o", "kvmerger"]
     )
     arms = [("DynamicCache + sdpa", lambda: DynamicCache(config=model.config)), ("full (kvgates)", lambda: kvgates.BudgetCache(model.config, "full"))]
-    arms += [(f"{p}@{args.budget}", lambda p=p: kvgates.BudgetCache(model.config, p, budget=args.budget)) for p in args.policies]
+    arms += [(f"{p}@{args.budget}", lambda p=p: kvgates.BudgetCache(model.config, bench_policy(model, p, args.budget))) for p in args.policies]
     for n in args.context:
         ids = essay_ids(tokenizer, n, args.device)
 
         def prefill(make_cache) -> float:
+            cache = make_cache()
             sync(args.device)
             start = time.perf_counter()
             with torch.no_grad():
-                model(ids, past_key_values=make_cache(), logits_to_keep=1)
+                model(ids, past_key_values=cache, logits_to_keep=1)
             sync(args.device)
-            return time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            if isinstance(cache, kvgates.BudgetCache):
+                cache.policy.detach()  # a learned policy's hooks would capture the other arms' forwards
+            return seconds
 
         for _, make in arms:  # warm-up
             prefill(make)
