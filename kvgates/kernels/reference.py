@@ -244,13 +244,17 @@ def causal_attention_colsum(
         stop = min(n, start + tile)
         r = stop - start
         rows_q, buffer = qs[:, :, :, start:stop].reshape(b, hkv, g * r, d), scores[: b * h * r * stop].view(b, hkv, g * r, stop)
-        e = torch.matmul(rows_q, kt[..., :stop], out=buffer).view(b, hkv, g, r, stop)
-        e[..., start:].masked_fill_(future[:r, :r], float("-inf"))
+
+        def tile_scores() -> torch.Tensor:  # [B, H_kv, G, r, stop] into the buffer, the future masked out
+            e = torch.matmul(rows_q, kt[..., :stop], out=buffer).view(b, hkv, g, r, stop)
+            e[..., start:].masked_fill_(future[:r, :r], float("-inf"))
+            return e
+
+        e = tile_scores()
         sums = e.exp_().sum(-1)  # unnormalised probabilities, unshifted: one pass fewer than subtracting the row max
         if not torch.equal(sums.clamp(_SAFE_ROW_SUM, _MAX_ROW_SUM), sums):
             # A row overflowed or every score of a row is very negative: this tile again, shifted by its row maxima.
-            e = torch.matmul(rows_q, kt[..., :stop], out=buffer).view(b, hkv, g, r, stop)
-            e[..., start:].masked_fill_(future[:r, :r], float("-inf"))
+            e = tile_scores()
             sums = e.sub_(e.amax(-1, keepdim=True)).exp_().sum(-1)
         inv = sums.reciprocal_()  # [B, H_kv, G, r]: normalise the r-row results, not the r x stop tile
         colsum[..., :stop] += torch.matmul(inv[..., None, :], e)[..., 0, :]
