@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the workbench packages (data/) from a checkout
 
 import kvgates  # noqa: E402
+from kvgates.policies.wrappers import parse_params  # noqa: E402
 from data.corpus import paul_graham_essays  # noqa: E402
 
 
@@ -58,11 +59,15 @@ def _load(args: argparse.Namespace):
     return kvgates.load_model(args.model, dtype=dtype, device=args.device)
 
 
-def bench_policy(model, name: str, budget: int, **params: Any) -> kvgates.Policy:
-    """``name`` at ``budget`` (``full``: no budget) with ``params``, attached to ``model``. TRIM-KV gets fresh gates
-    of the model's shape (untrained gates cost what trained ones do); detach it after its runs (``detach()``), or
-    its hooks keep capturing every forward of the model."""
-    params = dict(params) if name == "full" else {"budget": budget, **params}
+def bench_policy(model, spec: str, budget: int, **params: Any) -> kvgates.Policy:
+    """The policy ``spec`` (a name, or ``name:key=value,...`` as the benches' ``--policies`` take it, e.g.
+    ``adakv:ragged=false``) at ``budget`` (``full``: no budget) with ``params``, attached to ``model``. TRIM-KV gets
+    fresh gates of the model's shape (untrained gates cost what trained ones do); detach it after its runs
+    (``detach()``), or its hooks keep capturing every forward of the model."""
+    name, _, given = spec.partition(":")
+    params = {**parse_params(given), **params}
+    if name != "full":
+        params["budget"] = budget
     if name == "trimkv":
         params["gates"] = kvgates.RetentionGates.for_model(model, training_budget=budget)
     return kvgates.make_policy(name, **params).attach(model)

@@ -13,6 +13,7 @@ drifts of a shared machine hit all caches alike; the table gives the median ms/s
 DynamicCaches. The DynamicCaches are cropped back to their prompt before every round, so they keep their size;
 budgeted caches of policies that do not evict during decode grow by the decoded tokens (which counts against
 them). Learned policies run with fresh gates of the model's shape (their cost does not depend on the weights).
+A policy may carry parameters, ``name:key=value,...`` (``--policies adakv adakv:ragged=false``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ AMORTISED = {
 
 def make_policy(model, name: str, budget: int, slack: int = 0) -> kvgates.Policy:
     """``name`` at ``budget`` (full: no budget), attached to ``model``, with amortised eviction when ``slack``."""
-    return bench_policy(model, name, budget, **(AMORTISED[name](slack) if slack else {}))
+    return bench_policy(model, name, budget, **(AMORTISED[name.partition(":")[0]](slack) if slack else {}))
 
 
 def prefilled(model, make_cache, ids: torch.Tensor):
@@ -78,7 +79,7 @@ def main() -> None:
         }
         for name in args.policies:
             runs[name] = lambda name=name: kvgates.BudgetCache(model.config, make_policy(model, name, budget))
-            if name in AMORTISED and args.slack:
+            if name.partition(":")[0] in AMORTISED and args.slack:
                 runs[f"{name} slack={args.slack}"] = lambda name=name: kvgates.BudgetCache(
                     model.config, make_policy(model, name, budget, args.slack)
                 )

@@ -22,9 +22,9 @@ def general_path(self, query, scale):
     return self._decode(query, self.keys, scale, NO_STATS, None)
 
 
-def decode_logits(model, name, ids, check=None):
+def decode_logits(model, name, ids, check=None, **overrides):
     """Logits of the prompt's last token and of every decode step (teacher-forced), ``check(cache)`` after each."""
-    with policy_on(model, name, BUDGET) as policy:
+    with policy_on(model, name, BUDGET, **overrides) as policy:
         cache = BudgetCache(model.config, policy)
         out = []
         with torch.no_grad():
@@ -84,3 +84,29 @@ def test_a_full_cache_is_packed_from_its_prompt_on(tiny):
         for a, z in [(0, 20)] + [(t, t + 1) for t in range(20, 30)]:
             model(ids[:, a:z], past_key_values=cache)
             check(cache)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_adakv_dense_storage_keeps_the_same_tokens_and_logits_as_ragged(tiny, batch):
+    """``AdaKV(ragged=False)``: every head padded to the largest head budget, one attention call over all heads;
+    the same tokens held, the same logits, more memory."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (batch, PROMPT + DECODE), generator=torch.Generator().manual_seed(5))
+    seen = {True: [], False: []}
+
+    def check(ragged):
+        def record(cache):
+            layers = cache.budget_layers
+            assert batch > 1 or all(layer.packed for layer in layers)  # distinct sequences may hold different counts
+            assert any(not layer.uniform for layer in layers) if ragged else all(layer.uniform for layer in layers)
+            held = [sorted(p for p in layer.pos[b, h].tolist() if p >= 0) for layer in layers for b in range(batch)
+                    for h in range(layer.num_kv_heads)]
+            seen[ragged].append((held, sum(layer.kv_bytes() for layer in layers)))
+        return record
+
+    ragged = decode_logits(model, "adakv", ids, check(True))
+    dense = decode_logits(model, "adakv", ids, check(False), ragged=False)
+    torch.testing.assert_close(dense, ragged, atol=1e-5, rtol=0)
+    assert [held for held, _ in seen[False]] == [held for held, _ in seen[True]]
+    assert all(d >= r for (_, r), (_, d) in zip(seen[True], seen[False]))
+    assert any(d > r for (_, r), (_, d) in zip(seen[True], seen[False]))
