@@ -13,8 +13,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the workbench packages (data/) from a checkout
 
 import kvgates  # noqa: E402
-from kvgates.policies.wrappers import parse_params  # noqa: E402
 from data.corpus import paul_graham_essays  # noqa: E402
+from kvgates.policies.wrappers import parse_params  # noqa: E402
 
 
 def setup(doc: str, choices: dict[str, list[str]] | None = None, **options: Any) -> tuple[argparse.Namespace, Any, Any]:
