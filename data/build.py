@@ -32,7 +32,7 @@ import datasets
 from transformers import PreTrainedTokenizerBase
 
 from data.splits import SPLITS
-from data.tasks import TASKS, split_ids, make_example
+from data.tasks import TASKS, make_example, split_ids
 
 SOURCES = ("essays", "continuations", "hf", "text", "jsonl") + TASKS + ("multikey",)
 FORMATS = ("raw", "chat")

@@ -307,7 +307,8 @@ class ABConfig:
 def _known(raw: dict, allowed, where: str) -> None:
     unknown = sorted(set(raw) - set(allowed))
     if unknown:
-        raise ConfigError(f"{where} has unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; known keys: {', '.join(allowed)}")
+        keys = f"key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+        raise ConfigError(f"{where} has unknown {keys}; known keys: {', '.join(allowed)}")
 
 
 def _list(value: Any, what: str) -> list:

@@ -247,7 +247,10 @@ def load_config(results: dict) -> ABConfig:
         TaskSpec(**{**t, **{k: tuple(t.get(k, ())) for k in ("context_tokens", "templates", "budgets")}}) for t in results["tasks"]
     )
     arms = tuple(ArmSpec(**a) for a in results["arms"] if a["label"] != "full")
-    return ABConfig(model=results["model"], seed=results["seed"], split=results.get("split", "test"), budgets=tuple(results["budgets"]), arms=arms, tasks=tasks)
+    return ABConfig(
+        model=results["model"], seed=results["seed"], split=results.get("split", "test"), budgets=tuple(results["budgets"]),
+        arms=arms, tasks=tasks,
+    )
 
 
 #: How the A/B section of a model card (``arm_section``) begins.
@@ -323,7 +326,8 @@ def write_report(results: ABResults, command: str = "") -> str:
     md = [
         f"# A/B evaluation on {config.model}",
         "",
-        f"{len(config.all_arms)} arms (the full cache and {', '.join(a.label for a in config.arms)}) at budget{'s' if len(config.budgets) > 1 else ''} "
+        f"{len(config.all_arms)} arms (the full cache and {', '.join(a.label for a in config.arms)}) "
+        f"at budget{'s' if len(config.budgets) > 1 else ''} "
         f"{', '.join(map(str, config.budgets))} tokens per KV head, on {len(config.tasks)} tasks built from the {config.split} "
         f"essays (seed {config.seed}); every arm ran on exactly the same examples. Model time: {model_time} "
         f"summed over its {len(rows)} results.",

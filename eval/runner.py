@@ -111,7 +111,8 @@ def batches(task: TaskSpec, examples: list[Example], config: ABConfig) -> list[l
 
 
 def _key(config: ABConfig, task: TaskSpec, index: int, arm: ArmSpec, budget: int | None) -> str:
-    return json.dumps([task.name, task.identity(config.model, config.seed, config.prefill_chunk, config.split), index, arm.label, arm.identity(), budget])
+    identity = task.identity(config.model, config.seed, config.prefill_chunk, config.split)
+    return json.dumps([task.name, identity, index, arm.label, arm.identity(), budget])
 
 
 def _runs(config: ABConfig, task: TaskSpec) -> list[tuple[ArmSpec, int | None]]:

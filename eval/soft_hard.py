@@ -24,6 +24,7 @@ import kvgates
 from eval.fidelity import completion_fidelity, kl_divergence, make_batch, reference_logprobs
 from kvgates.gates.training import GateTraining
 
+
 @dataclass
 class SoftHard:
     """Mean KL to the full cache over one window's continuation, under soft and under hard eviction."""
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     model, tokenizer = kvgates.load_model(args.model)
     texts = windows(tokenizer, args.windows, args.prompt_tokens + args.new_tokens)
-    print(f"| gates | budget | soft KL (training) | hard KL (inference) | per window (soft / hard) |\n|---|---|---|---|---|")
+    print("| gates | budget | soft KL (training) | hard KL (inference) | per window (soft / hard) |\n|---|---|---|---|---|")
     for name in args.gates:
         gates = kvgates.load_gates(name).to(torch.float32)
         gates.check_model(model)

@@ -157,12 +157,12 @@ def _brute_capacity(lb, budget, lengths, global_budget, stride):
     for b, length in enumerate(lengths):
         for t in range(int(budget), length, stride):
             if global_budget:
-                s = sum(_brute_s(lb[l][b][h][:length])[t] for l in range(n_layers) for h in range(hkv))
+                s = sum(_brute_s(lb[layer][b][h][:length])[t] for layer in range(n_layers) for h in range(hkv))
                 hinges.append((s - budget * n_layers * hkv) / (max(t - budget, 1) * n_layers * hkv))
             else:
-                for l in range(n_layers):
+                for layer in range(n_layers):
                     for h in range(hkv):
-                        s = _brute_s(lb[l][b][h][:length])[t]
+                        s = _brute_s(lb[layer][b][h][:length])[t]
                         hinges.append((s - budget) / max(t - budget, 1))
     positive = [x for x in hinges if x > 0]
     return sum(positive) / len(positive) if positive else 0.0

@@ -137,7 +137,9 @@ def initial_gates(config: TrainConfig, model: PreTrainedModel) -> kvgates.GateSe
         )
     gates = kvgates.load_gates(spec.init_from)
     if gates.kind != config.gate_kind:
-        raise kvgates.AdapterError(f"gates.init_from: {spec.init_from} holds {gates.kind!r} gates; a {config.kind} run trains {config.gate_kind!r} gates")
+        raise kvgates.AdapterError(
+            f"gates.init_from: {spec.init_from} holds {gates.kind!r} gates; a {config.kind} run trains {config.gate_kind!r} gates"
+        )
     gates.check_model(model)
     # The run keeps the adapter's weights and shape, not the record of the run that made it: its own record (data,
     # results, training, tables) replaces it, and until then the adapter's card must not pass for this run's.

@@ -119,7 +119,8 @@ class GateSet(nn.Module):
 
     Subclasses set ``kind`` (the ``config.json`` kind), ``policy_name`` (the inference policy that evicts by them),
     ``captures`` (what the hooks must capture from the model: ``"hidden"`` = the normed hidden state entering
-    attention, ``"qkv"`` = raw q/k/v projections) and build their modules from a ``GateConfig``; ``forward(layer_idx, captured)`` gives ``[B, T, H_kv]`` scores.
+    attention, ``"qkv"`` = raw q/k/v projections) and build their modules from a ``GateConfig``;
+    ``forward(layer_idx, captured)`` gives ``[B, T, H_kv]`` scores.
     """
 
     kind: ClassVar[str] = ""
