@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -61,16 +63,29 @@ def _load(args: argparse.Namespace):
 
 def bench_policy(model, spec: str, budget: int, **params: Any) -> kvgates.Policy:
     """The policy ``spec`` (a name, or ``name:key=value,...`` as the benches' ``--policies`` take it, e.g.
-    ``adakv:ragged=false``) at ``budget`` (``full``: no budget) with ``params``, attached to ``model``. TRIM-KV gets
-    fresh gates of the model's shape (untrained gates cost what trained ones do); detach it after its runs
-    (``detach()``), or its hooks keep capturing every forward of the model."""
+    ``adakv:ragged=false``) at ``budget`` (``full``: no budget) with ``params``. TRIM-KV gets fresh gates of the
+    model's shape (untrained gates cost what trained ones do). Run it under ``attached``."""
     name, _, given = spec.partition(":")
     params = {**parse_params(given), **params}
     if name != "full":
         params["budget"] = budget
     if name == "trimkv":
         params["gates"] = kvgates.RetentionGates.for_model(model, training_budget=budget)
-    return kvgates.make_policy(name, **params).attach(model)
+    return kvgates.make_policy(name, **params)
+
+
+@contextmanager
+def attached(model, cache) -> Iterator[None]:
+    """``cache``'s policy attached to ``model`` for the block only (a learned policy hooks the model, and its hooks
+    must not run in the other caches' forwards); nothing for a cache without a policy."""
+    policy = cache.policy if isinstance(cache, kvgates.BudgetCache) else None
+    if policy is not None:
+        policy.attach(model)
+    try:
+        yield
+    finally:
+        if policy is not None:
+            policy.detach()
 
 
 def essay_ids(tokenizer, n: int, device: str | torch.device) -> torch.Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 
 import torch
-from common import bench_policy, essay_ids, setup, time_decode
+from common import attached, bench_policy, essay_ids, setup, time_decode
 from transformers import DynamicCache
 
 import kvgates
@@ -39,31 +39,16 @@ AMORTISED = {
 
 
 def make_policy(model, name: str, budget: int, slack: int = 0) -> kvgates.Policy:
-    """``name`` at ``budget`` (full: no budget), attached to ``model``, with amortised eviction when ``slack``."""
+    """``name`` at ``budget`` (full: no budget), with amortised eviction when ``slack``."""
     return bench_policy(model, name, budget, **(AMORTISED[name.partition(":")[0]](slack) if slack else {}))
 
 
 def prefilled(model, make_cache, ids: torch.Tensor):
-    """A cache holding ``ids`` and the greedy next token ``[1, 1]``; a learned policy is detached afterwards (its
-    hooks would capture the other caches' forwards) and attached again for its own steps (``decode_ms``)."""
+    """A cache holding ``ids`` and the greedy next token ``[1, 1]``."""
     cache = make_cache()
-    with torch.no_grad():
+    with attached(model, cache), torch.no_grad():
         token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
-    if isinstance(cache, kvgates.BudgetCache):
-        cache.policy.detach()
     return cache, token
-
-
-def decode_ms(model, cache, token: torch.Tensor, steps: int, device) -> float:
-    """Milliseconds per greedy decode step of ``cache`` (its policy attached to ``model`` only meanwhile)."""
-    policy = cache.policy if isinstance(cache, kvgates.BudgetCache) else None
-    if policy is not None:
-        policy.attach(model)
-    try:
-        return 1e3 * time_decode(model, cache, token, steps, device) / steps
-    finally:
-        if policy is not None:
-            policy.detach()
 
 
 def main() -> None:
@@ -97,7 +82,8 @@ def main() -> None:
                 for label, (cache, token) in caches.items():
                     if isinstance(cache, DynamicCache):
                         cache.crop(-(cache.get_seq_length() - (budget if label == f"DynamicCache {budget}" else context)))
-                    times[label].append(decode_ms(model, cache, token, args.steps, args.device))
+                    with attached(model, cache):
+                        times[label].append(1e3 * time_decode(model, cache, token, args.steps, args.device) / args.steps)
             ms = {label: statistics.median(t) for label, t in times.items()}
             base, full = ms[f"DynamicCache {budget}"], ms[f"DynamicCache {context}"]
             print(f"\ncontext {context}, budget {budget}, batch {batch}: median of {args.rounds} rounds x {args.steps} steps")

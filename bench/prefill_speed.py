@@ -14,7 +14,7 @@ import statistics
 import time
 
 import torch
-from common import bench_policy, essay_ids, setup, sync
+from common import attached, bench_policy, essay_ids, setup, sync
 from transformers import DynamicCache
 
 import kvgates
@@ -31,15 +31,12 @@ def main() -> None:
 
         def prefill(make_cache) -> float:
             cache = make_cache()
-            sync(args.device)
-            start = time.perf_counter()
-            with torch.no_grad():
+            with attached(model, cache), torch.no_grad():
+                sync(args.device)
+                start = time.perf_counter()
                 model(ids, past_key_values=cache, logits_to_keep=1)
-            sync(args.device)
-            seconds = time.perf_counter() - start
-            if isinstance(cache, kvgates.BudgetCache):
-                cache.policy.detach()  # a learned policy's hooks would capture the other arms' forwards
-            return seconds
+                sync(args.device)
+                return time.perf_counter() - start
 
         for _, make in arms:  # warm-up
             prefill(make)

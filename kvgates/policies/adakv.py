@@ -71,7 +71,6 @@ class AdaKV(Wrapper):
     """
 
     name = "adakv"
-    ragged_heads = True
     state_type = AdaKVState
 
     alpha: float = 0.2
