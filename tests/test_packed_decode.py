@@ -8,9 +8,9 @@ The general path (``BudgetLayer._decode``: visibility from positions) is the ref
 
 import pytest
 import torch
-from helpers import policy_on
+from helpers import make_layer, policy_on, random_positions
 
-from kvgates import BudgetCache
+from kvgates import BudgetCache, make_policy
 from kvgates.runtime.layer import BudgetLayer
 from kvgates.runtime.stats import NO_STATS
 
@@ -57,7 +57,8 @@ def test_heads_holding_different_numbers_decode_with_the_general_paths_logits(ti
                 assert not layer.uniform  # storage follows the head budgets
             elif layer.dense_fill is None:  # the mask sliced from the ruler is the mask of the current fills
                 expected = torch.arange(max(layer.fill))[None, :] < torch.tensor(layer.fill)[:, None]
-                assert torch.equal(layer._fill_mask()[0, :, 0] == 0, expected)
+                g = model.config.num_attention_heads // layer.num_kv_heads  # each KV head's row, once per query head
+                assert torch.equal(layer._fill_mask(g)[0, :, 0] == 0, expected.repeat_interleave(g, 0))
 
     monkeypatch.setattr(BudgetLayer, "_decode_packed_heads", counted)
     got = decode_logits(model, name, ids, check)
@@ -110,3 +111,23 @@ def test_adakv_dense_storage_keeps_the_same_tokens_and_logits_as_ragged(tiny, ba
     assert [held for held, _ in seen[False]] == [held for held, _ in seen[True]]
     assert all(d >= r for (_, r), (_, d) in zip(seen[True], seen[False]))
     assert any(d > r for (_, r), (_, d) in zip(seen[True], seen[False]))
+
+
+def test_growing_ragged_storage_keeps_every_heads_slots():
+    """``BudgetLayer._grow`` on ragged storage (decode steps of Ada-KV append past a head's slots): every head's
+    slots keep their keys, values, positions and state, each head gains the new empty slots after its own."""
+    layer = make_layer(make_policy("h2o", budget=4), random_positions(2, 3, 6, held=4, seed=1))
+    assert layer.slot_data.shape[-1]  # H2O keeps per-slot state
+    layer.slot_data.uniform_()
+    caps = [2, 5, 3]  # ragged: head h keeps its first caps[h] slots
+    layer.relayout(torch.arange(6).expand(2, 3, 6).contiguous(), caps)
+    before = [(k, v, layer.pos[:, h, :c], layer.slot_data[:, h, :c])
+              for h, (c, k, v) in enumerate(zip(caps, layer.keys.split(caps, 1), layer.values.split(caps, 1)))]
+    layer._grow(4)
+    assert layer.head_slots == [6, 9, 7]
+    for h, (c, k, v) in enumerate(zip(caps, layer.keys.split(layer.head_slots, 1), layer.values.split(layer.head_slots, 1))):
+        assert torch.equal(k[:, :c], before[h][0]) and torch.equal(v[:, :c], before[h][1])
+        assert torch.equal(layer.pos[:, h, :c], before[h][2]) and torch.equal(layer.slot_data[:, h, :c], before[h][3])
+        assert not k[:, c:].any() and not v[:, c:].any()
+        assert bool((layer.pos[:, h, c:] == -1).all())
+        assert torch.equal(layer.slot_data[:, h, c:], layer.state_init.expand_as(layer.slot_data[:, h, c:]))

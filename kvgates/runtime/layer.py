@@ -307,28 +307,25 @@ class BudgetLayer(CacheLayerMixin):
         self._derived = {}
 
     def _grow(self, extra: int) -> None:
-        """Add ``extra`` empty slots to every head (uniform storage: appended in place of a relayout)."""
-        if self.uniform:
-            b, hkv, c = self.batch_size, self.num_kv_heads, self.max_slots
+        """Add ``extra`` empty slots after every head's slots: slice copies of the held storage (each head's
+        segment followed by its new slots), no relayout, ragged or uniform."""
+        b = self.batch_size
 
-            def padded(dense: torch.Tensor, fill: torch.Tensor | float) -> torch.Tensor:
-                """``[B, H_kv, C, ...]`` -> ``[B, H_kv, C + extra, ...]``, the new slots set to ``fill``."""
-                tail = dense.new_empty((b, hkv, extra, *dense.shape[3:]))
-                tail[:] = fill
-                return torch.cat([dense, tail], dim=2)  # one copy of the old slots (padding would also zero them)
+        def spaced(flat: torch.Tensor) -> torch.Tensor:
+            """Flat ``[B, S, D]`` storage with ``extra`` zero slots after each head's segment."""
+            gap = flat.new_zeros((b, extra, flat.shape[-1]))
+            return torch.cat([part for head in flat.split(self.head_slots, dim=1) for part in (head, gap)], dim=1)
 
-            d, dv = self.keys.shape[-1], self.values.shape[-1]
-            self.keys = padded(self.keys.view(b, hkv, c, d), 0.0).view(b, -1, d)
-            self.values = padded(self.values.view(b, hkv, c, dv), 0.0).view(b, -1, dv)
-            self.pos, self.slot_data = padded(self.pos, -1), padded(self.slot_data, self.state_init)
-            self.head_slots = [c + extra] * hkv
-            self._derived = {}
-            return
-        cmax = self.max_slots
-        index = torch.arange(cmax + extra, device=self.device).expand(self.batch_size, self.num_kv_heads, -1)
-        # Existing slots map to themselves; indices past a head's old slots come out empty.
-        index = torch.where(index < torch.tensor(self.head_slots, device=self.device)[None, :, None], index, cmax + extra)
-        self.relayout(index.contiguous(), [c + extra for c in self.head_slots])
+        def padded(dense: torch.Tensor, fill: torch.Tensor | float) -> torch.Tensor:
+            """``[B, H_kv, C, ...]`` -> ``[B, H_kv, C + extra, ...]``, the new slots set to ``fill``."""
+            tail = dense.new_empty((b, self.num_kv_heads, extra, *dense.shape[3:]))
+            tail[:] = fill
+            return torch.cat([dense, tail], dim=2)  # one copy of the old slots (padding would also zero them)
+
+        self.keys, self.values = spaced(self.keys), spaced(self.values)
+        self.pos, self.slot_data = padded(self.pos, -1), padded(self.slot_data, self.state_init)
+        self.head_slots = [c + extra for c in self.head_slots]
+        self._derived = {}
 
     def _growth(self, missing: int, n: int) -> int:
         """Slots to add when ``n`` new tokens lack ``missing`` free slots in some head. A prompt chunk grows by
@@ -357,10 +354,10 @@ class BudgetLayer(CacheLayerMixin):
             self._derived["fill_base"] = (f0, base)
         return base, steps
 
-    def _fill_mask(self) -> torch.Tensor:
-        """``[1, H_kv, 1, max(fill)]`` additive attention mask in the storage dtype, for a packed layer whose
-        heads hold different numbers of tokens: 0 where slot ``j`` of head ``h`` holds a token (``j < fill[h]``),
-        ``-inf`` past it.
+    def _fill_mask(self, groups: int) -> torch.Tensor:
+        """``[1, H_kv * groups, 1, max(fill)]`` additive attention mask in the storage dtype, for a packed layer
+        whose heads hold different numbers of tokens: 0 where slot ``j`` of head ``h`` holds a token
+        (``j < fill[h]``), ``-inf`` past it; each KV head's row repeated for its ``groups`` query heads.
 
         Built once as a ruler (``ruler[h, k]`` visible iff ``k < fill0[h] + span``, ``span = max_slots``) and kept
         until storage changes: a step that adds ``t`` slots to every head makes the mask the ruler's slice
@@ -369,12 +366,13 @@ class BudgetLayer(CacheLayerMixin):
         f0, ruler = self._derived.get("fill_mask", (None, None))
         steps = self.fill[0] - f0[0] if f0 is not None else -1
         span = ruler.shape[-1] - max(f0) if f0 is not None else 0
-        if not 0 <= steps <= span or any(f - g != steps for f, g in zip(self.fill, f0)):
+        stale = f0 is None or ruler.shape[1] != self.num_kv_heads * groups
+        if stale or not 0 <= steps <= span or any(f - g != steps for f, g in zip(self.fill, f0)):
             f0, steps, span = list(self.fill), 0, self.max_slots
             limit = torch.tensor(f0, device=self.device)[:, None] + span
             visible = torch.arange(span + max(f0), device=self.device)[None, :] < limit
             ruler = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-            ruler = ruler[None, :, None, :]
+            ruler = ruler.repeat_interleave(groups, dim=0)[None, :, None, :]
             self._derived["fill_mask"] = (f0, ruler)
         return ruler[..., span - steps : span + max(f0)]
 
@@ -664,26 +662,27 @@ class BudgetLayer(CacheLayerMixin):
 
     def _decode_packed_heads(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """Decode attention without statistics for a packed layer whose heads hold different numbers of tokens
-        (Ada-KV's head budgets, KVMerger's merges): every slot below a head's ``fill`` is visible. A GQA group's
-        query heads attend as rows of their KV head. Uniform storage: one sdpa over the slots below the largest
-        fill with ``_fill_mask``; ragged storage: one sdpa per head over its held slice. No search over
-        positions, no host sync. Returns ``[B, H, 1, D]``."""
+        (Ada-KV's head budgets, KVMerger's merges): every slot below a head's ``fill`` is visible. Query heads
+        attend their KV head through sdpa's GQA (faster than as query rows of one head). Uniform storage: one
+        sdpa over the slots below the largest fill with ``_fill_mask``; ragged storage: one sdpa per head over its
+        held slice. No search over positions, no host sync. Returns ``[B, H, 1, D]``."""
         b, h, _, d = query.shape
         hkv = self.num_kv_heads
-        rows = query.reshape(b, hkv, h // hkv, d)
         sdpa = torch.nn.functional.scaled_dot_product_attention
         if self.uniform:
             c, m = self.max_slots, max(self.fill)
             keys, values = self.keys.view(b, hkv, c, -1)[:, :, :m], self.values.view(b, hkv, c, -1)[:, :, :m]
-            out = sdpa(rows, keys, values, attn_mask=self._fill_mask(), scale=scale)
-        else:
-            outs, offset = [], 0
-            for head, (slots, f) in enumerate(zip(self.head_slots, self.fill)):
-                k, v = self.keys[:, offset : offset + f, None], self.values[:, offset : offset + f, None]
-                outs.append(sdpa(rows[:, head : head + 1], k.transpose(1, 2), v.transpose(1, 2), scale=scale))
-                offset += slots
-            out = torch.cat(outs, dim=1)
-        return out.reshape(b, h, 1, -1)
+            return sdpa(query, keys, values, attn_mask=self._fill_mask(h // hkv), scale=scale, enable_gqa=h != hkv)
+        groups = query.split(h // hkv, dim=1)
+        heads = zip(groups, self._head_views(), self.fill)
+        return torch.cat([sdpa(q, k[:, :, :f], v[:, :, :f], scale=scale, enable_gqa=h != hkv) for q, (k, v), f in heads], dim=1)
+
+    def _head_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``head_views``' keys and values of ragged storage, ``[B, 1, slots, D]`` per head, kept until storage
+        changes (keys and values are written in place until then; positions are not kept: eviction replaces them)."""
+        if "head_views" not in self._derived:
+            self._derived["head_views"] = [(k, v) for _, k, v, _ in self.head_views()]
+        return self._derived["head_views"]
 
     def _masked(self, query: torch.Tensor, keys: torch.Tensor, scale: float, q_pos: torch.Tensor) -> torch.Tensor:
         g = query.shape[1] // self.num_kv_heads
