@@ -44,16 +44,17 @@ class MergingScan:
         # them is not mergeable or past the end), non-decreasing in o.
         self.w = w = max(0, min(window, n - 1))
         ahead = torch.nn.functional.pad(self.kn, (0, 0, 0, w))  # tokens past the end read as zero keys
-        after_ok = torch.nn.functional.pad(mergeable, (0, w))
+        # ok[b, h, i, o]: token i+1+o is mergeable (a sliding window over the padded flags: a view).
+        ok = torch.nn.functional.pad(mergeable, (0, w)).unfold(-1, w, 1)[:, :, 1 : n + 1]
         sims = self.kn.new_empty((b, h, n, w))
         block = 256  # anchors per matmul
-        diag = torch.arange(block, device=keys.device)[:, None] + torch.arange(1, w + 1, device=keys.device)
         for start in range(0, n, block):
             r = min(block, n - start)
             near = torch.matmul(self.kn[:, :, start : start + r], ahead[:, :, start : start + r + w].transpose(-1, -2))
-            at = diag[:r].expand(b, h, r, w)
-            ok = after_ok[:, :, start:].gather(-1, at.reshape(b, h, -1)).view(b, h, r, w)
-            sims[:, :, start : start + r] = near.gather(-1, at).masked_fill_(~ok, float("-inf"))
+            # near[.., i, i + 1 + o]: anchor i's similarity with the o-th token after it, read as a strided view.
+            band = near.as_strided((b, h, r, w), (h * r * (r + w), r * (r + w), r + w + 1, 1), near.storage_offset() + 1)
+            sims[:, :, start : start + r] = band
+        sims.masked_fill_(~ok, float("-inf"))
         self.drops = -sims.cummin(-1).values if w else sims
 
     def starts(self, eps: torch.Tensor) -> torch.Tensor:
@@ -84,9 +85,11 @@ class MergingScan:
             sources.scatter_(-1, at[..., None], 1)
             stuck = jumps[-1].gather(-1, at[..., None])[..., 0]
             pending = stuck < n
-            if not bool(pending.any()):
+            live = pending.flatten(1).any(1).nonzero()[:, 0]  # the thresholds still walking (the loop's host sync)
+            if not live.numel():
                 break
-            stop = self._set_end(eps, stuck.clamp(max=n - 1), pending)
+            stop = torch.full_like(stuck, n)
+            stop[live] = self._set_end(eps[live], stuck[live].clamp(max=n - 1), pending[live])
             sources.scatter_(-1, stuck[..., None], 1)
             at = torch.where(pending, first_from.expand(e, -1, -1, -1).gather(-1, stop[..., None])[..., 0], n)
         # Every anchor reached from a source: T_k = T_{k+1} + jumps[k](T_{k+1}), from the longest jump down.
