@@ -418,8 +418,12 @@ class BudgetLayer(CacheLayerMixin):
             if self.slot_data.shape[-1]:
                 self.slot_data[:, :, f : f + n] = self.state_init
         else:
-            flat = self._flat_index(slots).reshape(b, hkv * n)
-            kernels.scatter_flat([self.keys, self.values], flat, [key_states, value_states])
+            if packed:  # every sequence writes the same slots (each head's fill): copies along the flat slot axis
+                flat = self._flat_index(slots[:1]).reshape(hkv * n)
+                for store, new in ((self.keys, key_states), (self.values, value_states)):
+                    store.index_copy_(1, flat, new.reshape(b, hkv * n, -1).to(store.dtype))
+            else:
+                kernels.scatter_flat([self.keys, self.values], self._flat_index(slots).reshape(b, hkv * n), [key_states, value_states])
             self.pos.scatter_(2, slots, positions[:, None, :].expand(b, hkv, n))
             if self.slot_data.shape[-1]:
                 f = self.slot_data.shape[-1]
