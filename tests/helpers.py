@@ -63,11 +63,14 @@ POLICY_PARAMS = {
     "merge": {"base": "h2o"},
     "trimkv": {},
     "trimkv-global": {},
+    "trimkv-morph": {"recent": 4, "gate_keep": 3},
     "locret": {"stabilizers": 2, "local": 2},
 }
 
 #: Gate kind of each learned policy (fresh, randomly initialised gates in tests).
-LEARNED = {"trimkv": "retention", "trimkv-global": "retention-global", "locret": "retaining-head"}
+LEARNED = {
+    "trimkv": "retention", "trimkv-global": "retention-global", "trimkv-morph": "retention", "locret": "retaining-head"
+}
 
 
 def policy_kwargs(name: str, budget: int | None) -> dict:

@@ -17,6 +17,7 @@ from kvgates.policies.streaming import StreamingLLM
 from kvgates.policies.tova import TOVA
 from kvgates.policies.trimkv import TrimKV
 from kvgates.policies.trimkv_global import TrimKVGlobal
+from kvgates.policies.trimkv_morph import TrimKVMorph
 
 __all__ = [
     "POLICIES",
@@ -40,4 +41,5 @@ __all__ = [
     "TOVA",
     "TrimKV",
     "TrimKVGlobal",
+    "TrimKVMorph",
 ]

@@ -1,0 +1,86 @@
+"""TRIM-KV gates inside MorphKV's selection: MorphKV at ``gate_keep = 0``, TRIM-KV with a recent window at
+``gate_keep = budget - recent``, the gates' choice kept in between."""
+
+import pytest
+import torch
+from helpers import policy_on
+
+import kvgates
+from kvgates import BudgetCache
+from kvgates.gates import RetentionGates
+from kvgates.policies.trimkv import LOG_BETA
+
+BUDGET, RECENT, PROMPT, DECODE = 12, 4, 40, 16
+
+
+def held_positions(model, policy, ids) -> list[list[list[int]]]:
+    """After a prompt and teacher-forced decode steps: the positions each layer's heads hold, after every step."""
+    cache = BudgetCache(model.config, policy)
+    seen = []
+    with torch.no_grad():
+        for a, z in [(0, PROMPT)] + [(t, t + 1) for t in range(PROMPT, ids.shape[1])]:
+            model(ids[:, a:z], past_key_values=cache)
+            seen.append([sorted(p for p in layer.pos[0, h].tolist() if p >= 0)
+                         for layer in cache.budget_layers for h in range(layer.num_kv_heads)])
+    return seen
+
+
+@pytest.fixture
+def setup(tiny):
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, PROMPT + DECODE), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(0)
+    gates = RetentionGates.for_model(model, init_bias=2.0)
+    return model, ids, gates
+
+
+def run(model, ids, name, gates=None, **params):
+    if gates is not None:
+        params["gates"] = gates
+    policy = kvgates.make_policy(name, budget=BUDGET, **params).attach(model)
+    try:
+        return held_positions(model, policy, ids)
+    finally:
+        policy.detach()
+
+
+def test_without_gate_tokens_it_is_morphkv(setup):
+    model, ids, gates = setup
+    assert run(model, ids, "trimkv-morph", gates, recent=RECENT, gate_keep=0) == run(model, ids, "morphkv", recent=RECENT)
+
+
+def test_with_every_older_slot_to_the_gates_it_is_trimkv_with_a_recent_window(setup):
+    model, ids, gates = setup
+    got = run(model, ids, "trimkv-morph", gates, recent=RECENT, gate_keep=BUDGET - RECENT)
+    assert got == run(model, ids, "trimkv", gates, window=RECENT)
+
+
+def test_the_gates_best_older_tokens_survive_every_eviction(tiny):
+    """After each decode eviction a head holds the budget, its recent window, and the ``gate_keep`` older tokens of
+    highest decayed retention among those it held before."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, PROMPT + DECODE), generator=torch.Generator().manual_seed(4))
+    with policy_on(model, "trimkv-morph", BUDGET, recent=RECENT, gate_keep=5) as policy:
+        cache = BudgetCache(model.config, policy)
+        with torch.no_grad():
+            model(ids[:, :PROMPT], past_key_values=cache)
+            for t in range(PROMPT, ids.shape[1]):
+                before = [(layer.pos.clone(), layer.state[LOG_BETA].clone()) for layer in cache.budget_layers]
+                model(ids[:, t : t + 1], past_key_values=cache)
+                for layer, (pos, log_beta) in zip(cache.budget_layers, before):
+                    assert bool((layer.held() == BUDGET).all())
+                    for b in range(2):
+                        for h in range(layer.num_kv_heads):
+                            held = set(layer.pos[b, h].tolist()) - {-1}
+                            old = {p: lb for p, lb in zip(pos[b, h].tolist(), log_beta[b, h].tolist()) if p >= 0}
+                            assert set(range(t - RECENT + 1, t + 1)) <= held
+                            older = sorted((p for p in old if p <= t - RECENT), key=lambda p: (-(t - p) * old[p], -p))
+                            assert set(older[:5]) <= held
+
+
+def test_bad_parameters_fail_clearly(setup):
+    model, _, gates = setup
+    with pytest.raises(ValueError, match="must fit the budget"):
+        kvgates.make_policy("trimkv-morph", budget=BUDGET, gates=gates, recent=RECENT, gate_keep=BUDGET)
+    with pytest.raises(ValueError, match="gates are required"):
+        kvgates.make_policy("trimkv-morph", budget=BUDGET)
