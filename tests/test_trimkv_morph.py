@@ -84,3 +84,11 @@ def test_bad_parameters_fail_clearly(setup):
         kvgates.make_policy("trimkv-morph", budget=BUDGET, gates=gates, recent=RECENT, gate_keep=BUDGET)
     with pytest.raises(ValueError, match="gates are required"):
         kvgates.make_policy("trimkv-morph", budget=BUDGET)
+
+
+def test_on_the_embedded_model_it_uses_the_shipped_128_trimkv_adapter():
+    """The adapter chosen on the validation essays (configs/eval/dev.yaml) at both budgets."""
+    from kvgates.gates.embedded import default_gates
+
+    assert default_gates("smollm2-135m", "trimkv-morph", 128) == default_gates("smollm2-135m", "trimkv-morph", 512)
+    assert default_gates("smollm2-135m", "trimkv-morph", 256) == "smollm2-135m-trimkv-128"

@@ -20,7 +20,7 @@ EMBEDDED_DIR = Path(__file__).with_name("embedded")
 #: one trained at the budget nearest the requested one is used (``default_gates``).
 DEFAULTS = {
     ("smollm2-135m", "trimkv"): ("smollm2-135m-trimkv", "smollm2-135m-trimkv-128"),
-    ("smollm2-135m", "trimkv-morph"): ("smollm2-135m-trimkv", "smollm2-135m-trimkv-128"),
+    ("smollm2-135m", "trimkv-morph"): ("smollm2-135m-trimkv-128",),  # best at 128 and 256 on validation
     ("smollm2-135m", "trimkv-global"): ("smollm2-135m-trimkv-global",),
     ("smollm2-135m", "locret"): ("smollm2-135m-locret",),
 }
