@@ -16,6 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the workbench pa
 
 import kvgates  # noqa: E402
 from data.corpus import paul_graham_essays  # noqa: E402
+from kvgates.gates import GATE_KINDS  # noqa: E402
+from kvgates.policies.learned import LearnedPolicy  # noqa: E402
 from kvgates.policies.wrappers import parse_params  # noqa: E402
 
 
@@ -63,14 +65,15 @@ def _load(args: argparse.Namespace):
 
 def bench_policy(model, spec: str, budget: int, **params: Any) -> kvgates.Policy:
     """The policy ``spec`` (a name, or ``name:key=value,...`` as the benches' ``--policies`` take it, e.g.
-    ``adakv:ragged=false``) at ``budget`` (``full``: no budget) with ``params``. TRIM-KV gets fresh gates of the
-    model's shape (untrained gates cost what trained ones do). Run it under ``attached``."""
+    ``adakv:ragged=false``) at ``budget`` (``full``: no budget) with ``params``. Learned policies get fresh gates of
+    the model's shape (untrained gates cost what trained ones do). Run it under ``attached``."""
     name, _, given = spec.partition(":")
     params = {**parse_params(given), **params}
     if name != "full":
         params["budget"] = budget
-    if name == "trimkv":
-        params["gates"] = kvgates.RetentionGates.for_model(model, training_budget=budget)
+    cls = kvgates.POLICIES[name]
+    if issubclass(cls, LearnedPolicy):
+        params["gates"] = GATE_KINDS[cls.gate_kinds[0]].for_model(model, training_budget=budget)
     return kvgates.make_policy(name, **params)
 
 

@@ -28,13 +28,14 @@ import kvgates
 
 POLICIES = [
     "full", "snapkv", "pyramidkv", "adakv", "dynamickv", "kvmerger",
-    "streaming_llm", "h2o", "tova", "morphkv", "trimkv", "d2o",
+    "streaming_llm", "h2o", "tova", "morphkv", "trimkv", "trimkv-morph", "d2o",
 ]
 #: Policies that evict on every decode step, and the parameter that amortises their evictions over ``slack + 1``
 #: steps (``PerStepEviction.slack``; MorphKV's ``evict_every`` and TRIM-KV's ``buffer`` are the same mechanism).
 AMORTISED = {
     "streaming_llm": lambda s: {"slack": s}, "h2o": lambda s: {"slack": s}, "tova": lambda s: {"slack": s},
-    "morphkv": lambda s: {"evict_every": s + 1}, "trimkv": lambda s: {"buffer": s}, "d2o": lambda s: {"slack": s},
+    "morphkv": lambda s: {"evict_every": s + 1}, "trimkv": lambda s: {"buffer": s},
+    "trimkv-morph": lambda s: {"evict_every": s + 1}, "d2o": lambda s: {"slack": s},
 }
 
 

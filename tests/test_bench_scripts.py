@@ -33,11 +33,11 @@ def test_train_step_bench_runs_on_a_small_random_model():
 def test_decode_speed_bench_runs_on_a_small_random_model():
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "decode_speed.py"), "--model", "random", "--layers", "2", "--configs", "160:64",
-         "--batch", "1", "2", "--steps", "2", "--rounds", "1", "--slack", "4", "--policies", "snapkv", "h2o", "morphkv", "trimkv"],
+         "--batch", "1", "2", "--steps", "2", "--rounds", "1", "--slack", "4", "--policies", "snapkv", "h2o", "morphkv", "trimkv", "trimkv-morph"],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
-    rows = ("| DynamicCache 64 |", "| DynamicCache 160 |", "| snapkv |", "| h2o |", "| h2o slack=4 |", "| morphkv slack=4 |", "| trimkv slack=4 |")
+    rows = ("| DynamicCache 64 |", "| DynamicCache 160 |", "| snapkv |", "| h2o |", "| h2o slack=4 |", "| morphkv slack=4 |", "| trimkv slack=4 |", "| trimkv-morph slack=4 |")
     for row in rows:
         assert result.stdout.count(row) == 2, row  # batch 1 and batch 2
 
