@@ -37,7 +37,8 @@ def test_decode_speed_bench_runs_on_a_small_random_model():
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
-    rows = ("| DynamicCache 64 |", "| DynamicCache 160 |", "| snapkv |", "| h2o |", "| h2o slack=4 |", "| morphkv slack=4 |", "| trimkv slack=4 |", "| trimkv-morph slack=4 |")
+    rows = ("| DynamicCache 64 |", "| DynamicCache 160 |", "| snapkv |", "| h2o |", "| h2o slack=4 |", "| morphkv slack=4 |",
+            "| trimkv slack=4 |", "| trimkv-morph slack=4 |")
     for row in rows:
         assert result.stdout.count(row) == 2, row  # batch 1 and batch 2
 
