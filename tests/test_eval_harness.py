@@ -344,7 +344,9 @@ def test_an_adapter_arm_is_keyed_by_its_weights(tmp_path, model):
     assert arm.identity() != before
 
 
-@pytest.mark.parametrize("path", ["configs/eval/ab.yaml", "configs/eval/demo.yaml", "configs/eval/needle_seed.yaml"])
+@pytest.mark.parametrize(
+    "path", ["configs/eval/ab.yaml", "configs/eval/demo.yaml", "configs/eval/needle_seed.yaml", "configs/eval/dev.yaml", "configs/eval/reference.yaml"]
+)
 def test_committed_configs_are_valid(path):
     config = ABConfig.load(path)
     assert config.tasks and config.arms and config.pairs()
