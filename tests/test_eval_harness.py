@@ -344,9 +344,10 @@ def test_an_adapter_arm_is_keyed_by_its_weights(tmp_path, model):
     assert arm.identity() != before
 
 
-@pytest.mark.parametrize(
-    "path", ["configs/eval/ab.yaml", "configs/eval/demo.yaml", "configs/eval/needle_seed.yaml", "configs/eval/dev.yaml", "configs/eval/reference.yaml"]
-)
+COMMITTED = ["ab", "demo", "needle_seed", "dev", "reference"]
+
+
+@pytest.mark.parametrize("path", [f"configs/eval/{name}.yaml" for name in COMMITTED])
 def test_committed_configs_are_valid(path):
     config = ABConfig.load(path)
     assert config.tasks and config.arms and config.pairs()
