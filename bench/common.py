@@ -71,8 +71,8 @@ def bench_policy(model, spec: str, budget: int, **params: Any) -> kvgates.Policy
     params = {**parse_params(given), **params}
     if name != "full":
         params["budget"] = budget
-    cls = kvgates.POLICIES[name]
-    if issubclass(cls, LearnedPolicy):
+    cls = kvgates.POLICIES.get(name)  # an unknown name is make_policy's error, which lists the policies
+    if cls is not None and issubclass(cls, LearnedPolicy):
         params["gates"] = GATE_KINDS[cls.gate_kinds[0]].for_model(model, training_budget=budget)
     return kvgates.make_policy(name, **params)
 

@@ -31,7 +31,7 @@ class MergingScan:
     def __init__(self, keys: torch.Tensor, mergeable: torch.Tensor, window: int = 128):
         b, h, n, _ = keys.shape
         self.kn = torch.nn.functional.normalize(keys.float(), dim=-1)
-        self.mergeable, self.n = mergeable, n
+        self.n = n
         self.idx = torch.arange(n + 1, device=keys.device)
         # For ``_set_end``: transposed keys with a column past the end, and the tokens that stop every set (not
         # mergeable, or that column), so a set ends at the first token flagged or not similar enough.
