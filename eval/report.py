@@ -120,7 +120,10 @@ def verdict_counts(comparisons: list[Comparison]) -> list[str]:
     for a, (won, lost, open_, few) in tally.items():
         line = f"{a} against its comparison arms: {won} wins, {lost} losses, {open_} without a clear difference"
         line += f" ({few} of them with fewer than {MIN_PAIRS} paired examples)" if few else ""
-        lines.append(line + f", over {won + lost + open_} comparisons (each task's primary metric at each budget).")
+        lines.append(
+            line + f", over {won + lost + open_} comparisons (each task's primary metric at each budget, and across "
+            "budgets where the two held matched memory)."
+        )
     return lines
 
 

@@ -18,13 +18,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kvgates
 from eval.config import UNTRAINED, UNTRAINED_GATES, ABConfig, ArmSpec, ConfigError, TaskSpec, build_policy, load_adapter
-from eval.stats import Comparison, compare
+from eval.stats import MATCHED_KV, Comparison, compare
 from eval.tasks import Example, binary_metric, build_examples, cost, metrics_of, run_batch
 from kvgates.errors import AdapterError
 from kvgates.gates import GATE_KINDS
@@ -219,26 +220,37 @@ def _compute(config: ABConfig, model: PreTrainedModel, tokenizer: PreTrainedToke
 
 def comparisons(config: ABConfig, rows: list[dict]) -> list[Comparison]:
     """The configured pairs on every task at every budget: the primary metric, with McNemar on a binary one.
-    Pairs are formed over the examples both arms have results for (all of them once a run is complete)."""
+    Pairs are formed over the examples both arms have results for (all of them once a run is complete).
+
+    Each pair is also compared across budgets wherever a's point at one budget and b's at another held matched
+    memory (mean KV within ``MATCHED_KV`` of each other): a policy that appends while decoding holds at a small
+    budget what an evicting one holds at a larger one, and the framework's comparisons are at matched memory."""
     by = {(r["task"], r["arm"], r["budget"], r["example"]): r for r in rows}
     found = []
     for task in config.tasks:
         primary, binary = metrics_of(task)[0], binary_metric(task)
         indices = sorted({r["example"] for r in rows if r["task"] == task.name})
-        for budget in config.task_budgets(task):
-            for a, b in config.pairs():
-                ka, kb = ((task.name, x, budget if config.arm(x).budgeted else None) for x in (a, b))
+        budgets = config.task_budgets(task)
+        for a, b in config.pairs():
+            both_budgeted = config.arm(a).budgeted and config.arm(b).budgeted
+            cross = [(x, y) for x in budgets for y in budgets if x != y] if both_budgeted else []
+            for budget, budget_b in [(x, x) for x in budgets] + cross:
+                ka, kb = ((task.name, arm, bud if config.arm(arm).budgeted else None) for arm, bud in ((a, budget), (b, budget_b)))
                 shared = [i for i in indices if (*ka, i) in by and (*kb, i) in by]
                 if not shared:
                     continue
                 ra, rb = [by[(*ka, i)] for i in shared], [by[(*kb, i)] for i in shared]
+                kv_a, kv_b = (float(np.mean([r["kv_bytes"] for r in rs])) / 2**20 for rs in (ra, rb))
+                if budget != budget_b and max(kv_a, kv_b) > MATCHED_KV * min(kv_a, kv_b):
+                    continue
                 values = lambda rs, m: [r["metrics"][m] for r in rs]  # noqa: E731
                 found.append(
                     compare(
                         values(ra, primary.name), values(rb, primary.name), task=task.name, budget=budget, a=a, b=b,
                         metric=primary.name, higher_is_better=primary.higher_is_better,
                         binary_a=values(ra, binary.name) if binary else None, binary_b=values(rb, binary.name) if binary else None,
-                        n_boot=config.n_boot, seed=config.seed,
+                        n_boot=config.n_boot, seed=config.seed, kv_a=kv_a, kv_b=kv_b,
+                        budget_b=None if budget == budget_b else budget_b,
                     )
                 )
     return found

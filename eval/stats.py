@@ -8,7 +8,9 @@ lower-is-better metric such as KL it is ``B - A``).
   vectorised over any leading axes so that a thousand simulated experiments run in one call.
 * ``win_tie_loss``: how many examples A did better on, the same, worse.
 * ``mcnemar_exact``: the exact (binomial) McNemar test for a binary outcome (answer correct or not).
-* ``compare`` puts them together into a ``Comparison``; ``Comparison.sentence`` is the one-line verdict.
+* ``compare`` puts them together into a ``Comparison``; ``Comparison.sentence`` is the one-line verdict, which
+  names the memory each arm held when it differs by more than ``MATCHED_KV`` (or when the two arms ran at
+  different budgets: a comparison at matched memory, see ``eval.runner.comparisons``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import numpy as np
 
 #: Fewer paired examples than this never make a verdict: a percentile bootstrap of 2-4 values is no interval.
 MIN_PAIRS = 5
+#: Two points hold matched memory when the larger mean KV is at most this many times the smaller.
+MATCHED_KV = 1.1
 
 
 def bootstrap_ci(diffs: np.ndarray, n_boot: int = 2000, level: float = 0.95, seed: int = 0, chunk: int = 64) -> tuple[np.ndarray, np.ndarray]:
@@ -94,6 +98,11 @@ class Comparison:
     exact_a: int | None = None
     exact_b: int | None = None
     mcnemar_p: float | None = None
+    #: Mean KV MiB each arm held per sequence on the paired examples (None: not recorded).
+    kv_a: float | None = None
+    kv_b: float | None = None
+    #: Arm b's budget when it differs from a's: a comparison across budgets at matched memory.
+    budget_b: int | None = None
 
     @property
     def decided(self) -> bool:
@@ -103,6 +112,14 @@ class Comparison:
     def sentence(self) -> str:
         """The verdict in one plain sentence, the winner first (e.g. "trimkv beats snapkv at 256 by 0.31 KL ...")."""
         where = f"at {self.budget} on {self.task}"
+        if self.budget_b is not None:
+            where = (
+                f"at matched memory on {self.task} ({self.a}@{self.budget}: {self.kv_a:.2f} MiB, "
+                f"{self.b}@{self.budget_b}: {self.kv_b:.2f} MiB)"
+            )
+        elif self.kv_a and self.kv_b and max(self.kv_a, self.kv_b) > MATCHED_KV * min(self.kv_a, self.kv_b):
+            more, ratio = (self.a, self.kv_a / self.kv_b) if self.kv_a > self.kv_b else (self.b, self.kv_b / self.kv_a)
+            where += f" ({more} holding {ratio:.2f}x the KV)"
         if self.decided and self.improvement > 0:
             head = f"{self.a} beats {self.b} {where} by {self.improvement:.3g} {self.metric}"
             ci, wins, losses = (self.ci_low, self.ci_high), self.wins, self.losses
@@ -138,10 +155,15 @@ def compare(
     binary_b: np.ndarray | None = None,
     n_boot: int = 2000,
     seed: int = 0,
+    kv_a: float | None = None,
+    kv_b: float | None = None,
+    budget_b: int | None = None,
 ) -> Comparison:
     """Paired comparison of per-example ``values_a`` and ``values_b`` (same examples, same order).
 
     ``binary_a``/``binary_b`` (optional): per-example binary outcomes (exact answers) for the McNemar test.
+    ``kv_a``/``kv_b`` (optional): the mean KV MiB each arm held, named in the verdict when they differ by more
+    than ``MATCHED_KV``; ``budget_b``: b's budget when it is not ``budget`` (a comparison at matched memory).
     """
     va, vb = np.asarray(values_a, dtype=np.float64), np.asarray(values_b, dtype=np.float64)
     if va.shape != vb.shape or va.ndim != 1 or not len(va):
@@ -157,5 +179,6 @@ def compare(
     return Comparison(
         task=task, budget=budget, a=a, b=b, metric=metric, higher_is_better=higher_is_better, n=len(va),
         mean_a=float(va.mean()), mean_b=float(vb.mean()), improvement=float(improvement.mean()),
-        ci_low=float(low), ci_high=float(high), wins=wins, ties=ties, losses=losses, **extra,
+        ci_low=float(low), ci_high=float(high), wins=wins, ties=ties, losses=losses, kv_a=kv_a, kv_b=kv_b,
+        budget_b=budget_b, **extra,
     )

@@ -325,6 +325,31 @@ def test_best_heuristic_follows_the_metric_direction(tmp_path):
     assert best_heuristic(config, summary, needle, 32) is None
 
 
+def test_arms_are_also_compared_across_budgets_at_matched_memory(tmp_path):
+    from eval.runner import comparisons
+
+    arms = ["h2o", {"policy": "trimkv", "gates": "untrained"}]
+    config = small_config(tmp_path, arms=arms, comparisons=[["trimkv (untrained)", "h2o"]], tasks=[TASKS[3]])
+    mib = 2**20
+    # as if h2o appended while decoding (as snapkv does): at budget 16 it ends holding 1.05x what trimkv holds at 32.
+    held = {("trimkv (untrained)", 16): 1 * mib, ("trimkv (untrained)", 32): 2 * mib, ("h2o", 16): 2.1 * mib, ("h2o", 32): 2.1 * mib}
+    kl = {("trimkv (untrained)", 16): 0.5, ("trimkv (untrained)", 32): 0.1, ("h2o", 16): 0.3, ("h2o", 32): 0.05}
+    rows = [
+        {"task": "fidelity", "arm": arm, "budget": budget, "example": i, "kv_bytes": held[(arm, budget)],
+         "metrics": {"kl": kl[(arm, budget)] + 0.01 * i}}
+        for (arm, budget) in held for i in range(6)
+    ]
+    found = {(c.budget, c.budget_b): c for c in comparisons(config, rows)}
+    assert set(found) == {(16, None), (32, None), (32, 16)}  # trimkv@16 against snapkv@32: 2.1x, not matched
+    matched = found[(32, 16)]
+    assert (matched.mean_a, matched.mean_b, matched.kv_a, matched.kv_b) == pytest.approx((0.125, 0.325, 2.0, 2.1))
+    assert matched.sentence().startswith(
+        "trimkv (untrained) beats h2o at matched memory on fidelity (trimkv (untrained)@32: 2.00 MiB, h2o@16: 2.10 MiB) by 0.2 kl"
+    )
+    assert "at 16 on fidelity (h2o holding 2.10x the KV)" in found[(16, None)].sentence()
+    assert found[(32, None)].sentence().startswith("h2o beats trimkv (untrained) at 32 on fidelity by")  # 1.05x: no remark
+
+
 def test_every_data_task_is_an_answer_task_of_the_harness():
     from data.tasks import TASKS
     from eval.config import ANSWER_OPTIONS
