@@ -112,18 +112,17 @@ def task_table(config: ABConfig, task: TaskSpec, budget: int, summary: Summary) 
 
 def verdict_counts(comparisons: list[Comparison]) -> list[str]:
     """Per compared arm: how many comparisons it won, lost, and left undecided (and how many had too few pairs)."""
-    tally: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    tally: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
     for c in comparisons:
         tally[c.a][0 if c.decided and c.improvement > 0 else 1 if c.decided else 2] += 1
         tally[c.a][3] += c.n < MIN_PAIRS
+        tally[c.a][4] += c.budget_b is not None
     lines = []
-    for a, (won, lost, open_, few) in tally.items():
+    for a, (won, lost, open_, few, across) in tally.items():
         line = f"{a} against its comparison arms: {won} wins, {lost} losses, {open_} without a clear difference"
         line += f" ({few} of them with fewer than {MIN_PAIRS} paired examples)" if few else ""
-        lines.append(
-            line + f", over {won + lost + open_} comparisons (each task's primary metric at each budget, and across "
-            "budgets where the two held matched memory)."
-        )
+        line += f", over {won + lost + open_} comparisons (each task's primary metric at each budget"
+        lines.append(line + (f"; {across} across budgets at matched memory)." if across else ")."))
     return lines
 
 

@@ -111,15 +111,7 @@ class Comparison:
 
     def sentence(self) -> str:
         """The verdict in one plain sentence, the winner first (e.g. "trimkv beats snapkv at 256 by 0.31 KL ...")."""
-        where = f"at {self.budget} on {self.task}"
-        if self.budget_b is not None:
-            where = (
-                f"at matched memory on {self.task} ({self.a}@{self.budget}: {self.kv_a:.2f} MiB, "
-                f"{self.b}@{self.budget_b}: {self.kv_b:.2f} MiB)"
-            )
-        elif self.kv_a and self.kv_b and max(self.kv_a, self.kv_b) > MATCHED_KV * min(self.kv_a, self.kv_b):
-            more, ratio = (self.a, self.kv_a / self.kv_b) if self.kv_a > self.kv_b else (self.b, self.kv_b / self.kv_a)
-            where += f" ({more} holding {ratio:.2f}x the KV)"
+        where = f"at {self.budget} on {self.task}" if self.budget_b is None else f"at matched memory on {self.task}"
         if self.decided and self.improvement > 0:
             head = f"{self.a} beats {self.b} {where} by {self.improvement:.3g} {self.metric}"
             ci, wins, losses = (self.ci_low, self.ci_high), self.wins, self.losses
@@ -135,7 +127,17 @@ class Comparison:
             text += f" {self.ties} ties"
         if self.mcnemar_p is not None:
             text += f"; exact answers {self.exact_a} vs {self.exact_b} of {self.n}, McNemar p = {self.mcnemar_p:.3g}"
-        return text + "."
+        return text + self._memory() + "."
+
+    def _memory(self) -> str:
+        """What the verdict says about memory: both points' KV across budgets; otherwise which arm held more than
+        ``MATCHED_KV`` times the other's, if one did."""
+        if self.budget_b is not None:
+            return f"; {self.a}@{self.budget} held {self.kv_a:.2f} MiB, {self.b}@{self.budget_b} {self.kv_b:.2f} MiB"
+        if not (self.kv_a and self.kv_b) or max(self.kv_a, self.kv_b) <= MATCHED_KV * min(self.kv_a, self.kv_b):
+            return ""
+        more, ratio = (self.a, self.kv_a / self.kv_b) if self.kv_a > self.kv_b else (self.b, self.kv_b / self.kv_a)
+        return f"; {more} held {ratio:.2f}x the KV"
 
     def to_dict(self) -> dict:
         return {**asdict(self), "sentence": self.sentence()}

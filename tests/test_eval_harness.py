@@ -326,6 +326,7 @@ def test_best_heuristic_follows_the_metric_direction(tmp_path):
 
 
 def test_arms_are_also_compared_across_budgets_at_matched_memory(tmp_path):
+    from eval.report import verdict_counts
     from eval.runner import comparisons
 
     arms = ["h2o", {"policy": "trimkv", "gates": "untrained"}]
@@ -343,11 +344,13 @@ def test_arms_are_also_compared_across_budgets_at_matched_memory(tmp_path):
     assert set(found) == {(16, None), (32, None), (32, 16)}  # trimkv@16 against snapkv@32: 2.1x, not matched
     matched = found[(32, 16)]
     assert (matched.mean_a, matched.mean_b, matched.kv_a, matched.kv_b) == pytest.approx((0.125, 0.325, 2.0, 2.1))
-    assert matched.sentence().startswith(
-        "trimkv (untrained) beats h2o at matched memory on fidelity (trimkv (untrained)@32: 2.00 MiB, h2o@16: 2.10 MiB) by 0.2 kl"
-    )
-    assert "at 16 on fidelity (h2o holding 2.10x the KV)" in found[(16, None)].sentence()
-    assert found[(32, None)].sentence().startswith("h2o beats trimkv (untrained) at 32 on fidelity by")  # 1.05x: no remark
+    assert matched.sentence().startswith("trimkv (untrained) beats h2o at matched memory on fidelity by 0.2 kl")
+    assert matched.sentence().endswith("6 wins 0 losses; trimkv (untrained)@32 held 2.00 MiB, h2o@16 2.10 MiB.")
+    assert found[(16, None)].sentence().endswith("; h2o held 2.10x the KV.")
+    assert found[(32, None)].sentence().endswith("6 wins 0 losses.")  # 1.05x: matched, no remark
+    (tally,) = verdict_counts(list(found.values()))
+    assert tally.startswith("trimkv (untrained) against its comparison arms: 1 wins, 2 losses, 0 without")
+    assert tally.endswith("over 3 comparisons (each task's primary metric at each budget; 1 across budgets at matched memory).")
 
 
 def test_every_data_task_is_an_answer_task_of_the_harness():
