@@ -194,27 +194,30 @@ def _compute(config: ABConfig, model: PreTrainedModel, tokenizer: PreTrainedToke
             for batch in batches(task, examples[task.name], config):
                 shared: dict = {}  # the batch's full-cache references, computed once for every arm
                 for arm, budget in _runs(config, task):
-                    keys = [_key(config, task, ex.index, arm, budget) for ex in batch]
-                    if all(k in done for k in keys):
+                    # Only the batch's examples not journalled yet: a run with more examples than the one it reuses
+                    # has batches that are partly done.
+                    todo = [ex for ex in batch if _key(config, task, ex.index, arm, budget) not in done]
+                    if not todo:
                         continue
+                    keys = [_key(config, task, ex.index, arm, budget) for ex in todo]
                     bar.set_postfix_str(f"{task.name} {arm.label}" + (f"@{budget}" if budget else ""), refresh=False)
-                    reference = [done[_key(config, task, ex.index, full_arm, None)] for ex in batch] if arm.budgeted else None
+                    reference = [done[_key(config, task, ex.index, full_arm, None)] for ex in todo] if arm.budgeted else None
                     policy = build_policy(arm, budget, gates[arm.label]).attach(model)
                     t0 = time.perf_counter()
                     try:
-                        results = run_batch(task, model, tokenizer, policy, batch, reference, config.prefill_chunk, shared)
+                        results = run_batch(task, model, tokenizer, policy, todo, reference, config.prefill_chunk, shared)
                     finally:
                         policy.detach()
-                    seconds = (time.perf_counter() - t0) / len(batch)
+                    seconds = (time.perf_counter() - t0) / len(todo)
                     with journal.open("a") as f:
-                        for ex, key, result in zip(batch, keys, results):
+                        for ex, key, result in zip(todo, keys, results):
                             row = {
                                 "key": key, "task": task.name, "kind": task.task, "example": ex.index, "arm": arm.label,
                                 "policy": arm.policy, "budget": budget, "meta": ex.meta, "seconds": round(seconds, 3), **result,
                             }
                             done[key] = row
                             f.write(json.dumps(row) + "\n")
-                    bar.update(sum(cost(task, ex) for ex in batch))
+                    bar.update(sum(cost(task, ex) for ex in todo))
     bar.close()
 
 

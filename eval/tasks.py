@@ -131,7 +131,8 @@ def run_batch(
     """One arm on one batch: per example ``{metrics, kv_bytes, state_bytes, ...}``.
 
     ``reference``: the full cache's results on the same examples (``None`` when this *is* the full cache);
-    ``cache``: a per-batch dict where references computed once (log-probabilities) are kept for the other arms.
+    ``cache``: a per-batch dict where references computed once (log-probabilities, by the examples they are of) are
+    kept for the other arms.
     """
     prompts = [ex.prompt for ex in batch]
     if task.answer:
@@ -165,10 +166,11 @@ def run_batch(
         return out
     completions = [torch.tensor(ref["tokens"]) for ref in reference]
     fid_batch = make_batch(prompts, completions, tokenizer.pad_token_id)
-    if "logprobs" not in cache:
-        cache["logprobs"] = reference_logprobs(model, fid_batch)
+    examples = tuple(ex.index for ex in batch)  # arms may run different parts of a batch (the rest journalled)
+    if examples not in cache:
+        cache[examples] = reference_logprobs(model, fid_batch)
     out = []
-    for fid in completion_fidelity(model, policy, fid_batch, cache["logprobs"], prefill_chunk):
+    for fid in completion_fidelity(model, policy, fid_batch, cache[examples], prefill_chunk):
         metrics = {"kl": fid.mean_kl, "top1": float(fid.top1.float().mean()), "first_divergence": float(fid.first_divergence)}
         out.append({"metrics": metrics, "kl_curve": [round(x, 6) for x in fid.kl.tolist()], "kv_bytes": fid.kv_bytes, "state_bytes": fid.state_bytes})
     return out

@@ -286,6 +286,24 @@ def test_more_examples_of_a_text_task_keep_the_first_ones_and_their_keys(tmp_pat
     assert needle.identity("m", 0, None) != more.identity("m", 0, None)
 
 
+def test_more_examples_run_only_the_new_ones_of_a_partly_journalled_batch(tmp_path, tok, model, monkeypatch):
+    fidelity = {**TASKS[3], "examples": 2}
+    small = small_config(tmp_path, tasks=[fidelity], arms=["h2o"], budgets=[16], output_dir=str(tmp_path / "a"), batch_tokens=2000)
+    run_ab(small, model, tok)
+    ran = []
+    original = runner_module.run_batch
+    monkeypatch.setattr(runner_module, "run_batch", lambda *a, **k: ran.append([ex.index for ex in a[4]]) or original(*a, **k))
+    more = small_config(tmp_path, tasks=[{**fidelity, "examples": 5}], arms=["h2o"], budgets=[16], output_dir=str(tmp_path / "a"), batch_tokens=2000)
+    extended = run_ab(more, model, tok)
+    assert ran == [[2, 3, 4], [2, 3, 4]]  # the full cache's references, then h2o: one batch, its first two journalled
+    lines = (tmp_path / "a" / JOURNAL).read_text().splitlines()
+    assert len(lines) == len(extended.rows) == 10  # no example journalled twice
+    fresh = run_ab(small_config(tmp_path, tasks=[{**fidelity, "examples": 5}], arms=["h2o"], budgets=[16],
+                                output_dir=str(tmp_path / "b"), batch_tokens=2000), model, tok)
+    kl = lambda rows: [r["metrics"]["kl"] for r in rows if r["arm"] == "h2o"]  # noqa: E731
+    assert kl(extended.rows) == pytest.approx(kl(fresh.rows), abs=1e-5)
+
+
 def test_a_run_reuses_the_results_another_run_journalled_under_the_same_keys(tmp_path, tok, model, monkeypatch):
     tasks = [TASKS[0], TASKS[3]]
     first = run_ab(small_config(tmp_path, tasks=tasks, arms=["h2o"], budgets=[16], output_dir=str(tmp_path / "a")), model, tok)
@@ -372,7 +390,7 @@ def test_an_adapter_arm_is_keyed_by_its_weights(tmp_path, model):
     assert arm.identity() != before
 
 
-COMMITTED = ["ab", "demo", "needle_seed", "dev", "reference"]
+COMMITTED = ["ab", "demo", "needle_seed", "dev", "reference", "fidelity"]
 
 
 @pytest.mark.parametrize("path", [f"configs/eval/{name}.yaml" for name in COMMITTED])
