@@ -10,6 +10,7 @@
       - {policy: trimkv, gates: untrained}                  # freshly initialised gates, labelled "(untrained)"
       - {policy: trimkv, gates: checkpoints/run/adapter, label: trimkv}    # an adapter folder or a Hub id
       - {policy: trimkv, gates: smollm2-135m-trimkv}        # or the name of an adapter shipped in the package
+      - {policy: h2o, budgets: [128, 640], label: h2o-640}  # some of the run's budgets only
     tasks:
       - {task: needle, context_tokens: [2000, 4000], examples: 10}       # lengths x evenly spaced depths
       - {task: multikey, context_tokens: 2000, examples: 10, keys: 4}
@@ -105,12 +106,15 @@ class ArmSpec:
         policy: registered policy name.
         params: policy parameters (the budget comes from the run's budgets).
         gates: learned policies only: an adapter folder, a Hub id, or ``"untrained"``.
+        budgets: the run's budgets this arm runs at (empty: all of them); e.g. an evicting arm at the budget a
+            prompt-only arm ends up holding, for a comparison at matched memory, without running every arm there.
     """
 
     label: str
     policy: str
     params: dict[str, Any] = field(default_factory=dict)
     gates: str | None = None
+    budgets: tuple[int, ...] = ()
 
     @property
     def budgeted(self) -> bool:
@@ -208,6 +212,12 @@ class ABConfig:
         """The budgets ``task`` runs at: its own list, else the run's."""
         return task.budgets or self.budgets
 
+    def arm_budgets(self, arm: ArmSpec, task: TaskSpec) -> tuple[int | None, ...]:
+        """The budgets ``arm`` runs ``task`` at (``(None,)`` for the full cache)."""
+        if not arm.budgeted:
+            return (None,)
+        return tuple(b for b in self.task_budgets(task) if not arm.budgets or b in arm.budgets)
+
     def arm(self, label: str) -> ArmSpec:
         return next(a for a in self.all_arms if a.label == label)
 
@@ -297,7 +307,10 @@ class ABConfig:
             if extra:
                 raise ConfigError(f"task {task.name!r} runs at budget {extra[0]!r}, which is not among the run's budgets {list(self.budgets)}")
         for arm in self.arms:
-            _check_arm(arm, self.budgets)
+            extra = sorted(set(arm.budgets) - set(self.budgets))
+            if extra:
+                raise ConfigError(f"arm {arm.label!r} runs at budget {extra[0]!r}, which is not among the run's budgets {list(self.budgets)}")
+            _check_arm(arm, arm.budgets or self.budgets)
         for journal in self.reuse:
             if not Path(journal).is_file():
                 raise ConfigError(f"reuse names {journal}, which is not a file; list the results.jsonl of an earlier run")
@@ -355,7 +368,7 @@ def _arm(entry: Any) -> ArmSpec:
         entry = {"policy": entry}
     if not isinstance(entry, dict) or "policy" not in entry:
         raise ConfigError(f"arm {entry!r} must be a policy name or a mapping with a 'policy' key")
-    _known(entry, ["policy", "params", "gates", "label"], f"arm {entry['policy']!r}")
+    _known(entry, ["policy", "params", "gates", "label", "budgets"], f"arm {entry['policy']!r}")
     policy, params, gates = entry["policy"], dict(entry.get("params") or {}), entry.get("gates")
     if policy not in kvgates.POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; available policies: {', '.join(sorted(kvgates.POLICIES))}")
@@ -365,7 +378,8 @@ def _arm(entry: Any) -> ArmSpec:
     if label is None:
         extra = ",".join(f"{k}={v}" for k, v in sorted(params.items()))
         label = policy + (f"[{extra}]" if extra else "") + (" (untrained)" if gates == UNTRAINED else "")
-    return ArmSpec(str(label), policy, params, None if gates is None else str(gates))
+    budgets = tuple(_list(entry.get("budgets", []), f"arm {label!r}: budgets"))
+    return ArmSpec(str(label), policy, params, None if gates is None else str(gates), budgets)
 
 
 def _task(entry: Any) -> TaskSpec:

@@ -61,7 +61,7 @@ def _colors(config: ABConfig) -> dict[str, tuple]:
 
 
 def _arm_budgets(config: ABConfig) -> list[tuple[str, int | None]]:
-    return [(a.label, b) for a in config.all_arms for b in (config.budgets if a.budgeted else [None])]
+    return [(a.label, b) for a in config.all_arms for b in ((a.budgets or config.budgets) if a.budgeted else [None])]
 
 
 def headline_table(config: ABConfig, summary: Summary) -> str:
@@ -99,6 +99,8 @@ def task_table(config: ABConfig, task: TaskSpec, budget: int, summary: Summary) 
     header = ["arm", "n"] + [m.name for m in metrics] + [f"{metrics[0].name} @{n}" for n in lengths] + ["KV MiB / seq", "state KiB / seq"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for arm in config.all_arms:
+        if arm.budgeted and budget not in config.arm_budgets(arm, task):
+            continue
         b = budget if arm.budgeted else None
         rows = summary.rows(task.name, arm.label, b)
         cells = [arm.label, str(len(rows))]
@@ -148,7 +150,7 @@ def plot_score_vs_kv(config: ABConfig, summary: Summary, path: Path, headline: b
     for ax, task in zip(axes.flat, config.tasks):
         m = metrics_of(task)[0]
         budgets = config.task_budgets(task)
-        series = [(arm.label, [(arm.label, b) for b in (budgets if arm.budgeted else [None])]) for arm in config.all_arms
+        series = [(arm.label, [(arm.label, b) for b in config.arm_budgets(arm, task)]) for arm in config.all_arms
                   if not headline or arm.learned or not arm.budgeted]
         if headline:
             best = [(best_heuristic(config, summary, task, b), b) for b in budgets]
@@ -248,7 +250,7 @@ def load_config(results: dict) -> ABConfig:
     tasks = tuple(
         TaskSpec(**{**t, **{k: tuple(t.get(k, ())) for k in ("context_tokens", "templates", "budgets")}}) for t in results["tasks"]
     )
-    arms = tuple(ArmSpec(**a) for a in results["arms"] if a["label"] != "full")
+    arms = tuple(ArmSpec(**{**a, "budgets": tuple(a.get("budgets", ()))}) for a in results["arms"] if a["label"] != "full")
     return ABConfig(
         model=results["model"], seed=results["seed"], split=results.get("split", "test"), budgets=tuple(results["budgets"]),
         arms=arms, tasks=tasks,

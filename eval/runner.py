@@ -83,7 +83,7 @@ def prepare_arms(config: ABConfig, model: PreTrainedModel) -> dict[str, kvgates.
                     g.check_model(model, strict=arm.params.get("strict", True))
                 except AdapterError as err:
                     raise ConfigError(f"arm {arm.label!r}: {err}") from None
-        for budget in config.budgets if arm.budgeted else [None]:
+        for budget in (arm.budgets or config.budgets) if arm.budgeted else [None]:
             try:
                 build_policy(arm, budget, g)
             except (ValueError, TypeError) as err:
@@ -118,7 +118,7 @@ def _key(config: ABConfig, task: TaskSpec, index: int, arm: ArmSpec, budget: int
 
 def _runs(config: ABConfig, task: TaskSpec) -> list[tuple[ArmSpec, int | None]]:
     """``(arm, budget)`` pairs of ``task``, the full cache first (once, unbudgeted)."""
-    return [(arm, budget) for arm in config.all_arms for budget in (config.task_budgets(task) if arm.budgeted else [None])]
+    return [(arm, budget) for arm in config.all_arms for budget in config.arm_budgets(arm, task)]
 
 
 def _keys(config: ABConfig) -> list[str]:

@@ -304,6 +304,22 @@ def test_more_examples_run_only_the_new_ones_of_a_partly_journalled_batch(tmp_pa
     assert kl(extended.rows) == pytest.approx(kl(fresh.rows), abs=1e-5)
 
 
+def test_an_arm_can_run_at_some_of_the_budgets(tmp_path, tok, model):
+    arms = ["h2o", {"policy": "tova", "budgets": [32], "label": "tova-32"}]
+    config = small_config(tmp_path, tasks=[TASKS[3]], arms=arms, budgets=[16, 32])
+    results = run_ab(config, model, tok)
+    ran = {(r["arm"], r["budget"]) for r in results.rows}
+    assert ran == {("full", None), ("h2o", 16), ("h2o", 32), ("tova-32", 32)}
+    write_report(results)
+    report = (tmp_path / "out" / "report.md").read_text()
+    at_16 = report.split("### fidelity, budget 16")[1].split("###")[0]
+    assert "| h2o |" in at_16 and "tova-32" not in at_16
+    assert "| tova-32 | 32 |" in report  # the headline row of the budget it ran at, none for the other
+    assert "| tova-32 | 16 |" not in report
+    with pytest.raises(ConfigError, match="arm 'tova-32' runs at budget 64, which is not among the run's budgets"):
+        small_config(tmp_path, arms=[{"policy": "tova", "budgets": [64], "label": "tova-32"}])
+
+
 def test_a_run_reuses_the_results_another_run_journalled_under_the_same_keys(tmp_path, tok, model, monkeypatch):
     tasks = [TASKS[0], TASKS[3]]
     first = run_ab(small_config(tmp_path, tasks=tasks, arms=["h2o"], budgets=[16], output_dir=str(tmp_path / "a")), model, tok)
