@@ -212,11 +212,12 @@ class ABConfig:
         """The budgets ``task`` runs at: its own list, else the run's."""
         return task.budgets or self.budgets
 
-    def arm_budgets(self, arm: ArmSpec, task: TaskSpec) -> tuple[int | None, ...]:
-        """The budgets ``arm`` runs ``task`` at (``(None,)`` for the full cache)."""
+    def arm_budgets(self, arm: ArmSpec, task: TaskSpec | None = None) -> tuple[int | None, ...]:
+        """The budgets ``arm`` runs ``task`` at (any task's when None; ``(None,)`` for the full cache)."""
         if not arm.budgeted:
             return (None,)
-        return tuple(b for b in self.task_budgets(task) if not arm.budgets or b in arm.budgets)
+        budgets = self.task_budgets(task) if task is not None else self.budgets
+        return tuple(b for b in budgets if not arm.budgets or b in arm.budgets)
 
     def arm(self, label: str) -> ArmSpec:
         return next(a for a in self.all_arms if a.label == label)
@@ -310,7 +311,7 @@ class ABConfig:
             extra = sorted(set(arm.budgets) - set(self.budgets))
             if extra:
                 raise ConfigError(f"arm {arm.label!r} runs at budget {extra[0]!r}, which is not among the run's budgets {list(self.budgets)}")
-            _check_arm(arm, arm.budgets or self.budgets)
+            _check_arm(arm, self.arm_budgets(arm))
         for journal in self.reuse:
             if not Path(journal).is_file():
                 raise ConfigError(f"reuse names {journal}, which is not a file; list the results.jsonl of an earlier run")
@@ -421,7 +422,7 @@ def _task(entry: Any) -> TaskSpec:
     return TaskSpec(name, kind, lengths, examples, names, max_new, opts, budgets)
 
 
-def _check_arm(arm: ArmSpec, budgets: tuple[int, ...]) -> None:
+def _check_arm(arm: ArmSpec, budgets: tuple[int | None, ...]) -> None:
     """Build the arm's policy at every budget (learned arms with their adapter) to surface bad parameters."""
     if arm.learned and arm.gates is None:
         raise ConfigError(f"arm {arm.label!r}: {arm.policy} is learned and needs 'gates' (an adapter folder, a Hub id or 'untrained')")
@@ -432,7 +433,7 @@ def _check_arm(arm: ArmSpec, budgets: tuple[int, ...]) -> None:
         if arm.gates == UNTRAINED:
             return  # built for the model in eval.runner.prepare_arms, where its parameters are checked too
         gates = load_adapter(arm.gates, arm.label)
-    for budget in budgets if arm.budgeted else [None]:
+    for budget in budgets:
         try:
             build_policy(arm, budget, gates)
         except (ValueError, TypeError) as err:

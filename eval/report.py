@@ -61,7 +61,7 @@ def _colors(config: ABConfig) -> dict[str, tuple]:
 
 
 def _arm_budgets(config: ABConfig) -> list[tuple[str, int | None]]:
-    return [(a.label, b) for a in config.all_arms for b in ((a.budgets or config.budgets) if a.budgeted else [None])]
+    return [(a.label, b) for a in config.all_arms for b in config.arm_budgets(a)]
 
 
 def headline_table(config: ABConfig, summary: Summary) -> str:

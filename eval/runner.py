@@ -83,7 +83,7 @@ def prepare_arms(config: ABConfig, model: PreTrainedModel) -> dict[str, kvgates.
                     g.check_model(model, strict=arm.params.get("strict", True))
                 except AdapterError as err:
                     raise ConfigError(f"arm {arm.label!r}: {err}") from None
-        for budget in (arm.budgets or config.budgets) if arm.budgeted else [None]:
+        for budget in config.arm_budgets(arm):
             try:
                 build_policy(arm, budget, g)
             except (ValueError, TypeError) as err:
@@ -196,10 +196,10 @@ def _compute(config: ABConfig, model: PreTrainedModel, tokenizer: PreTrainedToke
                 for arm, budget in _runs(config, task):
                     # Only the batch's examples not journalled yet: a run with more examples than the one it reuses
                     # has batches that are partly done.
-                    todo = [ex for ex in batch if _key(config, task, ex.index, arm, budget) not in done]
+                    keyed = [(ex, _key(config, task, ex.index, arm, budget)) for ex in batch]
+                    todo, keys = [ex for ex, k in keyed if k not in done], [k for _, k in keyed if k not in done]
                     if not todo:
                         continue
-                    keys = [_key(config, task, ex.index, arm, budget) for ex in todo]
                     bar.set_postfix_str(f"{task.name} {arm.label}" + (f"@{budget}" if budget else ""), refresh=False)
                     reference = [done[_key(config, task, ex.index, full_arm, None)] for ex in todo] if arm.budgeted else None
                     policy = build_policy(arm, budget, gates[arm.label]).attach(model)
