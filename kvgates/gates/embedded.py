@@ -21,6 +21,7 @@ EMBEDDED_DIR = Path(__file__).with_name("embedded")
 DEFAULTS = {
     ("smollm2-135m", "trimkv"): ("smollm2-135m-trimkv", "smollm2-135m-trimkv-128"),
     ("smollm2-135m", "trimkv-morph"): ("smollm2-135m-trimkv-128",),  # best at 128 and 256 on validation
+    ("smollm2-135m", "trimkv-snap"): ("smollm2-135m-trimkv-128",),
     ("smollm2-135m", "trimkv-global"): ("smollm2-135m-trimkv-global",),
     ("smollm2-135m", "locret"): ("smollm2-135m-locret",),
 }

@@ -18,6 +18,7 @@ from kvgates.policies.tova import TOVA
 from kvgates.policies.trimkv import TrimKV
 from kvgates.policies.trimkv_global import TrimKVGlobal
 from kvgates.policies.trimkv_morph import TrimKVMorph
+from kvgates.policies.trimkv_snap import TrimKVSnap
 
 __all__ = [
     "POLICIES",
@@ -42,4 +43,5 @@ __all__ = [
     "TrimKV",
     "TrimKVGlobal",
     "TrimKVMorph",
+    "TrimKVSnap",
 ]

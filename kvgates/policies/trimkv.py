@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvgates import kernels
 from kvgates.policies.base import Schedule, register_policy
 from kvgates.policies.learned import LearnedPolicy
-from kvgates.policies.selection import recent_mask
+from kvgates.policies.selection import recent_mask, topk_mask
 from kvgates.runtime.layer import SlotState
-from kvgates.runtime.stats import AttnStats
+from kvgates.runtime.stats import AttnStats, Phase
 
 LOG_BETA = "log_beta"
 
@@ -63,3 +64,48 @@ class TrimKV(LearnedPolicy):
     def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
         scores = kernels.retention_scores(layer.state[LOG_BETA], layer.pos, current_positions(layer))
         return scores, recent_mask(layer, self.window)
+
+
+@dataclass
+class GateKept(LearnedPolicy):
+    """Mixin putting a retention-gate adapter inside an attention-scored policy (this framework's combinations).
+
+    Listed before the policy it extends (``class TrimKVMorph(GateKept, MorphKV)``): besides what that policy
+    always keeps (its ``reserved`` window of recent tokens), each KV head keeps the ``gate_keep`` other tokens of
+    highest decayed retention ``(t - pos) * log_beta`` (TRIM-KV's score, from the adapter's gates), and the
+    policy's own attention scores choose the rest. A gate scores a token once, when it is written, without
+    knowing what later queries will ask of it; attention scores rank by what recent queries read and lose the
+    tokens they have not read yet (a needle before its question). Together each covers the other's blind spot.
+    ``gate_keep = 0`` is the base policy.
+
+    Gates run only in the forwards whose scores an eviction can read: every forward for a policy that evicts
+    while decoding, prompt chunks only for one that compresses the prompt.
+    """
+
+    gate_kinds = ("retention", "retention-global")
+    #: The base policy's parameter counting the recent tokens it always keeps.
+    reserved: ClassVar[str] = "window"
+
+    gate_keep: int = 32
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._at_least(0, "gate_keep")
+        kept = getattr(self, self.reserved)
+        if kept + self.gate_keep > self.budget:
+            raise ValueError(
+                f"{self.name}: {self.reserved} ({kept}) + gate_keep ({self.gate_keep}) must fit the budget ({self.budget})"
+            )
+
+    def slot_state(self) -> dict[str, SlotState]:
+        return {**super().slot_state(), LOG_BETA: SlotState()}
+
+    def observe(self, layer, stats: AttnStats) -> None:
+        super().observe(layer, stats)
+        if stats.phase is Phase.PREFILL or self.schedule.decode_every > 0:
+            self.record(layer, stats, LOG_BETA)
+
+    def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
+        scores, kept = super().score(layer, stats)
+        retention = kernels.retention_scores(layer.state[LOG_BETA], layer.pos, current_positions(layer))
+        return scores, kept | topk_mask(retention, self.gate_keep, layer.valid & ~kept, layer.pos)

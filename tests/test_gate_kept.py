@@ -1,5 +1,6 @@
-"""TRIM-KV gates inside MorphKV's selection: MorphKV at ``gate_keep = 0``, TRIM-KV with a recent window at
-``gate_keep = budget - recent``, the gates' choice kept in between."""
+"""TRIM-KV gates inside attention-scored policies (``GateKept``). Inside MorphKV: MorphKV at ``gate_keep = 0``,
+TRIM-KV with a recent window at ``gate_keep = budget - recent``, the gates' choice kept in between. Inside SnapKV:
+SnapKV at ``gate_keep = 0``, the gates' choice kept at the end of the prompt, and the gates idle while decoding."""
 
 import pytest
 import torch
@@ -83,7 +84,38 @@ def test_bad_parameters_fail_clearly(setup):
     with pytest.raises(ValueError, match="must fit the budget"):
         kvgates.make_policy("trimkv-morph", budget=BUDGET, gates=gates, recent=RECENT, gate_keep=BUDGET)
     with pytest.raises(ValueError, match="gates are required"):
-        kvgates.make_policy("trimkv-morph", budget=BUDGET)
+        kvgates.make_policy("trimkv-morph", budget=BUDGET, recent=RECENT)
+    with pytest.raises(ValueError, match=r"window \(4\) \+ gate_keep \(9\) must fit the budget"):
+        kvgates.make_policy("trimkv-snap", budget=BUDGET, gates=gates, window=RECENT, gate_keep=9)
+
+
+def test_snap_without_gate_tokens_it_is_snapkv(setup):
+    model, ids, gates = setup
+    params = {"window": RECENT, "kernel": 3}
+    assert run(model, ids, "trimkv-snap", gates, gate_keep=0, **params) == run(model, ids, "snapkv", **params)
+
+
+def test_snap_with_every_slot_outside_the_window_to_the_gates_compresses_the_prompt_as_trimkv(setup):
+    model, ids, gates = setup
+    snap = run(model, ids, "trimkv-snap", gates, window=RECENT, kernel=3, gate_keep=BUDGET - RECENT)
+    assert snap[0] == run(model, ids, "trimkv", gates, window=RECENT)[0]  # after the prompt
+
+
+def test_snap_decode_appends_without_running_the_gates(tiny):
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, PROMPT + 3), generator=torch.Generator().manual_seed(5))
+    with policy_on(model, "trimkv-snap", BUDGET, window=RECENT, gate_keep=5) as policy:
+        cache = BudgetCache(model.config, policy)
+        gate_calls = []
+        policy._running.register_forward_pre_hook(lambda *args: gate_calls.append(1))
+        with torch.no_grad():
+            model(ids[:, :PROMPT], past_key_values=cache)
+            assert gate_calls and all(bool((layer.held() == BUDGET).all()) for layer in cache.budget_layers)
+            gate_calls.clear()
+            for t in range(PROMPT, ids.shape[1]):
+                model(ids[:, t : t + 1], past_key_values=cache)
+        assert gate_calls == []
+        assert all(bool((layer.held() == BUDGET + 3).all()) for layer in cache.budget_layers)
 
 
 def test_on_the_embedded_model_it_uses_the_shipped_128_trimkv_adapter():
