@@ -47,6 +47,7 @@ from data.tasks import templates
 from kvgates.errors import AdapterError
 from kvgates.gates.embedded import embedded_adapter_dir, embedded_adapters
 from kvgates.policies.learned import LearnedPolicy
+from kvgates.policies.wrappers import Wrapper, parse_params
 
 #: Gates of an arm built fresh for the model (``gates: untrained``), as the training issue initialises them.
 UNTRAINED = "untrained"
@@ -105,7 +106,8 @@ class ArmSpec:
         label: unique name in the report.
         policy: registered policy name.
         params: policy parameters (the budget comes from the run's budgets).
-        gates: learned policies only: an adapter folder, a Hub id, or ``"untrained"``.
+        gates: learned arms only: an adapter folder, a Hub id, or ``"untrained"``. An arm is learned when its
+            policy is, or wraps one (``{policy: adakv, params: {base: trimkv-snap}}``: the gates go to the base).
         budgets: the run's budgets this arm runs at (empty: all of them); e.g. an evicting arm at the budget a
             prompt-only arm ends up holding, for a comparison at matched memory, without running every arm there.
     """
@@ -121,8 +123,16 @@ class ArmSpec:
         return self.policy != "full"
 
     @property
+    def learned_policy(self) -> type[LearnedPolicy] | None:
+        """The learned policy the arm runs (its policy, or the base a wrapper wraps); None for a heuristic arm."""
+        cls = kvgates.POLICIES[self.policy]
+        if issubclass(cls, Wrapper):
+            cls = kvgates.POLICIES.get(self.params.get("base", cls.base))
+        return cls if cls is not None and issubclass(cls, LearnedPolicy) else None
+
+    @property
     def learned(self) -> bool:
-        return issubclass(kvgates.POLICIES[self.policy], LearnedPolicy)
+        return self.learned_policy is not None
 
     def identity(self) -> str:
         """What changes this arm's results (journal keys); adapters by the digest of their weights file."""
@@ -425,7 +435,9 @@ def _task(entry: Any) -> TaskSpec:
 def _check_arm(arm: ArmSpec, budgets: tuple[int | None, ...]) -> None:
     """Build the arm's policy at every budget (learned arms with their adapter) to surface bad parameters."""
     if arm.learned and arm.gates is None:
-        raise ConfigError(f"arm {arm.label!r}: {arm.policy} is learned and needs 'gates' (an adapter folder, a Hub id or 'untrained')")
+        raise ConfigError(
+            f"arm {arm.label!r}: {arm.learned_policy.name} is learned and needs 'gates' (an adapter folder, a Hub id or 'untrained')"
+        )
     if not arm.learned and arm.gates is not None:
         raise ConfigError(f"arm {arm.label!r}: {arm.policy} is not a learned policy and takes no gates")
     gates = None
@@ -455,8 +467,10 @@ def load_adapter(path_or_id: str, label: str) -> kvgates.GateSet:
 
 
 def build_policy(arm: ArmSpec, budget: int | None, gates: kvgates.GateSet | None = None) -> kvgates.Policy:
-    """The arm's policy at ``budget`` (learned arms: with ``gates``)."""
+    """The arm's policy at ``budget`` (learned arms: with ``gates``, given to the base when the policy wraps one)."""
     params = dict(arm.params)
-    if arm.learned:
+    if arm.learned and issubclass(kvgates.POLICIES[arm.policy], Wrapper):
+        params["base_params"] = {**parse_params(params.get("base_params", {})), "gates": gates}
+    elif arm.learned:
         params["gates"] = gates
     return kvgates.make_policy(arm.policy, **params) if not arm.budgeted else kvgates.make_policy(arm.policy, budget=budget, **params)

@@ -74,7 +74,7 @@ def prepare_arms(config: ABConfig, model: PreTrainedModel) -> dict[str, kvgates.
         g = None
         if arm.learned:
             if arm.gates == UNTRAINED:
-                kind = kvgates.POLICIES[arm.policy].gate_kinds[0]
+                kind = arm.learned_policy.gate_kinds[0]
                 torch.manual_seed(config.seed)
                 g = GATE_KINDS[kind].for_model(model, **UNTRAINED_GATES)
             else:

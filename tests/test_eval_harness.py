@@ -12,7 +12,7 @@ from helpers import tiny_model
 import kvgates
 from eval import runner as runner_module
 from eval.__main__ import main
-from eval.config import ABConfig, ConfigError
+from eval.config import ABConfig, ConfigError, build_policy
 from eval.fidelity import first_false, kl_divergence, make_batch, perplexity, state_bytes, stream_nll, token_nll
 from eval.report import write_report
 from eval.runner import JOURNAL, prepare_arms, run_ab
@@ -318,6 +318,23 @@ def test_an_arm_can_run_at_some_of_the_budgets(tmp_path, tok, model):
     assert "| tova-32 | 16 |" not in report
     with pytest.raises(ConfigError, match="arm 'tova-32' runs at budget 64, which is not among the run's budgets"):
         small_config(tmp_path, arms=[{"policy": "tova", "budgets": [64], "label": "tova-32"}])
+
+
+def test_a_wrapper_around_a_learned_policy_is_a_learned_arm_whose_gates_go_to_its_base(tmp_path, tok, model):
+    snap = {"window": 4, "kernel": 3}
+    wrapped = {"policy": "adakv", "params": {"base": "trimkv-snap", "base_params": {**snap, "gate_keep": 2}},
+               "gates": "untrained", "label": "adakv+gates"}
+    config = small_config(tmp_path, tasks=[TASKS[0]], arms=[{"policy": "adakv", "params": {"base_params": snap}}, wrapped],
+                          budgets=[16])
+    arm = config.arm("adakv+gates")
+    assert arm.learned and arm.learned_policy is kvgates.POLICIES["trimkv-snap"] and not config.arms[0].learned
+    assert config.pairs() == [("adakv+gates", config.arms[0].label)]  # auto comparisons: the learned arm vs the heuristic
+    gates = prepare_arms(config, model)
+    policy = build_policy(arm, 16, gates["adakv+gates"])
+    assert policy.inner.gates is gates["adakv+gates"] and policy.inner.gate_keep == 2
+    assert {r["arm"] for r in run_ab(config, model, tok).rows} == {"full", "adakv+gates", config.arms[0].label}
+    with pytest.raises(ConfigError, match="arm 'ada': trimkv-snap is learned and needs 'gates'"):
+        small_config(tmp_path, arms=[{**wrapped, "gates": None, "label": "ada"}])
 
 
 def test_a_run_reuses_the_results_another_run_journalled_under_the_same_keys(tmp_path, tok, model, monkeypatch):
