@@ -27,6 +27,8 @@ import transformers
 import kvgates
 from kvgates import POLICIES, BudgetCache, load_model, make_policy
 from kvgates.gates.embedded import default_gates
+from kvgates.policies.learned import LearnedPolicy
+from kvgates.policies.wrappers import Wrapper, parse_params
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,6 +75,15 @@ def _policy_options(parser: argparse.ArgumentParser, policy: str) -> list[str]:
     return names
 
 
+def _shipped_gates(parser: argparse.ArgumentParser, model: str, policy: str, budget: int | None, option: str) -> str:
+    """The adapter shipped for ``policy`` on the embedded ``model`` (the one trained nearest ``budget``), or a usage
+    error naming ``option`` when none ships."""
+    gates = default_gates(model, policy, budget)
+    if gates is None:
+        parser.error(f"--policy {policy} needs {option} (a gate adapter folder or Hub id); no adapter ships for {model}")
+    return gates
+
+
 def _generate(argv: list[str]) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--policy", default="full")
@@ -102,12 +113,20 @@ def _generate(argv: list[str]) -> int:
     params = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if args.budget is not None:
         params["budget"] = args.budget
+    # A learned policy on an embedded model runs the adapter shipped for it (the one trained nearest the budget)
+    # unless --gates names another; so does a learned base inside a wrapper (--policy adakv --base trimkv-snap)
+    # unless --base-params names gates.
+    wrapper = issubclass(POLICIES[args.policy], Wrapper)
+    try:
+        base = params.get("base", POLICIES[args.policy].base) if wrapper else None
+        base_params = parse_params(params.get("base_params", {})) if wrapper else {}
+    except ValueError as err:
+        parser.error(f"--base-params: {err}")
     if "gates" in names and "gates" not in params:
-        # A learned policy on an embedded model runs the adapter shipped for it (the one trained nearest the budget)
-        # unless --gates names another.
-        params["gates"] = default_gates(args.model, args.policy, params.get("budget"))
-        if params["gates"] is None:
-            parser.error(f"--policy {args.policy} needs --gates (a gate adapter folder or Hub id); no adapter ships for {args.model}")
+        params["gates"] = _shipped_gates(parser, args.model, args.policy, params.get("budget"), "--gates")
+    elif base in POLICIES and issubclass(POLICIES[base], LearnedPolicy) and "gates" not in base_params:
+        gates = _shipped_gates(parser, args.model, base, params.get("budget"), "--base-params gates=...")
+        params["base_params"] = {**base_params, "gates": gates}
     try:
         policy = make_policy(args.policy, **params)
     except ValueError as err:

@@ -63,6 +63,9 @@ def run(argv: list[str]) -> int:
          "/tmp/nonexistent is neither an adapter folder nor a Hub repository id"),
         (["--policy", "trimkv", "--budget", "8", "--gates", "FOREIGN", "--prompt", "x"], "were trained for"),
         (["--policy", "locret", "--budget", "8", "--prompt", "x"], "--policy locret needs --gates"),
+        (["--policy", "adakv", "--base", "trimkv-snap", "--budget", "8", "--prompt", "x"],
+         "--policy trimkv-snap needs --base-params gates=..."),
+        (["--policy", "adakv", "--budget", "8", "--base-params", "window", "--prompt", "x"], "--base-params: expected key=value"),
         (["--model", "EMPTY", "--prompt", "x"], "is not a model folder (no config.json there)"),
     ],
 )

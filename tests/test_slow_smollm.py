@@ -193,3 +193,7 @@ def test_generate_with_a_learned_policy_uses_the_shipped_adapter(capsys):
     assert main(["generate", "--policy", "trimkv", "--budget", "16", "--prompt", "Name a colour.", "--max-new-tokens", "4"]) == 0
     out, err = capsys.readouterr()
     assert out.strip() and "policy=trimkv" in err
+    # A learned base inside a wrapper gets its shipped adapter too.
+    argv = ["generate", "--policy", "adakv", "--base", "trimkv-snap", "--budget", "96", "--prompt", "Name a colour.", "--max-new-tokens", "4"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.strip()
