@@ -5,6 +5,7 @@ import json
 import brute
 import pytest
 import torch
+from safetensors.torch import load_file
 from fake_hub import FakeHub
 from helpers import make_layer, random_positions, save_tiny_checkpoint, teacher_forced_logits, tiny_model
 from transformers import DynamicCache
@@ -212,6 +213,23 @@ def test_save_load_round_trip_is_bit_exact(tiny_pair, tmp_path, cls):
         assert n1 == n2 and torch.equal(a, b)
     card = (tmp_path / "README.md").read_text()
     assert "base_model:" in card and "needle@64" in card
+
+
+def test_saving_the_same_weights_again_leaves_the_weights_file_as_it_is(tiny_pair, tmp_path):
+    """safetensors orders header metadata at random: a re-save (re-shipping an adapter in place) must not change
+    the file, whose digest keys the adapter's A/B results. Changed weights or dtype are written."""
+    _, model = tiny_pair
+    gates = RetentionGates.for_model(model)
+    weights = gates.save_pretrained(tmp_path) / "model.safetensors"
+    before = (weights.read_bytes(), weights.stat().st_ino)
+    GateSet.from_pretrained(tmp_path).save_pretrained(tmp_path)
+    assert (weights.read_bytes(), weights.stat().st_ino) == before
+    gates.to(torch.float16).save_pretrained(tmp_path)
+    assert weights.stat().st_ino != before[1] and load_file(weights)["gates.0.bias"].dtype == torch.float16
+    with torch.no_grad():
+        gates.gates[0].bias += 1
+    gates.save_pretrained(tmp_path)
+    assert torch.equal(load_file(weights)["gates.0.bias"], gates.gates[0].bias)
 
 
 def test_push_and_pull_through_a_local_hub(tiny_pair, tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
@@ -114,6 +114,23 @@ def _atomic_write(path: Path, write) -> None:
             os.remove(tmp)
 
 
+def _holds(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bool:
+    """Whether the safetensors file ``path`` already holds exactly ``tensors`` (dtypes included) and ``metadata``.
+
+    safetensors writes its header's metadata in no fixed order, so saving the same weights twice gives different
+    bytes; an unchanged file is left as it is, and its digest (what A/B journals key an adapter's results by)
+    with it."""
+    try:
+        with safe_open(path, "pt") as f:
+            if f.metadata() != metadata or set(f.keys()) != set(tensors):
+                return False
+            return all(
+                (t := f.get_tensor(k)).dtype == tensors[k].dtype and torch.equal(t, tensors[k]) for k in tensors
+            )
+    except (OSError, SafetensorError):
+        return False
+
+
 class GateSet(nn.Module):
     """Base of gate adapters: one gate module per gated (full-attention) layer of a base model.
 
@@ -197,7 +214,8 @@ class GateSet(nn.Module):
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
         metadata = {"format": "pt", "kind": self.kind, "fingerprint": self.config.fingerprint}
-        _atomic_write(folder / WEIGHTS_FILE, lambda p: save_file(tensors, p, metadata=metadata))
+        if not _holds(folder / WEIGHTS_FILE, tensors, metadata):
+            _atomic_write(folder / WEIGHTS_FILE, lambda p: save_file(tensors, p, metadata=metadata))
         text = json.dumps(self.config.to_dict(), indent=2)
         _atomic_write(folder / CONFIG_FILE, lambda p: Path(p).write_text(text))
         card = self.model_card()
