@@ -5,9 +5,9 @@ import json
 import brute
 import pytest
 import torch
-from safetensors.torch import load_file
 from fake_hub import FakeHub
 from helpers import make_layer, random_positions, save_tiny_checkpoint, teacher_forced_logits, tiny_model
+from safetensors.torch import load_file
 from transformers import DynamicCache
 
 import kvgates
