@@ -47,7 +47,7 @@ from data.tasks import templates
 from kvgates.errors import AdapterError
 from kvgates.gates.embedded import embedded_adapter_dir, embedded_adapters
 from kvgates.policies.learned import LearnedPolicy
-from kvgates.policies.wrappers import Wrapper, parse_params
+from kvgates.policies.wrappers import Wrapper, learned_policy, parse_params
 
 #: Gates of an arm built fresh for the model (``gates: untrained``), as the training issue initialises them.
 UNTRAINED = "untrained"
@@ -125,10 +125,7 @@ class ArmSpec:
     @property
     def learned_policy(self) -> type[LearnedPolicy] | None:
         """The learned policy the arm runs (its policy, or the base a wrapper wraps); None for a heuristic arm."""
-        cls = kvgates.POLICIES[self.policy]
-        if issubclass(cls, Wrapper):
-            cls = kvgates.POLICIES.get(self.params.get("base", cls.base))
-        return cls if cls is not None and issubclass(cls, LearnedPolicy) else None
+        return learned_policy(self.policy, self.params)
 
     @property
     def learned(self) -> bool:

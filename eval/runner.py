@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kvgates
 from eval.config import UNTRAINED, UNTRAINED_GATES, ABConfig, ArmSpec, ConfigError, TaskSpec, build_policy, load_adapter
-from eval.stats import MATCHED_KV, Comparison, compare
+from eval.stats import Comparison, compare, matched_memory
 from eval.tasks import Example, binary_metric, build_examples, cost, metrics_of, run_batch
 from kvgates.errors import AdapterError
 from kvgates.gates import GATE_KINDS
@@ -226,7 +226,7 @@ def comparisons(config: ABConfig, rows: list[dict]) -> list[Comparison]:
     Pairs are formed over the examples both arms have results for (all of them once a run is complete).
 
     Each pair is also compared across budgets wherever a's point at one budget and b's at another held matched
-    memory (mean KV within ``MATCHED_KV`` of each other): a policy that appends while decoding holds at a small
+    memory (``eval.stats.matched_memory``): a policy that appends while decoding holds at a small
     budget what an evicting one holds at a larger one, and the framework's comparisons are at matched memory."""
     by = {(r["task"], r["arm"], r["budget"], r["example"]): r for r in rows}
     found = []
@@ -244,7 +244,7 @@ def comparisons(config: ABConfig, rows: list[dict]) -> list[Comparison]:
                     continue
                 ra, rb = [by[(*ka, i)] for i in shared], [by[(*kb, i)] for i in shared]
                 kv_a, kv_b = (float(np.mean([r["kv_bytes"] for r in rs])) / 2**20 for rs in (ra, rb))
-                if budget != budget_b and max(kv_a, kv_b) > MATCHED_KV * min(kv_a, kv_b):
+                if budget != budget_b and not matched_memory(kv_a, kv_b):
                     continue
                 values = lambda rs, m: [r["metrics"][m] for r in rs]  # noqa: E731
                 found.append(

@@ -26,6 +26,11 @@ MIN_PAIRS = 5
 MATCHED_KV = 1.1
 
 
+def matched_memory(kv_a: float, kv_b: float) -> bool:
+    """Whether two points held matched memory: the larger mean KV at most ``MATCHED_KV`` times the smaller."""
+    return max(kv_a, kv_b) <= MATCHED_KV * min(kv_a, kv_b)
+
+
 def bootstrap_ci(diffs: np.ndarray, n_boot: int = 2000, level: float = 0.95, seed: int = 0, chunk: int = 64) -> tuple[np.ndarray, np.ndarray]:
     """Percentile bootstrap ``(low, high)`` interval of the mean of ``diffs`` over its last axis.
 
@@ -134,7 +139,7 @@ class Comparison:
         ``MATCHED_KV`` times the other's, if one did."""
         if self.budget_b is not None:
             return f"; {self.a}@{self.budget} held {self.kv_a:.2f} MiB, {self.b}@{self.budget_b} {self.kv_b:.2f} MiB"
-        if not (self.kv_a and self.kv_b) or max(self.kv_a, self.kv_b) <= MATCHED_KV * min(self.kv_a, self.kv_b):
+        if not (self.kv_a and self.kv_b) or matched_memory(self.kv_a, self.kv_b):
             return ""
         more, ratio = (self.a, self.kv_a / self.kv_b) if self.kv_a > self.kv_b else (self.b, self.kv_b / self.kv_a)
         return f"; {more} held {ratio:.2f}x the KV"

@@ -27,8 +27,7 @@ import transformers
 import kvgates
 from kvgates import POLICIES, BudgetCache, load_model, make_policy
 from kvgates.gates.embedded import default_gates
-from kvgates.policies.learned import LearnedPolicy
-from kvgates.policies.wrappers import Wrapper, parse_params
+from kvgates.policies.wrappers import Wrapper, learned_policy, parse_params
 
 
 class _Parser(argparse.ArgumentParser):
@@ -116,17 +115,17 @@ def _generate(argv: list[str]) -> int:
     # A learned policy on an embedded model runs the adapter shipped for it (the one trained nearest the budget)
     # unless --gates names another; so does a learned base inside a wrapper (--policy adakv --base trimkv-snap)
     # unless --base-params names gates.
-    wrapper = issubclass(POLICIES[args.policy], Wrapper)
-    try:
-        base = params.get("base", POLICIES[args.policy].base) if wrapper else None
-        base_params = parse_params(params.get("base_params", {})) if wrapper else {}
-    except ValueError as err:
-        parser.error(f"--base-params: {err}")
-    if "gates" in names and "gates" not in params:
+    learned = learned_policy(args.policy, params)
+    if issubclass(POLICIES[args.policy], Wrapper):
+        try:
+            base_params = parse_params(params.get("base_params", {}))
+        except ValueError as err:
+            parser.error(f"--base-params: {err}")
+        if learned is not None and "gates" not in base_params:
+            gates = _shipped_gates(parser, args.model, learned.name, params.get("budget"), "--base-params gates=...")
+            params["base_params"] = {**base_params, "gates": gates}
+    elif learned is not None and "gates" not in params:
         params["gates"] = _shipped_gates(parser, args.model, args.policy, params.get("budget"), "--gates")
-    elif base in POLICIES and issubclass(POLICIES[base], LearnedPolicy) and "gates" not in base_params:
-        gates = _shipped_gates(parser, args.model, base, params.get("budget"), "--base-params gates=...")
-        params["base_params"] = {**base_params, "gates": gates}
     try:
         policy = make_policy(args.policy, **params)
     except ValueError as err:

@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from kvgates.policies.base import POLICIES, Policy, Schedule, make_policy
+from kvgates.policies.learned import LearnedPolicy
 from kvgates.runtime.layer import SlotState
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 
@@ -24,6 +25,15 @@ def parse_params(params: dict[str, Any] | str) -> dict[str, Any]:
         key, value = item.split("=", 1)
         out[key.strip()] = yaml.safe_load(value)
     return out
+
+
+def learned_policy(name: str, params: dict[str, Any]) -> type[LearnedPolicy] | None:
+    """The learned policy that policy ``name`` built with ``params`` runs: itself, or the base a wrapper wraps
+    (``adakv`` with ``base: trimkv-snap``); None when no learned policy runs (or the base is unknown)."""
+    cls = POLICIES.get(name)
+    if cls is not None and issubclass(cls, Wrapper):
+        cls = POLICIES.get(params.get("base", cls.base))
+    return cls if cls is not None and issubclass(cls, LearnedPolicy) else None
 
 
 @dataclass
