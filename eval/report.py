@@ -270,21 +270,23 @@ def arm_section(results_dir: str | Path, label: str) -> str:
         raise ValueError(f"{results_dir} has no arm {label!r}; its arms: {', '.join(a.label for a in config.arms)}")
     summary = Summary(results["rows"])
     lines = [
-        "| task | metric | budget | this adapter | best heuristic | full cache | KV MiB / seq (adapter) |",
+        "| task (examples) | metric | budget | this adapter | best heuristic | full cache | KV MiB / seq (adapter) |",
         "|---|---|---|---|---|---|---|",
     ]
     for task in config.tasks:
         m = metrics_of(task)[0]
         full = _fmt(summary.mean(task.name, "full", None, m.name), m.fmt)
+        n = task.examples * len(task.context_tokens)
         for budget in config.task_budgets(task):
             best = best_heuristic(config, summary, task, budget)
             best_cell = f"{_fmt(summary.mean(task.name, best, budget, m.name), m.fmt)} ({best})" if best else "-"
             mine = _fmt(summary.mean(task.name, label, budget, m.name), m.fmt)
             kv = _fmt(summary.mean(task.name, label, budget, "kv_bytes") / MIB, ".2f")
-            lines.append(f"| {task.name} | {m.name} | {budget} | {mine} | {best_cell} | {full} | {kv} |")
+            lines.append(f"| {task.name} ({n}) | {m.name} | {budget} | {mine} | {best_cell} | {full} | {kv} |")
     verdicts = [f"- {c['sentence']}" for c in results["comparisons"] if label in (c["a"], c["b"])]
     heading = (
-        f"{AB_SECTION} {config.model} (`python -m eval ab`, {config.split} essays, templates never used in training; "
+        f"{AB_SECTION} {config.model} (`python -m eval ab`, run `{Path(results_dir).name}`, {config.split} essays, "
+        "templates never used in training; "
         f"budgets in tokens per KV head; {len(config.all_arms)} arms):"
     )
     return "\n".join([heading, "", *lines, "", *verdicts])

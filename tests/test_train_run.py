@@ -469,12 +469,20 @@ def test_shipping_an_adapter_makes_it_loadable_by_name(tiny_dir, tmp_path, monke
     assert embedded.embedded_adapters() == ["tiny-trimkv"]
     loaded = kvgates.load_gates("tiny-trimkv")  # by name, offline
     card = (tmp_path / "embedded" / "tiny-trimkv" / "README.md").read_text()
-    assert loaded.config.report.startswith("Held-out table of train.py") and "| needle | recall | 64 | 100% | 50% (snapkv) | 100% |" in card
+    assert loaded.config.report.startswith("Held-out table of train.py") and "| needle (2) | recall | 64 | 100% | 50% (snapkv) | 100% |" in card
     assert "trimkv beats h2o at 64" in card
     # Re-shipped by its name with a newer A/B run: the card's A/B section is replaced, the held-out table kept.
     ship.ship("tiny-trimkv", "tiny-trimkv", ab, "trimkv")
     again = kvgates.load_gates("tiny-trimkv").config.report
     assert again.startswith("Held-out table of train.py") and again.count("A/B evaluation on") == 1
+    # Several runs: one section each, in order, all replaced together by the next shipping.
+    (tmp_path / "ab2").mkdir()
+    (tmp_path / "ab2" / "results.json").write_text((ab / "results.json").read_text())
+    ship.main(["tiny-trimkv", "tiny-trimkv", "--ab", str(ab), "--ab", str(tmp_path / "ab2"), "--arm", "trimkv"])
+    both = kvgates.load_gates("tiny-trimkv").config.report
+    assert both.count("A/B evaluation on") == 2 and both.index("run `ab`") < both.index("run `ab2`")
+    ship.ship("tiny-trimkv", "tiny-trimkv", ab, "trimkv")
+    assert kvgates.load_gates("tiny-trimkv").config.report.count("A/B evaluation on") == 1
     with pytest.raises(ValueError, match="has no arm 'nope'"):
         ship.ship(tmp_path / "adapter", "other", ab, "nope")
     from safetensors import safe_open

@@ -1,12 +1,14 @@
 """Ship a trained adapter inside the package (``kvgates/gates/embedded/NAME``), in fp16, with its A/B report.
 
     python -m train.ship checkpoints/smollm2-135m-trimkv/adapter smollm2-135m-trimkv --ab docs/reference --arm trimkv
+    python -m train.ship smollm2-135m-trimkv smollm2-135m-trimkv --ab docs/reference --ab docs/reference-needles --arm trimkv
 
 The weights are those ``train.py`` exported (no edit beyond the cast to float16, which halves the size; the
 policies run gates in float32 by default either way). ``--ab DIR --arm LABEL`` adds to the card's results the
 adapter's A/B table from the ``python -m eval ab`` run in DIR (its arm LABEL beside the best heuristic and the full
 cache at each task and budget, and its verdicts), after the held-out table ``train.py`` wrote, in place of any
-A/B section the card had (re-shipping an adapter by its name with a newer run replaces its table); the training record
+A/B sections the card had (re-shipping an adapter by its name with newer runs replaces its tables); ``--ab`` may be
+given once per run, each run's table in the order given, the arm labelled LABEL in each. The training record
 (recipe, command, time, data split) stays as ``train.py`` wrote it. The folder is exactly what one would push to
 the Hub.
 """
@@ -14,6 +16,7 @@ the Hub.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -23,13 +26,15 @@ from eval.report import AB_SECTION, arm_section
 from kvgates.gates.embedded import EMBEDDED_DIR
 
 
-def ship(source: str | Path, name: str, ab: str | Path | None = None, arm: str | None = None) -> Path:
+def ship(source: str | Path, name: str, ab: str | Path | Sequence[str | Path] = (), arm: str | None = None) -> Path:
     """Copy the adapter at ``source`` to ``kvgates/gates/embedded/name`` in float16, its card extended with its arm
-    ``arm`` of the A/B run in ``ab`` when given; returns the folder."""
+    ``arm`` (default: ``name``) of the A/B run folder ``ab`` (or of each folder, in order); returns the folder."""
     gates = kvgates.load_gates(source)
-    if ab is not None:
-        held_out = gates.config.report.split(AB_SECTION)[0].strip()  # an earlier A/B section is replaced
-        gates.config.report = f"{held_out}\n\n{arm_section(ab, arm or name)}".strip()
+    runs = [ab] if isinstance(ab, (str, Path)) else list(ab)
+    if runs:
+        sections = [arm_section(run, arm or name) for run in runs]  # every run checked before the card changes
+        held_out = gates.config.report.split(AB_SECTION)[0].strip()  # earlier A/B sections are replaced
+        gates.config.report = "\n\n".join([held_out, *sections]).strip()
     return gates.to(torch.float16).save_pretrained(EMBEDDED_DIR / name)
 
 
@@ -37,7 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a trained adapter folder (checkpoints/RUN/adapter)")
     parser.add_argument("name", help="the name it ships under (e.g. smollm2-135m-trimkv)")
-    parser.add_argument("--ab", type=Path, help="an A/B run's output folder (python -m eval ab) to take the card's table from")
+    parser.add_argument(
+        "--ab", type=Path, action="append", default=[],
+        help="an A/B run's output folder (python -m eval ab) to take a card table from; repeat for several runs",
+    )
     parser.add_argument("--arm", help="the adapter's arm label in that run (default: the name)")
     args = parser.parse_args(argv)
     folder = ship(args.source, args.name, args.ab, args.arm)
