@@ -334,7 +334,8 @@ def write_report(results: ABResults, command: str = "") -> str:
         "",
         f"{len(config.all_arms)} arms (the full cache and {', '.join(a.label for a in config.arms)}) "
         f"at budget{'s' if len(config.budgets) > 1 else ''} "
-        f"{', '.join(map(str, config.budgets))} tokens per KV head, on {len(config.tasks)} tasks built from the {config.split} "
+        f"{', '.join(map(str, config.budgets))} tokens per KV head, on {len(config.tasks)} "
+        f"task{'s' if len(config.tasks) > 1 else ''} built from the {config.split} "
         f"essays (seed {config.seed}); every arm ran on exactly the same examples. Model time: {model_time} "
         f"summed over its {len(rows)} results.",
     ]

@@ -180,7 +180,7 @@ def test_run_journals_resumes_compares_and_reports(tmp_path, tok, model, monkeyp
     # The terminal table carries its legend; every depth heatmap has a colour bar.
     assert headline.startswith("Budget: tokens held per KV head") and "mean recall (higher is better)" in headline
     assert colorbars == ["share of the answer recalled"] * 3  # needle, multikey, variable_tracking
-    assert "trimkv (untrained)" in report and "95% CI" in report
+    assert "trimkv (untrained)" in report and "95% CI" in report and f"on {len(config.tasks)} tasks built from" in report
     for png in ["score_vs_kv.png", "headline.png", "heatmap_needle.png", "heatmap_multikey.png", "kl_fidelity.png"]:
         assert (out / png).stat().st_size > 0, png
     saved = json.loads((out / "results.json").read_text())
@@ -317,6 +317,7 @@ def test_an_arm_can_run_at_some_of_the_budgets(tmp_path, tok, model):
     assert "| h2o |" in at_16 and "tova-32" not in at_16
     assert "| tova-32 | 32 |" in report  # the headline row of the budget it ran at, none for the other
     assert "| tova-32 | 16 |" not in report
+    assert "on 1 task built from" in report  # one task: singular
     with pytest.raises(ConfigError, match="arm 'tova-32' runs at budget 64, which is not among the run's budgets"):
         small_config(tmp_path, arms=[{"policy": "tova", "budgets": [64], "label": "tova-32"}])
 
