@@ -47,7 +47,7 @@ from data.tasks import templates
 from kvgates.errors import AdapterError
 from kvgates.gates.embedded import embedded_adapter_dir, embedded_adapters
 from kvgates.policies.learned import LearnedPolicy
-from kvgates.policies.wrappers import Wrapper, learned_policy, parse_params
+from kvgates.policies.wrappers import learned_policy, with_gates
 
 #: Gates of an arm built fresh for the model (``gates: untrained``), as the training issue initialises them.
 UNTRAINED = "untrained"
@@ -310,14 +310,12 @@ class ABConfig:
             for label in pair:
                 if label not in labels:
                     raise ConfigError(f"comparison {list(pair)} names arm {label!r}, which the config does not define; arms: {', '.join(labels)}")
-        for task in self.tasks:
-            extra = sorted(set(task.budgets) - set(self.budgets))
+        restricted = [(f"task {t.name!r}", t.budgets) for t in self.tasks] + [(f"arm {a.label!r}", a.budgets) for a in self.arms]
+        for what, budgets in restricted:
+            extra = sorted(set(budgets) - set(self.budgets))
             if extra:
-                raise ConfigError(f"task {task.name!r} runs at budget {extra[0]!r}, which is not among the run's budgets {list(self.budgets)}")
+                raise ConfigError(f"{what} runs at budget {extra[0]!r}, which is not among the run's budgets {list(self.budgets)}")
         for arm in self.arms:
-            extra = sorted(set(arm.budgets) - set(self.budgets))
-            if extra:
-                raise ConfigError(f"arm {arm.label!r} runs at budget {extra[0]!r}, which is not among the run's budgets {list(self.budgets)}")
             _check_arm(arm, self.arm_budgets(arm))
         for journal in self.reuse:
             if not Path(journal).is_file():
@@ -465,9 +463,5 @@ def load_adapter(path_or_id: str, label: str) -> kvgates.GateSet:
 
 def build_policy(arm: ArmSpec, budget: int | None, gates: kvgates.GateSet | None = None) -> kvgates.Policy:
     """The arm's policy at ``budget`` (learned arms: with ``gates``, given to the base when the policy wraps one)."""
-    params = dict(arm.params)
-    if arm.learned and issubclass(kvgates.POLICIES[arm.policy], Wrapper):
-        params["base_params"] = {**parse_params(params.get("base_params", {})), "gates": gates}
-    elif arm.learned:
-        params["gates"] = gates
+    params = with_gates(arm.policy, arm.params, gates) if arm.learned else dict(arm.params)
     return kvgates.make_policy(arm.policy, **params) if not arm.budgeted else kvgates.make_policy(arm.policy, budget=budget, **params)

@@ -27,7 +27,7 @@ import transformers
 import kvgates
 from kvgates import POLICIES, BudgetCache, load_model, make_policy
 from kvgates.gates.embedded import default_gates
-from kvgates.policies.wrappers import Wrapper, learned_policy, parse_params
+from kvgates.policies.wrappers import Wrapper, learned_params, learned_policy, with_gates
 
 
 class _Parser(argparse.ArgumentParser):
@@ -115,17 +115,14 @@ def _generate(argv: list[str]) -> int:
     # A learned policy on an embedded model runs the adapter shipped for it (the one trained nearest the budget)
     # unless --gates names another; so does a learned base inside a wrapper (--policy adakv --base trimkv-snap)
     # unless --base-params names gates.
-    learned = learned_policy(args.policy, params)
-    if issubclass(POLICIES[args.policy], Wrapper):
-        try:
-            base_params = parse_params(params.get("base_params", {}))
-        except ValueError as err:
-            parser.error(f"--base-params: {err}")
-        if learned is not None and "gates" not in base_params:
-            gates = _shipped_gates(parser, args.model, learned.name, params.get("budget"), "--base-params gates=...")
-            params["base_params"] = {**base_params, "gates": gates}
-    elif learned is not None and "gates" not in params:
-        params["gates"] = _shipped_gates(parser, args.model, args.policy, params.get("budget"), "--gates")
+    learned, wrapped = learned_policy(args.policy, params), issubclass(POLICIES[args.policy], Wrapper)
+    try:
+        given = learned_params(args.policy, params)
+    except ValueError as err:
+        parser.error(f"--base-params: {err}")
+    if learned is not None and "gates" not in given:
+        option = "--base-params gates=..." if wrapped else "--gates"
+        params = with_gates(args.policy, params, _shipped_gates(parser, args.model, learned.name, params.get("budget"), option))
     try:
         policy = make_policy(args.policy, **params)
     except ValueError as err:

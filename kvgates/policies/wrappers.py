@@ -36,6 +36,19 @@ def learned_policy(name: str, params: dict[str, Any]) -> type[LearnedPolicy] | N
     return cls if cls is not None and issubclass(cls, LearnedPolicy) else None
 
 
+def learned_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The parameters the learned policy of ``name`` gets: ``params`` itself, or a wrapper's ``base_params``
+    (parsed; a ValueError when they are malformed)."""
+    return parse_params(params.get("base_params", {})) if issubclass(POLICIES[name], Wrapper) else params
+
+
+def with_gates(name: str, params: dict[str, Any], gates: Any) -> dict[str, Any]:
+    """``params`` of policy ``name`` with ``gates`` given to the learned policy it runs (a wrapper's base)."""
+    if issubclass(POLICIES[name], Wrapper):
+        return {**params, "base_params": {**learned_params(name, params), "gates": gates}}
+    return {**params, "gates": gates}
+
+
 @dataclass
 class Wrapper(Policy):
     """A policy that delegates every hook to an inner policy built from ``base`` and ``base_params``."""
