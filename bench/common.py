@@ -24,16 +24,19 @@ from kvgates.policies.wrappers import parse_params  # noqa: E402
 def setup(doc: str, choices: dict[str, list[str]] | None = None, **options: Any) -> tuple[argparse.Namespace, Any, Any]:
     """Parse a bench script's command line, load its model and print the run's header line.
 
-    Every script takes ``--model`` (``random``: SmolLM2-135M's shape with random weights, ``--layers`` of them),
+    Every script takes ``--model`` (``random[:SHAPE]``: a ``RANDOM_SHAPES`` shape with random weights, ``--layers`` of them),
     ``--device`` and ``--dtype``; its own options are given as ``name=default`` (the type follows the default; a
     list default takes one or more values; ``None`` takes a string) with optional ``choices``. Returns
     ``(args, model, tokenizer)``; the tokenizer is None for the random model.
     """
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m", help="model to load, or 'random' for a random SmolLM2-135M")
+    parser.add_argument(
+        "--model", default="smollm2-135m",
+        help=f"model to load, or random[:SHAPE] for random weights of a known shape ({', '.join(RANDOM_SHAPES)}; default smollm2-135m)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--layers", type=int, default=30, help="decoder layers of the 'random' model (SmolLM2-135M has 30)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers of a random model (default: the shape's own)")
     for name, default in options.items():
         kind = type(default[0] if isinstance(default, list) else default)
         parser.add_argument(
@@ -47,19 +50,61 @@ def setup(doc: str, choices: dict[str, list[str]] | None = None, **options: Any)
     return args, model, tokenizer
 
 
-def _load(args: argparse.Namespace):
-    """(model, tokenizer or None) on the requested device; ``random`` builds SmolLM2-135M's shape with random weights."""
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
-    if args.model == "random":
-        from transformers import LlamaConfig, LlamaForCausalLM
+#: Model shapes the benches build with random weights (``--model random:NAME``; ``random`` alone is SmolLM2-135M),
+#: taken from the models' published configs: the one place the training, decode and prefill benches read them from.
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": dict(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True,
+    ),
+    "llama-3.1-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0, tie_word_embeddings=False,
+    ),
+    "qwen3-8b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, tie_word_embeddings=False,
+    ),
+}
 
-        config = LlamaConfig(
-            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers, num_attention_heads=9,
-            num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
-        )
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).to(device=args.device, dtype=dtype).eval()
-        return kvgates.prepare_model(model), None
+
+def random_shape(model: str) -> str | None:
+    """The ``RANDOM_SHAPES`` name a ``--model`` value asks for (``random`` or ``random:NAME``), None for a real model."""
+    if model != "random" and not model.startswith("random:"):
+        return None
+    name = model.partition(":")[2] or "smollm2-135m"
+    if name not in RANDOM_SHAPES:
+        raise SystemExit(f"unknown random model shape {name!r}; known: {', '.join(RANDOM_SHAPES)}")
+    return name
+
+
+def random_model(shape: str, layers: int | None, device: str | torch.device, dtype: torch.dtype, max_positions: int = 32768):
+    """A causal LM of ``RANDOM_SHAPES[shape]`` (``layers`` decoder layers, default the model's own) with random weights,
+    built directly on ``device`` in ``dtype`` (an 8B shape never exists in float32 on the host)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(RANDOM_SHAPES[shape])
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    config = AutoConfig.for_model(fields.pop("model_type"), max_position_embeddings=max_positions, **fields)
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    return model.eval()
+
+
+def _load(args: argparse.Namespace):
+    """(model, tokenizer or None) on the requested device; ``random[:NAME]`` builds a model of that shape with random
+    weights (``--layers`` of them)."""
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    shape = random_shape(args.model)
+    if shape is not None:
+        return kvgates.prepare_model(random_model(shape, args.layers, args.device, dtype)), None
     return kvgates.load_model(args.model, dtype=dtype, device=args.device)
 
 
