@@ -2,7 +2,8 @@
 
 
 class UnsupportedModelError(ValueError):
-    """The model's architecture does not route attention and caching the way kvgates needs."""
+    """A model kvgates cannot load or budget: not a model, unreachable, or an architecture whose attention and
+    caching do not go the way kvgates needs."""
 
 
 class AdapterError(ValueError):

@@ -16,8 +16,10 @@ from pathlib import Path
 import huggingface_hub
 import torch
 from huggingface_hub import try_to_load_from_cache
+from huggingface_hub.errors import HFValidationError, HfHubHTTPError, RepositoryNotFoundError
+from huggingface_hub.utils import validate_repo_id
 from safetensors.torch import save_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvgates.errors import UnsupportedModelError
 from kvgates.runtime.attention import ATTN_IMPLEMENTATION, attention_inputs, refusal, unsupported_inputs
@@ -138,6 +140,13 @@ def _embedded_name(name_or_path: str) -> str | None:
     return name
 
 
+_FAMILIES = "use a Llama, Mistral, Qwen2/3, Phi-3 or Gemma-3 style model"
+
+
+def _no_attention_interface(name: str) -> str:
+    return f"{name} does not route attention through transformers' AttentionInterface, so kvgates cannot budget its cache; {_FAMILIES}"
+
+
 def check_supported(model: PreTrainedModel) -> None:
     """Raise ``UnsupportedModelError`` unless ``model`` routes attention through transformers' AttentionInterface."""
     config = model.config.get_text_config(decoder=True)
@@ -145,10 +154,7 @@ def check_supported(model: PreTrainedModel) -> None:
     if getattr(model.config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{name} is an encoder-decoder model; kvgates budgets decoder-only models")
     if not getattr(model, "_supports_attention_backend", False):
-        raise UnsupportedModelError(
-            f"{name} does not route attention through transformers' AttentionInterface, so kvgates cannot "
-            "budget its cache; use a Llama, Mistral, Qwen2/3, Phi-3 or Gemma-3 style model"
-        )
+        raise UnsupportedModelError(_no_attention_interface(name))
     attn_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "head_dim")]
     if not attn_modules or not hasattr(config, "num_key_value_heads"):
         raise UnsupportedModelError(
@@ -202,6 +208,8 @@ def load_model(
     """
     embedded = _embedded_name(str(name_or_path))
     source = embedded_model_dir(embedded) if embedded else _local_or_hub(str(name_or_path))
+    if not embedded:
+        check_model_config(source)
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", device_map=device_map)
     if embedded:  # a portable identity, never the conversion folder: the Hub id of the weights and the short name
@@ -216,15 +224,78 @@ def load_model(
 
 
 def _local_or_hub(name_or_path: str) -> str:
-    """``name_or_path`` itself, after refusing a local path that holds no model (one sentence, not a tokenizer error)."""
+    """``name_or_path`` itself, after refusing a local path that holds no model (one sentence, not a tokenizer error)
+    and a Hub id that is not in the local Hugging Face cache when the Hub cannot be reached (at once, not after the
+    download's retries)."""
     path = Path(name_or_path)
     looks_local = path.exists() or path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1
-    if looks_local and not (path / "config.json").is_file():
+    choices = f"pass a model folder, a Hugging Face id or an embedded model ({', '.join(EMBEDDED_MODELS)})"
+    if looks_local:
+        if not (path / "config.json").is_file():
+            raise UnsupportedModelError(f"{name_or_path} is not a model folder (no config.json there); {choices}")
+        return name_or_path
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError:
+        raise UnsupportedModelError(f"{name_or_path!r} is neither a model folder nor a Hugging Face id; {choices}") from None
+    if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+        return name_or_path
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
         raise UnsupportedModelError(
-            f"{name_or_path} is not a model folder (no config.json there); pass a model folder, a Hugging Face id or "
-            f"an embedded model ({', '.join(EMBEDDED_MODELS)})"
+            f"{name_or_path} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {choices}"
         )
+    try:
+        huggingface_hub.model_info(name_or_path, timeout=10)
+    except RepositoryNotFoundError:
+        raise UnsupportedModelError(f"no model {name_or_path} on the Hugging Face Hub (or it is private); {choices}") from None
+    except HfHubHTTPError:
+        return name_or_path  # gated or rate-limited: from_pretrained says what the Hub wants (a token)
+    except Exception as err:  # no network, no DNS, timeout
+        raise UnsupportedModelError(
+            f"{name_or_path} is not in the local Hugging Face cache and the Hub cannot be reached ({type(err).__name__}); {choices}"
+        ) from None
     return name_or_path
+
+
+#: Geometry a decoder's config must give as positive whole numbers (when it has the key).
+_GEOMETRY_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+
+
+def check_model_config(source: str) -> None:
+    """Read the model config at ``source`` (a folder or a Hub id already resolved by ``_local_or_hub``) and refuse,
+    with ``UnsupportedModelError``, before any weights load: an unreadable config, bad geometry values, an
+    architecture transformers has no causal LM for, and one that kvgates' sdpa-based attention cannot run."""
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except Exception as err:  # transformers raises OSError, ValueError, KeyError or its strict-dataclass errors
+        reason = " ".join(str(err).split())[:200] or type(err).__name__
+        raise UnsupportedModelError(f"the model config of {source} cannot be read ({reason})") from None
+    text = config.get_text_config(decoder=True)
+    for key in _GEOMETRY_KEYS:
+        value = getattr(text, key, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UnsupportedModelError(f"the model config of {source} gives {key} = {value!r}; it must be a positive whole number")
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if model_class is None:
+        raise UnsupportedModelError(f"{source} is a {config.model_type} model, which transformers has no causal language model for")
+    name = model_class.__name__
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise UnsupportedModelError(_no_attention_interface(name))
+    if not getattr(model_class, "_supports_sdpa", False):
+        raise UnsupportedModelError(
+            f"{name} does not support transformers' sdpa attention, which kvgates' attention extends (Gemma-2 soft-caps "
+            f"its attention logits); {_FAMILIES}"
+        )
+
+
+def check_model_source(name_or_path: str) -> None:
+    """What ``load_model`` checks before loading any weights, on its own (no model loads): the embedded model's
+    package is installed, a folder holds a readable, supported model config, a Hub id is cached or reachable."""
+    embedded = _embedded_name(str(name_or_path))
+    if embedded:
+        _gguf_path(EMBEDDED_MODELS[embedded])
+    else:
+        check_model_config(_local_or_hub(str(name_or_path)))
 
 
 def hub_id_of(model: PreTrainedModel) -> str:

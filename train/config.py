@@ -2,9 +2,10 @@
 
     accelerate launch train.py --config configs/train/quickstart.yaml training.max_steps=50 budget=128
 
-Every key is known and checked before anything runs: an unknown key, a bad budget, an unknown gate kind or
-teacher policy, or a bad data source each stop the run with one sentence, before any file is written. The
-``training`` section is passed to ``transformers.TrainingArguments`` (its keys are checked against it).
+Every key is known and checked before anything runs: an unknown key, a value of the wrong type or out of range,
+an unknown gate kind or teacher policy, or a bad data source each stop the run with one sentence, before any file
+is written or the model loads. The ``training`` section is passed to ``transformers.TrainingArguments`` (its keys
+are checked against it, its values against the fields' types and the ranges in ``_TRAINING_RANGES``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import yaml
 
 from data.build import FORMATS, check_mix
 from kvgates import POLICIES
+from kvgates.typecheck import field_problems
 
 KINDS = {"trimkv": "retention", "trimkv-global": "retention-global", "locret": "retaining-head"}
 #: The policy that runs each kind's gates at inference (and in validation).
@@ -140,6 +142,7 @@ class TrainConfig:
             raise ConfigError(f"data.mix: {err}") from None
         if self.loss.capacity_stride < 1 or self.loss.budget_ramp_steps < 0 or self.loss.lambda_cap < 0:
             raise ConfigError("loss.capacity_stride must be >= 1, loss.budget_ramp_steps and loss.lambda_cap >= 0")
+        _check_ranges(self)
         if self.loss.eviction_temperature < 0:
             raise ConfigError(f"loss.eviction_temperature must be >= 0 (0: straight-through), got {self.loss.eviction_temperature}")
         if self.loss.hard_eviction:
@@ -247,6 +250,9 @@ def _build(cls: type, raw: dict[str, Any], where: str):
                 raise ConfigError(f"{where}: {name} must be a mapping, got {value!r}")
             value = _build(kind, value, f"{where}: {name}")
         kwargs[name] = value
+    wrong = field_problems(cls, {k: v for k, v in kwargs.items() if (cls, k) not in _SECTIONS})
+    if wrong:
+        raise ConfigError(f"{where}: {_yaml_hint(wrong[0])}")
     try:
         return cls(**kwargs)
     except TypeError as err:  # a required key missing (e.g. teacher.policy)
@@ -266,6 +272,30 @@ _SECTIONS = {
 _RESERVED_ARGS = {"output_dir", "run_name", "remove_unused_columns", "metric_for_best_model", "greater_is_better"}
 
 
+#: Lower bounds of section values not checked elsewhere: (section, key) -> smallest allowed value.
+_AT_LEAST = {
+    ("gates", "hidden"): 1,
+    ("data", "seed"): 0,
+    ("loss", "distill_chunk"): 1,
+    ("loss", "locret_smoothness"): 0,
+    ("teacher", "weight"): 0,
+    ("teacher", "anneal_steps"): 0,
+    ("teacher", "pairs"): 1,
+    ("validation", "needles"): 0,
+    ("validation", "needle_tokens"): 64,
+    ("report", "examples"): 1,
+    ("report", "needles"): 0,
+    ("report", "max_new_tokens"): 1,
+}
+
+
+def _check_ranges(config: TrainConfig) -> None:
+    for (section, key), least in _AT_LEAST.items():
+        value = getattr(getattr(config, section) or object(), key, None)
+        if value is not None and value < least:
+            raise ConfigError(f"{section}.{key} must be at least {least}, got {value!r}")
+
+
 def _check_learned_policy(kind: str, budget: int, params: dict[str, Any]) -> None:
     """Build the inference policy once on placeholder gates, so bad parameters fail before training, not after."""
     from kvgates import make_policy
@@ -281,7 +311,41 @@ def _check_learned_policy(kind: str, budget: int, params: dict[str, Any]) -> Non
         raise ConfigError(f"policy: {err}") from None
 
 
+def _yaml_hint(problem: str) -> str:
+    """``problem`` plus, for a number YAML read as a string (``1e-3`` without a dot), how to write it."""
+    value = problem.rsplit("got ", 1)[-1].strip("'")
+    try:
+        float(value)
+    except ValueError:
+        return problem
+    return f"{problem} (YAML reads 1e-3 as a string; write 1.0e-3)" if "must be a number" in problem else problem
+
+
+#: Ranges of the ``training`` values the run's Trainer needs (checked before the model loads): name -> (test, words).
+_TRAINING_RANGES = {
+    "learning_rate": (lambda v: v > 0, "greater than 0"),
+    "max_steps": (lambda v: v == -1 or v >= 1, "at least 1 (or -1: num_train_epochs decides)"),
+    "num_train_epochs": (lambda v: v > 0, "greater than 0"),
+    "per_device_train_batch_size": (lambda v: v >= 1, "at least 1"),
+    "per_device_eval_batch_size": (lambda v: v >= 1, "at least 1"),
+    "gradient_accumulation_steps": (lambda v: v >= 1, "at least 1"),
+    "warmup_steps": (lambda v: v >= 0, "at least 0"),
+    "weight_decay": (lambda v: v >= 0, "at least 0"),
+    "max_grad_norm": (lambda v: v >= 0, "at least 0"),
+    "logging_steps": (lambda v: v > 0, "greater than 0"),
+    "eval_steps": (lambda v: v is None or v > 0, "greater than 0"),
+    "save_steps": (lambda v: v > 0, "greater than 0"),
+    "save_total_limit": (lambda v: v is None or v >= 1, "at least 1"),
+    "seed": (lambda v: v >= 0, "at least 0"),
+    "adam_epsilon": (lambda v: v > 0, "greater than 0"),
+    "adam_beta1": (lambda v: 0 <= v < 1, "from 0 to below 1"),
+    "adam_beta2": (lambda v: 0 <= v < 1, "from 0 to below 1"),
+}
+
+
 def _check_training_args(training: dict[str, Any]) -> None:
+    """The ``training`` section: known TrainingArguments fields, not set by the run itself, of the field's type
+    and in range (``learning_rate: -1e-3`` is refused here, not by torch before step 1)."""
     from transformers import TrainingArguments
 
     known = {f.name for f in dataclasses.fields(TrainingArguments)}
@@ -291,3 +355,9 @@ def _check_training_args(training: dict[str, Any]) -> None:
     reserved = sorted(set(training) & _RESERVED_ARGS)
     if reserved:
         raise ConfigError(f"training: {reserved} are set by the run itself; remove them from the config")
+    wrong = field_problems(TrainingArguments, training)
+    if wrong:
+        raise ConfigError(f"training: {_yaml_hint(wrong[0])}")
+    for name, (ok, words) in _TRAINING_RANGES.items():
+        if name in training and not ok(training[name]):
+            raise ConfigError(f"training: {name} must be {words}, got {training[name]!r}")

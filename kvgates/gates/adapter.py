@@ -22,9 +22,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
 
 from kvgates.errors import AdapterError
 from kvgates.gates.modules import GlobalRetentionTrunk, RetainingHead, RetentionGate, SharedRetentionHead
+from kvgates.typecheck import field_problems
 
 ADAPTER_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -79,11 +81,28 @@ class GateConfig:
         unknown = sorted(set(data) - names)
         if unknown:
             raise AdapterError(f"{source} has unknown fields {', '.join(unknown)} (written by a newer kvgates?)")
+        wrong = field_problems(cls, data)
+        if wrong:
+            raise AdapterError(f"{source}: {wrong[0]}; the file is corrupt or was edited by hand")
         if data.get("version", ADAPTER_VERSION) > ADAPTER_VERSION:
             raise AdapterError(f"{source} is adapter format version {data['version']}; this kvgates reads up to {ADAPTER_VERSION}")
         if data["kind"] not in GATE_KINDS:
             raise AdapterError(f"{source} names gate kind {data['kind']!r}; known kinds: {', '.join(sorted(GATE_KINDS))}")
-        return cls(**data)
+        config = cls(**data)
+        config.check_ranges(source)
+        return config
+
+    def check_ranges(self, source: str = "config.json") -> None:
+        """``AdapterError`` for shapes no gate can have (a size below 1, gated layers outside ``num_layers``) or an
+        activation transformers does not know, so a bad config fails when it is read, not when the model loads."""
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "gate_hidden"):
+            if getattr(self, name) < 1:
+                raise AdapterError(f"{source}: {name} must be at least 1, got {getattr(self, name)}; the file is corrupt or was edited by hand")
+        ids = self.layer_ids
+        if not ids or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers for i in ids) or len(set(ids)) != len(ids):
+            raise AdapterError(f"{source}: layer_ids must list distinct layers from 0 to num_layers - 1 ({self.num_layers - 1}), got {ids}")
+        if self.activation not in ACT2FN:
+            raise AdapterError(f"{source}: unknown activation {self.activation!r}; transformers knows {', '.join(sorted(ACT2FN))}")
 
 
 def _geometry(model: PreTrainedModel) -> dict[str, Any]:
@@ -197,6 +216,11 @@ class GateSet(nn.Module):
         mine = {k: getattr(self.config, k) for k in geometry}
         if geometry != mine:
             diff = ", ".join(f"{k} {mine[k]} vs {geometry[k]}" for k in geometry if geometry[k] != mine[k])
+            if hub_id_of(model) == self.config.base_model:
+                raise AdapterError(
+                    f"these gates name {self.config.base_model} as their model but their config does not fit it ({diff}); "
+                    "the adapter's config.json is corrupt or was edited by hand"
+                )
             raise AdapterError(
                 f"these gates were trained for {self.config.base_model} and do not fit {hub_id_of(model)} ({diff})"
             )
@@ -275,14 +299,22 @@ class GateSet(nn.Module):
         endpoint: str | None = None,
         commit_message: str = "Upload kvgates gate adapter",
     ) -> str:
-        """Create (if needed) the Hub model repository ``repo_id`` and upload the adapter; returns the commit URL."""
+        """Create (if needed) the Hub model repository ``repo_id`` and upload the adapter; returns the commit URL.
+        ``ConnectionError`` (one sentence) when the Hub cannot be reached or refuses the upload."""
         from huggingface_hub import HfApi
 
         api = HfApi(endpoint=endpoint, token=token)
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp)
-            info = api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=commit_message, repo_type="model")
+            try:
+                api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+                info = api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=commit_message, repo_type="model")
+            except Exception as err:  # the Hub client raises many types (offline mode, no network, auth, HTTP errors)
+                reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise ConnectionError(
+                    f"could not push the adapter to the Hub repository {repo_id} ({reason}); check the network, "
+                    "HF_HUB_OFFLINE and your token, or save it with save_pretrained and upload it later"
+                ) from err
         return str(getattr(info, "commit_url", info))
 
     def model_card(self) -> str:

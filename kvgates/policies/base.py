@@ -31,6 +31,7 @@ import torch
 from kvgates.policies.selection import keep_forced_and_top
 from kvgates.runtime.layer import LayerState, SlotState
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
+from kvgates.typecheck import field_problems
 
 if TYPE_CHECKING:
     from kvgates.runtime.layer import BudgetLayer
@@ -50,7 +51,8 @@ def register_policy(cls: type[Policy]) -> type[Policy]:
 
 
 def make_policy(name: str, **params: Any) -> Policy:
-    """Build a registered policy by name, e.g. ``make_policy("snapkv", budget=256, window=16)``."""
+    """Build a registered policy by name, e.g. ``make_policy("snapkv", budget=256, window=16)``; an unknown
+    parameter or a value of the wrong type for its field (``window="eight"``) is a ``ValueError``."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; available policies: {', '.join(sorted(POLICIES))}")
     cls = POLICIES[name]
@@ -60,6 +62,9 @@ def make_policy(name: str, **params: Any) -> Policy:
         raise ValueError(
             f"policy {name!r} has no parameter {', '.join(unknown)}; its parameters are: {', '.join(sorted(allowed))}"
         )
+    wrong = field_problems(cls, params)
+    if wrong:
+        raise ValueError(f"policy {name!r}: {'; '.join(wrong)}")
     return cls(**params)
 
 

@@ -1,0 +1,73 @@
+"""Checking plain config values (YAML, JSON, command-line strings) against a dataclass field's type hint.
+
+Policies, gate adapter configs and training configs are dataclasses built from values a user typed; a value of
+the wrong type (``window: eight``) would otherwise surface later as a ``TypeError`` deep in the code.
+``type_problem`` says, in words, what a value should have been; the caller raises its own error with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Union
+
+_NAMES = {int: "a whole number", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "a mapping"}
+
+
+def _accepts(value: Any, hint: Any) -> bool | None:
+    """Whether ``value`` fits ``hint`` (None: the hint is not one this module checks, so anything goes)."""
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        verdicts = [_accepts(value, arg) for arg in typing.get_args(hint)]
+        return True if True in verdicts else None if None in verdicts else False
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    base = origin or hint
+    if base is bool:
+        return isinstance(value, bool)
+    if base is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if base is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if base in (str, list, dict):
+        return isinstance(value, base)
+    if base is tuple:
+        return isinstance(value, (list, tuple))
+    return None
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        words = " or ".join(_describe(a) for a in args)
+        return f"{words} or null" if len(args) < len(typing.get_args(hint)) else words
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    base = origin or hint
+    return _NAMES.get(base, getattr(base, "__name__", str(base)))
+
+
+def type_problem(value: Any, hint: Any) -> str | None:
+    """``None`` when ``value`` fits the type ``hint`` (ints, floats, bools, strings, lists, mappings, Literal,
+    Optional and unions of them; other types are not checked), else what it should be, e.g. ``"a whole number"``."""
+    return None if _accepts(value, hint) is not False else _describe(hint)
+
+
+def field_problems(cls: type, values: dict[str, Any]) -> list[str]:
+    """For each of ``values`` naming a field of dataclass ``cls`` whose type it does not fit, one phrase:
+    ``"window must be a whole number, got 'eight'"``."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    problems = []
+    for name, value in values.items():
+        if name in known:
+            wanted = type_problem(value, hints.get(name, Any))
+            if wanted is not None:
+                problems.append(f"{name} must be {wanted}, got {value!r}")
+    return problems
