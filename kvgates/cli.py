@@ -6,8 +6,10 @@
 
 Every parameter of the chosen policy is an option (``kvgates generate --policy snapkv --help`` lists them); a learned
 policy without ``--gates`` on an embedded model runs the adapter shipped for it (``kvgates.gates.embedded``). The
-generated text is the only thing written to stdout; the KV memory report and every error (one sentence, non-zero
-exit) go to stderr.
+generated text is the only thing written to stdout; the KV memory report (naming the adapter a learned policy ran)
+and every error go to stderr. Every user error (a bad option, model, adapter or prompt) is one sentence and exit
+status 2; help goes to stdout. torch and transformers are imported only by ``generate`` and ``policies``, so
+``kvgates --version`` and ``kvgates --help`` answer at once.
 """
 
 from __future__ import annotations
@@ -21,20 +23,17 @@ import typing
 from pathlib import Path
 from typing import NoReturn
 
-import torch
-import transformers
-
 import kvgates
-from kvgates import POLICIES, BudgetCache, load_model, make_policy
-from kvgates.gates.embedded import default_gates
-from kvgates.policies.wrappers import Wrapper, learned_params, learned_policy, with_gates
+
+#: The exit status of every user error (a bad option, model, adapter or prompt): one sentence on stderr.
+USAGE_ERROR = 2
 
 
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line on stderr (exit status 2), not the usage block."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+        self.exit(USAGE_ERROR, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _positive_int(text: str) -> int:
@@ -57,7 +56,7 @@ def _bool(text: str) -> bool:
 
 def _policy_options(parser: argparse.ArgumentParser, policy: str) -> list[str]:
     """Add one option per parameter of ``policy`` (except budget); return their names."""
-    cls = POLICIES[policy]
+    cls = kvgates.POLICIES[policy]
     hints = typing.get_type_hints(cls)
     names = []
     group = parser.add_argument_group(f"{policy} parameters")
@@ -77,6 +76,8 @@ def _policy_options(parser: argparse.ArgumentParser, policy: str) -> list[str]:
 def _shipped_gates(parser: argparse.ArgumentParser, model: str, policy: str, budget: int | None, option: str) -> str:
     """The adapter shipped for ``policy`` on the embedded ``model`` (the one trained nearest ``budget``), or a usage
     error naming ``option`` when none ships."""
+    from kvgates.gates.embedded import default_gates
+
     gates = default_gates(model, policy, budget)
     if gates is None:
         parser.error(f"--policy {policy} needs {option} (a gate adapter folder or Hub id); no adapter ships for {model}")
@@ -84,12 +85,17 @@ def _shipped_gates(parser: argparse.ArgumentParser, model: str, policy: str, bud
 
 
 def _generate(argv: list[str]) -> int:
+    import torch
+
+    from kvgates import POLICIES, AdapterError, BudgetCache, load_model, make_policy
+    from kvgates.policies.wrappers import Wrapper, learned_params, learned_policy, with_gates
+
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--policy", default="full")
     known, _ = pre.parse_known_args(argv)
     if known.policy not in POLICIES:
         print(f"kvgates: unknown policy {known.policy!r}; available policies: {', '.join(sorted(POLICIES))}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     parser = _Parser(prog="kvgates generate", description="Generate text with a budgeted KV cache.")
     parser.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' (embedded), a Hub id or a local folder")
     parser.add_argument("--policy", default="full", choices=sorted(POLICIES))
@@ -143,7 +149,11 @@ def _generate(argv: list[str]) -> int:
         if chat:
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
         inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
-        policy.attach(model)  # learned policies hook their gate inputs; heuristics need nothing
+        try:
+            policy.attach(model)  # learned policies hook their gate inputs; heuristics need nothing
+        except AdapterError as err:  # the library names its own argument; say the option that does the same
+            strict = "add strict=false to --base-params" if wrapped else "pass --strict false"
+            raise AdapterError(str(err).replace("pass strict=False", strict)) from None
         cache = BudgetCache(model.config, policy)
         torch.manual_seed(args.seed)
         start = time.perf_counter()
@@ -168,8 +178,10 @@ def _generate(argv: list[str]) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     full = 2 * layers * config.num_key_value_heads * head_dim * model.dtype.itemsize * seen
     held, allocated = cache.held_bytes(), cache.kv_bytes()
+    gates = learned_params(args.policy, params).get("gates") if learned is not None else None
+    adapter = f" gates={gates}" if gates is not None else ""
     print(
-        f"\n[kvgates] policy={policy.name} tokens={seen} (prompt {inputs['input_ids'].shape[1]}, new {len(new)}{', chat' if chat else ''}) "
+        f"\n[kvgates] policy={policy.name}{adapter} tokens={seen} (prompt {inputs['input_ids'].shape[1]}, new {len(new)}{', chat' if chat else ''}) "
         f"KV held {held / 2**20:.2f} MiB vs full cache {full / 2**20:.2f} MiB ({held / full:.1%}), "
         f"allocated {allocated / 2**20:.2f} MiB; {seconds:.1f} s",
         file=sys.stderr,
@@ -178,6 +190,8 @@ def _generate(argv: list[str]) -> int:
 
 
 def _policies(argv: list[str]) -> int:
+    from kvgates import POLICIES
+
     for name in sorted(POLICIES):
         doc = (POLICIES[name].__doc__ or "").strip().splitlines()[0]
         print(f"{name:16s} {doc}")
@@ -190,9 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--version"]:
         print(f"kvgates {kvgates.__version__}")
         return 0
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: kvgates {generate,policies} [options] | kvgates --version\n\n" + (__doc__ or ""), file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    usage = "usage: kvgates {generate,policies} [options] | kvgates --version\n\n" + (__doc__ or "")
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
+    if not argv or argv[0] not in commands:
+        what = f"unknown command {argv[0]!r}" if argv else "no command given"
+        print(f"kvgates: {what}; commands: generate, policies (see kvgates --help)", file=sys.stderr)
+        return USAGE_ERROR
+    import transformers
+
     transformers.utils.logging.set_verbosity_error()  # library notices and progress bars are not for the command line
     transformers.utils.logging.disable_progress_bar()
     try:
@@ -200,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:  # bad parameters, AdapterError, UnsupportedModelError, a model that cannot load
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(f"kvgates: {message}", file=sys.stderr)
-        return 1
+        return USAGE_ERROR
 
 
 if __name__ == "__main__":

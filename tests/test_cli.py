@@ -1,6 +1,9 @@
 """The ``kvgates`` command line on a tiny local checkpoint."""
 
+import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,7 +12,7 @@ from transformers import AutoTokenizer
 
 import kvgates
 from kvgates import BudgetCache, RetentionGates, load_model
-from kvgates.cli import main
+from kvgates.cli import USAGE_ERROR, main
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +54,30 @@ def run(argv: list[str]) -> int:
         return exit_.code
 
 
+@pytest.fixture(scope="module")
+def bad_models(tmp_path_factory):
+    """Config-only model folders kvgates must refuse before loading weights: Gemma-2 (no sdpa), Mamba (no
+    attention), a Llama whose config says ``hidden_size: "big"``."""
+    from helpers import _COMMON
+    from transformers import Gemma2Config, LlamaConfig, MambaConfig
+
+    root = tmp_path_factory.mktemp("bad-models")
+    Gemma2Config(**_COMMON).save_pretrained(root / "gemma2")
+    MambaConfig(vocab_size=_COMMON["vocab_size"], hidden_size=16, num_hidden_layers=2).save_pretrained(root / "mamba")
+    LlamaConfig(**_COMMON).save_pretrained(root / "big")
+    config = json.loads((root / "big" / "config.json").read_text())
+    (root / "big" / "config.json").write_text(json.dumps({**config, "hidden_size": "big"}))
+    return {"GEMMA2": str(root / "gemma2"), "MAMBA": str(root / "mamba"), "BIG": str(root / "big")}
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
+        (["--policy", "adakv", "--budget", "8", "--base-params", "window=x", "--prompt", "x"],
+         "policy 'snapkv': window must be a whole number, got 'x'"),
+        (["--model", "GEMMA2", "--prompt", "x"], "Gemma2ForCausalLM does not support transformers' sdpa attention"),
+        (["--model", "MAMBA", "--prompt", "x"], "MambaForCausalLM does not route attention through transformers' AttentionInterface"),
+        (["--model", "BIG", "--prompt", "x"], "hidden_size"),
         (["--policy", "snapkv", "--budget", "8", "--window", "16", "--prompt", "x"], "observation window"),
         (["--policy", "h2o", "--budget", "0", "--prompt", "x"], "at least 1"),
         (["--policy", "h2o", "--budget", "8", "--prompt-file", "/nonexistent"], "does not exist"),
@@ -62,6 +86,7 @@ def run(argv: list[str]) -> int:
         (["--policy", "trimkv", "--budget", "8", "--gates", "/tmp/nonexistent", "--prompt", "x"],
          "/tmp/nonexistent is neither an adapter folder nor a Hub repository id"),
         (["--policy", "trimkv", "--budget", "8", "--gates", "FOREIGN", "--prompt", "x"], "were trained for"),
+        (["--policy", "trimkv", "--budget", "8", "--gates", "FOREIGN", "--prompt", "x"], "pass --strict false to attach them"),
         (["--policy", "locret", "--budget", "8", "--prompt", "x"], "--policy locret needs --gates"),
         (["--policy", "adakv", "--base", "trimkv-snap", "--budget", "8", "--prompt", "x"],
          "--policy trimkv-snap needs --base-params gates=..."),
@@ -69,11 +94,11 @@ def run(argv: list[str]) -> int:
         (["--model", "EMPTY", "--prompt", "x"], "is not a model folder (no config.json there)"),
     ],
 )
-def test_bad_input_is_one_clear_error(checkpoint, foreign_gates, tmp_path, capsys, argv, message):
-    argv = [{"FOREIGN": foreign_gates, "EMPTY": str(tmp_path)}.get(a, a) for a in argv]
+def test_bad_input_is_one_clear_error(checkpoint, foreign_gates, bad_models, tmp_path, capsys, argv, message):
+    argv = [{"FOREIGN": foreign_gates, "EMPTY": str(tmp_path), **bad_models}.get(a, a) for a in argv]
     if "--model" not in argv:
         argv = ["--model", checkpoint, *argv]
-    assert run(["generate", *argv]) != 0
+    assert run(["generate", *argv]) == USAGE_ERROR  # every user error: the same status
     out, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if line.strip()]
     assert out == "" and len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
@@ -82,6 +107,53 @@ def test_bad_input_is_one_clear_error(checkpoint, foreign_gates, tmp_path, capsy
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"kvgates {kvgates.__version__}"
+
+
+def test_version_and_help_import_neither_torch_nor_transformers():
+    """``kvgates --version`` and ``--help`` answer at once: the console script imports no heavy library for them."""
+    code = (
+        "import sys; from kvgates.cli import main; assert main(sys.argv[1:]) == 0; "
+        "assert not {'torch', 'transformers'} & set(sys.modules), sorted({'torch', 'transformers'} & set(sys.modules))"
+    )
+    for flag in ("--version", "--help"):
+        done = subprocess.run([sys.executable, "-c", code, flag], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+
+
+def test_help_goes_to_stdout_and_a_bad_command_is_a_usage_error(capsys):
+    assert main(["--help"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("usage: kvgates") and err == ""
+    assert main(["generat"]) == USAGE_ERROR
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == "kvgates: unknown command 'generat'; commands: generate, policies (see kvgates --help)"
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_a_hub_id_that_cannot_load_is_refused_at_once_with_the_embedded_names(monkeypatch, capsys, offline):
+    """A typo (``smollm2-1.7b``) offline: no download retries, one sentence listing the embedded models, whether
+    HF_HUB_OFFLINE says so or the Hub cannot be reached."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "model_info", unreachable)
+    assert run(["generate", "--model", "smollm2-1.7b", "--prompt", "x"]) == USAGE_ERROR
+    lines = capsys.readouterr().err.strip().splitlines()
+    reason = "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached (ConnectionError)"
+    assert len(lines) == 1 and reason in lines[0] and "embedded model (smollm2-135m)" in lines[0], lines
+
+
+def test_the_run_summary_names_the_adapter(checkpoint, tmp_path, capsys):
+    model, _ = load_model(checkpoint)
+    RetentionGates.for_model(model).save_pretrained(tmp_path / "gates")
+    code = main(["generate", "--model", checkpoint, "--policy", "trimkv", "--budget", "8", "--gates", str(tmp_path / "gates"),
+                 "--prompt", "hello there " * 3, "--max-new-tokens", "2"])
+    assert code == 0
+    assert f"policy=trimkv gates={tmp_path / 'gates'} tokens=" in capsys.readouterr().err
 
 
 def test_stdout_holds_the_generated_text_only(checkpoint, capsys):

@@ -216,7 +216,7 @@ class GateSet(nn.Module):
         mine = {k: getattr(self.config, k) for k in geometry}
         if geometry != mine:
             diff = ", ".join(f"{k} {mine[k]} vs {geometry[k]}" for k in geometry if geometry[k] != mine[k])
-            if hub_id_of(model) == self.config.base_model:
+            if model_fingerprint(model) == self.config.fingerprint:  # the very model: the config's shapes were edited
                 raise AdapterError(
                     f"these gates name {self.config.base_model} as their model but their config does not fit it ({diff}); "
                     "the adapter's config.json is corrupt or was edited by hand"

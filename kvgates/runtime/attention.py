@@ -127,6 +127,6 @@ def attention_inputs(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
 
 
 def register() -> None:
-    """Register the ``"kvgates"`` attention and mask functions (idempotent; done on ``import kvgates``)."""
+    """Register the ``"kvgates"`` attention and mask functions (idempotent; done when ``kvgates.runtime`` is imported)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, kvgates_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
