@@ -25,11 +25,15 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # The quickstart: accelerate launch train.py with no config trains TRIM-KV gates on the embedded model
-# (configs/train/quickstart.yaml); the flags spell out accelerate's single-process defaults, except the CPU
-# threads: accelerate would set OMP_NUM_THREADS=1 for its one process, leaving the other cores idle.
+# (configs/train/quickstart.yaml; ARGS="--config configs/train/X.yaml key=value" runs another); the flags spell out
+# accelerate's single-process defaults, except the CPU threads: accelerate would set OMP_NUM_THREADS=1 for its one
+# process, leaving the other cores idle. `train.py --check` validates the config first (one sentence, exit status 2,
+# nothing written); --quiet keeps accelerate from adding a CalledProcessError traceback after a failing script.
+ARGS ?=
 train: setup
-	$(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
-		--num_cpu_threads_per_process $(shell nproc) train.py
+	$(PY) train.py --check $(ARGS)
+	$(VENV)/bin/accelerate launch --quiet --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
+		--num_cpu_threads_per_process $(shell nproc) train.py $(ARGS)
 
 demo: setup
 	$(PY) -m eval ab --config configs/eval/demo.yaml

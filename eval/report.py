@@ -264,7 +264,10 @@ AB_SECTION = "A/B evaluation on"
 def arm_section(results_dir: str | Path, label: str) -> str:
     """Markdown for one arm's model card from a finished run in ``results_dir``: per task and budget the arm's
     primary metric beside the best heuristic's (named) and the full cache's, then its paired verdicts."""
-    results = json.loads((Path(results_dir) / "results.json").read_text())
+    path = Path(results_dir) / "results.json"
+    if not path.is_file():
+        raise ValueError(f"{results_dir} holds no results.json; pass the output folder of a finished python -m eval ab run")
+    results = json.loads(path.read_text())
     config = load_config(results)
     if label not in {a.label for a in config.arms}:
         raise ValueError(f"{results_dir} has no arm {label!r}; its arms: {', '.join(a.label for a in config.arms)}")

@@ -286,15 +286,69 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
         ({"kind": "trimkv-global", "loss": {"hard_eviction": True}}, "hard_eviction trains per-layer retention gates"),
         ({"policy": {"window": 4}, "loss": {"hard_eviction": True}}, "no window or buffer"),
         ({"loss": {"hard_eviction": True, "eviction_temperature": -1.0}}, "eviction_temperature must be >= 0"),
+        ({"training": {"learning_rate": -1.0e-3}}, "training: learning_rate must be greater than 0, got -0.001"),
+        ({"training": {"learning_rate": "1e-3"}}, "learning_rate must be a number, got '1e-3' (YAML reads 1e-3 as a string"),
+        ({"training": {"max_steps": 0}}, "max_steps must be at least 1"),
+        ({"training": {"per_device_train_batch_size": 2.5}}, "per_device_train_batch_size must be a whole number"),
+        ({"data": {"seq_len": "big"}}, "data: seq_len must be a whole number, got 'big'"),
+        ({"budget": "64"}, "budget must be a whole number, got '64'"),
+        ({"gates": {"hidden": 0}}, "gates.hidden must be at least 1"),
+        ({"report": {"examples": 0}}, "report.examples must be at least 1"),
+        ({"policy": {"window": "eight"}}, "policy: policy 'trimkv': window must be a whole number, got 'eight'"),
+        ({"model": "NOT_A_MODEL"}, "is not a model folder (no config.json there)"),
+        ({"gates": {"init_from": "/no/such/adapter"}}, "/no/such/adapter is neither an adapter folder nor a Hub repository id"),
+        ({"gates": {"init_from": "smollm2-135m-locret"}}, "holds 'retaining-head' gates; a trimkv run trains 'retention' gates"),
     ],
 )
 def test_config_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, capsys, change, message):
     out = tmp_path / "never"
     cfg = tiny_config(tiny_dir, out, **change)
+    if cfg["model"] == "NOT_A_MODEL":
+        cfg["model"] = str(tmp_path)
+    for check in ([], ["--check"]):
+        assert main(["--config", str(write(cfg, tmp_path / "c.yaml")), *check]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1 and err.startswith("train.py: "), err
+        assert not out.exists()
+
+
+def test_check_validates_without_loading_the_model_or_writing(tiny_dir, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    path = write(tiny_config(tiny_dir, out), tmp_path / "c.yaml")
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("--check loaded the model")
+
+    monkeypatch.setattr(kvgates, "load_model", no_model)
+    assert main(["--config", str(path), "--check"]) == 0
+    assert "is ready to run" in capsys.readouterr().out and not out.exists()
+
+
+def test_an_adapter_for_another_model_stops_the_run_and_leaves_no_folder(tiny_dir, tmp_path, capsys):
+    """``gates.init_from`` can only be matched to the model once it is loaded: the run then stops with one sentence
+    and removes the folder it had just made."""
+    from helpers import tiny_model
+
+    kvgates.RetentionGates.for_model(tiny_model("llama", seed=1)[1], gate_hidden=8).save_pretrained(tmp_path / "foreign")
+    out = tmp_path / "run"
+    cfg = tiny_config(tiny_dir, out, gates={"init_from": str(tmp_path / "foreign")})
     assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1 and err.startswith("train.py: ")
-    assert not out.exists()
+    err = capsys.readouterr().err.strip()  # after the model's loading bar
+    assert "were trained for" in err.splitlines()[-1] and "Traceback" not in err and not out.exists()
+
+
+def test_a_config_error_under_accelerate_launch_ends_with_the_sentence(tmp_path):
+    """The documented command: with --quiet (as make train passes it) accelerate adds no CalledProcessError
+    traceback after the script's one sentence."""
+    bad = write({"base": str(REPO / "configs" / "train" / "tiny.yaml"), "training": {"learning_rate": -1.0}}, tmp_path / "bad.yaml")
+    done = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--quiet", "--num_processes", "1", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "train.py"), "--config", str(bad)],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300,
+    )
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert lines[-1] == "train.py: training: learning_rate must be greater than 0, got -1.0", lines
 
 
 def test_overrides_and_missing_config(tmp_path, tiny_dir):
@@ -492,3 +546,29 @@ def test_shipping_an_adapter_makes_it_loadable_by_name(tiny_dir, tmp_path, monke
     for name, tensor in trained.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], tensor.half().float())
     assert embedded.embedded_adapter_dir("../adapter") is None and embedded.default_gates("tiny", "trimkv") is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["ADAPTER", "../../../tmp/x"], "'../../../tmp/x' cannot name a shipped adapter"),
+        (["ADAPTER", "/abs/path"], "'/abs/path' cannot name a shipped adapter"),
+        (["ADAPTER", "Tiny Trimkv"], "cannot name a shipped adapter"),
+        (["/no/such/adapter", "tiny"], "/no/such/adapter is neither an adapter folder nor a Hub repository id"),
+        (["ADAPTER", "tiny", "--ab", "/no/such/run"], "/no/such/run holds no results.json"),
+    ],
+)
+def test_ship_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, monkeypatch, capsys, argv, message):
+    import kvgates.gates.embedded as embedded
+    import train.ship as ship
+
+    monkeypatch.setattr(embedded, "EMBEDDED_DIR", tmp_path / "embedded")
+    monkeypatch.setattr(ship, "EMBEDDED_DIR", tmp_path / "embedded")
+    model, _ = kvgates.load_model(str(tiny_dir))
+    kvgates.RetentionGates.for_model(model, gate_hidden=8).save_pretrained(tmp_path / "adapter")
+    before = sorted(tmp_path.rglob("*"))
+    capsys.readouterr()
+    assert ship.main([str(tmp_path / "adapter") if a == "ADAPTER" else a for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and err.startswith("train.ship: "), err
+    assert sorted(tmp_path.rglob("*")) == before and not Path("/tmp/x").exists()

@@ -3,6 +3,12 @@
     accelerate launch train.py                                       # configs/train/quickstart.yaml
     accelerate launch train.py --config configs/train/trimkv-256.yaml training.max_steps=200
     accelerate launch train.py --config ... --resume                  # continue from the last checkpoint
+    python train.py --config ... --check                              # validate only: loads no model, writes nothing
+
+The config, the model (without its weights), ``gates.init_from`` and the output folder are all checked before the
+model loads or anything is written; every such error is one sentence on stderr and exit status 2 (under
+``accelerate launch``, which reports a failed script as status 1, pass ``--quiet`` so that the sentence is the last
+line rather than accelerate's ``CalledProcessError`` traceback; ``make train`` runs ``--check`` first).
 
 Outputs in ``output_dir``: ``checkpoint-*`` (gate adapter + optimizer/scheduler/RNG/trainer state, no LLM),
 ``metrics.jsonl`` (every log line), ``run_config.json``, ``wandb/`` (offline unless ``WANDB_MODE`` says otherwise),
@@ -18,6 +24,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,6 +39,7 @@ from data.splits import essay_split
 from eval.heldout import markdown_table
 from kvgates.gates import GATE_KINDS
 from kvgates.gates.training import GateTraining
+from kvgates.models import check_model_source
 from train.config import ConfigError, TrainConfig
 from train.trainer import GateTrainer, MetricsJsonl
 from train.validation import Validator, final_table
@@ -47,13 +55,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML run config (default {DEFAULT_CONFIG})")
     parser.add_argument("--resume", action="store_true", help="continue the run in output_dir from its last checkpoint")
+    parser.add_argument(
+        "--check", action="store_true",
+        help="check the config, the model, gates.init_from and output_dir without loading the model or writing anything",
+    )
     parser.add_argument("overrides", nargs="*", help="single-key overrides, e.g. training.max_steps=20 budget=128")
     return parser.parse_args(argv)
 
 
-def prepare_output_dir(config: TrainConfig, resume: bool) -> tuple[Path, str | None]:
+def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) -> tuple[Path, str | None]:
     """``(output folder, checkpoint to resume from or None)``. Refuses to overwrite an earlier run, or to resume
-    one made with another config or one without a complete checkpoint; only then writes ``run_config.json``."""
+    one made with another config or one without a complete checkpoint; only then (and with ``write``) creates the
+    folder and writes ``run_config.json``."""
     out = Path(config.output_dir)
     recorded = out / RUN_CONFIG
     checkpoint = None
@@ -69,8 +82,9 @@ def prepare_output_dir(config: TrainConfig, resume: bool) -> tuple[Path, str | N
             raise ConfigError(f"--resume: {out} was trained with another config (differs in {', '.join(changed)})")
     elif out.is_dir() and any(out.glob("checkpoint-*")):
         raise ConfigError(f"{out} already holds checkpoints of a run; pass --resume to continue it or pick another output_dir")
-    out.mkdir(parents=True, exist_ok=True)
-    recorded.write_text(config.to_json())
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+        recorded.write_text(config.to_json())
     return out, checkpoint
 
 
@@ -127,6 +141,20 @@ def check_training_arguments(config: TrainConfig) -> None:
         raise ConfigError(f"training: {err}") from None
 
 
+def check_sources(config: TrainConfig) -> None:
+    """What the run reads besides the config, checked without loading the model: the model (``UnsupportedModelError``:
+    not a model, unreachable, an unsupported architecture) and ``gates.init_from`` (``AdapterError``: unreadable, or
+    of another kind than the run trains)."""
+    check_model_source(config.model)
+    spec = config.gates
+    if spec.init_from is not None:
+        gates = kvgates.load_gates(spec.init_from)
+        if gates.kind != config.gate_kind:
+            raise kvgates.AdapterError(
+                f"gates.init_from: {spec.init_from} holds {gates.kind!r} gates; a {config.kind} run trains {config.gate_kind!r} gates"
+            )
+
+
 def initial_gates(config: TrainConfig, model: PreTrainedModel) -> kvgates.GateSet:
     """Fresh gates of the run's kind and shape, or the adapter named by ``gates.init_from`` to continue from
     (``AdapterError`` if it is of another kind or for another model)."""
@@ -135,11 +163,7 @@ def initial_gates(config: TrainConfig, model: PreTrainedModel) -> kvgates.GateSe
         return GATE_KINDS[config.gate_kind].for_model(
             model, gate_hidden=spec.hidden, training_budget=config.budget, init_bias=spec.init_bias
         )
-    gates = kvgates.load_gates(spec.init_from)
-    if gates.kind != config.gate_kind:
-        raise kvgates.AdapterError(
-            f"gates.init_from: {spec.init_from} holds {gates.kind!r} gates; a {config.kind} run trains {config.gate_kind!r} gates"
-        )
+    gates = kvgates.load_gates(spec.init_from)  # its kind was checked by check_sources
     gates.check_model(model)
     # The run keeps the adapter's weights and shape, not the record of the run that made it: its own record (data,
     # results, training, tables) replaces it, and until then the adapter's card must not pass for this run's.
@@ -188,15 +212,26 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
     return trainer, start
 
 
+#: Exit status of a user error (config, model, adapter, output folder): one sentence on stderr, nothing written.
+USAGE_ERROR = 2
+USER_ERRORS = (ConfigError, kvgates.AdapterError, kvgates.UnsupportedModelError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config = TrainConfig.load(args.config, args.overrides)
         check_training_arguments(config)
-        out, resume = prepare_output_dir(config, args.resume)
-    except ConfigError as err:
+        check_sources(config)
+        out, resume = prepare_output_dir(config, args.resume, write=False)
+    except USER_ERRORS as err:
         print(f"train.py: {err}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
+    if args.check:
+        print(f"train.py: {args.config} is ready to run ({config.kind} gates on {config.model} at budget {config.budget} into {out})")
+        return 0
+    fresh_folder = not out.exists()
+    prepare_output_dir(config, args.resume)
     started = time.time()
     try:
         trainer, start = build_trainer(config, out)
@@ -208,9 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             trainer.train(resume_from_checkpoint=resume)
         validation = trainer.evaluate()  # the best checkpoint, loaded at the end of training
-    except kvgates.AdapterError as err:
+    except USER_ERRORS as err:  # found once the model is loaded (gates.init_from made for another model)
+        if fresh_folder and not any(out.glob("checkpoint-*")):
+            shutil.rmtree(out)  # nothing of this run is worth keeping: leave no half-made folder
         print(f"train.py: {err}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     trainer.gated.close()
     if not trainer.is_world_process_zero():
         return 0

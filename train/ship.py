@@ -10,12 +10,15 @@ cache at each task and budget, and its verdicts), after the held-out table ``tra
 A/B sections the card had (re-shipping an adapter by its name with newer runs replaces its tables); ``--ab`` may be
 given once per run, each run's table in the order given, the arm labelled LABEL in each. The training record
 (recipe, command, time, data split) stays as ``train.py`` wrote it. The folder is exactly what one would push to
-the Hub.
+the Hub. Every error (a name that is not a plain folder name, an unreadable adapter, an A/B folder without that
+arm) is one sentence and exit status 2, with nothing written.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,10 +28,24 @@ import kvgates
 from eval.report import AB_SECTION, arm_section
 from kvgates.gates.embedded import EMBEDDED_DIR
 
+#: What a shipped adapter's name may be: lower-case letters, digits, '.', '_' and '-' (a folder name, never a path).
+NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
+
+
+def check_name(name: str) -> None:
+    """``ValueError`` unless ``name`` can name a shipped adapter (one folder inside ``kvgates/gates/embedded``)."""
+    if not NAME.fullmatch(name) or ".." in name:
+        raise ValueError(
+            f"{name!r} cannot name a shipped adapter; a name is lower-case letters, digits, '.', '_' and '-' "
+            "(e.g. smollm2-135m-trimkv), never a path: it ships as kvgates/gates/embedded/NAME"
+        )
+
 
 def ship(source: str | Path, name: str, ab: str | Path | Sequence[str | Path] = (), arm: str | None = None) -> Path:
     """Copy the adapter at ``source`` to ``kvgates/gates/embedded/name`` in float16, its card extended with its arm
-    ``arm`` (default: ``name``) of the A/B run folder ``ab`` (or of each folder, in order); returns the folder."""
+    ``arm`` (default: ``name``) of the A/B run folder ``ab`` (or of each folder, in order); returns the folder.
+    ``ValueError`` (an ``AdapterError`` for the adapter) before anything is written when any input is wrong."""
+    check_name(name)
     gates = kvgates.load_gates(source)
     runs = [ab] if isinstance(ab, (str, Path)) else list(ab)
     if runs:
@@ -38,7 +55,7 @@ def ship(source: str | Path, name: str, ab: str | Path | Sequence[str | Path] = 
     return gates.to(torch.float16).save_pretrained(EMBEDDED_DIR / name)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a trained adapter folder (checkpoints/RUN/adapter)")
     parser.add_argument("name", help="the name it ships under (e.g. smollm2-135m-trimkv)")
@@ -48,10 +65,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--arm", help="the adapter's arm label in that run (default: the name)")
     args = parser.parse_args(argv)
-    folder = ship(args.source, args.name, args.ab, args.arm)
+    try:
+        folder = ship(args.source, args.name, args.ab, args.arm)
+    except (ValueError, OSError) as err:  # a bad name, AdapterError, an A/B folder without results or that arm
+        print(f"train.ship: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
     size = sum(p.stat().st_size for p in folder.iterdir()) / 2**20
     print(f"shipped {args.source} as {args.name}: {folder} ({size:.1f} MiB)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
