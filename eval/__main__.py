@@ -5,10 +5,13 @@
     python -m eval ab --config configs/eval/demo.yaml --out outputs/demo --fresh
     python -m eval softhard --budget 128 --gates smollm2-135m-trimkv-128   # training's soft KL vs inference's hard KL
 
-``ab`` validates the whole config (arms, budgets, tasks, adapters) before any model work, runs every arm at
+``ab`` validates the whole config (arms, budgets, tasks, adapters, the model's config) before any model work, runs every arm at
 every budget on the same examples, journals each result to ``results.jsonl`` (an interrupted run resumes; ``--fresh``
 starts over) and writes ``results.json``, ``report.md`` and PNG plots to the output folder. ``--report-only``
-writes them from the results journalled so far, without loading the model (the progress of a long run).
+writes them from the results journalled so far, without loading the model (the progress of a long run); a folder
+with no results yet is an error. Every user error is one sentence on stderr and exit status 2, leaving no empty
+output folder. Configs write under ``outputs/`` (git-ignored); the committed reports under ``docs/`` are
+regenerated only on purpose, by naming them: ``--out docs/reference``.
 """
 
 from __future__ import annotations
@@ -18,11 +21,17 @@ import shlex
 import sys
 from pathlib import Path
 
+import kvgates
 from eval.config import ABConfig, ConfigError
+from kvgates.cli import OneLineParser
+from kvgates.models import check_model_source
+
+#: Exit status of every user error (config, model, adapter, an empty --report-only): one sentence on stderr.
+USAGE_ERROR = 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     ab = commands.add_parser("ab", help="A/B evaluation of policies and gate adapters at matched KV memory")
     ab.add_argument("--config", required=True, help="YAML run config (configs/eval/*.yaml)")
@@ -35,20 +44,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "softhard":
         from eval.soft_hard import main as soft_hard_main
 
-        soft_hard_main(rest)
+        try:
+            soft_hard_main(rest)
+        except ValueError as err:  # AdapterError, UnsupportedModelError, a bad option or window
+            print(f"python -m eval softhard: {' '.join(str(err).split())}", file=sys.stderr)
+            return USAGE_ERROR
         return 0
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
+    out = None
     try:
         config = ABConfig.load(args.config, quick=args.quick, output_dir=args.out)
+        out = Path(config.output_dir)
+        made = not out.exists()
         from eval.report import write_report
         from eval.runner import run_ab
 
+        if not args.report_only:
+            check_model_source(config.model)
         results = run_ab(config, resume=not args.fresh, compute=not args.report_only)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except (ConfigError, kvgates.AdapterError, kvgates.UnsupportedModelError) as err:
+        if out is not None and made and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # a run stopped before its first result leaves no empty folder
+        print(f"python -m eval ab: {' '.join(str(err).split())}", file=sys.stderr)
+        return USAGE_ERROR
     # The command that reproduces these results (what --fresh/--report-only did is not part of them).
     command = "python -m eval ab " + shlex.join(["--config", args.config] + ["--quick"] * args.quick + (["--out", args.out] if args.out else []))
     print(write_report(results, command))

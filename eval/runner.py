@@ -139,16 +139,21 @@ def run_ab(
     """Run every (task, example, arm, budget) not already journalled and return all rows and comparisons.
 
     ``compute=False`` runs nothing (no model is loaded): the results are what the journal holds so far, and
-    comparisons use the examples both arms have, so a long run's progress can be reported while it goes on.
+    comparisons use the examples both arms have, so a long run's progress can be reported while it goes on; with
+    no results journalled (nor any to reuse) it is a ``ConfigError``.
     """
     start = time.perf_counter()
     out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     journal = out / JOURNAL
+    keys = _keys(config)
+    if not compute:
+        journals = [journal, *map(Path, config.reuse)] if resume else []
+        if not any(key in load_journal(j) for j in journals for key in keys):
+            raise ConfigError(f"{out} holds no results of this config yet; run it without --report-only first")
+    out.mkdir(parents=True, exist_ok=True)
     if not resume:
         journal.unlink(missing_ok=True)
     done = load_journal(journal)
-    keys = _keys(config)
     reused = sum(key in done for key in keys)
     if reused:
         print(f"{reused} of {len(keys)} results are already journalled in {journal} (--fresh recomputes them all)")

@@ -22,7 +22,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kvgates
 from eval.fidelity import completion_fidelity, kl_divergence, make_batch, reference_logprobs
+from kvgates.cli import OneLineParser
 from kvgates.gates.training import GateTraining
+from kvgates.models import check_model_source
 
 
 @dataclass
@@ -69,7 +71,7 @@ def soft_hard(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m eval softhard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m eval softhard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gates", nargs="+", required=True, help="adapters: shipped names, folders or Hub ids")
     parser.add_argument("--budget", type=int, default=128, help="tokens per KV head (default 128)")
     parser.add_argument("--model", default="smollm2-135m")
@@ -77,12 +79,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--new-tokens", type=int, default=512)
     args = parser.parse_args(argv)
+    for name, value in (("--budget", args.budget), ("--windows", args.windows), ("--prompt-tokens", args.prompt_tokens),
+                        ("--new-tokens", args.new_tokens)):
+        if value < 1:
+            parser.error(f"{name} must be at least 1, got {value}")
+    # Everything that can be checked without the model first: the adapters (readable, of a kind trained with soft
+    # eviction) and the model's config; then the model, and each adapter against it, before any table line.
+    adapters = {name: kvgates.load_gates(name).to(torch.float32) for name in args.gates}
+    for name, gates in adapters.items():
+        if gates.captures != "hidden":
+            raise kvgates.AdapterError(f"{name} holds {gates.kind!r} gates, which are not trained with soft eviction (retention gates are)")
+    check_model_source(args.model)
     model, tokenizer = kvgates.load_model(args.model)
+    for gates in adapters.values():
+        gates.check_model(model)
     texts = windows(tokenizer, args.windows, args.prompt_tokens + args.new_tokens)
     print("| gates | budget | soft KL (training) | hard KL (inference) | per window (soft / hard) |\n|---|---|---|---|---|")
-    for name in args.gates:
-        gates = kvgates.load_gates(name).to(torch.float32)
-        gates.check_model(model)
+    for name, gates in adapters.items():
         rows = [soft_hard(model, gates, args.budget, w, args.prompt_tokens) for w in texts]
         soft = sum(r.soft for r in rows) / len(rows)
         hard = sum(r.hard for r in rows) / len(rows)

@@ -29,8 +29,9 @@ import kvgates
 USAGE_ERROR = 2
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line on stderr (exit status 2), not the usage block."""
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (exit status 2), not the usage block; every command of
+    the project (``kvgates``, ``python -m eval``, ``train.py``, ``python -m train.ship``) parses with it."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(USAGE_ERROR, f"{self.prog}: {message} (see {self.prog} --help)\n")
@@ -96,7 +97,7 @@ def _generate(argv: list[str]) -> int:
     if known.policy not in POLICIES:
         print(f"kvgates: unknown policy {known.policy!r}; available policies: {', '.join(sorted(POLICIES))}", file=sys.stderr)
         return USAGE_ERROR
-    parser = _Parser(prog="kvgates generate", description="Generate text with a budgeted KV cache.")
+    parser = OneLineParser(prog="kvgates generate", description="Generate text with a budgeted KV cache.")
     parser.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' (embedded), a Hub id or a local folder")
     parser.add_argument("--policy", default="full", choices=sorted(POLICIES))
     parser.add_argument("--budget", type=int, help="tokens kept per KV head and layer (not for --policy full)")

@@ -8,6 +8,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pytest
 import torch
+import yaml
 from helpers import tiny_model
 
 import kvgates
@@ -224,6 +225,8 @@ def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
         ({"tasks": [{"task": "needle", "templates": ["nope"]}]}, "has no template 'nope'"),
         ({"colour": "red"}, "unknown key 'colour'"),
         ({"arms": [{"policy": "snapkv", "params": {"windw": 4}}]}, "has no parameter windw"),
+        ({"arms": [{"policy": "snapkv", "params": {"window": "eight"}}]}, "window must be a whole number, got 'eight'"),
+        ({"arms": [{"policy": "adakv", "params": {"base_params": {"window": "x"}}}]}, "window must be a whole number, got 'x'"),
         ({"arms": [{"policy": "snapkv", "params": {"window": 64}}], "budgets": [32]}, "at budget 32"),
         ({"arms": [{"policy": "trimkv"}]}, "needs 'gates'"),
         ({"arms": [{"policy": "trimkv", "gates": "/nonexistent/adapter"}]}, "adapter /nonexistent/adapter is neither an existing folder"),
@@ -262,9 +265,46 @@ def test_cli_exits_non_zero_with_one_sentence_before_loading_a_model(tmp_path, c
     path.write_text("arms: [snapkv]\nbudgets: [0]\ntasks: [needle]\n")
     assert main(["ab", "--config", str(path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "budget 0" in err and len(err.splitlines()) == 1
+    assert err.startswith("python -m eval ab: ") and "budget 0" in err and len(err.splitlines()) == 1
     assert main(["ab", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert main(["ab", "--config", "configs/eval/demo.yaml", "--quick"]) == 2  # the demo has no quick section
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["ab", "--config", "NOT_A_MODEL"], "is not a model folder (no config.json there)"),
+        (["ab", "--config", "GOOD", "--report-only"], "holds no results of this config yet; run it without --report-only first"),
+        (["softhard", "--gates", "/no/such/adapter"], "/no/such/adapter is neither an adapter folder nor a Hub repository id"),
+        (["softhard", "--gates", "smollm2-135m-locret"], "smollm2-135m-locret holds 'retaining-head' gates, which are not trained"),
+        (["softhard", "--gates", "smollm2-135m-trimkv", "--model", "EMPTY"], "is not a model folder"),
+        (["softhard", "--gates", "smollm2-135m-trimkv", "--windows", "0"], "--windows must be at least 1"),
+    ],
+)
+def test_cli_user_errors_are_one_sentence_exit_2_and_leave_no_folder(tmp_path, capsys, monkeypatch, argv, message):
+    """Every ``python -m eval`` command: a model that is not one, a report of nothing, a missing or unsuitable
+    adapter each end with one sentence and exit status 2, before the model loads and without an output folder."""
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "out"
+    configs = {
+        "NOT_A_MODEL": f"model: {tmp_path / 'empty'}\narms: [snapkv]\nbudgets: [64]\ntasks: [needle]\noutput_dir: {out}\n",
+        "GOOD": f"arms: [snapkv]\nbudgets: [64]\ntasks: [needle]\noutput_dir: {out}\n",
+    }
+    for name, text in configs.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+    argv = [str(tmp_path / f"{a}.yaml") if a in configs else str(tmp_path / "empty") if a == "EMPTY" else a for a in argv]
+    code = main(argv) if argv[0] == "ab" else _exit_status(lambda: main(argv))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def _exit_status(call) -> int:
+    try:
+        return call()
+    except SystemExit as exit_:
+        return exit_.code
 
 
 def test_a_task_can_run_at_some_of_the_budgets(tmp_path):
@@ -429,6 +469,16 @@ def test_an_adapter_arm_is_keyed_by_its_weights(tmp_path, model):
 def test_committed_configs_are_valid(path):
     config = ABConfig.load(path)
     assert config.tasks and config.arms and config.pairs()
+
+
+@pytest.mark.parametrize("path", sorted(str(p) for p in Path("configs/eval").glob("*.yaml")))
+def test_committed_configs_write_to_git_ignored_outputs(path):
+    """The README's commands must not rewrite the committed reports under docs/: those are regenerated only on
+    purpose (``--out docs/NAME``)."""
+    raw = yaml.safe_load(Path(path).read_text())
+    quick = [ABConfig.load(path, quick=True)] if "quick" in raw else []
+    for config in [ABConfig.load(path), *quick]:
+        assert config.output_dir.startswith("outputs/"), config.output_dir
 
 
 def test_quick_section_shrinks_a_committed_config():

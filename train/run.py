@@ -37,6 +37,7 @@ import kvgates
 from data.build import build_dataset, summarize
 from data.splits import essay_split
 from eval.heldout import markdown_table
+from kvgates.cli import OneLineParser
 from kvgates.gates import GATE_KINDS
 from kvgates.gates.training import GateTraining
 from kvgates.models import check_model_source
@@ -50,7 +51,7 @@ METRICS = "metrics.jsonl"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="train.py", description="Train KV-eviction gates on a frozen LLM.", epilog="Overrides: key=value or section.key=value."
     )
     parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML run config (default {DEFAULT_CONFIG})")

@@ -26,6 +26,7 @@ import torch
 
 import kvgates
 from eval.report import AB_SECTION, arm_section
+from kvgates.cli import OneLineParser
 from kvgates.gates.embedded import EMBEDDED_DIR
 
 #: What a shipped adapter's name may be: lower-case letters, digits, '.', '_' and '-' (a folder name, never a path).
@@ -56,7 +57,7 @@ def ship(source: str | Path, name: str, ab: str | Path | Sequence[str | Path] = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m train.ship", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a trained adapter folder (checkpoints/RUN/adapter)")
     parser.add_argument("name", help="the name it ships under (e.g. smollm2-135m-trimkv)")
     parser.add_argument(
