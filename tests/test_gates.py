@@ -1,6 +1,7 @@
 """Learned eviction: gate modules, TRIM-KV / global TRIM-KV / Locret policies, and the gate adapter format."""
 
 import json
+import re
 
 import brute
 import pytest
@@ -271,6 +272,16 @@ def test_wrong_kind_for_policy(tiny_pair):
         TrimKV(budget=64)
 
 
+def _edit(**fields):
+    """A damage: ``config.json`` with ``fields`` changed (as a hand edit or a corrupt copy would)."""
+
+    def damage(folder):
+        path = folder / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+    return damage
+
+
 @pytest.mark.parametrize(
     "damage,message",
     [
@@ -283,14 +294,46 @@ def test_wrong_kind_for_policy(tiny_pair):
         (lambda d: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "gate_hidden": 7})), "has shape"),
         (lambda d: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "version": 99})), "format version 99"),
         (lambda d: (d / "config.json").write_text(json.dumps({"kind": "retention"})), "lacks"),
+        (_edit(num_kv_heads="three"), "num_kv_heads must be a whole number, got 'three'"),
+        (_edit(num_kv_heads=-1), "num_kv_heads must be at least 1, got -1"),
+        (_edit(num_layers=None), "num_layers must be a whole number, got None"),
+        (_edit(head_dim=0), "head_dim must be at least 1, got 0"),
+        (_edit(layer_ids=[0, 7]), "layer_ids must list distinct layers from 0 to num_layers - 1"),
+        (_edit(activation="swishy"), "unknown activation 'swishy'"),
+        (_edit(version="1"), "version must be a whole number"),
+        (_edit(kind=["retention"]), "kind must be a string"),
     ],
 )
 def test_damaged_adapters_give_clear_errors(tiny_pair, tmp_path, damage, message):
+    """Every damage is an ``AdapterError`` when the adapter is read, before any model is involved."""
     _, model = tiny_pair
     RetentionGates.for_model(model).save_pretrained(tmp_path)
     damage(tmp_path)
-    with pytest.raises(AdapterError, match=message):
+    with pytest.raises(AdapterError, match=re.escape(message)) as info:
         GateSet.from_pretrained(tmp_path)
+    assert "\n" not in str(info.value)
+
+
+def test_an_edited_activation_is_named_as_an_edit_not_another_model(tiny_pair, tmp_path):
+    """``activation: tanh`` is valid on its own; against the very model the adapter was made for, the message says
+    the config was edited rather than that the gates were trained for another model."""
+    _, model = tiny_pair
+    RetentionGates.for_model(model).save_pretrained(tmp_path)
+    _edit(activation="tanh")(tmp_path)
+    with pytest.raises(AdapterError, match=r"config does not fit it \(activation tanh vs silu\); the adapter's config.json is corrupt"):
+        TrimKV(budget=8, gates=GateSet.from_pretrained(tmp_path)).attach(model)
+
+
+def test_push_to_hub_without_a_hub_is_one_clear_error(tiny_pair, monkeypatch):
+    import huggingface_hub
+
+    _, model = tiny_pair
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConnectionError, match="could not push the adapter to the Hub repository me/gates") as info:
+        RetentionGates.for_model(model).push_to_hub("me/gates", token="hf_test")
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConnectionError, match="could not push the adapter to the Hub repository me/gates"):
+        RetentionGates.for_model(model).push_to_hub("me/gates", token="hf_test", endpoint="http://127.0.0.1:9")  # nothing listens
 
 
 def test_loading_never_unpickles(tiny_pair, tmp_path, monkeypatch):
