@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(config.output_dir)
         made = not out.exists()
         from eval.report import write_report
-        from eval.runner import run_ab
+        from eval.runner import has_results, run_ab
 
+        if args.report_only and (args.fresh or not has_results(config)):
+            raise ConfigError(f"{out} holds no results of this config yet; run it without --report-only first")
         if not args.report_only:
             check_model_source(config.model)
         results = run_ab(config, resume=not args.fresh, compute=not args.report_only)

@@ -139,21 +139,16 @@ def run_ab(
     """Run every (task, example, arm, budget) not already journalled and return all rows and comparisons.
 
     ``compute=False`` runs nothing (no model is loaded): the results are what the journal holds so far, and
-    comparisons use the examples both arms have, so a long run's progress can be reported while it goes on; with
-    no results journalled (nor any to reuse) it is a ``ConfigError``.
+    comparisons use the examples both arms have, so a long run's progress can be reported while it goes on.
     """
     start = time.perf_counter()
     out = Path(config.output_dir)
-    journal = out / JOURNAL
-    keys = _keys(config)
-    if not compute:
-        journals = [journal, *map(Path, config.reuse)] if resume else []
-        if not any(key in load_journal(j) for j in journals for key in keys):
-            raise ConfigError(f"{out} holds no results of this config yet; run it without --report-only first")
     out.mkdir(parents=True, exist_ok=True)
+    journal = out / JOURNAL
     if not resume:
         journal.unlink(missing_ok=True)
     done = load_journal(journal)
+    keys = _keys(config)
     reused = sum(key in done for key in keys)
     if reused:
         print(f"{reused} of {len(keys)} results are already journalled in {journal} (--fresh recomputes them all)")
@@ -167,6 +162,14 @@ def run_ab(
     seconds = sum(r["seconds"] for r in rows)
     elapsed = time.perf_counter() - start
     return ABResults(config, rows, comparisons(config, rows), elapsed, seconds, len(keys))
+
+
+def has_results(config: ABConfig) -> bool:
+    """Whether the run's journal, or a journal it reuses, holds any result of ``config`` (what ``--report-only``
+    needs to report anything)."""
+    keys = set(_keys(config))
+    journals = [Path(config.output_dir) / JOURNAL, *map(Path, config.reuse)]
+    return any(keys & set(load_journal(j)) for j in journals)
 
 
 def _adopt(config: ABConfig, keys: list[str], done: dict[str, dict], journal: Path) -> None:
