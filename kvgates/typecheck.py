@@ -12,7 +12,7 @@ import types
 import typing
 from typing import Any, Union
 
-_NAMES = {int: "a whole number", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "a mapping"}
+_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "a mapping"}
 
 
 def _accepts(value: Any, hint: Any) -> bool | None:
@@ -55,13 +55,13 @@ def _describe(hint: Any) -> str:
 
 def type_problem(value: Any, hint: Any) -> str | None:
     """``None`` when ``value`` fits the type ``hint`` (ints, floats, bools, strings, lists, mappings, Literal,
-    Optional and unions of them; other types are not checked), else what it should be, e.g. ``"a whole number"``."""
+    Optional and unions of them; other types are not checked), else what it should be, e.g. ``"an integer"``."""
     return None if _accepts(value, hint) is not False else _describe(hint)
 
 
 def field_problems(cls: type, values: dict[str, Any]) -> list[str]:
     """For each of ``values`` naming a field of dataclass ``cls`` whose type it does not fit, one phrase:
-    ``"window must be a whole number, got 'eight'"``."""
+    ``"window must be an integer, got 'eight'"``."""
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     problems = []

@@ -74,7 +74,7 @@ def bad_models(tmp_path_factory):
     "argv,message",
     [
         (["--policy", "adakv", "--budget", "8", "--base-params", "window=x", "--prompt", "x"],
-         "policy 'snapkv': window must be a whole number, got 'x'"),
+         "policy 'snapkv': window must be an integer, got 'x'"),
         (["--model", "GEMMA2", "--prompt", "x"], "Gemma2ForCausalLM does not support transformers' sdpa attention"),
         (["--model", "MAMBA", "--prompt", "x"], "MambaForCausalLM does not route attention through transformers' AttentionInterface"),
         (["--model", "BIG", "--prompt", "x"], "hidden_size"),
