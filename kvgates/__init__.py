@@ -38,8 +38,8 @@ _EXPORTS = {
     "BudgetCache": "kvgates.runtime.cache",
     "dynamic_cache_bytes": "kvgates.runtime.cache",
     "BudgetLayer": "kvgates.runtime.layer",
-    "LayerState": "kvgates.runtime.layer",
-    "SlotState": "kvgates.runtime.layer",
+    "LayerState": "kvgates.runtime.state",
+    "SlotState": "kvgates.runtime.state",
     "AttnStats": "kvgates.runtime.stats",
     "Phase": "kvgates.runtime.stats",
     "StatsRequest": "kvgates.runtime.stats",
@@ -67,5 +67,6 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ impo
     from kvgates.models import EMBEDDED_MODELS, check_supported, load_model, model_fingerprint, prepare_model  # noqa: F401
     from kvgates.policies import POLICIES, Policy, Schedule, make_policy, register_policy  # noqa: F401
     from kvgates.runtime.cache import BudgetCache, dynamic_cache_bytes  # noqa: F401
-    from kvgates.runtime.layer import BudgetLayer, LayerState, SlotState  # noqa: F401
+    from kvgates.runtime.layer import BudgetLayer  # noqa: F401
+    from kvgates.runtime.state import LayerState, SlotState  # noqa: F401
     from kvgates.runtime.stats import AttnStats, Phase, StatsRequest  # noqa: F401

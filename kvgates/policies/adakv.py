@@ -8,7 +8,7 @@ import torch
 
 from kvgates.policies.base import Policy, register_policy
 from kvgates.policies.wrappers import Wrapper
-from kvgates.runtime.layer import LayerState
+from kvgates.runtime.state import LayerState
 from kvgates.runtime.stats import AttnStats, Phase
 
 

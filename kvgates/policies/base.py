@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from kvgates.policies.selection import keep_forced_and_top
-from kvgates.runtime.layer import LayerState, SlotState
+from kvgates.runtime.state import LayerState, SlotState
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
 from kvgates.typecheck import field_problems
 

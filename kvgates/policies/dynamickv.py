@@ -9,7 +9,7 @@ import torch
 from kvgates.policies.base import register_policy
 from kvgates.policies.selection import recent_mask
 from kvgates.policies.snapkv import WindowScored
-from kvgates.runtime.layer import LayerState, SlotState
+from kvgates.runtime.state import LayerState, SlotState
 from kvgates.runtime.stats import AttnStats, Phase
 
 _SCORE = "dynamickv_score"

@@ -9,7 +9,7 @@ import torch
 from kvgates.kernels import GROUP_REDUCTIONS
 from kvgates.policies.base import PerStepEviction, Policy, register_policy
 from kvgates.policies.selection import recent_mask
-from kvgates.runtime.layer import SlotState
+from kvgates.runtime.state import SlotState
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 
 #: Per-slot state: the attention a token has received, summed over every query that saw it.

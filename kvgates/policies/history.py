@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.runtime.layer import BudgetLayer, LayerState, SlotState
+from kvgates.runtime.layer import BudgetLayer
+from kvgates.runtime.state import LayerState, SlotState
 
 FUSIONS = ("sum", "max")
 

@@ -9,7 +9,7 @@ import torch
 from kvgates.policies.base import register_policy
 from kvgates.policies.h2o import CUMULATIVE, CumulativeAttention
 from kvgates.policies.selection import recent_mask, topk_mask
-from kvgates.runtime.layer import LayerState
+from kvgates.runtime.state import LayerState
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
 
 

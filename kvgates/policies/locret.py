@@ -9,7 +9,7 @@ import torch
 from kvgates.policies.base import EVERY_STEP, PROMPT, Schedule, register_policy
 from kvgates.policies.learned import LearnedPolicy
 from kvgates.policies.selection import recent_mask
-from kvgates.runtime.layer import SlotState
+from kvgates.runtime.state import SlotState
 from kvgates.runtime.stats import AttnStats
 
 SCORE = "locret_score"

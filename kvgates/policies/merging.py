@@ -23,7 +23,8 @@ import torch
 from kvgates.kernels.reference import row_tile
 from kvgates.policies.base import register_policy
 from kvgates.policies.wrappers import Wrapper
-from kvgates.runtime.layer import BudgetLayer, LayerState
+from kvgates.runtime.layer import BudgetLayer
+from kvgates.runtime.state import LayerState
 from kvgates.runtime.stats import AttnStats
 
 MERGE_RULES = ("paper", "official")

@@ -9,7 +9,7 @@ import torch
 from kvgates.policies.base import Policy, Schedule, register_policy
 from kvgates.policies.history import FUSIONS, History, fuse, history_state, load_rows, push_rows
 from kvgates.policies.selection import recent_mask
-from kvgates.runtime.layer import SlotState
+from kvgates.runtime.state import SlotState
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 
 _ROWS = "morph_rows"

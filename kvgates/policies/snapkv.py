@@ -11,7 +11,7 @@ from kvgates.kernels import GROUP_REDUCTIONS
 from kvgates.policies.base import PROMPT, Policy, Schedule, register_policy
 from kvgates.policies.history import History, fuse, history_state, push_rows
 from kvgates.policies.selection import recent_mask
-from kvgates.runtime.layer import SlotState
+from kvgates.runtime.state import SlotState
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 
 _HISTORY = "snapkv_rows"

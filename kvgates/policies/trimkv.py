@@ -11,7 +11,7 @@ from kvgates import kernels
 from kvgates.policies.base import Schedule, register_policy
 from kvgates.policies.learned import LearnedPolicy
 from kvgates.policies.selection import recent_mask, topk_mask
-from kvgates.runtime.layer import SlotState
+from kvgates.runtime.state import SlotState
 from kvgates.runtime.stats import AttnStats, Phase
 
 LOG_BETA = "log_beta"

@@ -9,7 +9,7 @@ import torch
 from kvgates.policies.base import NEVER, Schedule, register_policy
 from kvgates.policies.selection import topk_mask
 from kvgates.policies.trimkv import TrimKV
-from kvgates.runtime.layer import LayerState
+from kvgates.runtime.state import LayerState
 from kvgates.runtime.stats import AttnStats
 
 

@@ -10,7 +10,7 @@ import yaml
 
 from kvgates.policies.base import POLICIES, Policy, Schedule, make_policy
 from kvgates.policies.learned import LearnedPolicy
-from kvgates.runtime.layer import SlotState
+from kvgates.runtime.state import SlotState
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 
 

@@ -1,0 +1,227 @@
+"""Attention dispatch of one budgeted layer: which attention computes a call (sdpa over a slice of storage,
+sdpa with a fill mask, the decode kernel with per-slot probabilities, causal attention with column sums, masked
+attention over slots) and the statistics the policy asked for, in the prompt and in decode steps."""
+
+from __future__ import annotations
+
+import torch
+
+from kvgates import kernels
+from kvgates.runtime.rope import shift_rotary
+from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
+from kvgates.runtime.storage import POS_BIG
+
+
+class AttentionDispatch:
+    """The attention paths of ``BudgetLayer`` (a base of it; storage comes from ``SlotStorage``)."""
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        scale: float,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Store the staged tokens, attend ``query`` over the slots, let the policy evict. Returns ``[B, q, H, D]``."""
+        if self._pending is None:
+            raise RuntimeError(f"layer {self.layer_idx}: attention called without a preceding cache update")
+        key_states, value_states = self._pending
+        self._pending = None
+        self.cache.release_pending()
+        b, h, n, _ = query.shape
+        phase = self.phase(n)
+        q_pos, q_real = self._query_positions(b, n, attention_mask, position_ids, query.device)
+        was_empty = n > 1 and (self.max_slots == 0 or (self.packed and max(self.fill) == 0))
+        all_real = attention_mask is None or bool(q_real.all())
+        slots = self.insert(
+            key_states, value_states, q_pos if all_real else torch.where(q_real, q_pos, torch.full_like(q_pos, -1)), all_real
+        )
+        self.seen += n
+
+        policy = self.cache.policy
+        request = policy.stats_request(phase)
+        if phase is Phase.DECODE and policy.decode_stats_for_eviction_only and self._within_tolerance():
+            request = NO_STATS  # nothing will read them: this step evicts nothing
+        stats = AttnStats(phase=phase, new_slots=slots)
+        keys, shift = self.keys, policy.position_shift(self, q_pos)
+        if shift is not None:  # attend at shifted positions; storage keeps the original rotation
+            rotary, key_delta, query_delta = shift
+            if not self.uniform:
+                raise NotImplementedError("position shifting needs as many slots in every head")
+            query = shift_rotary(query, query_delta[:, None, :], rotary)
+            dense = self.keys.view(b, self.num_kv_heads, self.max_slots, -1)
+            keys = shift_rotary(dense, key_delta, rotary).reshape(self.keys.shape)
+        fill = self.dense_fill
+        if n == 1 and request.empty and shift is None and fill is not None:
+            # Nothing to measure and every slot below fill holds a visible token: sdpa over a slice of storage.
+            c = self.max_slots
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, self.keys.view(b, self.num_kv_heads, c, -1)[:, :, :fill],
+                self.values.view(b, self.num_kv_heads, c, -1)[:, :, :fill], scale=scale, enable_gqa=h != self.num_kv_heads,
+            )
+        elif n == 1 and request.empty and shift is None and self.packed:
+            out = self._decode_packed_heads(query, scale)
+        elif n == 1:
+            out = self._decode(query, keys, scale, request, stats)
+        else:
+            if was_empty and all_real and self.uniform and shift is None and request.colsum:
+                # Nothing held before and no padding: causal attention over the new tokens, whose probabilities
+                # give the column sums in the same pass.
+                out, colsum = kernels.causal_attention_colsum(query, key_states, value_states, scale)
+                colsum = torch.nn.functional.pad(colsum, (0, self.max_slots - n))
+                stats.colsum = kernels.group_reduce(colsum, self.num_kv_heads, request.reduce)
+            elif was_empty and all_real and self.uniform and shift is None:
+                # Nothing held before and no padding: plain causal attention over the new tokens.
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    query, key_states, value_states, is_causal=True, scale=scale, enable_gqa=h != self.num_kv_heads
+                )
+            else:
+                out = self._masked(query, keys, scale, torch.where(q_real, q_pos, torch.full_like(q_pos, POS_BIG)))
+            self._prefill_stats(query, keys, scale, q_pos, q_real, request, stats)
+        if not all_real:
+            out = out * q_real[:, None, :, None].to(out.dtype)
+        self.step(stats)
+        return out.transpose(1, 2).contiguous()
+
+    def _query_positions(
+        self,
+        b: int,
+        n: int,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``[B, n]`` of the new tokens and whether each is real (not padding)."""
+        if position_ids is not None:
+            q_pos = position_ids.to(device=device, dtype=torch.int64).reshape(-1, n).expand(b, n)
+        else:
+            q_pos = (torch.arange(n, device=device) + self.seen).expand(b, n)
+        if attention_mask is None:
+            q_real = torch.ones((b, n), dtype=torch.bool, device=device)
+        else:
+            if attention_mask.dim() != 4:
+                raise ValueError(f"expected a 4-D attention mask from the 'kvgates' mask function, got {attention_mask.dim()}-D")
+            # Token i of this forward sits in mask column seen + i; its own column is masked iff it is padding.
+            cols = torch.arange(n, device=device) + self.seen
+            diag = attention_mask[:, 0, torch.arange(n, device=device), cols]
+            q_real = diag if diag.dtype == torch.bool else diag > torch.finfo(diag.dtype).min / 2
+            q_real = q_real.expand(b, n)
+        return q_pos.contiguous(), q_real.contiguous()
+
+    def _decode(self, query: torch.Tensor, keys: torch.Tensor, scale: float, request: StatsRequest, stats: AttnStats) -> torch.Tensor:
+        b, h, _, _ = query.shape
+        hkv, fill = self.num_kv_heads, self.dense_fill
+        reduce = "none" if request.reduce == "max" else "sum"
+        dense = fill is not None and kernels.backend(query) == "reference"
+        if dense:  # the torch kernel over the held slice (the Triton kernel reads the flat storage as it is)
+            c = self.max_slots
+            out, probs = kernels.decode_attention(
+                query[:, :, 0], keys.view(b, hkv, c, -1)[:, :, :fill], self.values.view(b, hkv, c, -1)[:, :, :fill],
+                None, scale, reduce=reduce,
+            )
+        else:
+            out, probs = kernels.decode_attention_flat(query[:, :, 0], keys, self.values, self.pos, self.head_slots, scale, reduce=reduce)
+        if not request.empty:
+            if request.reduce == "max":
+                probs = kernels.group_reduce(probs, hkv, "max")
+            elif request.reduce == "mean":
+                probs = probs / (h // hkv)
+            if dense:  # over every slot; free slots (at and past fill) stay 0
+                if "probs" not in self._derived:
+                    self._derived["probs"] = probs.new_zeros((b, hkv, self.max_slots))
+                self._derived["probs"][..., :fill] = probs
+                probs = self._derived["probs"]
+            stats.rows = probs[:, :, None]
+            stats.window = probs if request.window else None
+            stats.window_rows = 1
+            stats.colsum = probs
+        return out[:, :, None]
+
+    def _decode_packed_heads(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode attention without statistics for a packed layer whose heads hold different numbers of tokens
+        (Ada-KV's head budgets, KVMerger's merges): every slot below a head's ``fill`` is visible. Query heads
+        attend their KV head through sdpa's GQA (faster than as query rows of one head). Uniform storage: one
+        sdpa over the slots below the largest fill with ``_fill_mask``; ragged storage: one sdpa per head over its
+        held slice. No search over positions, no host sync. Returns ``[B, H, 1, D]``."""
+        b, h, _, d = query.shape
+        hkv = self.num_kv_heads
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if self.uniform:
+            c, m = self.max_slots, max(self.fill)
+            keys, values = self.keys.view(b, hkv, c, -1)[:, :, :m], self.values.view(b, hkv, c, -1)[:, :, :m]
+            return sdpa(query, keys, values, attn_mask=self._fill_mask(h // hkv), scale=scale, enable_gqa=h != hkv)
+        groups = query.split(h // hkv, dim=1)
+        heads = zip(groups, self._head_views(), self.fill)
+        return torch.cat([sdpa(q, k[:, :, :f], v[:, :, :f], scale=scale, enable_gqa=h != hkv) for q, (k, v), f in heads], dim=1)
+
+    def _head_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``head_views``' keys and values of ragged storage, ``[B, 1, slots, D]`` per head, kept until storage
+        changes (keys and values are written in place until then; positions are not kept: eviction replaces them)."""
+        if "head_views" not in self._derived:
+            self._derived["head_views"] = [(k, v) for _, k, v, _ in self.head_views()]
+        return self._derived["head_views"]
+
+    def _masked(self, query: torch.Tensor, keys: torch.Tensor, scale: float, q_pos: torch.Tensor) -> torch.Tensor:
+        g = query.shape[1] // self.num_kv_heads
+        outs = []
+        for heads, k, v, pos in kernels.dense_groups(keys, self.values, self.pos, self.head_slots):
+            q = query[:, heads.start * g : heads.stop * g]
+            outs.append(kernels.masked_attention(q, k, v, pos, q_pos, scale))
+        return torch.cat(outs, dim=1)
+
+    def _per_group(self, fn, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Apply ``fn(q, k, pos) -> [B, h, ..., c]`` per head group and pad the slot axis to ``max_slots``."""
+        g = query.shape[1] // self.num_kv_heads
+        groups = kernels.dense_groups(keys, self.values, self.pos, self.head_slots)
+        parts = [fn(query[:, heads.start * g : heads.stop * g], k, pos) for heads, k, _, pos in groups]
+        cmax = self.max_slots
+        return torch.cat([torch.nn.functional.pad(p, (0, cmax - p.shape[-1])) for p in parts], dim=1)
+
+    def _prefill_stats(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        scale: float,
+        q_pos: torch.Tensor,
+        q_real: torch.Tensor,
+        request: StatsRequest,
+        stats: AttnStats,
+    ) -> None:
+        if request.empty:
+            return
+        n = query.shape[2]
+        reduce = request.reduce
+        if request.rows:
+            r = min(request.rows, n)
+
+            def rows(q, k, pos):
+                p = kernels.attention_probs(q[:, :, n - r :], k, pos, q_pos[:, n - r :], scale)
+                return kernels.group_reduce(p * q_real[:, None, n - r :, None], k.shape[1], reduce)
+
+            stats.rows = self._per_group(rows, query, keys)
+        if request.window:
+            w = min(request.window, n)
+            stats.window_rows = w
+            q_win, pos_win, real_win = query[:, :, n - w :], q_pos[:, n - w :], q_real[:, n - w :]
+            if reduce == "max":
+                stats.window = self._per_group(
+                    lambda q, k, pos: kernels.group_reduce(
+                        (kernels.attention_probs(q, k, pos, pos_win, scale) * real_win[:, None, :, None]).sum(2),
+                        k.shape[1],
+                        "max",
+                    ),
+                    q_win,
+                    keys,
+                )
+            else:
+                stats.window = kernels.window_scores_flat(
+                    q_win, keys, self.values, self.pos, self.head_slots, pos_win, real_win, scale, reduce
+                )
+        if request.colsum and stats.colsum is None:  # not already from the attention pass
+            stats.colsum = self._per_group(
+                lambda q, k, pos: kernels.group_reduce(
+                    kernels.column_sums(q, k, pos, q_pos, q_real, scale), k.shape[1], reduce
+                ),
+                query,
+                keys,
+            )

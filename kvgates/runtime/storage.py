@@ -1,0 +1,304 @@
+"""Slot storage of one budgeted layer: slots with positions and per-slot policy state, ragged head storage,
+insertion, eviction with compaction, and the packed layout that lets a decode step append without a host sync.
+
+Storage. Keys and values live in one flat buffer ``[B, S, D]`` per tensor; KV head ``h`` owns the slot range
+``offsets[h] : offsets[h] + head_slots[h]``. When every head has as many slots (the usual case) the buffer is
+exactly a dense ``[B, H_kv, C, D]`` tensor viewed flat; Ada-KV style per-head quotas give heads different
+numbers of slots, and memory then follows the per-head quotas instead of the largest one. Slot positions and
+per-slot policy state are small and kept padded to ``[B, H_kv, max_slots]``; a padded index
+``j >= head_slots[h]`` does not exist and always reads as empty.
+
+A slot is *valid* when its position is ``>= 0``. Positions never shift, and slot order says nothing about token
+order: policies read positions, never slot indices.
+
+Packed layout. The layer keeps, on the host, ``fill`` (per head: slots ``>= fill[h]`` are free) and ``packed``
+(every slot below ``fill[h]`` is valid, for every sequence). Evictions compact the kept tokens to the front of
+each head, so a layer whose sequences hold as many tokens stays packed, and a decode step then appends at
+``fill`` and attends over a plain slice of storage (no mask, no search for free slots, no host sync). Padding
+tokens or sequences holding different numbers of tokens leave the layer unpacked, and it falls back to the
+general path (free-slot search, visibility from positions) until an eviction packs it again. Heads holding
+different numbers of tokens (Ada-KV's head budgets, KVMerger's merges) stay packed: a decode step appends at each
+head's fill (slot numbers on the device from a base copied once, ``_fill_base``) and attends over the slots below
+the largest fill with a mask sliced from a ruler built once (``_fill_mask``; uniform storage) or head by head
+(ragged storage), again without a host sync.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvgates import kernels
+from kvgates.runtime.state import StateViews
+
+#: A position past every token (sorts free slots last).
+POS_BIG = torch.iinfo(torch.int64).max
+
+
+class SlotStorage:
+    """Keys, values, positions and per-slot state of one layer, and the operations that write and evict them.
+
+    A base of ``BudgetLayer``, which sets the shapes (``batch_size``, ``num_kv_heads``, ``device``, ``dtype``) and
+    allocates empty storage on its first update (``lazy_initialization``); ``ragged`` says whether heads may get
+    different numbers of slots after an eviction.
+    """
+
+    ragged = False
+
+    @property
+    def state(self) -> StateViews:
+        """Per-slot policy state by name, each ``[B, H_kv, max_slots, *shape]`` (views into ``slot_data``)."""
+        if "state" not in self._derived:
+            self._derived["state"] = self._state_views()
+        return self._derived["state"]
+
+    def _state_views(self) -> StateViews:
+        views = StateViews()
+        b, hkv, c, _ = self.slot_data.shape
+        for name, (offset, shape) in self._state_layout.items():
+            size = int(math.prod(shape))
+            block = self.slot_data[..., offset : offset + size]
+            dict.__setitem__(views, name, block.reshape(b, hkv, c, *shape) if shape else block[..., 0])
+        return views
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def max_slots(self) -> int:
+        """The most slots any head has (the padded slot axis of ``pos`` and ``state``)."""
+        return max(self.head_slots, default=0)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every head has as many slots (storage is then a dense ``[B, H_kv, C, D]``)."""
+        return len(set(self.head_slots)) <= 1
+
+    @property
+    def offsets(self) -> list[int]:
+        out, acc = [], 0
+        for c in self.head_slots:
+            out.append(acc)
+            acc += c
+        return out
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[B, H_kv, C_max]`` slots holding a token."""
+        return self.pos >= 0
+
+    def exists(self) -> torch.Tensor:
+        """``[H_kv, max_slots]`` padded slot indices that exist in each head's storage."""
+        if "exists" not in self._derived:
+            idx = torch.arange(self.max_slots, device=self.device)
+            self._derived["exists"] = idx[None, :] < torch.tensor(self.head_slots, device=self.device)[:, None]
+        return self._derived["exists"]
+
+    def held(self) -> torch.Tensor:
+        """``[B, H_kv]`` number of tokens held."""
+        return self.valid.sum(-1)
+
+    def kv_bytes(self) -> int:
+        """Bytes of key/value storage allocated by this layer."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def head_views(self) -> list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Groups of KV heads with as many slots: ``(head_slice, keys, values, pos)`` dense views.
+
+        One group covering every head when storage is uniform, else one group per head.
+        """
+        return kernels.dense_groups(self.keys, self.values, self.pos, self.head_slots)
+
+    def _flat_index(self, index: torch.Tensor) -> torch.Tensor:
+        """Padded per-head slot indices ``[B, H_kv, n]`` -> flat storage indices ``[B, H_kv, n]``."""
+        if "offsets" not in self._derived:
+            self._derived["offsets"] = torch.tensor(self.offsets, device=self.device)[None, :, None]
+        return index + self._derived["offsets"]
+
+    def relayout(self, index: torch.Tensor, head_slots: list[int]) -> None:
+        """Rebuild storage with ``head_slots`` slots per head: new slot ``j`` of head ``h`` takes old slot
+        ``index[b, h, j]`` (see ``kernels.compact_slots``; an index past a head's old slots makes an empty slot)."""
+        self.keys, self.values, self.pos, self.slot_data = kernels.compact_slots(
+            self.keys, self.values, self.pos, self.slot_data, index, self.head_slots, list(head_slots), self.state_init
+        )
+        self.head_slots = list(head_slots)
+        self._derived = {}
+
+    def _grow(self, extra: int) -> None:
+        """Add ``extra`` empty slots after every head's slots: slice copies of the held storage (each head's
+        segment followed by its new slots), no relayout, ragged or uniform."""
+        b = self.batch_size
+
+        def spaced(flat: torch.Tensor) -> torch.Tensor:
+            """Flat ``[B, S, D]`` storage with ``extra`` zero slots after each head's segment."""
+            gap = flat.new_zeros((b, extra, flat.shape[-1]))
+            return torch.cat([part for head in flat.split(self.head_slots, dim=1) for part in (head, gap)], dim=1)
+
+        def padded(dense: torch.Tensor, fill: torch.Tensor | float) -> torch.Tensor:
+            """``[B, H_kv, C, ...]`` -> ``[B, H_kv, C + extra, ...]``, the new slots set to ``fill``."""
+            tail = dense.new_empty((b, self.num_kv_heads, extra, *dense.shape[3:]))
+            tail[:] = fill
+            return torch.cat([dense, tail], dim=2)  # one copy of the old slots (padding would also zero them)
+
+        self.keys, self.values = spaced(self.keys), spaced(self.values)
+        self.pos, self.slot_data = padded(self.pos, -1), padded(self.slot_data, self.state_init)
+        self.head_slots = [c + extra for c in self.head_slots]
+        self._derived = {}
+
+    def _growth(self, missing: int, n: int) -> int:
+        """Slots to add when ``n`` new tokens lack ``missing`` free slots in some head. A prompt chunk grows by
+        exactly what it needs. Decode steps of a policy that appends them (the full cache among them) grow storage
+        geometrically, by an eighth: a copy of the held tokens every ``max_slots / 8`` steps instead of every step
+        (DynamicCache copies its whole cache on every step), for up to an eighth more allocated than held
+        (``kv_bytes`` counts it, ``held_bytes`` does not)."""
+        return missing if n > 1 else max(missing, 16, self.max_slots // 8)
+
+    def _slot_ids(self) -> torch.Tensor:
+        """``[max_slots]`` slot numbers on the device (kept until storage changes)."""
+        if "slot_ids" not in self._derived:
+            self._derived["slot_ids"] = torch.arange(self.max_slots, device=self.device)
+        return self._derived["slot_ids"]
+
+    def _fill_base(self) -> tuple[torch.Tensor, int]:
+        """``(base [1, H_kv, 1], steps)`` with ``base + steps`` each head's ``fill`` on the device, for a packed
+        layer whose heads hold different numbers of tokens. Every packed write adds as many slots to every head,
+        so ``base`` is copied to the device once (and again when storage or the fills change otherwise) and a step
+        only adds the number of slots written since: no host-to-device copy per step."""
+        f0, base = self._derived.get("fill_base", (None, None))
+        steps = self.fill[0] - f0[0] if f0 is not None else -1
+        if steps < 0 or any(f - g != steps for f, g in zip(self.fill, f0)):
+            f0, steps = list(self.fill), 0
+            base = torch.tensor(f0, device=self.device)[None, :, None]
+            self._derived["fill_base"] = (f0, base)
+        return base, steps
+
+    def _fill_mask(self, groups: int) -> torch.Tensor:
+        """``[1, H_kv * groups, 1, max(fill)]`` additive attention mask in the storage dtype, for a packed layer
+        whose heads hold different numbers of tokens: 0 where slot ``j`` of head ``h`` holds a token
+        (``j < fill[h]``), ``-inf`` past it; each KV head's row repeated for its ``groups`` query heads.
+
+        Built once as a ruler (``ruler[h, k]`` visible iff ``k < fill0[h] + span``, ``span = max_slots``) and kept
+        until storage changes: a step that adds ``t`` slots to every head makes the mask the ruler's slice
+        starting ``t`` columns earlier, so a decode step slices instead of rebuilding (a new ruler after ``span``
+        steps, or when the fills change otherwise)."""
+        f0, ruler = self._derived.get("fill_mask", (None, None))
+        steps = self.fill[0] - f0[0] if f0 is not None else -1
+        span = ruler.shape[-1] - max(f0) if f0 is not None else 0
+        stale = f0 is None or ruler.shape[1] != self.num_kv_heads * groups
+        if stale or not 0 <= steps <= span or any(f - g != steps for f, g in zip(self.fill, f0)):
+            f0, steps, span = list(self.fill), 0, self.max_slots
+            limit = torch.tensor(f0, device=self.device)[:, None] + span
+            visible = torch.arange(span + max(f0), device=self.device)[None, :] < limit
+            ruler = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+            ruler = ruler.repeat_interleave(groups, dim=0)[None, :, None, :]
+            self._derived["fill_mask"] = (f0, ruler)
+        return ruler[..., span - steps : span + max(f0)]
+
+    def _free_slots(self, n: int) -> torch.Tensor:
+        """Slot indices ``[B, H_kv, n]`` of ``n`` free slots per head, growing storage if needed."""
+        if self.max_slots == 0:  # no storage yet: trivially packed
+            self.fill, self.packed = [0] * self.num_kv_heads, True
+        if self.packed:  # the slots after each head's fill: known on the host
+            missing = max(f + n - c for f, c in zip(self.fill, self.head_slots))
+            if missing > 0:
+                self._grow(self._growth(missing, n))
+            fill = self.dense_fill
+            if fill is not None:  # a view of the slot numbers, nothing allocated
+                return self._slot_ids()[fill : fill + n].expand(self.batch_size, self.num_kv_heads, n)
+            base, steps = self._fill_base()
+            return (base + (self._slot_ids()[:n] + steps)).expand(self.batch_size, -1, -1)
+        free = ~self.valid & self.exists()[None]
+        missing = n - int(free.sum(-1).min()) if free.numel() else n
+        if missing > 0:
+            self._grow(self._growth(missing, n))
+            free = ~self.valid & self.exists()[None]
+        if n == 1:
+            return free.to(torch.uint8).argmax(-1, keepdim=True)
+        return torch.argsort((~free).to(torch.uint8), dim=-1, stable=True)[..., :n]
+
+    # ------------------------------------------------------------------ writing and evicting
+    def insert(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor, all_real: bool = False
+    ) -> torch.Tensor:
+        """Write new tokens into free slots; ``positions`` is ``[B, n]`` with ``-1`` for padding (no slot kept);
+        ``all_real`` tells the host that there is no padding (the layer then stays packed).
+
+        Returns the ``[B, H_kv, n]`` slot indices used.
+        """
+        b, hkv, n, d = key_states.shape
+        slots = self._free_slots(n)
+        packed = self.packed  # read after ``_free_slots``, which packs a layer holding nothing yet
+        f, c = self.dense_fill, self.max_slots
+        if f is not None:  # the same contiguous slots in every head: slice writes
+            self.keys.view(b, hkv, c, d)[:, :, f : f + n] = key_states
+            self.values.view(b, hkv, c, -1)[:, :, f : f + n] = value_states
+            self.pos[:, :, f : f + n] = positions[:, None, :]
+            if self.slot_data.shape[-1]:
+                self.slot_data[:, :, f : f + n] = self.state_init
+        else:
+            if packed:  # every sequence writes the same slots (each head's fill): copies along the flat slot axis
+                flat = self._flat_index(slots[:1]).reshape(hkv * n)
+                for store, new in ((self.keys, key_states), (self.values, value_states)):
+                    store.index_copy_(1, flat, new.reshape(b, hkv * n, -1).to(store.dtype))
+            else:
+                kernels.scatter_flat([self.keys, self.values], self._flat_index(slots).reshape(b, hkv * n), [key_states, value_states])
+            self.pos.scatter_(2, slots, positions[:, None, :].expand(b, hkv, n))
+            if self.slot_data.shape[-1]:
+                f = self.slot_data.shape[-1]
+                self.slot_data.scatter_(2, slots[..., None].expand(b, hkv, n, f), self.state_init.expand(b, hkv, n, f).clone())
+        self.fill = [f + n for f in self.fill] if packed else list(self.head_slots)
+        self.packed = packed and all_real
+        return slots
+
+    def evict(self, keep: torch.Tensor, slack: int = 1) -> None:
+        """Drop every valid slot not in ``keep`` (``[B, H_kv, max_slots]`` bool) and compact each head's kept
+        tokens to its first slots.
+
+        After eviction each head has what it holds (max over the batch) plus ``slack`` free slots for the tokens
+        that arrive before the next eviction (storage shrinks when oversized); heads have different numbers of
+        slots only when the layer is ``ragged`` (the policy asks for ragged heads). Called by ``enforce`` only.
+        """
+        fill = self.dense_fill
+        keep = keep & self.valid
+        self.pos = torch.where(keep, self.pos, torch.full_like(self.pos, -1))
+        held = keep.sum(-1)  # [B, H_kv]
+        least, most = torch.stack([held.amin(0), held.amax(0)]).tolist()  # the eviction's one host sync
+        need = [n + slack for n in most] if self.ragged else [max(most) + slack] * len(most)
+        if fill is not None and least == most and len(set(most)) == 1 and need[0] >= self.max_slots:
+            self._fill_holes(keep, fill, most[0])
+            self._derived.pop("probs", None)  # its entries past the new fill are no longer 0
+        else:
+            need = [min(n, c) for n, c in zip(need, self.head_slots)]
+            # Kept slots first, in position order, then free slots.
+            order = torch.argsort(torch.where(keep, self.pos, POS_BIG), dim=-1, stable=True)[..., : max(need)]
+            self.relayout(order.contiguous(), need)
+        self.fill, self.packed = most, least == most
+
+    def _fill_holes(self, keep: torch.Tensor, fill: int, kept: int) -> None:
+        """Compact a dense layer in place when every head of every sequence keeps ``kept`` of its ``fill`` tokens:
+        the tokens kept beyond slot ``kept`` move into the evicted slots below it (a decode eviction moves a few
+        slots instead of rebuilding storage)."""
+        moved = min(fill - kept, kept)
+        if moved == 0:
+            return
+        holes = torch.argsort(keep[..., :kept].to(torch.uint8), dim=-1, stable=True)[..., :moved]  # evicted first
+        tail = kept + torch.argsort((~keep[..., kept:fill]).to(torch.uint8), dim=-1, stable=True)[..., :moved]  # kept first
+        # A row with fewer holes than ``moved`` pairs its extra (kept) slots with evicted tail slots: those are
+        # written onto themselves instead.
+        dst = torch.where(keep.gather(-1, holes), tail, holes)
+        b, hkv, c = self.pos.shape
+        for store in (self.keys.view(b, hkv, c, -1), self.values.view(b, hkv, c, -1), self.slot_data, self.pos[..., None]):
+            if store.shape[-1]:
+                rows = store.gather(2, tail[..., None].expand(-1, -1, -1, store.shape[-1]))
+                store.scatter_(2, dst[..., None].expand(-1, -1, -1, store.shape[-1]), rows)
+        self.pos[..., kept:] = -1
+
+
+    @property
+    def dense_fill(self) -> int | None:
+        """When storage is a dense ``[B, H_kv, C, D]`` whose first ``fill`` slots of every head and sequence hold
+        tokens and the rest are free: that ``fill``; else None."""
+        if self.packed and self.uniform and len(set(self.fill)) == 1:
+            return self.fill[0]
+        return None
