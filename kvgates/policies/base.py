@@ -1,4 +1,5 @@
-"""The policy protocol, the name registry, and the selection helpers every policy is built from.
+"""The policy base class. The name registry (``POLICIES``, ``register_policy``, ``make_policy``) and ``Schedule``
+belong to the runtime (``kvgates.runtime.protocol``, which depends on no policy) and are re-exported here.
 
 A policy is a small dataclass of validated parameters. The runtime (``BudgetLayer.step``) asks it, per layer:
 
@@ -22,76 +23,23 @@ in a typed ``LayerState`` (``state_type``, ``layer_state(layer)``). Selections a
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from kvgates.policies.selection import keep_forced_and_top
+from kvgates.runtime.protocol import EVERY_STEP, NEVER, POLICIES, PROMPT, Schedule, make_policy, register_policy
 from kvgates.runtime.state import LayerState, SlotState
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
-from kvgates.typecheck import field_problems
 
 if TYPE_CHECKING:
     from kvgates.runtime.layer import BudgetLayer
     from kvgates.runtime.rope import Rotary
 
-POLICIES: dict[str, type[Policy]] = {}
-
-
-def register_policy(cls: type[Policy]) -> type[Policy]:
-    """Class decorator: make a policy constructible by its ``name`` (configs, CLI, ``make_policy``)."""
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} needs a non-empty class attribute `name` to be registered")
-    if cls.name in POLICIES and POLICIES[cls.name] is not cls:
-        raise ValueError(f"policy name {cls.name!r} is already registered by {POLICIES[cls.name].__name__}")
-    POLICIES[cls.name] = cls
-    return cls
-
-
-def make_policy(name: str, **params: Any) -> Policy:
-    """Build a registered policy by name, e.g. ``make_policy("snapkv", budget=256, window=16)``; an unknown
-    parameter or a value of the wrong type for its field (``window="eight"``) is a ``ValueError``."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; available policies: {', '.join(sorted(POLICIES))}")
-    cls = POLICIES[name]
-    allowed = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(params) - allowed)
-    if unknown:
-        raise ValueError(
-            f"policy {name!r} has no parameter {', '.join(unknown)}; its parameters are: {', '.join(sorted(allowed))}"
-        )
-    wrong = field_problems(cls, params)
-    if wrong:
-        raise ValueError(f"policy {name!r}: {'; '.join(wrong)}")
-    return cls(**params)
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """When a policy evicts.
-
-    Attributes:
-        prefill: at the end of every prompt chunk.
-        decode_every: every this many decode steps (0: decode appends).
-        tolerance: a sequence is evicted only once one of its heads holds more than its quota plus this many
-            tokens, and then back to the quota (amortised eviction: TRIM-KV's buffer).
-    """
-
-    prefill: bool = True
-    decode_every: int = 0
-    tolerance: int = 0
-
-    @property
-    def slack(self) -> int:
-        """Free slots a head keeps after an eviction: the tokens that arrive before the next one."""
-        return max(self.decode_every, 1) + self.tolerance
-
-
-NEVER = Schedule(prefill=False)
-PROMPT = Schedule(prefill=True)
-EVERY_STEP = Schedule(prefill=True, decode_every=1)
+__all__ = [
+    "EVERY_STEP", "NEVER", "POLICIES", "PROMPT", "PerStepEviction", "Policy", "Schedule", "make_policy", "register_policy",
+]
 
 
 @dataclass

@@ -9,8 +9,8 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from kvgates.errors import UnsupportedModelError
-from kvgates.policies.base import Policy, make_policy
 from kvgates.runtime.layer import BudgetLayer
+from kvgates.runtime.protocol import CachePolicy, make_policy
 
 #: Layer types kvgates budgets, and layer types it leaves exactly as transformers builds them.
 BUDGETED_LAYER_TYPES = ("full_attention",)
@@ -28,19 +28,20 @@ class BudgetCache(Cache):
 
     Args:
         config: the model's config (its text config is used for multimodal models).
-        policy: a ``Policy`` instance, or a registered policy name built with ``policy_params``.
+        policy: a built policy (a ``kvgates.Policy``), or a registered policy name built with ``policy_params``
+            (``kvgates.make_policy``).
         **policy_params: parameters of the named policy (``budget``, ``window``, ...).
 
     Sliding-window and chunked-attention layers (Gemma-3, Llama-4 ...) keep transformers' own cache layers and
     attention; only full-attention layers are budgeted.
     """
 
-    def __init__(self, config: PreTrainedConfig, policy: Policy | str = "full", **policy_params: Any):
+    def __init__(self, config: PreTrainedConfig, policy: CachePolicy | str = "full", **policy_params: Any):
         if isinstance(policy, str):
             policy = make_policy(policy, **policy_params)
         elif policy_params:
             raise ValueError("pass policy parameters either inside the Policy instance or with a policy name, not both")
-        if not isinstance(policy, Policy):
+        if not isinstance(policy, CachePolicy):
             raise TypeError(f"policy must be a kvgates Policy or a registered name, got {type(policy).__name__}")
         text_config = config.get_text_config(decoder=True)
         if getattr(text_config, "is_encoder_decoder", False):

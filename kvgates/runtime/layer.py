@@ -27,8 +27,8 @@ from kvgates.runtime.stats import AttnStats, Phase
 from kvgates.runtime.storage import SlotStorage
 
 if TYPE_CHECKING:
-    from kvgates.policies.base import Policy
     from kvgates.runtime.cache import BudgetCache
+    from kvgates.runtime.protocol import CachePolicy
 
 # The layer whose update() ran last and whose attention call is due. transformers calls the cache's update()
 # and then the attention function, which does not receive the cache; this hand-over joins the two.
@@ -75,7 +75,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         """Whether this is the cache's last budgeted layer (cross-layer decisions happen after it)."""
         return self.rank == self.cache.num_budget_layers - 1
 
-    def policy_state(self, policy: Policy) -> LayerState:
+    def policy_state(self, policy: CachePolicy) -> LayerState:
         """``policy``'s own values on this layer, created from its ``state_type`` on first use."""
         key = id(policy)
         if key not in self._policy_states:

@@ -1,0 +1,103 @@
+"""What the runtime asks of a policy (``CachePolicy``, ``Schedule``) and the registry that builds policies by name.
+
+The runtime depends on no policy: ``kvgates.policies`` registers its classes here (``register_policy``), and
+``BudgetCache(config, "snapkv", budget=256)`` builds one through ``make_policy``. A policy class is any dataclass
+with a ``name`` that implements ``CachePolicy``; ``kvgates.policies.base.Policy`` is the base they share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+from kvgates.typecheck import field_problems
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvgates.runtime.layer import BudgetLayer
+    from kvgates.runtime.state import SlotState
+    from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When a policy evicts.
+
+    Attributes:
+        prefill: at the end of every prompt chunk.
+        decode_every: every this many decode steps (0: decode appends).
+        tolerance: a sequence is evicted only once one of its heads holds more than its quota plus this many
+            tokens, and then back to the quota (amortised eviction: TRIM-KV's buffer).
+    """
+
+    prefill: bool = True
+    decode_every: int = 0
+    tolerance: int = 0
+
+    @property
+    def slack(self) -> int:
+        """Free slots a head keeps after an eviction: the tokens that arrive before the next one."""
+        return max(self.decode_every, 1) + self.tolerance
+
+
+NEVER = Schedule(prefill=False)
+PROMPT = Schedule(prefill=True)
+EVERY_STEP = Schedule(prefill=True, decode_every=1)
+
+
+@runtime_checkable
+class CachePolicy(Protocol):
+    """The hooks ``BudgetLayer`` calls (documented on ``kvgates.policies.base.Policy``)."""
+
+    name: ClassVar[str]
+    ragged_heads: ClassVar[bool]
+    decode_stats_for_eviction_only: ClassVar[bool]
+    state_type: ClassVar[type | None]
+    schedule: Schedule
+
+    def stats_request(self, phase: Phase) -> StatsRequest: ...
+
+    def slot_state(self) -> dict[str, SlotState]: ...
+
+    def observe(self, layer: BudgetLayer, stats: AttnStats) -> None: ...
+
+    def quota(self, layer: BudgetLayer, stats: AttnStats | None) -> int | torch.Tensor: ...
+
+    def select(self, layer: BudgetLayer, stats: AttnStats | None, quota: torch.Tensor) -> torch.Tensor: ...
+
+    def after_layer(self, layer: BudgetLayer, stats: AttnStats) -> None: ...
+
+    def position_shift(self, layer: BudgetLayer, q_pos: torch.Tensor) -> Any: ...
+
+
+POLICIES: dict[str, type] = {}
+
+
+def register_policy(cls: type) -> type:
+    """Class decorator: make a policy constructible by its ``name`` (configs, CLI, ``make_policy``)."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a non-empty class attribute `name` to be registered")
+    if cls.name in POLICIES and POLICIES[cls.name] is not cls:
+        raise ValueError(f"policy name {cls.name!r} is already registered by {POLICIES[cls.name].__name__}")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def make_policy(name: str, **params: Any) -> CachePolicy:
+    """Build a registered policy by name, e.g. ``make_policy("snapkv", budget=256, window=16)``; an unknown
+    parameter or a value of the wrong type for its field (``window="eight"``) is a ``ValueError``."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; available policies: {', '.join(sorted(POLICIES))}")
+    cls = POLICIES[name]
+    allowed = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise ValueError(
+            f"policy {name!r} has no parameter {', '.join(unknown)}; its parameters are: {', '.join(sorted(allowed))}"
+        )
+    wrong = field_problems(cls, params)
+    if wrong:
+        raise ValueError(f"policy {name!r}: {'; '.join(wrong)}")
+    return cls(**params)
