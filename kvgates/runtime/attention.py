@@ -15,8 +15,8 @@ checks again, cheaply, so no input is ever dropped silently.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvgates.errors import UnsupportedModelError
-from kvgates.runtime.layer import ACTIVE_LAYER
+from kvgates.runtime.layer import HANDOFF
 
 #: Attribute of an attention module whose calls go to a ``kvgates.gates.training.GateTraining`` (set and removed
 #: by it; read here without importing it, so the runtime does not depend on the training machinery).
@@ -44,8 +44,16 @@ HONOURED_INPUTS = frozenset(
     }
 )
 
-# While a dry run is in progress (``attention_inputs``), the inputs each attention module class passed.
-_PROBE: ContextVar[dict[str, dict[str, Any]] | None] = ContextVar("kvgates_attention_probe", default=None)
+
+
+class _Probe(threading.local):
+    """While a dry run is in progress in this thread (``attention_inputs``), the inputs each attention module class
+    passed (thread-local, like ``HANDOFF``, so that compiled attention reads it without a graph break)."""
+
+    inputs: dict[str, dict[str, Any]] | None = None
+
+
+_PROBE = _Probe()
 
 
 def unsupported_inputs(inputs: dict[str, Any]) -> list[str]:
@@ -76,20 +84,20 @@ def kvgates_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention over a budgeted cache layer, or plain sdpa when the layer is not budgeted."""
-    probe = _PROBE.get()
+    probe = _PROBE.inputs
     if probe is not None:  # prepare_model's dry run: record the inputs, compute nothing
         probe.setdefault(type(module).__name__, {}).update(kwargs)
         b, _, n, _ = query.shape
         return value.new_zeros((b, n, query.shape[1], value.shape[-1])), None
     if unsupported_inputs(kwargs):
         raise refusal(type(module).__name__, unsupported_inputs(kwargs))
-    layer = ACTIVE_LAYER.get()
+    layer = HANDOFF.layer
     if layer is None or not layer.staged(getattr(module, "layer_idx", None), key):
         training = getattr(module, TRAINING_ATTR, None)
         if training is not None:  # a gate set is being trained on this model (kvgates.gates.training)
             return training.attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    ACTIVE_LAYER.set(None)
+    HANDOFF.layer = None
     if kwargs.get("sliding_window") is not None:
         raise UnsupportedModelError(
             f"{type(module).__name__} (layer {layer.layer_idx}) is a sliding-window attention on a layer the model's "
@@ -105,11 +113,11 @@ def kvgates_attention(
 @contextmanager
 def _probing():
     inputs: dict[str, dict[str, Any]] = {}
-    token = _PROBE.set(inputs)
+    outer, _PROBE.inputs = _PROBE.inputs, inputs
     try:
         yield inputs
     finally:
-        _PROBE.reset(token)
+        _PROBE.inputs = outer
 
 
 def attention_inputs(model: torch.nn.Module) -> dict[str, dict[str, Any]]:

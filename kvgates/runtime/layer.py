@@ -15,7 +15,7 @@ it, ``select`` (the keep mask), then ``evict`` — and finally ``after_layer`` (
 
 from __future__ import annotations
 
-from contextvars import ContextVar
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,9 +30,18 @@ if TYPE_CHECKING:
     from kvgates.runtime.cache import BudgetCache
     from kvgates.runtime.protocol import CachePolicy
 
-# The layer whose update() ran last and whose attention call is due. transformers calls the cache's update()
-# and then the attention function, which does not receive the cache; this hand-over joins the two.
-ACTIVE_LAYER: ContextVar[BudgetLayer | None] = ContextVar("kvgates_active_layer", default=None)
+class Handoff(threading.local):
+    """The layer whose ``update()`` ran last in this thread and whose attention call is due.
+
+    transformers calls the cache's ``update()`` and then the attention function, which does not receive the cache;
+    this joins the two. A thread-local object rather than a context variable: ``torch.compile`` traces reads and
+    writes of its attribute, where ``ContextVar.get`` breaks the graph.
+    """
+
+    layer: BudgetLayer | None = None
+
+
+HANDOFF = Handoff()
 
 
 class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
@@ -113,7 +122,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         self.cache.claim_pending(self.layer_idx)
         self._pending = (key_states, value_states)
-        ACTIVE_LAYER.set(self)
+        HANDOFF.layer = self
         return key_states, value_states
 
     def staged(self, layer_idx: int | None, key_states: torch.Tensor) -> bool:
