@@ -6,8 +6,12 @@ tens of seconds on the CPU and is what ``bench/decode_speed.py --compiled`` meas
 
 from __future__ import annotations
 
+import pytest
 import torch
+from helpers import policy_on
 from transformers import StaticCache
+
+from kvgates import BudgetCache
 
 BACKEND = "aot_eager"
 
@@ -38,3 +42,90 @@ def test_static_cache_compiles_with_kvgates_attention(tiny):
         forward = torch.compile(net.forward, fullgraph=True, backend=BACKEND) if compile_ else net.forward
         runs[name] = _decode_steps(forward, cache, token, ids.shape[1], 4)
     torch.testing.assert_close(runs["kvgates"], runs["sdpa"], atol=1e-5, rtol=1e-5)
+
+
+#: Every policy the issue names, at defaults, and amortised eviction (tolerance; eviction every k steps).
+CASES = [
+    ("snapkv", {}), ("h2o", {}), ("tova", {}), ("streaming_llm", {}), ("morphkv", {}), ("trimkv", {}),
+    ("h2o", {"slack": 2}), ("morphkv", {"evict_every": 2}),
+]
+BUDGET, PROMPT, STEPS = 8, 20, 6
+
+
+def _held_positions(cache) -> list[list[list[list[int]]]]:
+    """Per budgeted layer, sequence and KV head: the sorted positions held."""
+    return [
+        [[sorted(p[p >= 0].tolist()) for p in seq] for seq in layer.pos] for layer in cache.budget_layers
+    ]
+
+
+def _decode_slots(policy) -> int:
+    return 0 if policy.schedule.decode_every else STEPS
+
+
+@pytest.mark.parametrize(("name", "params"), CASES, ids=[f"{n}{p or ''}" for n, p in CASES])
+def test_static_decode_compiles_fullgraph_and_matches_eager(tiny, name, params):
+    """A static BudgetCache's decode step compiles without graph breaks or recompiles, and its logits and held
+    tokens are those of the eager (dynamic) cache, step by step."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, PROMPT + STEPS + 1), generator=torch.Generator().manual_seed(3))
+    with policy_on(model, name, BUDGET, **params) as policy:
+        eager = BudgetCache(model.config, policy)
+        static = BudgetCache(model.config, policy, static=True, decode_slots=_decode_slots(policy))
+        torch._dynamo.reset()
+        compiled = torch.compile(model.forward, fullgraph=True, backend=BACKEND)
+        logits = {}
+        for label, cache, forward in (("eager", eager, model.forward), ("static", static, compiled)):
+            with torch.no_grad():
+                model(ids[:, :PROMPT], past_key_values=cache)
+            first = _teacher_forced(forward, cache, ids, PROMPT, 1)
+            with torch.compiler.set_stance("fail_on_recompile"):
+                logits[label] = torch.cat([first, _teacher_forced(forward, cache, ids, PROMPT + 1, STEPS - 1)], dim=1)
+    torch.testing.assert_close(logits["static"], logits["eager"], atol=1e-5, rtol=1e-5)
+    assert _held_positions(static) == _held_positions(eager)
+    assert static.get_seq_length() == eager.get_seq_length() == PROMPT + STEPS
+
+
+def _teacher_forced(forward, cache, ids: torch.Tensor, start: int, steps: int) -> torch.Tensor:
+    """Logits ``[B, steps, V]`` of decode steps feeding ``ids[:, start : start + steps]`` one token at a time."""
+    outs = []
+    with torch.no_grad():
+        for t in range(start, start + steps):
+            pos = torch.tensor([t])
+            outs.append(
+                forward(ids[:, t : t + 1], position_ids=pos[None].expand(ids.shape[0], 1), cache_position=pos, past_key_values=cache).logits
+            )
+    return torch.cat(outs, dim=1)
+
+
+def test_static_cache_generates_what_the_dynamic_cache_generates(tiny):
+    """generate() with a static cache (eager here) places tokens and stops as with the dynamic one."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(4))
+    out = {}
+    for static in (False, True):
+        cache = BudgetCache(model.config, "h2o", budget=BUDGET, slack=1, static=static)
+        out[static] = model.generate(ids, past_key_values=cache, max_new_tokens=STEPS, do_sample=False)
+    assert torch.equal(out[True], out[False])
+
+
+def test_static_cache_refusals(tiny):
+    _, model = tiny
+    with pytest.raises(ValueError, match="cannot run in a static BudgetCache"):
+        BudgetCache(model.config, "adakv", budget=BUDGET, base_params={"window": 4}, static=True)
+    with pytest.raises(ValueError, match="needs decode_slots"):
+        BudgetCache(model.config, "snapkv", budget=BUDGET, window=4, static=True)
+    with pytest.raises(ValueError, match="pass static=True"):
+        BudgetCache(model.config, "h2o", budget=BUDGET, decode_slots=4)
+
+
+def test_static_cache_of_a_prompt_policy_stops_when_its_decode_slots_are_used(tiny):
+    """Decoding past ``decode_slots`` would overwrite a held token: the device-side check fails instead."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, PROMPT + 3), generator=torch.Generator().manual_seed(5))
+    cache = BudgetCache(model.config, "snapkv", budget=BUDGET, window=4, static=True, decode_slots=2)
+    with torch.no_grad():
+        model(ids[:, :PROMPT], past_key_values=cache)
+        _teacher_forced(model.forward, cache, ids, PROMPT, 2)
+        with pytest.raises(RuntimeError, match="no free slot"):
+            _teacher_forced(model.forward, cache, ids, PROMPT + 2, 1)

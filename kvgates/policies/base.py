@@ -57,6 +57,10 @@ class Policy:
     #: ``after_layer`` ignore them): a layer then skips them on the steps it knows evict nothing (amortised
     #: eviction between evictions), and such a step attends with sdpa.
     decode_stats_for_eviction_only: ClassVar[bool] = False
+    #: Whether a single-token decode step (``observe``, ``quota``, ``select``, ``after_layer``) runs on a static
+    #: layer (``layer.static``) without host syncs, data-dependent Python branches or changes of storage shapes, so
+    #: that ``BudgetCache(..., static=True)`` can compile it (a property where it depends on parameters).
+    sync_free_decode: ClassVar[bool] = False
 
     budget: int | None = None
 

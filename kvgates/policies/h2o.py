@@ -57,6 +57,7 @@ class H2O(CumulativeAttention, PerStepEviction):
     """
 
     name = "h2o"
+    sync_free_decode = True
 
     recent: int | None = None
 

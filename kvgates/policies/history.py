@@ -3,12 +3,13 @@
 Row ``r`` of the buffer is one query's attention probabilities over the slots, stored in the slot's state
 vector at index ``r``. A slot written after a row was recorded starts at 0 for it (that query never saw the
 token), and evicting a slot drops its column with it, so the buffer needs no bookkeeping beyond ``History``:
-the ring index of the newest row.
+the ring index of the newest row, a 0-d tensor on the layer's device (a compiled decode step advances it without
+reading it back).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,9 +21,9 @@ FUSIONS = ("sum", "max")
 
 @dataclass
 class History(LayerState):
-    """Where the newest recorded row of a layer's ring buffer is (-1: none yet)."""
+    """Where the newest recorded row of a layer's ring buffer is (-1: none yet), a 0-d int64 tensor."""
 
-    newest: int = -1
+    newest: torch.Tensor = field(default_factory=lambda: torch.tensor(-1))
 
 
 def history_state(size: int) -> SlotState:
@@ -37,23 +38,23 @@ def load_rows(layer: BudgetLayer, name: str, history: History, rows: torch.Tenso
     r = rows.shape[2]
     buf.zero_()
     buf[..., :r] = rows.transpose(-1, -2)
-    history.newest = r - 1
+    history.newest = torch.tensor(r - 1, device=buf.device)
 
 
 def push_rows(layer: BudgetLayer, name: str, history: History, rows: torch.Tensor) -> None:
     """Record the rows ``[B, H_kv, r, C]`` (oldest first), each overwriting the oldest recorded row."""
     buf = layer.state[name]
     for i in range(rows.shape[2]):
-        history.newest = (history.newest + 1) % buf.shape[-1]
-        buf[..., history.newest] = rows[:, :, i]
+        history.newest = (history.newest.to(buf.device) + 1) % buf.shape[-1]
+        buf.index_copy_(-1, history.newest.view(1), rows[:, :, i, :, None])
 
 
 def fuse(layer: BudgetLayer, name: str, mode: str, history: History | None = None) -> torch.Tensor:
     """Combine the recorded rows per slot, ``sum`` or ``max`` (rows not yet recorded are 0); with ``history``,
     leave out its newest row."""
     buf = layer.state[name]
-    if history is not None and history.newest >= 0:
-        buf = buf.index_fill(-1, torch.tensor([history.newest], device=buf.device), 0.0)  # 0 is neutral for both
+    if history is not None:  # the newest row (if any: -1 matches no row) reads 0, neutral for both fusions
+        buf = buf * (torch.arange(buf.shape[-1], device=buf.device) != history.newest.to(buf.device))
     if mode == "sum":
         return buf.sum(-1)
     if mode == "max":

@@ -47,6 +47,7 @@ class MorphKV(Policy):
 
     name = "morphkv"
     state_type = History
+    sync_free_decode = True
 
     recent: int = 30
     fusion: str = "sum"

@@ -11,21 +11,30 @@ if TYPE_CHECKING:
 
 
 def topk_mask(
-    scores: torch.Tensor, k: int | torch.Tensor, candidates: torch.Tensor, positions: torch.Tensor | None = None
+    scores: torch.Tensor,
+    k: int | torch.Tensor,
+    candidates: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    sync_free: bool = False,
 ) -> torch.Tensor:
     """Mark the ``k`` highest-scoring candidate slots of every ``[B, H_kv]`` row.
 
     ``k`` is an int or a tensor broadcastable to ``scores.shape[:-1]`` (per-row budgets); rows with fewer
     candidates keep all of them. With ``positions``, equal scores are broken in favour of the more recent
     token, which makes decisions deterministic (pooled scores tie often); without, ties are arbitrary.
+    ``sync_free`` computes the same mask without reading anything back from the device (a compiled decode step,
+    ``BudgetLayer.static``): no shortcut for rows dropping one slot, and a tensor ``k`` ranks every slot.
     """
     n = scores.shape[-1]
     k_t = torch.as_tensor(k, device=scores.device).expand(scores.shape[:-1]).clamp(0, n)
-    kmax = int(k_t.max()) if k_t.numel() else 0
+    if isinstance(k, int):
+        kmax = min(max(k, 0), n)
+    else:
+        kmax = n if sync_free else int(k_t.max()) if k_t.numel() else 0
     if kmax == 0:
         return torch.zeros_like(candidates)
     s = scores.double() if not scores.is_floating_point() else scores
-    if positions is not None:
+    if positions is not None and not sync_free:
         excess = candidates.sum(-1) - k_t
         if int(excess.max()) <= 1:  # the decode case: drop at most one slot per row, no sort needed
             return candidates & ~_worst_slot(s, candidates, positions, excess > 0)
@@ -51,12 +60,12 @@ def _worst_slot(scores: torch.Tensor, candidates: torch.Tensor, positions: torch
 
 def recent_mask(layer: BudgetLayer, n: int | torch.Tensor) -> torch.Tensor:
     """The ``n`` most recent tokens held per head (``n`` may be per sequence/head)."""
-    return topk_mask(layer.pos, n, layer.valid)
+    return topk_mask(layer.pos, n, layer.valid, sync_free=layer.static)
 
 
 def sink_mask(layer: BudgetLayer, n: int) -> torch.Tensor:
     """The ``n`` oldest tokens held per head (attention sinks)."""
-    return topk_mask(-layer.pos, n, layer.valid)
+    return topk_mask(-layer.pos, n, layer.valid, sync_free=layer.static)
 
 
 def keep_forced_and_top(
@@ -65,4 +74,4 @@ def keep_forced_and_top(
     """Keep ``forced`` slots plus the best-scoring other valid slots (ties: more recent), up to ``budget`` per head."""
     forced = forced & layer.valid
     room = torch.as_tensor(budget, device=scores.device) - forced.sum(-1)
-    return forced | topk_mask(scores, room.clamp(min=0), layer.valid & ~forced, layer.pos)
+    return forced | topk_mask(scores, room.clamp(min=0), layer.valid & ~forced, layer.pos, sync_free=layer.static)

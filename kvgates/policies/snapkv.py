@@ -83,6 +83,7 @@ class SnapKV(WindowScored):
 
     name = "snapkv"
     state_type = History
+    sync_free_decode = True
 
     decode: bool = False
     decode_every: int = 1

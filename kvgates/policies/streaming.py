@@ -46,6 +46,11 @@ class StreamingLLM(PerStepEviction):
         self._require_budget(self.sinks, f"sinks={self.sinks}")
         self._rotary: Rotary | None = None
 
+    @property
+    def sync_free_decode(self) -> bool:
+        """Re-rotation sorts positions per step on the host's terms (``position_shift``); no static cache for it."""
+        return not self.rerotate
+
     def attach(self, model) -> StreamingLLM:
         if self.rerotate:
             self._rotary = rotary_of(model)

@@ -30,6 +30,7 @@ class TOVA(PerStepEviction):
 
     name = "tova"
     decode_stats_for_eviction_only = True  # the evicting step's query alone ranks the tokens
+    sync_free_decode = True
 
     per_head: bool = False
 
@@ -43,8 +44,9 @@ class TOVA(PerStepEviction):
     def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
         scores = stats.rows[:, :, -1]
         if not self.per_head:
-            # Shared selection needs the heads' slots to hold the same tokens; TOVA's own evictions keep them so.
-            if not torch.equal(layer.pos, layer.pos[:, :1].expand_as(layer.pos)):
+            # Shared selection needs the heads' slots to hold the same tokens; TOVA's own evictions keep them so
+            # (checked on the host, except in a static layer's decode step, which reads nothing back).
+            if not layer.static and not torch.equal(layer.pos, layer.pos[:, :1].expand_as(layer.pos)):
                 raise RuntimeError("tova: KV heads of a layer hold different tokens; use per_head=True")
             scores = scores.mean(1, keepdim=True).expand_as(scores)
         return scores, torch.zeros_like(layer.valid)

@@ -42,6 +42,7 @@ class TrimKV(LearnedPolicy):
 
     name = "trimkv"
     gate_kinds = ("retention", "retention-global")
+    sync_free_decode = True
 
     buffer: int = 0
     window: int = 0
@@ -108,4 +109,4 @@ class GateKept(LearnedPolicy):
     def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
         scores, kept = super().score(layer, stats)
         retention = kernels.retention_scores(layer.state[LOG_BETA], layer.pos, current_positions(layer))
-        return scores, kept | topk_mask(retention, self.gate_keep, layer.valid & ~kept, layer.pos)
+        return scores, kept | topk_mask(retention, self.gate_keep, layer.valid & ~kept, layer.pos, sync_free=layer.static)

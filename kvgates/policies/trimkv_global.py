@@ -60,6 +60,7 @@ class TrimKVGlobal(TrimKV):
     """
 
     name = "trimkv-global"
+    sync_free_decode = False  # one selection across layers, ragged heads
     ragged_heads = True
     state_type = GlobalKeep
 

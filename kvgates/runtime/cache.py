@@ -26,23 +26,43 @@ class BudgetCache(Cache):
         cache = BudgetCache(model.config, "snapkv", budget=256)
         model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
 
+    With ``static=True`` each budgeted layer keeps a fixed number of slots once the prompt is stored (its quota
+    plus the slots decoding needs before the next eviction) and its single-token decode steps run in place with
+    fixed shapes and no host sync, so ``torch.compile(model.forward, fullgraph=True)`` (``mode="reduce-overhead"``
+    on CUDA) can compile them; policies whose decode step allows it say so (``sync_free_decode``).
+
     Args:
         config: the model's config (its text config is used for multimodal models).
         policy: a built policy (a ``kvgates.Policy``), or a registered policy name built with ``policy_params``
             (``kvgates.make_policy``).
+        static: the static layout above.
+        decode_slots: with ``static``, the tokens a policy that evicts only the prompt may decode (its layers hold
+            that many slots beyond the quota); policies that evict while decoding need none.
         **policy_params: parameters of the named policy (``budget``, ``window``, ...).
 
     Sliding-window and chunked-attention layers (Gemma-3, Llama-4 ...) keep transformers' own cache layers and
     attention; only full-attention layers are budgeted.
     """
 
-    def __init__(self, config: PreTrainedConfig, policy: CachePolicy | str = "full", **policy_params: Any):
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        policy: CachePolicy | str = "full",
+        static: bool = False,
+        decode_slots: int = 0,
+        **policy_params: Any,
+    ):
         if isinstance(policy, str):
             policy = make_policy(policy, **policy_params)
         elif policy_params:
             raise ValueError("pass policy parameters either inside the Policy instance or with a policy name, not both")
         if not isinstance(policy, CachePolicy):
             raise TypeError(f"policy must be a kvgates Policy or a registered name, got {type(policy).__name__}")
+        if static:
+            check_static(policy, decode_slots)
+        elif decode_slots:
+            raise ValueError("decode_slots sizes a static cache; pass static=True with it")
+        self.static, self.decode_slots = static, decode_slots
         text_config = config.get_text_config(decoder=True)
         if getattr(text_config, "is_encoder_decoder", False):
             raise UnsupportedModelError("kvgates budgets decoder-only models; encoder-decoder models are not supported")
@@ -123,6 +143,21 @@ class BudgetCache(Cache):
 
     def __repr__(self) -> str:
         return f"BudgetCache(policy={self.policy!r}, layers={len(self.layers)})"
+
+
+def check_static(policy: CachePolicy, decode_slots: int) -> None:
+    """Raise when ``policy`` cannot run in a static cache with ``decode_slots`` (one sentence saying why)."""
+    if not policy.sync_free_decode:
+        raise ValueError(
+            f"{policy.name} cannot run in a static BudgetCache: its decode step needs host syncs or changes storage "
+            "shapes (ragged heads, merges, cross-layer budgets); use static=False"
+        )
+    if decode_slots < 0:
+        raise ValueError(f"decode_slots must be >= 0, got {decode_slots}")
+    if not policy.schedule.decode_every and decode_slots < 1:
+        raise ValueError(
+            f"{policy.name} evicts only the prompt, so a static cache needs decode_slots (the tokens it may decode)"
+        )
 
 
 def dynamic_cache_bytes(cache: Cache) -> int:

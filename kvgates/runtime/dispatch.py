@@ -29,6 +29,10 @@ class AttentionDispatch:
         self._pending = None
         self.cache.release_pending()
         b, h, n, _ = query.shape
+        if self.static:
+            if n == 1 and self.phase(n) is Phase.DECODE:
+                return self._attend_static(query, key_states, value_states, scale, position_ids)
+            self._fold_decoded()  # several tokens: the general path, with the counters back on the host
         phase = self.phase(n)
         q_pos, q_real = self._query_positions(b, n, attention_mask, position_ids, query.device)
         was_empty = n > 1 and (self.max_slots == 0 or (self.packed and max(self.fill) == 0))
@@ -122,20 +126,62 @@ class AttentionDispatch:
         else:
             out, probs = kernels.decode_attention_flat(query[:, :, 0], keys, self.values, self.pos, self.head_slots, scale, reduce=reduce)
         if not request.empty:
-            if request.reduce == "max":
-                probs = kernels.group_reduce(probs, hkv, "max")
-            elif request.reduce == "mean":
-                probs = probs / (h // hkv)
+            probs = self._reduce_probs(probs, request, h)
             if dense:  # over every slot; free slots (at and past fill) stay 0
                 if "probs" not in self._derived:
                     self._derived["probs"] = probs.new_zeros((b, hkv, self.max_slots))
                 self._derived["probs"][..., :fill] = probs
                 probs = self._derived["probs"]
-            stats.rows = probs[:, :, None]
-            stats.window = probs if request.window else None
-            stats.window_rows = 1
-            stats.colsum = probs
+            self._decode_stats(stats, probs, request)
         return out[:, :, None]
+
+    def _reduce_probs(self, probs: torch.Tensor, request: StatsRequest, heads: int) -> torch.Tensor:
+        """A decode query's probabilities (per query head for ``max``, else summed over each GQA group) reduced to
+        KV heads as ``request`` asks."""
+        if request.reduce == "max":
+            return kernels.group_reduce(probs, self.num_kv_heads, "max")
+        if request.reduce == "mean":
+            return probs / (heads // self.num_kv_heads)
+        return probs
+
+    @staticmethod
+    def _decode_stats(stats: AttnStats, probs: torch.Tensor, request: StatsRequest) -> None:
+        """Every statistic of a decode step is its one query's probabilities ``[B, H_kv, C]``."""
+        stats.rows = probs[:, :, None]
+        stats.window = probs if request.window else None
+        stats.window_rows = 1
+        stats.colsum = probs
+
+    def _attend_static(
+        self, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, scale: float, position_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A decode step of one token on a static layer: write it into a free slot, attend over every slot with
+        visibility from positions, let the policy evict, all with fixed shapes and no host sync (what
+        ``torch.compile(fullgraph=True)`` needs). The token is taken as real (generate's decode tokens are).
+        Returns ``[B, 1, H, D]``."""
+        b, h, _, _ = query.shape
+        hkv, c = self.num_kv_heads, self.max_slots
+        if position_ids is not None:
+            q_pos = position_ids.to(device=query.device, dtype=torch.int64).reshape(-1, 1).expand(b, 1)
+        else:
+            q_pos = (self.decoded + self.seen).expand(b, 1)
+        slots = self.write_free(key_states, value_states, q_pos)
+        self.decoded.add_(1)
+        request = self.cache.policy.stats_request(Phase.DECODE)
+        stats = AttnStats(phase=Phase.DECODE, new_slots=slots)
+        keys, values = self.keys.view(b, hkv, c, -1), self.values.view(b, hkv, c, -1)
+        if request.empty:
+            mask = self.valid[:, :, None].repeat_interleave(h // hkv, dim=1)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, scale=scale, enable_gqa=h != hkv
+            )
+        else:
+            reduce = "none" if request.reduce == "max" else "sum"
+            out, probs = kernels.decode_attention(query[:, :, 0], keys, values, self.pos, scale, reduce=reduce)
+            self._decode_stats(stats, self._reduce_probs(probs, request, h), request)
+            out = out[:, :, None]
+        self.step_static(stats)
+        return out.transpose(1, 2).contiguous()
 
     def _decode_packed_heads(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """Decode attention without statistics for a packed layer whose heads hold different numbers of tokens

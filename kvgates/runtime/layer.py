@@ -48,7 +48,6 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
     """Budgeted KV storage of one layer; filled by ``update`` and attended by the ``"kvgates"`` attention."""
 
     is_sliding = False
-    is_compileable = False
     is_croppable = False
 
     def __init__(self, cache: BudgetCache, layer_idx: int, rank: int):
@@ -69,10 +68,18 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self._least_quota = 0  # its least entry, on the host
         self._policy_states: dict[int, LayerState] = {}
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.is_compileable = cache.static  # decode steps compile once the prompt is stored (``static``)
+        self.decoded: torch.Tensor | None = None  # static layout: decode steps not yet counted in ``seen`` (0-d)
         self._derived: dict[str, Any] = {}  # layout-derived tensors and state views, dropped when storage changes
 
     def __repr__(self) -> str:
         return f"BudgetLayer(layer={self.layer_idx}, head_slots={self.head_slots}, seen={self.seen})"
+
+    @property
+    def static(self) -> bool:
+        """Whether the layer has the static layout (see ``kvgates.runtime.storage``): its single-token decode
+        steps run without host syncs (``_attend_static``, ``step_static``), and so does the policy's selection."""
+        return self.decoded is not None
 
     @property
     def ragged(self) -> bool:
@@ -131,7 +138,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         """Tokens *seen* (padding included), which generate() uses to place the next token."""
-        return self.seen
+        return self.seen + (int(self.decoded) if self.static else 0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
@@ -143,7 +150,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.keys = self.values = self.pos = self.slot_data = self.quota = None
         self.head_slots, self._policy_states = [], {}
         self.fill, self.packed, self._quota_source = [], False, None
-        self.seen, self.decoding, self.decode_steps, self._pending = 0, False, 0, None
+        self.seen, self.decoding, self.decode_steps, self._pending, self.decoded = 0, False, 0, None, None
         self._derived = {}
         self.is_initialized = False
 
@@ -161,6 +168,8 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             state.select_batch(fn)
         self.batch_size = self.keys.shape[0]
         self._derived = {}
+        if self.static:  # new tensors: mark them as static addresses again
+            self.settle(self.max_slots)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -218,6 +227,46 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             due = schedule.decode_every > 0 and self.decode_steps % schedule.decode_every == 0
         if due:
             self.enforce(stats)
+        policy.after_layer(self, stats)
+        if self.cache.static:
+            self.settle_static()
+
+    # ------------------------------------------------------------------ static layout
+    def settle_static(self) -> None:
+        """Give the layer its static layout: the policy's largest quota plus the slots decoding needs before the
+        next eviction (the schedule's slack; the cache's ``decode_slots`` for a policy that evicts only the prompt)."""
+        policy = self.cache.policy
+        schedule = policy.schedule
+        quota = policy.quota(self, None)
+        self.quota = torch.as_tensor(quota, device=self.device).expand(self.batch_size, self.num_kv_heads).long()
+        most = quota if isinstance(quota, int) else int(self.quota.max())
+        self.settle(most + (schedule.slack if schedule.decode_every else self.cache.decode_slots))
+        if policy.state_type is not None:
+            self.policy_state(policy)  # created here, not in a compiled step
+        if self.decoded is None:
+            self.decoded = torch.zeros((), dtype=torch.int64, device=self.device)
+            torch._dynamo.mark_static_address(self.decoded)
+
+    def _fold_decoded(self) -> None:
+        """Count the static decode steps taken since the last call on the host (before a call the static path
+        does not take; one host sync)."""
+        steps = int(self.decoded)
+        self.seen, self.decode_steps = self.seen + steps, self.decode_steps + steps
+        self.decoded.zero_()
+
+    def step_static(self, stats: AttnStats) -> None:
+        """``step`` for a static decode step: ``observe``, then the schedule's eviction as a mask (every sequence
+        over its quota plus tolerance on a due step keeps the policy's ``select``, in place), ``after_layer``. The
+        selection runs on every step and applies where due and over: no host branch on data."""
+        policy = self.cache.policy
+        schedule = policy.schedule
+        policy.observe(self, stats)
+        if schedule.decode_every:
+            over = (self.held() > self.quota + schedule.tolerance).any(-1)  # [B]
+            if schedule.decode_every > 1:
+                over = over & ((self.decode_steps + self.decoded) % schedule.decode_every == 0)
+            keep = policy.select(self, stats, self.quota)
+            self.drop(torch.where(over[:, None, None], keep, self.valid))
         policy.after_layer(self, stats)
 
     def phase(self, n: int) -> Phase:

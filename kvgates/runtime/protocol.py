@@ -55,6 +55,7 @@ class CachePolicy(Protocol):
     ragged_heads: ClassVar[bool]
     decode_stats_for_eviction_only: ClassVar[bool]
     state_type: ClassVar[type | None]
+    sync_free_decode: bool
     schedule: Schedule
 
     def stats_request(self, phase: Phase) -> StatsRequest: ...

@@ -32,14 +32,14 @@ class LayerState:
     """Base of a policy's own values on one layer (thresholds, per-sequence budgets, ring pointers ...).
 
     Subclass it as a dataclass with defaults and name it in the policy's ``state_type``; the layer creates one per
-    policy on first use (``Policy.layer_state``). Tensor fields are per sequence (dim 0) and follow beam
-    reordering and batch selection; other fields are per layer.
+    policy on first use (``Policy.layer_state``). Tensor fields of at least one dimension are per sequence (dim 0)
+    and follow beam reordering and batch selection; other fields (0-d tensors among them) are per layer.
     """
 
     def select_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and value.dim():
                 setattr(self, f.name, fn(value))
 
 

@@ -21,6 +21,11 @@ different numbers of tokens (Ada-KV's head budgets, KVMerger's merges) stay pack
 head's fill (slot numbers on the device from a base copied once, ``_fill_base``) and attends over the slots below
 the largest fill with a mask sliced from a ruler built once (``_fill_mask``; uniform storage) or head by head
 (ragged storage), again without a host sync.
+
+Static layout (``BudgetCache(..., static=True)``). Once the prompt is stored, every head gets the same fixed
+number of slots (``settle``), whose storage tensors keep their addresses from then on: a decode step writes its
+token into the first free slot of each head (``write_free``) and evicts by clearing positions (``drop``), in place
+and with fixed shapes, so that the step can be compiled (and captured as a CUDA graph).
 """
 
 from __future__ import annotations
@@ -302,3 +307,44 @@ class SlotStorage:
         if self.packed and self.uniform and len(set(self.fill)) == 1:
             return self.fill[0]
         return None
+
+    # ------------------------------------------------------------------ static layout
+    def settle(self, slots: int) -> None:
+        """Give every head ``slots`` slots, its held tokens first (the static layout), and mark storage as static
+        addresses for compiled decode steps. Raises when a head holds more than ``slots`` tokens."""
+        held = int(self.held().amax()) if self.pos.numel() else 0
+        if held > slots:
+            raise ValueError(f"layer {self.layer_idx} holds {held} tokens in a head, more than its {slots} static slots")
+        if self.head_slots != [slots] * self.num_kv_heads:
+            order = torch.argsort(torch.where(self.valid, self.pos, POS_BIG), dim=-1, stable=True)[..., :slots]
+            if order.shape[-1] < slots:  # indices past the old slots make empty slots
+                more = torch.arange(self.max_slots, self.max_slots + slots - order.shape[-1], device=self.device)
+                order = torch.cat([order, more.expand(*order.shape[:2], -1)], dim=-1)
+            self.relayout(order.contiguous(), [slots] * self.num_kv_heads)
+        self.fill, self.packed = list(self.head_slots), False
+        self._derived = {"state": self._state_views()}  # built here, so that a compiled step finds them built
+        if not torch.compiler.is_compiling():
+            for tensor in (self.keys, self.values, self.pos, self.slot_data):
+                torch._dynamo.mark_static_address(tensor)
+
+    def write_free(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Static layout: write one token per sequence (``[B, H_kv, 1, D]``, positions ``[B, 1]``) into the first
+        free slot of each head, in place (a device-side assert fails when a head has none: a policy that evicts
+        only the prompt decoded more tokens than its cache's ``decode_slots``). Returns the ``[B, H_kv, 1]`` slots
+        written."""
+        b, hkv, _, _ = key_states.shape
+        c = self.max_slots
+        free = ~self.valid
+        torch._assert_async(free.any(-1).all(), "a static BudgetCache layer has no free slot (raise decode_slots)")
+        slot = free.to(torch.uint8).argmax(-1, keepdim=True)
+        for store, new in ((self.keys.view(b, hkv, c, -1), key_states), (self.values.view(b, hkv, c, -1), value_states)):
+            store.scatter_(2, slot[..., None].expand(-1, -1, -1, store.shape[-1]), new.to(store.dtype))
+        self.pos.scatter_(2, slot, positions[:, None, :].expand(b, hkv, 1))
+        if self.slot_data.shape[-1]:
+            f = self.slot_data.shape[-1]
+            self.slot_data.scatter_(2, slot[..., None].expand(b, hkv, 1, f), self.state_init.expand(b, hkv, 1, f).clone())
+        return slot
+
+    def drop(self, keep: torch.Tensor) -> None:
+        """Static layout: free every slot not in ``keep`` (``[B, H_kv, C]``), in place; storage stays as it is."""
+        self.pos.masked_fill_(~keep, -1)
