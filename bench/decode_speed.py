@@ -14,15 +14,22 @@ DynamicCaches. The DynamicCaches are cropped back to their prompt before every r
 budgeted caches of policies that do not evict during decode grow by the decoded tokens (which counts against
 them). Learned policies run with fresh gates of the model's shape (their cost does not depend on the weights).
 A policy may carry parameters, ``name:key=value,...`` (``--policies adakv adakv:ragged=false``).
+
+With ``--compile BACKEND`` (``inductor``; ``aot_eager`` only checks the graphs) the run adds compiled decode
+steps, ``torch.compile(model.forward, fullgraph=True, dynamic=False)`` (one graph per cache and batch size) with
+positions passed as generate() passes them: a transformers ``StaticCache`` holding the budget's tokens (the
+compiled reference) and, for every policy whose decode step compiles (``sync_free_decode``), a static
+``BudgetCache`` (``static=True``), with and without slack. Compare a policy's ``compiled`` row with its eager row.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
-from common import attached, bench_policy, essay_ids, setup, time_decode
-from transformers import DynamicCache
+from common import attached, bench_policy, essay_ids, setup, sync, time_decode
+from transformers import DynamicCache, StaticCache
 
 import kvgates
 
@@ -44,6 +51,28 @@ def make_policy(model, name: str, budget: int, slack: int = 0) -> kvgates.Policy
     return bench_policy(model, name, budget, **(AMORTISED[name.partition(":")[0]](slack) if slack else {}))
 
 
+def time_compiled(forward, cache, token: torch.Tensor, steps: int, device) -> float:
+    """Seconds of ``steps`` greedy decode steps through a compiled ``forward`` after two untimed ones (as
+    ``time_decode`` does); positions are passed, as generate() passes them, since a compiled step does not read the
+    cache's length back."""
+    start = int(cache.get_seq_length())
+    b = token.shape[0]
+
+    def step(token: torch.Tensor, t: int) -> torch.Tensor:
+        pos = torch.tensor([t], device=device)
+        out = forward(token, position_ids=pos[None].expand(b, 1), cache_position=pos, past_key_values=cache)
+        return out.logits[:, -1:].argmax(-1)
+
+    with torch.no_grad():
+        token = step(step(token, start), start + 1)
+        sync(device)
+        begin = time.perf_counter()
+        for t in range(start + 2, start + 2 + steps):
+            token = step(token, t)
+        sync(device)
+    return time.perf_counter() - begin
+
+
 def prefilled(model, make_cache, ids: torch.Tensor):
     """A cache holding ``ids`` and the greedy next token ``[1, 1]``."""
     cache = make_cache()
@@ -54,8 +83,12 @@ def prefilled(model, make_cache, ids: torch.Tensor):
 
 def main() -> None:
     args, model, tokenizer = setup(
-        __doc__, configs=["4096:256", "8192:512"], batch=[1, 8], steps=16, rounds=3, slack=32, policies=POLICIES
+        __doc__, {"compile": ["inductor", "aot_eager"]},
+        configs=["4096:256", "8192:512"], batch=[1, 8], steps=16, rounds=3, slack=32, policies=POLICIES, compile=None,
     )
+    compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=args.compile) if args.compile else None
+    torch._dynamo.config.recompile_limit = 64  # one graph per cache kind and batch size
+    decoded = len(args.batch) * args.rounds * (args.steps + 2)  # tokens a cache decodes in the run (static ones hold them)
     for config in args.configs:
         context, budget = (int(x) for x in config.split(":"))
         ids = essay_ids(tokenizer, context, args.device)
@@ -69,13 +102,25 @@ def main() -> None:
                 runs[f"{name} slack={args.slack}"] = lambda name=name: kvgates.BudgetCache(
                     model.config, make_policy(model, name, budget, args.slack)
                 )
+        if compiled is not None:
+            runs[f"StaticCache {budget} compiled"] = lambda: StaticCache(config=model.config, max_cache_len=budget + decoded)
+            for label in [label for label in runs if not label.startswith(("DynamicCache", "StaticCache"))]:
+                name, _, slack = label.partition(" slack=")
+                policy = make_policy(model, name, budget, int(slack or 0))
+                if policy.sync_free_decode:
+                    runs[f"{label} compiled"] = lambda policy=policy: kvgates.BudgetCache(
+                        model.config, policy, static=True, decode_slots=0 if policy.schedule.decode_every else decoded
+                    )
         caches = {}
         for label, make in runs.items():
-            prompt = ids[:, :budget] if label == f"DynamicCache {budget}" else ids
+            prompt = ids[:, :budget] if label in (f"DynamicCache {budget}", f"StaticCache {budget} compiled") else ids
             caches[label] = prefilled(model, make, prompt)
         for batch in args.batch:
             if batch > 1:
                 for label, (cache, token) in caches.items():
+                    if isinstance(cache, StaticCache):  # its layers cannot repeat their batch: prefill a new one
+                        caches[label] = prefilled(model, runs[label], ids[:, :budget].expand(batch, -1))
+                        continue
                     cache.batch_repeat_interleave(batch // token.shape[0])
                     caches[label] = (cache, token.repeat_interleave(batch // token.shape[0], dim=0))
             times: dict[str, list[float]] = {label: [] for label in caches}
@@ -84,7 +129,11 @@ def main() -> None:
                     if isinstance(cache, DynamicCache):
                         cache.crop(-(cache.get_seq_length() - (budget if label == f"DynamicCache {budget}" else context)))
                     with attached(model, cache):
-                        times[label].append(1e3 * time_decode(model, cache, token, args.steps, args.device) / args.steps)
+                        if label.endswith("compiled"):
+                            seconds = time_compiled(compiled, cache, token, args.steps, args.device)
+                        else:
+                            seconds = time_decode(model, cache, token, args.steps, args.device)
+                    times[label].append(1e3 * seconds / args.steps)
             ms = {label: statistics.median(t) for label, t in times.items()}
             base, full = ms[f"DynamicCache {budget}"], ms[f"DynamicCache {context}"]
             print(f"\ncontext {context}, budget {budget}, batch {batch}: median of {args.rounds} rounds x {args.steps} steps")

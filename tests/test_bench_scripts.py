@@ -43,6 +43,19 @@ def test_decode_speed_bench_runs_on_a_small_random_model():
         assert result.stdout.count(row) == 2, row  # batch 1 and batch 2
 
 
+def test_decode_speed_bench_compiles_static_caches():
+    """--compile adds the compiled StaticCache reference and a compiled static BudgetCache per policy (batch 2: the
+    StaticCache is prefilled again, its layers cannot repeat their batch)."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "decode_speed.py"), "--model", "random", "--layers", "2", "--configs", "160:64",
+         "--batch", "2", "--steps", "2", "--rounds", "1", "--slack", "4", "--policies", "snapkv", "h2o", "--compile", "aot_eager"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    for row in ("| h2o |", "| StaticCache 64 compiled |", "| snapkv compiled |", "| h2o compiled |", "| h2o slack=4 compiled |"):
+        assert row in result.stdout, row
+
+
 def test_prefill_speed_bench_runs_on_a_small_random_model():
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "prefill_speed.py"), "--model", "random", "--layers", "2", "--context", "160",

@@ -71,7 +71,7 @@ class SlotStorage:
     @property
     def max_slots(self) -> int:
         """The most slots any head has (the padded slot axis of ``pos`` and ``state``)."""
-        return max(self.head_slots, default=0)
+        return max(self.head_slots) if self.head_slots else 0  # (no default=: torch.compile traces this form)
 
     @property
     def uniform(self) -> bool:
