@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import policy_on
-from transformers import StaticCache
+from torch._dynamo.utils import counters
+from transformers import CompileConfig, StaticCache
 
 from kvgates import BudgetCache
 
@@ -98,14 +99,23 @@ def _teacher_forced(forward, cache, ids: torch.Tensor, start: int, steps: int) -
     return torch.cat(outs, dim=1)
 
 
-def test_static_cache_generates_what_the_dynamic_cache_generates(tiny):
-    """generate() with a static cache (eager here) places tokens and stops as with the dynamic one."""
+def test_generate_compiles_the_static_cache_decode_steps(tiny):
+    """generate() compiles the decode steps of a static cache (fullgraph, as it does on CUDA for compileable caches;
+    forced here on the CPU) and generates what the eager dynamic cache generates."""
     _, model = tiny
     ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(4))
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=BACKEND)
+    config._compile_all_devices = True  # transformers compiles on accelerators only, unless told
     out = {}
     for static in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
         cache = BudgetCache(model.config, "h2o", budget=BUDGET, slack=1, static=static)
-        out[static] = model.generate(ids, past_key_values=cache, max_new_tokens=STEPS, do_sample=False)
+        assert cache.is_compileable == static
+        out[static] = model.generate(
+            ids, past_key_values=cache, max_new_tokens=STEPS, do_sample=False, compile_config=config if static else None
+        )
+        assert counters["stats"]["unique_graphs"] == static  # one graph for every decode step
     assert torch.equal(out[True], out[False])
 
 
