@@ -12,7 +12,7 @@ from helpers import policy_on
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, StaticCache
 
-from kvgates import BudgetCache
+from kvgates import POLICIES, BudgetCache
 
 BACKEND = "aot_eager"
 
@@ -45,12 +45,19 @@ def test_static_cache_compiles_with_kvgates_attention(tiny):
     torch.testing.assert_close(runs["kvgates"], runs["sdpa"], atol=1e-5, rtol=1e-5)
 
 
-#: Every policy the issue names, at defaults, and amortised eviction (tolerance; eviction every k steps).
+#: Every policy the issue names, at defaults, amortised eviction (tolerance; eviction every k steps), and the other
+#: policies declaring ``sync_free_decode``.
 CASES = [
     ("snapkv", {}), ("h2o", {}), ("tova", {}), ("streaming_llm", {}), ("morphkv", {}), ("trimkv", {}),
     ("h2o", {"slack": 2}), ("morphkv", {"evict_every": 2}),
+    ("pyramidkv", {}), ("trimkv-morph", {}),  # inherit the decode step of snapkv and morphkv
 ]
 BUDGET, PROMPT, STEPS = 8, 20, 6
+
+
+def test_every_policy_declaring_a_sync_free_decode_is_tested():
+    declared = {name for name, cls in POLICIES.items() if cls.sync_free_decode is True}
+    assert declared == {name for name, _ in CASES} - {"streaming_llm"}  # its flag is a property (rerotate=False)
 
 
 def _held_positions(cache) -> list[list[list[list[int]]]]:

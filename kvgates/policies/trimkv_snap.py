@@ -28,3 +28,6 @@ class TrimKVSnap(GateKept, SnapKV):
     """
 
     name = "trimkv-snap"
+    # Not for a static cache: its gates' capture keeps each decode step's input, which no step reads (SnapKV
+    # evicts only the prompt), and a compiled step recompiles once on it.
+    sync_free_decode = False
