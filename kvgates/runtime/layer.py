@@ -10,7 +10,8 @@ per-head adjustments); ``head_slots`` is storage (what is allocated, quota plus 
 Policy step. After each attention call ``step`` runs the policy: ``observe`` (state updates), then, when its
 ``schedule`` says so, ``enforce`` — the one eviction path: ``quota``, and for the sequences holding more than
 it, ``select`` (the keep mask), then ``evict`` — and finally ``after_layer`` (cross-layer decisions, which
-``enforce`` other layers the same way).
+``enforce`` other layers the same way). A static layer's decode step runs ``step_static`` instead: the same
+hooks, with the eviction applied as a mask on every step (see ``BudgetCache``'s ``static``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kvgates.runtime.storage import SlotStorage
 if TYPE_CHECKING:
     from kvgates.runtime.cache import BudgetCache
     from kvgates.runtime.protocol import CachePolicy
+
 
 class Handoff(threading.local):
     """The layer whose ``update()`` ran last in this thread and whose attention call is due.
