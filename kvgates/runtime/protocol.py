@@ -8,6 +8,7 @@ with a ``name`` that implements ``CachePolicy``; ``kvgates.policies.base.Policy`
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
@@ -75,6 +76,11 @@ class CachePolicy(Protocol):
 
 POLICIES: dict[str, type] = {}
 
+#: The package whose import registers the built-in policies. ``import kvgates`` imports nothing eagerly, so
+#: ``make_policy`` imports it, by name, when a name is not registered yet: ``BudgetCache(config, "snapkv", ...)``
+#: then works however the runtime was imported, while no runtime module imports a policy module.
+BUILTIN_POLICIES = "kvgates.policies"
+
 
 def register_policy(cls: type) -> type:
     """Class decorator: make a policy constructible by its ``name`` (configs, CLI, ``make_policy``)."""
@@ -89,6 +95,8 @@ def register_policy(cls: type) -> type:
 def make_policy(name: str, **params: Any) -> CachePolicy:
     """Build a registered policy by name, e.g. ``make_policy("snapkv", budget=256, window=16)``; an unknown
     parameter or a value of the wrong type for its field (``window="eight"``) is a ``ValueError``."""
+    if name not in POLICIES:
+        importlib.import_module(BUILTIN_POLICIES)
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; available policies: {', '.join(sorted(POLICIES))}")
     cls = POLICIES[name]
