@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the workbench pa
 import kvgates  # noqa: E402
 from data.corpus import paul_graham_essays  # noqa: E402
 from kvgates.gates import GATE_KINDS  # noqa: E402
+from kvgates.models import tokenizer_source  # noqa: E402
 from kvgates.policies.learned import LearnedPolicy  # noqa: E402
 from kvgates.policies.wrappers import parse_params  # noqa: E402
 
@@ -119,6 +120,8 @@ def bench_policy(model, spec: str, budget: int, **params: Any) -> kvgates.Policy
     cls = kvgates.POLICIES.get(name)  # an unknown name is make_policy's error, which lists the policies
     if cls is not None and issubclass(cls, LearnedPolicy):
         params["gates"] = GATE_KINDS[cls.gate_kinds[0]].for_model(model, training_budget=budget)
+    if name == "kvzip" and not tokenizer_source(model):  # random weights have no tokenizer; a 6-token repeat prompt
+        params.setdefault("repeat_ids", [1, 2, 3, 4, 5, 6])
     return kvgates.make_policy(name, **params)
 
 

@@ -1,9 +1,10 @@
 """Prefill time of the kvgates runtime under each policy vs a plain DynamicCache + sdpa prefill, in one run.
 
-    python bench/prefill_speed.py --context 2048 4096 --budget 256 --rounds 5 --policies snapkv h2o d2o kvmerger
+    python bench/prefill_speed.py --context 2048 4096 --budget 256 --rounds 5 --policies snapkv h2o d2o kvmerger kvzip
 
 Times one forward of the prompt through: DynamicCache + sdpa (the reference), the kvgates runtime with the full
-policy, and each policy at ``--budget`` (its prompt scoring and compression included). After one warm-up call of
+policy, and each policy at ``--budget`` (its prompt scoring and compression included: KVzip's reconstruction
+forwards too). After one warm-up call of
 each, every arm runs once per round for ``--rounds`` interleaved rounds, so that drifts of a shared machine hit
 all arms alike; the table gives each arm's median seconds and its ratio to the reference's median.
 """
@@ -22,7 +23,7 @@ import kvgates
 
 def main() -> None:
     args, model, tokenizer = setup(
-        __doc__, context=[2048, 4096], budget=256, rounds=3, policies=["snapkv", "pyramidkv", "h2o", "d2o", "kvmerger"]
+        __doc__, context=[2048, 4096], budget=256, rounds=3, policies=["snapkv", "pyramidkv", "h2o", "d2o", "kvmerger", "kvzip"]
     )
     arms = [("DynamicCache + sdpa", lambda: DynamicCache(config=model.config)), ("full (kvgates)", lambda: kvgates.BudgetCache(model.config, "full"))]
     arms += [(f"{p}@{args.budget}", lambda p=p: kvgates.BudgetCache(model.config, bench_policy(model, p, args.budget))) for p in args.policies]

@@ -49,7 +49,7 @@ class Summary:
         rows = self.rows(task, arm, budget, length)
         if not rows:
             return float("nan")
-        values = [r[field] if field in ("kv_bytes", "state_bytes") else r["metrics"][field] for r in rows]
+        values = [r[field] if field in ("kv_bytes", "state_bytes", "seconds") else r["metrics"][field] for r in rows]
         return float(np.mean(values))
 
 
@@ -93,10 +93,12 @@ def headline_legend(config: ABConfig) -> str:
 
 def task_table(config: ABConfig, task: TaskSpec, budget: int, summary: Summary) -> str:
     """The full cache and every arm at ``budget`` on ``task``: each metric, per length when there are several,
-    and the memory held per sequence (KV and policy state)."""
+    the memory held per sequence (KV and policy state) and the wall time per example (its prefill, KVzip's scoring
+    forwards included, and its generation or teacher forcing, on the machine and at the time it ran)."""
     metrics = metrics_of(task)
     lengths = task.context_tokens if len(task.context_tokens) > 1 else ()
-    header = ["arm", "n"] + [m.name for m in metrics] + [f"{metrics[0].name} @{n}" for n in lengths] + ["KV MiB / seq", "state KiB / seq"]
+    header = ["arm", "n"] + [m.name for m in metrics] + [f"{metrics[0].name} @{n}" for n in lengths]
+    header += ["KV MiB / seq", "state KiB / seq", "s / example"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for arm in config.all_arms:
         if arm.budgeted and budget not in config.arm_budgets(arm, task):
@@ -108,6 +110,7 @@ def task_table(config: ABConfig, task: TaskSpec, budget: int, summary: Summary) 
         cells += [_fmt(summary.mean(task.name, arm.label, b, metrics[0].name, n), metrics[0].fmt) for n in lengths]
         cells.append(_fmt(summary.mean(task.name, arm.label, b, "kv_bytes") / MIB, ".2f"))
         cells.append(_fmt(summary.mean(task.name, arm.label, b, "state_bytes") / 1024, ".1f"))
+        cells.append(_fmt(summary.mean(task.name, arm.label, b, "seconds"), ".1f"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -367,7 +370,9 @@ def write_report(results: ABResults, command: str = "") -> str:
         "## Notes",
         "",
         "- KV MiB / seq: key and value bytes of the slots each sequence really held at the end (budgeted layers); "
-        "state KiB / seq: the per-slot policy state held beside them.",
+        "state KiB / seq: the per-slot policy state held beside them; s / example: wall seconds per example (prefill, "
+        "KVzip's reconstruction forwards included, then generation or teacher forcing), on the machine and at the time "
+        "each result was computed (reused results keep their own).",
         "- Verdicts: paired per example; percentile bootstrap 95% interval of the mean difference "
         f"({config.n_boot} resamples); a difference counts only when its interval excludes 0; McNemar's exact test "
         "on exact answers. Metrics: recall = share of the answer reproduced (partial credit), exact = whole answer; "

@@ -314,6 +314,13 @@ def embedded_name_of(model: PreTrainedModel) -> str | None:
     return getattr(model.config, "kvgates_embedded_model", None)
 
 
+def tokenizer_source(model: PreTrainedModel) -> str:
+    """Where ``model``'s tokenizer loads from offline: the converted folder of an embedded model, else the folder or
+    Hub id the model was loaded from."""
+    embedded = embedded_name_of(model)
+    return str(embedded_model_dir(embedded)) if embedded else str(getattr(model.config, "_name_or_path", "") or "")
+
+
 def model_fingerprint(model: PreTrainedModel) -> str:
     """A short hash of a model's architecture and weights, stable across processes and devices.
 

@@ -59,6 +59,7 @@ POLICY_PARAMS = {
     "d2o": {"sinks": 2},
     "dynamickv": {"window": 4, "kernel": 3, "update_every": 2},
     "kvmerger": {"window": 4, "heavy": 2},
+    "kvzip": {"repeat_ids": [5, 6, 7], "chunk_size": 16, "sinks": 2},
     "adakv": {"base": "snapkv", "base_params": {"window": 4, "kernel": 3}},
     "merge": {"base": "h2o"},
     "trimkv": {},

@@ -34,7 +34,9 @@ def padded_logits(model, policy, rows: list[torch.Tensor], decode: torch.Tensor)
 
 
 #: Options whose decisions depend on more than the tokens held (amortised eviction, protected layers).
-VARIANTS = [("trimkv", {"buffer": 3}), ("trimkv-global", {"buffer": 5}), ("d2o", {"protect_edge_layers": True})]
+VARIANTS = [
+    ("trimkv", {"buffer": 3}), ("trimkv-global", {"buffer": 5}), ("d2o", {"protect_edge_layers": True}), ("kvzip", {"normalize": True}),
+]
 
 
 @pytest.mark.parametrize("name,overrides", [(name, {}) for name in sorted(POLICIES)] + VARIANTS)

@@ -59,9 +59,9 @@ def test_decode_speed_bench_compiles_static_caches():
 def test_prefill_speed_bench_runs_on_a_small_random_model():
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "prefill_speed.py"), "--model", "random", "--layers", "2", "--context", "160",
-         "--budget", "64", "--rounds", "2", "--policies", "h2o", "d2o", "kvmerger", "trimkv"],
+         "--budget", "64", "--rounds", "2", "--policies", "h2o", "d2o", "kvmerger", "trimkv", "kvzip"],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
-    for row in ("| DynamicCache + sdpa |", "| full (kvgates) |", "| h2o@64 |", "| d2o@64 |", "| kvmerger@64 |", "| trimkv@64 |"):
+    for row in ("| DynamicCache + sdpa |", "| full (kvgates) |", "| h2o@64 |", "| d2o@64 |", "| kvmerger@64 |", "| trimkv@64 |", "| kvzip@64 |"):
         assert row in result.stdout, row

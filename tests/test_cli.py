@@ -38,6 +38,14 @@ def test_generate_sampled_with_chunks(checkpoint, capsys):
     assert code == 0
 
 
+def test_generate_with_kvzip_in_prompt_chunks(checkpoint, capsys):
+    """KVzip encodes its repeat prompt with the checkpoint's own tokenizer and scores every prompt chunk."""
+    code = main(["generate", "--model", checkpoint, "--policy", "kvzip", "--budget", "12", "--prompt", "hello there " * 5,
+                 "--prefill-chunk", "16", "--chunk-size", "8", "--max-new-tokens", "4"])
+    assert code == 0
+    assert "policy=kvzip" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def foreign_gates(tmp_path_factory):
     """A gate adapter made for another model of the same shapes."""

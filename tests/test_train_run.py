@@ -68,6 +68,8 @@ KINDS = {
     "trimkv": ({}, "retention", {"kl", "ce", "capacity", "budget"}),
     "trimkv+teacher": ({"teacher": {"policy": "snapkv", "params": {"window": 4}, "anneal_steps": 8}}, "retention",
                        {"kl", "capacity", "teacher_rank", "teacher_weight"}),
+    "trimkv+kvzip-teacher": ({"teacher": {"policy": "kvzip", "params": {"chunk_size": 16}, "anneal_steps": 8}}, "retention",
+                             {"kl", "capacity", "teacher_rank", "teacher_weight"}),
     "trimkv+hard": ({"loss": {"hard_eviction": True}}, "retention", {"kl", "ce", "capacity"}),
     "trimkv+relaxed": ({"loss": {"hard_eviction": True, "eviction_temperature": 0.5}}, "retention", {"kl", "ce", "capacity"}),
     "trimkv-global": ({"kind": "trimkv-global"}, "retention-global", {"kl", "ce", "capacity"}),

@@ -92,13 +92,19 @@ def gate_loss(
     gated.set_mode(None)
     with torch.no_grad(), eval_mode(model):
         cache = None
+        policy = None
         if config.teacher is not None and teacher_weight > 0:
-            policy = kvgates.make_policy(config.teacher.policy, budget=config.budget, **config.teacher.params)
+            # Attached like any policy at inference: KVzip's scoring pass runs the same model again.
+            policy = kvgates.make_policy(config.teacher.policy, budget=config.budget, **config.teacher.params).attach(gated.model)
             cache = kvgates.BudgetCache(gated.model.config, policy)
-        teacher = model(
-            input_ids=ids, attention_mask=attention_mask, past_key_values=cache, use_cache=cache is not None,
-            output_hidden_states=True, logits_to_keep=1,
-        )
+        try:
+            teacher = model(
+                input_ids=ids, attention_mask=attention_mask, past_key_values=cache, use_cache=cache is not None,
+                output_hidden_states=True, logits_to_keep=1,
+            )
+        finally:
+            if policy is not None:
+                policy.detach()
     targets = labels[:, 1:]
     completion = targets != -100
     teacher_hidden = teacher.hidden_states[-1][:, :-1][completion]

@@ -142,6 +142,48 @@ def masked_attention(
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 
+def _tile_probs(q: torch.Tensor, k: torch.Tensor, slot_pos: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[B, H_kv, G, r, C]`` float32 softmax probabilities of a tile of query rows under position visibility, computed
+    in place on the logits (a row that sees nothing is NaN)."""
+    probs = _grouped_scores(q, k, scale)
+    visible = (slot_pos >= 0)[:, :, None, :] & (slot_pos[:, :, None, :] <= q_pos[:, None, :, None])
+    probs.masked_fill_(~visible[:, :, None], float("-inf"))
+    probs.sub_(probs.amax(-1, keepdim=True)).exp_()
+    return probs.div_(probs.sum(-1, keepdim=True))
+
+
+def masked_attention_colmax(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_valid: torch.Tensor,
+    scale: float,
+    row_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``masked_attention`` and ``column_max`` (with its ``row_weight``) from one softmax: ``(out [B, H, q, D] in
+    q's dtype, colmax [B, H, C] float32)``. Padded rows (``q_valid`` False) get an output the caller discards and
+    raise no maximum."""
+    b, h, n, d = q.shape
+    hkv, c = k.shape[1], k.shape[2]
+    tile = row_tile(b, h, c)
+    best = q.new_zeros((b, hkv, h // hkv, c), dtype=torch.float32)
+    q_pos = torch.where(q_valid, q_pos, torch.full_like(q_pos, torch.iinfo(q_pos.dtype).max))
+    weight = q_valid.to(torch.float32) if row_weight is None else q_valid * row_weight.float()
+    vf = v.float()
+    out = []
+    for start in range(0, n, tile):
+        stop = min(n, start + tile)
+        probs = _tile_probs(q[:, :, start:stop], k, slot_pos, q_pos[:, start:stop], scale).nan_to_num_(0.0)
+        g, r = probs.shape[2], stop - start
+        out.append(torch.matmul(probs.view(b, hkv, g * r, c), vf).view(b, h, r, -1))
+        probs.mul_(weight[:, None, None, start:stop, None])
+        torch.maximum(best, probs.amax(3), out=best)
+    out_t = out[0] if len(out) == 1 else torch.cat(out, dim=2)
+    return out_t.to(q.dtype), best.reshape(b, h, c)
+
+
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -192,22 +234,49 @@ def column_sums(
     The rows are processed one tile at a time (``row_tile``: at most ``TILE_ELEMENTS`` probabilities exist at
     once); the masked softmax and the row sum run in place on that tile.
     """
+    return _column_reduce(q, k, slot_pos, q_pos, q_valid, scale, "sum")
+
+
+def column_max(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    slot_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_valid: torch.Tensor,
+    scale: float,
+    row_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The largest attention probability any (valid) query row gives each slot, ``[B, H, C]`` float32 (0 for a
+    slot no valid row sees), each row's probabilities first multiplied by ``row_weight`` ``[B, q]`` (>= 0) if
+    given. Tiled like ``column_sums``."""
+    return _column_reduce(q, k, slot_pos, q_pos, q_valid, scale, "max", row_weight)
+
+
+def _column_reduce(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    slot_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_valid: torch.Tensor,
+    scale: float,
+    how: str,
+    row_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
     b, h, n, _ = q.shape
     hkv = k.shape[1]
     block = row_tile(b, h, k.shape[2])
     total = q.new_zeros((b, hkv, h // hkv, k.shape[2]), dtype=torch.float32)
     # Padded rows see every held slot (finite values) and then weigh nothing.
     q_pos = torch.where(q_valid, q_pos, torch.full_like(q_pos, torch.iinfo(q_pos.dtype).max))
-    weight = q_valid.to(torch.float32)
-    held = (slot_pos >= 0)[:, :, None, :]
+    weight = q_valid.to(torch.float32) if row_weight is None else q_valid * row_weight.float()
     for start in range(0, n, block):
         stop = min(n, start + block)
-        scores = _grouped_scores(q[:, :, start:stop], k, scale)  # [B, H_kv, G, r, C]
-        visible = held & (slot_pos[:, :, None, :] <= q_pos[:, None, start:stop, None])
-        scores.masked_fill_(~visible[:, :, None], float("-inf"))
-        scores.sub_(scores.amax(-1, keepdim=True)).exp_()
-        scores.div_(scores.sum(-1, keepdim=True))
-        total += torch.einsum("bkgrc,br->bkgc", scores, weight[:, start:stop])
+        scores = _tile_probs(q[:, :, start:stop], k, slot_pos, q_pos[:, start:stop], scale)
+        if how == "sum":
+            total += torch.einsum("bkgrc,br->bkgc", scores, weight[:, start:stop])
+        else:  # probabilities are >= 0, so a padded row (weight 0) never raises a maximum
+            scores.nan_to_num_(0.0).mul_(weight[:, None, None, start:stop, None])
+            torch.maximum(total, scores.amax(3), out=total)
     return total.nan_to_num_(0.0).reshape(b, h, -1)
 
 

@@ -7,6 +7,7 @@ from kvgates.policies.dynamickv import DynamicKV
 from kvgates.policies.full import Full
 from kvgates.policies.h2o import H2O
 from kvgates.policies.kvmerger import KVMerger
+from kvgates.policies.kvzip import KVzip
 from kvgates.policies.learned import LearnedPolicy
 from kvgates.policies.locret import Locret
 from kvgates.policies.merging import Merge
@@ -32,6 +33,7 @@ __all__ = [
     "Full",
     "H2O",
     "KVMerger",
+    "KVzip",
     "LearnedPolicy",
     "Locret",
     "Merge",

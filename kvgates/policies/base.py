@@ -5,6 +5,7 @@ A policy is a small dataclass of validated parameters. The runtime (``BudgetLaye
 
 * ``stats_request(phase)``: which attention statistics the layer's attention call must produce;
 * ``slot_state()``: per-slot tensors it keeps on each layer (initial value for new tokens);
+* ``colmax_weights(layer)``: weights of the query rows and slots for a ``colmax`` statistic (default none);
 * ``observe(layer, stats)``: update that state after each attention call;
 * ``schedule``: when it evicts (prompt chunks, every k decode steps, with what tolerance);
 * ``quota(layer, stats)``: how many tokens each head of each sequence may keep (default: ``budget``);
@@ -115,6 +116,12 @@ class Policy:
     def slot_state(self) -> dict[str, SlotState]:
         """Per-slot state tensors to keep on every layer."""
         return {}
+
+    def colmax_weights(self, layer: BudgetLayer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """For a ``colmax`` request on ``layer``'s current call: ``(rows [B, q], cols [B, H, max_slots])``, weights of
+        each query row and of each slot per query head that multiply the probabilities before the maxima (KVzip+'s
+        normalisation); ``None`` leaves them as they are."""
+        return None, None
 
     def observe(self, layer: BudgetLayer, stats: AttnStats) -> None:
         """Update state from this call's statistics (before any eviction)."""

@@ -84,6 +84,9 @@ class Wrapper(Policy):
     def slot_state(self) -> dict[str, SlotState]:
         return self.inner.slot_state()
 
+    def colmax_weights(self, layer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.inner.colmax_weights(layer)
+
     def observe(self, layer, stats: AttnStats) -> None:
         self.inner.observe(layer, stats)
 

@@ -80,7 +80,7 @@ class AttentionDispatch:
                     query, key_states, value_states, is_causal=True, scale=scale, enable_gqa=h != self.num_kv_heads
                 )
             else:
-                out = self._masked(query, keys, scale, torch.where(q_real, q_pos, torch.full_like(q_pos, POS_BIG)))
+                out = self._masked(query, keys, scale, torch.where(q_real, q_pos, torch.full_like(q_pos, POS_BIG)), q_real, request, stats)
             self._prefill_stats(query, keys, scale, q_pos, q_real, request, stats)
         if not all_real:
             out = out * q_real[:, None, :, None].to(out.dtype)
@@ -207,12 +207,28 @@ class AttentionDispatch:
             self._derived["head_views"] = [(k, v) for _, k, v, _ in self.head_views()]
         return self._derived["head_views"]
 
-    def _masked(self, query: torch.Tensor, keys: torch.Tensor, scale: float, q_pos: torch.Tensor) -> torch.Tensor:
+    def _masked(
+        self, query: torch.Tensor, keys: torch.Tensor, scale: float, q_pos: torch.Tensor, q_real: torch.Tensor,
+        request: StatsRequest, stats: AttnStats,
+    ) -> torch.Tensor:
+        """Attention under position visibility; when ``request`` asks for ``colmax``, it comes from the same softmax
+        (``stats.colmax``, weighted by the policy's ``colmax_weights``)."""
         g = query.shape[1] // self.num_kv_heads
-        outs = []
+        outs, maxima = [], []
+        rows, cols = self.cache.policy.colmax_weights(self) if request.colmax else (None, None)
         for heads, k, v, pos in kernels.dense_groups(keys, self.values, self.pos, self.head_slots):
             q = query[:, heads.start * g : heads.stop * g]
-            outs.append(kernels.masked_attention(q, k, v, pos, q_pos, scale))
+            if request.colmax:
+                out, best = kernels.masked_attention_colmax(q, k, v, pos, q_pos, q_real, scale, rows)
+                if cols is not None:
+                    best = best * cols[:, heads.start * g : heads.stop * g, : best.shape[-1]]
+                outs.append(out)
+                best = kernels.group_reduce(best, k.shape[1], request.reduce)
+                maxima.append(torch.nn.functional.pad(best, (0, self.max_slots - best.shape[-1])))
+            else:
+                outs.append(kernels.masked_attention(q, k, v, pos, q_pos, scale))
+        if maxima:
+            stats.colmax = torch.cat(maxima, dim=1)
         return torch.cat(outs, dim=1)
 
     def _per_group(self, fn, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -271,3 +287,7 @@ class AttentionDispatch:
                 query,
                 keys,
             )
+        if request.colmax and stats.colmax is None:  # not already from the attention pass
+            rows, cols = self.cache.policy.colmax_weights(self)
+            best = self._per_group(lambda q, k, pos: kernels.column_max(q, k, pos, q_pos, q_real, scale, rows), query, keys)
+            stats.colmax = kernels.group_reduce(best if cols is None else best * cols, self.num_kv_heads, reduce)

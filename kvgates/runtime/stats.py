@@ -26,12 +26,14 @@ class StatsRequest:
         rows: probabilities of the last ``rows`` query rows of this forward over the slots, row by row (0 = none).
         window: probabilities of the last ``window`` query rows summed over rows (observation-window score).
         colsum: sum of the probabilities of every (real) query row of this forward, per slot.
+        colmax: the largest probability any (real) query row of a prompt forward gives each slot (KVzip).
         reduce: how the query heads of a GQA group are combined into their KV head (sum | mean | max).
     """
 
     rows: int = 0
     window: int = 0
     colsum: bool = False
+    colmax: bool = False
     reduce: str = "mean"
 
     def __post_init__(self) -> None:
@@ -42,7 +44,7 @@ class StatsRequest:
 
     @property
     def empty(self) -> bool:
-        return self.rows == 0 and self.window == 0 and not self.colsum
+        return self.rows == 0 and self.window == 0 and not self.colsum and not self.colmax
 
 
 NO_STATS = StatsRequest()
@@ -60,6 +62,7 @@ class AttnStats:
         window: ``[B, H_kv, C]`` probabilities of the last ``w`` real query rows summed over rows, or None;
             ``window_rows`` says how many rows there were (fewer than asked when the chunk is shorter).
         colsum: ``[B, H_kv, C]`` summed probabilities of all real query rows, or None.
+        colmax: ``[B, H_kv, C]`` largest probability of any real query row of a prompt forward, or None.
     """
 
     phase: Phase
@@ -68,3 +71,4 @@ class AttnStats:
     window: torch.Tensor | None = None
     window_rows: int = 0
     colsum: torch.Tensor | None = None
+    colmax: torch.Tensor | None = None

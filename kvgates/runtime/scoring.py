@@ -1,0 +1,132 @@
+"""Scoring passes: extra forwards of the same model through the same cache after a prompt, which only produce
+attention statistics and whose tokens are then discarded (KVzip's context reconstruction).
+
+A policy that scores the prompt this way (``Policy.scores_prompt``) evicts nothing at the end of a prompt forward
+by itself. ``PromptScoring`` hooks the model instance the policy is attached to: after each prompt forward through
+a ``BudgetCache`` running the policy (alone or inside a wrapper such as Ada-KV) it hands the policy the prompt's
+token ids, the policy runs its scoring forwards with ``discarded_forward``, and ``enforce_prompt`` then evicts every
+budgeted layer through the runtime's one eviction path. Everything that prefills through ``model(...)`` or
+``model.generate(...)`` with an attached policy gets this, with no code of its own: the command line, the A/B
+runner, the held-out table. The prompt's own outputs (its logits, the first generated token) are those of the full
+prompt, as for every other prompt-compression policy.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvgates.errors import UnsupportedModelError
+from kvgates.runtime.cache import BudgetCache
+from kvgates.runtime.stats import AttnStats, Phase
+
+#: ``run(model, cache, ids, mask)``: a policy's scoring forwards over the prompt ``ids`` ``[B, T]`` (``mask``: 1 for
+#: real tokens) that the cache holds.
+ScoringRun = Callable[[torch.nn.Module, BudgetCache, torch.Tensor, torch.Tensor], None]
+
+
+def runs_policy(cache: Any, policy: Any) -> bool:
+    """Whether ``cache`` is a ``BudgetCache`` running ``policy``, itself or inside wrappers (``inner``)."""
+    current = getattr(cache, "policy", None) if isinstance(cache, BudgetCache) else None
+    while current is not None:
+        if current is policy:
+            return True
+        current = getattr(current, "inner", None)
+    return False
+
+
+def discarded_forward(model: torch.nn.Module, cache: BudgetCache, context_mask: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """Run ``ids`` ``[B, n]`` (``mask``: 1 for real tokens, padding anywhere) after what ``cache`` holds, then drop
+    every token they added, so that the cache holds exactly what it held before, statistics recorded by the policy
+    aside.
+
+    ``context_mask`` ``[B, seen]`` is the attention mask of everything the cache has seen; each row's new tokens take
+    the positions after its real tokens. The policy must not evict during such a forward (a policy that
+    ``scores_prompt`` evicts nothing at the end of a prompt forward). Only the last position's logits are computed.
+    """
+    if len(cache.budget_layer_ids) != len(cache.layers):
+        raise UnsupportedModelError(
+            "scoring forwards need every cache layer to be budgeted: they would change the model's sliding-window "
+            "layers, which cannot drop tokens again"
+        )
+    layers = cache.budget_layers
+    seen = [layer.seen for layer in layers]
+    context_mask = context_mask.to(ids.device).long()
+    start = context_mask.sum(1, keepdim=True)  # each row's next position
+    positions = start + (mask.long().cumsum(1) - 1).clamp(min=0)
+    model(
+        input_ids=ids,
+        attention_mask=torch.cat([context_mask, mask.long()], dim=1),
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    slack = cache.policy.schedule.slack
+    for layer, before in zip(layers, seen):
+        layer.evict(layer.valid & (layer.pos < start[:, :, None].to(layer.device)), slack=slack)
+        layer.seen = before
+
+
+def enforce_prompt(cache: BudgetCache) -> None:
+    """Bring every budgeted layer within the policy's budget, as the end of a prompt forward does."""
+    for layer in cache.budget_layers:
+        empty = torch.zeros((layer.batch_size, layer.num_kv_heads, 0), dtype=torch.long, device=layer.device)
+        layer.enforce(AttnStats(phase=Phase.PREFILL, new_slots=empty))
+
+
+class PromptScoring:
+    """Hooks on one model instance that run ``run`` after each prompt forward through a ``BudgetCache`` running
+    ``policy``, then evict (``enforce_prompt``); removed with ``remove()``.
+
+    A prompt given in several forwards (chunked prefill) is scored after each one over everything it has seen so
+    far, and evicted each time, as other policies evict at the end of every prompt chunk.
+    """
+
+    def __init__(self, model: torch.nn.Module, policy: Any, run: ScoringRun):
+        self.model, self.policy, self.run = model, policy, run
+        self._prompts: weakref.WeakKeyDictionary[BudgetCache, tuple[torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
+        self._current: BudgetCache | None = None
+        self._busy = False
+        self._handles = [
+            model.register_forward_pre_hook(self._before, with_kwargs=True),
+            model.register_forward_hook(self._after, with_kwargs=True),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self._current = None
+        cache = kwargs.get("past_key_values")
+        if self._busy or not runs_policy(cache, self.policy):
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            raise ValueError(f"{self.policy.name} needs the prompt's token ids (input_ids), not inputs_embeds")
+        layer = cache.budget_layers[0]
+        if layer.seen and (ids.shape[1] == 1 or layer.decoding):  # a decode step (BudgetLayer.phase)
+            return
+        n = ids.shape[1]
+        mask = kwargs.get("attention_mask")
+        mask = torch.ones_like(ids) if mask is None else mask[:, -n:].to(ids.device).long()
+        seen_ids, seen_mask = self._prompts.get(cache, (ids[:, :0], mask[:, :0]))
+        self._prompts[cache] = (torch.cat([seen_ids, ids], 1), torch.cat([seen_mask, mask], 1))
+        self._current = cache
+
+    def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        cache, self._current = self._current, None
+        if cache is None:
+            return
+        ids, mask = self._prompts[cache]
+        self._busy = True
+        try:
+            self.run(self.model, cache, ids, mask)
+        finally:
+            self._busy = False
+        enforce_prompt(cache)

@@ -1,0 +1,144 @@
+"""KVzip keeps what a literal eager implementation of its context-reconstruction scoring keeps."""
+
+import brute
+import pytest
+import torch
+from helpers import tiny_model
+
+from kvgates import BudgetCache, make_policy
+
+PROMPT_IDS = [5, 6, 7]
+
+
+def literal_scores(ref, ids: list[int], chunk: int, normalize: bool = False) -> list[list[list[float]]]:
+    """Scores ``[layer][kv head][token]`` of one sequence: for each chunk, an eager forward of the whole context, the
+    repeat prompt and the chunk; each chunk token's score is the largest probability any query after the context
+    gives it, over the query heads of its group (KVzip+ with ``normalize``: each probability times
+    ``||W_O^g v_j|| / ||h_i||``)."""
+    from transformers import DynamicCache
+
+    n = len(ids)
+    config = ref.config
+    group = config.num_attention_heads // config.num_key_value_heads
+    d = config.head_dim
+    scores = [[[0.0] * n for _ in range(config.num_key_value_heads)] for _ in range(config.num_hidden_layers)]
+    hidden = {}
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(lambda m, a, kw, i=i: hidden.__setitem__(i, kw["hidden_states"]), with_kwargs=True)
+        for i, layer in enumerate(ref.model.layers)
+    ]
+    for lo in range(0, n, chunk):
+        tokens = ids + PROMPT_IDS + ids[lo : lo + chunk]
+        cache = DynamicCache(config=config)
+        with torch.no_grad():
+            attentions = ref(torch.tensor([tokens]), past_key_values=cache, output_attentions=True).attentions
+        for layer, probs in enumerate(attentions):
+            w_o = ref.model.layers[layer].self_attn.o_proj.weight.detach()
+            values = cache.layers[layer].values
+            for h in range(config.num_key_value_heads):
+                for j in range(lo, min(n, lo + chunk)):
+                    best = 0.0
+                    for g in range(h * group, (h + 1) * group):
+                        col = float((w_o[:, g * d : (g + 1) * d] @ values[0, h, j]).norm()) if normalize else 1.0
+                        for q in range(n, len(tokens)):
+                            row = 1.0 / float(hidden[layer][0, q].norm()) if normalize else 1.0
+                            best = max(best, float(probs[0, g, q, j]) * row * col)
+                    scores[layer][h][j] = best
+    for hook in hooks:
+        hook.remove()
+    return scores
+
+
+def literal_kvzip(ref, ids: list[int], budget: int, chunk: int, sinks: int) -> list[list[set[int]]]:
+    """Kept positions ``[layer][kv head]``: the ``sinks`` first tokens plus the best-scoring others."""
+    kept = []
+    for layer_scores in literal_scores(ref, ids, chunk):
+        kept.append([])
+        for head in layer_scores:
+            by_position = dict(enumerate(head))
+            first = brute.sinks(list(by_position), sinks)
+            kept[-1].append(first | brute.top_by_score(by_position, budget - len(first), first))
+    return kept
+
+
+@pytest.mark.parametrize("length,chunk,budget,sinks", [(30, 64, 10, 2), (37, 16, 12, 0), (25, 8, 9, 4)])
+def test_keeps_what_the_literal_scoring_keeps(length, chunk, budget, sinks):
+    ref, model = tiny_model(seed=length)
+    ref.set_attn_implementation("eager")
+    ids = torch.randint(8, 128, (1, length), generator=torch.Generator().manual_seed(length))
+    expected = literal_kvzip(ref, ids[0].tolist(), budget, chunk, sinks)
+    policy = make_policy("kvzip", budget=budget, chunk_size=chunk, sinks=sinks, repeat_ids=PROMPT_IDS).attach(model)
+    cache = BudgetCache(model.config, policy)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    policy.detach()
+    for layer, heads in zip(cache.budget_layers, expected):
+        for h, positions in enumerate(heads):
+            got = {int(p) for p in layer.pos[0, h].tolist() if p >= 0}
+            assert got == positions, f"layer {layer.layer_idx} head {h}"
+        assert layer.seen == length  # the reconstruction tokens left no trace
+
+
+def test_the_cache_holds_only_the_compressed_prompt_and_generation_continues(tiny):
+    _, model = tiny
+    ids = torch.randint(8, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    policy = make_policy("kvzip", budget=12, chunk_size=16, repeat_ids=PROMPT_IDS).attach(model)
+    cache = BudgetCache(model.config, policy)
+    with torch.no_grad():
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
+    policy.detach()
+    assert out.shape[1] == 45 and cache.get_seq_length() == 44
+    for layer in cache.budget_layers:
+        held = layer.pos[layer.pos >= 0].view(1, layer.num_kv_heads, -1)
+        assert held.shape[-1] == 16 and bool((held[..., -4:] == torch.arange(40, 44)).all())  # 12 + 4 decode steps
+
+
+def test_unattached_kvzip_says_what_to_do(tiny):
+    _, model = tiny
+    cache = BudgetCache(model.config, make_policy("kvzip", budget=8, repeat_ids=PROMPT_IDS))
+    with pytest.raises(ValueError, match="attach"), torch.no_grad():
+        model(torch.ones((1, 12), dtype=torch.long), past_key_values=cache)
+
+
+def test_adakv_wraps_kvzip(tiny):
+    _, model = tiny
+    ids = torch.randint(8, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    policy = make_policy("adakv", budget=10, base="kvzip", base_params={"repeat_ids": PROMPT_IDS}).attach(model)
+    cache = BudgetCache(model.config, policy)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    policy.detach()
+    for layer in cache.budget_layers:
+        assert int(layer.held().sum()) <= 10 * layer.num_kv_heads + 1 and layer.seen == 40
+
+
+def test_kvzip_scores_label_every_token_as_the_literal_scoring_does():
+    from kvgates.policies.kvzip import kvzip_scores
+
+    ref, model = tiny_model(seed=3)
+    ref.set_attn_implementation("eager")
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(8, 128, (n,), generator=g) for n in (21, 14)]
+    ids, mask = torch.zeros((2, 21), dtype=torch.long), torch.zeros((2, 21), dtype=torch.long)
+    for i, r in enumerate(rows):  # left padding
+        ids[i, 21 - len(r) :], mask[i, 21 - len(r) :] = r, 1
+    got = kvzip_scores(model, ids, mask, chunk_size=8, repeat_ids=PROMPT_IDS)
+    assert got.shape == (3, 2, 2, 21)
+    for i, r in enumerate(rows):
+        expected = literal_scores(ref, r.tolist(), 8)
+        pad = 21 - len(r)
+        assert bool((got[:, i, :, :pad] == 0).all())
+        torch.testing.assert_close(got[:, i, :, pad:], torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+def test_kvzip_plus_normalisation_matches_the_literal_scoring(tiny):
+    from kvgates.policies.kvzip import kvzip_scores
+
+    ref, model = tiny_model(seed=5)
+    ref.set_attn_implementation("eager")
+    ids = torch.randint(8, 128, (1, 19), generator=torch.Generator().manual_seed(5))
+    got = kvzip_scores(model, ids, chunk_size=12, repeat_ids=PROMPT_IDS, normalize=True)
+    expected = torch.tensor(literal_scores(ref, ids[0].tolist(), 12, normalize=True))
+    torch.testing.assert_close(got[:, 0], expected, atol=1e-5, rtol=1e-4)
+    plain = kvzip_scores(model, ids, chunk_size=12, repeat_ids=PROMPT_IDS)
+    assert not torch.allclose(got, plain)  # the normalisation changes the scores
