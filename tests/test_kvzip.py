@@ -142,3 +142,11 @@ def test_kvzip_plus_normalisation_matches_the_literal_scoring(tiny):
     torch.testing.assert_close(got[:, 0], expected, atol=1e-5, rtol=1e-4)
     plain = kvzip_scores(model, ids, chunk_size=12, repeat_ids=PROMPT_IDS)
     assert not torch.allclose(got, plain)  # the normalisation changes the scores
+
+
+def test_a_static_cache_is_refused_in_one_sentence(tiny):
+    _, model = tiny
+    policy = make_policy("kvzip", budget=8, repeat_ids=PROMPT_IDS).attach(model)
+    with pytest.raises(ValueError, match="static"), torch.no_grad():
+        model(torch.ones((1, 12), dtype=torch.long), past_key_values=BudgetCache(model.config, policy, static=True))
+    policy.detach()

@@ -47,6 +47,8 @@ def discarded_forward(model: torch.nn.Module, cache: BudgetCache, context_mask: 
     the positions after its real tokens. The policy must not evict during such a forward (a policy that
     ``scores_prompt`` evicts nothing at the end of a prompt forward). Only the last position's logits are computed.
     """
+    if cache.static:
+        raise ValueError("scoring forwards add and drop tokens, which a static BudgetCache cannot; use static=False")
     if len(cache.budget_layer_ids) != len(cache.layers):
         raise UnsupportedModelError(
             "scoring forwards need every cache layer to be budgeted: they would change the model's sliding-window "
