@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from torch.overrides import TorchFunctionMode
 
 import kvgates
+from kvgates.gates import GATE_KINDS
 from kvgates.gates.training import GateTraining
 from train.config import ConfigError, TrainConfig
 from train.run import build_trainer, main, prepare_output_dir
@@ -574,3 +576,93 @@ def test_ship_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, monk
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and err.startswith("train.ship: "), err
     assert sorted(tmp_path.rglob("*")) == before and not Path("/tmp/x").exists()
+
+
+class _SdpaCalls(TorchFunctionMode):
+    """Records the ``(q, k, v, masked)`` of every ``scaled_dot_product_attention`` call in its block."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.calls.append((*args[:3], kwargs.get("attn_mask") is not None))
+        return func(*args, **kwargs)
+
+
+def _gate_batch(padded: bool, length: int = 64) -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, 100, (2, length), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, -10:] = 0
+    labels = torch.full_like(ids, -100)
+    labels[:, -16:] = ids[:, -16:]
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+GPU_KINDS = {"trimkv": {}, "trimkv-global": {"kind": "trimkv-global"}, "locret": {"kind": "locret", "policy": {"stabilizers": 2, "local": 2}},
+             "trimkv+hard": {"loss": {"hard_eviction": True}}}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("attention, dtype", [("fused", torch.float32), ("fused-split", torch.bfloat16)])
+@pytest.mark.parametrize("kind", sorted(GPU_KINDS))
+def test_gpu_training_attention_hands_the_fused_kernels_what_they_take(tiny_dir, kind, attention, dtype, padded):
+    """Every sdpa call of a training step (teacher, student or labels, forward and backward) on the GPU path meets
+    the constraints of CUDA's fused kernels, so none falls back to the math kernel; the CPU path would not."""
+    from kvgates.kernels.gated import fused_kernel_violations
+    from train.trainer import gate_loss
+
+    model, _ = kvgates.load_model(str(tiny_dir), dtype=dtype)
+    model.requires_grad_(False)
+    config = TrainConfig.from_dict({"budget": 8, "data": {"seq_len": 64}, **GPU_KINDS[kind]})
+    gates = GATE_KINDS[config.gate_kind].for_model(model, gate_hidden=8, init_bias=3.0)
+    batch = _gate_batch(padded)
+    for name, expect_ok in ((attention, True), ("exact", False)):
+        with GateTraining(model, gates, name) as run, _SdpaCalls() as seen:
+            loss, _ = gate_loss(model, model.lm_head, run, config, batch, 8.0, 0.0)
+            loss.backward()
+        assert seen.calls
+        problems = [fused_kernel_violations(*call) for call in seen.calls]
+        if expect_ok:
+            assert problems == [[]] * len(problems), (kind, attention, problems)
+        elif kind != "locret":  # the exact path's head dim (D + 2) is what CUDA's fused kernels refuse
+            assert any("head dims" in p for found in problems for p in found)
+
+
+def _train_steps(tiny_dir, kind: str, attention: str, steps: int = 3) -> tuple[list[float], list[list[torch.Tensor]]]:
+    """Losses and gate gradients of ``steps`` AdamW steps of fresh gates (same seed) with ``attention``."""
+    from train.trainer import gate_loss
+
+    model, _ = kvgates.load_model(str(tiny_dir))
+    model.requires_grad_(False)
+    config = TrainConfig.from_dict({"budget": 8, "data": {"seq_len": 64}, **GPU_KINDS[kind]})
+    torch.manual_seed(0)
+    gates = GATE_KINDS[config.gate_kind].for_model(model, gate_hidden=8, init_bias=2.0)
+    optimizer = torch.optim.AdamW(gates.parameters(), lr=3e-2)
+    losses, grads = [], []
+    with GateTraining(model, gates, attention) as run:
+        for step in range(steps):
+            loss, _ = gate_loss(model, model.lm_head, run, config, _gate_batch(padded=step == 1), 8.0, 0.0)
+            loss.backward()
+            losses.append(float(loss.detach()))
+            grads.append([p.grad.clone() for p in gates.parameters()])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+@pytest.mark.parametrize("attention, tolerance", [("fused", 1e-5), ("fused-split", 0.1)])
+@pytest.mark.parametrize("kind", ["trimkv", "trimkv-global", "trimkv+hard"])
+def test_gpu_training_attention_trains_as_the_reference_path(tiny_dir, kind, attention, tolerance):
+    """A few training steps with the GPU path forced on the CPU give the reference path's losses and gradients:
+    the padded float32 kernels to float32 rounding, the bfloat16 split within bfloat16's."""
+    ref_losses, ref_grads = _train_steps(tiny_dir, kind, "exact")
+    losses, grads = _train_steps(tiny_dir, kind, attention)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tolerance, atol=tolerance)
+    for step, (got, want) in enumerate(zip(grads, ref_grads)):
+        for g, w in zip(got, want):
+            assert float((g - w).norm()) <= tolerance * float(w.norm()) + 1e-8, (step, float((g - w).norm() / w.norm()))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from data.build import FORMATS, check_mix
@@ -26,6 +27,8 @@ KINDS = {"trimkv": "retention", "trimkv-global": "retention-global", "locret": "
 #: The policy that runs each kind's gates at inference (and in validation).
 POLICY_OF_KIND = {"trimkv": "trimkv", "trimkv-global": "trimkv-global", "locret": "locret"}
 LEARNED_POLICIES = ("trimkv", "trimkv-global", "locret", "full")
+#: ``model_dtype``: the frozen model's weights (``auto``: bfloat16 on CUDA, float32 elsewhere); gates stay float32.
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -110,6 +113,11 @@ class TrainConfig:
     run_name: str = "run"
     output_dir: str = "checkpoints/run"
     model: str = "smollm2-135m"
+    #: The frozen model's weight dtype (``MODEL_DTYPES``); the gates and their optimizer state stay float32.
+    model_dtype: str = "auto"
+    #: The gated student's attention (``kvgates.gates.training.ATTENTIONS`` or ``auto``: the padded fused kernels
+    #: on CUDA, the exact float32 path on the CPU).
+    attention: str = "auto"
     kind: str = "trimkv"
     budget: int = 256
     #: Parameters of the gates' inference policy (validation and the final table), e.g. ``{window: 16}`` for
@@ -130,6 +138,12 @@ class TrainConfig:
         if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
             raise ConfigError(f"budget must be a whole number of tokens per KV head, at least 1; got {self.budget!r}")
         _check_learned_policy(self.kind, self.budget, self.policy)
+        if self.model_dtype not in MODEL_DTYPES:
+            raise ConfigError(f"model_dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.model_dtype!r}")
+        from kvgates.gates.training import ATTENTIONS
+
+        if self.attention != "auto" and self.attention not in ATTENTIONS:
+            raise ConfigError(f"attention must be auto or one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if self.data.format not in FORMATS:
             raise ConfigError(f"data.format must be one of {FORMATS}, got {self.data.format!r}")
         if self.data.seq_len < 64 or self.data.seq_len <= self.budget:
@@ -195,6 +209,11 @@ class TrainConfig:
     @property
     def gate_kind(self) -> str:
         return KINDS[self.kind]
+
+    def torch_dtype(self, cuda: bool) -> torch.dtype:
+        """The frozen model's weight dtype on a machine with (``cuda``) or without CUDA."""
+        name = self.model_dtype if self.model_dtype != "auto" else "bfloat16" if cuda else "float32"
+        return getattr(torch, name)
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:

@@ -183,11 +183,11 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
     set_seed(train_args.seed)
 
     # The frozen LLM and fresh gates; only the gates train.
-    model, tokenizer = kvgates.load_model(config.model)
+    model, tokenizer = kvgates.load_model(config.model, dtype=config.torch_dtype(torch.cuda.is_available()))
     model.requires_grad_(False)
-    gates = initial_gates(config, model)
+    gates = initial_gates(config, model)  # float32, whatever the model's dtype
     start = copy.deepcopy(gates)
-    gated = GateTraining(model, gates)  # registers the gates on the model and routes its attention
+    gated = GateTraining(model, gates, config.attention)  # registers the gates on the model and routes its attention
 
     # Data: training rows from the train essays; validation on validation essays.
     data = config.data

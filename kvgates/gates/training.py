@@ -14,6 +14,13 @@ synchronise them), hooks the inputs the gates read, and marks each gated attenti
   gradient) and the retaining heads' predictions (``self.scores``, with gradient into the heads only). The LLM's
   own activations need no gradient, so this forward stores none.
 
+The gated student's attention (``attention``): ``"exact"`` (``gated_attention``, float32 with two extra
+channels; what the CPU runs), ``"fused"`` / ``"fused-split"`` (``gated_attention_fused`` in float32 / with
+bfloat16 operands and a split bias: padded for CUDA's fused kernels, memory linear in ``T``) or ``"flex"``
+(``gated_attention_flex``, compiled FlexAttention; CUDA only, it has no CPU backward). ``"auto"`` is
+``CUDA_ATTENTION`` on CUDA and ``"exact"`` elsewhere. On CUDA every training attention call (teacher, student,
+labels) runs with sdpa's math kernel excluded, so nothing falls back silently to ``T x T`` memory.
+
 Everything lives on the model instance and is undone by ``close()``; no library code is replaced. The mode
 stays set until changed, so a backward that recomputes checkpointed layers sees the same attention as the
 forward did.
@@ -21,6 +28,7 @@ forward did.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,11 +39,28 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvgates.gates.adapter import GateSet
 from kvgates.gates.capture import GateCapture, attention_modules
-from kvgates.kernels.gated import causal_importance, evicted_attention, gated_attention
+from kvgates.kernels.gated import (
+    causal_importance,
+    evicted_attention,
+    fused_only,
+    gated_attention,
+    gated_attention_flex,
+    gated_attention_fused,
+)
 from kvgates.runtime.attention import TRAINING_ATTR
 
 GATES_ATTR = "kvgates_gates"
 MODES = (None, "gated", "labels")
+#: The gated student's attention implementations (see the module docstring).
+ATTENTIONS = {
+    "exact": gated_attention,
+    "fused": gated_attention_fused,
+    "fused-split": functools.partial(gated_attention_fused, precision="split"),
+    "flex": gated_attention_flex,
+}
+#: What ``attention="auto"`` runs on CUDA: the one switch between the padded fused kernels and FlexAttention
+#: (their speed on a GPU is not measured; both are linear in memory).
+CUDA_ATTENTION = "fused"
 
 
 @dataclass
@@ -57,15 +82,19 @@ class GateTraining:
         model: the (frozen) model; its attention must be ``"kvgates"`` (``kvgates.prepare_model``).
         gates: a ``GateSet`` of the model's shapes (``RetentionGates``, ``GlobalRetentionGates`` for ``"gated"``;
             ``RetainingHeads`` for ``"labels"``).
+        attention: the gated student's attention, ``"auto"`` or one of ``ATTENTIONS``.
     """
 
-    def __init__(self, model: PreTrainedModel, gates: GateSet):
+    def __init__(self, model: PreTrainedModel, gates: GateSet, attention: str = "auto"):
+        if attention != "auto" and attention not in ATTENTIONS:
+            raise ValueError(f"attention must be 'auto' or one of {', '.join(ATTENTIONS)}, got {attention!r}")
         if getattr(model, GATES_ATTR, None) is not None:
             raise RuntimeError("this model already carries training gates; close() the other GateTraining first")
         if model.config._attn_implementation != "kvgates":
             raise ValueError("GateTraining needs the model's attention set to 'kvgates' (kvgates.prepare_model(model))")
         gates.check_model(model, strict=False)
         self.model, self.gates = model, gates
+        self.attention = attention
         self.mode: str | None = None
         self.hard: HardEviction | None = None
         self.log_beta: dict[int, torch.Tensor] = {}
@@ -108,6 +137,10 @@ class GateTraining:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         """The attention call of a gated layer (from the ``"kvgates"`` attention function)."""
+        with fused_only(query.device, f"training attention of layer {module.layer_idx}", query, key, value):
+            return self._attend(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+    def _attend(self, module, query, key, value, attention_mask, dropout, scaling, **kwargs):
         layer = module.layer_idx
         captured = self._capture.pop(layer)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -116,12 +149,12 @@ class GateTraining:
                 raise RuntimeError("gated training attention runs on whole sequences without a cache (use_cache=False)")
             log_beta = self.gates(layer, captured).transpose(1, 2)  # [B, H_kv, T]
             self.log_beta[layer] = log_beta
-            hard = self.hard
+            hard, soft = self.hard, self.student_attention(query.device)
             if hard is None:
-                out = gated_attention(query, key, value, log_beta, scale, attention_mask)
+                out = soft(query, key, value, log_beta, scale, attention_mask)
             else:
                 out = evicted_attention(
-                    query, key, value, log_beta, scale, hard.budget, hard.decode_from, attention_mask, hard.temperature
+                    query, key, value, log_beta, scale, hard.budget, hard.decode_from, attention_mask, hard.temperature, soft
                 )
             return out.transpose(1, 2).contiguous(), None
         if self.mode == "labels":
@@ -129,7 +162,20 @@ class GateTraining:
             with torch.no_grad():
                 self.labels[layer] = causal_importance(query, key, scale, q_valid)
             self.scores[layer] = self.gates(layer, captured).float().transpose(1, 2)  # [B, H_kv, T]
+        half = query.dtype in (torch.float16, torch.bfloat16)
+        if self.attention_name(query.device) != "exact" and not half and attention_mask is None:
+            # float32 on CUDA is the memory-efficient kernel's, which takes no grouped query heads: repeat them here
+            # (transformers does so itself when there is a mask).
+            key, value = (x.repeat_interleave(query.shape[1] // key.shape[1], 1) for x in (key, value))
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+    def attention_name(self, device: torch.device) -> str:
+        """The ``ATTENTIONS`` entry the student runs on ``device`` (``attention``, ``"auto"`` resolved)."""
+        return self.attention if self.attention != "auto" else CUDA_ATTENTION if device.type == "cuda" else "exact"
+
+    def student_attention(self, device: torch.device):
+        """The gated attention function the student runs on ``device``."""
+        return ATTENTIONS[self.attention_name(device)]
 
     def close(self) -> None:
         """Remove the hooks, the marks and the gates from the model."""

@@ -16,20 +16,46 @@ memory-efficient kernel on GPU), with exact gradients into ``log_beta``. Precisi
 ``(i - c) lb`` are subtracted inside the kernel's dot product, so their rounding error grows with the length;
 centring on ``c = (T - 1) / 2`` halves the magnitudes, and the whole product runs in float32 (half-precision
 inputs are upcast for this call: in bf16, ``t`` itself would be rounded by up to 8 positions at T = 2048).
-``gated_attention_flex`` is the other GPU route, FlexAttention with a ``score_mod`` that adds the bias in float32
-inside the kernel; it needs ``torch.compile`` on CUDA to be fast (not measured: no GPU was lent).
+On CUDA no fused kernel (flash, memory-efficient, cuDNN) takes that head dim (``D + 2``), so sdpa would fall back
+to its math kernel and hold the ``T x T`` scores: ``gated_attention_fused`` is the CUDA route. It pads the extra
+channels with zeros to a width the fused kernels take (a multiple of 8; zero channels add nothing to ``q . k``, and
+the scale is passed explicitly, so padding changes nothing) and carries the bias in one of two precisions
+(``FUSED_PRECISIONS``):
+
+* ``"float32"``: everything in float32 (the memory-efficient kernel): the bias and its gradient as exact as the
+  CPU path's;
+* ``"split"``: ``q``, ``k``, ``v`` in bfloat16 (FlashAttention), the bias channels split into bfloat16 parts
+  (``x = x_1 + x_2 + x_3``) whose products the kernel accumulates in float32, so the forward's bias keeps about
+  float32's precision. The gradient into ``log_beta`` comes out of the kernel's bfloat16 key gradient, where the
+  two halves of the separable bias cancel: its relative error grows with ``T`` (measured in docs/training-gpu.md).
+
+On CUDA both run with sdpa's math kernel excluded (``fused_only``): a shape no fused kernel takes is an error
+naming it, never a silent ``O(T^2)`` fallback. ``gated_attention_flex`` is the other GPU route: FlexAttention
+under ``torch.compile`` with a ``score_mod`` that adds the bias in float32 inside the kernel (FlexAttention has no
+CPU backward, so on the CPU it serves forwards only). Which of the two a CUDA run takes is
+``kvgates.gates.training.CUDA_ATTENTION`` (their speed on a GPU is not measured: no GPU was lent).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
     "causal_importance",
     "evicted_attention",
+    "FUSED_PRECISIONS",
+    "fused_kernel_violations",
+    "fused_only",
+    "fused_operands",
     "gated_attention",
     "gated_attention_flex",
+    "gated_attention_fused",
     "gated_attention_reference",
     "hard_eviction_mask",
 ]
@@ -107,6 +133,118 @@ def _gated_sdpa(q, k, v, log_beta, scale, mask):
     return out[..., :dv].to(dtype)
 
 
+#: Bias precisions of ``gated_attention_fused`` (see the module docstring).
+FUSED_PRECISIONS = ("float32", "split")
+#: sdpa's kernels that never hold the ``T x T`` scores: the only ones a CUDA training attention may run on.
+FUSED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@contextmanager
+def fused_only(device: torch.device, what: str, *tensors: torch.Tensor) -> Iterator[None]:
+    """On CUDA: sdpa calls in the block run on a fused kernel or fail with an error naming ``what`` and the shapes
+    and dtypes of ``tensors`` (sdpa's math kernel, which holds the ``T x T`` scores, is excluded). Elsewhere:
+    nothing changes (the CPU's flash kernel takes every head dim)."""
+    if device.type != "cuda":
+        yield
+        return
+    try:
+        with sdpa_kernel(FUSED_BACKENDS):
+            yield
+    except RuntimeError as err:
+        if "No available kernel" not in str(err):
+            raise
+        shapes = ", ".join(f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}" for x in tensors)
+        raise RuntimeError(
+            f"{what}: no fused attention kernel (flash, memory-efficient, cuDNN) takes q, k, v of {shapes}, and the "
+            f"math fallback (T x T scores) is excluded; see the warnings above for each kernel's reason"
+        ) from err
+
+
+def fused_kernel_violations(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool = False) -> list[str]:
+    """What keeps ``q``, ``k``, ``v`` (``[B, H, T, D]``) off CUDA's fused sdpa kernels (empty: one takes them).
+
+    FlashAttention takes half precision, a head dim that is a multiple of 8 up to 256, equal widths and grouped
+    query heads, but no mask; the memory-efficient kernel also takes float32 and masks, but needs as many key as
+    query heads. Every kernel needs the last dim contiguous."""
+    out = []
+    dtypes = {x.dtype for x in (q, k, v)}
+    if len(dtypes) > 1 or not dtypes <= {*_HALF, torch.float32}:
+        out.append(f"dtypes {sorted(str(d) for d in dtypes)} (one of float16, bfloat16, float32)")
+    widths = {x.shape[-1] for x in (q, k, v)}
+    if len(widths) > 1 or any(w % 8 for w in widths):
+        out.append(f"head dims {sorted(widths)} (one width, a multiple of 8)")
+    if any(x.stride(-1) != 1 for x in (q, k, v)):
+        out.append("a last dim that is not contiguous")
+    flash = q.dtype in _HALF and not masked and max(widths) <= 256
+    if not flash and k.shape[1] != q.shape[1]:
+        out.append(f"{q.shape[1]} query heads over {k.shape[1]} key heads without FlashAttention (float32 or a mask)")
+    return out
+
+
+def _split(x: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """``x`` (float32) as ``parts`` bfloat16 tensors whose sum is ``x`` to ``2^(-8 parts)`` relative."""
+    out = []
+    for _ in range(parts):
+        out.append(x.to(torch.bfloat16))
+        x = x - out[-1].float()
+    return out
+
+
+def fused_operands(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_beta: torch.Tensor, scale: float,
+    precision: str = "float32", masked: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, k, v)`` as ``gated_attention_fused`` hands them to sdpa: the bias channels appended, all three padded
+    with zero channels to one width that is a multiple of 8, in float32 (float64 stays float64) or, for
+    ``"split"``, bfloat16; key and value heads repeated to the query heads where the kernel that will take them
+    (memory-efficient: float32 or ``masked``) has no grouped-query support."""
+    if precision not in FUSED_PRECISIONS:
+        raise ValueError(f"precision must be one of {FUSED_PRECISIONS}, got {precision!r}")
+    b, h, t, d = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    work = torch.bfloat16 if precision == "split" else _work_dtype(q)
+    bias_dtype = torch.float32 if precision == "split" else work
+    pos = torch.arange(t, device=q.device, dtype=bias_dtype) - (t - 1) // 2  # whole numbers: exact in the parts
+    lb = log_beta.to(bias_dtype) / scale
+    key_bias = -pos * lb
+    if precision == "split":
+        p1, p2 = _split(pos, 2)
+        a, c = _split(lb, 3), _split(key_bias, 3)
+        ones = torch.ones_like(p1)
+        q_extra = [p1, p1, p1, p2, p2, ones, ones, ones]
+        k_extra = [a[0], a[1], a[2], a[0], a[1], *c]  # p1 a + p2 (a1 + a2) + c, to 2^-24 relative
+    else:
+        q_extra, k_extra = [pos, torch.ones_like(pos)], [lb, key_bias]
+    width = -(-max(d + len(q_extra), dv) // 8) * 8
+    q_aug = torch.cat([q.to(work), torch.stack(q_extra, -1).expand(b, h, t, -1), q.new_zeros(b, h, t, width - d - len(q_extra), dtype=work)], -1)
+    k_aug = torch.cat([k.to(work), torch.stack(k_extra, -1), k.new_zeros(b, hkv, t, width - d - len(k_extra), dtype=work)], -1)
+    v_aug = torch.cat([v.to(work), v.new_zeros(b, hkv, t, width - dv, dtype=work)], -1)
+    if h != hkv and (work not in _HALF or masked):
+        k_aug, v_aug = k_aug.repeat_interleave(h // hkv, 1), v_aug.repeat_interleave(h // hkv, 1)
+    return q_aug, k_aug, v_aug
+
+
+def gated_attention_fused(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_beta: torch.Tensor, scale: float,
+    mask: torch.Tensor | None = None, precision: str = "float32",
+) -> torch.Tensor:
+    """``gated_attention`` padded for CUDA's fused kernels (``fused_operands``; see the module docstring): memory
+    linear in ``T``, never sdpa's math kernel on CUDA. Same arguments and result, plus ``precision``."""
+    dv = v.shape[-1]
+    with torch.autocast(q.device.type, enabled=False):
+        q_aug, k_aug, v_aug = fused_operands(q, k, v, log_beta, scale, precision, masked=mask is not None)
+        gqa = k_aug.shape[1] != q_aug.shape[1]
+        with fused_only(q.device, "gated training attention", q_aug, k_aug, v_aug):
+            if mask is None:
+                out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                visible = _visible(q.shape[2], mask, q.device)
+                out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, attn_mask=visible, scale=scale, enable_gqa=gqa)
+                out = out.nan_to_num(0.0)
+    return out[..., :dv].to(q.dtype)
+
+
 def hard_eviction_mask(log_beta: torch.Tensor, budget: int, decode_from: torch.Tensor) -> torch.Tensor:
     """``[B, H_kv, T, T]`` bool: the keys each query row sees when ``TrimKV(budget)`` evicts as inference does.
 
@@ -162,6 +300,7 @@ def evicted_attention(
     decode_from: torch.Tensor,
     mask: torch.Tensor | None = None,
     temperature: float = 0.0,
+    soft_attention=gated_attention,
 ) -> torch.Tensor:
     """The TRIM-KV student attending as inference does: plain attention (no retention bias) over the tokens
     ``hard_eviction_mask`` leaves, with one of two gradients into the gates.
@@ -175,22 +314,23 @@ def evicted_attention(
       are partly seen and carry the gradient of whether keeping them would help. ``temperature -> 0`` is the hard
       value. The gradient is this function's own.
 
-    Args: as ``gated_attention``, plus ``budget`` and ``decode_from`` (``hard_eviction_mask``) and ``temperature``
-    (in units of ``r``).
+    Args: as ``gated_attention``, plus ``budget`` and ``decode_from`` (``hard_eviction_mask``), ``temperature``
+    (in units of ``r``) and ``soft_attention``, the gated attention giving the straight-through gradient (``gated_attention``
+    or one of its GPU forms). The eviction masks are ``[B, H_kv, T, T]``: memory quadratic in ``T``.
     """
     seen = _visible(q.shape[2], mask, q.device)
-    gqa = q.shape[1] != k.shape[1]
+    g = q.shape[1] // k.shape[1]
+    # Masked attention is the memory-efficient kernel's on CUDA, which takes no grouped query heads: repeat them.
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     if temperature > 0:
         work = _work_dtype(q)
         bias = _relaxed_keep_bias(log_beta, budget, decode_from, temperature, work).masked_fill(~seen, float("-inf"))
-        bias = bias.repeat_interleave(q.shape[1] // k.shape[1], 1)
-        out = F.scaled_dot_product_attention(q.to(work), k.to(work), v.to(work), attn_mask=bias, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q.to(work), kk.to(work), vv.to(work), attn_mask=bias.repeat_interleave(g, 1), scale=scale)
         return out.nan_to_num(0.0).to(q.dtype)
-    soft = gated_attention(q, k, v, log_beta, scale, mask)
+    soft = soft_attention(q, k, v, log_beta, scale, mask)
     with torch.no_grad():
-        seen = hard_eviction_mask(log_beta, budget, decode_from) & seen
-        seen = seen.repeat_interleave(q.shape[1] // k.shape[1], 1)
-        hard = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=scale, enable_gqa=gqa).nan_to_num(0.0)
+        seen = (hard_eviction_mask(log_beta, budget, decode_from) & seen).repeat_interleave(g, 1)
+        hard = F.scaled_dot_product_attention(q, kk, vv, attn_mask=seen, scale=scale).nan_to_num(0.0)
     return soft + (hard - soft).detach()
 
 
@@ -211,10 +351,12 @@ def _relaxed_keep_bias(
 def gated_attention_flex(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_beta: torch.Tensor, scale: float, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``gated_attention_reference`` with FlexAttention: the bias is a ``score_mod`` computed in float32 inside the
-    kernel. Causality (and ``mask``, bool only) becomes a block mask. Meant for CUDA under ``torch.compile``."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
+    """``gated_attention_reference`` with FlexAttention under ``torch.compile``: the bias is a ``score_mod``
+    computed in float32 inside the kernel, causality (and ``mask``, bool only) a block mask, so memory is linear
+    in ``T`` (the first call of a shape compiles). FlexAttention has no CPU backward: on the CPU it runs
+    forwards only."""
+    if mask is not None and mask.dtype != torch.bool:
+        raise ValueError("gated_attention_flex takes a boolean mask")
     b, h, t, _ = q.shape
     g = h // k.shape[1]
     lb = log_beta.float()
@@ -222,17 +364,32 @@ def gated_attention_flex(
     def score_mod(score, batch, head, q_idx, kv_idx):
         return score + lb[batch, head // g, kv_idx] * (q_idx - kv_idx).to(torch.float32)
 
-    if mask is not None and mask.dtype != torch.bool:
-        raise ValueError("gated_attention_flex takes a boolean mask")
+    if mask is None:
+        block_mask = _causal_block_mask(t, str(q.device))
+    else:
+        from torch.nn.attention.flex_attention import create_block_mask
 
-    def mask_mod(batch, head, q_idx, kv_idx):
-        keep = q_idx >= kv_idx
-        if mask is not None:
-            keep = keep & mask[batch if mask.shape[0] > 1 else 0, 0, q_idx, kv_idx]
-        return keep
+        def mask_mod(batch, head, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & mask[batch if mask.shape[0] > 1 else 0, 0, q_idx, kv_idx]
 
-    block_mask = create_block_mask(mask_mod, B=b if mask is not None else None, H=None, Q_LEN=t, KV_LEN=t, device=q.device)
-    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=g > 1)
+        block_mask = create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=t, device=q.device)
+    return _compiled_flex_attention()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=g > 1)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """FlexAttention compiled once per process (uncompiled, it materialises the ``T x T`` scores)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_block_mask(t: int, device: str):
+    """The causal block mask of length ``t`` (made once per length and device)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B=None, H=None, Q_LEN=t, KV_LEN=t, device=device)
 
 
 def causal_importance(
