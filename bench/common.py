@@ -27,7 +27,7 @@ def setup(doc: str, choices: dict[str, list[str]] | None = None, **options: Any)
 
     Every script takes ``--model`` (``random[:SHAPE]``: a ``RANDOM_SHAPES`` shape with random weights, ``--layers`` of them),
     ``--device`` and ``--dtype``; its own options are given as ``name=default`` (the type follows the default; a
-    list default takes one or more values; ``None`` takes a string) with optional ``choices``. Returns
+    list default takes one or more values; ``None`` takes a string; ``False`` is a flag) with optional ``choices``. Returns
     ``(args, model, tokenizer)``; the tokenizer is None for the random model.
     """
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,6 +39,9 @@ def setup(doc: str, choices: dict[str, list[str]] | None = None, **options: Any)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--layers", type=int, default=None, help="decoder layers of a random model (default: the shape's own)")
     for name, default in options.items():
+        if default is False:
+            parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help="default: off")
+            continue
         kind = type(default[0] if isinstance(default, list) else default)
         parser.add_argument(
             f"--{name.replace('_', '-')}", default=default, type=None if default is None else kind,

@@ -1,6 +1,7 @@
-"""Cost of one gate-training step against one teacher forward, and their peak memory.
+"""Cost of one gate-training step against one teacher forward, and their peak memory per token.
 
-    python bench/train_step.py --lengths 512 1024 2048 --kinds trimkv locret --budget 128
+    python bench/train_step.py --model random --layers 2 --lengths 1024 4096 8192 --kinds trimkv locret --budget 256
+    python bench/train_step.py --model random:llama-3.1-8b --lengths 8192 16384 --checkpoint-layers   # one GPU
 
 For each sequence length and gate kind, interleaving the two in every round (median of ``--repeats`` rounds):
 
@@ -8,7 +9,12 @@ For each sequence length and gate kind, interleaving the two in every round (med
 * training step: ``train.trainer.gate_loss`` (TRIM-KV: teacher forward + gated student forward + losses; Locret:
   one labelling forward + the regression) with its backward and an AdamW step on the gates.
 
-It prints seconds, the ratio step / teacher forward, and the peak resident memory each adds to the process.
+It prints seconds, the ratio step / teacher forward, and the peak memory each adds: on CUDA the GPU's
+(``torch.cuda.max_memory_allocated`` above what was allocated before), elsewhere the process's resident memory
+(host high-water mark), per token of the sequence and in all. ``--attention`` picks the student's gated attention
+(``kvgates.gates.training.ATTENTIONS``; ``auto``: the padded fused kernels on CUDA, the exact path elsewhere);
+``--checkpoint-layers`` recomputes the student's decoder layers in the backward (gradient checkpointing), as
+``training.activation_checkpointing`` does in a run.
 """
 
 from __future__ import annotations
@@ -17,23 +23,43 @@ import statistics
 import time
 
 import torch
-from common import essay_ids, setup
+from common import essay_ids, setup, sync
 from prefill_memory import peak_extra_bytes
 
 from kvgates.gates import GATE_KINDS
-from kvgates.gates.training import GateTraining
+from kvgates.gates.training import ATTENTIONS, GateTraining
 from train.config import TrainConfig
 from train.trainer import gate_loss
 
 
+def peak_bytes(run, device: str) -> int:
+    """Peak memory ``run()`` adds: GPU memory allocated on CUDA, resident host memory elsewhere."""
+    if not device.startswith("cuda"):
+        return peak_extra_bytes(run)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def main() -> None:
     args, model, tokenizer = setup(
-        __doc__, choices={"kinds": ["trimkv", "trimkv-global", "locret"]},
-        lengths=[512, 1024, 2048], kinds=["trimkv", "locret"], budget=128, gate_hidden=64, completion=64, repeats=3,
+        __doc__, choices={"kinds": ["trimkv", "trimkv-global", "locret"], "attention": ["auto", *ATTENTIONS]},
+        lengths=[1024, 4096, 8192], kinds=["trimkv", "locret"], budget=256, gate_hidden=64, completion=64, repeats=3,
+        attention="auto", checkpoint_layers=False,
     )
     model.requires_grad_(False)
-    print("| kind | T | teacher forward (s) | training step (s) | step / forward | teacher peak (MiB) | step peak (MiB) |")
-    print("|---|---|---|---|---|---|---|")
+    if args.checkpoint_layers:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+        model.train()  # transformers checkpoints layers in training mode only (the teacher runs in eval mode)
+    memory = "GPU" if args.device.startswith("cuda") else "host"
+    print(
+        f"| kind | T | teacher forward (s) | training step (s) | step / forward | teacher {memory} peak (MiB) "
+        f"| step {memory} peak (MiB) | step {memory} peak per token (KiB) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for kind in args.kinds:
         for length in args.lengths:
             config = TrainConfig.from_dict({"kind": kind, "budget": args.budget, "data": {"seq_len": length}})
@@ -44,7 +70,7 @@ def main() -> None:
             labels[:, -args.completion :] = ids[:, -args.completion :]
             inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
             lm_head = model.get_output_embeddings()
-            with GateTraining(model, gates) as gated:
+            with GateTraining(model, gates, args.attention) as gated:
 
                 def teacher() -> None:
                     gated.set_mode(None)
@@ -61,12 +87,18 @@ def main() -> None:
                 times = {"teacher": [], "step": []}
                 for _ in range(args.repeats):
                     for name, fn in (("teacher", teacher), ("step", step)):
+                        sync(args.device)
                         start = time.perf_counter()
                         fn()
+                        sync(args.device)
                         times[name].append(time.perf_counter() - start)
-                peaks = {name: peak_extra_bytes(fn) / 2**20 for name, fn in (("teacher", teacher), ("step", step))}
+                peaks = {name: peak_bytes(fn, args.device) for name, fn in (("teacher", teacher), ("step", step))}
             t, s = statistics.median(times["teacher"]), statistics.median(times["step"])
-            print(f"| {kind} | {length} | {t:.2f} | {s:.2f} | {s / t:.2f}x | {peaks['teacher']:.0f} | {peaks['step']:.0f} |", flush=True)
+            print(
+                f"| {kind} | {length} | {t:.2f} | {s:.2f} | {s / t:.2f}x | {peaks['teacher'] / 2**20:.0f} "
+                f"| {peaks['step'] / 2**20:.0f} | {peaks['step'] / 2**10 / length:.1f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

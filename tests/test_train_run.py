@@ -666,3 +666,42 @@ def test_gpu_training_attention_trains_as_the_reference_path(tiny_dir, kind, att
     for step, (got, want) in enumerate(zip(grads, ref_grads)):
         for g, w in zip(got, want):
             assert float((g - w).norm()) <= tolerance * float(w.norm()) + 1e-8, (step, float((g - w).norm() / w.norm()))
+
+
+def test_checkpointed_layers_give_the_same_gradients(tiny_dir):
+    """``training.activation_checkpointing`` recomputes the student's layers in the backward (the teacher runs in eval
+    mode, unchecked, without gradient): the gates' gradients are those of the stored activations."""
+    from train.trainer import gate_loss
+
+    model, _ = kvgates.load_model(str(tiny_dir))
+    model.requires_grad_(False)
+    config = TrainConfig.from_dict({"budget": 8, "data": {"seq_len": 64}})
+    gates = GATE_KINDS[config.gate_kind].for_model(model, gate_hidden=8, init_bias=2.0)
+    grads = []
+    for checkpointed in (False, True):
+        if checkpointed:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        model.train()
+        with GateTraining(model, gates) as run:
+            loss, _ = gate_loss(model, model.lm_head, run, config, _gate_batch(padded=True), 8.0, 0.0)
+            loss.backward()
+        grads.append([p.grad.clone() for p in gates.parameters()])
+        gates.zero_grad(set_to_none=True)
+    assert model.model.gradient_checkpointing
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, atol=1e-7, rtol=1e-5)
+
+
+def test_half_precision_frozen_model_trains_float32_gates(tiny_dir, tmp_path):
+    cfg = TrainConfig.from_dict(tiny_config(tiny_dir, tmp_path / "run", model_dtype="bfloat16"))
+    out, _ = prepare_output_dir(cfg, resume=False)
+    trainer, _ = build_trainer(cfg, out)
+    model = trainer.model
+    assert {p.dtype for n, p in model.named_parameters() if not n.startswith("kvgates_gates.")} == {torch.bfloat16}
+    assert {p.dtype for p in trainer.gates.parameters()} == {torch.float32}
+    from train.trainer import gate_loss
+
+    loss, _ = gate_loss(model, model.lm_head, trainer.gated, cfg, _gate_batch(padded=False, length=96), 24.0, 0.0)
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trainer.gates.parameters())
+    trainer.gated.close()

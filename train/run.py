@@ -126,8 +126,11 @@ def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
         use_cpu=not torch.cuda.is_available(),
     )
     args = {**defaults, **config.training}
-    if args.get("gradient_checkpointing"):
-        args.setdefault("gradient_checkpointing_kwargs", {"use_reentrant": False})  # gates need the backward graph
+    # Checkpointing recomputes the student's decoder layers in the backward (the teacher runs in eval mode, without
+    # gradients, and is never checkpointed); the gates need the non-reentrant form. gradient_* is the deprecated alias.
+    for flag in ("activation_checkpointing", "gradient_checkpointing"):
+        if args.get(flag):
+            args[f"{flag}_kwargs"] = {"use_reentrant": False, **(args.get(f"{flag}_kwargs") or {})}
     return TrainingArguments(
         output_dir=str(out), run_name=config.run_name, metric_for_best_model="kl", greater_is_better=False, **args
     )

@@ -503,25 +503,29 @@ def retention_scores(log_beta: torch.Tensor, slot_pos: torch.Tensor, t: torch.Te
     return torch.where(slot_pos >= 0, age * log_beta, torch.full_like(log_beta, float("-inf")))
 
 
-def _age(rows: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[len(rows), n]`` ages ``t - i`` for the rows ``t`` in ``rows``, ``-1`` where ``i > t``."""
+def _age(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([len(rows), n] ages t - i clamped at 0, [len(rows), n] future i > t)`` for the rows ``t`` in ``rows``, over
+    the keys ``i < n = max(rows) + 1``: keys after every row weigh 0 and are left out."""
+    n = int(rows.max()) + 1
     age = (rows[:, None] - torch.arange(n, device=rows.device)[None, :]).to(dtype)
-    return age.masked_fill(age < 0, -1.0)
+    future = age < 0
+    return age.clamp_(min=0), future
 
 
 class _RetentionSum(torch.autograd.Function):
     """``S_t = sum_{i <= t} exp((t - i) lb_i)`` for the requested rows ``t``, ``block`` rows at a time in the forward
-    and the backward: memory is ``block x T`` per row of ``log_beta``, never ``T x T`` for all of them."""
+    and the backward: memory is ``block x T`` per row of ``log_beta``, never ``T x T`` for all of them; each block
+    reads only the keys up to its last row (half the work of the whole square on average)."""
 
     @staticmethod
     def forward(ctx, log_beta: torch.Tensor, rows: torch.Tensor, block: int) -> torch.Tensor:
         lb = log_beta if log_beta.dtype == torch.float64 else log_beta.float()
-        n = lb.shape[-1]
         out = lb.new_empty((*lb.shape[:-1], rows.numel()))
         for start in range(0, rows.numel(), block):
-            age = _age(rows[start : start + block], n, lb.dtype)
+            age, future = _age(rows[start : start + block], lb.dtype)
             # lb <= 0 and age >= 0: every term is in (0, 1], so a plain sum is stable. Future tokens weigh 0.
-            out[..., start : start + block] = torch.where(age >= 0, torch.exp(age * lb[..., None, :]), 0.0).sum(-1)
+            terms = (age * lb[..., None, : age.shape[-1]]).exp_().masked_fill_(future, 0.0)
+            out[..., start : start + block] = terms.sum(-1)
         ctx.save_for_backward(lb, rows)
         ctx.block = block
         return out.to(log_beta.dtype)
@@ -529,14 +533,14 @@ class _RetentionSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         lb, rows = ctx.saved_tensors
-        n = lb.shape[-1]
         g = grad.to(lb.dtype)
         out = torch.zeros_like(lb)
         for start in range(0, rows.numel(), ctx.block):
-            age = _age(rows[start : start + ctx.block], n, lb.dtype)
-            # dS_t / dlb_i = (t - i) exp((t - i) lb_i) for i <= t.
-            term = torch.where(age >= 0, age * torch.exp(age * lb[..., None, :]), 0.0)
-            out += (term * g[..., start : start + ctx.block, None]).sum(-2)
+            age, future = _age(rows[start : start + ctx.block], lb.dtype)
+            n = age.shape[-1]
+            # dS_t / dlb_i = (t - i) exp((t - i) lb_i) for i <= t, weighted by each row's gradient and summed.
+            term = (age * lb[..., None, :n]).exp_().mul_(age).masked_fill_(future, 0.0)
+            out[..., :n] += (g[..., None, start : start + ctx.block] @ term).squeeze(-2)
         return out.to(grad.dtype), None, None
 
 
