@@ -12,7 +12,14 @@ A dataset is a *mix* of sources, each a dict with a ``task`` and a ``weight``:
   that task's options (``keys``, ``hops``, ``digits``, ...);
 * ``hf``: a Hugging Face dataset (``path``, optional ``name``, ``split``) and ``text``/``jsonl``: local files
   (``path``); rows give a ``text`` field (windows as for essays; ``text_field`` renames it) or ``prompt`` and
-  ``completion`` fields.
+  ``completion`` fields. With ``pack: true`` the rows' texts are read as a stream (``streaming=True``, shuffled
+  with the seed) and concatenated, an EOS token between documents, into rows of exactly ``seq_len`` tokens: long
+  sequences from a corpus of short documents (8K-32K tokens for GPU training). The split is the source's own
+  (``split`` of an ``hf`` dataset, or the file), so validation and test data must be other sources.
+
+The ``essays`` windows already cross essay boundaries: they are cut from the split's essays concatenated in
+file order (``data.splits``: train, validation and test by file), so rows are as long as the split allows
+(about 100K training tokens with SmolLM2's tokenizer).
 
 Each row holds ``input_ids`` and ``labels`` (the completion's token ids, ``-100`` on the prompt: losses are taken
 on completion tokens only), and ``task``/``template`` for reports. ``format: chat`` wraps prompt and completion
@@ -41,9 +48,9 @@ _COMMON = {"task", "weight"}
 _SOURCE_KEYS = {
     "essays": {"completion_tokens"},
     "continuations": {"prompt_tokens", "completion_tokens"},
-    "hf": {"path", "name", "split", "text_field", "completion_tokens"},
-    "text": {"path", "completion_tokens"},
-    "jsonl": {"path", "text_field", "completion_tokens"},
+    "hf": {"path", "name", "split", "text_field", "completion_tokens", "pack"},
+    "text": {"path", "completion_tokens", "pack"},
+    "jsonl": {"path", "text_field", "completion_tokens", "pack"},
 }
 _TASK_OPTIONS = {"digits", "values", "pairs", "hops", "keys", "top", "distinct"}
 
@@ -67,17 +74,20 @@ def check_mix(mix: list[dict[str, Any]]) -> None:
             raise ValueError(f"data source {i} ({task}) has unknown keys {unknown}; allowed: {sorted(allowed)}")
         if task in ("hf", "text", "jsonl") and "path" not in source:
             raise ValueError(f"data source {i} ({task}) needs a 'path'")
+        if not isinstance(source.get("pack", False), bool):
+            raise ValueError(f"data source {i} ({task}): pack must be true or false, got {source['pack']!r}")
         if task in ("text", "jsonl") and not Path(source["path"]).exists():
             raise ValueError(f"data source {i} ({task}): {source['path']} does not exist")
 
 
-def _external_rows(source: dict[str, Any]) -> datasets.Dataset:
-    """The rows of an ``hf``/``text``/``jsonl`` source (raises ``ValueError`` when it cannot be loaded)."""
+def _external_rows(source: dict[str, Any], streaming: bool = False) -> datasets.Dataset | datasets.IterableDataset:
+    """The rows of an ``hf``/``text``/``jsonl`` source, read whole or as a stream (raises ``ValueError`` when it
+    cannot be loaded)."""
     try:
         if source["task"] == "hf":
-            return datasets.load_dataset(source["path"], source.get("name"), split=source.get("split", "train"))
+            return datasets.load_dataset(source["path"], source.get("name"), split=source.get("split", "train"), streaming=streaming)
         builder = "text" if source["task"] == "text" else "json"
-        return datasets.load_dataset(builder, data_files=str(source["path"]), split="train")
+        return datasets.load_dataset(builder, data_files=str(source["path"]), split="train", streaming=streaming)
     except Exception as err:  # datasets raises many types (missing, offline, malformed)
         raise ValueError(f"could not load data source {source['path']!r} ({type(err).__name__}: {err})") from err
 
@@ -88,6 +98,38 @@ def _window(ids: Sequence[int], seq_len: int, completion_tokens: int, rng: rando
     window = list(ids[start : start + seq_len])
     cut = max(1, len(window) - completion_tokens)
     return window[:cut], window[cut:]
+
+
+class _PackedStream:
+    """Consecutive ``seq_len``-token rows of a text source's documents, read as a stream and concatenated (an EOS
+    token after each document); the stream starts over when it ends."""
+
+    def __init__(self, source: dict[str, Any], tokenizer: PreTrainedTokenizerBase, seed: int):
+        self.source, self.tokenizer, self.seed = source, tokenizer, seed
+        self.field = source.get("text_field", "text")
+        self.rows = iter(())
+        self.buffer: list[int] = []
+        self.passes = 0
+
+    def _document(self) -> list[int]:
+        row = next(self.rows, None)
+        if row is None:
+            if self.passes > 0 and not self.buffer:
+                raise ValueError(f"{self.source['path']!r} holds no text in the field {self.field!r} to pack")
+            self.rows = iter(_external_rows(self.source, streaming=True).shuffle(seed=self.seed + self.passes, buffer_size=1000))
+            self.passes += 1
+            return []
+        if self.field not in row:
+            raise ValueError(f"rows of {self.source['path']!r} need a {self.field!r} field to be packed")
+        ids = self.tokenizer(row[self.field], add_special_tokens=False)["input_ids"]
+        return ids + [self.tokenizer.eos_token_id] if ids else []
+
+    def take(self, n: int) -> list[int]:
+        """The next ``n`` tokens of the stream."""
+        while len(self.buffer) < n:
+            self.buffer.extend(self._document())
+        out, self.buffer = self.buffer[:n], self.buffer[n:]
+        return out
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, prompt: str, completion: str, fmt: str) -> tuple[list[int], list[int]]:
@@ -140,7 +182,8 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
     mix = json.loads(mix_json)
     rng = random.Random(f"mix:{split}:{seed}")
     weights = [s.get("weight", 1.0) for s in mix]
-    external = {i: _external_rows(s) for i, s in enumerate(mix) if s["task"] in ("hf", "text", "jsonl")}
+    external = {i: _external_rows(s) for i, s in enumerate(mix) if s["task"] in ("hf", "text", "jsonl") and not s.get("pack")}
+    packed = {i: _PackedStream(s, tokenizer, seed) for i, s in enumerate(mix) if s.get("pack")}
     built: list[dict[str, Any]] = []
     pending: dict[int, list[int]] = {}  # continuation rows by their number of new tokens
     for index in range(num_examples):
@@ -156,6 +199,10 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
             prompt_ids, _ = _window(split_ids(tokenizer, split), options.get("prompt_tokens", 1000), 0, rng)
             completion_ids = [0] * new  # a placeholder of the right length
             pending.setdefault(new, []).append(index)
+        elif i in packed:
+            window = packed[i].take(seq_len)
+            cut = seq_len - options.get("completion_tokens", 64)
+            prompt_ids, completion_ids = window[:cut], window[cut:]
         elif i in external:
             rows = external[i]
             row = rows[rng.randrange(len(rows))]

@@ -141,3 +141,32 @@ def test_local_jsonl_source(tok, tmp_path):
     path.write_text('{"prompt": "Say hi.", "completion": " Hi."}\n')
     ds = build_dataset(tok, [{"task": "jsonl", "path": str(path)}], "train", 2, 64, cache_dir=str(tmp_path / "c"))
     assert tok.decode(ds[0]["input_ids"]) == "Say hi. Hi."
+
+
+def test_packed_source_streams_documents_into_rows_of_exactly_seq_len(tok, tmp_path):
+    import json
+
+    docs = [f"Document {i} says {'word ' * (3 + i % 5)}." for i in range(40)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    ds = build_dataset(tok, [{"task": "jsonl", "path": str(path), "pack": True, "completion_tokens": 16}], "train", 6, 64,
+                       cache_dir=str(tmp_path / "c"))
+    longest = max(n_tokens(tok, d) for d in docs)
+    assert longest < 64
+    for row in ds:
+        assert len(row["input_ids"]) == 64  # several documents per row
+        assert row["input_ids"].count(tok.eos_token_id) >= 2
+        assert row["labels"][:48] == [-100] * 48 and row["labels"][48:] == row["input_ids"][48:]
+    text = "".join(tok.decode(row["input_ids"]) for row in ds)
+    pieces = [piece for piece in text.split(tok.eos_token) if piece]
+    assert set(pieces[1:-1]) <= set(docs)  # whole documents, in the stream's order, across row boundaries
+    with pytest.raises(ValueError, match="pack must be true or false"):
+        check_mix([{"task": "jsonl", "path": str(path), "pack": "yes"}])
+
+
+def test_essay_rows_can_be_longer_than_any_essay(tok, tmp_path):
+    from data.corpus import essays_dir
+
+    longest = max(n_tokens(tok, (essays_dir() / name).read_text()) for name in essay_split()["train"])
+    ds = build_dataset(tok, [{"task": "essays"}], "train", 2, 2 * longest, cache_dir=str(tmp_path / "c"))
+    assert all(len(row["input_ids"]) == 2 * longest for row in ds)
