@@ -108,6 +108,7 @@ def gate_loss(
     targets = labels[:, 1:]
     completion = targets != -100
     teacher_hidden = teacher.hidden_states[-1][:, :-1][completion]
+    del teacher  # its other layers' hidden states (layers x T x d) are not needed during the student's pass
     hard = None
     if config.loss.hard_eviction:
         hard = HardEviction(max(1, round(budget)), decode_start(labels), config.loss.eviction_temperature)
