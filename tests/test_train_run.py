@@ -302,6 +302,9 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
         ({"model": "NOT_A_MODEL"}, "is not a model folder (no config.json there)"),
         ({"gates": {"init_from": "/no/such/adapter"}}, "/no/such/adapter is neither an adapter folder nor a Hub repository id"),
         ({"gates": {"init_from": "smollm2-135m-locret"}}, "holds 'retaining-head' gates; a trimkv run trains 'retention' gates"),
+        ({"model_dtype": "float8"}, "model_dtype must be one of auto, float32, bfloat16, float16"),
+        ({"attention": "fastest"}, "attention must be auto or one of exact, fused, fused-split, flex"),
+        ({"data": {"mix": [{"task": "hf", "path": "x", "pack": "yes"}]}}, "pack must be true or false"),
     ],
 )
 def test_config_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, capsys, change, message):
