@@ -88,6 +88,34 @@ def test_window_scores(ops, b, caps, h, d, dtype, w, reduce):
     torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
 
 
+PREFILL_SHAPES = [  # (batch, query heads, KV heads, prompt length, head_dim): lengths off the block sizes
+    (1, 4, 2, 37, 64),
+    (2, 8, 2, 70, 128),
+    (1, 3, 3, 32, 64),  # MHA, exactly one query block
+    (2, 4, 1, 1, 64),  # MQA, a one-token prompt
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("b,h,hkv,n,d", PREFILL_SHAPES)
+@pytest.mark.parametrize("colsum,window", [(True, 0), (True, 8), (False, 8), (False, 100)])
+def test_causal_attention_stats(ops, b, h, hkv, n, d, dtype, colsum, window):
+    g = torch.Generator().manual_seed(n)
+    # Queries as the runtime passes them: a [B, H, n, D] view of [B, n, H, D] memory.
+    q = torch.randn(b, n, h, d, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
+    k, v = (torch.randn(b, hkv, n, d, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    out, col, win = ops.causal_attention_stats(q, k, v, d**-0.5, colsum, window)
+    ref_out, ref_col, ref_win = reference.causal_attention_stats(q, k, v, d**-0.5, colsum, window)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol * 5, rtol=tol * 5)
+    assert (col is None) == (ref_col is None) and (win is None) == (ref_win is None)
+    if colsum:  # sums of up to n probabilities
+        torch.testing.assert_close(col, ref_col, atol=tol * 10, rtol=tol * 10)
+    if window:
+        torch.testing.assert_close(win, ref_win, atol=tol * 10, rtol=tol * 10)
+    assert out.transpose(1, 2).is_contiguous()  # written where the model reads it: no copy on the way back
+
+
 @pytest.mark.parametrize("kernel,mode", [(7, "max"), (3, "avg"), (5, "max"), (1, "avg")])
 @pytest.mark.parametrize("c", [9, 200])
 def test_pool_by_position(ops, kernel, mode, c):

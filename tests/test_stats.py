@@ -74,9 +74,11 @@ def test_pool_by_position_ignores_slot_order():
 
 
 @pytest.mark.parametrize(("n", "shift"), [(1, 0.0), (7, 0.0), (40, 0.0), (40, 200.0), (40, -200.0)])
-def test_causal_attention_colsum_matches_sdpa_and_column_sums(n, shift, monkeypatch):
+@pytest.mark.parametrize("window", [0, 5, 64])
+def test_causal_attention_stats_matches_sdpa_and_column_sums(n, shift, window, monkeypatch):
     """Also with scores far above exp's range (``shift`` 200: every row overflows unshifted) or far below it (-200:
-    every row underflows), where the kernel redoes the tiles shifted by their row maxima."""
+    every row underflows), where the kernel redoes the tiles shifted by their row maxima. The window scores are
+    those of the last rows (all of them when the window is longer than the prompt), with or without column sums."""
     monkeypatch.setattr(reference, "FUSED_TILE_ELEMENTS", 6 * 2 * 40)  # several row tiles
     g = torch.Generator().manual_seed(n)
     q, k, v = torch.randn(2, 6, n, 8, generator=g), torch.randn(2, 2, n, 8, generator=g), torch.randn(2, 2, n, 8, generator=g)
@@ -84,10 +86,21 @@ def test_causal_attention_colsum_matches_sdpa_and_column_sums(n, shift, monkeypa
     if shift:  # a component every key shares lifts (or sinks) every score by ``shift``
         q[..., 0], k[..., 0] = shift / 0.4 / 10, 10.0
         atol = 1e-4  # scores near 200 carry float32 rounding of ~2e-5 in any kernel
-    out, colsum = reference.causal_attention_colsum(q, k, v, 0.4)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.4, enable_gqa=True)
-    torch.testing.assert_close(out, expected, atol=atol, rtol=0)
     pos = torch.arange(n).expand(2, 2, n)
     q_pos = torch.arange(n).expand(2, n)
     sums = reference.column_sums(q, k, pos, q_pos, torch.ones(2, n, dtype=torch.bool), 0.4)
-    torch.testing.assert_close(colsum, sums, atol=atol, rtol=0)
+    w = min(window, n)
+    in_window = torch.arange(n).expand(2, n) >= n - w
+    window_sums = reference.column_sums(q, k, pos, q_pos, in_window, 0.4)
+    for colsum in (True, False):
+        out, col, win = reference.causal_attention_stats(q, k, v, 0.4, colsum=colsum, window=window)
+        torch.testing.assert_close(out, expected, atol=atol, rtol=0)
+        if colsum:
+            torch.testing.assert_close(col, sums, atol=atol, rtol=0)
+        else:
+            assert col is None
+        if window:
+            torch.testing.assert_close(win, window_sums, atol=atol, rtol=0)
+        else:
+            assert win is None

@@ -1,7 +1,7 @@
 """Kernels of the cache runtime: torch reference semantics everywhere, Triton on CUDA tensors.
 
-Call these functions, not the implementations. Each of ``decode_attention_flat``, ``window_scores_flat``,
-``pool_by_position``, ``compact_slots``, ``retention_scores`` and ``retention_sum`` runs its Triton kernel
+Call these functions, not the implementations. Each of ``causal_attention_stats``, ``decode_attention_flat``,
+``window_scores_flat``, ``pool_by_position``, ``compact_slots``, ``retention_scores`` and ``retention_sum`` runs its Triton kernel
 (``kvgates.kernels.triton_ops``) when its inputs are CUDA tensors and the torch reference
 (``kvgates.kernels.reference``) otherwise. ``KVGATES_KERNELS=reference`` forces the reference everywhere;
 ``KVGATES_KERNELS=triton`` forces Triton, which on CPU needs ``TRITON_INTERPRET=1`` (how CI runs the runtime
@@ -19,7 +19,6 @@ from kvgates.kernels import reference
 from kvgates.kernels.reference import (
     GROUP_REDUCTIONS,
     attention_probs,
-    causal_attention_colsum,
     column_max,
     column_sums,
     decode_attention,
@@ -59,6 +58,14 @@ def _impl(tensor: torch.Tensor) -> ModuleType:
 
         return triton_ops
     return reference
+
+
+def causal_attention_stats(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, colsum: bool = True, window: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Causal prefill attention with the column sums and/or window scores of its probabilities, per query head
+    (see ``reference.causal_attention_stats``)."""
+    return _impl(q).causal_attention_stats(q, k, v, scale, colsum, window)
 
 
 def decode_attention_flat(
@@ -129,7 +136,7 @@ __all__ = [
     "GROUP_REDUCTIONS",
     "attention_probs",
     "backend",
-    "causal_attention_colsum",
+    "causal_attention_stats",
     "column_max",
     "column_sums",
     "compact_slots",

@@ -32,7 +32,7 @@ __all__ = [
     "masked_attention",
     "decode_attention",
     "column_sums",
-    "causal_attention_colsum",
+    "causal_attention_stats",
     "pool_by_position",
     "dense_groups",
     "decode_attention_flat",
@@ -52,11 +52,11 @@ GROUP_REDUCTIONS = ("sum", "mean", "max")
 TILE_ELEMENTS = 1 << 24
 
 
-#: Query rows per tile of ``causal_attention_colsum`` (per head; CPU, SmolLM2's 9 heads at 2K-8K: 64-128 rows
+#: Query rows per tile of ``causal_attention_stats`` (per head; CPU, SmolLM2's 9 heads at 2K-8K: 64-128 rows
 #: are fastest, 1.05-1.07x faster than 28-56), and at most ``FUSED_TILE_ELEMENTS`` scores per tile (its buffer).
 FUSED_TILE_ROWS = 64
 FUSED_TILE_ELEMENTS = 1 << 23
-#: ``causal_attention_colsum`` exponentiates scores without subtracting the row maximum when every row's sum of
+#: ``causal_attention_stats`` exponentiates scores without subtracting the row maximum when every row's sum of
 #: ``exp(score)`` is finite and at least this (``e^-20``): its largest term is then at least ``e^-20 / n``, so
 #: the terms that underflow (scores below -87) weigh less than ``e^-58`` of it and the result is the shifted one's.
 _SAFE_ROW_SUM = math.exp(-20.0)
@@ -281,29 +281,43 @@ def _column_reduce(
 
 
 @torch.no_grad()
-def causal_attention_colsum(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of a prompt over its own keys, and the column sums of its probabilities, in one pass.
+def causal_attention_stats(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, colsum: bool = True, window: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Causal attention of a prompt over its own keys, and the statistics of its probabilities a policy asks for.
 
     Args:
         q: ``[B, H, n, D]`` the prompt's queries; k, v: ``[B, H_kv, n, D]`` its keys and values (query ``i`` sees
-            keys ``0 .. i``, the prompt's causal mask).
+            keys ``0 .. i``, the prompt's causal mask; no padding).
         scale: softmax scale.
+        colsum: whether to return the column sums of every query row's probabilities (H2O, D2O, KVMerger).
+        window: how many last query rows to sum probabilities over (observation-window scores of SnapKV,
+            PyramidKV, Ada-KV, DynamicKV); 0 for none, at most ``n`` are used.
 
     Returns:
-        ``(out [B, H, n, D] in q's dtype, colsum [B, H, n] float32)`` where ``colsum[b, h, j]`` is the sum over every
-        query of its probability on key ``j`` (``column_sums`` of the same rows). The rows are processed one tile
-        at a time (``FUSED_TILE_ROWS`` rows, at most ``FUSED_TILE_ELEMENTS`` scores), and a tile of rows
-        ``[start, stop)`` scores only the keys ``[0, stop)`` it can see, so the probabilities that give the output
-        give the column sums too. Every tile's scores are written into one buffer allocated once. An inference
-        kernel: no gradient flows through it.
+        ``(out [B, H, n, D] in q's dtype, colsum [B, H, n] float32 or None, window [B, H, n] float32 or None)``,
+        per query head: ``colsum[b, h, j]`` is the sum over every query of its probability on key ``j``
+        (``column_sums`` of the same rows), ``window[b, h, j]`` the sum over the last ``window`` queries.
+        With column sums the rows are processed one tile at a time (``FUSED_TILE_ROWS`` rows, at most
+        ``FUSED_TILE_ELEMENTS`` scores), and a tile of rows ``[start, stop)`` scores only the keys ``[0, stop)`` it
+        can see, so the probabilities that give the output give both statistics. Every tile's scores are written
+        into one buffer allocated once. Without column sums the output is sdpa's and the window rows are scored
+        on their own. An inference kernel: no gradient flows through it.
     """
     b, h, n, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
+    w = min(window, n)
+    if not colsum:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=h != hkv)
+        if not w:
+            return out, None, None
+        pos = torch.arange(n, device=q.device).expand(b, hkv, n)
+        rows = torch.arange(n - w, n, device=q.device).expand(b, w)
+        return out, None, attention_probs(q[:, :, n - w :], k, pos, rows, scale).sum(2)
     out = q.new_empty((b, h, n, v.shape[-1]))
-    colsum = q.new_zeros((b, hkv, g, n), dtype=torch.float32)
+    sums = q.new_zeros((b, hkv, g, n), dtype=torch.float32)
+    win = q.new_zeros((b, hkv, g, n), dtype=torch.float32) if w else None
     kt, vf = k.float().transpose(-1, -2), v.float()
     qs = (q.float() * scale).view(b, hkv, g, n, d)
     tile = min(n, FUSED_TILE_ROWS, max(1, FUSED_TILE_ELEMENTS // max(1, b * h * n)))
@@ -320,16 +334,19 @@ def causal_attention_colsum(
             return e
 
         e = tile_scores()
-        sums = e.exp_().sum(-1)  # unnormalised probabilities, unshifted: one pass fewer than subtracting the row max
-        if not torch.equal(sums.clamp(_SAFE_ROW_SUM, _MAX_ROW_SUM), sums):
+        row_sums = e.exp_().sum(-1)  # unnormalised probabilities, unshifted: one pass fewer than subtracting the row max
+        if not torch.equal(row_sums.clamp(_SAFE_ROW_SUM, _MAX_ROW_SUM), row_sums):
             # A row overflowed or every score of a row is very negative: this tile again, shifted by its row maxima.
             e = tile_scores()
-            sums = e.sub_(e.amax(-1, keepdim=True)).exp_().sum(-1)
-        inv = sums.reciprocal_()  # [B, H_kv, G, r]: normalise the r-row results, not the r x stop tile
-        colsum[..., :stop] += torch.matmul(inv[..., None, :], e)[..., 0, :]
+            row_sums = e.sub_(e.amax(-1, keepdim=True)).exp_().sum(-1)
+        inv = row_sums.reciprocal_()  # [B, H_kv, G, r]: normalise the r-row results, not the r x stop tile
+        sums[..., :stop] += torch.matmul(inv[..., None, :], e)[..., 0, :]
+        if win is not None and stop > n - w:  # this tile holds window rows: the same probabilities, those rows only
+            in_window = inv * (torch.arange(start, stop, device=q.device) >= n - w)
+            win[..., :stop] += torch.matmul(in_window[..., None, :], e)[..., 0, :]
         rows = torch.matmul(e.view(b, hkv, g * r, stop), vf[:, :, :stop]).view(b, hkv, g, r, -1).mul_(inv[..., None])
         out[:, :, start:stop] = rows.view(b, h, r, -1)
-    return out, colsum.view(b, h, n)
+    return out, sums.view(b, h, n), None if win is None else win.view(b, h, n)
 
 
 def pool_by_position(scores: torch.Tensor, slot_pos: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:

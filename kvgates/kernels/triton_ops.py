@@ -6,6 +6,10 @@
   the group) by a second small kernel, so policies need no second pass over the keys.
 * ``window_scores_flat`` — observation-window scoring: a row-statistics pass and a column pass over the keys,
   one ``BLOCK_R x BLOCK_N`` tile at a time (the ``w x C`` probabilities never exist).
+* ``causal_attention_stats`` — prefill attention (flash-attention forward, storing each row's logsumexp) and,
+  in a second key-block-major pass that recomputes the logits, the column sums and window scores of its
+  probabilities: each program owns a block of keys and loops over the query rows that see them (no atomics,
+  no host sync, fp32 accumulation).
 * ``pool_by_position`` — 1-D pooling along token order through a slot permutation.
 * ``compact_slots`` — keys, values, positions and per-slot state of a layer rebuilt in one launch.
 * ``retention_scores`` / ``retention_sum`` — TRIM-KV decayed scores, and the capacity-loss retention mass with
@@ -342,6 +346,149 @@ def window_scores_flat(
     return out
 
 
+# ---------------------------------------------------------------------------------------------- prefill with scores
+@triton.jit
+def _prefill_forward(
+    Q, K, V, OUT, LSE,
+    scale_log2, N, H, G, D,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Flash-attention forward of one block of query rows of one head under the causal mask; also stores each
+    row's base-2 logsumexp of its scaled logits (the normaliser the column pass needs)."""
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    qh = bh % H
+    kh = qh // G
+    m0 = tl.program_id(0) * BLOCK_M
+    m = m0 + tl.arange(0, BLOCK_M)
+    mm = m < N
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    q = tl.load(Q + b * sqb + qh * sqh + m[:, None] * sqn + d[None, :], mask=mm[:, None] & dm[None, :], other=0.0)
+    k_base = K + b * skb + kh * skh
+    v_base = V + b * svb + kh * svh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, m0, BLOCK_N):  # keys before the block's first row: visible to every row, no mask
+        n = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + n[:, None] * skn + d[None, :], mask=dm[None, :], other=0.0)
+        s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + n[:, None] * svn + d[None, :], mask=dm[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
+        m_i = m_new
+    for n0 in range(m0, tl.minimum(m0 + BLOCK_M, N), BLOCK_N):  # the diagonal: row i sees keys up to i
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < N
+        k = tl.load(k_base + n[:, None] * skn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+        s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
+        s = tl.where((n[None, :] <= m[:, None]) & nm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key m0 is visible to every row of the block
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + n[:, None] * svn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(OUT + b * sob + qh * soh + m[:, None] * son + d[None, :], out.to(OUT.dtype.element_ty), mask=mm[:, None] & dm[None, :])
+    tl.store(LSE + (b * H + qh) * N + m, m_i + tl.log2(l_i), mask=mm)
+
+
+@triton.jit
+def _prefill_columns(
+    Q, K, LSE, COLSUM, WINDOW,
+    scale_log2, N, H, G, D, W,
+    sqb, sqh, sqn, skb, skh, skn,
+    COLS: tl.constexpr, WIN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Column pass of one block of keys of one query head: recompute the logits of every query row that sees
+    them (or of the last ``W`` rows only), normalise them by the rows' logsumexp and sum them per key. Each
+    program owns its keys' sums: no atomics."""
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    qh = bh % H
+    kh = qh // G
+    n0 = tl.program_id(0) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
+    nm = n < N
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    k = tl.load(K + b * skb + kh * skh + n[:, None] * skn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+    q_base = Q + b * sqb + qh * sqh
+    lse_base = LSE + (b * H + qh) * N
+    col = tl.zeros([BLOCK_N], tl.float32)
+    win = tl.zeros([BLOCK_N], tl.float32)
+    if COLS:
+        start = n0
+    else:
+        start = tl.maximum(n0, N - W)
+    for r0 in range(start, N, BLOCK_M):
+        r = r0 + tl.arange(0, BLOCK_M)
+        rm = r < N
+        q = tl.load(q_base + r[:, None] * sqn + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+        lse = tl.load(lse_base + r, mask=rm, other=float("inf"))
+        s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
+        p = tl.where((r[:, None] >= n[None, :]) & rm[:, None], tl.exp2(s - lse[:, None]), 0.0)
+        if COLS:
+            col += tl.sum(p, 0)
+        if WIN:
+            win += tl.sum(tl.where((r >= N - W)[:, None], p, 0.0), 0)
+    if COLS:
+        tl.store(COLSUM + (b * H + qh) * N + n, col, mask=nm)
+    if WIN:
+        tl.store(WINDOW + (b * H + qh) * N + n, win, mask=nm)
+
+
+def _prefill_config(d: int, device: torch.device) -> dict[str, int]:
+    """Block sizes of the prefill kernels (``BLOCK_M`` a multiple of ``BLOCK_N``). Small blocks under the CPU
+    interpreter, so that short test prompts span several of them."""
+    if device.type != "cuda":
+        return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8 if d > 64 else 4, "num_stages": 3}
+
+
+def causal_attention_stats(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, colsum: bool = True, window: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    b, h, n, d = q.shape
+    hkv = k.shape[1]
+    if v.shape[-1] != d:
+        raise ValueError(f"the fused prefill kernel needs values as wide as keys, got {v.shape[-1]} and {d}")
+    w = min(window, n)
+    dev = q.device
+    # Written in [B, n, H, D] memory, the layout attention returns to the model in: transposing it back is free.
+    out = torch.empty((b, n, h, d), dtype=q.dtype, device=dev).transpose(1, 2)
+    sums = torch.empty((b, h, n), dtype=torch.float32, device=dev) if colsum else None
+    win = torch.empty((b, h, n), dtype=torch.float32, device=dev) if w else None
+    if n == 0 or b == 0:
+        return out, sums, win
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    lse = torch.empty((b, h, n), dtype=torch.float32, device=dev)
+    cfg = _prefill_config(d, dev)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    common = dict(BLOCK_D=_pow2(d), PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _prefill_forward[(triton.cdiv(n, block_m), b * h)](
+        q, k, v, out, lse, scale * _LOG2E, n, h, h // hkv, d,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_M=block_m, BLOCK_N=block_n, **common,
+    )
+    if sums is not None or win is not None:
+        _prefill_columns[(triton.cdiv(n, block_n), b * h)](
+            q, k, lse, lse if sums is None else sums, lse if win is None else win, scale * _LOG2E, n, h, h // hkv, d, w,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            COLS=sums is not None, WIN=win is not None, BLOCK_M=block_n, BLOCK_N=block_n, **common,
+        )
+    return out, sums, win
+
+
 # ---------------------------------------------------------------------------------------------- pooling
 @triton.jit
 def _pool_ordered(
@@ -570,6 +717,7 @@ def retention_sum(log_beta: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
+    "causal_attention_stats",
     "compact_slots",
     "decode_attention_flat",
     "pool_by_position",

@@ -68,12 +68,17 @@ class AttentionDispatch:
         elif n == 1:
             out = self._decode(query, keys, scale, request, stats)
         else:
-            if was_empty and all_real and self.uniform and shift is None and request.colsum:
+            if was_empty and all_real and self.uniform and shift is None and (request.colsum or request.window):
                 # Nothing held before and no padding: causal attention over the new tokens, whose probabilities
-                # give the column sums in the same pass.
-                out, colsum = kernels.causal_attention_colsum(query, key_states, value_states, scale)
-                colsum = torch.nn.functional.pad(colsum, (0, self.max_slots - n))
-                stats.colsum = kernels.group_reduce(colsum, self.num_kv_heads, request.reduce)
+                # give the column sums and window scores in the same pass.
+                out, colsum, window = kernels.causal_attention_stats(
+                    query, key_states, value_states, scale, request.colsum, request.window
+                )
+                for name, per_head in (("colsum", colsum), ("window", window)):
+                    if per_head is not None:
+                        per_head = torch.nn.functional.pad(per_head, (0, self.max_slots - n))
+                        setattr(stats, name, kernels.group_reduce(per_head, self.num_kv_heads, request.reduce))
+                stats.window_rows = min(request.window, n)
             elif was_empty and all_real and self.uniform and shift is None:
                 # Nothing held before and no padding: plain causal attention over the new tokens.
                 out = torch.nn.functional.scaled_dot_product_attention(
@@ -261,7 +266,7 @@ class AttentionDispatch:
                 return kernels.group_reduce(p * q_real[:, None, n - r :, None], k.shape[1], reduce)
 
             stats.rows = self._per_group(rows, query, keys)
-        if request.window:
+        if request.window and stats.window is None:  # not already from the attention pass
             w = min(request.window, n)
             stats.window_rows = w
             q_win, pos_win, real_win = query[:, :, n - w :], q_pos[:, n - w :], q_real[:, n - w :]
