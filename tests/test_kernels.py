@@ -116,6 +116,28 @@ def test_causal_attention_stats(ops, b, h, hkv, n, d, dtype, colsum, window):
     assert out.transpose(1, 2).is_contiguous()  # written where the model reads it: no copy on the way back
 
 
+@pytest.mark.parametrize("reduce", ["sum", "none"])
+def test_split_over_the_sequence_at_batch_one(ops, monkeypatch, reduce):
+    """One sequence over long ragged heads, its slots split across many programs (as on a GPU with many SMs):
+    the splits' partial outputs and normalisers combine into the reference's output, probabilities and window
+    scores, including a split past a short head's capacity and probabilities past the first block of slots."""
+    monkeypatch.setattr(ops, "_num_programs_target", lambda device: 64)
+    keys, values, pos = flat_layer(1, [300, 90], 64, torch.float16, seed=5)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 4, 64, generator=g).to(torch.float16).to(DEVICE)
+    out, probs = ops.decode_attention_flat(q, keys, values, pos, [300, 90], 0.125, reduce)
+    ref_out, ref_probs = reference.decode_attention_flat(q, keys, values, pos, [300, 90], 0.125, reduce)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(probs, ref_probs, atol=2e-3, rtol=1e-2)
+    if reduce == "sum":
+        qw = torch.randn(1, 4, 6, 64, generator=g).to(torch.float16).to(DEVICE)
+        q_pos = torch.arange(894, 900).expand(1, 6).to(DEVICE)
+        q_valid = torch.ones(1, 6, dtype=torch.bool, device=DEVICE)
+        got = ops.window_scores_flat(qw, keys, values, pos, [300, 90], q_pos, q_valid, 0.125)
+        ref = reference.window_scores_flat(qw, keys, values, pos, [300, 90], q_pos, q_valid, 0.125)
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("kernel,mode", [(7, "max"), (3, "avg"), (5, "max"), (1, "avg")])
 @pytest.mark.parametrize("c", [9, 200])
 def test_pool_by_position(ops, kernel, mode, c):

@@ -1,11 +1,14 @@
 """Triton kernels of the cache runtime. Each function has the signature and semantics of its namesake in
 ``kvgates.kernels.reference`` (the tests hold them to it, on CPU under ``TRITON_INTERPRET=1``).
 
-* ``decode_attention_flat`` — split-K flash decoding over flat (ragged) storage; the query heads of a GQA group
-  share every key/value load; each slot's logit is written once and normalised into probabilities (summed over
-  the group) by a second small kernel, so policies need no second pass over the keys.
-* ``window_scores_flat`` — observation-window scoring: a row-statistics pass and a column pass over the keys,
-  one ``BLOCK_R x BLOCK_N`` tile at a time (the ``w x C`` probabilities never exist).
+* ``decode_attention_flat`` — flash decoding over flat (ragged) storage: the slots are split across programs
+  (about four per SM whatever the batch, so batch 1 fills the GPU too), each writing a partial output, max and
+  normaliser; the query heads of a GQA group share every key/value load; each slot's logit is written once. A
+  second kernel combines the splits (the global normaliser) and turns the logits into probabilities (summed
+  over the group), so policies need no second pass over the keys.
+* ``window_scores_flat`` — observation-window scoring: a row-statistics pass (the slots split across programs,
+  as in decoding) and a column pass over the keys, one ``BLOCK_R x BLOCK_N`` tile at a time (the ``w x C``
+  probabilities never exist).
 * ``causal_attention_stats`` — prefill attention (flash-attention forward, storing each row's logsumexp) and,
   in a second key-block-major pass that recomputes the logits, the column sums and window scores of its
   probabilities: each program owns a block of keys and loops over the query rows that see them (no atomics,
@@ -58,7 +61,9 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
 
 
+@lru_cache(maxsize=16)
 def _num_programs_target(device: torch.device) -> int:
+    """Programs that fill the device: four per streaming multiprocessor (4 under the CPU interpreter)."""
     if device.type == "cuda":
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
     return 4
@@ -117,54 +122,39 @@ def _decode_partial(
 
 
 @triton.jit
-def _decode_combine(
-    M_PART, L_PART, O_PART, OUT, M_FIN, L_FIN, H, NS, D,
-    smb, smh, sob, soh, sos, sb, sh,
-    NS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+def _decode_finish(
+    M_PART, L_PART, O_PART, OUT, LOGITS, CAPS, PROBS, H, G, NS, D, C_MAX,
+    smb, smh, sob, soh, sos, sb, sh, slb, slh, spb, sph,
+    REDUCE_SUM: tl.constexpr, NS_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    b = (pid // H).to(tl.int64)
-    head = pid % H
-    s = tl.arange(0, NS_PAD)
-    d = tl.arange(0, BLOCK_D)
-    sm = s < NS
-    dm = d < D
-    m = tl.load(M_PART + b * smb + head * smh + s, mask=sm, other=float("-inf"))
-    lsum = tl.load(L_PART + b * smb + head * smh + s, mask=sm, other=0.0)
-    top = tl.max(m, 0)
-    top_safe = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.exp2(m - top_safe)
-    total = tl.sum(w * lsum, 0)
-    o = tl.load(O_PART + b * sob + head * soh + s[:, None] * sos + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(OUT + b * sb + head * sh + d, out.to(OUT.dtype.element_ty), mask=dm)
-    tl.store(M_FIN + b * H + head, top)
-    tl.store(L_FIN + b * H + head, total)
-
-
-@triton.jit
-def _decode_probs(
-    LOGITS, M_FIN, L_FIN, CAPS, PROBS, H, G, C_MAX,
-    slb, slh, spb, sph,
-    REDUCE_SUM: tl.constexpr, BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
+    """Combine the splits of each query head of one KV head into its global max and normaliser; the first
+    program of the KV head also combines their outputs; every program normalises one block of slots' logits
+    into probabilities (summed over the group or per head)."""
+    b, h, _, cap = _program_head(tl.program_id(0), H, G, CAPS, CAPS)
     blk = tl.program_id(1)
-    hkv = H // G
-    b = (pid // hkv).to(tl.int64)
-    h = pid % hkv
-    cap = tl.load(CAPS + h)
+    s = tl.arange(0, NS_PAD)
+    sm = s < NS
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
     n = blk * BLOCK + tl.arange(0, BLOCK)
     inside = n < C_MAX
     live = n < cap
     acc = tl.zeros([BLOCK], tl.float32)
     for gi in range(G):
         qh = h * G + gi
-        top = tl.load(M_FIN + b * H + qh)
+        m = tl.load(M_PART + b * smb + qh * smh + s, mask=sm, other=float("-inf"))
+        lsum = tl.load(L_PART + b * smb + qh * smh + s, mask=sm, other=0.0)
+        top = tl.max(m, 0)
         top = tl.where(top == float("-inf"), 0.0, top)  # a head with no valid slot: every logit is -inf
-        total = tl.load(L_FIN + b * H + qh)
-        s = tl.load(LOGITS + b * slb + qh * slh + n, mask=live, other=float("-inf"))
-        p = tl.where(live, tl.exp2(s - top) / tl.where(total > 0, total, 1.0), 0.0)
+        w = tl.exp2(m - top)
+        total = tl.sum(w * lsum, 0)
+        norm = tl.where(total > 0, total, 1.0)
+        if blk == 0:
+            o = tl.load(O_PART + b * sob + qh * soh + s[:, None] * sos + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+            out = tl.sum(w[:, None] * o, 0) / norm
+            tl.store(OUT + b * sb + qh * sh + d, out.to(OUT.dtype.element_ty), mask=dm)
+        logit = tl.load(LOGITS + b * slb + qh * slh + n, mask=live, other=float("-inf"))
+        p = tl.where(live, tl.exp2(logit - top) / norm, 0.0)
         if REDUCE_SUM:
             acc += p
         else:
@@ -189,10 +179,11 @@ def decode_attention_flat(
     g = h // hkv
     cmax = pos.shape[-1]
     dev = q.device
-    out = torch.zeros((b, h, d), dtype=q.dtype, device=dev)
-    probs = torch.zeros((b, hkv if reduce == "sum" else h, cmax), dtype=torch.float32, device=dev)
     if cmax == 0 or b == 0:
-        return out, probs
+        return torch.zeros((b, h, d), dtype=q.dtype, device=dev), torch.zeros((b, hkv if reduce == "sum" else h, cmax), device=dev)
+    # Every entry is written by the kernels: no fill launches (a batch-1 step is bound by launches).
+    out = torch.empty((b, h, d), dtype=q.dtype, device=dev)
+    probs = torch.empty((b, hkv if reduce == "sum" else h, cmax), dtype=torch.float32, device=dev)
     q, keys, values, pos = q.contiguous(), keys.contiguous(), values.contiguous(), pos.contiguous()
     offs, caps_t = _layout(tuple(caps), str(dev))
     block_n = 64 if d <= 64 else 32
@@ -212,19 +203,12 @@ def decode_attention_flat(
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         G_PAD=_pow2(g), BLOCK_N=block_n, BLOCK_D=block_d, PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype),
     )
-    m_fin = torch.empty((b, h), dtype=torch.float32, device=dev)
-    l_fin = torch.empty_like(m_fin)
-    _decode_combine[(b * h,)](
-        m_part, l_part, o_part, out, m_fin, l_fin, h, splits, d,
-        m_part.stride(0), m_part.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        out.stride(0), out.stride(1),
-        NS_PAD=_pow2(splits, 2), BLOCK_D=block_d,
-    )
     block = 128
-    _decode_probs[(b * hkv, triton.cdiv(cmax, block))](
-        logits, m_fin, l_fin, caps_t, probs, h, g, cmax,
-        logits.stride(0), logits.stride(1), probs.stride(0), probs.stride(1),
-        REDUCE_SUM=reduce == "sum", BLOCK=block,
+    _decode_finish[(b * hkv, triton.cdiv(cmax, block))](
+        m_part, l_part, o_part, out, logits, caps_t, probs, h, g, splits, d, cmax,
+        m_part.stride(0), m_part.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        out.stride(0), out.stride(1), logits.stride(0), logits.stride(1), probs.stride(0), probs.stride(1),
+        REDUCE_SUM=reduce == "sum", NS_PAD=_pow2(splits, 2), BLOCK_D=block_d, BLOCK=block,
     )
     return out, probs
 
@@ -233,12 +217,15 @@ def decode_attention_flat(
 @triton.jit
 def _window_row_stats(
     Q, K, POS, OFFS, CAPS, QPOS, M_OUT, L_OUT,
-    scale_log2, H, G, W, D,
-    sqb, sqh, sqw, skb, sks, spb, sph, sqpb, smb, smh,
+    scale_log2, H, G, W, D, SPLIT,
+    sqb, sqh, sqw, skb, sks, spb, sph, sqpb, smb, smh, smw,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    """Max and normaliser of a block of window rows over one split of a head's slots (combined on the host side
+    of the launch, by torch, without a sync)."""
     b, h, off, cap = _program_head(tl.program_id(0), H, G, OFFS, CAPS)
     rb = tl.program_id(1)
+    split = tl.program_id(2)
     r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < G * W
     gi = r // W
@@ -250,9 +237,10 @@ def _window_row_stats(
     qp = tl.load(QPOS + b * sqpb + wi, mask=rm, other=-1)
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
-    for n0 in range(0, cap, BLOCK_N):
+    end = tl.minimum(split * SPLIT + SPLIT, cap)
+    for n0 in range(split * SPLIT, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        nm = n < cap
+        nm = n < end
         p = tl.load(POS + b * spb + h * sph + n, mask=nm, other=-1)
         k = tl.load(K + b * skb + (off + n)[:, None] * sks + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
         s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
@@ -262,8 +250,8 @@ def _window_row_stats(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
         m_i = m_new
-    tl.store(M_OUT + b * smb + qh * smh + wi, m_i, mask=rm)
-    tl.store(L_OUT + b * smb + qh * smh + wi, l_i, mask=rm)
+    tl.store(M_OUT + b * smb + qh * smh + wi * smw + split, m_i, mask=rm)
+    tl.store(L_OUT + b * smb + qh * smh + wi * smw + split, l_i, mask=rm)
 
 
 @triton.jit
@@ -327,17 +315,30 @@ def window_scores_flat(
     q_pos = q_pos.to(torch.int64).contiguous()
     q_valid = q_valid.to(torch.int8).contiguous()
     offs, caps_t = _layout(tuple(caps), str(dev))
-    m = torch.empty((b, h, w), dtype=torch.float32, device=dev)
-    lsum = torch.empty_like(m)
     block_r, block_n, block_d = 32, 64 if d <= 64 else 32, _pow2(d)
-    common = (
-        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), pos.stride(0), pos.stride(1),
-        q_pos.stride(0), m.stride(0), m.stride(1),
+    # The slots split across programs so that a small batch still fills the device; the splits' row maxima and
+    # normalisers are combined by torch (no sync).
+    row_blocks = triton.cdiv(g * w, block_r)
+    splits = max(1, min(triton.cdiv(cmax, block_n), triton.cdiv(_num_programs_target(dev), b * hkv * row_blocks)))
+    split = triton.cdiv(triton.cdiv(cmax, splits), block_n) * block_n
+    splits = triton.cdiv(cmax, split)
+    m_part = torch.empty((b, h, w, splits), dtype=torch.float32, device=dev)
+    l_part = torch.empty_like(m_part)
+    strides = (
+        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), pos.stride(0), pos.stride(1), q_pos.stride(0)
     )
-    _window_row_stats[(b * hkv, triton.cdiv(g * w, block_r))](
-        q, keys, pos, offs, caps_t, q_pos, m, lsum, scale * _LOG2E, h, g, w, d, *common,
+    _window_row_stats[(b * hkv, row_blocks, splits)](
+        q, keys, pos, offs, caps_t, q_pos, m_part, l_part, scale * _LOG2E, h, g, w, d, split, *strides,
+        m_part.stride(0), m_part.stride(1), m_part.stride(2),
         BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype),
     )
+    if splits == 1:
+        m, lsum = m_part[..., 0], l_part[..., 0]
+    else:
+        m = m_part.amax(-1)
+        lsum = (l_part * torch.exp2(m_part - torch.where(m.isinf(), 0.0, m)[..., None])).sum(-1)
+    m, lsum = m.contiguous(), lsum.contiguous()
+    common = (*strides, m.stride(0), m.stride(1))
     _window_columns[(b * hkv, triton.cdiv(cmax, block_n))](
         q, keys, pos, offs, caps_t, q_pos, q_valid, m, lsum, out, scale * _LOG2E, h, g, w, d, cmax, *common,
         out.stride(0), out.stride(1),
