@@ -321,6 +321,23 @@ def tokenizer_source(model: PreTrainedModel) -> str:
     return str(embedded_model_dir(embedded)) if embedded else str(getattr(model.config, "_name_or_path", "") or "")
 
 
+def _parameter_values(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """A parameter's values; brought in for the moment from where accelerate offloaded them (a ``device_map`` with
+    ``"cpu"`` beside a GPU, or ``"disk"``: the parameter itself then waits on ``meta``)."""
+    param = model.get_parameter(name)
+    if param.device.type != "meta":
+        return param.detach()
+    from accelerate.utils import align_module_device, has_offloaded_params
+
+    parts = name.split(".")
+    for depth in range(len(parts) - 1, -1, -1):  # the nearest module whose hook holds the offloaded weights
+        owner = model.get_submodule(".".join(parts[:depth]))
+        if has_offloaded_params(owner):
+            with align_module_device(owner, execution_device=torch.device("cpu")):
+                return model.get_parameter(name).detach().clone()
+    raise ValueError(f"parameter {name} is on the meta device and no accelerate hook holds its weights: load the model's weights first")
+
+
 def model_fingerprint(model: PreTrainedModel) -> str:
     """A short hash of a model's architecture and weights, stable across processes and devices.
 
@@ -342,7 +359,7 @@ def model_fingerprint(model: PreTrainedModel) -> str:
     names = sorted(params)
     sample = [n for n in names if "embed" in n][:1] + [n for n in names if ".0." in n][:2] + names[-2:]
     for name in sample:
-        flat = params[name].detach().reshape(-1)
+        flat = _parameter_values(model, name).reshape(-1)
         steps = min(4096, flat.numel())
         idx = (torch.arange(steps, dtype=torch.int64) * (flat.numel() - 1) // max(steps - 1, 1)).to(flat.device)
         digest.update(name.encode())

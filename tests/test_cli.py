@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from helpers import policy_on, save_tiny_checkpoint, tiny_model
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kvgates
 from kvgates import BudgetCache, RetentionGates, load_model
@@ -205,20 +205,45 @@ def test_load_model_with_an_accelerate_device_map(checkpoint):
     assert out.shape[1] == ids.shape[1] + 3 and torch.isfinite(model(ids).logits).all()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to spread layers over two devices")
+#: Layouts of the tiny model's modules over devices, and what each needs. accelerate *offloads* the modules a
+#: ``device_map`` puts on ``"cpu"`` beside a GPU (their weights wait on ``meta`` and run on the GPU), as it does
+#: those on ``"disk"``: only two GPUs run layers on two devices.
+_MODULES = ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.norm", "model.rotary_emb", "lm_head")
+LAYOUTS = {
+    "disk-offload": (dict(zip(_MODULES, ["disk", "disk", "cpu", "cpu", "cpu", "cpu", "cpu"])), 0),
+    "cpu-offload-to-gpu": (dict(zip(_MODULES, ["cpu", "cpu", 0, 0, 0, 0, 0])), 1),
+    "two-gpus": (dict(zip(_MODULES, [0, 0, 1, 1, 1, 1, 1])), 2),
+}
+
+
+def assert_within_budget(name: str, cache: BudgetCache, budget: int) -> None:
+    """Every layer within ``budget`` tokens per head; DynamicKV's budget is the average over layers."""
+    held = cache.held_tokens()  # [layers, B, H_kv]
+    if name == "dynamickv":
+        assert int(held.sum(0).max()) <= budget * held.shape[0]
+    else:
+        assert int(held.max()) <= budget
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", ["d2o", "dynamickv", "trimkv-global"])
-def test_cross_layer_policies_with_layers_on_two_devices(checkpoint, name):
-    """device_map may put layers on different devices; policies that decide across layers must still work."""
+def test_cross_layer_policies_over_a_device_map(checkpoint, tmp_path, name, layout):
+    """A device_map may offload modules (weights on ``meta`` until their forward: ``prepare_model``'s dry run
+    must run anyway) or put layers on different devices; policies that decide across layers work the same, within
+    their budget (12 tokens, plus the 10 decoded: decode appends)."""
+    device_map, gpus = LAYOUTS[layout]
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPU(s)")
     ids = torch.randint(3, 90, (2, 40), generator=torch.Generator().manual_seed(0))
     logits = []
-    for device_map in ({"": "cpu"}, {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": 0,
-                                     "model.layers.2": 0, "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0}):
-        model, _ = load_model(checkpoint, device_map=device_map)
+    for placement in ({"": "cpu"}, device_map):
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=placement, offload_folder=str(tmp_path))
+        kvgates.prepare_model(model)
         torch.manual_seed(0)
         with policy_on(model, name, 12) as policy, torch.no_grad():
             cache = BudgetCache(model.config, policy)
             out = [model(ids[:, :30], past_key_values=cache).logits[:, -1]]
             out += [model(ids[:, t : t + 1], past_key_values=cache).logits[:, -1] for t in range(30, 40)]
         logits.append(torch.stack(out).cpu())
-        assert int(cache.held_tokens().max()) <= 12 + 10
+        assert_within_budget(name, cache, 12 + 10)
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)

@@ -1,6 +1,8 @@
-"""The runtime on the Triton kernels (KVGATES_KERNELS=triton; the CPU interpreter in CI) decides and computes
-exactly what it does on the torch reference, with no change to policy code."""
+"""The runtime on the Triton kernels (KVGATES_KERNELS=triton) decides and computes exactly what it does on the
+torch reference, with no change to policy code: on a GPU the model runs there; on CPU (CI) under the Triton
+interpreter (TRITON_INTERPRET=1)."""
 
+import copy
 import os
 
 import pytest
@@ -9,10 +11,17 @@ from helpers import policy_on, teacher_forced_logits
 
 from kvgates import BudgetCache
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
     reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
 )
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    """The tiny kvgates model where the kernels run: the GPU when there is one."""
+    return copy.deepcopy(tiny[1]).to(DEVICE)
 
 
 def run(model, name, budget, ids, backend, monkeypatch):
@@ -25,9 +34,8 @@ def run(model, name, budget, ids, backend, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["h2o", "snapkv", "tova", "morphkv", "adakv", "trimkv", "trimkv-global"])
-def test_same_decisions_and_logits_on_both_backends(tiny, name, monkeypatch):
-    _, model = tiny
-    ids = torch.randint(1, 128, (2, 34), generator=torch.Generator().manual_seed(0))
+def test_same_decisions_and_logits_on_both_backends(model, name, monkeypatch):
+    ids = torch.randint(1, 128, (2, 34), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     ref_logits, ref_cache = run(model, name, 12, ids, "reference", monkeypatch)
     tri_logits, tri_cache = run(model, name, 12, ids, "triton", monkeypatch)
     torch.testing.assert_close(tri_logits, ref_logits, atol=1e-4, rtol=1e-4)

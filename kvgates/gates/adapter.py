@@ -187,6 +187,7 @@ class GateSet(nn.Module):
     ) -> GateSet:
         """Freshly initialised gates shaped for ``model`` (recording its id and fingerprint)."""
         from kvgates.models import embedded_name_of, hub_id_of, model_fingerprint
+        from kvgates.runtime.attention import input_device
 
         config = GateConfig(
             kind=cls.kind,
@@ -198,7 +199,7 @@ class GateSet(nn.Module):
             training_budget=training_budget,
             **_geometry(model),
         )
-        return cls(config).to(device=model.device)
+        return cls(config).to(device=input_device(model))
 
     def layer_position(self, layer_idx: int) -> int:
         if layer_idx not in self._position:

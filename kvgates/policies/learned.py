@@ -12,6 +12,7 @@ import torch
 from kvgates.gates.adapter import GateSet
 from kvgates.gates.capture import GateCapture
 from kvgates.policies.base import Policy
+from kvgates.runtime.attention import input_device
 from kvgates.runtime.stats import AttnStats
 
 GATE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -56,7 +57,7 @@ class LearnedPolicy(Policy):
     def attach(self, model: Any) -> LearnedPolicy:
         self.gates.check_model(model, strict=self.strict)
         self.detach()
-        self._running = self._gates_for(model.device)
+        self._running = self._gates_for(input_device(model))
         self._capture = GateCapture(model, self.gates.captures, self.gates.config.layer_ids)
         return self
 
@@ -83,9 +84,15 @@ class LearnedPolicy(Policy):
         """Gate scores ``[B, H_kv, q_len]`` of the tokens this forward added to ``layer``."""
         if self._capture is None or self._running is None:
             raise RuntimeError(f"{self.name}: the gates are not attached to a model; call policy.attach(model) first")
+        captured = self._capture.pop(layer.layer_idx)  # a tensor, or a tuple of them (raw q, k, v)
+        gate_device = next(self._running.parameters()).device  # the gates run beside the input embedding
+        if isinstance(captured, tuple):
+            captured = tuple(t.to(gate_device) for t in captured)
+        else:
+            captured = captured.to(gate_device)
         with torch.no_grad():
-            scores = self._running(layer.layer_idx, self._capture.pop(layer.layer_idx))  # [B, q_len, H_kv]
-        return scores.float().transpose(1, 2)
+            scores = self._running(layer.layer_idx, captured)  # [B, q_len, H_kv]
+        return scores.float().transpose(1, 2).to(layer.device)  # a device_map may put this layer elsewhere
 
     def record(self, layer, stats: AttnStats, name: str) -> None:
         """Store the new tokens' gate scores in the per-slot state ``name``."""

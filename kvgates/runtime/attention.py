@@ -126,12 +126,27 @@ def attention_inputs(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     Found by a one-token forward with ``model``'s attention set to ``"kvgates"``, during which attention computes
     nothing (it returns zeros). The random number generators are left as they were, and so is the module's mode.
     """
-    embeddings = model.get_input_embeddings()
-    device = embeddings.weight.device if embeddings is not None else next(model.parameters()).device
+    device = input_device(model)
     devices = [device] if device.type == "cuda" else []
     with _probing() as inputs, torch.no_grad(), torch.random.fork_rng(devices=devices):
         model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
     return inputs
+
+
+def input_device(model: torch.nn.Module) -> torch.device:
+    """The device ``model``'s input embedding runs on: where its weights are, or, when accelerate offloads them
+    (a ``device_map`` putting modules on ``"cpu"`` beside a GPU, or on ``"disk"``: the weights wait on ``meta``
+    until a forward brings them in), the execution device of its hook (the CPU when no hook says: hooks move
+    their inputs where they run)."""
+    embeddings = model.get_input_embeddings()
+    module = embeddings if embeddings is not None else model
+    hook = getattr(module, "_hf_hook", None)
+    for part in getattr(hook, "hooks", [hook]):  # one hook, or accelerate's SequentialHook of several
+        execution = getattr(part, "execution_device", None)
+        if execution is not None:
+            return torch.device(execution)
+    device = next(module.parameters()).device
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 def register() -> None:
