@@ -150,6 +150,18 @@ def essay_ids(tokenizer, n: int, device: str | torch.device) -> torch.Tensor:
     return torch.tensor([ids], device=device)
 
 
+def time_prefill(model, make_cache, ids: torch.Tensor, device: str | torch.device) -> tuple[float, Any]:
+    """Seconds of one prefill of ``ids`` into a fresh ``make_cache()`` (its policy attached; only the last position's
+    logits computed), and that cache."""
+    cache = make_cache()
+    with attached(model, cache), torch.no_grad():
+        sync(device)
+        start = time.perf_counter()
+        model(ids, past_key_values=cache, logits_to_keep=1)
+        sync(device)
+        return time.perf_counter() - start, cache
+
+
 def sync(device: str | torch.device) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()

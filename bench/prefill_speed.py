@@ -12,10 +12,8 @@ all arms alike; the table gives each arm's median seconds and its ratio to the r
 from __future__ import annotations
 
 import statistics
-import time
 
-import torch
-from common import attached, bench_policy, essay_ids, setup, sync
+from common import bench_policy, essay_ids, setup, time_prefill
 from transformers import DynamicCache
 
 import kvgates
@@ -30,21 +28,12 @@ def main() -> None:
     for n in args.context:
         ids = essay_ids(tokenizer, n, args.device)
 
-        def prefill(make_cache) -> float:
-            cache = make_cache()
-            with attached(model, cache), torch.no_grad():
-                sync(args.device)
-                start = time.perf_counter()
-                model(ids, past_key_values=cache, logits_to_keep=1)
-                sync(args.device)
-                return time.perf_counter() - start
-
         for _, make in arms:  # warm-up
-            prefill(make)
+            time_prefill(model, make, ids, args.device)
         times: dict[str, list[float]] = {label: [] for label, _ in arms}
         for _ in range(args.rounds):
             for label, make in arms:
-                times[label].append(prefill(make))
+                times[label].append(time_prefill(model, make, ids, args.device)[0])
         seconds = {label: statistics.median(t) for label, t in times.items()}
         base = seconds[arms[0][0]]
         print(f"\ncontext {n}: median of {args.rounds} interleaved rounds")

@@ -16,7 +16,7 @@ def test_kernel_bench_smoke():
         [sys.executable, str(ROOT / "bench" / "kernels.py"), "--smoke"], capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr
-    for kernel in ("decode+probs", "window scores", "compaction", "retention", "retention sum"):
+    for kernel in ("decode+probs", "prefill+stats", "window scores", "compaction", "retention", "retention sum"):
         assert kernel in result.stdout
 
 
@@ -65,3 +65,22 @@ def test_prefill_speed_bench_runs_on_a_small_random_model():
     assert result.returncode == 0, result.stderr
     for row in ("| DynamicCache + sdpa |", "| full (kvgates) |", "| h2o@64 |", "| d2o@64 |", "| kvmerger@64 |", "| trimkv@64 |", "| kvzip@64 |"):
         assert row in result.stdout, row
+
+
+def test_gpu_policies_bench_runs_on_a_small_random_model():
+    """Prefill and decode tables for every batch, with a roofline when a peak bandwidth is given (none on CPU)."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_policies.py"), "--model", "random", "--layers", "2", "--contexts", "96",
+         "--budget", "48", "--batch", "1", "2", "--steps", "2", "--rounds", "1", "--slack", "4", "--peak-gbps", "50",
+         "--policies", "h2o", "snapkv"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.count("prefill, context 96") == 2 and out.count("decode (eager), context 96, budget 48") == 2
+    assert out.count("| DynamicCache + sdpa | ") == 2  # the prefill reference, per batch
+    for row in ("| h2o | ", "| h2o slack=4 | ", "| snapkv | "):
+        assert out.count(row) == 4, row  # a prefill and a decode row per batch
+    decode_rows = [line for line in out.splitlines() if line.count("|") == 7 and not line.startswith(("| cache", "|---"))]
+    assert len(decode_rows) == 2 * 5  # DynamicCache at the context and at the budget, h2o (twice), snapkv; per batch
+    assert all(line.endswith("x |") for line in decode_rows)  # every step against its roofline

@@ -1,0 +1,130 @@
+"""Every policy on a model's real shapes: its prefill against a plain sdpa prefill, and its decode step against
+DynamicCache at the budget, at the full context and against the step's HBM roofline, in one run.
+
+    python bench/gpu_policies.py --model random:llama-3.1-8b --layers 16 --contexts 8192 16384 --budget 1024 --batch 1 8
+    python bench/gpu_policies.py --model random --layers 2 --contexts 160 --budget 64 --steps 2 --rounds 1   # CPU check
+
+For each context and batch the prompt (essay tokens, or random ids for a random model; the same prompt in every
+row) is prefilled by every arm once per round for ``--rounds`` interleaved rounds (after one warm-up round): a
+DynamicCache + sdpa (the reference, 1.00x) and a ``BudgetCache`` per policy at ``--budget`` (its prompt scoring
+and compression included). Then each arm's cache, and a DynamicCache of ``--budget`` tokens (what a cache of
+that size costs), decode ``--steps`` greedy steps once per round, interleaved; DynamicCaches are cropped back to
+their prompt before each round. Per-step evicting policies also run with amortised eviction over ``--slack + 1``
+steps. The decode table gives the median ms/step, its ratio to both DynamicCaches, and the step's HBM roofline:
+the bytes a step must read (every weight but the input embedding table, of which it reads one row per sequence,
+plus the key/value bytes the cache holds) over the device's peak bandwidth (``hardware.PEAK_GBPS`` by GPU name,
+or ``--peak-gbps``; ``-`` on CPU). ``--decode-modes`` picks how steps run (``DECODE_MODES``: eager forwards).
+Learned policies run with fresh gates of the model's shape.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+from common import attached, bench_policy, essay_ids, setup, time_decode, time_prefill
+from decode_speed import AMORTISED, make_policy
+from hardware import peak_gbps
+from transformers import DynamicCache
+
+import kvgates
+from kvgates.runtime.cache import dynamic_cache_bytes
+
+POLICIES = ["snapkv", "pyramidkv", "adakv", "dynamickv", "streaming_llm", "h2o", "tova", "morphkv", "trimkv", "d2o"]
+
+#: How a decode step runs: ``(model, cache, token, steps, device) -> seconds`` of ``steps`` greedy steps.
+DECODE_MODES: dict[str, Callable[..., float]] = {"eager": time_decode}
+
+
+def step_weight_bytes(model) -> int:
+    """Bytes of weights a decode step reads: every parameter but the input embedding table (unless it is tied to
+    the output head, which reads all of it)."""
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    skip = None if output is not None and output.weight is embedding else embedding
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not skip)
+
+
+def held_bytes(cache) -> int:
+    """Key/value bytes ``cache`` holds (what attention reads in a step)."""
+    return cache.held_bytes() if isinstance(cache, kvgates.BudgetCache) else dynamic_cache_bytes(cache)
+
+
+def table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    print(f"\n{title}\n| " + " | ".join(header) + " |\n|---|" + "---:|" * (len(header) - 1))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def main() -> None:
+    args, model, tokenizer = setup(
+        __doc__, {"decode_modes": list(DECODE_MODES)}, contexts=[8192, 16384], budget=1024, batch=[1, 8], steps=8,
+        rounds=2, slack=32, peak_gbps=0.0, policies=POLICIES, decode_modes=["eager"],
+    )
+    peak = peak_gbps(args.device, args.peak_gbps)
+    weights = step_weight_bytes(model)
+    budget = args.budget
+    arms: dict[str, Callable[[], object]] = {"DynamicCache + sdpa": lambda: DynamicCache(config=model.config)}
+    for name in args.policies:
+        arms[name] = lambda name=name: kvgates.BudgetCache(model.config, bench_policy(model, name, budget))
+        if name.partition(":")[0] in AMORTISED and args.slack:
+            arms[f"{name} slack={args.slack}"] = lambda name=name: kvgates.BudgetCache(
+                model.config, make_policy(model, name, budget, args.slack)
+            )
+    for context in args.contexts:
+        for batch in args.batch:
+            ids = essay_ids(tokenizer, context, args.device).expand(batch, -1).contiguous()
+            prefill: dict[str, list[float]] = {label: [] for label in arms}
+            caches = {}
+            for r in range(args.rounds + 1):  # round 0 warms up; the last round's caches go on to decode
+                for label, make in arms.items():
+                    seconds, cache = time_prefill(model, make, ids, args.device)
+                    if r:
+                        prefill[label].append(seconds)
+                    if r == args.rounds:
+                        caches[label] = cache
+                    del cache
+            base = statistics.median(prefill["DynamicCache + sdpa"])
+            rows = [[label, f"{statistics.median(t):.3f}", f"{statistics.median(t) / base:.2f}x"] for label, t in prefill.items()]
+            table(f"prefill, context {context}, batch {batch}: median of {args.rounds} interleaved rounds", ["arm", "seconds", "vs sdpa"], rows)
+
+            small = f"DynamicCache {budget}"
+            caches[small] = time_prefill(model, arms["DynamicCache + sdpa"], ids[:, :budget], args.device)[1]
+            sizes = {small: budget, "DynamicCache + sdpa": context}  # what DynamicCaches are cropped back to
+            token = ids[:, :1]  # the first decode input (a step costs the same whatever the token)
+            for mode in args.decode_modes:
+                times: dict[str, list[float]] = {label: [] for label in caches}
+                held: dict[str, int] = {}
+                for _ in range(args.rounds):
+                    for label, cache in caches.items():
+                        _crop(cache, sizes.get(label))
+                        with attached(model, cache):
+                            seconds = DECODE_MODES[mode](model, cache, token, args.steps, args.device)
+                        times[label].append(1e3 * seconds / args.steps)
+                        held[label] = held_bytes(cache)
+                ms = {label: statistics.median(t) for label, t in times.items()}
+                rows = []
+                for label, t in ms.items():
+                    roof = None if peak is None else 1e3 * (weights + held[label]) / (peak * 1e9)
+                    rows.append([
+                        "DynamicCache " + str(context) if label == "DynamicCache + sdpa" else label, f"{t:.2f}",
+                        f"{t / ms[small]:.2f}x", f"{t / ms['DynamicCache + sdpa']:.2f}x",
+                        "-" if roof is None else f"{roof:.2f}", "-" if roof is None else f"{t / roof:.1f}x",
+                    ])
+                title = f"decode ({mode}), context {context}, budget {budget}, batch {batch}"
+                table(
+                    f"{title}: median ms/step of {args.rounds} rounds x {args.steps} steps",
+                    ["cache", "ms/step", f"vs DynamicCache {budget}", f"vs DynamicCache {context}", "roofline ms", "vs roofline"],
+                    rows,
+                )
+            del caches
+
+
+def _crop(cache, tokens: int | None) -> None:
+    """Cut a DynamicCache back to ``tokens`` (its prompt); budgeted caches stay as they are."""
+    if tokens is not None and isinstance(cache, DynamicCache) and cache.get_seq_length() > tokens:
+        cache.crop(tokens)
+
+
+if __name__ == "__main__":
+    main()
