@@ -349,6 +349,37 @@ def window_scores_flat(
 
 # ---------------------------------------------------------------------------------------------- prefill with scores
 @triton.jit
+def _prefill_program(H, G, N, D, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(batch, query head, its KV head, first index, indices, their mask, feature indices, their mask) of a prefill
+    program: axis 1 is the (sequence, query head), axis 0 the block of rows (or keys) it owns."""
+    bh = tl.program_id(1)
+    qh = bh % H
+    start = tl.program_id(0) * BLOCK
+    idx = start + tl.arange(0, BLOCK)
+    d = tl.arange(0, BLOCK_D)
+    return (bh // H).to(tl.int64), qh, qh // G, start, idx, idx < N, d, d < D
+
+
+@triton.jit
+def _causal_block(
+    q, k_base, v_base, m, n, m_i, l_i, acc, N, skn, svn, d, dm, scale_log2,
+    DIAGONAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One online-softmax step of query rows ``m`` over keys ``n``: below the diagonal every key is visible;
+    on it, row ``i`` sees keys up to ``i`` (and key ``m0``, so every row's running max stays finite)."""
+    nm = n < N
+    k = tl.load(k_base + n[:, None] * skn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+    s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
+    if DIAGONAL:
+        s = tl.where((n[None, :] <= m[:, None]) & nm[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    v = tl.load(v_base + n[:, None] * svn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
+
+
+@triton.jit
 def _prefill_forward(
     Q, K, V, OUT, LSE,
     scale_log2, N, H, G, D,
@@ -357,15 +388,7 @@ def _prefill_forward(
 ):
     """Flash-attention forward of one block of query rows of one head under the causal mask; also stores each
     row's base-2 logsumexp of its scaled logits (the normaliser the column pass needs)."""
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    qh = bh % H
-    kh = qh // G
-    m0 = tl.program_id(0) * BLOCK_M
-    m = m0 + tl.arange(0, BLOCK_M)
-    mm = m < N
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
+    b, qh, kh, m0, m, mm, d, dm = _prefill_program(H, G, N, D, BLOCK_M, BLOCK_D)
     q = tl.load(Q + b * sqb + qh * sqh + m[:, None] * sqn + d[None, :], mask=mm[:, None] & dm[None, :], other=0.0)
     k_base = K + b * skb + kh * skh
     v_base = V + b * svb + kh * svh
@@ -373,29 +396,13 @@ def _prefill_forward(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(0, m0, BLOCK_N):  # keys before the block's first row: visible to every row, no mask
-        n = n0 + tl.arange(0, BLOCK_N)
-        k = tl.load(k_base + n[:, None] * skn + d[None, :], mask=dm[None, :], other=0.0)
-        s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + n[:, None] * svn + d[None, :], mask=dm[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _causal_block(
+            q, k_base, v_base, m, n0 + tl.arange(0, BLOCK_N), m_i, l_i, acc, N, skn, svn, d, dm, scale_log2, False, PREC, UPCAST
+        )
     for n0 in range(m0, tl.minimum(m0 + BLOCK_M, N), BLOCK_N):  # the diagonal: row i sees keys up to i
-        n = n0 + tl.arange(0, BLOCK_N)
-        nm = n < N
-        k = tl.load(k_base + n[:, None] * skn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
-        s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
-        s = tl.where((n[None, :] <= m[:, None]) & nm[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key m0 is visible to every row of the block
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + n[:, None] * svn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _causal_block(
+            q, k_base, v_base, m, n0 + tl.arange(0, BLOCK_N), m_i, l_i, acc, N, skn, svn, d, dm, scale_log2, True, PREC, UPCAST
+        )
     out = acc / l_i[:, None]
     tl.store(OUT + b * sob + qh * soh + m[:, None] * son + d[None, :], out.to(OUT.dtype.element_ty), mask=mm[:, None] & dm[None, :])
     tl.store(LSE + (b * H + qh) * N + m, m_i + tl.log2(l_i), mask=mm)
@@ -412,15 +419,7 @@ def _prefill_columns(
     """Column pass of one block of keys of one query head: recompute the logits of every query row that sees
     them (or of the last ``W`` rows only), normalise them by the rows' logsumexp and sum them per key. Each
     program owns its keys' sums: no atomics."""
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    qh = bh % H
-    kh = qh // G
-    n0 = tl.program_id(0) * BLOCK_N
-    n = n0 + tl.arange(0, BLOCK_N)
-    nm = n < N
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
+    b, qh, kh, n0, n, nm, d, dm = _prefill_program(H, G, N, D, BLOCK_N, BLOCK_D)
     k = tl.load(K + b * skb + kh * skh + n[:, None] * skn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
     q_base = Q + b * sqb + qh * sqh
     lse_base = LSE + (b * H + qh) * N
