@@ -130,7 +130,10 @@ def _decode_finish(
     """Combine the splits of each query head of one KV head into its global max and normaliser; the first
     program of the KV head also combines their outputs; every program normalises one block of slots' logits
     into probabilities (summed over the group or per head)."""
-    b, h, _, cap = _program_head(tl.program_id(0), H, G, CAPS, CAPS)
+    pid = tl.program_id(0)
+    b = (pid // (H // G)).to(tl.int64)
+    h = pid % (H // G)
+    cap = tl.load(CAPS + h)
     blk = tl.program_id(1)
     s = tl.arange(0, NS_PAD)
     sm = s < NS
