@@ -105,7 +105,7 @@ class PromptScoring:
 
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         self._current = None
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers 5.24 renamed the argument to cache
         if self._busy or not runs_policy(cache, self.policy):
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
