@@ -123,14 +123,17 @@ def _gated_sdpa(q, k, v, log_beta, scale, mask):
     # Equal q/k/v widths keep sdpa on its fused kernels; the padded value channels are dropped after.
     pad = d + 2 - dv
     v_aug = torch.cat([v, v.new_zeros(b, hkv, t, pad)], dim=-1) if pad > 0 else v
+    return _causal_sdpa(q_aug, k_aug, v_aug, scale, mask)[..., :dv].to(dtype)
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """sdpa under the causal mask (and ``mask``, see ``_visible``; a row that sees nothing is zero), grouped query
+    heads when ``k`` has fewer heads than ``q``."""
+    gqa = k.shape[1] != q.shape[1]
     if mask is None:
-        out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, is_causal=True, scale=scale, enable_gqa=h != hkv)
-    else:
-        out = F.scaled_dot_product_attention(
-            q_aug, k_aug, v_aug, attn_mask=_visible(t, mask, q.device), scale=scale, enable_gqa=h != hkv
-        )
-        out = out.nan_to_num(0.0)
-    return out[..., :dv].to(dtype)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    visible = _visible(q.shape[2], mask, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa).nan_to_num(0.0)
 
 
 #: Bias precisions of ``gated_attention_fused`` (see the module docstring).
@@ -234,14 +237,8 @@ def gated_attention_fused(
     dv = v.shape[-1]
     with torch.autocast(q.device.type, enabled=False):
         q_aug, k_aug, v_aug = fused_operands(q, k, v, log_beta, scale, precision, masked=mask is not None)
-        gqa = k_aug.shape[1] != q_aug.shape[1]
         with fused_only(q.device, "gated training attention", q_aug, k_aug, v_aug):
-            if mask is None:
-                out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, is_causal=True, scale=scale, enable_gqa=gqa)
-            else:
-                visible = _visible(q.shape[2], mask, q.device)
-                out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, attn_mask=visible, scale=scale, enable_gqa=gqa)
-                out = out.nan_to_num(0.0)
+            out = _causal_sdpa(q_aug, k_aug, v_aug, scale, mask)
     return out[..., :dv].to(q.dtype)
 
 
