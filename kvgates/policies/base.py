@@ -108,6 +108,12 @@ class Policy:
     def detach(self) -> None:
         """Undo ``attach`` (remove hooks from the model)."""
 
+    def __enter__(self) -> Policy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
     # -- what the runtime asks
     def stats_request(self, phase: Phase) -> StatsRequest:
         """Statistics this policy needs from the attention call in ``phase``."""

@@ -110,12 +110,6 @@ class KVzip(Policy):
             self._hidden = None
         self._gram = {}
 
-    def __enter__(self) -> KVzip:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.detach()
-
     # -- what the runtime asks
     def stats_request(self, phase: Phase) -> StatsRequest:
         if self._hooks is None:

@@ -74,12 +74,6 @@ class LearnedPolicy(Policy):
             self._capture = None
         self._running = None
 
-    def __enter__(self) -> LearnedPolicy:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.detach()
-
     def new_token_scores(self, layer, stats: AttnStats) -> torch.Tensor:
         """Gate scores ``[B, H_kv, q_len]`` of the tokens this forward added to ``layer``."""
         if self._capture is None or self._running is None:
