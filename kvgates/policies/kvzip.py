@@ -156,6 +156,7 @@ class KVzip(Policy):
         rows = [row[m.bool()] for row, m in zip(ids, mask.to(ids.device))]
         longest = max(len(r) for r in rows)
         prompt = self._prompt.to(ids.device)
+        lengths = torch.tensor([len(r) for r in rows])
         try:
             for lo in range(0, longest, self.chunk_size):
                 parts = [torch.cat([prompt, r[lo : lo + self.chunk_size]]) if lo < len(r) else r[:0] for r in rows]
@@ -164,7 +165,6 @@ class KVzip(Policy):
                 chunk_mask = torch.zeros_like(chunk_ids)
                 for i, part in enumerate(parts):
                     chunk_ids[i, : len(part)], chunk_mask[i, : len(part)] = part, 1
-                lengths = torch.tensor([len(r) for r in rows])
                 self._chunk = (torch.full_like(lengths, lo), lengths.clamp(max=lo + self.chunk_size))
                 discarded_forward(model, cache, mask, chunk_ids, chunk_mask)
         finally:
