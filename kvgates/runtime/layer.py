@@ -192,6 +192,10 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         tolerance = self.cache.policy.schedule.tolerance
         return self.packed and isinstance(self._quota_source, int) and max(self.fill) <= self._least_quota + tolerance
 
+    def _quota_tensor(self, quota: int | torch.Tensor) -> torch.Tensor:
+        """The policy's ``quota`` (an int, or per sequence and head) as ``[B, H_kv]`` int64 on the layer's device."""
+        return torch.as_tensor(quota, device=self.device).expand(self.batch_size, self.num_kv_heads).long()
+
     def enforce(self, stats: AttnStats | None) -> None:
         """The one eviction path: bring every sequence holding more than the policy's ``quota`` (plus its
         schedule's tolerance) back to it, with the policy's ``select``. Sequences within their quota are never
@@ -202,7 +206,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         quota = policy.quota(self, stats)
         if not (quota is self._quota_source or (isinstance(quota, int) and quota == self._quota_source)):
             # A new quota: its least entry is read once, then the host can tell when nobody is over it.
-            self.quota = torch.as_tensor(quota, device=self.device).expand(self.batch_size, self.num_kv_heads).long()
+            self.quota = self._quota_tensor(quota)
             self._quota_source, self._least_quota = quota, int(self.quota.min())
         if self.packed:  # every sequence holds fill[h] tokens in head h: the host decides, without a sync
             if max(self.fill) <= self._least_quota + schedule.tolerance:
@@ -240,7 +244,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         policy = self.cache.policy
         schedule = policy.schedule
         quota = policy.quota(self, None)
-        self.quota = torch.as_tensor(quota, device=self.device).expand(self.batch_size, self.num_kv_heads).long()
+        self.quota = self._quota_tensor(quota)
         most = quota if isinstance(quota, int) else int(self.quota.max())
         self.settle(most + (schedule.slack if schedule.decode_every else self.cache.decode_slots))
         if policy.state_type is not None:
