@@ -275,10 +275,14 @@ class SlotStorage:
             self._derived.pop("probs", None)  # its entries past the new fill are no longer 0
         else:
             need = [min(n, c) for n, c in zip(need, self.head_slots)]
-            # Kept slots first, in position order, then free slots.
-            order = torch.argsort(torch.where(keep, self.pos, POS_BIG), dim=-1, stable=True)[..., : max(need)]
+            order = self._kept_first(keep, max(need))
             self.relayout(order.contiguous(), need)
         self.fill, self.packed = most, least == most
+
+    def _kept_first(self, keep: torch.Tensor, n: int) -> torch.Tensor:
+        """``[B, H_kv, <= n]`` slot indices per head: the slots in ``keep`` first, in position order, then the others
+        (the ``index`` of a ``relayout`` that keeps them)."""
+        return torch.argsort(torch.where(keep, self.pos, POS_BIG), dim=-1, stable=True)[..., :n]
 
     def _fill_holes(self, keep: torch.Tensor, fill: int, kept: int) -> None:
         """Compact a dense layer in place when every head of every sequence keeps ``kept`` of its ``fill`` tokens:
@@ -316,7 +320,7 @@ class SlotStorage:
         if held > slots:
             raise ValueError(f"layer {self.layer_idx} holds {held} tokens in a head, more than its {slots} static slots")
         if self.head_slots != [slots] * self.num_kv_heads:
-            order = torch.argsort(torch.where(self.valid, self.pos, POS_BIG), dim=-1, stable=True)[..., :slots]
+            order = self._kept_first(self.valid, slots)
             if order.shape[-1] < slots:  # indices past the old slots make empty slots
                 more = torch.arange(self.max_slots, self.max_slots + slots - order.shape[-1], device=self.device)
                 order = torch.cat([order, more.expand(*order.shape[:2], -1)], dim=-1)
