@@ -23,11 +23,8 @@ from pathlib import Path
 
 import kvgates
 from eval.config import ABConfig, ConfigError
-from kvgates.cli import OneLineParser
+from kvgates.cli import OneLineParser, usage_error
 from kvgates.models import check_model_source
-
-#: Exit status of every user error (config, model, adapter, an empty --report-only): one sentence on stderr.
-USAGE_ERROR = 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             soft_hard_main(rest)
         except ValueError as err:  # AdapterError, UnsupportedModelError, a bad option or window
-            print(f"python -m eval softhard: {' '.join(str(err).split())}", file=sys.stderr)
-            return USAGE_ERROR
+            return usage_error("python -m eval softhard", err)
         return 0
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -69,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, kvgates.AdapterError, kvgates.UnsupportedModelError) as err:
         if out is not None and made and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # a run stopped before its first result leaves no empty folder
-        print(f"python -m eval ab: {' '.join(str(err).split())}", file=sys.stderr)
-        return USAGE_ERROR
+        return usage_error("python -m eval ab", err)
     # The command that reproduces these results (what --fresh/--report-only did is not part of them).
     command = "python -m eval ab " + shlex.join(["--config", args.config] + ["--quick"] * args.quick + (["--out", args.out] if args.out else []))
     print(write_report(results, command))

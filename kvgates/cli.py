@@ -37,6 +37,13 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(USAGE_ERROR, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def usage_error(prog: str, err: BaseException) -> int:
+    """Print ``err`` as one line, ``PROG: message``, on stderr and return ``USAGE_ERROR`` (the exit status of a
+    command's user error)."""
+    print(f"{prog}: {' '.join(str(err).split())}", file=sys.stderr)
+    return USAGE_ERROR
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)

@@ -26,7 +26,7 @@ import torch
 
 import kvgates
 from eval.report import AB_SECTION, arm_section
-from kvgates.cli import OneLineParser
+from kvgates.cli import OneLineParser, usage_error
 from kvgates.gates.embedded import EMBEDDED_DIR
 
 #: What a shipped adapter's name may be: lower-case letters, digits, '.', '_' and '-' (a folder name, never a path).
@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         folder = ship(args.source, args.name, args.ab, args.arm)
     except (ValueError, OSError) as err:  # a bad name, AdapterError, an A/B folder without results or that arm
-        print(f"train.ship: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+        return usage_error("train.ship", err)
     size = sum(p.stat().st_size for p in folder.iterdir()) / 2**20
     print(f"shipped {args.source} as {args.name}: {folder} ({size:.1f} MiB)")
     return 0
