@@ -319,6 +319,15 @@ def test_config_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, ca
         assert not out.exists()
 
 
+def test_invalid_yaml_is_one_line(tmp_path, capsys):
+    """The YAML parser's own message spans lines; train.py prints it as one."""
+    path = tmp_path / "bad.yaml"
+    path.write_text("budget: [1,\n")
+    assert main(["--config", str(path), "--check"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not valid YAML" in err and len(err.splitlines()) == 1 and err.startswith("train.py: "), err
+
+
 def test_check_validates_without_loading_the_model_or_writing(tiny_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     path = write(tiny_config(tiny_dir, out), tmp_path / "c.yaml")

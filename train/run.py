@@ -37,7 +37,7 @@ import kvgates
 from data.build import build_dataset, summarize
 from data.splits import essay_split
 from eval.heldout import markdown_table
-from kvgates.cli import OneLineParser
+from kvgates.cli import OneLineParser, usage_error
 from kvgates.gates import GATE_KINDS
 from kvgates.gates.training import GateTraining
 from kvgates.models import check_model_source
@@ -216,8 +216,7 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
     return trainer, start
 
 
-#: Exit status of a user error (config, model, adapter, output folder): one sentence on stderr, nothing written.
-USAGE_ERROR = 2
+#: A user error (config, model, adapter, output folder): one sentence on stderr, exit status 2, nothing written.
 USER_ERRORS = (ConfigError, kvgates.AdapterError, kvgates.UnsupportedModelError)
 
 
@@ -229,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         check_sources(config)
         out, resume = prepare_output_dir(config, args.resume, write=False)
     except USER_ERRORS as err:
-        print(f"train.py: {err}", file=sys.stderr)
-        return USAGE_ERROR
+        return usage_error("train.py", err)
     if args.check:
         print(f"train.py: {args.config} is ready to run ({config.kind} gates on {config.model} at budget {config.budget} into {out})")
         return 0
@@ -250,8 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:  # found once the model is loaded (gates.init_from made for another model)
         if fresh_folder and not any(out.glob("checkpoint-*")):
             shutil.rmtree(out)  # nothing of this run is worth keeping: leave no half-made folder
-        print(f"train.py: {err}", file=sys.stderr)
-        return USAGE_ERROR
+        return usage_error("train.py", err)
     trainer.gated.close()
     if not trainer.is_world_process_zero():
         return 0
