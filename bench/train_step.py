@@ -73,7 +73,7 @@ def main() -> None:
             with GateTraining(model, gates, args.attention) as gated:
 
                 def teacher() -> None:
-                    gated.set_mode(None)
+                    gated.teach()
                     with torch.no_grad():
                         model(ids, use_cache=False, logits_to_keep=1)
 

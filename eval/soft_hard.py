@@ -4,7 +4,7 @@ inference gets, on the same tokens.
     python -m eval softhard --budget 128 --gates smollm2-135m-trimkv-128 checkpoints/RUN/checkpoint-150
 
 Training scores TRIM-KV gates with *soft* eviction: every token stays visible, its attention logit lowered by
-``(t - i) log beta_i`` (``GateTraining`` in ``"gated"`` mode), and a capacity hinge keeps the soft retention mass
+``(t - i) log beta_i`` (``GateTraining.learn()``), and a capacity hinge keeps the soft retention mass
 within the budget. Inference evicts *hard*: each KV head keeps the ``budget`` tokens with the highest decayed
 score (``BudgetCache``). For windows of the *validation* essays (``prompt_tokens`` prompt, then ``new_tokens`` of the
 essay's own text, teacher-forced one decode step at a time) this prints, per gate set, the mean KL to the full
@@ -24,6 +24,8 @@ import kvgates
 from eval.fidelity import completion_fidelity, kl_divergence, make_batch, reference_logprobs
 from kvgates.cli import OneLineParser
 from kvgates.gates.training import GateTraining
+from kvgates.methods import method_of
+from kvgates.methods.trimkv import TrimKVMethod
 from kvgates.models import check_model_source
 
 
@@ -47,12 +49,17 @@ def windows(tokenizer: PreTrainedTokenizerBase, count: int, length: int, split: 
     return [list(ids[s : s + length]) for s in starts]
 
 
+def soft_trained(gates: kvgates.GateSet) -> bool:
+    """Whether ``gates`` train with soft eviction (TRIM-KV's retention-biased student)."""
+    return isinstance(method_of(gates), TrimKVMethod)
+
+
 @torch.no_grad()
 def soft_hard(
     model: PreTrainedModel, gates: kvgates.GateSet, budget: int, window: list[int], prompt_tokens: int
 ) -> SoftHard:
     """Soft and hard mean KL to the full cache over ``window[prompt_tokens:]`` (see the module docstring)."""
-    if gates.captures != "hidden":  # what GateTraining's soft ("gated") student needs
+    if not soft_trained(gates):
         raise ValueError(f"gates of kind {gates.kind!r} are not trained with soft eviction (retention gates are)")
     if not 0 < prompt_tokens < len(window):
         raise ValueError(f"prompt_tokens must leave a continuation inside the {len(window)}-token window, got {prompt_tokens}")
@@ -61,10 +68,10 @@ def soft_hard(
     reference = reference_logprobs(model, batch)[0]
     n = batch.completion_len
     with GateTraining(model, gates) as training:
-        training.set_mode("gated")
+        training.learn()
         logits = model(batch.ids.to(model.device), use_cache=False, logits_to_keep=n + 1).logits[0, :n]
     soft = kl_divergence(reference, torch.log_softmax(logits.float(), -1).cpu()).mean()
-    policy = kvgates.make_policy(gates.policy_name, budget=budget, gates=gates)
+    policy = kvgates.make_policy(method_of(gates).policy, budget=budget, gates=gates)
     with policy.attach(model):
         hard = completion_fidelity(model, policy, batch, reference[None])[0].kl.mean()
     return SoftHard(float(soft), float(hard))
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     # eviction) and the model's config; then the model, and each adapter against it, before any table line.
     adapters = {name: kvgates.load_gates(name).to(torch.float32) for name in args.gates}
     for name, gates in adapters.items():
-        if gates.captures != "hidden":
+        if not soft_trained(gates):
             raise kvgates.AdapterError(f"{name} holds {gates.kind!r} gates, which are not trained with soft eviction (retention gates are)")
     check_model_source(args.model)
     model, tokenizer = kvgates.load_model(args.model)

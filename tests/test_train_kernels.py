@@ -14,7 +14,7 @@ from kvgates.kernels.gated import (
     hard_eviction_mask,
 )
 from kvgates.kernels.reference import retention_sum
-from train.losses import capacity_loss, distillation_loss, locret_loss, teacher_ranking_loss
+from kvgates.methods.losses import capacity_loss, distillation_loss, locret_loss, teacher_ranking_loss
 
 
 def _inputs(b=2, h=4, hkv=2, t=9, d=8, dtype=torch.float64, seed=0):

@@ -176,10 +176,10 @@ def test_log_beta_zero_gives_the_teacher_logits(tiny_dir):
     with torch.no_grad():
         teacher = model(ids, use_cache=False).logits
     with GateTraining(model, gates) as run:
-        run.set_mode("gated")
+        run.learn()
         student = model(ids, use_cache=False).logits
-        assert set(run.log_beta) == set(gates.config.layer_ids)
-        assert all(float(lb.detach().abs().max()) == 0.0 for lb in run.log_beta.values())
+        assert set(run.records["log_beta"]) == set(gates.config.layer_ids)
+        assert all(float(lb.detach().abs().max()) == 0.0 for lb in run.records["log_beta"].values())
     torch.testing.assert_close(student, teacher, atol=1e-5, rtol=0)
     assert not hasattr(model, "kvgates_gates")  # close() took everything off the model
 
@@ -190,7 +190,7 @@ def test_gated_student_sends_gradients_to_every_gate(tiny_dir):
     gates = kvgates.RetentionGates.for_model(model, gate_hidden=8, init_bias=3.0)
     ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(1))
     with GateTraining(model, gates) as run:
-        run.set_mode("gated")
+        run.learn()
         model(ids, use_cache=False).logits[:, -5:].logsumexp(-1).sum().backward()
     assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in gates.parameters())
 
@@ -198,7 +198,7 @@ def test_gated_student_sends_gradients_to_every_gate(tiny_dir):
 def test_hard_eviction_student_is_inference_with_trimkv(tiny_dir):
     """The hard student's logits after its prompt are those of prefill + token-by-token decode through a
     ``BudgetCache`` with ``TrimKV`` (one beta per head: an order that never changes, so no token re-enters)."""
-    from kvgates.gates.training import HardEviction
+    from kvgates.methods.trimkv import HardEviction
 
     model, _ = kvgates.load_model(str(tiny_dir))
     gates = kvgates.RetentionGates.for_model(model, gate_hidden=8)
@@ -216,9 +216,9 @@ def test_hard_eviction_student_is_inference_with_trimkv(tiny_dir):
             steps.append(model(ids[:, t : t + 1], past_key_values=cache).logits[:, -1])
     decoded = torch.stack(steps[:-1], 1)
     with GateTraining(model, gates) as run, torch.no_grad():
-        run.set_mode("gated", HardEviction(budget, torch.tensor([prompt])))
+        run.learn(hard=HardEviction(budget, torch.tensor([prompt])))
         student = model(ids, use_cache=False).logits[:, prompt - 1 : -1]
-        run.set_mode("gated")
+        run.learn()
         soft = model(ids, use_cache=False).logits[:, prompt - 1 : -1]
     torch.testing.assert_close(student, decoded, atol=1e-4, rtol=1e-4)
     assert float((soft - decoded).abs().max()) > 1e-2  # the soft student is not inference
@@ -226,8 +226,8 @@ def test_hard_eviction_student_is_inference_with_trimkv(tiny_dir):
 
 def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
     """Training on the ranking term alone moves the gates' top-M toward the teacher's keep-set."""
-    from train.losses import teacher_ranking_loss
-    from train.trainer import keep_sets
+    from kvgates.methods.losses import teacher_ranking_loss
+    from kvgates.methods.trimkv import keep_sets
 
     model, _ = kvgates.load_model(str(tiny_dir))
     model.requires_grad_(False)
@@ -248,7 +248,7 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
         for ids, keep in zip(batches, keeps):
             with torch.no_grad():
                 model(ids, use_cache=False)
-            lb = torch.stack([run.log_beta[i] for i in gates.config.layer_ids])
+            lb = torch.stack([run.records["log_beta"][i] for i in gates.config.layer_ids])
             scores = (47 - torch.arange(48)) * lb
             top = torch.zeros_like(keep).scatter(-1, scores.topk(budget, -1).indices, True)
             shares.append(float((top & keep).sum() / keep.sum()))
@@ -256,12 +256,12 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
 
     optimizer = torch.optim.Adam(gates.parameters(), lr=3e-2)
     with GateTraining(model, gates) as run:
-        run.set_mode("gated")
+        run.learn()
         before = overlap(run)
         for step in range(40):
             ids, keep = batches[step % 4], keeps[step % 4]
             model(ids, use_cache=False)
-            lb = torch.stack([run.log_beta[i] for i in gates.config.layer_ids])
+            lb = torch.stack([run.records["log_beta"][i] for i in gates.config.layer_ids])
             loss = teacher_ranking_loss(lb, keep, lengths)
             optimizer.zero_grad()
             loss.backward()

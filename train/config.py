@@ -21,12 +21,12 @@ import yaml
 
 from data.build import FORMATS, check_mix
 from kvgates import POLICIES
+from kvgates.methods import METHODS, LearnedMethod
+from kvgates.policies.learned import LearnedPolicy
 from kvgates.typecheck import field_problems
 
-KINDS = {"trimkv": "retention", "trimkv-global": "retention-global", "locret": "retaining-head"}
-#: The policy that runs each kind's gates at inference (and in validation).
-POLICY_OF_KIND = {"trimkv": "trimkv", "trimkv-global": "trimkv-global", "locret": "locret"}
-LEARNED_POLICIES = ("trimkv", "trimkv-global", "locret", "full")
+#: Policies no heuristic teacher or report row may be: the learned ones and the full cache.
+NOT_HEURISTIC = ("full",)
 #: ``model_dtype``: the frozen model's weights (``auto``: bfloat16 on CUDA, float32 elsewhere); gates stay float32.
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -118,8 +118,12 @@ class TrainConfig:
     #: The gated student's attention (``kvgates.gates.training.ATTENTIONS`` or ``auto``: the padded fused kernels
     #: on CUDA, the exact float32 path on the CPU).
     attention: str = "auto"
+    #: The learned method (``kvgates.methods.METHODS``): ``trimkv``, ``trimkv-global``, ``locret``, ...
     kind: str = "trimkv"
     budget: int = 256
+    #: The learned method's own training options (``kvgates.methods``: its ``options`` dataclass), e.g. KVzap's
+    #: label settings; a method without options takes none.
+    method: dict[str, Any] = field(default_factory=dict)
     #: Parameters of the gates' inference policy (validation and the final table), e.g. ``{window: 16}`` for
     #: trimkv or ``{stabilizers: 32, local: 32}`` for locret; the budget is ``budget``.
     policy: dict[str, Any] = field(default_factory=dict)
@@ -133,8 +137,8 @@ class TrainConfig:
     push_to_hub: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ConfigError(f"unknown kind {self.kind!r}; kinds: {', '.join(KINDS)}")
+        if self.kind not in METHODS:
+            raise ConfigError(f"unknown kind {self.kind!r}; kinds (learned methods): {', '.join(METHODS)}")
         if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
             raise ConfigError(f"budget must be a whole number of tokens per KV head, at least 1; got {self.budget!r}")
         _check_learned_policy(self.kind, self.budget, self.policy)
@@ -159,16 +163,24 @@ class TrainConfig:
         _check_ranges(self)
         if self.loss.eviction_temperature < 0:
             raise ConfigError(f"loss.eviction_temperature must be >= 0 (0: straight-through), got {self.loss.eviction_temperature}")
-        if self.loss.hard_eviction:
-            if self.kind != "trimkv":
-                raise ConfigError(f"loss.hard_eviction trains per-layer retention gates (kind trimkv), not {self.kind}")
-            if self.policy.get("window", 0) or self.policy.get("buffer", 0):
-                raise ConfigError("loss.hard_eviction evicts as TrimKV does with no window or buffer; drop them from policy")
+        options = self.learned_method.options
+        if options is None and self.method:
+            raise ConfigError(f"method: {self.kind} takes no method options, got {sorted(self.method)}")
+        if not isinstance(self.method, dict):
+            raise ConfigError(f"method must be a mapping of {self.kind}'s options, got {self.method!r}")
+        try:
+            self.method_options = None if options is None else _build(options, self.method, "method")
+        except ValueError as err:  # the options' own range checks
+            raise ConfigError(err if isinstance(err, ConfigError) else f"method: {err}") from None
+        try:
+            self.learned_method.check(self)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if self.teacher is not None:
-            if self.kind == "locret":
-                raise ConfigError("a heuristic teacher supervises retention gates; locret trains on its own labels")
-            if self.teacher.policy not in POLICIES or self.teacher.policy in LEARNED_POLICIES:
-                heuristics = sorted(set(POLICIES) - set(LEARNED_POLICIES))
+            if not self.learned_method.takes_teacher:
+                raise ConfigError(f"a heuristic teacher supervises retention gates; {self.kind} trains on its own labels")
+            if not is_heuristic(self.teacher.policy):
+                heuristics = sorted(name for name in POLICIES if is_heuristic(name))
                 raise ConfigError(f"unknown teacher policy {self.teacher.policy!r}; heuristic policies: {', '.join(heuristics)}")
             from kvgates import make_policy
 
@@ -177,7 +189,7 @@ class TrainConfig:
             except (ValueError, TypeError) as err:
                 raise ConfigError(f"teacher: {err}") from None
         for name in self.report.policies:
-            if name not in POLICIES or name in LEARNED_POLICIES:
+            if not is_heuristic(name):
                 raise ConfigError(f"report.policies: {name!r} is not a heuristic policy")
         _check_training_args(self.training)
 
@@ -207,8 +219,13 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @property
+    def learned_method(self) -> LearnedMethod:
+        """The method ``kind`` names (``kvgates.methods``)."""
+        return METHODS[self.kind]
+
+    @property
     def gate_kind(self) -> str:
-        return KINDS[self.kind]
+        return self.learned_method.gate_set.kind
 
     def torch_dtype(self, cuda: bool) -> torch.dtype:
         """The frozen model's weight dtype on a machine with (``cuda``) or without CUDA."""
@@ -315,17 +332,23 @@ def _check_ranges(config: TrainConfig) -> None:
             raise ConfigError(f"{section}.{key} must be at least {least}, got {value!r}")
 
 
+def is_heuristic(policy: str) -> bool:
+    """Whether ``policy`` is a registered policy that runs without gates and evicts (not ``full``)."""
+    return policy in POLICIES and policy not in NOT_HEURISTIC and not issubclass(POLICIES[policy], LearnedPolicy)
+
+
 def _check_learned_policy(kind: str, budget: int, params: dict[str, Any]) -> None:
     """Build the inference policy once on placeholder gates, so bad parameters fail before training, not after."""
     from kvgates import make_policy
-    from kvgates.gates import GATE_KINDS, GateConfig
+    from kvgates.gates import GateConfig
 
-    placeholder = GATE_KINDS[KINDS[kind]](
-        GateConfig(kind=KINDS[kind], base_model="-", fingerprint="-", num_layers=1, layer_ids=[0], hidden_size=4,
+    method = METHODS[kind]
+    placeholder = method.gate_set(
+        GateConfig(kind=method.gate_set.kind, base_model="-", fingerprint="-", num_layers=1, layer_ids=[0], hidden_size=4,
                    num_attention_heads=1, num_kv_heads=1, head_dim=4, gate_hidden=1)
     )
     try:
-        make_policy(POLICY_OF_KIND[kind], budget=budget, gates=placeholder, **params)
+        make_policy(method.policy, budget=budget, gates=placeholder, **params)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"policy: {err}") from None
 

@@ -38,7 +38,6 @@ from data.build import build_dataset, summarize
 from data.splits import essay_split
 from eval.heldout import markdown_table
 from kvgates.cli import OneLineParser, usage_error
-from kvgates.gates import GATE_KINDS
 from kvgates.gates.training import GateTraining
 from kvgates.models import check_model_source
 from train.config import ConfigError, TrainConfig
@@ -164,7 +163,7 @@ def initial_gates(config: TrainConfig, model: PreTrainedModel) -> kvgates.GateSe
     (``AdapterError`` if it is of another kind or for another model)."""
     spec = config.gates
     if spec.init_from is None:
-        return GATE_KINDS[config.gate_kind].for_model(
+        return config.learned_method.gate_set.for_model(
             model, gate_hidden=spec.hidden, training_budget=config.budget, init_bias=spec.init_bias
         )
     gates = kvgates.load_gates(spec.init_from)  # its kind was checked by check_sources
@@ -190,6 +189,7 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
     model.requires_grad_(False)
     gates = initial_gates(config, model)  # float32, whatever the model's dtype
     start = copy.deepcopy(gates)
+    config.learned_method.setup(model, gates, config.method_options)
     gated = GateTraining(model, gates, config.attention)  # registers the gates on the model and routes its attention
 
     # Data: training rows from the train essays; validation on validation essays.

@@ -4,8 +4,8 @@ The Trainer brings devices, DDP/DeepSpeed/FSDP through accelerate, mixed precisi
 checkpointing, the optimizer and schedule, checkpoint/resume (optimizer, scheduler, RNG, data order), best-checkpoint
 tracking, wandb logging and progress bars. This subclass changes only what is specific to gates:
 
-* ``compute_loss``: teacher forward (plain attention, no grad), student forward (gated attention), and the losses
-  of ``train.losses``; Locret trains its heads from one labelling forward instead;
+* ``compute_loss``: the loss of the gates' learned method (``kvgates.methods``: TRIM-KV's teacher forward, gated
+  student forward and losses; Locret's one labelling forward; ...);
 * ``evaluate``: validation with *hard* eviction through ``kvgates.BudgetCache`` (``train.validation``), never the
   soft training proxy; the best checkpoint is chosen by its KL;
 * checkpoints hold the gate adapter (and the Trainer's optimizer/scheduler/RNG state), never the LLM.
@@ -13,7 +13,6 @@ tracking, wandb logging and progress bars. This subclass changes only what is sp
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections import defaultdict
@@ -24,39 +23,10 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 import kvgates
-from kvgates.gates.training import GateTraining, HardEviction
+from kvgates.gates.training import GateTraining
+from kvgates.methods.base import TrainingStep, eval_mode
 from train.config import TrainConfig
-from train.losses import capacity_loss, distillation_loss, locret_loss, teacher_ranking_loss
 from train.validation import Validator
-
-
-@contextlib.contextmanager
-def eval_mode(model: torch.nn.Module):
-    """Run the block with ``model`` in eval mode (the frozen teacher), restoring its mode after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
-def keep_sets(cache: kvgates.BudgetCache, length: int) -> torch.Tensor:
-    """``[L, B, H_kv, T]`` bool: the positions each budgeted layer's heads still hold."""
-    out = []
-    for layer in cache.budget_layers:
-        pos = layer.pos
-        keep = torch.zeros((*pos.shape[:2], length + 1), dtype=torch.bool, device=pos.device)
-        keep.scatter_(2, torch.where(pos >= 0, pos, length).clamp(max=length), True)
-        out.append(keep[..., :length])
-    return torch.stack(out)
-
-
-def decode_start(labels: torch.Tensor) -> torch.Tensor:
-    """``[B]`` the first position of each row's completion (``labels != -100``), where inference starts decoding
-    (the row's length when it has none)."""
-    answer = labels != -100
-    return torch.where(answer.any(-1), answer.int().argmax(-1), labels.shape[1])
 
 
 def gate_loss(
@@ -68,65 +38,10 @@ def gate_loss(
     budget: float,
     teacher_weight: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The training loss of one batch and its parts (for logging), for ``config.kind``'s gates.
-
-    Retention gates (TRIM-KV): a teacher forward (plain attention, no gradient; through a ``BudgetCache`` with the
-    heuristic teacher when one is configured, which leaves the logits unchanged and yields its keep-set), a student
-    forward with gated attention (evicting as inference does under ``loss.hard_eviction``), then
-    ``(KL + CE) / 2 + lambda_cap * capacity (+ teacher_weight * ranking)``.
-    Retaining heads (Locret): one labelling forward, then the regression loss. ``model`` may be wrapped (DDP,
-    DeepSpeed); ``lm_head`` is its output projection.
-    """
-    ids, mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
-    lengths = mask.sum(-1)
-    attention_mask = None if bool(mask.all()) else mask  # no padding: the fused causal kernels
-    layers = gated.gates.config.layer_ids
-    if config.kind == "locret":
-        gated.set_mode("labels")
-        model(input_ids=ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
-        scores = torch.stack([gated.scores[i] for i in layers])
-        targets = torch.stack([gated.labels[i] for i in layers])
-        loss, regression, smooth = locret_loss(scores, targets, config.loss.locret_smoothness)
-        return loss, {"regression": regression.item(), "smoothness": smooth.item()}
-
-    gated.set_mode(None)
-    with torch.no_grad(), eval_mode(model):
-        cache = None
-        policy = None
-        if config.teacher is not None and teacher_weight > 0:
-            # Attached like any policy at inference: KVzip's scoring pass runs the same model again.
-            policy = kvgates.make_policy(config.teacher.policy, budget=config.budget, **config.teacher.params).attach(gated.model)
-            cache = kvgates.BudgetCache(gated.model.config, policy)
-        try:
-            teacher = model(
-                input_ids=ids, attention_mask=attention_mask, past_key_values=cache, use_cache=cache is not None,
-                output_hidden_states=True, logits_to_keep=1,
-            )
-        finally:
-            if policy is not None:
-                policy.detach()
-    targets = labels[:, 1:]
-    completion = targets != -100
-    teacher_hidden = teacher.hidden_states[-1][:, :-1][completion]
-    del teacher  # its other layers' hidden states (layers x T x d) are not needed during the student's pass
-    hard = None
-    if config.loss.hard_eviction:
-        hard = HardEviction(max(1, round(budget)), decode_start(labels), config.loss.eviction_temperature)
-    gated.set_mode("gated", hard)
-    student = model(input_ids=ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True, logits_to_keep=1)
-    student_hidden = student.hidden_states[-1][:, :-1][completion]
-    kl, ce = distillation_loss(student_hidden, teacher_hidden, targets[completion], lm_head, config.loss.distill_chunk)
-    log_beta = torch.stack([gated.log_beta[i] for i in layers])  # [L, B, H_kv, T]
-    cap = capacity_loss(log_beta, budget, lengths, config.kind == "trimkv-global", config.loss.capacity_stride)
-    loss = (kl + ce) / 2 + config.loss.lambda_cap * cap
-    parts = {"kl": kl.item(), "ce": ce.item(), "capacity": cap.item(), "budget": budget}
-    if cache is not None:
-        keep = keep_sets(cache, ids.shape[1]).to(log_beta.device)
-        rank = teacher_ranking_loss(log_beta, keep, lengths, config.teacher.pairs)  # global RNG: resumed with the run
-        loss = loss + teacher_weight * rank
-        parts.update(teacher_rank=rank.item(), teacher_weight=teacher_weight)
-    parts["log_beta_mean"] = log_beta.detach().mean().item()
-    return loss, parts
+    """The training loss of one batch and its parts (for logging): the loss of the gates' learned method
+    (``kvgates.methods``). ``model`` may be wrapped (DDP, DeepSpeed); ``lm_head`` is its output projection."""
+    step = TrainingStep(model, lm_head, gated, config, inputs, budget, teacher_weight)
+    return gated.method.loss(step)
 
 
 class GateTrainer(Trainer):
@@ -195,7 +110,7 @@ class GateTrainer(Trainer):
 
     # ------------------------------------------------------------------ validation with hard eviction
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        self.gated.set_mode(None)
+        self.gated.teach()
         model = self.accelerator.unwrap_model(self.model)
         with eval_mode(model):
             metrics = self.validator.run(model, self.gates)

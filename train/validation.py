@@ -18,7 +18,7 @@ import kvgates
 from data.build import build_dataset
 from data.tasks import make_example
 from eval.heldout import HeldOut
-from train.config import POLICY_OF_KIND, TrainConfig
+from train.config import TrainConfig
 
 
 def needle_examples(tokenizer: PreTrainedTokenizerBase, split: str, template_set: str, count: int, tokens: int, seed: int) -> list[dict]:
@@ -32,7 +32,7 @@ def needle_examples(tokenizer: PreTrainedTokenizerBase, split: str, template_set
 
 def learned_policy(config: TrainConfig, gates: kvgates.GateSet) -> kvgates.Policy:
     """The inference policy of ``gates`` at the training budget, on a copy (attaching never touches the original)."""
-    return kvgates.make_policy(POLICY_OF_KIND[config.kind], budget=config.budget, gates=copy.deepcopy(gates), **config.policy)
+    return kvgates.make_policy(config.learned_method.policy, budget=config.budget, gates=copy.deepcopy(gates), **config.policy)
 
 
 class Validator:

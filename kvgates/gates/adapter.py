@@ -153,14 +153,14 @@ def _holds(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str
 class GateSet(nn.Module):
     """Base of gate adapters: one gate module per gated (full-attention) layer of a base model.
 
-    Subclasses set ``kind`` (the ``config.json`` kind), ``policy_name`` (the inference policy that evicts by them),
+    Subclasses set ``kind`` (the ``config.json`` kind; the learned method that trains them, ``kvgates.methods``,
+    names the policies that evict by them),
     ``captures`` (what the hooks must capture from the model: ``"hidden"`` = the normed hidden state entering
     attention, ``"qkv"`` = raw q/k/v projections) and build their modules from a ``GateConfig``;
     ``forward(layer_idx, captured)`` gives ``[B, T, H_kv]`` scores.
     """
 
     kind: ClassVar[str] = ""
-    policy_name: ClassVar[str] = ""
     captures: ClassVar[str] = "hidden"
     default_hidden: ClassVar[int] = 512
 
@@ -319,7 +319,10 @@ class GateSet(nn.Module):
         return str(getattr(info, "commit_url", info))
 
     def model_card(self) -> str:
+        from kvgates.methods import method_of
+
         c = self.config
+        policy = method_of(self).policy
         results = "\n".join(f"| {k} | {v} |" for k, v in c.results.items()) or "| (none recorded yet) | |"
         report = f"\n{c.report.strip()}\n" if c.report.strip() else ""
         training = ""
@@ -345,7 +348,7 @@ Training data: {c.training_data or "none recorded"}.
 ```python
 import kvgates
 model, tok = kvgates.load_model("{c.base_model}")
-policy = kvgates.make_policy("{self.policy_name}", budget={c.training_budget or 256}, gates="<this repo id or folder>")
+policy = kvgates.make_policy("{policy}", budget={c.training_budget or 256}, gates="<this repo id or folder>")
 policy.attach(model)
 cache = kvgates.BudgetCache(model.config, policy)
 out = model.generate(**tok("...", return_tensors="pt"), past_key_values=cache, max_new_tokens=64)
@@ -396,7 +399,6 @@ class RetentionGates(GateSet):
     """TRIM-KV retention gates, one ``RetentionGate`` per gated layer; scores are ``log beta`` (<= 0)."""
 
     kind = "retention"
-    policy_name = "trimkv"
     captures = "hidden"
 
     def __init__(self, config: GateConfig):
@@ -416,7 +418,6 @@ class GlobalRetentionGates(GateSet):
     so ``log beta`` is comparable across layers and heads (a single global budget)."""
 
     kind = "retention-global"
-    policy_name = "trimkv-global"
     captures = "hidden"
 
     def __init__(self, config: GateConfig):
@@ -435,7 +436,6 @@ class RetainingHeads(GateSet):
     """Locret retaining heads, one ``RetainingHead`` per gated layer over ``concat[q, k, v]``."""
 
     kind = "retaining-head"
-    policy_name = "locret"
     captures = "qkv"
     default_hidden = 1024
 

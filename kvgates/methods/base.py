@@ -1,0 +1,208 @@
+"""A learned eviction method as one object: its gate adapter class, the policies that run it, what its student
+attention does and its training loss.
+
+Training (``train/``), adapters, the CLI and the A/B harness ask the method instead of branching on its name.
+``register_method`` adds one to ``METHODS`` under ``name``, the run's ``kind:`` in a training config. A method
+module holds everything specific to it (see ``kvgates/methods/kvzap.py``); ``kvgates/methods/__init__.py``
+imports it, which is its one registration.
+
+The pieces a method is made of:
+
+* ``gate_set``: its ``GateSet`` subclass (the adapter kind, what its hooks capture: ``captures``);
+* ``policies``: the inference policies that evict by these gates; the first runs the run's validation and its
+  final held-out table;
+* ``options``: a dataclass of the method's own training options, the ``method:`` section of a training config
+  (None: it has none);
+* ``attend``: the attention of one gated layer in the *student* forward (``GateTraining.learn``), which may
+  record tensors for the loss in ``training.records``;
+* ``loss``: the loss of one batch, from a ``TrainingStep`` (the teacher forward, the student forward and
+  distillation are its helpers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from kvgates.gates.adapter import GateSet
+from kvgates.methods.losses import distillation_loss
+
+METHODS: dict[str, LearnedMethod] = {}
+
+
+def register_method(cls: type[LearnedMethod]) -> type[LearnedMethod]:
+    """Class decorator: register one instance of ``cls`` under ``cls.name``."""
+    if not cls.name or cls.name in METHODS:
+        raise ValueError(f"a learned method needs a new name, got {cls.name!r}")
+    METHODS[cls.name] = cls()
+    return cls
+
+
+def method_of(gates: GateSet) -> LearnedMethod:
+    """The method whose adapters ``gates`` are (by its gate kind)."""
+    for method in METHODS.values():
+        if method.gate_set.kind == gates.kind:
+            return method
+    raise ValueError(f"no learned method trains {gates.kind!r} gates; methods: {', '.join(METHODS)}")
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Run the block with ``model`` in eval mode (the frozen teacher), restoring its mode after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def decode_start(labels: torch.Tensor) -> torch.Tensor:
+    """``[B]`` the first position of each row's completion (``labels != -100``), where inference starts decoding
+    (the row's length when it has none)."""
+    answer = labels != -100
+    return torch.where(answer.any(-1), answer.int().argmax(-1), labels.shape[1])
+
+
+@dataclass
+class TrainingStep:
+    """One batch of a training run, as a method's ``loss`` sees it.
+
+    Attributes:
+        model: the model (possibly wrapped by DDP / DeepSpeed) carrying the gates.
+        lm_head: its output projection.
+        training: the ``GateTraining`` on the model (mode, records, the gates).
+        config: the run config (``train.config.TrainConfig``: ``budget``, ``loss``, ``teacher``, ``method``, ...).
+        inputs: the collated batch (``input_ids``, ``attention_mask``, ``labels``).
+        budget: the capacity budget at this step (ramped from ``data.seq_len`` by ``loss.budget_ramp_steps``).
+        teacher_weight: the heuristic teacher's weight at this step (0 without one).
+    """
+
+    model: nn.Module
+    lm_head: nn.Linear
+    training: Any
+    config: Any
+    inputs: dict[str, torch.Tensor]
+    budget: float
+    teacher_weight: float = 0.0
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.inputs["input_ids"]
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.inputs["labels"]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[B]`` real (unpadded) length of each row."""
+        return self.inputs["attention_mask"].sum(-1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor | None:
+        """The padding mask, or None when no row is padded (the fused causal kernels then run)."""
+        mask = self.inputs["attention_mask"]
+        return None if bool(mask.all()) else mask
+
+    @property
+    def completion(self) -> torch.Tensor:
+        """``[B, T - 1]`` bool: the positions whose next token is a completion token (the distilled ones)."""
+        return self.labels[:, 1:] != -100
+
+    def forward(self, **kwargs: Any) -> Any:
+        """The model on this batch (``use_cache=False`` unless a cache is given; logits of the last token only)."""
+        kwargs.setdefault("use_cache", kwargs.get("past_key_values") is not None)
+        return self.model(input_ids=self.ids, attention_mask=self.attention_mask, logits_to_keep=1, **kwargs)
+
+    def teacher_hidden(self, cache: Any = None) -> torch.Tensor:
+        """``[n, d]`` the frozen model's final hidden states at the completion positions (plain attention, eval
+        mode, no gradient, as the method's ``frozen`` context leaves the model; through ``cache`` when given: a
+        policy's cache leaves the logits unchanged and records what it would keep)."""
+        self.training.teach()
+        method = self.training.method
+        with torch.no_grad(), eval_mode(self.model), method.frozen(self.training.model):
+            out = self.forward(past_key_values=cache, output_hidden_states=True)
+        return out.hidden_states[-1][:, :-1][self.completion]
+
+    def student_hidden(self, **context: Any) -> torch.Tensor:
+        """``[n, d]`` the student's final hidden states at the completion positions (``GateTraining.learn``
+        with ``context``)."""
+        self.training.learn(**context)
+        out = self.forward(output_hidden_states=True)
+        return out.hidden_states[-1][:, :-1][self.completion]
+
+    def distill(self, student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(KL, CE)`` of the student against the teacher on the completion tokens (``distillation_loss``)."""
+        targets = self.labels[:, 1:][self.completion]
+        return distillation_loss(student, teacher, targets, self.lm_head, self.config.loss.distill_chunk)
+
+    def stacked(self, name: str) -> torch.Tensor:
+        """``[L, B, H_kv, T]``: what the student forward recorded under ``name``, over the gated layers."""
+        records = self.training.records[name]
+        return torch.stack([records[i] for i in self.training.gates.config.layer_ids])
+
+
+class LearnedMethod:
+    """Base of learned eviction methods (see the module docstring). Subclasses set the class attributes and
+    implement ``attend`` and ``loss``; the other hooks have defaults."""
+
+    #: The run's ``kind:`` in a training config.
+    name: ClassVar[str] = ""
+    #: The adapter class of its gates.
+    gate_set: ClassVar[type[GateSet]]
+    #: Inference policies that run these gates; the first validates the run and makes its final table.
+    policies: ClassVar[tuple[str, ...]] = ()
+    #: The method's own training options (the config's ``method:`` section); None: none.
+    options: ClassVar[type | None] = None
+    #: Whether a heuristic ``teacher:`` may supervise its gates.
+    takes_teacher: ClassVar[bool] = False
+
+    @property
+    def policy(self) -> str:
+        """The policy that validates a run and makes its final table."""
+        return self.policies[0]
+
+    def check(self, config: Any) -> None:
+        """Rules the run config must follow for this method beyond the common ones (``ValueError``, one sentence).
+        Default: ``loss.hard_eviction`` is refused (it trains per-layer retention gates)."""
+        if config.loss.hard_eviction:
+            raise ValueError(f"loss.hard_eviction trains per-layer retention gates (kind trimkv), not {self.name}")
+
+    def setup(self, model: nn.Module, gates: GateSet, options: Any) -> None:
+        """Prepare ``model`` for training ``gates`` (before the Trainer is built). Default: nothing."""
+
+    def check_context(self, gates: GateSet, context: dict[str, Any]) -> None:
+        """``ValueError`` for a student context (``GateTraining.learn(**context)``) this method does not take.
+        Default: it takes none."""
+        if context:
+            raise ValueError(f"{self.name} student forwards take no settings, got {', '.join(context)}")
+
+    def frozen(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """A context in which ``model`` is the frozen model as it was loaded (the teacher). Default: it always is."""
+        return contextlib.nullcontext()
+
+    def attend(
+        self,
+        training: Any,
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scale: float,
+        captured: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """The student attention of gated layer ``module.layer_idx``: ``[B, T, H, D]``. ``captured`` holds the
+        gate's inputs of this forward (``gate_set.captures``); ``training.plain(...)`` is the teacher's."""
+        raise NotImplementedError
+
+    def loss(self, step: TrainingStep) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one batch and its parts (floats, for logging)."""
+        raise NotImplementedError

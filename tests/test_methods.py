@@ -1,0 +1,56 @@
+"""The learned-method registry: one object per method owns its gate kind, its policies and its training loss."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvgates
+from kvgates.gates import GATE_KINDS
+from kvgates.gates.embedded import embedded_adapters
+from kvgates.methods import METHODS, LearnedMethod, method_of, register_method
+from kvgates.policies.base import POLICIES
+from kvgates.policies.learned import LearnedPolicy
+from train.config import ConfigError, TrainConfig
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_method_names_a_gate_kind_and_policies_that_run_it(name):
+    method = METHODS[name]
+    assert GATE_KINDS[method.gate_set.kind] is method.gate_set
+    assert method.policies and method.policy == method.policies[0]
+    for policy in method.policies:
+        assert issubclass(POLICIES[policy], LearnedPolicy)
+        assert method.gate_set.kind in POLICIES[policy].gate_kinds, (name, policy)
+    assert TrainConfig.from_dict({"kind": name}).gate_kind == method.gate_set.kind
+
+
+def test_every_learned_policy_belongs_to_a_method():
+    owned = {policy for method in METHODS.values() for policy in method.policies}
+    learned = {name for name, cls in POLICIES.items() if issubclass(cls, LearnedPolicy)}
+    assert learned <= owned, learned - owned
+
+
+@pytest.mark.parametrize("name", embedded_adapters())
+def test_each_shipped_adapter_is_found_by_its_method(name):
+    gates = kvgates.load_gates(name)
+    method = method_of(gates)
+    assert method.gate_set is type(gates)
+    assert f'make_policy("{method.policy}"' in gates.model_card()
+
+
+def test_a_method_name_registers_once():
+    class Again(LearnedMethod):
+        name = "trimkv"
+
+    with pytest.raises(ValueError, match="new name"):
+        register_method(Again)
+
+
+def test_method_options_are_refused_by_a_method_without_them():
+    with pytest.raises(ConfigError, match="locret takes no method options"):
+        TrainConfig.from_dict({"kind": "locret", "method": {"rank": 4}})
+
+
+def test_an_unknown_kind_lists_the_methods():
+    with pytest.raises(ConfigError, match="kinds \\(learned methods\\): .*trimkv-global"):
+        TrainConfig.from_dict({"kind": "dmz"})
