@@ -78,7 +78,7 @@ class LossSpec:
 
 @dataclass
 class TeacherSpec:
-    """A heuristic policy whose keep-set at ``budget`` supervises the gates (``train.losses.teacher_ranking_loss``)
+    """A heuristic policy whose keep-set at ``budget`` supervises the gates (``kvgates.methods.losses.teacher_ranking_loss``)
     with ``weight``, annealed linearly to 0 over ``anneal_steps`` optimizer steps (0: constant)."""
 
     policy: str
