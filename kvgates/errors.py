@@ -8,3 +8,8 @@ class UnsupportedModelError(ValueError):
 
 class AdapterError(ValueError):
     """A gate adapter is corrupt, incomplete, or was trained for another model."""
+
+
+class ConfigError(ValueError):
+    """A run config (training or evaluation YAML, with its overrides) that cannot run; the message is one sentence
+    saying what is wrong."""

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from data.build import FORMATS, check_mix
 from kvgates import POLICIES
+from kvgates.config import ConfigError, apply_override, build, read_yaml, yaml_hint
 from kvgates.methods import METHODS, LearnedMethod
 from kvgates.policies.learned import LearnedPolicy
 from kvgates.typecheck import field_problems
@@ -29,10 +29,6 @@ from kvgates.typecheck import field_problems
 NOT_HEURISTIC = ("full",)
 #: ``model_dtype``: the frozen model's weights (``auto``: bfloat16 on CUDA, float32 elsewhere); gates stay float32.
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-class ConfigError(ValueError):
-    """A training config that cannot run (one sentence saying what is wrong)."""
 
 
 @dataclass
@@ -169,7 +165,7 @@ class TrainConfig:
         if not isinstance(self.method, dict):
             raise ConfigError(f"method must be a mapping of {self.kind}'s options, got {self.method!r}")
         try:
-            self.method_options = None if options is None else _build(options, self.method, "method")
+            self.method_options = None if options is None else build(options, self.method, "method")
         except ValueError as err:  # the options' own range checks
             raise ConfigError(err if isinstance(err, ConfigError) else f"method: {err}") from None
         try:
@@ -196,9 +192,9 @@ class TrainConfig:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> TrainConfig:
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{source}: expected a mapping at the top level")
-        return _build(cls, raw, source)
+        """The run ``raw`` describes (``kvgates.config.build``: every key known, every section a dataclass);
+        ``source`` names it in messages."""
+        return build(cls, raw, source)
 
     @classmethod
     def load(cls, path: str | Path, overrides: list[str] = ()) -> TrainConfig:
@@ -207,7 +203,7 @@ class TrainConfig:
         A config may start from another: ``base: other.yaml`` (relative to the file) is read first and the file's
         own keys are merged over it, section by section.
         """
-        raw = _read_yaml(Path(path), seen=())
+        raw = read_yaml(path)
         for item in overrides:
             apply_override(raw, item)
         return cls.from_dict(raw, str(path))
@@ -232,77 +228,6 @@ class TrainConfig:
         name = self.model_dtype if self.model_dtype != "auto" else "bfloat16" if cuda else "float32"
         return getattr(torch, name)
 
-
-def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    if path.resolve() in seen:
-        raise ConfigError(f"{path}: 'base' configs form a cycle")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path} is not valid YAML ({err})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
-    base = raw.pop("base", None)
-    if base is None:
-        return raw
-    return _merge(_read_yaml(path.parent / base, (*seen, path.resolve())), raw)
-
-
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """``top`` over ``base``; sections (mappings) merge key by key, everything else is replaced."""
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def apply_override(raw: dict[str, Any], item: str) -> None:
-    """Set ``raw[a][b] = value`` for an override ``a.b=value``."""
-    if "=" not in item:
-        raise ConfigError(f"overrides look like key=value or section.key=value, got {item!r}")
-    key, value = item.split("=", 1)
-    parts = key.strip().split(".")
-    node = raw
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {item!r}: {part!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(value)
-
-
-def _build(cls: type, raw: dict[str, Any], where: str):
-    """Construct dataclass ``cls`` from ``raw``, refusing unknown keys and building nested sections."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise ConfigError(f"{where}: unknown keys {unknown}; known keys: {sorted(fields)}")
-    kwargs = {}
-    for name, value in raw.items():
-        kind = _SECTIONS.get((cls, name))
-        if kind is not None and value is not None:
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}: {name} must be a mapping, got {value!r}")
-            value = _build(kind, value, f"{where}: {name}")
-        kwargs[name] = value
-    wrong = field_problems(cls, {k: v for k, v in kwargs.items() if (cls, k) not in _SECTIONS})
-    if wrong:
-        raise ConfigError(f"{where}: {_yaml_hint(wrong[0])}")
-    try:
-        return cls(**kwargs)
-    except TypeError as err:  # a required key missing (e.g. teacher.policy)
-        raise ConfigError(f"{where}: {err}") from None
-
-
-_SECTIONS = {
-    (TrainConfig, "gates"): GateSpec,
-    (TrainConfig, "data"): DataSpec,
-    (TrainConfig, "loss"): LossSpec,
-    (TrainConfig, "teacher"): TeacherSpec,
-    (TrainConfig, "validation"): ValidationSpec,
-    (TrainConfig, "report"): ReportSpec,
-}
 
 #: TrainingArguments the run sets itself (from other keys), so a config must not.
 _RESERVED_ARGS = {"output_dir", "run_name", "remove_unused_columns", "metric_for_best_model", "greater_is_better"}
@@ -353,16 +278,6 @@ def _check_learned_policy(kind: str, budget: int, params: dict[str, Any]) -> Non
         raise ConfigError(f"policy: {err}") from None
 
 
-def _yaml_hint(problem: str) -> str:
-    """``problem`` plus, for a number YAML read as a string (``1e-3`` without a dot), how to write it."""
-    value = problem.rsplit("got ", 1)[-1].strip("'")
-    try:
-        float(value)
-    except ValueError:
-        return problem
-    return f"{problem} (YAML reads 1e-3 as a string; write 1.0e-3)" if "must be a number" in problem else problem
-
-
 #: Ranges of the ``training`` values the run's Trainer needs (checked before the model loads): name -> (test, words).
 _TRAINING_RANGES = {
     "learning_rate": (lambda v: v > 0, "greater than 0"),
@@ -399,7 +314,7 @@ def _check_training_args(training: dict[str, Any]) -> None:
         raise ConfigError(f"training: {reserved} are set by the run itself; remove them from the config")
     wrong = field_problems(TrainingArguments, training)
     if wrong:
-        raise ConfigError(f"training: {_yaml_hint(wrong[0])}")
+        raise ConfigError(f"training: {yaml_hint(wrong[0])}")
     for name, (ok, words) in _TRAINING_RANGES.items():
         if name in training and not ok(training[name]):
             raise ConfigError(f"training: {name} must be {words}, got {training[name]!r}")

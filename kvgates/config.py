@@ -1,0 +1,148 @@
+"""Run configs in YAML: the one loader of training (``train/config.py``) and evaluation (``eval/config.py``) configs.
+
+    raw = read_yaml("configs/train/trimkv-128.yaml")     # its ``base:`` chain merged in
+    apply_override(raw, "training.max_steps=50")          # a command-line ``key=value``, the value read as YAML
+    config = build(TrainConfig, raw, "configs/train/trimkv-128.yaml")
+
+* ``base: other.yaml`` (a path relative to the file) is read first and the file's own keys are merged over it,
+  section by section: a mapping merges key by key, anything else (lists included) is replaced. A chain may be of
+  any length; a cycle is refused.
+* An override ``a.b=value`` sets key ``b`` of section ``a`` (made when absent); ``value`` is read as YAML, so
+  ``budgets=[128]`` is a list and ``seed=3`` a number.
+* ``build`` makes a dataclass of a mapping, refusing an unknown key, a value of the wrong type
+  (``kvgates.typecheck``) and a missing required key. A field whose type is a dataclass (or an optional one) is a
+  section: a mapping built the same way, to any depth. A section whose class depends on other keys (a method's
+  settings by ``kind``) is a mapping field, built by the caller with the class it picks:
+  ``build(cls_of_kind, raw["method"], f"{where}: method")``.
+
+Each problem is a ``ConfigError`` (``kvgates.errors``) with one sentence naming the file or section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TypeVar, Union
+
+import yaml
+
+from kvgates.errors import ConfigError
+from kvgates.typecheck import field_problems
+
+__all__ = ["ConfigError", "apply_override", "build", "merge", "read_yaml", "refuse_unknown", "yaml_hint"]
+
+T = TypeVar("T")
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping a YAML config holds, its ``base`` chain merged in (the ``base`` key itself removed)."""
+    return _read(Path(path), ())
+
+
+def _read(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: 'base' configs form a cycle")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML ({_one_line(err)})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of settings at the top level")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base must name another YAML config (a path relative to this one), got {base!r}")
+    return merge(_read(path.parent / base, (*seen, path.resolve())), raw)
+
+
+def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base`` (neither is changed); sections (mappings) merge key by key, anything else is replaced."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set ``raw[a][b] = value`` for an override ``a.b=value`` (``value`` read as YAML; sections made as needed)."""
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError(f"overrides look like key=value or section.key=value, got {item!r}")
+    node = raw
+    for part in parts[:-1]:
+        if node.get(part) is None:
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a section")
+    try:
+        node[parts[-1]] = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({_one_line(err)})") from None
+
+
+def build(cls: type[T], raw: Any, where: str) -> T:
+    """Dataclass ``cls`` made of mapping ``raw``, its sections built likewise; ``where`` names the mapping in the
+    messages (a file, ``"the config"``; a section is ``"<where>: <name>"``). Raises ``ConfigError`` for a value
+    that is not a mapping, an unknown key, a missing required key or a value of the wrong type."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping, got {raw!r}")
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    refuse_unknown(raw, [f.name for f in fields], where)
+    hints = typing.get_type_hints(cls)
+    kwargs, plain = {}, {}
+    for name, value in raw.items():
+        section = _section(hints[name])
+        if section is not None and value is not None:
+            kwargs[name] = build(section, value, f"{where}: {name}")
+        else:
+            kwargs[name] = plain[name] = value
+    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in raw]
+    if missing:
+        raise ConfigError(f"{where} lacks required {_keys(missing)}")
+    wrong = field_problems(cls, plain)
+    if wrong:
+        raise ConfigError(f"{where}: {yaml_hint(wrong[0])}")
+    return cls(**kwargs)
+
+
+def refuse_unknown(raw: dict[str, Any], known: Iterable[str], where: str) -> None:
+    """``ConfigError`` naming the keys of ``raw`` not among ``known`` (and listing those), if there are any."""
+    known = list(known)
+    unknown = sorted(set(raw) - set(known), key=str)
+    if unknown:
+        raise ConfigError(f"{where} has unknown {_keys(unknown)}; known keys: {', '.join(known)}")
+
+
+def yaml_hint(problem: str) -> str:
+    """``problem`` (a ``field_problems`` phrase) plus, for a number YAML read as a string (``1e-3`` without a dot),
+    how to write it."""
+    value = problem.rsplit("got ", 1)[-1].strip("'")
+    try:
+        float(value)
+    except ValueError:
+        return problem
+    return f"{problem} (YAML reads 1e-3 as a string; write 1.0e-3)" if "must be a number" in problem else problem
+
+
+def _section(hint: Any) -> type | None:
+    """The dataclass a field of type ``hint`` holds (``Spec`` or ``Spec | None``), else None."""
+    union = typing.get_origin(hint) in (Union, types.UnionType)
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if union else [hint]
+    return args[0] if len(args) == 1 and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]) else None
+
+
+def _keys(names: list[Any]) -> str:
+    return f"key{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))}"
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
