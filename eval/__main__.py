@@ -2,12 +2,15 @@
 
     python -m eval ab --config configs/eval/ab.yaml            # the full A/B report
     python -m eval ab --config configs/eval/ab.yaml --quick    # its smaller, complete version
+    python -m eval ab --config configs/eval/reference.yaml budgets=[128] seed=1   # key=value overrides (YAML values)
     python -m eval ab --config configs/eval/demo.yaml --out outputs/demo --fresh
     python -m eval softhard --budget 128 --gates smollm2-135m-trimkv-128   # training's soft KL vs inference's hard KL
 
-``ab`` validates the whole config (arms, budgets, tasks, adapters, the model's config) before any model work, runs every arm at
-every budget on the same examples, journals each result to ``results.jsonl`` (an interrupted run resumes; ``--fresh``
-starts over) and writes ``results.json``, ``report.md`` and PNG plots to the output folder. ``--report-only``
+``ab`` reads the config (``base:`` and ``key=value`` overrides, as ``kvgates.config`` reads them; with ``--quick``,
+a key its quick section sets is overridden there: ``quick.budgets=[64]``), validates the whole of it (arms, budgets,
+tasks, adapters, the model's config) before any model work, runs every arm at every budget on the same examples,
+journals each result to ``results.jsonl`` (an interrupted run resumes; ``--fresh`` starts over) and writes
+``results.json``, ``report.md`` and PNG plots to the output folder. ``--report-only``
 writes them from the results journalled so far, without loading the model (the progress of a long run); a folder
 with no results yet is an error. Every user error is one sentence on stderr and exit status 2, leaving no empty
 output folder. Configs write under ``outputs/`` (git-ignored); the committed reports under ``docs/`` are
@@ -32,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     ab = commands.add_parser("ab", help="A/B evaluation of policies and gate adapters at matched KV memory")
     ab.add_argument("--config", required=True, help="YAML run config (configs/eval/*.yaml)")
+    ab.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, values as YAML (budgets=[128], tasks=[needle])")
     ab.add_argument("--quick", action="store_true", help="apply the config's quick section: a smaller, complete report")
     ab.add_argument("--out", help="output folder (default: the config's output_dir)")
     ab.add_argument("--fresh", action="store_true", help="ignore results already journalled in results.jsonl")
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = None
     try:
-        config = ABConfig.load(args.config, quick=args.quick, output_dir=args.out)
+        config = ABConfig.load(args.config, args.overrides, quick=args.quick, output_dir=args.out)
         out = Path(config.output_dir)
         made = not out.exists()
         from eval.report import write_report
@@ -67,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             out.rmdir()  # a run stopped before its first result leaves no empty folder
         return usage_error("python -m eval ab", err)
     # The command that reproduces these results (what --fresh/--report-only did is not part of them).
-    command = "python -m eval ab " + shlex.join(["--config", args.config] + ["--quick"] * args.quick + (["--out", args.out] if args.out else []))
+    flags = ["--config", args.config] + ["--quick"] * args.quick + (["--out", args.out] if args.out else [])
+    command = "python -m eval ab " + shlex.join(flags + args.overrides)
     print(write_report(results, command))
     print(f"\nreport: {Path(config.output_dir) / 'report.md'}")
     return 0

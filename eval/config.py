@@ -1,5 +1,6 @@
-"""A/B run configs (YAML): the model, the arms, the budgets, the tasks and the comparisons, validated as a whole.
+"""A/B run configs (YAML): the specs of a run (its model, arms, budgets, tasks and comparisons), validated as a whole.
 
+    base: reference.yaml         # optional: start from another config (relative to this one), merged key by key
     model: smollm2-135m
     seed: 0
     split: test                  # the essays the tasks are built from; `validation` while developing a recipe
@@ -20,11 +21,18 @@
     quick: {budgets: [128], arms: [snapkv], tasks: {needle: {examples: 3}}}    # what --quick changes
     output_dir: outputs/ab
 
+The file is read by the shared loader (``kvgates.config``: ``base:`` chains, ``key=value`` overrides such as
+``budgets=[128]`` on the command line, unknown keys refused). ``quick:`` is merged over the config with
+``--quick``: its keys replace the config's, except ``arms`` (the labels of the arms kept) and ``tasks`` (the names
+of the tasks kept, or a mapping of names to the settings changed); its output folder is the config's with
+``-quick`` unless it names one.
+
 The full cache is always an arm (label ``full``): it is the reference of every task. ``ABConfig.load`` checks
 everything that can be checked without the model (keys, policy names and parameters, budgets, tasks and their
-options, adapters: present, readable and of the policy's kind) and raises ``ConfigError`` with one sentence;
-``eval.runner.prepare_arms`` checks the rest once the model is loaded (adapters made for another model) before
-any example runs.
+options, adapters: present, readable and of the policy's kind) and raises ``kvgates.ConfigError`` with one
+sentence; ``eval.arms.prepare_arms`` checks the rest once the model is loaded (adapters made for another model)
+before any example runs. Loading adapters and building the arms' policies is ``eval.arms``'s; an adapter's
+weights enter the journal keys by ``kvgates.gates.adapter.weights_digest``.
 """
 
 from __future__ import annotations
@@ -32,33 +40,22 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import torch
-import yaml
-from safetensors import safe_open
-
 import kvgates
 from data.tasks import templates
-from kvgates.errors import AdapterError
-from kvgates.gates.embedded import embedded_adapter_dir, embedded_adapters
+from eval.arms import UNTRAINED, UNTRAINED_GATES, check_budgets, load_adapter
+from kvgates.config import ConfigError, apply_override, build, merge, read_yaml, refuse_unknown
+from kvgates.gates.adapter import weights_digest
+from kvgates.gates.embedded import embedded_adapter_dir
 from kvgates.policies.learned import LearnedPolicy
-from kvgates.policies.wrappers import learned_policy, with_gates
+from kvgates.policies.wrappers import learned_policy
 
-#: Gates of an arm built fresh for the model (``gates: untrained``), as the training issue initialises them.
-UNTRAINED = "untrained"
-UNTRAINED_GATES = {"gate_hidden": 64, "init_bias": 8.0}
 #: Essay splits an A/B run may use; the training essays are never evaluated on.
 EVAL_SPLITS = ("test", "validation")
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message is one sentence saying what is wrong."""
 
 
 #: Options each task kind accepts besides the common keys (see ``data.tasks.make_example``).
@@ -82,20 +79,6 @@ TASK_DEFAULTS = {"new_tokens": 128, "chunk": 64}
 
 def _digest(obj: Any) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-@lru_cache(maxsize=32)
-def _weights_digest(path: str, mtime_ns: int, inode: int) -> str:
-    """Digest of the tensors of a safetensors file: names, dtypes, shapes and values, not the file's bytes, so an
-    adapter saved again with another card or header order (``train.ship --ab``, a safetensors upgrade) keeps its
-    journal keys. Cached per path, modification time and inode: journal keys ask for it often."""
-    h = hashlib.sha256()
-    with safe_open(path, framework="pt") as f:
-        for name in sorted(f.keys()):
-            t = f.get_tensor(name).contiguous().reshape(-1)
-            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -134,11 +117,10 @@ class ArmSpec:
     def identity(self) -> str:
         """What changes this arm's results (journal keys); adapters by the digest of their weights file."""
         gates = self.gates
-        shipped = embedded_adapter_dir(gates) if gates and gates != UNTRAINED else None
-        gates = str(shipped) if shipped is not None else gates
-        if gates and gates != UNTRAINED and Path(gates).is_dir():
-            weights = Path(gates) / "model.safetensors"
-            gates = _weights_digest(str(weights), weights.stat().st_mtime_ns, weights.stat().st_ino) if weights.is_file() else gates
+        if gates and gates != UNTRAINED:  # a shipped name, a folder (by its weights) or a Hub id
+            shipped = embedded_adapter_dir(gates)
+            folder = str(shipped) if shipped is not None else gates
+            gates = weights_digest(folder) or folder
         extra = UNTRAINED_GATES if gates == UNTRAINED else {}
         return _digest([self.policy, self.params, gates, extra])
 
@@ -239,43 +221,45 @@ class ABConfig:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, path: str | Path, quick: bool = False, output_dir: str | None = None) -> ABConfig:
-        """Read and validate ``path``; ``quick`` applies its ``quick`` section, ``output_dir`` overrides."""
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+    def load(cls, path: str | Path, overrides: Sequence[str] = (), quick: bool = False, output_dir: str | None = None) -> ABConfig:
+        """Read ``path`` (its ``base`` chain merged in, ``kvgates.config``), apply ``key=value`` ``overrides`` (values
+        read as YAML) and validate it; ``quick`` applies its ``quick`` section, ``output_dir`` overrides last.
+
+        With ``quick``, a key the quick section sets is overridden in that section (``quick.budgets=[64]``): an
+        override of the key itself would be replaced by the section's, so it is refused.
+        """
+        raw = read_yaml(path)
+        for item in overrides:
+            apply_override(raw, item)
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path} is not valid YAML ({str(err).splitlines()[0]})") from err
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path} must hold a mapping of settings at the top level")
-        try:
+            if quick and isinstance(raw.get("quick"), dict):
+                for item in overrides:
+                    key = item.partition("=")[0].split(".")[0].strip()
+                    if key in raw["quick"]:
+                        raise ConfigError(f"the quick section sets {key}, so --quick replaces the override {item!r}; override quick.{key} instead")
             return cls.from_dict(raw, quick=quick, output_dir=output_dir)
         except ConfigError as err:
             raise ConfigError(f"{path}: {err}") from None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], quick: bool = False, output_dir: str | None = None) -> ABConfig:
+        """The validated run ``raw`` describes (its ``quick`` section applied when ``quick``); messages name no file."""
         raw = dict(raw)
         quick_section = raw.pop("quick", None)
-        _known(raw, [f.name for f in dataclasses.fields(cls)], "the config")
+        refuse_unknown(raw, [f.name for f in dataclasses.fields(cls)], "")
         if quick:
             raw = _apply_quick(raw, quick_section)
         if output_dir:
             raw["output_dir"] = output_dir
-        arms = tuple(_arm(entry) for entry in _list(raw.get("arms", []), "arms"))
-        tasks = tuple(_task(entry) for entry in _list(raw.get("tasks", []), "tasks"))
-        budgets = tuple(_list(raw.get("budgets", list(cls.budgets)), "budgets"))
         comparisons = raw.get("comparisons", "auto")
-        config = cls(
-            **{k: v for k, v in raw.items() if k not in ("arms", "tasks", "budgets", "comparisons", "reuse")},
-            reuse=tuple(str(p) for p in _list(raw.get("reuse", []), "reuse")),
-            arms=arms,
-            tasks=tasks,
-            budgets=budgets,
-            comparisons=None if comparisons == "auto" else tuple(tuple(p) for p in _list(comparisons, "comparisons")),
-        )
+        specs = {
+            "arms": tuple(_arm(entry) for entry in _list(raw.get("arms", []), "arms")),
+            "tasks": tuple(_task(entry) for entry in _list(raw.get("tasks", []), "tasks")),
+            "budgets": tuple(_list(raw.get("budgets", list(cls.budgets)), "budgets")),
+            "comparisons": None if comparisons == "auto" else tuple(tuple(p) for p in _list(comparisons, "comparisons")),
+            "reuse": tuple(str(p) for p in _list(raw.get("reuse", []), "reuse")),
+        }
+        config = build(cls, {**raw, **specs}, "")
         config.validate()
         return config
 
@@ -323,13 +307,6 @@ class ABConfig:
 
 
 # ---------------------------------------------------------------------- parsing helpers
-def _known(raw: dict, allowed, where: str) -> None:
-    unknown = sorted(set(raw) - set(allowed))
-    if unknown:
-        keys = f"key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
-        raise ConfigError(f"{where} has unknown {keys}; known keys: {', '.join(allowed)}")
-
-
 def _list(value: Any, what: str) -> list:
     if isinstance(value, (str, int, dict)):
         value = [value]
@@ -339,34 +316,33 @@ def _list(value: Any, what: str) -> list:
 
 
 def _apply_quick(raw: dict, quick: Any) -> dict:
-    """``raw`` with the ``quick`` section applied: budgets/output_dir replaced, arms kept by label (with the
-    comparisons between kept arms), tasks kept by name (when ``tasks`` lists names) or overridden per name (when
-    it maps names to settings; a name the config lacks adds a task when its settings give a ``task``)."""
+    """``raw`` with the ``quick`` section merged over it (``kvgates.config.merge``): its keys replace the config's
+    (``output_dir`` by default the config's with ``-quick``), except ``arms``, which keeps the arms it labels (and
+    the comparisons between them, unless the section sets ``comparisons``), and ``tasks``, which keeps the tasks it
+    names (a list) or changes each one it names (a mapping of names to settings; a name the config lacks adds a
+    task when its settings give a ``task``)."""
     if not isinstance(quick, dict):
-        raise ConfigError("--quick needs a 'quick' section in the config (budgets, arms, tasks, output_dir to change)")
-    _known(quick, ["budgets", "arms", "tasks", "output_dir"], "the quick section")
-    raw = dict(raw)
-    raw["output_dir"] = quick.get("output_dir", f"{raw.get('output_dir', ABConfig.output_dir)}-quick")
-    if "budgets" in quick:
-        raw["budgets"] = quick["budgets"]
+        raise ConfigError("--quick needs a 'quick' section in the config (the keys it changes: budgets, arms, tasks, output_dir ...)")
+    refuse_unknown(quick, [f.name for f in dataclasses.fields(ABConfig)], "the quick section")
+    changes = {"output_dir": f"{raw.get('output_dir', ABConfig.output_dir)}-quick", **quick}
     if "arms" in quick:
         keep = set(_list(quick["arms"], "quick.arms"))
-        arms = [_arm(e) for e in _list(raw.get("arms", []), "arms")]
+        entries = _list(raw.get("arms", []), "arms")
+        arms = [_arm(e) for e in entries]
         missing = keep - {a.label for a in arms} - {"full"}
         if missing:
             raise ConfigError(f"the quick section keeps arm {sorted(missing)[0]!r}, which the config does not define")
-        raw["arms"] = [e for e, a in zip(raw["arms"], arms) if a.label in keep]
-        if isinstance(raw.get("comparisons"), list):  # pairs naming a dropped arm go with it
-            raw["comparisons"] = [p for p in raw["comparisons"] if set(_list(p, "comparison")) <= keep | {"full"}]
+        changes["arms"] = [e for e, a in zip(entries, arms) if a.label in keep]
+        if isinstance(raw.get("comparisons"), list) and "comparisons" not in quick:  # pairs naming a dropped arm go with it
+            changes["comparisons"] = [p for p in raw["comparisons"] if set(_list(p, "comparison")) <= keep | {"full"}]
     if "tasks" in quick:
-        tasks = {_task(e).name: e for e in _list(raw.get("tasks", []), "tasks")}
+        tasks = {_task(e).name: e if isinstance(e, dict) else {"task": e} for e in _list(raw.get("tasks", []), "tasks")}
         wanted = quick["tasks"] if isinstance(quick["tasks"], dict) else dict.fromkeys(_list(quick["tasks"], "quick.tasks"), {})
         for name, settings in wanted.items():
             if name not in tasks and "task" not in (settings or {}):
                 raise ConfigError(f"the quick section names task {name!r}, which the config does not define; tasks: {', '.join(tasks)}")
-            tasks.setdefault(name, {"name": name})
-        raw["tasks"] = [{**(tasks[n] if isinstance(tasks[n], dict) else {"task": tasks[n]}), **(o or {})} for n, o in wanted.items()]
-    return raw
+        changes["tasks"] = [merge(tasks.get(name, {"name": name}), settings or {}) for name, settings in wanted.items()]
+    return merge(raw, changes)
 
 
 def _arm(entry: Any) -> ArmSpec:
@@ -374,7 +350,7 @@ def _arm(entry: Any) -> ArmSpec:
         entry = {"policy": entry}
     if not isinstance(entry, dict) or "policy" not in entry:
         raise ConfigError(f"arm {entry!r} must be a policy name or a mapping with a 'policy' key")
-    _known(entry, ["policy", "params", "gates", "label", "budgets"], f"arm {entry['policy']!r}")
+    refuse_unknown(entry, ["policy", "params", "gates", "label", "budgets"], f"arm {entry['policy']!r}")
     policy, params, gates = entry["policy"], dict(entry.get("params") or {}), entry.get("gates")
     if policy not in kvgates.POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; available policies: {', '.join(sorted(kvgates.POLICIES))}")
@@ -398,7 +374,7 @@ def _task(entry: Any) -> TaskSpec:
         raise ConfigError(f"unknown task {kind!r}; tasks: {', '.join(TASK_KINDS)}")
     options = ANSWER_OPTIONS.get(kind) or REFERENCE_OPTIONS[kind]
     answer = kind in ANSWER_KINDS
-    _known(entry, list(COMMON_TASK_KEYS) + (list(ANSWER_KEYS) if answer else []) + list(options), f"task {entry.get('name', kind)!r}")
+    refuse_unknown(entry, list(COMMON_TASK_KEYS) + (list(ANSWER_KEYS) if answer else []) + list(options), f"task {entry.get('name', kind)!r}")
     name = str(entry.get("name", kind))
     lengths = tuple(_list(entry.get("context_tokens", 2000), f"task {name!r}: context_tokens"))
     for n in lengths:
@@ -435,33 +411,6 @@ def _check_arm(arm: ArmSpec, budgets: tuple[int | None, ...]) -> None:
         )
     if not arm.learned and arm.gates is not None:
         raise ConfigError(f"arm {arm.label!r}: {arm.policy} is not a learned policy and takes no gates")
-    gates = None
-    if arm.learned:
-        if arm.gates == UNTRAINED:
-            return  # built for the model in eval.runner.prepare_arms, where its parameters are checked too
-        gates = load_adapter(arm.gates, arm.label)
-    for budget in budgets:
-        try:
-            build_policy(arm, budget, gates)
-        except (ValueError, TypeError) as err:
-            raise ConfigError(f"arm {arm.label!r} at budget {budget}: {err}") from None
-
-
-def load_adapter(path_or_id: str, label: str) -> kvgates.GateSet:
-    """The adapter an arm names (a folder, a shipped adapter's name, else a Hub id), or ``ConfigError`` saying why
-    it cannot be read."""
-    if not Path(path_or_id).is_dir() and embedded_adapter_dir(path_or_id) is None and not HUB_ID.fullmatch(path_or_id):
-        raise ConfigError(
-            f"arm {label!r}: the adapter {path_or_id} is neither an existing folder, a shipped adapter "
-            f"({', '.join(embedded_adapters()) or 'none ship'}) nor a Hub id (owner/name)"
-        )
-    try:
-        return kvgates.load_gates(path_or_id)
-    except AdapterError as err:
-        raise ConfigError(f"arm {label!r}: {' '.join(str(err).split())}") from None
-
-
-def build_policy(arm: ArmSpec, budget: int | None, gates: kvgates.GateSet | None = None) -> kvgates.Policy:
-    """The arm's policy at ``budget`` (learned arms: with ``gates``, given to the base when the policy wraps one)."""
-    params = with_gates(arm.policy, arm.params, gates) if arm.learned else dict(arm.params)
-    return kvgates.make_policy(arm.policy, **params) if not arm.budgeted else kvgates.make_policy(arm.policy, budget=budget, **params)
+    if arm.gates == UNTRAINED:
+        return  # built for the model in eval.arms.prepare_arms, where its parameters are checked too
+    check_budgets(arm, budgets, load_adapter(arm.gates, arm.label) if arm.learned else None)

@@ -24,11 +24,10 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kvgates
-from eval.config import UNTRAINED, UNTRAINED_GATES, ABConfig, ArmSpec, ConfigError, TaskSpec, build_policy, load_adapter
+from eval.arms import build_policy, prepare_arms
+from eval.config import ABConfig, ArmSpec, TaskSpec
 from eval.stats import Comparison, compare, matched_memory
 from eval.tasks import Example, binary_metric, build_examples, cost, metrics_of, run_batch
-from kvgates.errors import AdapterError
-from kvgates.gates import GATE_KINDS
 
 JOURNAL = "results.jsonl"
 
@@ -61,35 +60,6 @@ def load_journal(path: Path) -> dict[str, dict]:
             continue  # a run killed mid-write leaves at most one partial line
         done[row["key"]] = row
     return done
-
-
-def prepare_arms(config: ABConfig, model: PreTrainedModel) -> dict[str, kvgates.GateSet | None]:
-    """Gates of every arm, checked against ``model`` and built into each arm's policy at every budget.
-
-    Adapters made for another model and bad parameters of learned arms raise ``ConfigError`` here, before any
-    example runs. Untrained gates are initialised from the run's seed (``UNTRAINED_GATES``).
-    """
-    gates: dict[str, kvgates.GateSet | None] = {}
-    for arm in config.all_arms:
-        g = None
-        if arm.learned:
-            if arm.gates == UNTRAINED:
-                kind = arm.learned_policy.gate_kinds[0]
-                torch.manual_seed(config.seed)
-                g = GATE_KINDS[kind].for_model(model, **UNTRAINED_GATES)
-            else:
-                g = load_adapter(arm.gates, arm.label)
-                try:
-                    g.check_model(model, strict=arm.params.get("strict", True))
-                except AdapterError as err:
-                    raise ConfigError(f"arm {arm.label!r}: {err}") from None
-        for budget in config.arm_budgets(arm):
-            try:
-                build_policy(arm, budget, g)
-            except (ValueError, TypeError) as err:
-                raise ConfigError(f"arm {arm.label!r} at budget {budget}: {err}") from None
-        gates[arm.label] = g
-    return gates
 
 
 def batches(task: TaskSpec, examples: list[Example], config: ABConfig) -> list[list[Example]]:

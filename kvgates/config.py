@@ -89,11 +89,12 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 
 def build(cls: type[T], raw: Any, where: str) -> T:
-    """Dataclass ``cls`` made of mapping ``raw``, its sections built likewise; ``where`` names the mapping in the
-    messages (a file, ``"the config"``; a section is ``"<where>: <name>"``). Raises ``ConfigError`` for a value
-    that is not a mapping, an unknown key, a missing required key or a value of the wrong type."""
+    """Dataclass ``cls`` made of mapping ``raw``, its sections built likewise. ``where`` opens each message (a
+    file, ``"c.yaml: data"`` for its section; ``""`` when the caller prefixes them). Raises ``ConfigError`` for a
+    value that is not a mapping, an unknown key, a missing required key or a value of the wrong type."""
+    prefix = f"{where}: " if where else ""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where} must be a mapping, got {raw!r}")
+        raise ConfigError(f"{where or 'the config'} must be a mapping, got {raw!r}")
     fields = [f for f in dataclasses.fields(cls) if f.init]
     refuse_unknown(raw, [f.name for f in fields], where)
     hints = typing.get_type_hints(cls)
@@ -101,25 +102,26 @@ def build(cls: type[T], raw: Any, where: str) -> T:
     for name, value in raw.items():
         section = _section(hints[name])
         if section is not None and value is not None:
-            kwargs[name] = build(section, value, f"{where}: {name}")
+            kwargs[name] = build(section, value, prefix + name)
         else:
             kwargs[name] = plain[name] = value
     required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     missing = [name for name in required if name not in raw]
     if missing:
-        raise ConfigError(f"{where} lacks required {_keys(missing)}")
+        raise ConfigError(f"{prefix}missing required {_keys(missing)}")
     wrong = field_problems(cls, plain)
     if wrong:
-        raise ConfigError(f"{where}: {yaml_hint(wrong[0])}")
+        raise ConfigError(f"{prefix}{yaml_hint(wrong[0])}")
     return cls(**kwargs)
 
 
 def refuse_unknown(raw: dict[str, Any], known: Iterable[str], where: str) -> None:
-    """``ConfigError`` naming the keys of ``raw`` not among ``known`` (and listing those), if there are any."""
+    """``ConfigError`` naming the keys of ``raw`` not among ``known`` (and listing those), if there are any;
+    ``where`` opens the message as in ``build``."""
     known = list(known)
     unknown = sorted(set(raw) - set(known), key=str)
     if unknown:
-        raise ConfigError(f"{where} has unknown {_keys(unknown)}; known keys: {', '.join(known)}")
+        raise ConfigError(f"{where + ': ' if where else ''}unknown {_keys(unknown)}; known keys: {', '.join(known)}")
 
 
 def yaml_hint(problem: str) -> str:

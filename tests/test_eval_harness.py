@@ -14,10 +14,11 @@ from helpers import tiny_model
 import kvgates
 from eval import runner as runner_module
 from eval.__main__ import main
-from eval.config import ABConfig, ConfigError, build_policy
+from eval.arms import build_policy, prepare_arms
+from eval.config import ABConfig, ConfigError
 from eval.fidelity import first_false, kl_divergence, make_batch, perplexity, state_bytes, stream_nll, token_nll
 from eval.report import write_report
-from eval.runner import JOURNAL, prepare_arms, run_ab
+from eval.runner import JOURNAL, run_ab
 from eval.tasks import build_examples
 
 TASKS = [

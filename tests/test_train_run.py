@@ -273,7 +273,7 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"colour": "blue"}, "has unknown key 'colour'; known keys: run_name, output_dir"),
+        ({"colour": "blue"}, "c.yaml: unknown key 'colour'; known keys: run_name, output_dir"),
         ({"budget": 0}, "budget must be"),
         ({"kind": "magic"}, "unknown kind"),
         ({"teacher": {"policy": "oracle"}}, "unknown teacher policy"),

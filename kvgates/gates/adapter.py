@@ -10,10 +10,12 @@ shape mismatch each raise ``AdapterError`` with one sentence saying what is wron
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import tempfile
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -393,6 +395,29 @@ def _download(repo_id: str, revision: str | None, endpoint: str | None, token: s
 def load_gates(path_or_id: str | os.PathLike, **kwargs: Any) -> GateSet:
     """Load a gate adapter of any kind from a folder, a shipped adapter's name or a Hub id."""
     return GateSet.from_pretrained(path_or_id, **kwargs)
+
+
+def weights_digest(folder: str | os.PathLike) -> str | None:
+    """Digest of the gate tensors of adapter folder ``folder`` (their names, dtypes, shapes and values, not the
+    file's bytes: an adapter saved again with another card or header order keeps it), or None when the folder holds
+    no weights file. The A/B harness keys an adapter's results by it."""
+    weights = Path(folder) / WEIGHTS_FILE
+    if not weights.is_file():
+        return None
+    stat = weights.stat()
+    return _tensors_digest(str(weights), stat.st_mtime_ns, stat.st_ino)
+
+
+@lru_cache(maxsize=32)
+def _tensors_digest(path: str, mtime_ns: int, inode: int) -> str:
+    """``weights_digest`` of one file, cached per path, modification time and inode (journal keys ask often)."""
+    h = hashlib.sha256()
+    with safe_open(path, framework="pt") as f:
+        for name in sorted(f.keys()):
+            t = f.get_tensor(name).contiguous().reshape(-1)
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 class RetentionGates(GateSet):
