@@ -492,6 +492,44 @@ def test_quick_section_shrinks_a_committed_config():
     assert [a.label for a in full.arms if a.learned] == [a.label for a in quick.arms if a.learned] == ["trimkv"]
 
 
+def test_an_ab_config_builds_on_a_base_and_takes_overrides(tmp_path):
+    (tmp_path / "base.yaml").write_text(
+        "budgets: [64, 128]\narms: [h2o, snapkv]\ntasks: [{task: needle, examples: 4}]\n"
+        "quick: {budgets: [64], arms: [h2o]}\noutput_dir: outputs/base\n"
+    )
+    (tmp_path / "top.yaml").write_text("base: base.yaml\nseed: 3\nquick: {tasks: {needle: {examples: 1}}}\n")
+    top = ABConfig.load(tmp_path / "top.yaml")
+    assert (top.seed, top.budgets, [a.label for a in top.arms], top.output_dir) == (3, (64, 128), ["h2o", "snapkv"], "outputs/base")
+    quick = ABConfig.load(tmp_path / "top.yaml", quick=True)  # the quick sections merge too
+    assert (quick.budgets, [a.label for a in quick.arms], quick.tasks[0].examples) == ((64,), ["h2o"], 1)
+    assert quick.output_dir == "outputs/base-quick"
+    changed = ABConfig.load(tmp_path / "top.yaml", ["budgets=[128]", "arms=[tova, {policy: h2o, label: h}]", "split=validation"])
+    assert (changed.budgets, [a.label for a in changed.arms], changed.split) == ((128,), ["tova", "h"], "validation")
+    assert ABConfig.load(tmp_path / "top.yaml", ["quick.budgets=[128]"], quick=True).budgets == (128,)
+    with pytest.raises(ConfigError, match="top.yaml: the quick section sets budgets, .* override quick.budgets instead"):
+        ABConfig.load(tmp_path / "top.yaml", ["budgets=[128]"], quick=True)
+    for overrides, message in [(["colour=red"], "top.yaml: unknown key 'colour'; known keys: model, seed"),
+                               (["seed=x"], "top.yaml: seed must be an integer, got 'x'"),
+                               (["quick.colour=red"], "top.yaml: the quick section: unknown key 'colour'")]:
+        with pytest.raises(ConfigError, match=message):
+            ABConfig.load(tmp_path / "top.yaml", overrides, quick=True)
+
+
+def test_cli_overrides_reach_the_config_and_a_bad_one_exits_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    path = tmp_path / "c.yaml"
+    path.write_text(f"arms: [snapkv]\nbudgets: [64]\ntasks: [needle]\noutput_dir: {tmp_path / 'out'}\n")
+    elsewhere = tmp_path / "elsewhere"
+    assert main(["ab", "--config", str(path), "--report-only", f"output_dir={elsewhere}"]) == 2
+    assert f"{elsewhere} holds no results of this config yet" in capsys.readouterr().err
+    for override, message in [("budgets", "overrides look like key=value"), ("budgets=[0]", "budget 0 is not a whole number"),
+                              ("arms.x=1", "'arms' is not a section")]:
+        assert main(["ab", "--config", str(path), override]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("python -m eval ab: ") and message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists() and not elsewhere.exists()
+
+
 def test_an_adapter_saved_again_with_another_header_keeps_its_key(tmp_path, model):
     """The shipped adapters were re-saved (card update, safetensors upgrade) with the same tensors but their header
     in another order: their journalled results must stay theirs."""

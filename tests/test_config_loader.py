@@ -1,0 +1,143 @@
+"""kvgates.config, the one loader of training and evaluation configs: base chains, overrides, dataclasses built with
+every key and type checked; each problem one sentence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+import kvgates
+from kvgates.config import ConfigError, apply_override, build, merge, read_yaml
+
+
+@dataclass
+class Inner:
+    depth: int = 1
+
+
+@dataclass
+class Section:
+    rate: float = 0.5
+    name: str = "s"
+    inner: Inner = field(default_factory=Inner)
+
+
+@dataclass
+class Needy:
+    policy: str
+    weight: float = 1.0
+
+
+@dataclass
+class Top:
+    budget: int = 8
+    section: Section = field(default_factory=Section)
+    needy: Needy | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)
+
+
+def one_sentence(err: pytest.ExceptionInfo) -> str:
+    text = str(err.value)
+    assert "\n" not in text and isinstance(err.value, ValueError), text
+    return text
+
+
+def test_the_config_error_is_one_class_everywhere():
+    import eval.config
+    import train.config
+
+    assert kvgates.ConfigError is ConfigError is train.config.ConfigError is eval.config.ConfigError
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_a_base_chain_merges_section_by_section(tmp_path):
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "root.yaml").write_text("budget: 4\nsection: {rate: 0.1, name: root, inner: {depth: 3}}\nnames: [a, b]\n")
+    (tmp_path / "shared" / "mid.yaml").write_text("base: root.yaml\nsection: {name: mid}\nparams: {window: 2}\n")
+    (tmp_path / "top.yaml").write_text("base: shared/mid.yaml\nsection: {inner: {depth: 5}}\nnames: [c]\n")
+    raw = read_yaml(tmp_path / "top.yaml")  # each base is relative to the file naming it
+    assert raw == {"budget": 4, "section": {"rate": 0.1, "name": "mid", "inner": {"depth": 5}}, "params": {"window": 2}, "names": ["c"]}
+    assert build(Top, raw, "top.yaml") == Top(4, Section(0.1, "mid", Inner(5)), None, {"window": 2}, ["c"])
+
+
+def test_merge_changes_neither_side():
+    base, top = {"a": {"x": 1, "y": 2}, "b": [1]}, {"a": {"y": 3}, "b": [2]}
+    assert merge(base, top) == {"a": {"x": 1, "y": 3}, "b": [2]}
+    assert base == {"a": {"x": 1, "y": 2}, "b": [1]} and top == {"a": {"y": 3}, "b": [2]}
+
+
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        ({"a.yaml": "base: b.yaml\n", "b.yaml": "base: a.yaml\n"}, "a.yaml: 'base' configs form a cycle"),
+        ({"a.yaml": "base: a.yaml\n"}, "a.yaml: 'base' configs form a cycle"),
+        ({"a.yaml": "base: gone.yaml\n"}, "gone.yaml does not exist"),
+        ({"a.yaml": "base: [b.yaml]\n"}, "a.yaml: base must name another YAML config"),
+        ({"a.yaml": "budget: [1,\n"}, "a.yaml is not valid YAML (while parsing"),
+        ({"a.yaml": "- 1\n- 2\n"}, "a.yaml must hold a mapping of settings at the top level"),
+    ],
+)
+def test_unreadable_configs_are_one_sentence(tmp_path, files, message):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as err:
+        read_yaml(tmp_path / "a.yaml")
+    assert message in one_sentence(err)
+
+
+def test_overrides_are_yaml_values_at_dotted_keys():
+    raw: dict[str, Any] = {"section": {"rate": 0.1}, "needy": None}
+    for item in ["budget=16", "section.inner.depth=7", "section.name=x=y", "names=[a, b]", "params={window: 4}",
+                 "needy.policy=snapkv", "section.rate=1.0e-3"]:
+        apply_override(raw, item)
+    assert raw == {"budget": 16, "section": {"rate": 0.001, "inner": {"depth": 7}, "name": "x=y"}, "needy": {"policy": "snapkv"},
+                   "names": ["a", "b"], "params": {"window": 4}}
+    assert build(Top, raw, "c.yaml").needy == Needy("snapkv")
+
+
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("budget", "overrides look like key=value or section.key=value, got 'budget'"),
+        ("=3", "overrides look like key=value"),
+        ("section..rate=1", "overrides look like key=value"),
+        ("budget.x=1", "override 'budget.x=1': 'budget' is not a section"),
+        ("names=[a,", "override 'names=[a,': the value is not valid YAML"),
+    ],
+)
+def test_bad_overrides_are_one_sentence(item, message):
+    with pytest.raises(ConfigError) as err:
+        apply_override({"budget": 8}, item)
+    assert message in one_sentence(err)
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"colour": 1}, "c.yaml: unknown key 'colour'; known keys: budget, section, needy, params, names"),
+        ({"colour": 1, "size": 2}, "c.yaml: unknown keys 'colour', 'size'"),
+        ({"section": {"inner": {"deep": 1}}}, "c.yaml: section: inner: unknown key 'deep'; known keys: depth"),
+        ({"budget": "8"}, "c.yaml: budget must be an integer, got '8'"),
+        ({"section": {"rate": "1e-3"}}, "c.yaml: section: rate must be a number, got '1e-3' (YAML reads 1e-3 as a string; write 1.0e-3)"),
+        ({"section": {"rate": "fast"}}, "c.yaml: section: rate must be a number, got 'fast'"),
+        ({"section": {"inner": {"depth": 1.5}}}, "c.yaml: section: inner: depth must be an integer, got 1.5"),
+        ({"section": 3}, "c.yaml: section must be a mapping, got 3"),
+        ({"needy": {"weight": 2.0}}, "c.yaml: needy: missing required key 'policy'"),
+        ({"params": [1]}, "c.yaml: params must be a mapping, got [1]"),
+    ],
+)
+def test_build_refuses_unknown_keys_and_wrong_types(raw, message):
+    with pytest.raises(ConfigError) as err:
+        build(Top, raw, "c.yaml")
+    assert message in one_sentence(err)
+
+
+def test_build_finds_sections_from_the_field_types():
+    config = build(Top, {"section": {"inner": {}}, "needy": {"policy": "h2o"}}, "")
+    assert config == Top(section=Section(inner=Inner()), needy=Needy("h2o"))
+    assert build(Top, {"needy": None}, "").needy is None  # an optional section may be null
+    with pytest.raises(ConfigError, match="^unknown key 'x'"):  # no where: the caller names the file
+        build(Top, {"x": 1}, "")
