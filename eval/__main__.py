@@ -2,7 +2,7 @@
 
     python -m eval ab --config configs/eval/ab.yaml            # the full A/B report
     python -m eval ab --config configs/eval/ab.yaml --quick    # its smaller, complete version
-    python -m eval ab --config configs/eval/reference.yaml budgets=[128] seed=1   # key=value overrides (YAML values)
+    python -m eval ab --config configs/eval/ab.yaml 'budgets=[128]' output_dir=outputs/ab-128   # key=value overrides
     python -m eval ab --config configs/eval/demo.yaml --out outputs/demo --fresh
     python -m eval softhard --budget 128 --gates smollm2-135m-trimkv-128   # training's soft KL vs inference's hard KL
 
