@@ -3,9 +3,11 @@
     accelerate launch train.py --config configs/train/quickstart.yaml training.max_steps=50 budget=128
 
 Every key is known and checked before anything runs: an unknown key, a value of the wrong type or out of range,
-an unknown gate kind or teacher policy, or a bad data source each stop the run with one sentence, before any file
+an unknown learned method (``kind``) or teacher policy, or a bad data source each stop the run with one sentence, before any file
 is written or the model loads. The ``training`` section is passed to ``transformers.TrainingArguments`` (its keys
-are checked against it, its values against the fields' types and the ranges in ``_TRAINING_RANGES``).
+are checked against it, its values against the fields' types and the ranges in ``_TRAINING_RANGES``). Reading,
+``base:`` chains, overrides and building the sections are ``kvgates.config``'s, shared with the A/B configs; ``kind``
+names a learned method (``kvgates.methods``) and ``method:`` holds that method's own options.
 """
 
 from __future__ import annotations
