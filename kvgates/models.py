@@ -338,6 +338,28 @@ def _parameter_values(model: torch.nn.Module, name: str) -> torch.Tensor:
     raise ValueError(f"parameter {name} is on the meta device and no accelerate hook holds its weights: load the model's weights first")
 
 
+def _own_parameter_names(model: PreTrainedModel) -> dict[str, str]:
+    """The model's own parameters: their names as the bare model has them -> their names on ``model``. Gates
+    registered on the model while they train (``kvgates.gates.training``) and PEFT adapters put on it (a DMS LoRA:
+    peft wraps a projection, its weight becomes ``....base_layer.weight`` beside ``lora_A`` / ``lora_B``) are not
+    part of its identity."""
+    wrapped = [name for name, module in model.named_modules() if hasattr(module, "get_base_layer") and hasattr(module, "adapter_layer_names")]
+    own = {}
+    for name, _ in model.named_parameters():
+        if name.startswith("kvgates_gates."):
+            continue
+        bare = name
+        for prefix in wrapped:
+            if name.startswith(f"{prefix}."):
+                if not name.startswith(f"{prefix}.base_layer."):
+                    bare = None  # an adapter's own weight
+                    break
+                bare = prefix + name[len(prefix) + len(".base_layer"):]
+        if bare is not None:
+            own[bare] = name
+    return own
+
+
 def model_fingerprint(model: PreTrainedModel) -> str:
     """A short hash of a model's architecture and weights, stable across processes and devices.
 
@@ -354,12 +376,11 @@ def model_fingerprint(model: PreTrainedModel) -> str:
         config.num_key_value_heads, head_dim, getattr(config, "vocab_size", 0),
     ]
     digest = hashlib.sha256(json.dumps(geometry).encode())
-    # Gates registered on the model while they train (``kvgates.gates.training``) are not part of its identity.
-    params = {n: p for n, p in model.named_parameters() if not n.startswith("kvgates_gates.")}
+    params = _own_parameter_names(model)
     names = sorted(params)
     sample = [n for n in names if "embed" in n][:1] + [n for n in names if ".0." in n][:2] + names[-2:]
     for name in sample:
-        flat = _parameter_values(model, name).reshape(-1)
+        flat = _parameter_values(model, params[name]).reshape(-1)
         steps = min(4096, flat.numel())
         idx = (torch.arange(steps, dtype=torch.int64) * (flat.numel() - 1) // max(steps - 1, 1)).to(flat.device)
         digest.update(name.encode())

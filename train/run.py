@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(out)  # nothing of this run is worth keeping: leave no half-made folder
         return usage_error("train.py", err)
     trainer.gated.close()
+    config.learned_method.teardown(trainer.model, trainer.gates)  # e.g. DMS-LoRA's adapter leaves the model
     if not trainer.is_world_process_zero():
         return 0
 

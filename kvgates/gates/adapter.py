@@ -211,6 +211,11 @@ class GateSet(nn.Module):
     def forward(self, layer_idx: int, captured: Any) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def load_parts(self, folder: Path) -> None:
+        """Read what this kind keeps in ``folder`` beside ``config.json`` and ``model.safetensors`` (and shape its
+        modules by it) before the weights load; ``AdapterError`` (one sentence) for a missing or corrupt part.
+        Default: a kind keeps nothing else."""
+
     def check_model(self, model: PreTrainedModel, strict: bool = True) -> None:
         """Refuse a model other than the one the gates were trained for (``strict=False``: same shapes suffice)."""
         from kvgates.models import hub_id_of, model_fingerprint
@@ -281,6 +286,7 @@ class GateSet(nn.Module):
         except (SafetensorError, OSError, ValueError) as err:
             raise AdapterError(f"{weights_path} is truncated or corrupt ({err})") from err
         gates = target(config)
+        gates.load_parts(folder)
         expected = gates.state_dict()
         missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
         if missing or unexpected:

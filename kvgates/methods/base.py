@@ -177,6 +177,10 @@ class LearnedMethod:
     def setup(self, model: nn.Module, gates: GateSet, options: Any) -> None:
         """Prepare ``model`` for training ``gates`` (before the Trainer is built). Default: nothing."""
 
+    def teardown(self, model: nn.Module, gates: GateSet) -> None:
+        """Undo ``setup`` once training is over (before the final evaluation runs other policies on ``model``).
+        Default: nothing."""
+
     def check_context(self, gates: GateSet, context: dict[str, Any]) -> None:
         """``ValueError`` for a student context (``GateTraining.learn(**context)``) this method does not take.
         Default: it takes none."""

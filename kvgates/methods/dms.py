@@ -1,0 +1,503 @@
+"""DMS-style learned eviction (Łańcucki et al. 2025, "Inference-time hyper-scaling with KV cache compression":
+Dynamic Memory Sparsification), in two variants: ``dms`` (decision heads on the frozen model, this project's
+adapter design) and ``dms-lora`` (the model adapts too, through a LoRA trained with ``peft`` beside the heads).
+
+What it is. Each gated layer has a decision head ``Linear(d_model -> H_kv)`` on the normed hidden state entering
+attention; its output is one *eviction logit* per KV head and token, written when the token is. A token decided
+"evict" is not dropped at once: it stays visible for ``window`` (w) more positions (*delayed eviction*), so the
+recent context is never lost to a decision. The bias of each head starts at ``-gates.init_bias`` (the config's
+``gates.init_bias``, e.g. 5, as DMS's -5), so at the start nothing is evicted.
+
+Training (``attend``, ``loss``). The student attends with the decisions relaxed by a Gumbel-sigmoid of
+temperature ``method.temperature``: ``alpha_i = sigmoid((logit_i + g_i) / tau)``, ``g_i`` logistic noise (none in
+eval mode), and query ``t`` sees key ``i`` with the additive bias ``log(1 - alpha_i)`` (computed as
+``logsigmoid(-z_i)``: exact, finite, no clamp needed) only when ``t - i > w``; the ``w + 1`` most recent keys
+(itself included) are never biased. The loss is the distillation of the frozen model, ``(KL + CE) / 2`` on the
+completion tokens, plus ``loss.lambda_cap`` times a one-sided hinge ``max(0, target - mean alpha)`` per row (the
+mean over the row's real tokens, layers and heads, as DMS sums its decisions over all heads). The target eviction
+fraction is ``1 - budget / length``: a head of a row of ``length`` tokens that keeps ``budget`` of them has evicted
+that fraction, and DMS's target compression ratio ``CR`` is ``length / budget`` (its target fraction
+``1 - 1 / CR``). ``budget`` is the run's *ramped* budget (``loss.budget_ramp_steps`` takes it from
+``data.seq_len``, target 0, to ``budget``), DMS's linear compression ramp.
+
+The student attention is ``dms_attention``: an explicit ``[B, H, T, T]`` float mask through sdpa (exact gradients
+into the decisions; ``T x T`` memory per layer, fine for the CPU recipes). On a GPU the route is a FlexAttention
+``score_mod`` adding the same bias (linear memory); it is not implemented here and nothing about it is measured.
+
+How this departs from the paper:
+
+* decisions: DMS reads each decision from one repurposed neuron of the model's own projections (no new
+  parameters); here a separate linear head per layer reads the same hidden state (``H_kv * (d_model + 1)``
+  parameters per layer);
+* the model: DMS retrofits the whole model (all weights train, about 1K steps); ``dms`` keeps it frozen (only the
+  heads train), ``dms-lora`` trains a low-rank adapter (``method.lora_rank``, ``lora_alpha``, ``lora_targets``:
+  q/v projections by default) on the gated layers' attention beside the heads;
+* relaxation: decisions stay relaxed (soft Gumbel-sigmoid samples, gradients through them); DMS uses hard
+  straight-through decisions. A low temperature keeps the samples near 0 or 1;
+* schedule and sizes: the paper ramps its compression over hundreds of steps (about 100 per unit of compression
+  ratio) with a window of 256 tokens; the CPU recipes here ramp over a few dozen steps of 512-token sequences with
+  ``w = 16``;
+* inference (policy ``dms``): DMS evicts by the decisions alone, holding a variable number of tokens per head;
+  here, for A/B comparisons at matched memory, a head also keeps at most ``budget`` tokens, ranked by the decision
+  (lowest eviction logit kept first), unless the policy runs without a budget (threshold mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgates.errors import AdapterError
+from kvgates.gates.adapter import GateConfig, GateSet, _atomic_write
+from kvgates.gates.capture import attention_modules
+from kvgates.methods.base import LearnedMethod, TrainingStep, register_method
+from kvgates.policies.base import Schedule, register_policy
+from kvgates.policies.learned import LearnedPolicy
+from kvgates.policies.selection import recent_mask
+from kvgates.runtime.state import SlotState
+from kvgates.runtime.stats import AttnStats
+
+#: The records of a student forward: each layer's relaxed decisions ``[B, H_kv, T]``.
+ALPHA = "alpha"
+#: The per-slot state of the policy: each held token's eviction logit.
+LOGIT = "dms_logit"
+#: The PEFT adapter name of a DMS-LoRA on a model, and the adapter folder's subfolder holding its ``LoraConfig``.
+ADAPTER = "kvgates-dms"
+LORA_DIR = "lora"
+LORA_CONFIG = "adapter_config.json"
+#: The attention projections a DMS LoRA may adapt (their shapes follow from the gate config).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+# ---------------------------------------------------------------------------------------------- gates
+class DecisionHead(nn.Module):
+    """The eviction decisions of one layer: ``Linear(d_model -> H_kv)``, weights N(0, 0.02), bias
+    ``-init_bias`` (negative: nothing is evicted at the start)."""
+
+    def __init__(self, hidden_size: int, num_kv_heads: int, init_bias: float):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, num_kv_heads)
+        nn.init.normal_(self.proj.weight, std=0.02)
+        nn.init.constant_(self.proj.bias, -float(init_bias))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., d_model]`` -> eviction logits ``[..., H_kv]`` in float32 (> 0: evict)."""
+        return F.linear(hidden.to(self.proj.weight.dtype), self.proj.weight, self.proj.bias).float()
+
+
+class DecisionHeads(GateSet):
+    """DMS decision heads, one ``DecisionHead`` per gated layer; scores are eviction logits (> 0: evict).
+    ``gate_hidden`` is unused (the heads are linear) and recorded as 1."""
+
+    kind = "dms"
+    captures = "hidden"
+    default_hidden = 1
+
+    def __init__(self, config: GateConfig):
+        super().__init__(config)
+        self.heads = nn.ModuleList(
+            DecisionHead(config.hidden_size, config.num_kv_heads, config.init_bias) for _ in config.layer_ids
+        )
+
+    def forward(self, layer_idx: int, captured: torch.Tensor) -> torch.Tensor:
+        return self.heads[self.layer_position(layer_idx)](captured)
+
+
+def lora_config(rank: int, alpha: float, targets: list[str] | tuple[str, ...], layers: list[int]) -> Any:
+    """peft's ``LoraConfig`` of a DMS LoRA: ``targets`` of the attention of ``layers``, no dropout, no bias."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=sorted(targets), layers_to_transform=list(layers), lora_dropout=0.0, bias="none"
+    )
+
+
+def _config_json(config: Any) -> str:
+    """A ``LoraConfig`` as peft's ``adapter_config.json``, with sets sorted (the same bytes on every save)."""
+    data = {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+    return json.dumps(data, indent=2, sort_keys=True)
+
+
+def _lora_shape(config: Any) -> tuple[int, float, tuple[str, ...], tuple[int, ...]]:
+    """What makes two DMS LoRA configs the same adapter: rank, alpha, targets, layers."""
+    return config.r, float(config.lora_alpha), tuple(sorted(config.target_modules)), tuple(config.layers_to_transform or ())
+
+
+class DecisionHeadsLoRA(DecisionHeads):
+    """DMS decision heads plus the LoRA the model adapts with (``dms-lora``).
+
+    The gate set owns the LoRA's ``A`` / ``B`` matrices (``lora[f"{layer}-{target}"]``), so they train, checkpoint
+    and ship with the heads (in ``model.safetensors``); on a model the PEFT layers that transformers' integration
+    puts there (``install_lora``) run these very modules. ``lora/adapter_config.json`` holds its peft
+    ``LoraConfig`` (rank, alpha, targets, layers). A fresh gate set has a rank-8 LoRA of q/v (``B = 0``: the model
+    unchanged); ``configure_lora`` reshapes it before training.
+    """
+
+    kind = "dms-lora"
+
+    def __init__(self, config: GateConfig):
+        super().__init__(config)
+        self.configure_lora(lora_config(8, 16.0, ("q_proj", "v_proj"), config.layer_ids))
+
+    def _projection_shape(self, target: str) -> tuple[int, int]:
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        return {"q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv), "v_proj": (c.hidden_size, kv), "o_proj": (q, c.hidden_size)}[target]
+
+    def configure_lora(self, config: Any) -> None:
+        """Use the LoRA ``config`` (a peft ``LoraConfig``): fresh matrices, ``A`` as peft initialises it
+        (Kaiming-uniform) and ``B = 0``. ``ValueError`` for targets other than the attention projections or
+        layers other than the gated ones."""
+        unknown = sorted(set(config.target_modules) - set(LORA_TARGETS))
+        if unknown or not config.target_modules:
+            raise ValueError(f"a DMS LoRA adapts attention projections ({', '.join(LORA_TARGETS)}), got {sorted(config.target_modules)}")
+        if sorted(config.layers_to_transform or ()) != sorted(self.config.layer_ids):
+            raise ValueError(f"a DMS LoRA adapts the gated layers {self.config.layer_ids}, got {config.layers_to_transform}")
+        if config.r < 1:
+            raise ValueError(f"the LoRA rank must be at least 1, got {config.r}")
+        self.lora_config = config
+        device = self.heads[0].proj.weight.device
+        self.lora = nn.ModuleDict()
+        for layer in self.config.layer_ids:
+            for target in sorted(config.target_modules):
+                fan_in, fan_out = self._projection_shape(target)
+                a, b = nn.Linear(fan_in, config.r, bias=False), nn.Linear(config.r, fan_out, bias=False)
+                nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
+                nn.init.zeros_(b.weight)
+                self.lora[f"{layer}-{target}"] = nn.ModuleDict({"A": a, "B": b}).to(device)
+
+    def lora_modules(self) -> Iterator[tuple[int, str, nn.Module, nn.Module]]:
+        """``(layer, target, A, B)`` of every adapted projection."""
+        for key, pair in self.lora.items():
+            layer, target = key.split("-", 1)
+            yield int(layer), target, pair["A"], pair["B"]
+
+    def load_parts(self, folder: Path) -> None:
+        from peft import LoraConfig
+
+        path = folder / LORA_DIR / LORA_CONFIG
+        if not path.is_file():
+            raise AdapterError(f"{folder} has no {LORA_DIR}/{LORA_CONFIG}; a dms-lora adapter holds its LoRA's peft config there")
+        try:
+            config = LoraConfig.from_pretrained(str(path.parent))
+            self.configure_lora(config)
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+            raise AdapterError(f"{path} is not a DMS LoRA config ({str(err).splitlines()[0]}); the file is corrupt or was edited by hand") from err
+
+    def save_pretrained(self, folder: str | Path) -> Path:
+        folder = super().save_pretrained(folder)
+        (folder / LORA_DIR).mkdir(exist_ok=True)
+        text = _config_json(self.lora_config)
+        _atomic_write(folder / LORA_DIR / LORA_CONFIG, lambda p: Path(p).write_text(text))
+        return folder
+
+
+# ---------------------------------------------------------------------------------------------- the LoRA on a model
+def _tuner_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
+
+
+def carries_lora(model: nn.Module) -> bool:
+    """Whether ``model`` carries a DMS LoRA (``ADAPTER``) through transformers' PEFT integration."""
+    return ADAPTER in (getattr(model, "peft_config", None) or {})
+
+
+def install_lora(model: nn.Module, gates: DecisionHeadsLoRA) -> Callable[[], None]:
+    """Run ``gates``' LoRA on ``model`` (this instance only); returns what undoes it.
+
+    On a model without a DMS LoRA, transformers' PEFT integration adds one (``model.add_adapter``, peft's LoRA
+    layers around the target projections) and its ``A`` / ``B`` are replaced by ``gates``' own modules; the undo
+    deletes the adapter (``model.delete_adapter``), puts the original projections back where peft wrapped them and
+    drops the flag the integration set, leaving the model as it was (``requires_grad`` included). On a model that already carries one of
+    the same shape (the LoRA a DMS-LoRA run trains, during its validation), ``gates``' modules take its place and
+    the undo gives the previous ones back. ``ValueError`` for one of another shape.
+    """
+    added = not carries_lora(model)
+    if added:
+        requires_grad = {p: p.requires_grad for p in model.parameters()}  # peft marks only adapters trainable
+        model.add_adapter(copy.deepcopy(gates.lora_config), adapter_name=ADAPTER)
+    elif _lora_shape(model.peft_config[ADAPTER]) != _lora_shape(gates.lora_config):
+        raise ValueError("this model already carries a DMS LoRA of another shape; detach the policy that put it there first")
+    modules = attention_modules(model)
+    previous = []
+    for layer, target, a, b in gates.lora_modules():
+        peft_layer = getattr(modules[layer], target)
+        previous.append((peft_layer, peft_layer.lora_A[ADAPTER], peft_layer.lora_B[ADAPTER]))
+        peft_layer.lora_A[ADAPTER], peft_layer.lora_B[ADAPTER] = a, b
+
+    def undo() -> None:
+        if added:
+            remove_lora(model)
+            for param, flag in requires_grad.items():
+                param.requires_grad_(flag)
+        else:
+            for peft_layer, a, b in previous:
+                peft_layer.lora_A[ADAPTER], peft_layer.lora_B[ADAPTER] = a, b
+
+    return undo
+
+
+def remove_lora(model: nn.Module) -> None:
+    """Delete the DMS LoRA from ``model`` (``model.delete_adapter``), put back the original projections where peft
+    left its emptied wrappers, and drop the integration's flag once no adapter is left."""
+    model.delete_adapter(ADAPTER)
+    for name, layer in _tuner_layers(model):
+        if not any(getattr(layer, attr) for attr in layer.adapter_layer_names):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, layer.get_base_layer())
+    if not hasattr(model, "peft_config"):
+        vars(model).pop("_hf_peft_config_loaded", None)
+
+
+@contextlib.contextmanager
+def lora_disabled(model: nn.Module) -> Iterator[None]:
+    """Run the block with the model's PEFT adapters disabled (the frozen model), enabled again after."""
+    if not carries_lora(model):
+        yield
+        return
+    model.disable_adapters()
+    try:
+        yield
+    finally:
+        model.enable_adapters()
+
+
+# ---------------------------------------------------------------------------------------------- training
+def gumbel_sigmoid_logits(logits: torch.Tensor, temperature: float, noise: bool) -> torch.Tensor:
+    """``z = (logits + g) / temperature`` with ``g`` logistic noise (``log u - log(1 - u)``) when ``noise``; the
+    relaxed decision is ``sigmoid(z)``."""
+    if noise:
+        u = torch.rand_like(logits).clamp(1e-6, 1 - 1e-6)
+        logits = logits + torch.log(u) - torch.log1p(-u)
+    return logits / temperature
+
+
+def delayed_bias(log_keep: torch.Tensor, window: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, H_kv, T, T]`` additive attention mask: causal (``-inf`` above the diagonal), plus ``log_keep[..., i]``
+    (``log(1 - alpha_i)``) for query ``t`` and key ``i`` when ``t - i > window``, plus the padding of a 4-D
+    ``attention_mask`` (bool: True attends; or additive)."""
+    t = log_keep.shape[-1]
+    pos = torch.arange(t, device=log_keep.device)
+    gap = pos[:, None] - pos[None, :]
+    causal = torch.zeros((t, t), device=log_keep.device).masked_fill(gap < 0, float("-inf"))
+    bias = torch.where(gap > window, log_keep[..., None, :], 0.0) + causal
+    if attention_mask is not None:
+        mask = attention_mask[..., :t, :t]
+        mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else mask.float()
+        bias = bias + mask
+    return bias
+
+
+def dms_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    log_keep: torch.Tensor,
+    window: int,
+    scale: float,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DMS training attention ``[B, H, T, D]`` (``query`` ``[B, H, T, D]``, ``key``/``value`` ``[B, H_kv, T, D]``,
+    ``log_keep`` ``[B, H_kv, T]``): sdpa with ``delayed_bias`` as its float mask, each KV head's bias shared by its
+    query group. Memory ``B * H * T * T`` floats (see the module docstring)."""
+    groups = query.shape[1] // key.shape[1]
+    bias = delayed_bias(log_keep.float(), window, attention_mask).to(query.dtype).repeat_interleave(groups, 1)
+    key, value = (x.repeat_interleave(groups, 1) for x in (key, value))
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale)
+
+
+def eviction_hinge(alpha: torch.Tensor, budget: float, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hinge, eviction fraction)``: per row ``b``, ``frac_b`` = the mean of ``alpha`` (``[L, B, H_kv, T]``) over its
+    real tokens, layers and heads, ``target_b = max(0, 1 - budget / lengths_b)``; hinge = mean over rows of
+    ``max(0, target_b - frac_b)`` (one-sided: evicting more than the target costs nothing here)."""
+    n_layers, _, hkv, t = alpha.shape
+    real = (torch.arange(t, device=alpha.device) < lengths[:, None].to(alpha.device)).float()  # [B, T]
+    frac = (alpha.float() * real[None, :, None, :]).sum((0, 2, 3)) / (n_layers * hkv * lengths.to(alpha.device).float())
+    target = (1 - budget / lengths.to(alpha.device).float()).clamp(min=0)
+    return (target - frac).clamp(min=0).mean(), frac.mean()
+
+
+@dataclass
+class DMSOptions:
+    """``method:`` options of a ``dms`` run. ``window``: w, the delay (positions) before a decision takes effect
+    (the policy's ``window`` must match); ``temperature``: the Gumbel-sigmoid's."""
+
+    window: int = 16
+    temperature: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0, got {self.window}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be greater than 0, got {self.temperature}")
+
+
+@dataclass
+class DMSLoRAOptions(DMSOptions):
+    """``method:`` options of a ``dms-lora`` run: ``DMSOptions`` plus the LoRA's rank, alpha and target projections
+    (of the gated layers' attention)."""
+
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lora_rank < 1 or self.lora_alpha <= 0:
+            raise ValueError(f"lora_rank must be >= 1 and lora_alpha > 0, got {self.lora_rank} and {self.lora_alpha}")
+        unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+        if unknown or not self.lora_targets:
+            raise ValueError(f"lora_targets must be some of {', '.join(LORA_TARGETS)}, got {self.lora_targets}")
+
+
+@register_method
+class DMSMethod(LearnedMethod):
+    """DMS on the frozen model: decision heads only (see the module docstring). Loss
+    ``(KL + CE) / 2 + loss.lambda_cap * eviction_hinge``."""
+
+    name = "dms"
+    gate_set = DecisionHeads
+    policies = ("dms",)
+    options = DMSOptions
+
+    def check(self, config: Any) -> None:
+        super().check(config)
+        if config.gates.hidden not in (None, 1):
+            raise ValueError(f"{self.name} decision heads are linear (d_model -> H_kv); drop gates.hidden")
+        window = config.policy.get("window", DMS.window)
+        if window != config.method_options.window:
+            raise ValueError(
+                f"policy.window ({window}) must equal method.window ({config.method_options.window}): the gates learn to decide with that delay"
+            )
+
+    def check_context(self, gates: GateSet, context: dict[str, Any]) -> None:
+        if set(context) != {"options"} or not isinstance(context["options"], DMSOptions):
+            raise ValueError(f"{self.name} student forwards take options=DMSOptions(...) only, got {', '.join(context) or 'none'}")
+
+    def attend(self, training, module: nn.Module, query, key, value, attention_mask, scale, captured, **kwargs) -> torch.Tensor:
+        if query.shape[2] != key.shape[2]:
+            raise RuntimeError("DMS training attention runs on whole sequences without a cache (use_cache=False)")
+        options = training.context["options"]
+        logits = training.gates(module.layer_idx, captured).transpose(1, 2)  # [B, H_kv, T]
+        z = gumbel_sigmoid_logits(logits, options.temperature, noise=training.gates.training)
+        training.records[ALPHA][module.layer_idx] = torch.sigmoid(z)
+        out = dms_attention(query, key, value, F.logsigmoid(-z), options.window, scale, attention_mask)
+        return out.transpose(1, 2).contiguous()
+
+    def loss(self, step: TrainingStep) -> tuple[torch.Tensor, dict[str, float]]:
+        teacher = step.teacher_hidden()
+        kl, ce = step.distill(step.student_hidden(options=step.config.method_options), teacher)
+        hinge, frac = eviction_hinge(step.stacked(ALPHA), step.budget, step.lengths)
+        loss = (kl + ce) / 2 + step.config.loss.lambda_cap * hinge
+        return loss, {"kl": kl.item(), "ce": ce.item(), "hinge": hinge.item(), "evicted": frac.item(), "budget": step.budget}
+
+
+@register_method
+class DMSLoRAMethod(DMSMethod):
+    """DMS with the model adapting: decision heads plus a LoRA (peft) of the gated layers' attention projections.
+    The teacher runs with the LoRA disabled (``frozen``), the student with it."""
+
+    name = "dms-lora"
+    gate_set = DecisionHeadsLoRA
+    options = DMSLoRAOptions
+
+    def setup(self, model: nn.Module, gates: GateSet, options: Any) -> None:
+        """Shape the gates' LoRA by ``options`` (kept as it is when it already has that shape: ``gates.init_from``)
+        and put it on ``model`` (``install_lora``) until ``teardown``."""
+        config = lora_config(options.lora_rank, options.lora_alpha, options.lora_targets, gates.config.layer_ids)
+        if _lora_shape(config) != _lora_shape(gates.lora_config):
+            if any(bool(b.detach().any()) for _, _, _, b in gates.lora_modules()):
+                raise ValueError("gates.init_from carries a trained LoRA of another shape than method.lora_* asks for")
+            gates.configure_lora(config)
+        install_lora(model, gates)
+
+    def teardown(self, model: nn.Module, gates: GateSet) -> None:
+        if carries_lora(model):
+            remove_lora(model)
+
+    def frozen(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return lora_disabled(model)
+
+
+# ---------------------------------------------------------------------------------------------- inference
+@register_policy
+@dataclass
+class DMS(LearnedPolicy):
+    """DMS eviction (Łańcucki et al. 2025) by trained decision heads (``dms`` or ``dms-lora`` gates).
+
+    Each token's eviction logit per KV head is computed when it is written (from its layer's decision head); the
+    ``window`` most recent tokens are protected; after that, a token decided "evict" (logit > 0) is dropped. With a
+    ``budget`` each head also keeps at most ``budget`` tokens: the window plus the lowest eviction logits. Without
+    one (threshold mode) heads hold what the decisions keep, a different number per head (ragged storage). The
+    policy runs after every prompt chunk and every decode step. ``dms-lora`` gates also put their LoRA on the
+    model at ``attach`` (``install_lora``: transformers' PEFT integration on that instance) and take it off at
+    ``detach``.
+
+    Departure from the paper: DMS evicts by the decisions alone; the budget cap (and the ranking by logit that
+    fills it) is this project's, so that methods compare at matched memory.
+
+    Args:
+        budget: tokens per KV head at most (None: threshold mode).
+        gates: a ``dms`` / ``dms-lora`` adapter; strict: require the training model.
+        window: w, positions a token stays after it is written whatever its decision (match the training's).
+    """
+
+    name = "dms"
+    gate_kinds = ("dms", "dms-lora")
+    ragged_heads = True
+    schedule = Schedule(prefill=True, decode_every=1)
+
+    window: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._at_least(0, "window")
+        if self.budget is not None:
+            self._require_budget(self.window, f"the protected window ({self.window})")
+        self._undo_lora: Callable[[], None] | None = None
+
+    def attach(self, model: Any) -> DMS:
+        super().attach(model)
+        if isinstance(self._running, DecisionHeadsLoRA):
+            try:
+                self._undo_lora = install_lora(model, self._running)
+            except ValueError:
+                self.detach()
+                raise
+        return self
+
+    def detach(self) -> None:
+        if self._undo_lora is not None:
+            self._undo_lora()
+            self._undo_lora = None
+        super().detach()
+
+    def slot_state(self) -> dict[str, SlotState]:
+        return {LOGIT: SlotState()}
+
+    def observe(self, layer, stats: AttnStats) -> None:
+        self.record(layer, stats, LOGIT)
+
+    def _kept(self, layer) -> torch.Tensor:
+        """``[B, H_kv, C]`` the held tokens the decisions keep: the window and those not decided "evict"."""
+        return layer.valid & (recent_mask(layer, self.window) | (layer.state[LOGIT] <= 0))
+
+    def quota(self, layer, stats: AttnStats | None) -> torch.Tensor:
+        kept = self._kept(layer).sum(-1)
+        return kept if self.budget is None else kept.clamp(max=self.budget)
+
+    def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return -layer.state[LOGIT], recent_mask(layer, self.window)
+
