@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 import kvgates
 from kvgates.gates import GATE_KINDS
 from kvgates.gates.training import GateTraining
+from kvgates.methods import METHODS
 from train.config import ConfigError, TrainConfig
 from train.run import build_trainer, main, prepare_output_dir
 
@@ -76,6 +77,10 @@ KINDS = {
     "trimkv+relaxed": ({"loss": {"hard_eviction": True, "eviction_temperature": 0.5}}, "retention", {"kl", "ce", "capacity"}),
     "trimkv-global": ({"kind": "trimkv-global"}, "retention-global", {"kl", "ce", "capacity"}),
     "locret": ({"kind": "locret", "policy": {"stabilizers": 4, "local": 4}}, "retaining-head", {"regression", "smoothness"}),
+    "dms": ({"kind": "dms", "gates": {"hidden": None, "init_bias": 1.0}, "method": {"window": 4}, "policy": {"window": 4}}, "dms",
+            {"kl", "ce", "hinge", "evicted", "budget"}),
+    "dms-lora": ({"kind": "dms-lora", "gates": {"hidden": None, "init_bias": 1.0}, "method": {"window": 4, "lora_rank": 2},
+                  "policy": {"window": 4}}, "dms-lora", {"kl", "ce", "hinge", "evicted"}),
 }
 
 
@@ -105,7 +110,7 @@ def test_tiny_run_trains_exports_and_reports(tiny_dir, tmp_path, capsys, variant
     # The exported adapter runs through the command line on the model it was made for.
     from kvgates.cli import main as cli
 
-    code = cli(["generate", "--model", str(tiny_dir), "--policy", kind, "--budget", "24", "--gates", str(out / "adapter"),
+    code = cli(["generate", "--model", str(tiny_dir), "--policy", METHODS[kind].policy, "--budget", "24", "--gates", str(out / "adapter"),
                 "--prompt", "abc " * 20, "--max-new-tokens", "3",
                 *[a for k, v in change.get("policy", {}).items() for a in (f"--{k}", str(v))]])
     assert code == 0

@@ -418,7 +418,7 @@ class DMSLoRAMethod(DMSMethod):
         and put it on ``model`` (``install_lora``) until ``teardown``."""
         config = lora_config(options.lora_rank, options.lora_alpha, options.lora_targets, gates.config.layer_ids)
         if _lora_shape(config) != _lora_shape(gates.lora_config):
-            if any(bool(b.detach().any()) for _, _, _, b in gates.lora_modules()):
+            if any(bool(b.weight.detach().any()) for _, _, _, b in gates.lora_modules()):
                 raise ValueError("gates.init_from carries a trained LoRA of another shape than method.lora_* asks for")
             gates.configure_lora(config)
         install_lora(model, gates)
