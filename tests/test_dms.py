@@ -1,0 +1,350 @@
+"""DMS-style learned eviction (kvgates.methods.dms): decision heads, the delayed-eviction training attention and
+loss, the dms-lora variant's LoRA on a model instance, and the ``dms`` policy against a literal reading of its rule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import teacher_forced_logits, tiny_model
+
+import kvgates
+from kvgates.errors import AdapterError
+from kvgates.gates.training import GateTraining
+from kvgates.methods import METHODS
+from kvgates.methods.base import TrainingStep
+from kvgates.methods.dms import (
+    DMS,
+    DecisionHeads,
+    DecisionHeadsLoRA,
+    carries_lora,
+    delayed_bias,
+    dms_attention,
+    eviction_hinge,
+    install_lora,
+)
+from kvgates.models import model_fingerprint
+from train.config import ConfigError, TrainConfig
+
+
+def _config(kind: str = "dms", **method) -> TrainConfig:
+    extra = {"lora_rank": 2} if kind == "dms-lora" else {}
+    return TrainConfig.from_dict(
+        {"kind": kind, "budget": 8, "data": {"seq_len": 64}, "method": {"window": 4, **extra, **method}, "policy": {"window": 4}}
+    )
+
+
+def _batch(length: int = 40, padded: bool = False) -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, 100, (2, length), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, -6:] = 0
+    labels = torch.full_like(ids, -100)
+    labels[:, -12:] = ids[:, -12:]
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _randomise_lora(gates: DecisionHeadsLoRA, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, _, _, b in gates.lora_modules():
+            b.weight.copy_(torch.randn(b.weight.shape, generator=g) * 0.2)
+
+
+# ---------------------------------------------------------------------------------------------- gates and adapters
+def test_decision_heads_give_one_eviction_logit_per_kv_head_starting_at_minus_init_bias():
+    _, model = tiny_model()
+    gates = DecisionHeads.for_model(model, init_bias=5.0)
+    hidden = torch.randn(2, 7, model.config.hidden_size)
+    logits = gates(0, hidden)
+    assert logits.shape == (2, 7, model.config.num_key_value_heads) and logits.dtype == torch.float32
+    assert all(float(h.proj.bias.detach().max()) == -5.0 for h in gates.heads) and float(logits.detach().max()) < 0
+
+
+def test_dms_lora_gates_own_their_lora_matrices_shaped_by_the_config():
+    _, model = tiny_model()
+    gates = DecisionHeadsLoRA.for_model(model)
+    c = model.config
+    shapes = {(layer, target): (tuple(a.weight.shape), tuple(b.weight.shape)) for layer, target, a, b in gates.lora_modules()}
+    assert shapes == {
+        (layer, target): ((8, c.hidden_size), (c.num_attention_heads * c.head_dim if target == "q_proj" else c.num_key_value_heads * c.head_dim, 8))
+        for layer in range(c.num_hidden_layers) for target in ("q_proj", "v_proj")
+    }
+    assert all(float(b.weight.detach().abs().sum()) == 0 for *_, b in gates.lora_modules())  # B = 0: the model unchanged
+    with pytest.raises(ValueError, match="attention projections"):
+        gates.configure_lora(type(gates.lora_config)(r=2, target_modules=["gate_proj"], layers_to_transform=[0, 1, 2]))
+
+
+@pytest.mark.parametrize("kind", [DecisionHeads, DecisionHeadsLoRA])
+def test_adapter_round_trip(tmp_path, kind):
+    _, model = tiny_model()
+    gates = kind.for_model(model, init_bias=3.0, training_budget=16)
+    if kind is DecisionHeadsLoRA:
+        gates.configure_lora(type(gates.lora_config)(r=3, lora_alpha=6, target_modules=["k_proj", "o_proj"], layers_to_transform=[0, 1, 2]))
+        _randomise_lora(gates)
+    gates.save_pretrained(tmp_path / "a")
+    loaded = kvgates.load_gates(tmp_path / "a")
+    assert type(loaded) is kind and loaded.config == gates.config
+    assert loaded.state_dict().keys() == gates.state_dict().keys()
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in gates.state_dict().items())
+    if kind is DecisionHeadsLoRA:
+        assert loaded.lora_config.r == 3 and sorted(loaded.lora_config.target_modules) == ["k_proj", "o_proj"]
+        before = (tmp_path / "a" / "lora" / "adapter_config.json").read_bytes()
+        gates.save_pretrained(tmp_path / "a")
+        assert (tmp_path / "a" / "lora" / "adapter_config.json").read_bytes() == before  # the same bytes again
+
+
+def test_a_missing_or_corrupt_lora_config_is_one_sentence(tmp_path):
+    _, model = tiny_model()
+    DecisionHeadsLoRA.for_model(model).save_pretrained(tmp_path / "a")
+    config = tmp_path / "a" / "lora" / "adapter_config.json"
+    text = config.read_text()
+    config.write_text("{not json")
+    with pytest.raises(AdapterError, match="is not a DMS LoRA config") as err:
+        kvgates.load_gates(tmp_path / "a")
+    assert "\n" not in str(err.value)
+    config.write_text(json.dumps({**json.loads(text), "target_modules": ["gate_proj"]}))
+    with pytest.raises(AdapterError, match="attention projections"):
+        kvgates.load_gates(tmp_path / "a")
+    config.write_text(json.dumps({**json.loads(text), "r": 5}))  # the weights file holds rank 8
+    with pytest.raises(AdapterError, match="has shape"):
+        kvgates.load_gates(tmp_path / "a")
+    config.unlink()
+    with pytest.raises(AdapterError, match="has no lora/adapter_config.json"):
+        kvgates.load_gates(tmp_path / "a")
+
+
+# ---------------------------------------------------------------------------------------------- training
+def test_dms_attention_is_the_literal_delayed_eviction_softmax():
+    g = torch.Generator().manual_seed(0)
+    b, h, hkv, t, d, w = 1, 4, 2, 9, 8, 2
+    q, k, v = (torch.randn(b, n, t, d, generator=g) for n in (h, hkv, hkv))
+    alpha = torch.rand(b, hkv, t, generator=g)
+    out = dms_attention(q, k, v, torch.log1p(-alpha), w, 0.3)
+    expected = torch.zeros_like(out)
+    for head in range(h):
+        kv = head // (h // hkv)
+        for i in range(t):
+            weights = torch.stack([
+                torch.exp(0.3 * q[0, head, i] @ k[0, kv, j]) * ((1 - alpha[0, kv, j]) if i - j > w else 1.0) for j in range(i + 1)
+            ])
+            expected[0, head, i] = (weights / weights.sum()) @ v[0, kv, : i + 1]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_columns_are_masked_and_rows_stay_finite():
+    log_keep = torch.full((2, 1, 6), -50.0)
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    mask[1, :, :, 4:] = False
+    bias = delayed_bias(log_keep, 1, mask)
+    assert bool(torch.isinf(bias[1, 0, 5, 4:]).all()) and bool(torch.isfinite(bias[1, 0, 5, :4]).all())
+    assert float(bias[0, 0, 5, 3]) == -50.0 and float(bias[0, 0, 5, 4]) == 0.0  # 5 - 4 = 1 = w: still visible
+
+
+def test_eviction_hinge_targets_one_minus_budget_over_length():
+    alpha = torch.zeros(2, 2, 3, 8)  # [L, B, H_kv, T]
+    alpha[:, 0] = 0.25
+    alpha[:, 1, :, :4] = 1.0  # row 1 has 4 real tokens, all evicted
+    hinge, frac = eviction_hinge(alpha, budget=4.0, lengths=torch.tensor([8, 4]))
+    # row 0: target 1 - 4/8 = 0.5, evicted 0.25 -> 0.25; row 1: target 0, evicted 1 -> 0 (one-sided)
+    assert hinge.item() == pytest.approx(0.125) and frac.item() == pytest.approx((0.25 + 1.0) / 2)
+
+
+def test_student_with_nothing_evicted_is_the_teacher():
+    _, model = tiny_model()
+    gates = DecisionHeads.for_model(model, init_bias=200.0).eval()  # no noise, alpha = 0 exactly
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        teacher = model(ids, use_cache=False).logits
+        with GateTraining(model, gates) as run:
+            run.learn(options=_config().method_options)
+            student = model(ids, use_cache=False).logits
+    torch.testing.assert_close(student, teacher, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("kind", ["dms", "dms-lora"])
+def test_loss_is_finite_and_only_the_trainable_parameters_get_gradients(kind, padded):
+    _, model = tiny_model()
+    model.requires_grad_(False)
+    config = _config(kind)
+    method = config.learned_method
+    gates = method.gate_set.for_model(model, init_bias=1.0)
+    if kind == "dms-lora":
+        method.setup(model, gates, config.method_options)
+        _randomise_lora(gates)  # B != 0, so A gets gradients too
+    model.train()
+    with GateTraining(model, gates) as run:
+        loss, parts = method.loss(TrainingStep(model, model.lm_head, run, config, _batch(padded=padded), budget=8.0))
+        loss.backward()
+    assert torch.isfinite(loss) and {"kl", "ce", "hinge", "evicted"} <= set(parts) and parts["hinge"] > 0
+    gate_ids = {id(p) for p in gates.parameters()}
+    assert all(p.grad is None for p in model.parameters() if id(p) not in gate_ids)
+    assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in gates.parameters())
+    method.teardown(model, gates)
+
+
+def test_dms_lora_training_setup_keeps_the_teacher_frozen_and_teardown_restores_the_model():
+    ref, model = tiny_model()
+    model.requires_grad_(False)
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        plain = model(ids).logits
+    fingerprint = model_fingerprint(model)
+    config = _config("dms-lora")
+    method = config.learned_method
+    gates = method.gate_set.for_model(model)
+    method.setup(model, gates, config.method_options)
+    _randomise_lora(gates)
+    assert carries_lora(model) and model_fingerprint(model) == fingerprint  # adapters are not the model's identity
+    with torch.no_grad():
+        adapted = model(ids).logits
+        with method.frozen(model):
+            teacher = model(ids).logits
+    assert not torch.equal(adapted, plain) and torch.equal(teacher, plain)
+    assert all(p.requires_grad for p in gates.parameters())  # re-enabled for the student after the teacher
+    method.teardown(model, gates)
+    assert not carries_lora(model) and type(model) is type(ref)
+    assert [type(m) for m in model.modules()] == [type(m) for m in ref.modules()]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain)
+
+
+def test_dms_options_and_policy_window_are_checked():
+    with pytest.raises(ConfigError, match=r"policy.window \(16\) must equal method.window \(4\)"):
+        TrainConfig.from_dict({"kind": "dms", "budget": 32, "data": {"seq_len": 64}, "method": {"window": 4}})
+    with pytest.raises(ConfigError, match="unknown keys \\['lora_rank'\\]"):
+        _config("dms", lora_rank=4)
+    with pytest.raises(ConfigError, match="lora_targets must be some of"):
+        _config("dms-lora", lora_targets=["up_proj"])
+    with pytest.raises(ConfigError, match="temperature must be greater than 0"):
+        _config("dms", temperature=0.0)
+    with pytest.raises(ConfigError, match="decision heads are linear"):
+        TrainConfig.from_dict({"kind": "dms", "budget": 32, "data": {"seq_len": 64}, "gates": {"hidden": 8}})
+    assert METHODS["dms-lora"].policy == "dms"
+
+
+# ---------------------------------------------------------------------------------------------- the policy
+def test_attach_and_detach_of_a_dms_lora_adapter_leave_the_model_exactly_as_it_was():
+    ref, model = tiny_model()
+    gates = DecisionHeadsLoRA.for_model(model)
+    _randomise_lora(gates)
+    ids = _batch()["input_ids"]
+    flags = [p.requires_grad for p in model.parameters()]
+    keys = list(model.state_dict())
+    with torch.no_grad():
+        before = model(ids).logits
+        policy = kvgates.make_policy("dms", budget=16, window=4, gates=gates).attach(model)
+        assert carries_lora(model)
+        adapted = model(ids, past_key_values=kvgates.BudgetCache(model.config, policy)).logits
+        policy.detach()
+        after = model(ids).logits
+    assert not torch.equal(adapted, before)  # the LoRA ran
+    assert torch.equal(after, before) and not carries_lora(model) and "_hf_peft_config_loaded" not in vars(model)
+    assert [type(m) for m in model.modules()] == [type(m) for m in ref.modules()] and list(model.state_dict()) == keys
+    assert [p.requires_grad for p in model.parameters()] == flags
+
+
+def test_a_policy_attached_over_the_training_lora_runs_its_own_and_gives_it_back():
+    _, model = tiny_model()
+    config = _config("dms-lora")
+    training = DecisionHeadsLoRA.for_model(model)
+    config.learned_method.setup(model, training, config.method_options)
+    other = DecisionHeadsLoRA.for_model(model)
+    other.configure_lora(training.lora_config)
+    _randomise_lora(other, seed=1)
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        before = model(ids).logits
+        with kvgates.make_policy("dms", window=4, budget=16, gates=other).attach(model):
+            theirs = model(ids).logits
+        assert torch.equal(model(ids).logits, before) and carries_lora(model)
+    assert not torch.equal(theirs, before)
+    wrong = DecisionHeadsLoRA.for_model(model)  # rank 8 against the run's rank 2
+    with pytest.raises(ValueError, match="another shape"):
+        kvgates.make_policy("dms", window=4, budget=16, gates=wrong).attach(model)
+    config.learned_method.teardown(model, training)
+
+
+def _literal_dms(logits: dict[int, torch.Tensor], prompt: int, steps: int, window: int, budget: int | None) -> dict[int, list[list[set[int]]]]:
+    """Per layer, per sequence and head: the positions DMS keeps after the prompt and ``steps`` decode steps,
+    read literally: after each forward, drop the tokens older than the window that are decided "evict"
+    (logit > 0), then, over budget, keep the window plus the lowest logits (ties: the more recent)."""
+    out = {}
+    for layer, lg in logits.items():  # [B, H_kv, T]
+        b, h, _ = lg.shape
+        rows = []
+        for i in range(b):
+            heads = []
+            for j in range(h):
+                held: set[int] = set()
+                written = 0
+                for end in [prompt, *range(prompt + 1, prompt + steps + 1)]:  # the prompt, then one token a step
+                    held |= set(range(written, end))
+                    written = newest = end - 1
+                    written += 1
+                    recent = {p for p in held if newest - p < window}
+                    held = {p for p in held if p in recent or float(lg[i, j, p]) <= 0}
+                    if budget is not None and len(held) > budget:
+                        rest = sorted(held - recent, key=lambda p: (float(lg[i, j, p]), -p))
+                        held = recent | set(rest[: budget - len(recent)])
+                heads.append(held)
+            rows.append(heads)
+        out[layer] = rows
+    return out
+
+
+@pytest.mark.parametrize("budget", [None, 12])
+def test_the_policy_keeps_what_a_literal_reading_of_dms_keeps(budget):
+    _, model = tiny_model()
+    gates = DecisionHeads.for_model(model, init_bias=0.0)
+    with torch.no_grad():
+        for head in gates.heads:
+            head.proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(7))
+    # The logits each token gets when it is written: hooks on the layers' inputs, as the policy's own capture.
+    seen: dict[int, list[torch.Tensor]] = {i: [] for i in gates.config.layer_ids}
+    attn = {i: model.model.layers[i].self_attn for i in gates.config.layer_ids}
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, args, kwargs, i=i: seen[i].append(gates(i, args[0] if args else kwargs["hidden_states"]).transpose(1, 2)), with_kwargs=True)
+        for i, m in attn.items()
+    ]
+    ids = torch.randint(3, 100, (2, 30), generator=torch.Generator().manual_seed(2))
+    policy = kvgates.make_policy("dms", budget=budget, window=3, gates=gates).attach(model)
+    cache = kvgates.BudgetCache(model.config, policy)
+    teacher_forced_logits(model, cache, ids, prompt_len=20)
+    policy.detach()
+    for hook in hooks:
+        hook.remove()
+    logits = {i: torch.cat(parts, -1) for i, parts in seen.items()}
+    assert any(float((lg > 0).float().mean()) > 0.2 for lg in logits.values())  # decisions do evict
+    expected = _literal_dms(logits, prompt=20, steps=10, window=3, budget=budget)
+    for layer_idx, layer in zip(cache.budget_layer_ids, cache.budget_layers):
+        for i in range(2):
+            for j in range(model.config.num_key_value_heads):
+                held = {int(p) for p in layer.pos[i, j] if p >= 0}
+                assert held == expected[layer_idx][i][j], (layer_idx, i, j)
+
+
+def test_threshold_mode_holds_a_different_number_per_head():
+    _, model = tiny_model()
+    gates = DecisionHeads.for_model(model, init_bias=0.0)
+    with torch.no_grad():
+        for head in gates.heads:
+            head.proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(4))
+    with kvgates.make_policy("dms", window=4, gates=gates).attach(model) as policy:
+        cache = kvgates.BudgetCache(model.config, policy)
+        teacher_forced_logits(model, cache, ids, prompt_len=30)
+    held = cache.held_tokens()
+    assert int(held.max()) < 40 and len(set(held.flatten().tolist())) > 1
+
+
+def test_policy_errors_are_one_sentence():
+    _, model = tiny_model()
+    gates = DecisionHeads.for_model(model)
+    with pytest.raises(ValueError, match="budget 4 must be larger than the protected window"):
+        DMS(budget=4, window=4, gates=gates)
+    with pytest.raises(ValueError, match="needs dms or dms-lora gates"):
+        DMS(budget=8, gates=kvgates.RetentionGates.for_model(model))
