@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import teacher_forced_logits, tiny_model
+from helpers import gate_batch, teacher_forced_logits, tiny_model
 
 import kvgates
 from kvgates.errors import AdapterError
@@ -22,7 +22,6 @@ from kvgates.methods.dms import (
     delayed_bias,
     dms_attention,
     eviction_hinge,
-    install_lora,
 )
 from kvgates.models import model_fingerprint
 from train.config import ConfigError, TrainConfig
@@ -33,17 +32,6 @@ def _config(kind: str = "dms", **method) -> TrainConfig:
     return TrainConfig.from_dict(
         {"kind": kind, "budget": 8, "data": {"seq_len": 64}, "method": {"window": 4, **extra, **method}, "policy": {"window": 4}}
     )
-
-
-def _batch(length: int = 40, padded: bool = False) -> dict[str, torch.Tensor]:
-    ids = torch.randint(3, 100, (2, length), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    if padded:
-        mask[1, -6:] = 0
-    labels = torch.full_like(ids, -100)
-    labels[:, -12:] = ids[:, -12:]
-    labels[mask == 0] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def _randomise_lora(gates: DecisionHeadsLoRA, seed: int = 0) -> None:
@@ -155,7 +143,7 @@ def test_eviction_hinge_targets_one_minus_budget_over_length():
 def test_student_with_nothing_evicted_is_the_teacher():
     _, model = tiny_model()
     gates = DecisionHeads.for_model(model, init_bias=200.0).eval()  # no noise, alpha = 0 exactly
-    ids = _batch()["input_ids"]
+    ids = gate_batch()["input_ids"]
     with torch.no_grad():
         teacher = model(ids, use_cache=False).logits
         with GateTraining(model, gates) as run:
@@ -177,7 +165,7 @@ def test_loss_is_finite_and_only_the_trainable_parameters_get_gradients(kind, pa
         _randomise_lora(gates)  # B != 0, so A gets gradients too
     model.train()
     with GateTraining(model, gates) as run:
-        loss, parts = method.loss(TrainingStep(model, model.lm_head, run, config, _batch(padded=padded), budget=8.0))
+        loss, parts = method.loss(TrainingStep(model, model.lm_head, run, config, gate_batch(padded=padded), budget=8.0))
         loss.backward()
     assert torch.isfinite(loss) and {"kl", "ce", "hinge", "evicted"} <= set(parts) and parts["hinge"] > 0
     gate_ids = {id(p) for p in gates.parameters()}
@@ -189,7 +177,7 @@ def test_loss_is_finite_and_only_the_trainable_parameters_get_gradients(kind, pa
 def test_dms_lora_training_setup_keeps_the_teacher_frozen_and_teardown_restores_the_model():
     ref, model = tiny_model()
     model.requires_grad_(False)
-    ids = _batch()["input_ids"]
+    ids = gate_batch()["input_ids"]
     with torch.no_grad():
         plain = model(ids).logits
     fingerprint = model_fingerprint(model)
@@ -231,7 +219,7 @@ def test_attach_and_detach_of_a_dms_lora_adapter_leave_the_model_exactly_as_it_w
     ref, model = tiny_model()
     gates = DecisionHeadsLoRA.for_model(model)
     _randomise_lora(gates)
-    ids = _batch()["input_ids"]
+    ids = gate_batch()["input_ids"]
     flags = [p.requires_grad for p in model.parameters()]
     keys = list(model.state_dict())
     with torch.no_grad():
@@ -255,7 +243,7 @@ def test_a_policy_attached_over_the_training_lora_runs_its_own_and_gives_it_back
     other = DecisionHeadsLoRA.for_model(model)
     other.configure_lora(training.lora_config)
     _randomise_lora(other, seed=1)
-    ids = _batch()["input_ids"]
+    ids = gate_batch()["input_ids"]
     with torch.no_grad():
         before = model(ids).logits
         with kvgates.make_policy("dms", window=4, budget=16, gates=other).attach(model):
@@ -306,10 +294,14 @@ def test_the_policy_keeps_what_a_literal_reading_of_dms_keeps(budget):
     # The logits each token gets when it is written: hooks on the layers' inputs, as the policy's own capture.
     seen: dict[int, list[torch.Tensor]] = {i: [] for i in gates.config.layer_ids}
     attn = {i: model.model.layers[i].self_attn for i in gates.config.layer_ids}
-    hooks = [
-        m.register_forward_pre_hook(lambda mod, args, kwargs, i=i: seen[i].append(gates(i, args[0] if args else kwargs["hidden_states"]).transpose(1, 2)), with_kwargs=True)
-        for i, m in attn.items()
-    ]
+
+    def capture(layer: int):
+        def hook(module, args, kwargs) -> None:
+            seen[layer].append(gates(layer, args[0] if args else kwargs["hidden_states"]).transpose(1, 2))
+
+        return hook
+
+    hooks = [m.register_forward_pre_hook(capture(i), with_kwargs=True) for i, m in attn.items()]
     ids = torch.randint(3, 100, (2, 30), generator=torch.Generator().manual_seed(2))
     policy = kvgates.make_policy("dms", budget=budget, window=3, gates=gates).attach(model)
     cache = kvgates.BudgetCache(model.config, policy)

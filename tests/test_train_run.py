@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import gate_batch
 from torch.overrides import TorchFunctionMode
 
 import kvgates
@@ -609,17 +610,6 @@ class _SdpaCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _gate_batch(padded: bool, length: int = 64) -> dict[str, torch.Tensor]:
-    ids = torch.randint(3, 100, (2, length), generator=torch.Generator().manual_seed(5))
-    mask = torch.ones_like(ids)
-    if padded:
-        mask[1, -10:] = 0
-    labels = torch.full_like(ids, -100)
-    labels[:, -16:] = ids[:, -16:]
-    labels[mask == 0] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
 GPU_KINDS = {"trimkv": {}, "trimkv-global": {"kind": "trimkv-global"}, "locret": {"kind": "locret", "policy": {"stabilizers": 2, "local": 2}},
              "trimkv+hard": {"loss": {"hard_eviction": True}}}
 
@@ -637,7 +627,7 @@ def test_gpu_training_attention_hands_the_fused_kernels_what_they_take(tiny_dir,
     model.requires_grad_(False)
     config = TrainConfig.from_dict({"budget": 8, "data": {"seq_len": 64}, **GPU_KINDS[kind]})
     gates = GATE_KINDS[config.gate_kind].for_model(model, gate_hidden=8, init_bias=3.0)
-    batch = _gate_batch(padded)
+    batch = gate_batch(padded)
     for name, expect_ok in ((attention, True), ("exact", False)):
         with GateTraining(model, gates, name) as run, _SdpaCalls() as seen:
             loss, _ = gate_loss(model, model.lm_head, run, config, batch, 8.0, 0.0)
@@ -663,7 +653,7 @@ def _train_steps(tiny_dir, kind: str, attention: str, steps: int = 3) -> tuple[l
     losses, grads = [], []
     with GateTraining(model, gates, attention) as run:
         for step in range(steps):
-            loss, _ = gate_loss(model, model.lm_head, run, config, _gate_batch(padded=step == 1), 8.0, 0.0)
+            loss, _ = gate_loss(model, model.lm_head, run, config, gate_batch(padded=step == 1), 8.0, 0.0)
             loss.backward()
             losses.append(float(loss.detach()))
             grads.append([p.grad.clone() for p in gates.parameters()])
@@ -700,7 +690,7 @@ def test_checkpointed_layers_give_the_same_gradients(tiny_dir):
             model.activation_checkpointing_enable({"use_reentrant": False})
         model.train()
         with GateTraining(model, gates) as run:
-            loss, _ = gate_loss(model, model.lm_head, run, config, _gate_batch(padded=True), 8.0, 0.0)
+            loss, _ = gate_loss(model, model.lm_head, run, config, gate_batch(padded=True), 8.0, 0.0)
             loss.backward()
         grads.append([p.grad.clone() for p in gates.parameters()])
         gates.zero_grad(set_to_none=True)
@@ -718,7 +708,7 @@ def test_half_precision_frozen_model_trains_float32_gates(tiny_dir, tmp_path):
     assert {p.dtype for p in trainer.gates.parameters()} == {torch.float32}
     from train.trainer import gate_loss
 
-    loss, _ = gate_loss(model, model.lm_head, trainer.gated, cfg, _gate_batch(padded=False, length=96), 24.0, 0.0)
+    loss, _ = gate_loss(model, model.lm_head, trainer.gated, cfg, gate_batch(padded=False, length=96), 24.0, 0.0)
     loss.backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trainer.gates.parameters())
     trainer.gated.close()
