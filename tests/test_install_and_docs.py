@@ -12,7 +12,7 @@ from helpers import save_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 #: What the `train` extra brings (pyproject.toml): the library must work without any of it.
-TRAIN_EXTRA = ("accelerate", "deepspeed", "trl", "wandb", "datasets", "matplotlib", "peft")
+TRAIN_EXTRA = ("accelerate", "deepspeed", "trl", "wandb", "datasets", "matplotlib")
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def readme_snippet(heading: str) -> str:
 
 
 def test_the_library_works_without_the_train_extra(checkpoint):
-    """The core install (no accelerate, deepspeed, trl, wandb, datasets, matplotlib, peft): a subprocess where those
+    """The core install (no accelerate, deepspeed, trl, wandb, datasets, matplotlib): a subprocess where those
     cannot be imported (as if not installed; transformers then treats them as absent) loads a model, generates
     through a BudgetCache with a heuristic and a learned policy, saves and loads gates, and runs the CLI."""
     code = f"""
