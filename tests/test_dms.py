@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from fake_hub import FakeHub
 from helpers import gate_batch, teacher_forced_logits, tiny_model
 
 import kvgates
@@ -82,6 +83,19 @@ def test_adapter_round_trip(tmp_path, kind):
         before = (tmp_path / "a" / "lora" / "adapter_config.json").read_bytes()
         gates.save_pretrained(tmp_path / "a")
         assert (tmp_path / "a" / "lora" / "adapter_config.json").read_bytes() == before  # the same bytes again
+
+
+def test_a_dms_lora_adapter_goes_through_the_hub_with_its_lora(tmp_path, monkeypatch):
+    _, model = tiny_model()
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    gates = DecisionHeadsLoRA.for_model(model)
+    _randomise_lora(gates)
+    with FakeHub() as hub:
+        gates.push_to_hub("team/tiny-dms", endpoint=hub.url, token="hf_test")
+        assert "lora/adapter_config.json" in hub.repos["team/tiny-dms"]
+        pulled = kvgates.GateSet.from_pretrained("team/tiny-dms", endpoint=hub.url, token="hf_test")
+        assert hub.unhandled == []
+    assert all(torch.equal(pulled.state_dict()[k], v) for k, v in gates.state_dict().items())
 
 
 def test_a_missing_or_corrupt_lora_config_is_one_sentence(tmp_path):

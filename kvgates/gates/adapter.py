@@ -34,6 +34,8 @@ ADAPTER_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CARD_FILE = "README.md"
+#: Files in subfolders: the parts a gate kind keeps beside its weights (``GateSet.load_parts``).
+PARTS_PATTERN = "*/*"
 
 GATE_KINDS: dict[str, type[GateSet]] = {}
 
@@ -386,7 +388,7 @@ def _download(repo_id: str, revision: str | None, endpoint: str | None, token: s
             snapshot_download(
                 repo_id=repo_id,
                 revision=revision,
-                allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, CARD_FILE],
+                allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, PARTS_PATTERN],
                 endpoint=endpoint,
                 token=token,
             )
