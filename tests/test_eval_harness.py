@@ -363,6 +363,15 @@ def test_an_arm_can_run_at_some_of_the_budgets(tmp_path, tok, model):
         small_config(tmp_path, arms=[{"policy": "tova", "budgets": [64], "label": "tova-32"}])
 
 
+def test_a_dms_lora_adapter_runs_as_an_arm_and_leaves_the_model_as_it_was(tmp_path, tok, model):
+    from kvgates.methods.dms import DecisionHeadsLoRA, carries_lora
+
+    DecisionHeadsLoRA.for_model(model, init_bias=0.0).save_pretrained(tmp_path / "dms")
+    arms = ["h2o", {"policy": "dms", "params": {"window": 4}, "gates": str(tmp_path / "dms"), "label": "dms"}]
+    results = run_ab(small_config(tmp_path, tasks=[TASKS[3]], arms=arms), model, tok)
+    assert {r["arm"] for r in results.rows} == {"full", "h2o", "dms"} and not carries_lora(model)
+
+
 def test_a_wrapper_around_a_learned_policy_is_a_learned_arm_whose_gates_go_to_its_base(tmp_path, tok, model):
     snap = {"window": 4, "kernel": 3}
     wrapped = {"policy": "adakv", "params": {"base": "trimkv-snap", "base_params": {**snap, "gate_keep": 2}},
