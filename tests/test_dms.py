@@ -225,6 +225,8 @@ def test_dms_options_and_policy_window_are_checked():
         _config("dms", temperature=0.0)
     with pytest.raises(ConfigError, match="decision heads are linear"):
         TrainConfig.from_dict({"kind": "dms", "budget": 32, "data": {"seq_len": 64}, "gates": {"hidden": 8}})
+    with pytest.raises(ConfigError, match="own T x T mask"):
+        TrainConfig.from_dict({"kind": "dms", "budget": 32, "data": {"seq_len": 64}, "attention": "flex"})
     assert METHODS["dms-lora"].policy == "dms"
 
 
@@ -247,6 +249,21 @@ def test_attach_and_detach_of_a_dms_lora_adapter_leave_the_model_exactly_as_it_w
     assert torch.equal(after, before) and not carries_lora(model) and "_hf_peft_config_loaded" not in vars(model)
     assert [type(m) for m in model.modules()] == [type(m) for m in ref.modules()] and list(model.state_dict()) == keys
     assert [p.requires_grad for p in model.parameters()] == flags
+
+
+def test_continuing_from_a_dms_lora_adapter_keeps_its_lora_or_refuses_another_shape():
+    _, model = tiny_model()
+    trained = DecisionHeadsLoRA.for_model(model)
+    _randomise_lora(trained)
+    config = _config("dms-lora")  # rank 2; the adapter's is 8
+    with pytest.raises(AdapterError, match="trained LoRA of rank 8, alpha 16.0 on q_proj, v_proj"):
+        config.learned_method.setup(model, trained, config.method_options)
+    assert not carries_lora(model)
+    same = _config("dms-lora", lora_rank=8)
+    before = {k: v.clone() for k, v in trained.state_dict().items()}
+    same.learned_method.setup(model, trained, same.method_options)
+    assert all(torch.equal(trained.state_dict()[k], v) for k, v in before.items())
+    same.learned_method.teardown(model, trained)
 
 
 def test_a_policy_attached_over_the_training_lora_runs_its_own_and_gives_it_back():

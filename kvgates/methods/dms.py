@@ -26,9 +26,10 @@ into the decisions; ``T x T`` memory per layer, fine for the CPU recipes). On a 
 
 How this departs from the paper:
 
-* decisions: DMS reads each decision from one repurposed neuron of the model's own projections (no new
-  parameters); here a separate linear head per layer reads the same hidden state (``H_kv * (d_model + 1)``
-  parameters per layer);
+* decisions: the paper takes each decision from the model's own query projection (one repurposed neuron per KV
+  head, no new parameters; ``spec/learned.md`` summarises it as a per-head linear adapter on the hidden state);
+  here a separate linear head per layer reads the hidden state entering attention (``H_kv * (d_model + 1)``
+  parameters per layer) and the projections stay whole;
 * the model: DMS retrofits the whole model (all weights train, about 1K steps); ``dms`` keeps it frozen (only the
   heads train), ``dms-lora`` trains a low-rank adapter (``method.lora_rank``, ``lora_alpha``, ``lora_targets``:
   q/v projections by default) on the gated layers' attention beside the heads;
@@ -376,6 +377,8 @@ class DMSMethod(LearnedMethod):
         super().check(config)
         if config.gates.hidden not in (None, 1):
             raise ValueError(f"{self.name} decision heads are linear (d_model -> H_kv); drop gates.hidden")
+        if config.attention not in ("auto", "exact"):
+            raise ValueError(f"{self.name} students attend through their own T x T mask (dms_attention); drop attention: {config.attention}")
         window = config.policy.get("window", DMS.window)
         if window != config.method_options.window:
             raise ValueError(
@@ -419,7 +422,11 @@ class DMSLoRAMethod(DMSMethod):
         config = lora_config(options.lora_rank, options.lora_alpha, options.lora_targets, gates.config.layer_ids)
         if _lora_shape(config) != _lora_shape(gates.lora_config):
             if any(bool(b.weight.detach().any()) for _, _, _, b in gates.lora_modules()):
-                raise ValueError("gates.init_from carries a trained LoRA of another shape than method.lora_* asks for")
+                r, alpha, targets, _ = _lora_shape(gates.lora_config)
+                raise AdapterError(
+                    f"gates.init_from carries a trained LoRA of rank {r}, alpha {alpha} on {', '.join(targets)}; "
+                    "set method.lora_rank, lora_alpha and lora_targets to match it"
+                )
             gates.configure_lora(config)
         install_lora(model, gates)
 
