@@ -243,6 +243,9 @@ def test_attach_and_detach_of_a_dms_lora_adapter_leave_the_model_exactly_as_it_w
         policy = kvgates.make_policy("dms", budget=16, window=4, gates=gates).attach(model)
         assert carries_lora(model)
         adapted = model(ids, past_key_values=kvgates.BudgetCache(model.config, policy)).logits
+        # Any other forward (a full-cache reference, another policy's cache) is the frozen model's.
+        assert torch.equal(model(ids).logits, before)
+        assert torch.equal(model(ids, past_key_values=kvgates.BudgetCache(model.config, "full")).logits, before)
         policy.detach()
         after = model(ids).logits
     assert not torch.equal(adapted, before)  # the LoRA ran
@@ -277,9 +280,13 @@ def test_a_policy_attached_over_the_training_lora_runs_its_own_and_gives_it_back
     ids = gate_batch()["input_ids"]
     with torch.no_grad():
         before = model(ids).logits
-        with kvgates.make_policy("dms", window=4, budget=16, gates=other).attach(model):
-            theirs = model(ids).logits
+        with kvgates.make_policy("dms", window=4, budget=16, gates=other).attach(model) as policy:
+            theirs = model(ids, past_key_values=kvgates.BudgetCache(model.config, policy)).logits
+            with config.learned_method.frozen(model):
+                frozen = model(ids).logits
         assert torch.equal(model(ids).logits, before) and carries_lora(model)
+        with config.learned_method.frozen(model):
+            assert torch.equal(model(ids).logits, frozen)
     assert not torch.equal(theirs, before)
     wrong = DecisionHeadsLoRA.for_model(model)  # rank 8 against the run's rank 2
     with pytest.raises(ValueError, match="another shape"):

@@ -363,13 +363,22 @@ def test_an_arm_can_run_at_some_of_the_budgets(tmp_path, tok, model):
         small_config(tmp_path, arms=[{"policy": "tova", "budgets": [64], "label": "tova-32"}])
 
 
-def test_a_dms_lora_adapter_runs_as_an_arm_and_leaves_the_model_as_it_was(tmp_path, tok, model):
+def test_a_dms_lora_arm_changes_neither_the_references_nor_the_model(tmp_path, tok, model):
+    """The LoRA of a dms-lora arm runs only through its own cache: the full-cache references its batch computes
+    first (shared with the other arms) are the frozen model's, and the model leaves the run as it came."""
     from kvgates.methods.dms import DecisionHeadsLoRA, carries_lora
 
-    DecisionHeadsLoRA.for_model(model, init_bias=0.0).save_pretrained(tmp_path / "dms")
-    arms = ["h2o", {"policy": "dms", "params": {"window": 4}, "gates": str(tmp_path / "dms"), "label": "dms"}]
-    results = run_ab(small_config(tmp_path, tasks=[TASKS[3]], arms=arms), model, tok)
-    assert {r["arm"] for r in results.rows} == {"full", "h2o", "dms"} and not carries_lora(model)
+    gates = DecisionHeadsLoRA.for_model(model, init_bias=0.0)
+    with torch.no_grad():
+        for *_, b in gates.lora_modules():
+            b.weight.normal_(0, 0.2, generator=torch.Generator().manual_seed(0))
+    gates.save_pretrained(tmp_path / "dms")
+    dms = {"policy": "dms", "params": {"window": 4}, "gates": str(tmp_path / "dms"), "label": "dms"}
+    alone = run_ab(small_config(tmp_path / "a", tasks=[TASKS[3]], arms=["h2o"]), model, tok)
+    after_dms = run_ab(small_config(tmp_path / "b", tasks=[TASKS[3]], arms=[dms, "h2o"]), model, tok)
+    h2o = lambda results: [r["metrics"] for r in results.rows if r["arm"] == "h2o"]  # noqa: E731
+    assert h2o(after_dms) == h2o(alone) and not carries_lora(model)
+    assert {r["arm"] for r in after_dms.rows} == {"full", "h2o", "dms"}
 
 
 def test_a_wrapper_around_a_learned_policy_is_a_learned_arm_whose_gates_go_to_its_base(tmp_path, tok, model):

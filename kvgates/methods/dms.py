@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -65,6 +66,7 @@ from kvgates.methods.base import LearnedMethod, TrainingStep, register_method
 from kvgates.policies.base import Schedule, register_policy
 from kvgates.policies.learned import LearnedPolicy
 from kvgates.policies.selection import recent_mask
+from kvgates.runtime.scoring import runs_policy
 from kvgates.runtime.state import SlotState
 from kvgates.runtime.stats import AttnStats
 
@@ -231,10 +233,8 @@ def install_lora(model: nn.Module, gates: DecisionHeadsLoRA) -> Callable[[], Non
         model.add_adapter(copy.deepcopy(gates.lora_config), adapter_name=ADAPTER)
     elif _lora_shape(model.peft_config[ADAPTER]) != _lora_shape(gates.lora_config):
         raise ValueError("this model already carries a DMS LoRA of another shape; detach the policy that put it there first")
-    modules = attention_modules(model)
     previous = []
-    for layer, target, a, b in gates.lora_modules():
-        peft_layer = getattr(modules[layer], target)
+    for peft_layer, (_, _, a, b) in zip(lora_layers(model, gates), gates.lora_modules()):
         previous.append((peft_layer, peft_layer.lora_A[ADAPTER], peft_layer.lora_B[ADAPTER]))
         peft_layer.lora_A[ADAPTER], peft_layer.lora_B[ADAPTER] = a, b
 
@@ -248,6 +248,22 @@ def install_lora(model: nn.Module, gates: DecisionHeadsLoRA) -> Callable[[], Non
                 peft_layer.lora_A[ADAPTER], peft_layer.lora_B[ADAPTER] = a, b
 
     return undo
+
+
+def lora_layers(model: nn.Module, gates: DecisionHeadsLoRA) -> list[nn.Module]:
+    """The projections of ``model`` that ``gates``' LoRA adapts, in ``gates.lora_modules()`` order (peft's LoRA
+    layers once ``install_lora`` put them there)."""
+    modules = attention_modules(model)
+    return [getattr(modules[layer], target) for layer, target, _, _ in gates.lora_modules()]
+
+
+def switch_adapters(layers: list[nn.Module], on: bool | list[bool]) -> list[bool]:
+    """Turn the PEFT ``layers`` on or off (``on``: for all, or one per layer) through peft's own flag (peft's
+    ``enable_adapters`` would also set the adapters' ``requires_grad``); returns whether each was on before."""
+    before = [not layer.disable_adapters for layer in layers]
+    for layer, state in zip(layers, on if isinstance(on, list) else [on] * len(layers)):
+        layer._disable_adapters = not state
+    return before
 
 
 def remove_lora(model: nn.Module) -> None:
@@ -264,15 +280,13 @@ def remove_lora(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def lora_disabled(model: nn.Module) -> Iterator[None]:
-    """Run the block with the model's PEFT adapters disabled (the frozen model), enabled again after."""
-    if not carries_lora(model):
-        yield
-        return
-    model.disable_adapters()
+    """Run the block with the model's PEFT layers off (the frozen model), as they were again after."""
+    layers = [layer for _, layer in _tuner_layers(model)]
+    before = switch_adapters(layers, False)
     try:
         yield
     finally:
-        model.enable_adapters()
+        switch_adapters(layers, before)
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -450,7 +464,9 @@ class DMS(LearnedPolicy):
     one (threshold mode) heads hold what the decisions keep, a different number per head (ragged storage). The
     policy runs after every prompt chunk and every decode step. ``dms-lora`` gates also put their LoRA on the
     model at ``attach`` (``install_lora``: transformers' PEFT integration on that instance) and take it off at
-    ``detach``.
+    ``detach``; while attached it runs only in the forwards through this policy's cache (a forward pre-hook on
+    the model turns it on for those and off for any other), so full-cache references computed meanwhile are the
+    frozen model's.
 
     Departure from the paper: DMS evicts by the decisions alone; the budget cap (and the ranking by logit that
     fills it) is this project's, so that methods compare at matched memory.
@@ -479,11 +495,26 @@ class DMS(LearnedPolicy):
         super().attach(model)
         if isinstance(self._running, DecisionHeadsLoRA):
             try:
-                self._undo_lora = install_lora(model, self._running)
+                undo = install_lora(model, self._running)
             except ValueError:
                 self.detach()
                 raise
+            layers = lora_layers(model, self._running)
+            before = switch_adapters(layers, False)
+            hook = model.register_forward_pre_hook(functools.partial(self._switch_lora, layers), with_kwargs=True)
+
+            def undo_all() -> None:
+                hook.remove()
+                switch_adapters(layers, before)
+                undo()
+
+            self._undo_lora = undo_all
         return self
+
+    def _switch_lora(self, layers: list[nn.Module], module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before each forward of the model: the LoRA on for a forward through this policy's cache, off otherwise."""
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers 5.24 renamed the argument to cache
+        switch_adapters(layers, runs_policy(cache, self))
 
     def detach(self) -> None:
         if self._undo_lora is not None:
