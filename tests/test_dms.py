@@ -4,6 +4,9 @@ loss, the dms-lora variant's LoRA on a model instance, and the ``dms`` policy ag
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,6 +99,14 @@ def test_a_dms_lora_adapter_goes_through_the_hub_with_its_lora(tmp_path, monkeyp
         pulled = kvgates.GateSet.from_pretrained("team/tiny-dms", endpoint=hub.url, token="hf_test")
         assert hub.unhandled == []
     assert all(torch.equal(pulled.state_dict()[k], v) for k, v in gates.state_dict().items())
+
+
+def test_an_adapter_of_a_method_kind_loads_before_anything_imported_the_methods(tmp_path):
+    _, model = tiny_model()
+    DecisionHeadsLoRA.for_model(model).save_pretrained(tmp_path / "a")
+    code = f"import kvgates; assert kvgates.load_gates({str(tmp_path / 'a')!r}).kind == 'dms-lora'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_a_missing_or_corrupt_lora_config_is_one_sentence(tmp_path):
