@@ -67,12 +67,13 @@ POLICY_PARAMS = {
     "trimkv-morph": {"recent": 4, "gate_keep": 3},
     "trimkv-snap": {"window": 4, "kernel": 3, "gate_keep": 3},
     "locret": {"stabilizers": 2, "local": 2},
+    "kvzap": {"window": 2},
 }
 
 #: Gate kind of each learned policy (fresh, randomly initialised gates in tests).
 LEARNED = {
     "trimkv": "retention", "trimkv-global": "retention-global", "trimkv-morph": "retention", "trimkv-snap": "retention",
-    "locret": "retaining-head",
+    "locret": "retaining-head", "kvzap": "kvzap-mlp",
 }
 
 

@@ -88,6 +88,8 @@ class GateConfig:
             raise AdapterError(f"{source}: {wrong[0]}; the file is corrupt or was edited by hand")
         if data.get("version", ADAPTER_VERSION) > ADAPTER_VERSION:
             raise AdapterError(f"{source} is adapter format version {data['version']}; this kvgates reads up to {ADAPTER_VERSION}")
+        import kvgates.methods  # noqa: F401  (each learned method registers its gate kinds)
+
         if data["kind"] not in GATE_KINDS:
             raise AdapterError(f"{source} names gate kind {data['kind']!r}; known kinds: {', '.join(sorted(GATE_KINDS))}")
         config = cls(**data)
