@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 import kvgates
 from kvgates.gates import GATE_KINDS
 from kvgates.gates.training import GateTraining
+from kvgates.methods import METHODS
 from train.config import ConfigError, TrainConfig
 from train.run import build_trainer, main, prepare_output_dir
 
@@ -76,6 +77,8 @@ KINDS = {
     "trimkv+relaxed": ({"loss": {"hard_eviction": True, "eviction_temperature": 0.5}}, "retention", {"kl", "ce", "capacity"}),
     "trimkv-global": ({"kind": "trimkv-global"}, "retention-global", {"kl", "ce", "capacity"}),
     "locret": ({"kind": "locret", "policy": {"stabilizers": 4, "local": 4}}, "retaining-head", {"regression", "smoothness"}),
+    "kvzap": ({"kind": "kvzap", "policy": {"window": 4}, "method": {"chunk_size": 32}}, "kvzap-mlp", {"mse", "r2"}),
+    "kvzap-linear": ({"kind": "kvzap-linear", "policy": {"window": 4, "threshold": -3.0}}, "kvzap-linear", {"mse", "r2"}),
 }
 
 
@@ -105,7 +108,7 @@ def test_tiny_run_trains_exports_and_reports(tiny_dir, tmp_path, capsys, variant
     # The exported adapter runs through the command line on the model it was made for.
     from kvgates.cli import main as cli
 
-    code = cli(["generate", "--model", str(tiny_dir), "--policy", kind, "--budget", "24", "--gates", str(out / "adapter"),
+    code = cli(["generate", "--model", str(tiny_dir), "--policy", METHODS[kind].policy, "--budget", "24", "--gates", str(out / "adapter"),
                 "--prompt", "abc " * 20, "--max-new-tokens", "3",
                 *[a for k, v in change.get("policy", {}).items() for a in (f"--{k}", str(v))]])
     assert code == 0
