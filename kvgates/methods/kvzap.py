@@ -42,11 +42,9 @@ from transformers.activations import ACT2FN
 
 from kvgates.gates.adapter import GateConfig, GateSet
 from kvgates.methods.base import LearnedMethod, TrainingStep, eval_mode, register_method
-from kvgates.policies.base import EVERY_STEP, PROMPT, Schedule, register_policy
+from kvgates.policies.base import register_policy
 from kvgates.policies.kvzip import KVzip, kvzip_scores
-from kvgates.policies.learned import LearnedPolicy
-from kvgates.policies.selection import recent_mask
-from kvgates.runtime.state import SlotState
+from kvgates.policies.learned import WriteScored
 from kvgates.runtime.stats import AttnStats
 
 PREDICTED = "kvzap_predicted"
@@ -113,7 +111,7 @@ class KVzapLinearGates(KVzapGates):
 # ---------------------------------------------------------------------------------------------------- the policy
 @register_policy
 @dataclass
-class KVzap(LearnedPolicy):
+class KVzap(WriteScored):
     """KVzap (NVIDIA, arXiv:2601.07891; kvpress's ``KVzapPress``): each new token gets a predicted log-importance
     per KV head from its layer's regressor (over the normed hidden state entering attention, computed inside the
     forward) when it is written; a head keeps its ``window`` most recent tokens plus its best-predicted others,
@@ -141,6 +139,7 @@ class KVzap(LearnedPolicy):
 
     name = "kvzap"
     gate_kinds = ("kvzap-mlp", "kvzap-linear")
+    score_state = SCORE
 
     window: int = 32
     threshold: float | None = None
@@ -156,17 +155,8 @@ class KVzap(LearnedPolicy):
             self.ragged_heads = True  # each head holds what passes the threshold
 
     @property
-    def schedule(self) -> Schedule:
-        return EVERY_STEP if self.decode_evict else PROMPT
-
-    def slot_state(self) -> dict[str, SlotState]:
-        return {SCORE: SlotState()}
-
-    def observe(self, layer, stats: AttnStats) -> None:
-        self.record(layer, stats, SCORE)
-
-    def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return layer.state[SCORE], recent_mask(layer, self.window)
+    def protected(self) -> int:
+        return self.window
 
     def quota(self, layer, stats: AttnStats | None) -> int | torch.Tensor:
         """``budget``; in threshold mode, per sequence and head: its window plus its tokens at or above the
