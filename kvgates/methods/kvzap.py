@@ -126,8 +126,10 @@ class KVzap(WriteScored):
     threshold mode (which masks keys and frees no memory); here the fixed ``budget`` is the default mode, so that
     KVzap compares with every other policy at matched memory, and the window defaults to 32, because at the budgets
     kvgates compares (128, 256) a 128-token window would take all or half of the cache away from the regressor
-    (Locret keeps 32 recent tokens by the same reasoning). The threshold applies to a token once it leaves the
-    window, at the next eviction (the end of a prompt chunk or a decode step), as in kvpress.
+    (Locret keeps 32 recent tokens by the same reasoning). Decode-time eviction is on by default, as in KVzap's own
+    usage (``ThresholdPress(..., decoding=True)``; the press's default is prefill only), so the cache stays within
+    the budget while generating. The threshold applies to a token once it leaves the window, at the next eviction
+    (the end of a prompt chunk or a decode step), as in kvpress.
 
     Args:
         budget: tokens kept per KV head (the most, in threshold mode).
