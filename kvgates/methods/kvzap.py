@@ -21,9 +21,10 @@ How this departs from the paper and kvpress (0.5.x):
   softmax over everything a reconstruction query sees, no chat template); KVzip+ normalisation (the paper's target)
   is ``method.normalize``, on by default. kvpress wraps the text in the chat template and extracts the scores from
   one eager forward of ``prompt + repeat prompt + prompt``.
-* Data and fit: the project's training essays (``data.mix``), all real tokens of every row, trained by gradient steps
-  with the run's optimizer; kvpress samples 500 tokens of each of ~4.5K Nemotron pretraining texts (1.2M samples),
-  fits the MLP with skorch (AdamW, lr 5e-3, 15 epochs) and the linear model in closed form (sklearn ``Ridge``).
+* Data and fit: the project's training essays (``data.mix``; 64 windows of 512 tokens in the reference recipe), all
+  real tokens of every row, trained by gradient steps with the run's optimizer; kvpress samples 500 tokens of each
+  of ~4.5K Nemotron pretraining texts of 750-1,250 tokens (1.2M samples), fits the MLP with skorch (AdamW, lr 5e-3,
+  15 epochs) and the linear model in closed form (sklearn ``Ridge``).
 * The MLP's activation is the base model's (``GateConfig.activation``: SiLU for SmolLM2), kvpress's is GELU; its
   width is ``gates.hidden`` (kvpress: 512). Linear gates ignore ``gate_hidden``.
 * Inference (``KVzap`` below): top-``budget`` per head by default, the threshold mode on request.
