@@ -67,7 +67,7 @@ POLICY_PARAMS = {
     "trimkv-morph": {"recent": 4, "gate_keep": 3},
     "trimkv-snap": {"window": 4, "kernel": 3, "gate_keep": 3},
     "locret": {"stabilizers": 2, "local": 2},
-    "kvzap": {"window": 2},
+    "kvzap": {"window": 2, "sinks": 1},
 }
 
 #: Gate kind of each learned policy (fresh, randomly initialised gates in tests).

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from brute import h2o, top_by_score
+from brute import recent, sinks, top_by_score
 from helpers import tiny_model
 
 import kvgates
@@ -156,7 +156,7 @@ def _literal(scores: list[float], steps: list[int], rule) -> set[int]:
 
 @pytest.mark.parametrize("threshold", [None, "median"])
 def test_policy_keeps_what_its_rule_says_in_prefill_and_decode(tiny, threshold):
-    budget, window, prompt, decode = 10, 3, 30, 5
+    budget, window, n_sinks, prompt, decode = 10, 3, 2, 30, 5
     gates = KVzapGates.for_model(tiny, gate_hidden=8)
     ids = torch.randint(3, 100, (2, prompt + decode), generator=torch.Generator().manual_seed(1))
     seen, hooks = _scores_by_hooks(tiny, gates)
@@ -164,7 +164,7 @@ def test_policy_keeps_what_its_rule_says_in_prefill_and_decode(tiny, threshold):
         tiny(ids[:, :prompt])  # the threshold: the median of the prompt's scores, so heads hold different numbers
     thr = None if threshold is None else float(torch.cat([v[0] for v in seen.values()]).median())
     seen.clear()
-    policy = KVzap(budget=budget, gates=gates, window=window, threshold=thr).attach(tiny)
+    policy = KVzap(budget=budget, gates=gates, window=window, sinks=n_sinks, threshold=thr).attach(tiny)
     cache = BudgetCache(tiny.config, policy)
     with torch.no_grad():
         tiny(ids[:, :prompt], past_key_values=cache)
@@ -175,13 +175,12 @@ def test_policy_keeps_what_its_rule_says_in_prefill_and_decode(tiny, threshold):
         hook.remove()
 
     def rule(held: dict[int, float]) -> set[int]:
-        if thr is None:
-            return set(h2o(held, budget, window)) if len(held) > budget else set(held)
-        recent = set(sorted(held)[-window:])
-        passing = {p for p, s in held.items() if p not in recent and s >= thr}
-        if len(recent | passing) <= budget:
-            return recent | passing
-        return recent | top_by_score(held, budget - window, recent)
+        # The window and the sinks always; then the best scores (threshold mode: only those at or above it).
+        forced = recent(list(held), window) | sinks(list(held), n_sinks)
+        passing = {p for p, s in held.items() if p not in forced and (thr is None or s >= thr)}
+        if len(forced | passing) <= budget:
+            return forced | passing
+        return forced | top_by_score(held, budget - len(forced), forced)
 
     sizes = set()
     for layer_idx, layer in enumerate(cache.layers):
@@ -207,14 +206,15 @@ def test_decode_appends_without_decode_eviction(tiny):
 
 
 @pytest.mark.parametrize("params, message", [
-    ({"window": 8}, "budget 8 must be larger than the recent window \\(8\\)"),
+    ({"window": 6}, "budget 8 must be larger than the recent window and the sinks \\(6 \\+ 2\\)"),
+    ({"sinks": -1}, "sinks must be >= 0"),
     ({"window": -1}, "window must be >= 0"),
     ({"threshold": float("nan")}, "threshold must be a finite number"),
     ({"threshold": "low"}, "threshold must be a finite number"),
 ])
 def test_bad_policy_parameters(tiny, params, message):
     with pytest.raises(ValueError, match=message):
-        KVzap(budget=8, gates=KVzapGates.for_model(tiny, gate_hidden=4), **{"window": 2, **params})
+        KVzap(budget=8, gates=KVzapGates.for_model(tiny, gate_hidden=4), **{"window": 2, "sinks": 2, **params})
 
 
 def test_policy_refuses_other_gates(tiny):

@@ -46,6 +46,7 @@ from kvgates.methods.base import LearnedMethod, TrainingStep, eval_mode, registe
 from kvgates.policies.base import register_policy
 from kvgates.policies.kvzip import KVzip, kvzip_scores
 from kvgates.policies.learned import WriteScored
+from kvgates.policies.selection import sink_mask
 from kvgates.runtime.stats import AttnStats
 
 PREDICTED = "kvzap_predicted"
@@ -115,11 +116,12 @@ class KVzapLinearGates(KVzapGates):
 class KVzap(WriteScored):
     """KVzap (NVIDIA, arXiv:2601.07891; kvpress's ``KVzapPress``): each new token gets a predicted log-importance
     per KV head from its layer's regressor (over the normed hidden state entering attention, computed inside the
-    forward) when it is written; a head keeps its ``window`` most recent tokens plus its best-predicted others,
-    ``budget`` in all, after every prompt chunk and (``decode_evict``, the default) every decode step.
+    forward) when it is written; a head keeps its ``sinks`` first and ``window`` most recent tokens plus its
+    best-predicted others, ``budget`` in all, after every prompt chunk and (``decode_evict``, the default) every
+    decode step.
 
     Threshold mode (``threshold`` set): a token outside the window whose prediction is below ``threshold`` is
-    dropped, so each head holds a variable number of tokens (its window plus the tokens at or above the threshold),
+    dropped, so each head holds a variable number of tokens (its sinks and window plus the tokens at or above the threshold),
     at most ``budget`` (the best-predicted ones when more pass). Heads get their own storage (head-wise quotas, as
     Ada-KV's), so memory follows what they hold.
 
@@ -127,7 +129,10 @@ class KVzap(WriteScored):
     threshold mode (which masks keys and frees no memory); here the fixed ``budget`` is the default mode, so that
     KVzap compares with every other policy at matched memory, and the window defaults to 32, because at the budgets
     kvgates compares (128, 256) a 128-token window would take all or half of the cache away from the regressor
-    (Locret keeps 32 recent tokens by the same reasoning). Decode-time eviction is on by default, as in KVzap's own
+    (Locret keeps 32 recent tokens by the same reasoning). The first ``sinks`` tokens are always kept, as KVzip (whose
+    scores the regressors learn) keeps them (its default 4, as kvpress's ``KVzipPress``); kvpress's KVzap keeps none.
+    KVzip+ scores an attention sink low (its value barely moves the residual stream), yet dropping it changes every
+    later softmax. Decode-time eviction is on by default, as in KVzap's own
     usage (``ThresholdPress(..., decoding=True)``; the press's default is prefill only), so the cache stays within
     the budget while generating. The threshold applies to a token once it leaves the window, at the next eviction
     (the end of a prompt chunk or a decode step), as in kvpress.
@@ -136,6 +141,7 @@ class KVzap(WriteScored):
         budget: tokens kept per KV head (the most, in threshold mode).
         gates: a ``kvzap-mlp`` or ``kvzap-linear`` adapter; strict: require the training model.
         window: most recent tokens always kept.
+        sinks: first tokens always kept.
         threshold: None (keep the top ``budget``) or the log-importance below which tokens are dropped.
         decode_evict: evict during decode too (False: decoded tokens are appended).
     """
@@ -145,13 +151,14 @@ class KVzap(WriteScored):
     score_state = SCORE
 
     window: int = 32
+    sinks: int = 4
     threshold: float | None = None
     decode_evict: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._at_least(0, "window")
-        self._require_budget(self.window, f"the recent window ({self.window})")
+        self._at_least(0, "window", "sinks")
+        self._require_budget(self.window + self.sinks, f"the recent window and the sinks ({self.window} + {self.sinks})")
         if self.threshold is not None:
             if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not math.isfinite(self.threshold):
                 raise ValueError(f"{self.name}: threshold must be a finite number (a log-importance) or None, got {self.threshold!r}")
@@ -160,6 +167,10 @@ class KVzap(WriteScored):
     @property
     def protected(self) -> int:
         return self.window
+
+    def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
+        scores, recent = super().score(layer, stats)
+        return scores, recent | sink_mask(layer, self.sinks)
 
     def quota(self, layer, stats: AttnStats | None) -> int | torch.Tensor:
         """``budget``; in threshold mode, per sequence and head: its window plus its tokens at or above the
