@@ -131,8 +131,9 @@ class KVzap(WriteScored):
     kvgates compares (128, 256) a 128-token window would take all or half of the cache away from the regressor
     (Locret keeps 32 recent tokens by the same reasoning). The first ``sinks`` tokens are always kept, as KVzip (whose
     scores the regressors learn) keeps them (its default 4, as kvpress's ``KVzipPress``); kvpress's KVzap keeps none.
-    KVzip+ scores an attention sink low (its value barely moves the residual stream), yet dropping it changes every
-    later softmax. Decode-time eviction is on by default, as in KVzap's own
+    A regressor that under-predicts a sink in one layer drops it, and that changes every later softmax: with the
+    shipped MLP regressors on a 512-token validation essay (budget 256, window 32), the KL of the last 64 tokens to
+    the full cache is 0.52 without sinks and 0.032 with 4. Decode-time eviction is on by default, as in KVzap's own
     usage (``ThresholdPress(..., decoding=True)``; the press's default is prefill only), so the cache stays within
     the budget while generating. The threshold applies to a token once it leaves the window, at the next eviction
     (the end of a prompt chunk or a decode step), as in kvpress.
