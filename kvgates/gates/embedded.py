@@ -24,6 +24,7 @@ DEFAULTS = {
     ("smollm2-135m", "trimkv-snap"): ("smollm2-135m-trimkv-128",),
     ("smollm2-135m", "trimkv-global"): ("smollm2-135m-trimkv-global",),
     ("smollm2-135m", "locret"): ("smollm2-135m-locret",),
+    ("smollm2-135m", "kvzap"): ("smollm2-135m-kvzap",),
 }
 
 
