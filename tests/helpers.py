@@ -68,12 +68,13 @@ POLICY_PARAMS = {
     "trimkv-snap": {"window": 4, "kernel": 3, "gate_keep": 3},
     "locret": {"stabilizers": 2, "local": 2},
     "dms": {"window": 2},
+    "kvzap": {"window": 2, "sinks": 1},
 }
 
 #: Gate kind of each learned policy (fresh, randomly initialised gates in tests).
 LEARNED = {
     "trimkv": "retention", "trimkv-global": "retention-global", "trimkv-morph": "retention", "trimkv-snap": "retention",
-    "locret": "retaining-head", "dms": "dms",
+    "locret": "retaining-head", "dms": "dms", "kvzap": "kvzap-mlp",
 }
 
 

@@ -36,6 +36,7 @@ def padded_logits(model, policy, rows: list[torch.Tensor], decode: torch.Tensor)
 #: Options whose decisions depend on more than the tokens held (amortised eviction, protected layers).
 VARIANTS = [
     ("trimkv", {"buffer": 3}), ("trimkv-global", {"buffer": 5}), ("d2o", {"protect_edge_layers": True}), ("kvzip", {"normalize": True}),
+    ("kvzap", {"threshold": 0.0}),
 ]
 
 
@@ -54,7 +55,7 @@ def test_a_sequence_gets_the_same_logits_alone_and_in_a_padded_batch(tiny, name,
 
 
 #: Policies that read per-sequence budgets during decode evictions.
-DECODE_BUDGETS = [("adakv", {"base": "h2o", "base_params": {}}), ("pyramidkv", {"decode": True})]
+DECODE_BUDGETS = [("adakv", {"base": "h2o", "base_params": {}}), ("pyramidkv", {"decode": True}), ("kvzap", {"threshold": 0.0})]
 
 
 @pytest.mark.parametrize("name,overrides", [(name, {}) for name in sorted(POLICIES)] + DECODE_BUDGETS)

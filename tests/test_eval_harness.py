@@ -381,6 +381,16 @@ def test_a_dms_lora_arm_changes_neither_the_references_nor_the_model(tmp_path, t
     assert {r["arm"] for r in after_dms.rows} == {"full", "h2o", "dms"}
 
 
+def test_a_method_registered_by_kvgates_methods_runs_as_an_arm_from_its_adapter_folder(tmp_path, tok, model):
+    from kvgates.methods.kvzap import KVzapGates
+
+    KVzapGates.for_model(model, gate_hidden=8).save_pretrained(tmp_path / "kvzap")
+    arms = ["h2o", {"policy": "kvzap", "gates": str(tmp_path / "kvzap"), "params": {"window": 4}, "label": "kvzap"},
+            {"policy": "kvzap", "gates": str(tmp_path / "kvzap"), "params": {"window": 4, "threshold": 0.0}, "label": "kvzap-t"}]
+    results = run_ab(small_config(tmp_path, tasks=[TASKS[3]], arms=arms, budgets=[16]), model, tok)
+    assert {(r["arm"], r["budget"]) for r in results.rows} == {("full", None), ("h2o", 16), ("kvzap", 16), ("kvzap-t", 16)}
+
+
 def test_a_wrapper_around_a_learned_policy_is_a_learned_arm_whose_gates_go_to_its_base(tmp_path, tok, model):
     snap = {"window": 4, "kernel": 3}
     wrapped = {"policy": "adakv", "params": {"base": "trimkv-snap", "base_params": {**snap, "gate_keep": 2}},

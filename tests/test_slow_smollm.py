@@ -160,7 +160,7 @@ def test_the_trimkv_adapter_ships():
 def test_shipped_adapter_loads_offline_fits_the_embedded_model_and_generates(smollm, name, monkeypatch):
     import kvgates
     from kvgates.gates.embedded import embedded_adapters
-    from kvgates.methods import METHODS
+    from kvgates.methods import method_of
     from kvgates.models import model_fingerprint
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -170,12 +170,12 @@ def test_shipped_adapter_loads_offline_fits_the_embedded_model_and_generates(smo
     assert gates.config.fingerprint == model_fingerprint(model)
     training = gates.config.training
     assert training["command"].startswith("train.py --config configs/train/") and training["essay_split"]["test"]
-    recipe = training["recipe"]
-    assert f"| {recipe['kind']}" in gates.config.report  # its held-out (and A/B) table
+    assert f"| {training['recipe']['kind']}" in gates.config.report  # its held-out (and A/B) table
     from data.corpus import paul_graham_essays
 
     ids = tok(paul_graham_essays()[:2000], return_tensors="pt")["input_ids"][:, :200]
-    policy = kvgates.make_policy(METHODS[recipe["kind"]].policy, budget=64, gates=gates, **recipe.get("policy", {}))
+    recipe = training["recipe"]
+    policy = kvgates.make_policy(method_of(gates).policy, budget=64, gates=gates, **recipe.get("policy", {}))
     with policy.attach(model):
         cache = BudgetCache(model.config, policy)
         out = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)

@@ -82,6 +82,8 @@ KINDS = {
             {"kl", "ce", "hinge", "evicted", "budget"}),
     "dms-lora": ({"kind": "dms-lora", "gates": {"hidden": None, "init_bias": 1.0}, "method": {"window": 4, "lora_rank": 2},
                   "policy": {"window": 4}}, "dms-lora", {"kl", "ce", "hinge", "evicted"}),
+    "kvzap": ({"kind": "kvzap", "policy": {"window": 4}, "method": {"chunk_size": 32}}, "kvzap-mlp", {"mse", "r2"}),
+    "kvzap-linear": ({"kind": "kvzap-linear", "policy": {"window": 4, "threshold": -3.0}}, "kvzap-linear", {"mse", "r2"}),
 }
 
 

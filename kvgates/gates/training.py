@@ -85,17 +85,26 @@ class GateTraining:
             setattr(module, TRAINING_ATTR, self)
 
     def teach(self) -> GateTraining:
-        """The next forwards (and the backward's recomputations) run plain attention; clears the records."""
+        """The next forwards (and the backward's recomputations) run plain attention; clears the records and the
+        captured gate inputs."""
         self.student, self.context = False, {}
-        self.records = defaultdict(dict)
+        self._reset()
         return self
 
     def learn(self, **context: Any) -> GateTraining:
-        """The next forwards run the method's student attention with ``context``; clears the records."""
+        """The next forwards run the method's student attention with ``context``; clears the records and the
+        captured gate inputs."""
         self.method.check_context(self.gates, context)
         self.student, self.context = True, context
-        self.records = defaultdict(dict)
+        self._reset()
         return self
+
+    def _reset(self) -> None:
+        """Forget the records and the captured inputs. A forward through a kvgates cache (a KVzip teacher's or
+        KVzap's scoring forwards) captures the gates' inputs but attends in the cache, never here, so nothing pops
+        them: they would stay on the model, as large as that forward, until the next forward of each layer."""
+        self.records = defaultdict(dict)
+        self._capture.inputs.clear()
 
     def attend(
         self,

@@ -1,5 +1,8 @@
 """Eviction policies, one per file, registered by name (``make_policy("snapkv", budget=256)``)."""
 
+# The learned methods register their own policies (kvgates.methods: one module each); they import policy submodules,
+# never names from this package, so the registry is complete whichever of the two is imported first.
+import kvgates.methods  # noqa: F401
 from kvgates.policies.adakv import AdaKV
 from kvgates.policies.base import POLICIES, Policy, Schedule, make_policy, register_policy
 from kvgates.policies.d2o import D2O

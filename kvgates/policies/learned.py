@@ -11,8 +11,10 @@ import torch
 
 from kvgates.gates.adapter import GateSet
 from kvgates.gates.capture import GateCapture
-from kvgates.policies.base import Policy
+from kvgates.policies.base import EVERY_STEP, PROMPT, Policy, Schedule
+from kvgates.policies.selection import recent_mask
 from kvgates.runtime.attention import input_device
+from kvgates.runtime.state import SlotState
 from kvgates.runtime.stats import AttnStats
 
 GATE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -91,3 +93,34 @@ class LearnedPolicy(Policy):
     def record(self, layer, stats: AttnStats, name: str) -> None:
         """Store the new tokens' gate scores in the per-slot state ``name``."""
         layer.state[name].scatter_(2, stats.new_slots, self.new_token_scores(layer, stats))
+
+
+@dataclass
+class WriteScored(LearnedPolicy):
+    """A learned policy that ranks tokens by the score its gate gave each one when it was written (Locret, KVzap):
+    each KV head keeps its ``protected`` most recent tokens plus its best-scored others, ``budget`` in all, after
+    every prompt chunk and, with ``decode_evict``, after every decode step (otherwise decoded tokens are appended).
+    Subclasses name the per-slot state of the scores (``score_state``) and say how many recent tokens are protected."""
+
+    #: The per-slot state holding each token's gate score.
+    score_state: ClassVar[str] = ""
+
+    decode_evict: bool = False
+
+    @property
+    def protected(self) -> int:
+        """The most recent tokens each head always keeps."""
+        raise NotImplementedError
+
+    @property
+    def schedule(self) -> Schedule:
+        return EVERY_STEP if self.decode_evict else PROMPT
+
+    def slot_state(self) -> dict[str, SlotState]:
+        return {self.score_state: SlotState()}
+
+    def observe(self, layer, stats: AttnStats) -> None:
+        self.record(layer, stats, self.score_state)
+
+    def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer.state[self.score_state], recent_mask(layer, self.protected)

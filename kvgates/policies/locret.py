@@ -4,20 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from kvgates.policies.base import EVERY_STEP, PROMPT, Schedule, register_policy
-from kvgates.policies.learned import LearnedPolicy
-from kvgates.policies.selection import recent_mask
-from kvgates.runtime.state import SlotState
-from kvgates.runtime.stats import AttnStats
+from kvgates.policies.base import register_policy
+from kvgates.policies.learned import WriteScored
 
 SCORE = "locret_score"
 
 
 @register_policy
 @dataclass
-class Locret(LearnedPolicy):
+class Locret(WriteScored):
     """Locret (Huang et al. 2024, arXiv:2410.01805): retaining heads predict each token's causal importance.
 
     Each new token gets a score per KV head from its layer's retaining head (over the raw q/k/v projections,
@@ -40,26 +35,16 @@ class Locret(LearnedPolicy):
 
     name = "locret"
     gate_kinds = ("retaining-head",)
+    score_state = SCORE
 
     stabilizers: int = 32
     local: int = 32
-    decode_evict: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._at_least(0, "stabilizers", "local")
-        protected = max(self.stabilizers, self.local)
-        self._require_budget(protected, f"the protected recent tokens (max(stabilizers, local) = {protected})")
+        self._require_budget(self.protected, f"the protected recent tokens (max(stabilizers, local) = {self.protected})")
 
     @property
-    def schedule(self) -> Schedule:
-        return EVERY_STEP if self.decode_evict else PROMPT
-
-    def slot_state(self) -> dict[str, SlotState]:
-        return {SCORE: SlotState()}
-
-    def observe(self, layer, stats: AttnStats) -> None:
-        self.record(layer, stats, SCORE)
-
-    def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return layer.state[SCORE], recent_mask(layer, max(self.stabilizers, self.local))
+    def protected(self) -> int:
+        return max(self.stabilizers, self.local)
