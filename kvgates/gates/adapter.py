@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -127,7 +128,7 @@ def _geometry(model: PreTrainedModel) -> dict[str, Any]:
     )
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write: Callable[[str], Any]) -> None:
     """Write through a temporary file in the same folder, so an interrupted save leaves the old file intact."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
@@ -251,11 +252,11 @@ class GateSet(nn.Module):
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
         metadata = {"format": "pt", "kind": self.kind, "fingerprint": self.config.fingerprint}
         if not _holds(folder / WEIGHTS_FILE, tensors, metadata):
-            _atomic_write(folder / WEIGHTS_FILE, lambda p: save_file(tensors, p, metadata=metadata))
+            atomic_write(folder / WEIGHTS_FILE, lambda p: save_file(tensors, p, metadata=metadata))
         text = json.dumps(self.config.to_dict(), indent=2)
-        _atomic_write(folder / CONFIG_FILE, lambda p: Path(p).write_text(text))
+        atomic_write(folder / CONFIG_FILE, lambda p: Path(p).write_text(text))
         card = self.model_card()
-        _atomic_write(folder / CARD_FILE, lambda p: Path(p).write_text(card))
+        atomic_write(folder / CARD_FILE, lambda p: Path(p).write_text(card))
         return folder
 
     @classmethod

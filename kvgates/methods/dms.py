@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgates.errors import AdapterError
-from kvgates.gates.adapter import GateConfig, GateSet, _atomic_write
+from kvgates.gates.adapter import GateConfig, GateSet, atomic_write
 from kvgates.gates.capture import attention_modules
 from kvgates.methods.base import LearnedMethod, TrainingStep, register_method
 from kvgates.policies.base import Schedule, register_policy
@@ -201,7 +201,7 @@ class DecisionHeadsLoRA(DecisionHeads):
         folder = super().save_pretrained(folder)
         (folder / LORA_DIR).mkdir(exist_ok=True)
         text = _config_json(self.lora_config)
-        _atomic_write(folder / LORA_DIR / LORA_CONFIG, lambda p: Path(p).write_text(text))
+        atomic_write(folder / LORA_DIR / LORA_CONFIG, lambda p: Path(p).write_text(text))
         return folder
 
 

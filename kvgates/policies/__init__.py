@@ -50,7 +50,3 @@ __all__ = [
     "TrimKVMorph",
     "TrimKVSnap",
 ]
-
-# Learned methods register their own policies (``kvgates.methods``: one module each): import them so that the
-# registry is complete whenever policies are used. They import ``kvgates.policies.base`` / ``learned`` only.
-import kvgates.methods  # noqa: E402, F401
