@@ -449,11 +449,15 @@ def _prefill_columns(
         tl.store(WINDOW + (b * H + qh) * N + n, win, mask=nm)
 
 
-def _prefill_config(d: int, device: torch.device) -> dict[str, int]:
+def _prefill_config(d: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
     """Block sizes of the prefill kernels (``BLOCK_M`` a multiple of ``BLOCK_N``). Small blocks under the CPU
-    interpreter, so that short test prompts span several of them."""
+    interpreter, so that short test prompts span several of them. Rows wider than 256 bytes (float32 at head dim
+    128) get half the tiles and two stages: the large ones need 225 KiB of shared memory, more than an A100 has
+    (``bench/triton_compile.py``)."""
     if device.type != "cuda":
         return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if d * dtype.itemsize > 256:
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8 if d > 64 else 4, "num_stages": 3}
 
 
@@ -474,7 +478,7 @@ def causal_attention_stats(
         return out, sums, win
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     lse = torch.empty((b, h, n), dtype=torch.float32, device=dev)
-    cfg = _prefill_config(d, dev)
+    cfg = _prefill_config(d, q.dtype, dev)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     common = dict(BLOCK_D=_pow2(d), PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _prefill_forward[(triton.cdiv(n, block_m), b * h)](
