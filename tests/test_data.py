@@ -8,12 +8,8 @@ from data.tasks import HAYSTACK_TASKS, TASKS, TEMPLATES, make_example, n_tokens,
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    from kvgates.models import embedded_model_dir
-
-    return AutoTokenizer.from_pretrained(embedded_model_dir("smollm2-135m"))
+def tok(embedded_tokenizer):
+    return embedded_tokenizer
 
 
 def test_split_is_recorded_disjoint_and_complete():

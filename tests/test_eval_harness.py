@@ -46,12 +46,8 @@ def small_config(tmp_path, **overrides) -> ABConfig:
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    from kvgates.models import embedded_model_dir
-
-    t = AutoTokenizer.from_pretrained(embedded_model_dir("smollm2-135m"))
+def tok(embedded_tokenizer):
+    t = embedded_tokenizer
     t.pad_token = t.pad_token or t.eos_token
     return t
 
