@@ -20,6 +20,11 @@ steps, ``torch.compile(model.forward, fullgraph=True, dynamic=False)`` (one grap
 positions passed as generate() passes them: a transformers ``StaticCache`` holding the budget's tokens (the
 compiled reference) and, for every policy whose decode step compiles (``sync_free_decode``), a static
 ``BudgetCache`` (``static=True``), with and without slack. Compare a policy's ``compiled`` row with its eager row.
+``--compile-mode reduce-overhead`` captures each compiled step as a CUDA graph (what generate() does with a
+compileable cache on CUDA; on the CPU the mode compiles as ``default`` does):
+
+    python bench/decode_speed.py --model random:llama-3.1-8b --configs 16384:1024 --batch 8 --steps 16 --rounds 2 \
+        --policies full snapkv streaming_llm h2o tova morphkv trimkv --compile inductor --compile-mode reduce-overhead
 """
 
 from __future__ import annotations
@@ -59,12 +64,13 @@ def time_compiled(forward, cache, token: torch.Tensor, steps: int, device) -> fl
     b = token.shape[0]
 
     def step(token: torch.Tensor, t: int) -> torch.Tensor:
+        torch.compiler.cudagraph_mark_step_begin()  # a new step: the last step's graph outputs may be overwritten
         pos = torch.tensor([t], device=device)
         out = forward(token, position_ids=pos[None].expand(b, 1), cache_position=pos, past_key_values=cache)
         return out.logits[:, -1:].argmax(-1)
 
     with torch.no_grad():
-        token = step(step(token, start), start + 1)
+        token = step(step(token, start), start + 1)  # the second call records the CUDA graph in reduce-overhead
         sync(device)
         begin = time.perf_counter()
         for t in range(start + 2, start + 2 + steps):
@@ -83,10 +89,13 @@ def prefilled(model, make_cache, ids: torch.Tensor):
 
 def main() -> None:
     args, model, tokenizer = setup(
-        __doc__, {"compile": ["inductor", "aot_eager"]},
+        __doc__, {"compile": ["inductor", "aot_eager"], "compile_mode": ["default", "reduce-overhead", "max-autotune-no-cudagraphs"]},
         configs=["4096:256", "8192:512"], batch=[1, 8], steps=16, rounds=3, slack=32, policies=POLICIES, compile=None,
+        compile_mode="default",
     )
-    compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=args.compile) if args.compile else None
+    compiled = None
+    if args.compile:
+        compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=args.compile, mode=args.compile_mode)
     torch._dynamo.config.recompile_limit = 64  # one graph per cache kind and batch size
     decoded = len(args.batch) * args.rounds * (args.steps + 2)  # tokens a cache decodes in the run (static ones hold them)
     for config in args.configs:

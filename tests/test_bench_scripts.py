@@ -45,10 +45,12 @@ def test_decode_speed_bench_runs_on_a_small_random_model():
 
 def test_decode_speed_bench_compiles_static_caches():
     """--compile adds the compiled StaticCache reference and a compiled static BudgetCache per policy (batch 2: the
-    StaticCache is prefilled again, its layers cannot repeat their batch)."""
+    StaticCache is prefilled again, its layers cannot repeat their batch); --compile-mode reaches torch.compile
+    (reduce-overhead marks each step for CUDA graphs; on the CPU it compiles as default does)."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "decode_speed.py"), "--model", "random", "--layers", "2", "--configs", "160:64",
-         "--batch", "2", "--steps", "2", "--rounds", "1", "--slack", "4", "--policies", "snapkv", "h2o", "--compile", "aot_eager"],
+         "--batch", "2", "--steps", "2", "--rounds", "1", "--slack", "4", "--policies", "snapkv", "h2o", "--compile", "aot_eager",
+         "--compile-mode", "reduce-overhead"],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
@@ -84,3 +86,47 @@ def test_gpu_policies_bench_runs_on_a_small_random_model():
     decode_rows = [line for line in out.splitlines() if line.count("|") == 7 and not line.startswith(("| cache", "|---"))]
     assert len(decode_rows) == 2 * 5  # DynamicCache at the context and at the budget, h2o (twice), snapkv; per batch
     assert all(line.endswith("x |") for line in decode_rows)  # every step against its roofline
+
+
+def _gpu_session(tmp_path: Path, *stages: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_SESSION_SMOKE": "1", "PYTHON": sys.executable}
+    return subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_session.sh"), *stages], capture_output=True, text=True, timeout=1800, env=env
+    )
+
+
+def test_gpu_session_env_stage_logs_versions_and_an_unknown_stage_is_refused(tmp_path):
+    result = _gpu_session(tmp_path, "env")
+    assert result.returncode == 0, result.stderr
+    log = (tmp_path / "env.log").read_text()
+    assert "torch" in log and "kernels" in log and "exit status 0" in log
+    result = _gpu_session(tmp_path, "decoder")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "unknown stage 'decoder': choose from env decode captured prefill kernels train tests"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on CPU")
+def test_gpu_session_stages_run_at_toy_sizes(tmp_path):
+    """Every measuring stage of the GPU session script runs at toy sizes (GPU_SESSION_SMOKE=1), so that a lent GPU's
+    few minutes are not spent on a broken script."""
+    stages = ("decode", "captured", "prefill", "kernels", "train")
+    result = _gpu_session(tmp_path, *stages)
+    assert result.returncode == 0, result.stderr
+    for stage in stages:
+        log = (tmp_path / f"{stage}.log").read_text()
+        assert "exit status 0" in log and "exit status 1" not in log, log[-3000:]
+
+
+def test_the_fused_prefill_kernel_compiles_for_an_a100_and_an_h100():
+    """The prefill kernel's GPU block sizes fit both GPUs' shared memory in every dtype (float32 at head dim 128
+    needed 225 KiB, more than an A100's 163, before its config was split by row width); compiled down to a cubin
+    by Triton without a GPU (``bench/triton_compile.py``)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "triton_compile.py"), "--arch", "80", "90", "--only", "causal_attention_stats"],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "sm_80 causal_attention_stats: ok" in result.stdout and "sm_90 causal_attention_stats: ok" in result.stdout

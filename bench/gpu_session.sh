@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The GPU figures of issues 26-28 on a lent GPU machine, one stage (or a few) per device call:
+#
+#     bash bench/gpu_session.sh STAGE...        # STAGE: env decode captured prefill kernels train tests
+#
+# A session has 30 minutes of device time and 10 minutes a call, so every stage is sized to run well inside one
+# call on an H100 (the minutes below are estimates until measured) and is killed at its own time limit, so that
+# one slow stage cannot eat the next call's time. Each stage writes $OUT/<stage>.log (OUT: the device tool's
+# output folder; outputs/gpu elsewhere) and prints it as it goes. Order of value, if time runs short:
+#
+#   decode    (~6 min) issue 26: eager decode of every policy vs DynamicCache at the budget and at 16K
+#   captured  (~8 min) issue 26: decode compiled and captured as CUDA graphs (reduce-overhead) vs a captured
+#                      StaticCache of the budget's size
+#   prefill   (~6 min) issue 27: every policy's prefill vs plain sdpa, 8B shape, 16 and 32 layers, batch 1 and 8
+#   kernels   (~2 min) issue 27: decode attention at batch 1-32 and 4K-32K vs sdpa and HBM peak
+#   train     (~6 min) issue 28: gate-training step vs a teacher forward, 135M at 1K-16K, 8B at 8K
+#   tests     (~8 min) issue 27: the default test suite on the GPU machine
+#
+# The machine has no network: the packages kvgates needs beyond what it has travel as wheels in the checkout's
+# git-ignored .whl/ (`make gpu-wheels` downloads them; ../shared/GPU.md) and are installed once per machine into
+# /tmp/site, before the first stage, where the interpreter lacks transformers. Pass `carry: [".whl"]` to the device tool.
+# GPU_SESSION_SMOKE=1 runs every stage at toy sizes (on the CPU too): it checks this script, not speed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-outputs/gpu}
+mkdir -p "$OUT"
+SMOKE=${GPU_SESSION_SMOKE:-0}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+# The wheels go in where transformers is missing (the GPU machine), never over an installed environment.
+if compgen -G ".whl/*.whl" > /dev/null && { [ -f /tmp/site/.kvgates-wheels ] || ! "$PY" -c "import transformers" 2> /dev/null; }; then
+    if [ ! -f /tmp/site/.kvgates-wheels ]; then
+        echo "installing $(ls .whl/*.whl | wc -l) wheels into /tmp/site"
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+        touch /tmp/site/.kvgates-wheels
+    fi
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+# Sizes: the issues' shapes, or toy ones for the smoke run.
+if [ "$SMOKE" = 1 ]; then
+    BIG="--model random --layers 2" DEEP="$BIG" SMALL="--model random --layers 2"
+    DECODE="--configs 160:64 --batch 2 --steps 2 --rounds 1 --slack 4"
+    PREFILL="--contexts 160 --budget 64 --batch 1 --steps 2 --rounds 1"
+    KERNELS="--smoke" TRAIN_SMALL="--lengths 160 256 --budget 64" TRAIN_BIG="--lengths 160 --budget 64"
+    export TRITON_INTERPRET=1
+else
+    BIG="--model random:llama-3.1-8b --layers 32" DEEP="--model random:llama-3.1-8b --layers 16"
+    SMALL="--model random --layers 30"
+    DECODE="--configs 16384:1024 --batch 8 --steps 16 --rounds 2 --slack 32"
+    PREFILL="--contexts 8192 16384 --budget 1024 --batch 1 8 --steps 8 --rounds 2"
+    KERNELS="--budgets 4096 16384 32768 --batch 1 4 8 32 --head-dim 128 --dtype bf16"
+    TRAIN_SMALL="--lengths 1024 4096 8192 16384 --budget 256" TRAIN_BIG="--lengths 8192 --budget 1024"
+fi
+
+# stage NAME SECONDS COMMAND...: run COMMAND with a time limit, its output to the terminal and $OUT/NAME.log.
+stage() {
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name ($(date -u +%H:%M:%S), limit ${limit} s): $*" | tee -a "$OUT/$name.log"
+    local status=0
+    timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log" || status=$?
+    echo "=== $name done, exit status $status ($(date -u +%H:%M:%S))" | tee -a "$OUT/$name.log"
+}
+
+for name in "$@"; do
+    case $name in
+    env)
+        stage env 120 "$PY" -c "import torch, transformers, kvgates, kvgates.kernels as k; \
+device = 'cuda' if torch.cuda.is_available() else 'cpu'; \
+print('torch', torch.__version__, '| cuda', torch.version.cuda, '| transformers', transformers.__version__); \
+print('device', torch.cuda.get_device_name() if device == 'cuda' else 'cpu', '| kernels', k.backend(torch.empty(0, device=device)))"
+        ;;
+    decode)
+        # shellcheck disable=SC2086
+        stage decode 540 "$PY" bench/decode_speed.py $BIG $DECODE \
+            --policies full snapkv streaming_llm h2o tova morphkv trimkv adakv
+        ;;
+    captured)
+        # shellcheck disable=SC2086
+        stage captured 560 "$PY" bench/decode_speed.py $BIG $DECODE --slack 0 \
+            --policies snapkv h2o trimkv --compile inductor --compile-mode reduce-overhead
+        ;;
+    prefill)
+        # shellcheck disable=SC2086
+        stage prefill 270 "$PY" bench/gpu_policies.py $DEEP $PREFILL
+        # shellcheck disable=SC2086
+        stage prefill 270 "$PY" bench/gpu_policies.py $BIG $PREFILL --batch 8 --policies snapkv h2o d2o trimkv
+        ;;
+    kernels)
+        # shellcheck disable=SC2086
+        stage kernels 240 "$PY" bench/kernels.py $KERNELS
+        ;;
+    train)
+        # shellcheck disable=SC2086
+        stage train 300 "$PY" bench/train_step.py $SMALL $TRAIN_SMALL --kinds trimkv locret
+        # shellcheck disable=SC2086
+        stage train 270 "$PY" bench/train_step.py $BIG $TRAIN_BIG --kinds trimkv --checkpoint-layers \
+            --dtype bfloat16
+        ;;
+    tests)
+        stage tests 560 "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/tests.xml"
+        ;;
+    *)
+        echo "unknown stage '$name': choose from env decode captured prefill kernels train tests" >&2
+        exit 2
+        ;;
+    esac
+done
