@@ -505,6 +505,57 @@ def test_every_committed_training_config_validates(path):
     assert config.output_dir.startswith("checkpoints/") and config.training.get("max_steps")
 
 
+#: The architecture (transformers ``model_type``) of the model of every committed training recipe: the accelerate
+#: configs are checked against each; a recipe naming a model missing here fails until it is added.
+RECIPE_ARCHITECTURES = {"smollm2-135m": "llama", "meta-llama/Llama-3.1-8B-Instruct": "llama", "Qwen/Qwen3-8B": "qwen3"}
+ACCELERATE_CONFIGS = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))
+
+
+def accelerate_launch_env(launch_args: list[str]) -> dict[str, str]:
+    """The environment ``accelerate launch LAUNCH_ARGS train.py`` gives the script, computed by accelerate's own
+    launcher code (the launcher ``launch_command`` would pick), nothing started."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args([*launch_args, "train.py"]))
+    if args.use_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config) if defaults else ""
+        return prepare_deepspeed_cmd_env(args)[1]
+    if args.use_fsdp or args.multi_gpu:
+        return prepare_multi_gpu_env(args)
+    return prepare_simple_launcher_cmd_env(args)[1]
+
+
+def test_every_recipe_model_has_a_known_architecture():
+    models = {TrainConfig.load(path).model for path in sorted((REPO / "configs" / "train").glob("*.yaml"))}
+    assert models <= set(RECIPE_ARCHITECTURES), f"add the architecture of {sorted(models - set(RECIPE_ARCHITECTURES))}"
+
+
+@pytest.mark.parametrize("family", sorted(set(RECIPE_ARCHITECTURES.values())))
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
+def test_every_accelerate_config_shards_the_decoder_layers_of_every_recipe_model(path, family, monkeypatch):
+    """Each config through accelerate's launcher; an FSDP one's wrap policy, resolved by accelerate on a tiny model
+    of each recipe architecture carrying its gates, wraps exactly the decoder layers (a class name of another
+    architecture would find nothing to wrap)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from helpers import tiny_model
+
+    env = accelerate_launch_env(["--config_file", str(path)])
+    if env.get("ACCELERATE_USE_FSDP") != "true":
+        return
+    for name, value in env.items():
+        if name.startswith(("FSDP_", "ACCELERATE_")):
+            monkeypatch.setenv(name, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2, "only FSDP2's wrap policy is resolved here"
+    _, model = tiny_model(family)
+    with GateTraining(model, kvgates.RetentionGates.for_model(model, gate_hidden=8)):
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+        wrapped = [module for module in model.modules() if policy(module)]
+    assert [id(m) for m in wrapped] == [id(m) for m in model.model.layers], (family, {type(m).__name__ for m in wrapped})
+
+
 def test_a_config_builds_on_its_base(tmp_path):
     (tmp_path / "base.yaml").write_text("budget: 40\ndata: {seq_len: 128, train_examples: 5}\ntraining: {max_steps: 7}\n")
     (tmp_path / "top.yaml").write_text("base: base.yaml\ndata: {seq_len: 256}\n")
