@@ -130,16 +130,46 @@ def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
     for flag in ("activation_checkpointing", "gradient_checkpointing"):
         if args.get(flag):
             args[f"{flag}_kwargs"] = {"use_reentrant": False, **(args.get(f"{flag}_kwargs") or {})}
-    return TrainingArguments(
+    train_args = TrainingArguments(
         output_dir=str(out), run_name=config.run_name, metric_for_best_model="kl", greater_is_better=False, **args
+    )
+    check_precision(train_args)
+    return train_args
+
+
+def check_precision(args: TrainingArguments) -> None:
+    """``ConfigError`` for mixed precision from any source (``training.bf16``/``fp16``, ``accelerate launch``'s
+    ``--mixed_precision`` or its config's ``mixed_precision``, a DeepSpeed config's ``bf16``/``fp16.enabled``).
+
+    The run's precision is ``model_dtype`` for the frozen weights and float32 for the gates and their optimizer
+    state. Mixed precision breaks the second: DeepSpeed under ``bf16.enabled`` casts every parameter of the module,
+    the gates included, to bfloat16 (its ZeRO optimizer keeps float32 master copies, but the forward runs on the
+    bfloat16 ones: a bias of 8-18 in steps of 0.06-0.125), and autocast or FSDP's policy runs the gates' matmuls in
+    bfloat16."""
+    flags = [flag for flag in ("bf16", "fp16", "bf16_full_eval", "fp16_full_eval") if getattr(args, flag)]
+    deepspeed = args.deepspeed_plugin.deepspeed_config if args.deepspeed_plugin is not None else {}
+    enabled = [name for name in ("bf16", "fp16") if str(deepspeed.get(name, {}).get("enabled")).lower() == "true"]
+    if flags:
+        source = f"training.{flags[0]}"
+    elif args.mixed_precision != "no":  # transformers reads ACCELERATE_MIXED_PRECISION, set by accelerate launch
+        source = f"accelerate launch's mixed precision {args.mixed_precision}"
+    elif enabled:
+        source = f"the DeepSpeed config's {enabled[0]}.enabled"
+    else:
+        return
+    raise ConfigError(
+        f"{source} would train the gates in half precision (DeepSpeed casts them, autocast and FSDP compute them so); "
+        "the frozen weights take model_dtype (bfloat16 on CUDA by default) and the gates stay float32, so leave mixed precision off"
     )
 
 
 def check_training_arguments(config: TrainConfig) -> None:
     """``ConfigError`` for a ``training`` section that transformers refuses (e.g. ``save_steps`` not a multiple of
-    ``eval_steps``), before anything is written."""
+    ``eval_steps``) or mixed precision (``check_precision``), before anything is written."""
     try:
         training_arguments(config, Path(config.output_dir))
+    except ConfigError:
+        raise
     except ValueError as err:
         raise ConfigError(f"training: {err}") from None
 
