@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -624,6 +625,23 @@ def test_every_accelerate_config_leaves_precision_to_the_run_and_wraps_each_deco
         policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
         wrapped = [module for module in model.modules() if policy(module)]
     assert [id(m) for m in wrapped] == [id(m) for m in model.model.layers], (family, {type(m).__name__ for m in wrapped})
+
+
+def test_make_train_gives_the_run_every_core_and_a_bare_launch_one(monkeypatch):
+    """Why the KVzap and DMS cards say "1 threads": ``accelerate launch`` exports OMP_NUM_THREADS as
+    --num_cpu_threads_per_process, 1 unless given (the card records torch's thread count, which follows it); the
+    Makefile's launch gives every core. train.py names the flag when a CPU run gets fewer threads than its cores."""
+    from train.run import cpu_threads_note
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    recipe = (REPO / "Makefile").read_text().split("$(VENV)/bin/accelerate launch", 1)[1].split("train.py", 1)[0]
+    flags = shlex.split(recipe.replace("\\\n", " ").replace("$(shell nproc)", str(os.cpu_count())))
+    assert accelerate_launch_env(flags)["OMP_NUM_THREADS"] == str(os.cpu_count())
+    i = flags.index("--num_cpu_threads_per_process")
+    assert accelerate_launch_env(flags[:i] + flags[i + 2 :])["OMP_NUM_THREADS"] == "1"
+    assert "1 CPU thread of the 8 cores" in cpu_threads_note(1, 8, 1) and "--num_cpu_threads_per_process 8" in cpu_threads_note(1, 8, 1)
+    assert "--num_cpu_threads_per_process 4" in cpu_threads_note(2, 8, 2)
+    assert cpu_threads_note(8, 8, 1) is None and cpu_threads_note(4, 8, 2) is None and cpu_threads_note(1, 1, 1) is None
 
 
 def test_a_config_builds_on_its_base(tmp_path):

@@ -5,6 +5,9 @@
     accelerate launch train.py --config ... --resume                  # continue from the last checkpoint
     python train.py --config ... --check                              # validate only: loads no model, writes nothing
 
+On the CPU add ``--num_cpu_threads_per_process $(nproc)`` (as ``make train`` does): a bare ``accelerate launch``
+exports ``OMP_NUM_THREADS=1``, and the run then says it trains on one thread (``cpu_threads_note``).
+
 The config, the model (without its weights), ``gates.init_from`` and the output folder are all checked before the
 model loads or anything is written; every such error is one sentence on stderr and exit status 2 (under
 ``accelerate launch``, which reports a failed script as status 1, pass ``--quiet`` so that the sentence is the last
@@ -246,6 +249,20 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
     return trainer, start
 
 
+def cpu_threads_note(threads: int, cores: int, processes: int) -> str | None:
+    """A warning for a CPU run on fewer ``threads`` than its share of the machine's ``cores`` (``processes`` per
+    machine), or None. ``accelerate launch`` exports ``OMP_NUM_THREADS`` as ``--num_cpu_threads_per_process``, which
+    is the caller's ``OMP_NUM_THREADS`` or else 1 (only with ``--cpu`` does accelerate count the cores), so a bare
+    ``accelerate launch train.py`` trains on one thread; ``make train`` passes the flag."""
+    share = max(1, cores // processes)
+    if threads >= share:
+        return None
+    return (
+        f"training on {threads} CPU thread{'s' if threads > 1 else ''} of the {share} cores this process could use "
+        f"(OMP_NUM_THREADS: accelerate launch sets it to 1 unless given --num_cpu_threads_per_process {share}, as make train does)"
+    )
+
+
 #: A user error (config, model, adapter, output folder): one sentence on stderr, exit status 2, nothing written.
 USER_ERRORS = (ConfigError, kvgates.AdapterError, kvgates.UnsupportedModelError)
 
@@ -262,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         print(f"train.py: {args.config} is ready to run ({config.kind} gates on {config.model} at budget {config.budget} into {out})")
         return 0
+    if not torch.cuda.is_available():
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        note = cpu_threads_note(torch.get_num_threads(), cores, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if note is not None:
+            print(f"train.py: {note}", file=sys.stderr)
     fresh_folder = not out.exists()
     prepare_output_dir(config, args.resume)
     started = time.time()
