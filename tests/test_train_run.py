@@ -613,6 +613,9 @@ def test_every_accelerate_config_leaves_precision_to_the_run_and_wraps_each_deco
 
     env = accelerate_launch_env(["--config_file", str(path)])
     assert env["ACCELERATE_MIXED_PRECISION"] == "no", "train.py refuses mixed precision (check_precision)"
+    if "ACCELERATE_DEEPSPEED_CONFIG_FILE" in env:  # DeepSpeed's bf16/fp16 would cast the gates themselves
+        deepspeed = json.loads((REPO / env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]).read_text())
+        assert deepspeed["bf16"]["enabled"] is False and deepspeed["fp16"]["enabled"] is False
     if env.get("ACCELERATE_USE_FSDP") != "true":
         return
     for name, value in env.items():
