@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -505,6 +506,147 @@ def test_two_cpu_processes_give_the_gates_of_one_with_the_same_global_batch(tiny
 def test_every_committed_training_config_validates(path):
     config = TrainConfig.load(path)
     assert config.output_dir.startswith("checkpoints/") and config.training.get("max_steps")
+
+
+_DEEPSPEED_STEP = """
+import json, sys
+from pathlib import Path
+
+from train.config import TrainConfig
+from train.run import build_trainer
+
+config = TrainConfig.from_dict(json.loads(sys.argv[1]))
+trainer, start = build_trainer(config, Path(config.output_dir))
+trainer.train()
+engine = trainer.model_wrapped
+before = start.state_dict()
+print(json.dumps({
+    "engine": type(engine).__name__,
+    "gates": sorted({str(p.dtype) for p in engine.module.kvgates_gates.parameters()}),
+    "frozen": sorted({str(p.dtype) for p in engine.module.parameters() if not p.requires_grad}),
+    "master": sorted({str(t.dtype) for t in engine.optimizer.single_partition_of_fp32_groups}),
+    "moved": max(float((t.float() - before[k]).abs().max()) for k, t in trainer.gates.state_dict().items()),
+}))
+"""
+
+
+def test_deepspeed_trains_float32_gates_on_a_bfloat16_model(tiny_dir, tmp_path):
+    """The GPU recipes' precision through the committed ZeRO-2 config on the CPU (one process over gloo,
+    DS_ACCELERATOR=cpu): the frozen weights stay bfloat16 (model_dtype), and after a step the gates DeepSpeed's
+    module holds, and its optimizer's master copies, are float32 (DeepSpeed under bf16.enabled casts them)."""
+    import socket
+
+    cfg = tiny_config(tiny_dir, tmp_path / "run", model_dtype="bfloat16", training={
+        "max_steps": 1, "eval_steps": 1, "save_steps": 1, "deepspeed": str(REPO / "configs/deepspeed/zero2.json"),
+    })
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "RANK": "0",
+           "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    done = subprocess.run([sys.executable, "-c", _DEEPSPEED_STEP, json.dumps(cfg)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["engine"] == "DeepSpeedEngine" and seen["moved"] > 0, seen
+    assert (seen["gates"], seen["master"], seen["frozen"]) == (["torch.float32"], ["torch.float32"], ["torch.bfloat16"]), seen
+
+
+@pytest.mark.parametrize(
+    "overrides, env, source",
+    [
+        (["training.bf16=true"], {}, "training.bf16"),
+        (["training.fp16=true"], {}, "training.fp16"),
+        ([], {"ACCELERATE_MIXED_PRECISION": "bf16"}, "accelerate launch's mixed precision bf16"),
+        (["training.deepspeed=BF16_JSON"], {}, "the DeepSpeed config's bf16.enabled"),
+    ],
+)
+def test_mixed_precision_from_any_source_is_refused_before_the_model_loads(tiny_dir, tmp_path, monkeypatch, capsys,
+                                                                          overrides, env, source):
+    """Each way of turning on mixed precision, which would cast the gates (DeepSpeed) or compute them (autocast,
+    FSDP) in half precision, stops the run with one sentence naming it."""
+    ds = json.loads((REPO / "configs/deepspeed/zero2.json").read_text())
+    (tmp_path / "bf16.json").write_text(json.dumps({**ds, "bf16": {"enabled": True}}))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    path = write(tiny_config(tiny_dir, tmp_path / "run"), tmp_path / "c.yaml")
+    argv = ["--config", str(path), "--check", *(o.replace("BF16_JSON", str(tmp_path / "bf16.json")) for o in overrides)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"train.py: {source} would train the gates in half precision") and len(err.splitlines()) == 1, err
+    assert "leave mixed precision off" in err and not (tmp_path / "run").exists()
+
+
+#: The architecture (transformers ``model_type``) of the model of every committed training recipe: the accelerate
+#: configs are checked against each; a recipe naming a model missing here fails until it is added.
+RECIPE_ARCHITECTURES = {"smollm2-135m": "llama", "meta-llama/Llama-3.1-8B-Instruct": "llama", "Qwen/Qwen3-8B": "qwen3"}
+ACCELERATE_CONFIGS = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))
+
+
+def accelerate_launch_env(launch_args: list[str]) -> dict[str, str]:
+    """The environment ``accelerate launch LAUNCH_ARGS train.py`` gives the script, computed by accelerate's own
+    launcher code (the launcher ``launch_command`` would pick), nothing started."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args([*launch_args, "train.py"]))
+    if args.use_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config) if defaults else ""
+        return prepare_deepspeed_cmd_env(args)[1]
+    if args.use_fsdp or args.multi_gpu:
+        return prepare_multi_gpu_env(args)
+    return prepare_simple_launcher_cmd_env(args)[1]
+
+
+def test_every_recipe_model_has_a_known_architecture():
+    models = {TrainConfig.load(path).model for path in sorted((REPO / "configs" / "train").glob("*.yaml"))}
+    assert models <= set(RECIPE_ARCHITECTURES), f"add the architecture of {sorted(models - set(RECIPE_ARCHITECTURES))}"
+
+
+@pytest.mark.parametrize("family", sorted(set(RECIPE_ARCHITECTURES.values())))
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
+def test_every_accelerate_config_leaves_precision_to_the_run_and_wraps_each_decoder_layer(path, family, monkeypatch):
+    """Each config through accelerate's launcher: no mixed precision (train.py refuses it); an FSDP one's wrap
+    policy, resolved by accelerate on a tiny model of each recipe architecture carrying its gates, wraps exactly the
+    decoder layers (a class name of another architecture finds nothing to wrap)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from helpers import tiny_model
+
+    env = accelerate_launch_env(["--config_file", str(path)])
+    assert env["ACCELERATE_MIXED_PRECISION"] == "no", "train.py refuses mixed precision (check_precision)"
+    if "ACCELERATE_DEEPSPEED_CONFIG_FILE" in env:  # DeepSpeed's bf16/fp16 would cast the gates themselves
+        deepspeed = json.loads((REPO / env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]).read_text())
+        assert deepspeed["bf16"]["enabled"] is False and deepspeed["fp16"]["enabled"] is False
+    if env.get("ACCELERATE_USE_FSDP") != "true":
+        return
+    for name, value in env.items():
+        if name.startswith(("FSDP_", "ACCELERATE_")):
+            monkeypatch.setenv(name, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2, "only FSDP2's wrap policy is resolved here"
+    _, model = tiny_model(family)
+    with GateTraining(model, kvgates.RetentionGates.for_model(model, gate_hidden=8)):
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+        wrapped = [module for module in model.modules() if policy(module)]
+    assert [id(m) for m in wrapped] == [id(m) for m in model.model.layers], (family, {type(m).__name__ for m in wrapped})
+
+
+def test_make_train_gives_the_run_every_core_and_a_bare_launch_one(monkeypatch):
+    """Why the KVzap and DMS cards say "1 threads": ``accelerate launch`` exports OMP_NUM_THREADS as
+    --num_cpu_threads_per_process, 1 unless given (the card records torch's thread count, which follows it); the
+    Makefile's launch gives every core. train.py names the flag when a CPU run gets fewer threads than its cores."""
+    from train.run import cpu_threads_note
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    recipe = (REPO / "Makefile").read_text().split("$(VENV)/bin/accelerate launch", 1)[1].split("train.py", 1)[0]
+    flags = shlex.split(recipe.replace("\\\n", " ").replace("$(shell nproc)", str(os.cpu_count())))
+    assert accelerate_launch_env(flags)["OMP_NUM_THREADS"] == str(os.cpu_count())
+    i = flags.index("--num_cpu_threads_per_process")
+    assert accelerate_launch_env(flags[:i] + flags[i + 2 :])["OMP_NUM_THREADS"] == "1"
+    assert "1 CPU thread of the 8 cores" in cpu_threads_note(1, 8, 1) and "--num_cpu_threads_per_process 8" in cpu_threads_note(1, 8, 1)
+    assert "--num_cpu_threads_per_process 4" in cpu_threads_note(2, 8, 2)
+    assert cpu_threads_note(8, 8, 1) is None and cpu_threads_note(4, 8, 2) is None and cpu_threads_note(1, 1, 1) is None
 
 
 def test_a_config_builds_on_its_base(tmp_path):

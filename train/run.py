@@ -5,6 +5,9 @@
     accelerate launch train.py --config ... --resume                  # continue from the last checkpoint
     python train.py --config ... --check                              # validate only: loads no model, writes nothing
 
+On the CPU add ``--num_cpu_threads_per_process $(nproc)`` (as ``make train`` does): a bare ``accelerate launch``
+exports ``OMP_NUM_THREADS=1``, and the run then says it trains on one thread (``cpu_threads_note``).
+
 The config, the model (without its weights), ``gates.init_from`` and the output folder are all checked before the
 model loads or anything is written; every such error is one sentence on stderr and exit status 2 (under
 ``accelerate launch``, which reports a failed script as status 1, pass ``--quiet`` so that the sentence is the last
@@ -130,16 +133,46 @@ def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
     for flag in ("activation_checkpointing", "gradient_checkpointing"):
         if args.get(flag):
             args[f"{flag}_kwargs"] = {"use_reentrant": False, **(args.get(f"{flag}_kwargs") or {})}
-    return TrainingArguments(
+    train_args = TrainingArguments(
         output_dir=str(out), run_name=config.run_name, metric_for_best_model="kl", greater_is_better=False, **args
+    )
+    check_precision(train_args)
+    return train_args
+
+
+def check_precision(args: TrainingArguments) -> None:
+    """``ConfigError`` for mixed precision from any source (``training.bf16``/``fp16``, ``accelerate launch``'s
+    ``--mixed_precision`` or its config's ``mixed_precision``, a DeepSpeed config's ``bf16``/``fp16.enabled``).
+
+    The run's precision is ``model_dtype`` for the frozen weights and float32 for the gates and their optimizer
+    state. Mixed precision breaks the second: DeepSpeed under ``bf16.enabled`` casts every parameter of the module,
+    the gates included, to bfloat16 (its ZeRO optimizer keeps float32 master copies, but the forward runs on the
+    bfloat16 ones: a bias of 8-18 in steps of 0.06-0.125), and autocast or FSDP's policy runs the gates' matmuls in
+    bfloat16."""
+    flags = [flag for flag in ("bf16", "fp16", "bf16_full_eval", "fp16_full_eval") if getattr(args, flag)]
+    deepspeed = args.deepspeed_plugin.deepspeed_config if args.deepspeed_plugin is not None else {}
+    enabled = [name for name in ("bf16", "fp16") if str(deepspeed.get(name, {}).get("enabled")).lower() == "true"]
+    if flags:
+        source = f"training.{flags[0]}"
+    elif args.mixed_precision != "no":  # transformers reads ACCELERATE_MIXED_PRECISION, set by accelerate launch
+        source = f"accelerate launch's mixed precision {args.mixed_precision}"
+    elif enabled:
+        source = f"the DeepSpeed config's {enabled[0]}.enabled"
+    else:
+        return
+    raise ConfigError(
+        f"{source} would train the gates in half precision (DeepSpeed casts them, autocast and FSDP compute them so); "
+        "the frozen weights take model_dtype (bfloat16 on CUDA by default) and the gates stay float32, so leave mixed precision off"
     )
 
 
 def check_training_arguments(config: TrainConfig) -> None:
     """``ConfigError`` for a ``training`` section that transformers refuses (e.g. ``save_steps`` not a multiple of
-    ``eval_steps``), before anything is written."""
+    ``eval_steps``) or mixed precision (``check_precision``), before anything is written."""
     try:
         training_arguments(config, Path(config.output_dir))
+    except ConfigError:
+        raise
     except ValueError as err:
         raise ConfigError(f"training: {err}") from None
 
@@ -216,6 +249,20 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
     return trainer, start
 
 
+def cpu_threads_note(threads: int, cores: int, processes: int) -> str | None:
+    """A warning for a CPU run on fewer ``threads`` than its share of the machine's ``cores`` (``processes`` per
+    machine), or None. ``accelerate launch`` exports ``OMP_NUM_THREADS`` as ``--num_cpu_threads_per_process``, which
+    is the caller's ``OMP_NUM_THREADS`` or else 1 (only with ``--cpu`` does accelerate count the cores), so a bare
+    ``accelerate launch train.py`` trains on one thread; ``make train`` passes the flag."""
+    share = max(1, cores // processes)
+    if threads >= share:
+        return None
+    return (
+        f"training on {threads} CPU thread{'s' if threads > 1 else ''} of the {share} cores this process could use "
+        f"(OMP_NUM_THREADS: accelerate launch sets it to 1 unless given --num_cpu_threads_per_process {share}, as make train does)"
+    )
+
+
 #: A user error (config, model, adapter, output folder): one sentence on stderr, exit status 2, nothing written.
 USER_ERRORS = (ConfigError, kvgates.AdapterError, kvgates.UnsupportedModelError)
 
@@ -232,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         print(f"train.py: {args.config} is ready to run ({config.kind} gates on {config.model} at budget {config.budget} into {out})")
         return 0
+    if not torch.cuda.is_available():
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        note = cpu_threads_note(torch.get_num_threads(), cores, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if note is not None:
+            print(f"train.py: {note}", file=sys.stderr)
     fresh_folder = not out.exists()
     prepare_output_dir(config, args.resume)
     started = time.time()

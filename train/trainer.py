@@ -1,6 +1,6 @@
 """``GateTrainer``: transformers' ``Trainer`` for gate sets on a frozen LLM.
 
-The Trainer brings devices, DDP/DeepSpeed/FSDP through accelerate, mixed precision, gradient accumulation and
+The Trainer brings devices, DDP/DeepSpeed/FSDP through accelerate, gradient accumulation and
 checkpointing, the optimizer and schedule, checkpoint/resume (optimizer, scheduler, RNG, data order), best-checkpoint
 tracking, wandb logging and progress bars. This subclass changes only what is specific to gates:
 
