@@ -130,3 +130,15 @@ def test_the_fused_prefill_kernel_compiles_for_an_a100_and_an_h100():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "sm_80 causal_attention_stats: ok" in result.stdout and "sm_90 causal_attention_stats: ok" in result.stdout
+
+
+def test_launch_count_bench_runs_on_a_small_random_model():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "launches.py"), "--model", "random", "--layers", "2", "--context", "160",
+         "--budget", "64", "--slack", "4", "--policies", "full", "h2o", "--ops", "3"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ")}
+    assert rows["DynamicCache + sdpa"][2] == "1.00x" and rows["h2o slack=4"][-1].strip(" |") == "0.00"
+    assert "h2o, decode step per layer:" in result.stdout

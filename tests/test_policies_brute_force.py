@@ -142,3 +142,22 @@ def test_single_drop_fast_path_matches_full_ranking(seed):
         for h in range(HKV):
             s = {int(p): float(x) for p, x in zip(pos[b, h].tolist(), scores[b, h].tolist()) if p >= 0}
             assert {int(p) for p in pos[b, h][keep[b, h]].tolist()} == brute.top_by_score(s, int(k[b, h]), set())
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("bound", [1, 3, 24])
+def test_a_host_bound_on_the_excess_gives_the_same_decisions(seed, bound):
+    """``excess`` (what a packed layer's host knows of how many slots a row holds over budget) replaces the
+    read-backs of topk_mask: the single-drop shortcut when it is <= 1, a ranking of every slot otherwise."""
+    from kvgates.policies.selection import topk_mask
+
+    g = torch.Generator().manual_seed(seed)
+    pos = random_positions(B, HKV, C, held=12, seed=seed)
+    valid = pos >= 0
+    scores = torch.randint(0, 4, (B, HKV, C), generator=g).float()
+    k = torch.randint(max(12 - bound, 0), 14, (B, HKV), generator=g)  # rows hold 12 candidates: at most `bound` over k
+    keep = topk_mask(scores, k, valid, pos, excess=bound)
+    for b in range(B):
+        for h in range(HKV):
+            s = {int(p): float(x) for p, x in zip(pos[b, h].tolist(), scores[b, h].tolist()) if p >= 0}
+            assert {int(p) for p in pos[b, h][keep[b, h]].tolist()} == brute.top_by_score(s, int(k[b, h]), set())

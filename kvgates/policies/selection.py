@@ -16,6 +16,7 @@ def topk_mask(
     candidates: torch.Tensor,
     positions: torch.Tensor | None = None,
     sync_free: bool = False,
+    excess: int | None = None,
 ) -> torch.Tensor:
     """Mark the ``k`` highest-scoring candidate slots of every ``[B, H_kv]`` row.
 
@@ -24,20 +25,25 @@ def topk_mask(
     token, which makes decisions deterministic (pooled scores tie often); without, ties are arbitrary.
     ``sync_free`` computes the same mask without reading anything back from the device (a compiled decode step,
     ``BudgetLayer.static``): no shortcut for rows dropping one slot, and a tensor ``k`` ranks every slot.
+    ``excess``, with ``positions``: an upper bound, known on the host, of how many candidates a row holds beyond
+    ``k`` (``BudgetLayer.over_quota_bound``); the same mask again without a read-back (a row dropping at most one
+    slot takes the shortcut, a tensor ``k`` ranks every slot), as a per-step eviction on a GPU needs.
     """
     n = scores.shape[-1]
     k_t = torch.as_tensor(k, device=scores.device).expand(scores.shape[:-1]).clamp(0, n)
-    if isinstance(k, int):
-        kmax = min(max(k, 0), n)
-    else:
-        kmax = n if sync_free else int(k_t.max()) if k_t.numel() else 0
-    if kmax == 0:
+    if isinstance(k, int) and min(max(k, 0), n) == 0:
         return torch.zeros_like(candidates)
     s = scores.double() if not scores.is_floating_point() else scores
     if positions is not None and not sync_free:
-        excess = candidates.sum(-1) - k_t
-        if int(excess.max()) <= 1:  # the decode case: drop at most one slot per row, no sort needed
-            return candidates & ~_worst_slot(s, candidates, positions, excess > 0)
+        over = candidates.sum(-1) - k_t
+        if (int(over.max()) if excess is None else excess) <= 1:  # the decode case: drop at most one slot per row, no sort
+            return candidates & ~_worst_slot(s, candidates, positions, over > 0)
+    if isinstance(k, int):
+        kmax = min(k, n)
+    else:
+        kmax = n if sync_free or excess is not None else int(k_t.max()) if k_t.numel() else 0
+    if kmax == 0:
+        return torch.zeros_like(candidates)
     s = s.masked_fill(~candidates, float("-inf"))
     if positions is None:
         idx = s.topk(kmax, dim=-1).indices
@@ -71,7 +77,10 @@ def sink_mask(layer: BudgetLayer, n: int) -> torch.Tensor:
 def keep_forced_and_top(
     layer: BudgetLayer, scores: torch.Tensor, budget: int | torch.Tensor, forced: torch.Tensor
 ) -> torch.Tensor:
-    """Keep ``forced`` slots plus the best-scoring other valid slots (ties: more recent), up to ``budget`` per head."""
+    """Keep ``forced`` slots plus the best-scoring other valid slots (ties: more recent), up to ``budget`` per head.
+    When ``budget`` is the layer's ``quota``, what the host knows of the layer (``over_quota_bound``) spares the
+    ranking its read-backs: the tokens over budget are at most the held ones over quota."""
     forced = forced & layer.valid
     room = torch.as_tensor(budget, device=scores.device) - forced.sum(-1)
-    return forced | topk_mask(scores, room.clamp(min=0), layer.valid & ~forced, layer.pos, sync_free=layer.static)
+    excess = layer.over_quota_bound if budget is layer.quota else None
+    return forced | topk_mask(scores, room.clamp(min=0), layer.valid & ~forced, layer.pos, sync_free=layer.static, excess=excess)

@@ -45,8 +45,9 @@ class TOVA(PerStepEviction):
         scores = stats.rows[:, :, -1]
         if not self.per_head:
             # Shared selection needs the heads' slots to hold the same tokens; TOVA's own evictions keep them so
-            # (checked on the host, except in a static layer's decode step, which reads nothing back).
-            if not layer.static and not torch.equal(layer.pos, layer.pos[:, :1].expand_as(layer.pos)):
-                raise RuntimeError("tova: KV heads of a layer hold different tokens; use per_head=True")
+            # (a device-side assert: on a GPU the step does not wait for it).
+            torch._assert_async(
+                (layer.pos == layer.pos[:, :1]).all(), "tova: KV heads of a layer hold different tokens; use per_head=True"
+            )
             scores = scores.mean(1, keepdim=True).expand_as(scores)
         return scores, torch.zeros_like(layer.valid)

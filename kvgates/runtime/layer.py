@@ -66,6 +66,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.decode_steps = 0
         self.fill: list[int] = []  # per head: slots >= fill[h] are free (see "Packed layout")
         self.packed = False  # every slot below fill[h] is valid, in every sequence
+        self.free_floor = 0  # free slots every head of every sequence has at least, known on the host
         self._quota_source: int | torch.Tensor | None = None  # the policy's quota ``quota`` was built from
         self._least_quota = 0  # its least entry, on the host
         self._policy_states: dict[int, LayerState] = {}
@@ -110,7 +111,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.keys = key_states.new_zeros((b, 0, d))
         self.values = value_states.new_zeros((b, 0, value_states.shape[-1]))
         self.head_slots = [0] * hkv
-        self.fill, self.packed = [0] * hkv, False  # packed once written to (``_free_slots``) or compacted
+        self.fill, self.packed, self.free_floor = [0] * hkv, False, 0  # packed once written to (``_free_slots``) or compacted
         self.pos = torch.full((b, hkv, 0), -1, dtype=torch.int64, device=self.device)
         specs = self.cache.policy.slot_state()
         self._state_layout, offset = {}, 0
@@ -151,7 +152,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self.pos = self.slot_data = self.quota = None
         self.head_slots, self._policy_states = [], {}
-        self.fill, self.packed, self._quota_source = [], False, None
+        self.fill, self.packed, self._quota_source, self.free_floor = [], False, None, 0
         self.seen, self.decoding, self.decode_steps, self._pending, self.decoded = 0, False, 0, None, None
         self._derived = {}
         self.is_initialized = False
@@ -186,6 +187,14 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         raise NotImplementedError("a BudgetCache cannot be cropped: evicted tokens cannot be restored")
 
     # ------------------------------------------------------------------ policy step
+    @property
+    def over_quota_bound(self) -> int | None:
+        """How many tokens a head of a sequence may hold beyond its entry of ``quota``, at most, known on the host
+        (a packed layer's ``fill`` and the quota's least entry); None where only the device knows (unpacked)."""
+        if not self.packed or self._quota_source is None or not self.fill:
+            return None
+        return max(self.fill) - self._least_quota
+
     def _within_tolerance(self) -> bool:
         """Whether the host knows that ``enforce`` would evict nothing now: a packed layer under an int quota
         whose heads hold no more than it plus the schedule's tolerance (amortised eviction between evictions)."""

@@ -128,6 +128,7 @@ class SlotStorage:
             self.keys, self.values, self.pos, self.slot_data, index, self.head_slots, list(head_slots), self.state_init
         )
         self.head_slots = list(head_slots)
+        self.free_floor = 0  # unknown until counted (``evict`` knows it)
         self._derived = {}
 
     def _grow(self, extra: int) -> None:
@@ -149,6 +150,7 @@ class SlotStorage:
         self.keys, self.values = spaced(self.keys), spaced(self.values)
         self.pos, self.slot_data = padded(self.pos, -1), padded(self.slot_data, self.state_init)
         self.head_slots = [c + extra for c in self.head_slots]
+        self.free_floor += extra
         self._derived = {}
 
     def _growth(self, missing: int, n: int) -> int:
@@ -213,11 +215,13 @@ class SlotStorage:
                 return self._slot_ids()[fill : fill + n].expand(self.batch_size, self.num_kv_heads, n)
             base, steps = self._fill_base()
             return (base + (self._slot_ids()[:n] + steps)).expand(self.batch_size, -1, -1)
-        free = ~self.valid & self.exists()[None]
-        missing = n - int(free.sum(-1).min()) if free.numel() else n
-        if missing > 0:
-            self._grow(self._growth(missing, n))
+        if self.free_floor < n:  # the host cannot tell that every head has room: count (one read-back)
             free = ~self.valid & self.exists()[None]
+            least = int(free.sum(-1).min()) if free.numel() else 0
+            self.free_floor = least
+            if least < n:
+                self._grow(self._growth(n - least, n))
+        free = ~self.valid & self.exists()[None]
         if n == 1:
             return free.to(torch.uint8).argmax(-1, keepdim=True)
         return torch.argsort((~free).to(torch.uint8), dim=-1, stable=True)[..., :n]
@@ -254,6 +258,7 @@ class SlotStorage:
                 self.slot_data.scatter_(2, slots[..., None].expand(b, hkv, n, f), self.state_init.expand(b, hkv, n, f).clone())
         self.fill = [f + n for f in self.fill] if packed else list(self.head_slots)
         self.packed = packed and all_real
+        self.free_floor = min(c - f for c, f in zip(self.head_slots, self.fill)) if packed else self.free_floor - n
         return slots
 
     def evict(self, keep: torch.Tensor, slack: int = 1) -> None:
@@ -278,6 +283,7 @@ class SlotStorage:
             order = self._kept_first(keep, max(need))
             self.relayout(order.contiguous(), need)
         self.fill, self.packed = most, least == most
+        self.free_floor = min(c - m for c, m in zip(self.head_slots, most))
 
     def _kept_first(self, keep: torch.Tensor, n: int) -> torch.Tensor:
         """``[B, H_kv, <= n]`` slot indices per head: the slots in ``keep`` first, in position order, then the others

@@ -1,0 +1,97 @@
+"""Kernel launches and host syncs of a decode step and a prefill per policy, against DynamicCache, counted on any device.
+
+    python bench/launches.py --model random --layers 4 --context 1024 --budget 256
+    python bench/launches.py --policies full snapkv h2o --slack 32
+
+On a GPU a budgeted decode step was measured at 5.5-11x its memory roofline (issue 26): launches and host syncs,
+not bandwidth, set its pace. Both can be counted without a GPU. Every aten operator that is not a view (a view
+launches nothing) is at least one kernel launch on a GPU; ``_local_scalar_dense`` (``.item()``, ``bool()``,
+``int()`` of a tensor), ``nonzero``, ``equal`` and ``masked_select`` make the host wait for the device. This script
+counts both with a ``TorchDispatchMode`` over one prefill of ``--context`` tokens and over one decode step (the
+third after the prompt, as caches are warm by then), per arm: a DynamicCache + sdpa (the reference) and a
+``BudgetCache`` per policy at ``--budget`` (per-step evicting policies also with ``--slack``). It prints the counts
+per layer and their ratio to the reference, and with ``--ops N`` the N most frequent operators of each decode
+step. Counts do not depend on the device or on timing, so a CPU run predicts what changes on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from common import attached, bench_policy, essay_ids, setup
+from decode_speed import AMORTISED, make_policy
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import DynamicCache
+
+import kvgates
+
+POLICIES = ["full", "snapkv", "pyramidkv", "adakv", "streaming_llm", "h2o", "tova", "morphkv", "trimkv", "d2o", "kvmerger"]
+#: Operators that make the host wait for the device.
+SYNCS = {"_local_scalar_dense", "nonzero", "equal", "masked_select", "is_nonzero", "unique", "_unique2", "unique_consecutive"}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the non-view aten operators dispatched while active (``ops``, by name) and those that sync."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def launches(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def syncs(self) -> int:
+        return sum(n for name, n in self.ops.items() if name in SYNCS)
+
+
+def count(model, make_cache, ids: torch.Tensor) -> tuple[OpCounter, OpCounter]:
+    """(prefill counter, decode-step counter) of ``ids`` into a fresh ``make_cache()``."""
+    cache, prefill, step = make_cache(), OpCounter(), OpCounter()
+    with attached(model, cache), torch.no_grad():
+        with prefill:
+            token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        for _ in range(2):
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+        with step:
+            model(token, past_key_values=cache)
+    return prefill, step
+
+
+def main() -> None:
+    args, model, tokenizer = setup(__doc__, context=1024, budget=256, batch=1, slack=32, ops=0, policies=POLICIES)
+    layers = model.config.num_hidden_layers
+    arms = {"DynamicCache + sdpa": lambda: DynamicCache(config=model.config)}
+    for name in args.policies:
+        arms[name] = lambda name=name: kvgates.BudgetCache(model.config, bench_policy(model, name, args.budget))
+        if name.partition(":")[0] in AMORTISED and args.slack:
+            arms[f"{name} slack={args.slack}"] = lambda name=name: kvgates.BudgetCache(
+                model.config, make_policy(model, name, args.budget, args.slack)
+            )
+    ids = essay_ids(tokenizer, args.context, args.device).expand(args.batch, -1).contiguous()
+    counts = {label: count(model, make, ids) for label, make in arms.items()}
+    base_prefill, base_step = counts["DynamicCache + sdpa"]
+    print(f"\nper layer ({layers} layers), context {args.context}, budget {args.budget}, batch {args.batch}")
+    print("| arm | prefill launches | vs DynamicCache | prefill syncs | decode launches | vs DynamicCache | decode syncs |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for label, (prefill, step) in counts.items():
+        print(
+            f"| {label} | {prefill.launches / layers:.1f} | {prefill.launches / base_prefill.launches:.2f}x "
+            f"| {prefill.syncs / layers:.1f} | {step.launches / layers:.1f} | {step.launches / base_step.launches:.2f}x "
+            f"| {step.syncs / layers:.2f} |"
+        )
+    if args.ops:
+        for label, (_, step) in counts.items():
+            top = ", ".join(f"{name} {n / layers:.1f}" for name, n in step.ops.most_common(args.ops))
+            print(f"\n{label}, decode step per layer: {top}")
+
+
+if __name__ == "__main__":
+    main()
