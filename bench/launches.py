@@ -4,10 +4,10 @@
     python bench/launches.py --policies full snapkv h2o --slack 32
 
 On a GPU a budgeted decode step was measured at 5.5-11x its memory roofline (issue 26): launches and host syncs,
-not bandwidth, set its pace. Both can be counted without a GPU. Every aten operator that is not a view (a view
-launches nothing) is at least one kernel launch on a GPU; ``_local_scalar_dense`` (``.item()``, ``bool()``,
-``int()`` of a tensor), ``nonzero``, ``equal`` and ``masked_select`` make the host wait for the device. This script
-counts both with a ``TorchDispatchMode`` over one prefill of ``--context`` tokens and over one decode step (the
+not bandwidth, set its pace. Both can be counted without a GPU (``kvgates.runtime.launches.Launches``): every aten
+operator that is not a view is at least one kernel launch on a GPU, and a read back to the host (``.item()``,
+``bool()``, ``.tolist()``, ``.cpu()``, ``nonzero``, ``equal``...) makes the host wait for the device. This script
+counts both over one prefill of ``--context`` tokens and over one decode step (the
 third after the prompt, as caches are warm by then), per arm: a DynamicCache + sdpa (the reference) and a
 ``BudgetCache`` per policy at ``--budget`` (per-step evicting policies also with ``--slack``). It prints the counts
 per layer and their ratio to the reference, and with ``--ops N`` the N most frequent operators of each decode
@@ -16,45 +16,20 @@ step. Counts do not depend on the device or on timing, so a CPU run predicts wha
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 from common import attached, bench_policy, essay_ids, setup
 from decode_speed import AMORTISED, make_policy
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 import kvgates
+from kvgates.runtime.launches import Launches
 
 POLICIES = ["full", "snapkv", "pyramidkv", "adakv", "streaming_llm", "h2o", "tova", "morphkv", "trimkv", "d2o", "kvmerger"]
-#: Operators that make the host wait for the device.
-SYNCS = {"_local_scalar_dense", "nonzero", "equal", "masked_select", "is_nonzero", "unique", "_unique2", "unique_consecutive"}
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts the non-view aten operators dispatched while active (``ops``, by name) and those that sync."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def launches(self) -> int:
-        return sum(self.ops.values())
-
-    @property
-    def syncs(self) -> int:
-        return sum(n for name, n in self.ops.items() if name in SYNCS)
-
-
-def count(model, make_cache, ids: torch.Tensor) -> tuple[OpCounter, OpCounter]:
-    """(prefill counter, decode-step counter) of ``ids`` into a fresh ``make_cache()``."""
-    cache, prefill, step = make_cache(), OpCounter(), OpCounter()
+def count(model, make_cache, ids: torch.Tensor) -> tuple[Launches, Launches]:
+    """(prefill count, decode-step count) of ``ids`` into a fresh ``make_cache()``."""
+    cache, prefill, step = make_cache(), Launches(), Launches()
     with attached(model, cache), torch.no_grad():
         with prefill:
             token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)

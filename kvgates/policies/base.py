@@ -65,6 +65,13 @@ class Policy:
 
     budget: int | None = None
 
+    @property
+    def exact_quota(self) -> bool:
+        """Whether ``select`` keeps exactly ``min(held, quota)`` tokens in every head: the base selection (forced
+        slots within the quota plus the best others), which no subclass or wrapper replaces. An eviction then
+        knows on the host what it leaves, and checks it on the device instead of reading it back."""
+        return type(self).select is Policy.select
+
     def __post_init__(self) -> None:
         if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)):
             raise ValueError(f"{self.name}: budget must be an integer number of tokens, got {self.budget!r}")

@@ -221,7 +221,9 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             if max(self.fill) <= self._least_quota + schedule.tolerance:
                 return
             if isinstance(quota, int):  # then every sequence is over
-                self.evict(policy.select(self, stats, self.quota), slack=schedule.slack)
+                # Every head of every sequence holding fill[0] tokens keeps min(fill[0], quota) of them.
+                held = min(self.fill[0], quota) if policy.exact_quota and len(set(self.fill)) == 1 else None
+                self.evict(policy.select(self, stats, self.quota), slack=schedule.slack, held=held)
                 return
         over = (self.held() > self.quota + schedule.tolerance).any(-1)  # [B]
         if not bool(over.any()):

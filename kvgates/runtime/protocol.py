@@ -57,6 +57,7 @@ class CachePolicy(Protocol):
     decode_stats_for_eviction_only: ClassVar[bool]
     state_type: ClassVar[type | None]
     sync_free_decode: bool
+    exact_quota: bool
     schedule: Schedule
 
     def stats_request(self, phase: Phase) -> StatsRequest: ...

@@ -261,19 +261,25 @@ class SlotStorage:
         self.free_floor = min(c - f for c, f in zip(self.head_slots, self.fill)) if packed else self.free_floor - n
         return slots
 
-    def evict(self, keep: torch.Tensor, slack: int = 1) -> None:
+    def evict(self, keep: torch.Tensor, slack: int = 1, held: int | None = None) -> None:
         """Drop every valid slot not in ``keep`` (``[B, H_kv, max_slots]`` bool) and compact each head's kept
         tokens to its first slots.
 
         After eviction each head has what it holds (max over the batch) plus ``slack`` free slots for the tokens
         that arrive before the next eviction (storage shrinks when oversized); heads have different numbers of
         slots only when the layer is ``ragged`` (the policy asks for ragged heads). Called by ``enforce`` only.
+        ``held``: the tokens every head of every sequence keeps, when the host knows it (checked on the device,
+        not read back: the eviction then waits for nothing).
         """
         fill = self.dense_fill
         keep = keep & self.valid
         self.pos = torch.where(keep, self.pos, torch.full_like(self.pos, -1))
-        held = keep.sum(-1)  # [B, H_kv]
-        least, most = torch.stack([held.amin(0), held.amax(0)]).tolist()  # the eviction's one host sync
+        kept = keep.sum(-1)  # [B, H_kv]
+        if held is None:
+            least, most = torch.stack([kept.amin(0), kept.amax(0)]).tolist()  # the eviction's one host sync
+        else:
+            torch._assert_async((kept == held).all(), f"layer {self.layer_idx}: the policy kept other than {held} tokens per head")
+            least = most = [held] * self.num_kv_heads
         need = [n + slack for n in most] if self.ragged else [max(most) + slack] * len(most)
         if fill is not None and least == most and len(set(most)) == 1 and need[0] >= self.max_slots:
             self._fill_holes(keep, fill, most[0])

@@ -1,0 +1,84 @@
+"""Count what a piece of work would cost a GPU in kernel launches and host syncs, on any device.
+
+On a GPU a decode step of a small model is bound by launches and syncs more than by bandwidth: every aten operator
+that is not a view launches at least one kernel, and reading a value back (``.item()``, ``bool()``, ``.tolist()``,
+``.cpu()``, ``nonzero``...) makes the host wait until the device has run everything queued before it. Both are
+visible without a GPU, so a policy can be checked on the CPU (``bench/launches.py``, ``tests/test_packed_decode.py``)::
+
+    with Launches() as counted:
+        model(token, past_key_values=cache)
+    counted.launches, counted.syncs, counted.ops.most_common(5)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import ExitStack
+from typing import Any
+
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: aten operators whose result the host needs before it can go on.
+SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "equal", "masked_select", "is_nonzero", "unique", "_unique2"})
+#: Tensor methods that copy to the host without an aten operator the dispatcher sees.
+SYNC_METHODS = frozenset({"tolist", "cpu", "numpy"})
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self, ops: Counter[str]) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Methods(TorchFunctionMode):
+    def __init__(self, ops: Counter[str]) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in SYNC_METHODS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Launches:
+    """Context manager counting the non-view aten operators run inside it (``ops``, by name; ``launches``, their
+    sum) and the reads back to the host among them (``syncs``; ``sync_ops`` by name)."""
+
+    def __init__(self) -> None:
+        self.ops: Counter[str] = Counter()
+        self._stack = ExitStack()
+
+    def __enter__(self) -> Launches:
+        self._stack.enter_context(_Methods(self.ops))
+        self._stack.enter_context(_Ops(self.ops))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+    @property
+    def sync_ops(self) -> Counter[str]:
+        """The reads back to the host, by operator or method."""
+        return Counter({name: n for name, n in self.ops.items() if name in SYNC_OPS or name in SYNC_METHODS})
+
+    @property
+    def syncs(self) -> int:
+        return sum(self.sync_ops.values())
+
+    @property
+    def launches(self) -> int:
+        """Kernel launches on a GPU, at least (the non-view aten operators; a method that copies to the host is
+        not one)."""
+        return sum(n for name, n in self.ops.items() if name not in SYNC_METHODS)
+
+
+__all__ = ["Launches", "SYNC_METHODS", "SYNC_OPS"]
+
