@@ -146,3 +146,19 @@ def test_static_cache_of_a_prompt_policy_stops_when_its_decode_slots_are_used(ti
         _teacher_forced(model.forward, cache, ids, PROMPT, 2)
         with pytest.raises(RuntimeError, match="no free slot"):
             _teacher_forced(model.forward, cache, ids, PROMPT + 2, 1)
+
+
+def test_compiled_steps_take_the_reference_kernels_on_a_gpu_too(monkeypatch):
+    """Inside torch.compile the kernels' ``auto`` backend is the torch reference (inductor fuses it: the path these
+    CPU tests compile), not kvgates' Triton kernels launched from a traced graph; outside it, CUDA tensors take
+    Triton. A stand-in CUDA tensor, since CI has no GPU."""
+    from types import SimpleNamespace
+
+    from kvgates import kernels
+
+    cuda_tensor = SimpleNamespace(is_cuda=True)
+    monkeypatch.delenv("KVGATES_KERNELS", raising=False)
+    monkeypatch.setattr(kernels, "_triton_importable", lambda: True)
+    assert kernels.backend(cuda_tensor) == "triton"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert kernels.backend(cuda_tensor) == "reference"

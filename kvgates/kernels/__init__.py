@@ -35,12 +35,14 @@ BACKENDS = ("auto", "reference", "triton")
 
 
 def backend(tensor: torch.Tensor) -> str:
-    """``"triton"`` or ``"reference"`` for kernels whose inputs live where ``tensor`` does."""
+    """``"triton"`` or ``"reference"`` for kernels whose inputs live where ``tensor`` does. Inside ``torch.compile``
+    ``auto`` takes the torch reference, which inductor fuses into its own kernels (the path the CPU tests compile),
+    rather than launching kvgates' Triton kernels from a traced graph."""
     mode = os.environ.get("KVGATES_KERNELS", "auto")
     if mode not in BACKENDS:
         raise ValueError(f"KVGATES_KERNELS must be one of {BACKENDS}, got {mode!r}")
     if mode == "auto":
-        return "triton" if tensor.is_cuda and _triton_importable() else "reference"
+        return "triton" if tensor.is_cuda and _triton_importable() and not torch.compiler.is_compiling() else "reference"
     return mode
 
 
