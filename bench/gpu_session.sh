@@ -51,7 +51,7 @@ else
     BIG="--model random:llama-3.1-8b --layers 32" DEEP="--model random:llama-3.1-8b --layers 16"
     SMALL="--model random --layers 30"
     DECODE="--configs 16384:1024 --batch 8 --steps 16 --rounds 2 --slack 32"
-    PREFILL="--contexts 8192 16384 --budget 1024 --batch 1 8 --steps 8 --rounds 2"
+    PREFILL="--contexts 8192 16384 --budget 1024 --batch 1 8 --steps 4 --rounds 1"
     KERNELS="--budgets 4096 16384 32768 --batch 1 4 8 32 --head-dim 128 --dtype bf16"
     TRAIN_SMALL="--lengths 1024 4096 8192 16384 --budget 256" TRAIN_BIG="--lengths 8192 --budget 1024"
 fi
