@@ -182,7 +182,7 @@ def time_decode(model, cache, ids: torch.Tensor, steps: int, device, before_timi
     """Prefill ``ids`` into ``cache``, run one warm-up decode step, call ``before_timing()`` if given, then
     return the seconds taken by ``steps`` greedy decode steps."""
     with torch.no_grad():
-        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        token = model(ids, past_key_values=cache, logits_to_keep=1).logits.argmax(-1)
         token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
         if before_timing is not None:
             before_timing()

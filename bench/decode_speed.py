@@ -30,6 +30,7 @@ compileable cache on CUDA; on the CPU the mode compiles as ``default`` does):
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -83,7 +84,7 @@ def prefilled(model, make_cache, ids: torch.Tensor):
     """A cache holding ``ids`` and the greedy next token ``[1, 1]``."""
     cache = make_cache()
     with attached(model, cache), torch.no_grad():
-        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        token = model(ids, past_key_values=cache, logits_to_keep=1).logits.argmax(-1)
     return cache, token
 
 
@@ -133,7 +134,7 @@ def main() -> None:
                     cache.batch_repeat_interleave(batch // token.shape[0])
                     caches[label] = (cache, token.repeat_interleave(batch // token.shape[0], dim=0))
             times: dict[str, list[float]] = {label: [] for label in caches}
-            for _ in range(args.rounds):
+            for r in range(args.rounds):
                 for label, (cache, token) in caches.items():
                     if isinstance(cache, DynamicCache):
                         cache.crop(-(cache.get_seq_length() - (budget if label == f"DynamicCache {budget}" else context)))
@@ -143,6 +144,7 @@ def main() -> None:
                         else:
                             seconds = time_decode(model, cache, token, args.steps, args.device)
                     times[label].append(1e3 * seconds / args.steps)
+                    print(f"  round {r + 1}/{args.rounds}, batch {batch}: {label} {times[label][-1]:.2f} ms/step", file=sys.stderr, flush=True)
             ms = {label: statistics.median(t) for label, t in times.items()}
             base, full = ms[f"DynamicCache {budget}"], ms[f"DynamicCache {context}"]
             print(f"\ncontext {context}, budget {budget}, batch {batch}: median of {args.rounds} rounds x {args.steps} steps")

@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # The GPU figures of issues 26-28 on a lent GPU machine, one stage (or a few) per device call:
 #
-#     bash bench/gpu_session.sh STAGE...        # STAGE: env decode captured prefill kernels train tests
+#     bash bench/gpu_session.sh STAGE...    # STAGE: env decode captured captured-evict prefill kernels train tests
 #
-# A session has 30 minutes of device time and 10 minutes a call, so every stage is sized to run well inside one
-# call on an H100 (the minutes below are estimates until measured) and is killed at its own time limit, so that
-# one slow stage cannot eat the next call's time. Each stage writes $OUT/<stage>.log (OUT: the device tool's
-# output folder; outputs/gpu elsewhere) and prints it as it goes. Order of value, if time runs short:
+# A session has 30 minutes of device time and 10 minutes a call. Every stage is killed at its own time limit
+# (the limits of a stage, kill grace included, add up to at most 540 s), so that a slow stage cannot eat the call,
+# and its benches print each arm as it finishes, so that a stage cut short still leaves figures. Each stage writes
+# $OUT/<stage>.log (OUT: the device tool's output folder; outputs/gpu elsewhere); the exit status is 1 if any stage
+# failed or ran out of time. One call per stage, in order of value if time runs short (minutes are estimates on an
+# H100 until measured; `env` takes seconds and goes with the first call):
 #
-#   decode    (~6 min) issue 26: eager decode of every policy vs DynamicCache at the budget and at 16K
-#   captured  (~8 min) issue 26: decode compiled and captured as CUDA graphs (reduce-overhead) vs a captured
-#                      StaticCache of the budget's size
-#   prefill   (~6 min) issue 27: every policy's prefill vs plain sdpa, 8B shape, 16 and 32 layers, batch 1 and 8
-#   kernels   (~2 min) issue 27: decode attention at batch 1-32 and 4K-32K vs sdpa and HBM peak
-#   train     (~6 min) issue 28: gate-training step vs a teacher forward, 135M at 1K-16K, 8B at 8K
-#   tests     (~8 min) issue 27: the default test suite on the GPU machine
+#   decode          (~6 min) issue 26: eager decode of every policy vs DynamicCache at the budget and at 16K
+#   captured        (~8 min) issue 26: snapkv's decode compiled and captured as CUDA graphs (reduce-overhead) vs a
+#                            captured StaticCache of the budget's size
+#   captured-evict  (~8 min) issue 26: the same for h2o and trimkv, which evict while decoding
+#   prefill         (~8 min) issue 27: every policy's prefill vs plain sdpa, 8B shape, 16 and 32 layers, batch 1 and 8
+#   kernels         (~2 min) issue 27: decode attention at batch 1-32 and 4K-32K vs sdpa and HBM peak
+#   train           (~8 min) issue 28: gate-training step vs a teacher forward, 135M at 1K-16K, 8B at 8K
+#   tests           (~8 min) issue 27: the default test suite on the GPU machine
 #
 # The machine has no network: the packages kvgates needs beyond what it has travel as wheels in the checkout's
 # git-ignored .whl/ (`make gpu-wheels` downloads them; ../shared/GPU.md) and are installed once per machine into
@@ -56,7 +59,9 @@ else
     TRAIN_SMALL="--lengths 1024 4096 8192 16384 --budget 256" TRAIN_BIG="--lengths 8192 --budget 1024"
 fi
 
-# stage NAME SECONDS COMMAND...: run COMMAND with a time limit, its output to the terminal and $OUT/NAME.log.
+# stage NAME SECONDS COMMAND...: run COMMAND with a time limit (then 20 s of grace), its output to the terminal and
+# $OUT/NAME.log; a failure or a timeout (status 124) makes the script's exit status 1.
+FAILED=0
 stage() {
     local name=$1 limit=$2
     shift 2
@@ -64,31 +69,37 @@ stage() {
     local status=0
     timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log" || status=$?
     echo "=== $name done, exit status $status ($(date -u +%H:%M:%S))" | tee -a "$OUT/$name.log"
+    [ "$status" = 0 ] || FAILED=1
 }
 
 for name in "$@"; do
     case $name in
     env)
-        stage env 120 "$PY" -c "import torch, transformers, kvgates, kvgates.kernels as k; \
+        stage env 60 "$PY" -c "import torch, transformers, kvgates, kvgates.kernels as k; \
 device = 'cuda' if torch.cuda.is_available() else 'cpu'; \
 print('torch', torch.__version__, '| cuda', torch.version.cuda, '| transformers', transformers.__version__); \
 print('device', torch.cuda.get_device_name() if device == 'cuda' else 'cpu', '| kernels', k.backend(torch.empty(0, device=device)))"
         ;;
     decode)
         # shellcheck disable=SC2086
-        stage decode 540 "$PY" bench/decode_speed.py $BIG $DECODE \
+        stage decode 500 "$PY" bench/decode_speed.py $BIG $DECODE \
             --policies full snapkv streaming_llm h2o tova morphkv trimkv adakv
         ;;
     captured)
         # shellcheck disable=SC2086
-        stage captured 560 "$PY" bench/decode_speed.py $BIG $DECODE --slack 0 \
-            --policies snapkv h2o trimkv --compile inductor --compile-mode reduce-overhead
+        stage captured 500 "$PY" bench/decode_speed.py $BIG $DECODE --slack 0 \
+            --policies snapkv --compile inductor --compile-mode reduce-overhead
+        ;;
+    captured-evict)
+        # shellcheck disable=SC2086
+        stage captured-evict 500 "$PY" bench/decode_speed.py $BIG $DECODE --slack 0 \
+            --policies h2o trimkv --compile inductor --compile-mode reduce-overhead
         ;;
     prefill)
         # shellcheck disable=SC2086
-        stage prefill 270 "$PY" bench/gpu_policies.py $DEEP $PREFILL
+        stage prefill 250 "$PY" bench/gpu_policies.py $DEEP $PREFILL
         # shellcheck disable=SC2086
-        stage prefill 270 "$PY" bench/gpu_policies.py $BIG $PREFILL --batch 8 --policies snapkv h2o d2o trimkv
+        stage prefill 250 "$PY" bench/gpu_policies.py $BIG $PREFILL --batch 8 --policies snapkv h2o d2o trimkv
         ;;
     kernels)
         # shellcheck disable=SC2086
@@ -96,17 +107,18 @@ print('device', torch.cuda.get_device_name() if device == 'cuda' else 'cpu', '| 
         ;;
     train)
         # shellcheck disable=SC2086
-        stage train 300 "$PY" bench/train_step.py $SMALL $TRAIN_SMALL --kinds trimkv locret
+        stage train 250 "$PY" bench/train_step.py $SMALL $TRAIN_SMALL --kinds trimkv locret
         # shellcheck disable=SC2086
-        stage train 270 "$PY" bench/train_step.py $BIG $TRAIN_BIG --kinds trimkv --checkpoint-layers \
+        stage train 250 "$PY" bench/train_step.py $BIG $TRAIN_BIG --kinds trimkv --checkpoint-layers \
             --dtype bfloat16
         ;;
     tests)
-        stage tests 560 "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/tests.xml"
+        stage tests 520 "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/tests.xml"
         ;;
     *)
-        echo "unknown stage '$name': choose from env decode captured prefill kernels train tests" >&2
+        echo "unknown stage '$name': choose from env decode captured captured-evict prefill kernels train tests" >&2
         exit 2
         ;;
     esac
 done
+exit "$FAILED"

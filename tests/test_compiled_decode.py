@@ -148,6 +148,46 @@ def test_static_cache_of_a_prompt_policy_stops_when_its_decode_slots_are_used(ti
             _teacher_forced(model.forward, cache, ids, PROMPT + 2, 1)
 
 
+def test_chunks_between_static_decode_steps_keep_what_a_dynamic_cache_keeps(tiny):
+    """Multi-token calls (a second turn, speculative verification) after static decode steps: the mask sizes count
+    those steps (an IndexError before) and the slots they filled are counted again before the chunk takes free
+    ones (the host's floor of free slots went stale, and a chunk overwrote a held token)."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for label, kwargs in (("dynamic", {}), ("static", {"static": True, "decode_slots": 12})):
+        cache = BudgetCache(model.config, "snapkv", budget=8, window=4, **kwargs)
+        with torch.no_grad():
+            model(ids[:, :20], past_key_values=cache)
+            logits = [_teacher_forced(model.forward, cache, ids, 20, 2)]
+            for start, steps in ((22, 3), (25, 3)):
+                chunk = torch.arange(start, start + steps)
+                logits.append(model(ids[:, start : start + steps], position_ids=chunk[None], cache_position=chunk,
+                                    past_key_values=cache).logits)
+                logits.append(_teacher_forced(model.forward, cache, ids, start + steps, 3 if start == 22 else 1))
+        runs[label] = (torch.cat(logits, dim=1), _held_positions(cache))
+    torch.testing.assert_close(runs["static"][0], runs["dynamic"][0], atol=1e-5, rtol=1e-5)
+    assert runs["static"][1] == runs["dynamic"][1]
+
+
+def test_a_chunk_past_the_decode_slots_of_a_static_cache_is_refused_not_written_over_held_tokens(tiny):
+    """11 tokens after the prompt in a static cache with 10 decode slots: the last chunk finds 2 free slots. The
+    host's floor of free slots, left stale by the static steps between the chunks, said 5, and the chunk
+    overwrote a held token; now the slots are counted and the layer refuses to hold more than its static slots."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    cache = BudgetCache(model.config, "snapkv", budget=8, window=4, static=True, decode_slots=10)
+    with torch.no_grad():
+        model(ids[:, :20], past_key_values=cache)
+        _teacher_forced(model.forward, cache, ids, 20, 2)
+        chunk = torch.arange(22, 25)
+        model(ids[:, 22:25], position_ids=chunk[None], cache_position=chunk, past_key_values=cache)
+        _teacher_forced(model.forward, cache, ids, 25, 3)
+        chunk = torch.arange(28, 31)
+        with pytest.raises(ValueError, match="holds 19 tokens in a head, more than its 18 static slots"):
+            model(ids[:, 28:31], position_ids=chunk[None], cache_position=chunk, past_key_values=cache)
+
+
 def test_compiled_steps_take_the_reference_kernels_on_a_gpu_too(monkeypatch):
     """Inside torch.compile the kernels' ``auto`` backend is the torch reference (inductor fuses it: the path these
     CPU tests compile), not kvgates' Triton kernels launched from a traced graph; outside it, CUDA tensors take

@@ -194,3 +194,31 @@ def test_model_with_only_sliding_layers_is_refused():
 
 def test_policy_params_table_covers_registry():
     assert set(POLICIES) <= set(POLICY_PARAMS)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_exact_quota_only_where_select_is_the_base_selection(name):
+    """``exact_quota`` (an eviction then trusts ``min(fill, quota)`` kept per head instead of reading the counts back)
+    holds exactly for policies whose ``select`` is ``Policy.select``: every override (merging, wrappers, D2O,
+    KVMerger, global TRIM-KV) may keep another number."""
+    from kvgates.policies.base import Policy
+
+    policy = object.__new__(POLICIES[name])  # the class's property without its parameters (learned ones need gates)
+    assert policy.exact_quota == (type(policy).select is Policy.select)
+    if name in ("d2o", "kvmerger", "adakv", "trimkv-global"):
+        assert not policy.exact_quota
+    if name in ("h2o", "tova", "streaming_llm", "snapkv", "trimkv"):
+        assert policy.exact_quota
+
+
+def test_an_eviction_told_a_wrong_count_fails_its_device_side_check():
+    """``evict(held=...)`` checks the kept counts on the device (on the CPU at once) instead of reading them back."""
+    from helpers import make_layer, random_positions
+
+    layer = make_layer(make_policy("h2o", budget=4, recent=2), random_positions(1, 2, 10, held=10, seed=0))
+    keep = layer.valid.clone()
+    keep[..., :6] = False  # keeps 4 per head
+    with pytest.raises(RuntimeError, match="kept other than 5 tokens per head"):
+        layer.evict(keep, held=5)
+    layer.evict(keep, held=4)
+    assert layer.held().tolist() == [[4, 4]]

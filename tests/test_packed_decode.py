@@ -134,7 +134,9 @@ def test_growing_ragged_storage_keeps_every_heads_slots():
         assert torch.equal(layer.slot_data[:, h, c:], layer.state_init.expand_as(layer.slot_data[:, h, c:]))
 
 
-@pytest.mark.parametrize("name", ["full", "snapkv", "pyramidkv", "adakv", "streaming_llm", "h2o", "tova", "morphkv", "trimkv"])
+@pytest.mark.parametrize(
+    "name", ["full", "snapkv", "pyramidkv", "adakv", "streaming_llm", "h2o", "tova", "morphkv", "trimkv", "trimkv-morph"]
+)
 def test_a_decode_step_reads_nothing_back_from_the_device(tiny, name):
     """An eager decode step of a batch, one that evicts a token per layer included, never waits for the device:
     what the host knows of a layer replaces the read-backs (before, for every per-step policy two per layer and

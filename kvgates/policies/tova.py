@@ -45,7 +45,7 @@ class TOVA(PerStepEviction):
         scores = stats.rows[:, :, -1]
         if not self.per_head:
             # Shared selection needs the heads' slots to hold the same tokens; TOVA's own evictions keep them so
-            # (a device-side assert: on a GPU the step does not wait for it).
+            # (a device-side assert: on a GPU the step does not wait for it, and its message is lost there).
             torch._assert_async(
                 (layer.pos == layer.pos[:, :1]).all(), "tova: KV heads of a layer hold different tokens; use per_head=True"
             )

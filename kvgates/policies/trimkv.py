@@ -109,4 +109,8 @@ class GateKept(LearnedPolicy):
     def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
         scores, kept = super().score(layer, stats)
         retention = kernels.retention_scores(layer.state[LOG_BETA], layer.pos, current_positions(layer))
-        return scores, kept | topk_mask(retention, self.gate_keep, layer.valid & ~kept, layer.pos, sync_free=layer.static)
+        most = layer.most_held  # the candidates over gate_keep are at most the held ones over it: no read-back
+        excess = None if most is None else most - self.gate_keep
+        return scores, kept | topk_mask(
+            retention, self.gate_keep, layer.valid & ~kept, layer.pos, sync_free=layer.static, excess=excess
+        )

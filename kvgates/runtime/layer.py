@@ -144,6 +144,8 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         return self.seen + (int(self.decoded) if self.static else 0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.static and query_length > 1:  # a chunk after static decode steps: their count back on the host
+            self._fold_decoded()
         return self.seen + query_length, 0
 
     def get_max_length(self) -> int:
@@ -188,12 +190,17 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
 
     # ------------------------------------------------------------------ policy step
     @property
+    def most_held(self) -> int | None:
+        """The most tokens a head of a sequence holds, known on the host (a packed layer's largest ``fill``); None
+        where only the device knows (unpacked)."""
+        return max(self.fill) if self.packed and self.fill else None
+
+    @property
     def over_quota_bound(self) -> int | None:
         """How many tokens a head of a sequence may hold beyond its entry of ``quota``, at most, known on the host
-        (a packed layer's ``fill`` and the quota's least entry); None where only the device knows (unpacked)."""
-        if not self.packed or self._quota_source is None or not self.fill:
-            return None
-        return max(self.fill) - self._least_quota
+        (``most_held`` and the quota's least entry); None where only the device knows."""
+        most = self.most_held
+        return None if most is None or self._quota_source is None else most - self._least_quota
 
     def _within_tolerance(self) -> bool:
         """Whether the host knows that ``enforce`` would evict nothing now: a packed layer under an int quota
@@ -270,6 +277,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         steps = int(self.decoded)
         self.seen, self.decode_steps = self.seen + steps, self.decode_steps + steps
         self.decoded.zero_()
+        self.free_floor = 0  # static steps took free slots (``write_free``) without the host counting them
 
     def step_static(self, stats: AttnStats) -> None:
         """``step`` for a static decode step: ``observe``, then the schedule's eviction as a mask (every sequence

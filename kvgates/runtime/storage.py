@@ -337,7 +337,7 @@ class SlotStorage:
                 more = torch.arange(self.max_slots, self.max_slots + slots - order.shape[-1], device=self.device)
                 order = torch.cat([order, more.expand(*order.shape[:2], -1)], dim=-1)
             self.relayout(order.contiguous(), [slots] * self.num_kv_heads)
-        self.fill, self.packed = list(self.head_slots), False
+        self.fill, self.packed, self.free_floor = list(self.head_slots), False, 0  # decode steps fill slots unseen by the host
         self._derived = {"state": self._state_views()}  # built here, so that a compiled step finds them built
         if not torch.compiler.is_compiling():
             for tensor in (self.keys, self.values, self.pos, self.slot_data):
