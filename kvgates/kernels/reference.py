@@ -317,7 +317,8 @@ def causal_attention_stats(
         pos = torch.arange(n, device=q.device).expand(b, hkv, n)
         rows = torch.arange(n - w, n, device=q.device).expand(b, w)
         return out, None, attention_probs(q[:, :, n - w :], k, pos, rows, scale).sum(2)
-    out = q.new_empty((b, h, n, v.shape[-1]))
+    # Written in [B, n, H, D] memory, the layout attention returns to the model in: transposing it back is free.
+    out = q.new_empty((b, n, h, v.shape[-1])).transpose(1, 2)
     sums = q.new_zeros((b, hkv, g, n), dtype=torch.float32)
     win = q.new_zeros((b, hkv, g, n), dtype=torch.float32) if w else None
     kt, vf = k.float().transpose(-1, -2), v.float()

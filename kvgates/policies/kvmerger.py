@@ -12,6 +12,10 @@ from kvgates.policies.selection import recent_mask, topk_mask
 from kvgates.runtime.state import LayerState
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
 
+#: Thresholds of KVMerger's calibration grid scanned at once (``KVMerger._largest_feasible``): the grid is scanned
+#: from its largest thresholds down in groups of this many, and stops at the first group with a feasible one.
+FEASIBLE_GROUP = 4
+
 
 class MergingScan:
     """KVMerger's merging sets of one layer's keys, for any thresholds (``starts``).
@@ -33,9 +37,8 @@ class MergingScan:
         self.kn = torch.nn.functional.normalize(keys.float(), dim=-1)
         self.n = n
         self.idx = torch.arange(n + 1, device=keys.device)
-        # For ``_set_end``: transposed keys with a column past the end, and the tokens that stop every set (not
-        # mergeable, or that column), so a set ends at the first token flagged or not similar enough.
-        self.kn_t = torch.nn.functional.pad(self.kn.transpose(-1, -2), (0, 1))
+        # For ``_set_end``: the tokens that stop every set (not mergeable, or the column past the end), so a set
+        # ends at the first token flagged or not similar enough.
         self.blocked = torch.nn.functional.pad(~mergeable, (0, 1), value=True)[:, :, None, :]
         # first_from[j]: the first mergeable token at or after j (n: none), j = 0 .. n.
         open_at = torch.cat([mergeable, mergeable.new_ones((b, h, 1))], -1)
@@ -43,19 +46,18 @@ class MergingScan:
         # drops[b, h, i, o]: minus the least similarity to anchor i among tokens i+1 .. i+1+o (-inf when one of
         # them is not mergeable or past the end), non-decreasing in o.
         self.w = w = max(0, min(window, n - 1))
-        ahead = torch.nn.functional.pad(self.kn, (0, 0, 0, w))  # tokens past the end read as zero keys
         # ok[b, h, i, o]: token i+1+o is mergeable (a sliding window over the padded flags: a view).
         ok = torch.nn.functional.pad(mergeable, (0, w)).unfold(-1, w, 1)[:, :, 1 : n + 1]
-        sims = self.kn.new_empty((b, h, n, w))
-        block = 256  # anchors per matmul
+        drops = self.kn.new_empty((b, h, n, w))
+        block = 128  # anchors per matmul
         for start in range(0, n, block):
             r = min(block, n - start)
-            near = torch.matmul(self.kn[:, :, start : start + r], ahead[:, :, start : start + r + w].transpose(-1, -2))
+            near = torch.matmul(self.kn[:, :, start : start + r], self.kn[:, :, start : start + r + w].transpose(-1, -2))
+            near = torch.nn.functional.pad(near, (0, start + r + w - min(n, start + r + w)))  # past the end: masked
             # near[.., i, i + 1 + o]: anchor i's similarity with the o-th token after it, read as a strided view.
             band = near.as_strided((b, h, r, w), (h * r * (r + w), r * (r + w), r + w + 1, 1), near.storage_offset() + 1)
-            sims[:, :, start : start + r] = band
-        sims.masked_fill_(~ok, float("-inf"))
-        self.drops = -sims.cummin(-1).values if w else sims
+            torch.neg(band, out=drops[:, :, start : start + r])
+        self.drops = drops.masked_fill_(~ok, float("inf")).cummax(-1).values if w else drops
 
     def starts(self, eps: torch.Tensor) -> torch.Tensor:
         """Which tokens open a new merging set, ``[E, B, H, L]``, for each threshold in ``eps`` (``[E, B]``)."""
@@ -103,7 +105,8 @@ class MergingScan:
         first later token that does not join (``L`` when every later token joins)."""
         kn, n = self.kn, self.n
         anchor_key = kn.gather(2, anchor.permute(1, 2, 0)[..., None].expand(-1, -1, -1, kn.shape[-1]))  # [B, H, E, D]
-        sim = torch.matmul(anchor_key, self.kn_t).masked_fill_(self.blocked, float("-inf"))  # [B, H, E, L + 1]
+        sim = torch.nn.functional.pad(torch.matmul(anchor_key, kn.transpose(-1, -2)), (0, 1))  # [B, H, E, L + 1]
+        sim.masked_fill_(self.blocked, float("-inf"))
         sim.masked_fill_(self.idx <= (anchor + self.w).permute(1, 2, 0)[..., None], float("inf"))  # inside the window
         end = (sim <= eps.T[:, None, :, None]).to(torch.uint8).argmax(-1).permute(2, 0, 1)  # the first that does not join
         return torch.where(rows, end, n)
@@ -197,15 +200,38 @@ class KVMerger(CumulativeAttention):
         for _ in range(2):  # a grid, then a finer grid between the best feasible value and the next one
             frac = torch.linspace(0.0, 1.0, self.grid, device=keys.device)[:, None]
             eps = lo[None] + frac * (hi - lo)[None]  # [E, B]
-            starts = scan.starts(eps)  # [E, B, H, L]
-            ok = (starts.sum(-1) + fixed[None] <= budget).all(-1)  # [E, B]
-            ok[0] = True
-            best = (ok * torch.arange(self.grid, device=keys.device)[:, None]).amax(0)
+            best, starts = self._largest_feasible(scan, eps, fixed, budget)
             step = (hi - lo) / (self.grid - 1)
             lo = torch.gather(eps, 0, best[None])[0]
             hi = torch.where(best < self.grid - 1, lo + step, lo)
-        chosen = torch.gather(starts, 0, best[None, :, None, None].expand(1, *starts.shape[1:]))[0]
-        return lo, chosen
+        return lo, starts
+
+    def _largest_feasible(
+        self, scan: MergingScan, eps: torch.Tensor, fixed: torch.Tensor, budget: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sequence, the largest index of the grid ``eps`` ``[E, B]`` whose threshold keeps every head within
+        ``budget`` (index 0 counts as feasible), and its merging-set starts ``[B, H, L]``. The grid is scanned from
+        its largest thresholds down, ``FEASIBLE_GROUP`` at a time, until every sequence has found one: the
+        thresholds below are never scanned (low thresholds make long sets, the scan's slowest)."""
+        e, b = eps.shape
+        rows = torch.arange(b, device=eps.device)
+        best = torch.zeros(b, dtype=torch.long, device=eps.device)
+        found = torch.zeros(b, dtype=torch.bool, device=eps.device)
+        chosen = None
+        for top in range(e, 0, -FEASIBLE_GROUP):
+            low = max(0, top - FEASIBLE_GROUP)
+            starts = scan.starts(eps[low:top])  # [e, B, H, L]
+            ok = (starts.sum(-1) + fixed[None] <= budget).all(-1)  # [e, B]
+            ok[0] |= low == 0
+            last = (ok * torch.arange(1, top - low + 1, device=eps.device)[:, None]).amax(0) - 1  # [B], -1: none
+            new = ~found & (last >= 0)
+            best = torch.where(new, low + last, best)
+            picked = starts[last.clamp(min=0), rows]
+            chosen = picked if chosen is None else torch.where(new[:, None, None], picked, chosen)
+            found |= new
+            if bool(found.all()):
+                break
+        return best, chosen
 
     def select(self, layer, stats: AttnStats | None, quota: torch.Tensor) -> torch.Tensor:
         """Merge the mergeable tokens of ``layer`` in place; return the keep mask (protected tokens + pivots)."""
