@@ -290,6 +290,31 @@ def test_kvmerger_merge_matches_brute_force(sigma, scale):
     assert kept(layer, keep, 0, 0) == expected_keep
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_kvmerger_calibration_takes_the_largest_feasible_grid_value(seed):
+    # The calibration scans each grid from its largest thresholds down, a group at a time, and stops early: it must
+    # choose what evaluating every grid value does (per sequence, with long sets from correlated keys).
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(3, 2, 150, 6, generator=g).cumsum(2)
+    mergeable = torch.rand(3, 2, 150, generator=g) > 0.1
+    fixed = (~mergeable).sum(-1)
+    budget = fixed + torch.randint(2, 60, (3, 2), generator=g)
+    policy = KVMerger(budget=64)
+    eps, starts = policy.calibrate(keys, mergeable, fixed, budget)
+    hi, lo, rows = torch.full((3,), 1.0001), torch.full((3,), -1.0001), torch.arange(3)
+    for _ in range(2):
+        grid = lo[None] + torch.linspace(0.0, 1.0, policy.grid)[:, None] * (hi - lo)[None]
+        every = merging_set_starts(keys, mergeable, grid)
+        feasible = (every.sum(-1) + fixed <= budget).all(-1)
+        feasible[0] = True
+        best = (feasible * torch.arange(policy.grid)[:, None]).amax(0)
+        step = (hi - lo) / (policy.grid - 1)
+        lo = grid[best, rows]
+        hi = torch.where(best < policy.grid - 1, lo + step, lo)
+    assert torch.equal(eps, lo)
+    assert torch.equal(starts, every[best, rows])
+
+
 def test_kvmerger_calibrates_to_budget(tiny):
     _, model = tiny
     cache = BudgetCache(model.config, "kvmerger", budget=12, window=4, heavy=2)

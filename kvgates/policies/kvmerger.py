@@ -238,8 +238,12 @@ class KVMerger(CumulativeAttention):
         (_, k, v, pos), = layer.head_views()
         protected = self.protected(layer) & layer.valid
         order = torch.argsort(torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max), dim=-1, stable=True)
+        # After a prompt forward into empty storage the slots already hold positions in order: nothing to permute.
+        in_order = bool((order == torch.arange(order.shape[-1], device=order.device)).all())
 
         def gather(t: torch.Tensor) -> torch.Tensor:  # slot order -> position order
+            if in_order:
+                return t
             return torch.gather(t, 2, order.reshape(*order.shape, *[1] * (t.dim() - 3)).expand(*order.shape, *t.shape[3:]))
 
         ks, vs = gather(k.float()), gather(v.float())
@@ -277,6 +281,9 @@ class KVMerger(CumulativeAttention):
         # Every token goes back through the permutation ``order``; pivots carry their set's merge.
         for store, merged, ordered in ((k, new_k, ks), (v, new_v, vs)):
             value = torch.where(is_pivot[..., None], torch.gather(merged, 2, set_id[..., None].expand_as(ordered)), ordered)
-            store.scatter_(2, order[..., None].expand_as(value), value.to(store.dtype))
+            if in_order:
+                store.copy_(value)
+            else:
+                store.scatter_(2, order[..., None].expand_as(value), value.to(store.dtype))
         keep_sorted = gather(protected[..., None])[..., 0] | is_pivot
-        return torch.zeros_like(layer.valid).scatter(2, order, keep_sorted)
+        return keep_sorted if in_order else torch.zeros_like(layer.valid).scatter(2, order, keep_sorted)
