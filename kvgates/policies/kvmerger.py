@@ -46,18 +46,18 @@ class MergingScan:
         # drops[b, h, i, o]: minus the least similarity to anchor i among tokens i+1 .. i+1+o (-inf when one of
         # them is not mergeable or past the end), non-decreasing in o.
         self.w = w = max(0, min(window, n - 1))
-        # ok[b, h, i, o]: token i+1+o is mergeable (a sliding window over the padded flags: a view).
-        ok = torch.nn.functional.pad(mergeable, (0, w)).unfold(-1, w, 1)[:, :, 1 : n + 1]
-        drops = self.kn.new_empty((b, h, n, w))
-        block = 128  # anchors per matmul
+        # stop[b, h, i, o]: token i+1+o is not mergeable (a sliding window over the padded flags).
+        stop = ~torch.nn.functional.pad(mergeable, (0, w)).unfold(-1, w, 1)[:, :, 1 : n + 1]
+        self.drops = self.kn.new_empty((b, h, n, w))
+        block = 128  # anchors per matmul, and per prefix maximum (cache-sized)
         for start in range(0, n, block):
             r = min(block, n - start)
             near = torch.matmul(self.kn[:, :, start : start + r], self.kn[:, :, start : start + r + w].transpose(-1, -2))
             near = torch.nn.functional.pad(near, (0, start + r + w - min(n, start + r + w)))  # past the end: masked
             # near[.., i, i + 1 + o]: anchor i's similarity with the o-th token after it, read as a strided view.
             band = near.as_strided((b, h, r, w), (h * r * (r + w), r * (r + w), r + w + 1, 1), near.storage_offset() + 1)
-            torch.neg(band, out=drops[:, :, start : start + r])
-        self.drops = drops.masked_fill_(~ok, float("inf")).cummax(-1).values if w else drops
+            band = band.neg().masked_fill_(stop[:, :, start : start + r], float("inf"))
+            self.drops[:, :, start : start + r] = band.cummax(-1).values if w else band
 
     def starts(self, eps: torch.Tensor) -> torch.Tensor:
         """Which tokens open a new merging set, ``[E, B, H, L]``, for each threshold in ``eps`` (``[E, B]``)."""
@@ -278,12 +278,12 @@ class KVMerger(CumulativeAttention):
         new_k = torch.zeros((*shape, ks.shape[-1]), device=k.device).scatter_add_(2, set_id[..., None].expand_as(ks), ks * w[..., None])
         new_v = torch.zeros((*shape, vs.shape[-1]), device=k.device).scatter_add_(2, set_id[..., None].expand_as(vs), vs * wv[..., None])
         is_pivot = mergeable & (idx == pivot_of)
-        # Every token goes back through the permutation ``order``; pivots carry their set's merge.
-        for store, merged, ordered in ((k, new_k, ks), (v, new_v, vs)):
-            value = torch.where(is_pivot[..., None], torch.gather(merged, 2, set_id[..., None].expand_as(ordered)), ordered)
-            if in_order:
-                store.copy_(value)
-            else:
-                store.scatter_(2, order[..., None].expand_as(value), value.to(store.dtype))
+        # Each set's merge is written to its pivot's slot (through the permutation ``order``); other slots keep theirs.
+        rows, heads, sets = (pivot < big).nonzero(as_tuple=True)
+        slot = pivot[rows, heads, sets]
+        if not in_order:
+            slot = order[rows, heads, slot]
+        for store, merged in ((k, new_k), (v, new_v)):
+            store[rows, heads, slot] = merged[rows, heads, sets].to(store.dtype)
         keep_sorted = gather(protected[..., None])[..., 0] | is_pivot
         return keep_sorted if in_order else torch.zeros_like(layer.valid).scatter(2, order, keep_sorted)
