@@ -290,10 +290,15 @@ def test_kvmerger_merge_matches_brute_force(sigma, scale):
     assert kept(layer, keep, 0, 0) == expected_keep
 
 
+@pytest.mark.parametrize("group", [4, 16])
 @pytest.mark.parametrize("seed", range(4))
-def test_kvmerger_calibration_takes_the_largest_feasible_grid_value(seed):
-    # The calibration scans each grid from its largest thresholds down, a group at a time, and stops early: it must
-    # choose what evaluating every grid value does (per sequence, with long sets from correlated keys).
+def test_kvmerger_calibration_takes_the_largest_feasible_grid_value(seed, group, monkeypatch):
+    # The calibration scans each grid from its largest thresholds down, a group at a time, and stops early (groups of
+    # 4 on the CPU; the whole grid at once on a GPU): it must choose what evaluating every grid value does (per
+    # sequence, with long sets from correlated keys).
+    import kvgates.policies.kvmerger as kvmerger
+
+    monkeypatch.setattr(kvmerger, "FEASIBLE_GROUP", group)
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(3, 2, 150, 6, generator=g).cumsum(2)
     mergeable = torch.rand(3, 2, 150, generator=g) > 0.1

@@ -12,8 +12,10 @@ from kvgates.policies.selection import recent_mask, topk_mask
 from kvgates.runtime.state import LayerState
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
 
-#: Thresholds of KVMerger's calibration grid scanned at once (``KVMerger._largest_feasible``): the grid is scanned
-#: from its largest thresholds down in groups of this many, and stops at the first group with a feasible one.
+#: Thresholds of KVMerger's calibration grid scanned at once on the CPU (``KVMerger._largest_feasible``): the grid
+#: is scanned from its largest thresholds down in groups of this many, and stops at the first group with a feasible
+#: one. On a GPU the whole grid is one group: every group costs a scan's launches and host reads, which an early
+#: stop saves on the CPU (the low thresholds' long sets are its slowest walks) but not on a GPU.
 FEASIBLE_GROUP = 4
 
 
@@ -210,16 +212,18 @@ class KVMerger(CumulativeAttention):
         self, scan: MergingScan, eps: torch.Tensor, fixed: torch.Tensor, budget: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per sequence, the largest index of the grid ``eps`` ``[E, B]`` whose threshold keeps every head within
-        ``budget`` (index 0 counts as feasible), and its merging-set starts ``[B, H, L]``. The grid is scanned from
-        its largest thresholds down, ``FEASIBLE_GROUP`` at a time, until every sequence has found one: the
-        thresholds below are never scanned (low thresholds make long sets, the scan's slowest)."""
+        ``budget`` (index 0 counts as feasible), and its merging-set starts ``[B, H, L]``. On the CPU the grid is
+        scanned from its largest thresholds down, ``FEASIBLE_GROUP`` at a time, until every sequence has found one:
+        the thresholds below are never scanned (low thresholds make long sets, the scan's slowest). On a GPU it is
+        scanned at once."""
         e, b = eps.shape
+        group = e if eps.is_cuda else FEASIBLE_GROUP
         rows = torch.arange(b, device=eps.device)
         best = torch.zeros(b, dtype=torch.long, device=eps.device)
         found = torch.zeros(b, dtype=torch.bool, device=eps.device)
         chosen = None
-        for top in range(e, 0, -FEASIBLE_GROUP):
-            low = max(0, top - FEASIBLE_GROUP)
+        for top in range(e, 0, -group):
+            low = max(0, top - group)
             starts = scan.starts(eps[low:top])  # [e, B, H, L]
             ok = (starts.sum(-1) + fixed[None] <= budget).all(-1)  # [e, B]
             ok[0] |= low == 0
