@@ -52,6 +52,10 @@ AMORTISED = {
 }
 
 
+#: ``torch.compile`` modes of the compiled decode steps (``reduce-overhead``: CUDA graphs on a GPU).
+COMPILE_MODES = ["default", "reduce-overhead", "max-autotune-no-cudagraphs"]
+
+
 def make_policy(model, name: str, budget: int, slack: int = 0) -> kvgates.Policy:
     """``name`` at ``budget`` (full: no budget), with amortised eviction when ``slack``."""
     return bench_policy(model, name, budget, **(AMORTISED[name.partition(":")[0]](slack) if slack else {}))
@@ -90,7 +94,7 @@ def prefilled(model, make_cache, ids: torch.Tensor):
 
 def main() -> None:
     args, model, tokenizer = setup(
-        __doc__, {"compile": ["inductor", "aot_eager"], "compile_mode": ["default", "reduce-overhead", "max-autotune-no-cudagraphs"]},
+        __doc__, {"compile": ["inductor", "aot_eager"], "compile_mode": COMPILE_MODES},
         configs=["4096:256", "8192:512"], batch=[1, 8], steps=16, rounds=3, slack=32, policies=POLICIES, compile=None,
         compile_mode="default",
     )

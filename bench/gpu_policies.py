@@ -13,27 +13,31 @@ their prompt before each round. Per-step evicting policies also run with amortis
 steps. The decode table gives the median ms/step, its ratio to both DynamicCaches, and the step's HBM roofline:
 the bytes a step must read (every weight but the input embedding table, of which it reads one row per sequence,
 plus the key/value bytes the cache holds) over the device's peak bandwidth (``hardware.PEAK_GBPS`` by GPU name,
-or ``--peak-gbps``; ``-`` on CPU). ``--decode-modes`` picks how steps run (``DECODE_MODES``: eager forwards).
-Learned policies run with fresh gates of the model's shape.
+or ``--peak-gbps``; ``-`` on CPU). Learned policies run with fresh gates of the model's shape.
+
+``--compile inductor --compile-mode reduce-overhead`` adds captured decode rows to the same table: the forward
+compiled once (``fullgraph``, a CUDA graph per cache kind on a GPU) over a transformers ``StaticCache`` holding the
+budget's tokens (the captured reference) and a static ``BudgetCache`` (``static=True``) per policy whose decode step
+compiles (``sync_free_decode``), labelled ``... captured`` (on the CPU the mode compiles as ``default`` does).
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Callable
 
+import torch
 from common import attached, bench_policy, essay_ids, setup, time_decode, time_prefill
-from decode_speed import AMORTISED, make_policy
+from decode_speed import AMORTISED, COMPILE_MODES, make_policy, time_compiled
 from hardware import peak_gbps
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 import kvgates
 from kvgates.runtime.cache import dynamic_cache_bytes
 
 POLICIES = ["snapkv", "pyramidkv", "adakv", "dynamickv", "streaming_llm", "h2o", "tova", "morphkv", "trimkv", "d2o"]
-
-#: How a decode step runs: ``(model, cache, token, steps, device) -> seconds`` of ``steps`` greedy steps.
-DECODE_MODES: dict[str, Callable[..., float]] = {"eager": time_decode}
+CAPTURED = " captured"  # the label suffix of arms whose decode steps run compiled
 
 
 def step_weight_bytes(model) -> int:
@@ -58,12 +62,14 @@ def table(title: str, header: list[str], rows: list[list[str]]) -> None:
 
 def main() -> None:
     args, model, tokenizer = setup(
-        __doc__, {"decode_modes": list(DECODE_MODES)}, contexts=[8192, 16384], budget=1024, batch=[1, 8], steps=8,
-        rounds=2, slack=32, peak_gbps=0.0, policies=POLICIES, decode_modes=["eager"],
+        __doc__, {"compile": ["inductor", "aot_eager"], "compile_mode": COMPILE_MODES}, contexts=[8192, 16384],
+        budget=1024, batch=[1, 8], steps=8, rounds=2, slack=32, peak_gbps=0.0, policies=POLICIES, compile=None,
+        compile_mode="default",
     )
     peak = peak_gbps(args.device, args.peak_gbps)
     weights = step_weight_bytes(model)
     budget = args.budget
+    decoded = args.rounds * (args.steps + 2)  # tokens a cache decodes in a run (time_decode/time_compiled: 2 untimed)
     arms: dict[str, Callable[[], object]] = {"DynamicCache + sdpa": lambda: DynamicCache(config=model.config)}
     for name in args.policies:
         arms[name] = lambda name=name: kvgates.BudgetCache(model.config, bench_policy(model, name, budget))
@@ -71,6 +77,17 @@ def main() -> None:
             arms[f"{name} slack={args.slack}"] = lambda name=name: kvgates.BudgetCache(
                 model.config, make_policy(model, name, budget, args.slack)
             )
+    compiled = None
+    if args.compile:
+        compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=args.compile, mode=args.compile_mode)
+        torch._dynamo.config.recompile_limit = 64  # one graph per cache kind and batch size
+        for label in list(arms)[1:]:
+            name, _, slack = label.partition(" slack=")
+            policy = make_policy(model, name, budget, int(slack or 0))
+            if policy.sync_free_decode:
+                arms[label + CAPTURED] = lambda policy=policy: kvgates.BudgetCache(
+                    model.config, policy, static=True, decode_slots=0 if policy.schedule.decode_every else decoded
+                )
     for context in args.contexts:
         for batch in args.batch:
             ids = essay_ids(tokenizer, context, args.device).expand(batch, -1).contiguous()
@@ -90,33 +107,39 @@ def main() -> None:
 
             small = f"DynamicCache {budget}"
             caches[small] = time_prefill(model, arms["DynamicCache + sdpa"], ids[:, :budget], args.device)[1]
+            if compiled is not None:  # the captured reference: a StaticCache holding the budget's tokens
+                static = f"StaticCache {budget}{CAPTURED}"
+                make = lambda: StaticCache(config=model.config, max_cache_len=budget + decoded)  # noqa: E731
+                caches[static] = time_prefill(model, make, ids[:, :budget], args.device)[1]
             sizes = {small: budget, "DynamicCache + sdpa": context}  # what DynamicCaches are cropped back to
             token = ids[:, :1]  # the first decode input (a step costs the same whatever the token)
-            for mode in args.decode_modes:
-                times: dict[str, list[float]] = {label: [] for label in caches}
-                held: dict[str, int] = {}
-                for _ in range(args.rounds):
-                    for label, cache in caches.items():
-                        _crop(cache, sizes.get(label))
-                        with attached(model, cache):
-                            seconds = DECODE_MODES[mode](model, cache, token, args.steps, args.device)
-                        times[label].append(1e3 * seconds / args.steps)
-                        held[label] = held_bytes(cache)
-                ms = {label: statistics.median(t) for label, t in times.items()}
-                rows = []
-                for label, t in ms.items():
-                    roof = None if peak is None else 1e3 * (weights + held[label]) / (peak * 1e9)
-                    rows.append([
-                        "DynamicCache " + str(context) if label == "DynamicCache + sdpa" else label, f"{t:.2f}",
-                        f"{t / ms[small]:.2f}x", f"{t / ms['DynamicCache + sdpa']:.2f}x",
-                        "-" if roof is None else f"{roof:.2f}", "-" if roof is None else f"{t / roof:.1f}x",
-                    ])
-                title = f"decode ({mode}), context {context}, budget {budget}, batch {batch}"
-                table(
-                    f"{title}: median ms/step of {args.rounds} rounds x {args.steps} steps",
-                    ["cache", "ms/step", f"vs DynamicCache {budget}", f"vs DynamicCache {context}", "roofline ms", "vs roofline"],
-                    rows,
-                )
+            times: dict[str, list[float]] = {label: [] for label in caches}
+            held: dict[str, int] = {}
+            for r in range(args.rounds):
+                for label, cache in caches.items():
+                    _crop(cache, sizes.get(label))
+                    with attached(model, cache):
+                        if label.endswith(CAPTURED):
+                            seconds = time_compiled(compiled, cache, token, args.steps, args.device)
+                        else:
+                            seconds = time_decode(model, cache, token, args.steps, args.device)
+                    times[label].append(1e3 * seconds / args.steps)
+                    held[label] = held_bytes(cache)
+                    print(f"  round {r + 1}/{args.rounds}: {label} {times[label][-1]:.2f} ms/step", file=sys.stderr, flush=True)
+            ms = {label: statistics.median(t) for label, t in times.items()}
+            rows = []
+            for label, t in ms.items():
+                roof = None if peak is None else 1e3 * (weights + held[label]) / (peak * 1e9)
+                rows.append([
+                    "DynamicCache " + str(context) if label == "DynamicCache + sdpa" else label, f"{t:.2f}",
+                    f"{t / ms[small]:.2f}x", f"{t / ms['DynamicCache + sdpa']:.2f}x",
+                    "-" if roof is None else f"{roof:.2f}", "-" if roof is None else f"{t / roof:.1f}x",
+                ])
+            table(
+                f"decode, context {context}, budget {budget}, batch {batch}: median ms/step of {args.rounds} rounds x {args.steps} steps",
+                ["cache", "ms/step", f"vs DynamicCache {budget}", f"vs DynamicCache {context}", "roofline ms", "vs roofline"],
+                rows,
+            )
             del caches
 
 

@@ -12,7 +12,7 @@
 #
 #   decode          (~6 min) issue 26: eager decode of every policy vs DynamicCache at the budget and at 16K
 #   captured        (~8 min) issue 26: snapkv's decode compiled and captured as CUDA graphs (reduce-overhead) vs a
-#                            captured StaticCache of the budget's size
+#                            captured StaticCache of the budget's size, DynamicCache and the HBM roofline
 #   captured-evict  (~8 min) issue 26: the same for h2o and trimkv, which evict while decoding
 #   prefill         (~8 min) issue 27: every policy's prefill vs plain sdpa, 8B shape, 16 and 32 layers, batch 1 and 8
 #   kernels         (~2 min) issue 27: decode attention at batch 1-32 and 4K-32K vs sdpa and HBM peak
@@ -47,6 +47,7 @@ fi
 if [ "$SMOKE" = 1 ]; then
     BIG="--model random --layers 2" DEEP="$BIG" SMALL="--model random --layers 2"
     DECODE="--configs 160:64 --batch 2 --steps 2 --rounds 1 --slack 4"
+    CAPTURE="--contexts 160 --budget 64 --batch 2 --steps 2 --rounds 1 --slack 0 --peak-gbps 50"
     PREFILL="--contexts 160 --budget 64 --batch 1 --steps 2 --rounds 1"
     KERNELS="--smoke" TRAIN_SMALL="--lengths 160 256 --budget 64" TRAIN_BIG="--lengths 160 --budget 64"
     export TRITON_INTERPRET=1
@@ -54,6 +55,7 @@ else
     BIG="--model random:llama-3.1-8b --layers 32" DEEP="--model random:llama-3.1-8b --layers 16"
     SMALL="--model random --layers 30"
     DECODE="--configs 16384:1024 --batch 8 --steps 16 --rounds 2 --slack 32"
+    CAPTURE="--contexts 16384 --budget 1024 --batch 8 --steps 16 --rounds 2 --slack 0"
     PREFILL="--contexts 8192 16384 --budget 1024 --batch 1 8 --steps 4 --rounds 1"
     KERNELS="--budgets 4096 16384 32768 --batch 1 4 8 32 --head-dim 128 --dtype bf16"
     TRAIN_SMALL="--lengths 1024 4096 8192 16384 --budget 256" TRAIN_BIG="--lengths 8192 --budget 1024"
@@ -87,12 +89,12 @@ print('device', torch.cuda.get_device_name() if device == 'cuda' else 'cpu', '| 
         ;;
     captured)
         # shellcheck disable=SC2086
-        stage captured 500 "$PY" bench/decode_speed.py $BIG $DECODE --slack 0 \
+        stage captured 500 "$PY" bench/gpu_policies.py $BIG $CAPTURE \
             --policies snapkv --compile inductor --compile-mode reduce-overhead
         ;;
     captured-evict)
         # shellcheck disable=SC2086
-        stage captured-evict 500 "$PY" bench/decode_speed.py $BIG $DECODE --slack 0 \
+        stage captured-evict 500 "$PY" bench/gpu_policies.py $BIG $CAPTURE \
             --policies h2o trimkv --compile inductor --compile-mode reduce-overhead
         ;;
     prefill)

@@ -79,13 +79,29 @@ def test_gpu_policies_bench_runs_on_a_small_random_model():
     )
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert out.count("prefill, context 96") == 2 and out.count("decode (eager), context 96, budget 48") == 2
+    assert out.count("prefill, context 96") == 2 and out.count("decode, context 96, budget 48") == 2
     assert out.count("| DynamicCache + sdpa | ") == 2  # the prefill reference, per batch
     for row in ("| h2o | ", "| h2o slack=4 | ", "| snapkv | "):
         assert out.count(row) == 4, row  # a prefill and a decode row per batch
     decode_rows = [line for line in out.splitlines() if line.count("|") == 7 and not line.startswith(("| cache", "|---"))]
     assert len(decode_rows) == 2 * 5  # DynamicCache at the context and at the budget, h2o (twice), snapkv; per batch
     assert all(line.endswith("x |") for line in decode_rows)  # every step against its roofline
+
+
+def test_gpu_policies_bench_adds_captured_decode_rows():
+    """--compile adds the compiled StaticCache reference and a compiled static BudgetCache per policy whose decode
+    compiles (h2o with and without slack, snapkv), in the same decode table with their rooflines."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_policies.py"), "--model", "random", "--layers", "2", "--contexts", "96",
+         "--budget", "48", "--batch", "2", "--steps", "2", "--rounds", "1", "--slack", "4", "--peak-gbps", "50",
+         "--policies", "h2o", "snapkv", "--compile", "aot_eager", "--compile-mode", "reduce-overhead"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    for row in ("| StaticCache 48 captured | ", "| h2o captured | ", "| h2o slack=4 captured | ", "| snapkv captured | "):
+        line = next(line for line in result.stdout.splitlines() if line.startswith(row))
+        assert line.endswith("x |"), line
+    assert result.stdout.count("| h2o captured | ") == 2  # a prefill row and a decode row
 
 
 def _gpu_session(tmp_path: Path, *stages: str) -> subprocess.CompletedProcess:
