@@ -32,6 +32,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from common import attached, bench_policy, essay_ids, setup, sync, time_decode
@@ -59,6 +60,28 @@ COMPILE_MODES = ["default", "reduce-overhead", "max-autotune-no-cudagraphs"]
 def make_policy(model, name: str, budget: int, slack: int = 0) -> kvgates.Policy:
     """``name`` at ``budget`` (full: no budget), with amortised eviction when ``slack``."""
     return bench_policy(model, name, budget, **(AMORTISED[name.partition(":")[0]](slack) if slack else {}))
+
+
+def compiled_forward(model, backend: str, mode: str):
+    """``model.forward`` compiled as generate() compiles it for a static cache (``fullgraph``, one graph per cache
+    kind and batch size; ``mode="reduce-overhead"``: a CUDA graph each on a GPU)."""
+    torch._dynamo.config.recompile_limit = 64
+    return torch.compile(model.forward, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+
+
+def static_arms(model, labels: list[str], budget: int, decoded: int, suffix: str) -> dict[str, Callable[[], object]]:
+    """``{label + suffix: make a static BudgetCache}`` for the arms ``labels`` (``policy`` or ``policy slack=N``)
+    whose decode step compiles (``sync_free_decode``); a policy that evicts only the prompt gets ``decoded`` slots
+    for the tokens the run decodes."""
+    arms = {}
+    for label in labels:
+        name, _, slack = label.partition(" slack=")
+        policy = make_policy(model, name, budget, int(slack or 0))
+        if policy.sync_free_decode:
+            arms[label + suffix] = lambda policy=policy: kvgates.BudgetCache(
+                model.config, policy, static=True, decode_slots=0 if policy.schedule.decode_every else decoded
+            )
+    return arms
 
 
 def time_compiled(forward, cache, token: torch.Tensor, steps: int, device) -> float:
@@ -98,10 +121,7 @@ def main() -> None:
         configs=["4096:256", "8192:512"], batch=[1, 8], steps=16, rounds=3, slack=32, policies=POLICIES, compile=None,
         compile_mode="default",
     )
-    compiled = None
-    if args.compile:
-        compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=args.compile, mode=args.compile_mode)
-    torch._dynamo.config.recompile_limit = 64  # one graph per cache kind and batch size
+    compiled = compiled_forward(model, args.compile, args.compile_mode) if args.compile else None
     decoded = len(args.batch) * args.rounds * (args.steps + 2)  # tokens a cache decodes in the run (static ones hold them)
     for config in args.configs:
         context, budget = (int(x) for x in config.split(":"))
@@ -118,13 +138,8 @@ def main() -> None:
                 )
         if compiled is not None:
             runs[f"StaticCache {budget} compiled"] = lambda: StaticCache(config=model.config, max_cache_len=budget + decoded)
-            for label in [label for label in runs if not label.startswith(("DynamicCache", "StaticCache"))]:
-                name, _, slack = label.partition(" slack=")
-                policy = make_policy(model, name, budget, int(slack or 0))
-                if policy.sync_free_decode:
-                    runs[f"{label} compiled"] = lambda policy=policy: kvgates.BudgetCache(
-                        model.config, policy, static=True, decode_slots=0 if policy.schedule.decode_every else decoded
-                    )
+            policies = [label for label in runs if not label.startswith(("DynamicCache", "StaticCache"))]
+            runs.update(static_arms(model, policies, budget, decoded, " compiled"))
         caches = {}
         for label, make in runs.items():
             prompt = ids[:, :budget] if label in (f"DynamicCache {budget}", f"StaticCache {budget} compiled") else ids

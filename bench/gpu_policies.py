@@ -27,9 +27,8 @@ import statistics
 import sys
 from collections.abc import Callable
 
-import torch
 from common import attached, bench_policy, essay_ids, setup, time_decode, time_prefill
-from decode_speed import AMORTISED, COMPILE_MODES, make_policy, time_compiled
+from decode_speed import AMORTISED, COMPILE_MODES, compiled_forward, make_policy, static_arms, time_compiled
 from hardware import peak_gbps
 from transformers import DynamicCache, StaticCache
 
@@ -79,15 +78,8 @@ def main() -> None:
             )
     compiled = None
     if args.compile:
-        compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=args.compile, mode=args.compile_mode)
-        torch._dynamo.config.recompile_limit = 64  # one graph per cache kind and batch size
-        for label in list(arms)[1:]:
-            name, _, slack = label.partition(" slack=")
-            policy = make_policy(model, name, budget, int(slack or 0))
-            if policy.sync_free_decode:
-                arms[label + CAPTURED] = lambda policy=policy: kvgates.BudgetCache(
-                    model.config, policy, static=True, decode_slots=0 if policy.schedule.decode_every else decoded
-                )
+        compiled = compiled_forward(model, args.compile, args.compile_mode)
+        arms.update(static_arms(model, list(arms)[1:], budget, decoded, CAPTURED))
     for context in args.contexts:
         for batch in args.batch:
             ids = essay_ids(tokenizer, context, args.device).expand(batch, -1).contiguous()
