@@ -129,15 +129,15 @@ def teacher_forced_logits(model, cache, ids: torch.Tensor, prompt_len: int, chun
     return torch.cat(outs, dim=1)
 
 
-def gate_batch(padded: bool = False, length: int = 64) -> dict[str, torch.Tensor]:
-    """A collated training batch of two random rows (the second right-padded by 10 with ``padded``), the last 16
-    tokens of each real row its completion."""
+def gate_batch(padded: bool = False, length: int = 64, completion: int = 16) -> dict[str, torch.Tensor]:
+    """A collated training batch of two random rows (the second right-padded by 10 with ``padded``), the last
+    ``completion`` tokens of each real row its completion."""
     ids = torch.randint(3, 100, (2, length), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
     if padded:
         mask[1, -10:] = 0
     labels = torch.full_like(ids, -100)
-    labels[:, -16:] = ids[:, -16:]
+    labels[:, -completion:] = ids[:, -completion:]
     labels[mask == 0] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 

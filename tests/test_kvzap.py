@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from brute import recent, sinks, top_by_score
-from helpers import tiny_model
+from helpers import gate_batch, tiny_model
 
 import kvgates
 from kvgates.gates.capture import attention_modules
@@ -62,16 +62,6 @@ def test_an_adapter_loads_in_a_process_that_imported_no_method(tiny, tmp_path):
     assert out.stdout.strip() == "kvzap-mlp"
 
 
-def _batch(length: int = 40) -> dict[str, torch.Tensor]:
-    ids = torch.randint(3, 100, (2, length), generator=torch.Generator().manual_seed(5))
-    mask = torch.ones_like(ids)
-    mask[1, -10:] = 0
-    labels = torch.full_like(ids, -100)
-    labels[:, -8:] = ids[:, -8:]
-    labels[mask == 0] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
 def _config(kind: str = "kvzap", **method) -> TrainConfig:
     return TrainConfig.from_dict({
         "kind": kind, "budget": 8, "data": {"seq_len": 64}, "policy": {"window": 2},
@@ -83,7 +73,7 @@ def _config(kind: str = "kvzap", **method) -> TrainConfig:
 def test_training_loss_is_the_mse_of_log_kvzip_scores_and_trains_the_regressors_only(tiny, kind):
     config = _config(kind)
     gates = METHODS[kind].gate_set.for_model(tiny, gate_hidden=8)
-    batch = _batch()
+    batch = gate_batch(padded=True, length=40, completion=8)
     mask = batch["attention_mask"]
     with GateTraining(tiny, gates) as run:
         loss, parts = gate_loss(tiny, tiny.lm_head, run, config, batch, 8.0, 0.0)
@@ -111,7 +101,7 @@ def test_training_loss_is_the_mse_of_log_kvzip_scores_and_trains_the_regressors_
 
 
 def test_targets_are_floored_logs_and_plain_kvzip_on_request(tiny):
-    ids = _batch()["input_ids"]
+    ids = gate_batch(padded=True, length=40, completion=8)["input_ids"]
     mask = torch.ones_like(ids)
     plain = kvzap_targets(tiny, ids, mask, KVzapOptions(repeat_ids=REPEAT, chunk_size=16, normalize=False, floor=1e-3))
     scores = kvzip_scores(tiny, ids, mask, repeat_ids=REPEAT, chunk_size=16)

@@ -63,10 +63,10 @@ from kvgates.errors import AdapterError
 from kvgates.gates.adapter import GateConfig, GateSet, atomic_write
 from kvgates.gates.capture import attention_modules
 from kvgates.methods.base import LearnedMethod, TrainingStep, register_method
-from kvgates.policies.base import Schedule, register_policy
+from kvgates.policies.base import EVERY_STEP, register_policy
 from kvgates.policies.learned import LearnedPolicy
-from kvgates.policies.selection import recent_mask
-from kvgates.runtime.scoring import runs_policy
+from kvgates.policies.selection import recent_mask, threshold_quota
+from kvgates.runtime.scoring import forward_cache, runs_policy
 from kvgates.runtime.state import SlotState
 from kvgates.runtime.stats import AttnStats
 
@@ -150,7 +150,8 @@ class DecisionHeadsLoRA(DecisionHeads):
 
     def __init__(self, config: GateConfig):
         super().__init__(config)
-        self.configure_lora(lora_config(8, 16.0, ("q_proj", "v_proj"), config.layer_ids))
+        default = DMSLoRAOptions()
+        self.configure_lora(lora_config(default.lora_rank, default.lora_alpha, default.lora_targets, config.layer_ids))
 
     def _projection_shape(self, target: str) -> tuple[int, int]:
         c = self.config
@@ -480,7 +481,7 @@ class DMS(LearnedPolicy):
     name = "dms"
     gate_kinds = ("dms", "dms-lora")
     ragged_heads = True
-    schedule = Schedule(prefill=True, decode_every=1)
+    schedule = EVERY_STEP
 
     window: int = 16
 
@@ -513,8 +514,7 @@ class DMS(LearnedPolicy):
 
     def _switch_lora(self, layers: list[nn.Module], module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Before each forward of the model: the LoRA on for a forward through this policy's cache, off otherwise."""
-        cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers 5.24 renamed the argument to cache
-        switch_adapters(layers, runs_policy(cache, self))
+        switch_adapters(layers, runs_policy(forward_cache(kwargs), self))
 
     def detach(self) -> None:
         if self._undo_lora is not None:
@@ -528,13 +528,9 @@ class DMS(LearnedPolicy):
     def observe(self, layer, stats: AttnStats) -> None:
         self.record(layer, stats, LOGIT)
 
-    def _kept(self, layer) -> torch.Tensor:
-        """``[B, H_kv, C]`` the held tokens the decisions keep: the window and those not decided "evict"."""
-        return layer.valid & (recent_mask(layer, self.window) | (layer.state[LOGIT] <= 0))
-
     def quota(self, layer, stats: AttnStats | None) -> torch.Tensor:
-        kept = self._kept(layer).sum(-1)
-        return kept if self.budget is None else kept.clamp(max=self.budget)
+        """Per sequence and head: the window and the tokens not decided "evict", at most ``budget``."""
+        return threshold_quota(layer, recent_mask(layer, self.window), layer.state[LOGIT] <= 0, self.budget)
 
     def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
         return -layer.state[LOGIT], recent_mask(layer, self.window)

@@ -46,7 +46,7 @@ from kvgates.methods.base import LearnedMethod, TrainingStep, eval_mode, registe
 from kvgates.policies.base import register_policy
 from kvgates.policies.kvzip import KVzip, kvzip_scores
 from kvgates.policies.learned import WriteScored
-from kvgates.policies.selection import sink_mask
+from kvgates.policies.selection import sink_mask, threshold_quota
 from kvgates.runtime.stats import AttnStats
 
 PREDICTED = "kvzap_predicted"
@@ -179,9 +179,7 @@ class KVzap(WriteScored):
         if self.threshold is None:
             return self.budget
         scores, forced = self.score(layer, stats)
-        forced = forced & layer.valid
-        passing = layer.valid & ~forced & (scores >= self.threshold)
-        return (forced.sum(-1) + passing.sum(-1)).clamp(max=self.budget)
+        return threshold_quota(layer, forced, scores >= self.threshold, self.budget)
 
 
 # ---------------------------------------------------------------------------------------------------- training
@@ -215,7 +213,7 @@ class KVzapOptions:
 def kvzap_targets(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, options: KVzapOptions) -> torch.Tensor:
     """``[L, B, H_kv, T]`` the regression targets of ``ids`` (``mask``: 1 for real tokens): ``log`` of their KVzip(+)
     scores over the model's budgeted layers, floored at ``options.floor`` (padding holds ``log(floor)``; mask it)."""
-    with torch.no_grad(), eval_mode(model):
+    with eval_mode(model):  # kvzip_scores runs without gradients
         scores = kvzip_scores(model, ids, mask, **options.scoring())
     return scores.clamp(min=options.floor).log()
 

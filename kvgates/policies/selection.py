@@ -84,3 +84,10 @@ def keep_forced_and_top(
     room = torch.as_tensor(budget, device=scores.device) - forced.sum(-1)
     excess = layer.over_quota_bound if budget is layer.quota else None
     return forced | topk_mask(scores, room.clamp(min=0), layer.valid & ~forced, layer.pos, sync_free=layer.static, excess=excess)
+
+
+def threshold_quota(layer: BudgetLayer, forced: torch.Tensor, passing: torch.Tensor, budget: int | None) -> torch.Tensor:
+    """``[B, H_kv]`` per-head quotas of a threshold policy: the held tokens ``forced`` (a window, sinks) or
+    ``passing`` its threshold, at most ``budget`` (None: no cap)."""
+    kept = (layer.valid & (forced | passing)).sum(-1)
+    return kept if budget is None else kept.clamp(max=budget)

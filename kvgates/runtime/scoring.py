@@ -28,6 +28,12 @@ from kvgates.runtime.stats import AttnStats, Phase
 ScoringRun = Callable[[torch.nn.Module, BudgetCache, torch.Tensor, torch.Tensor], None]
 
 
+def forward_cache(kwargs: dict) -> Any:
+    """The cache a model forward was called with, from a forward pre-hook's ``kwargs`` (transformers 5.24 renamed
+    ``past_key_values`` to ``cache``)."""
+    return kwargs.get("past_key_values", kwargs.get("cache"))
+
+
 def runs_policy(cache: Any, policy: Any) -> bool:
     """Whether ``cache`` is a ``BudgetCache`` running ``policy``, itself or inside wrappers (``inner``)."""
     current = getattr(cache, "policy", None) if isinstance(cache, BudgetCache) else None
@@ -105,7 +111,7 @@ class PromptScoring:
 
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         self._current = None
-        cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers 5.24 renamed the argument to cache
+        cache = forward_cache(kwargs)
         if self._busy or not runs_policy(cache, self.policy):
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
