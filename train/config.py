@@ -137,7 +137,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.kind not in METHODS:
             raise ConfigError(f"unknown kind {self.kind!r}; kinds (learned methods): {', '.join(METHODS)}")
-        if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
+        if self.budget < 1:  # its type was checked when the config was built (``kvgates.config.build``)
             raise ConfigError(f"budget must be a whole number of tokens per KV head, at least 1; got {self.budget!r}")
         _check_learned_policy(self.kind, self.budget, self.policy)
         if self.model_dtype not in MODEL_DTYPES:
@@ -164,12 +164,12 @@ class TrainConfig:
         options = self.learned_method.options
         if options is None and self.method:
             raise ConfigError(f"method: {self.kind} takes no method options, got {sorted(self.method)}")
-        if not isinstance(self.method, dict):
-            raise ConfigError(f"method must be a mapping of {self.kind}'s options, got {self.method!r}")
         try:
             self.method_options = None if options is None else build(options, self.method, "method")
+        except ConfigError:
+            raise
         except ValueError as err:  # the options' own range checks
-            raise ConfigError(err if isinstance(err, ConfigError) else f"method: {err}") from None
+            raise ConfigError(f"method: {err}") from None
         try:
             self.learned_method.check(self)
         except ValueError as err:
