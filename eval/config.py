@@ -48,7 +48,7 @@ from typing import Any
 import kvgates
 from data.tasks import templates
 from eval.arms import UNTRAINED, UNTRAINED_GATES, check_budgets, load_adapter
-from kvgates.config import ConfigError, apply_override, build, merge, read_yaml, refuse_unknown
+from kvgates.config import ConfigError, build, merge, read_yaml, refuse_unknown
 from kvgates.gates.adapter import weights_digest
 from kvgates.gates.embedded import embedded_adapter_dir
 from kvgates.policies.learned import LearnedPolicy
@@ -228,9 +228,7 @@ class ABConfig:
         With ``quick``, a key the quick section sets is overridden in that section (``quick.budgets=[64]``): an
         override of the key itself would be replaced by the section's, so it is refused.
         """
-        raw = read_yaml(path)
-        for item in overrides:
-            apply_override(raw, item)
+        raw = read_yaml(path, overrides)
         try:
             if quick and isinstance(raw.get("quick"), dict):
                 for item in overrides:

@@ -1,7 +1,6 @@
 """Run configs in YAML: the one loader of training (``train/config.py``) and evaluation (``eval/config.py``) configs.
 
-    raw = read_yaml("configs/train/trimkv-128.yaml")     # its ``base:`` chain merged in
-    apply_override(raw, "training.max_steps=50")          # a command-line ``key=value``, the value read as YAML
+    raw = read_yaml("configs/train/trimkv-128.yaml", ["training.max_steps=50"])  # base: chain, then key=value
     config = build(TrainConfig, raw, "configs/train/trimkv-128.yaml")
 
 * ``base: other.yaml`` (a path relative to the file) is read first and the file's own keys are merged over it,
@@ -23,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, Union
 
@@ -37,9 +36,13 @@ __all__ = ["ConfigError", "apply_override", "build", "merge", "read_yaml", "refu
 T = TypeVar("T")
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """The mapping a YAML config holds, its ``base`` chain merged in (the ``base`` key itself removed)."""
-    return _read(Path(path), ())
+def read_yaml(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The mapping a YAML config holds, its ``base`` chain merged in (the ``base`` key itself removed), then the
+    command-line ``overrides`` (``apply_override``) in order."""
+    raw = _read(Path(path), ())
+    for item in overrides:
+        apply_override(raw, item)
+    return raw
 
 
 def _read(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:

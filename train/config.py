@@ -22,7 +22,7 @@ import torch
 
 from data.build import FORMATS, check_mix
 from kvgates import POLICIES
-from kvgates.config import ConfigError, apply_override, build, read_yaml, yaml_hint
+from kvgates.config import ConfigError, build, read_yaml, yaml_hint
 from kvgates.methods import METHODS, LearnedMethod
 from kvgates.policies.learned import LearnedPolicy
 from kvgates.typecheck import field_problems
@@ -205,10 +205,7 @@ class TrainConfig:
         A config may start from another: ``base: other.yaml`` (relative to the file) is read first and the file's
         own keys are merged over it, section by section.
         """
-        raw = read_yaml(path)
-        for item in overrides:
-            apply_override(raw, item)
-        return cls.from_dict(raw, str(path))
+        return cls.from_dict(read_yaml(path, overrides), str(path))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
