@@ -104,7 +104,7 @@ def build(cls: type[T], raw: Any, where: str) -> T:
     kwargs, plain = {}, {}
     for name, value in raw.items():
         section = _section(hints[name])
-        if section is not None and value is not None:
+        if section is not None and (value is not None or not _optional(hints[name])):
             kwargs[name] = build(section, value, prefix + name)
         else:
             kwargs[name] = plain[name] = value
@@ -143,6 +143,11 @@ def _section(hint: Any) -> type | None:
     union = typing.get_origin(hint) in (Union, types.UnionType)
     args = [a for a in typing.get_args(hint) if a is not type(None)] if union else [hint]
     return args[0] if len(args) == 1 and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]) else None
+
+
+def _optional(hint: Any) -> bool:
+    """Whether a field of type ``hint`` admits None."""
+    return typing.get_origin(hint) in (Union, types.UnionType) and type(None) in typing.get_args(hint)
 
 
 def _keys(names: list[Any]) -> str:

@@ -125,6 +125,7 @@ def test_bad_overrides_are_one_sentence(item, message):
         ({"section": {"rate": "fast"}}, "c.yaml: section: rate must be a number, got 'fast'"),
         ({"section": {"inner": {"depth": 1.5}}}, "c.yaml: section: inner: depth must be an integer, got 1.5"),
         ({"section": 3}, "c.yaml: section must be a mapping, got 3"),
+        ({"section": None}, "c.yaml: section must be a mapping, got None"),  # a required section set to null
         ({"needy": {"weight": 2.0}}, "c.yaml: needy: missing required key 'policy'"),
         ({"params": [1]}, "c.yaml: params must be a mapping, got [1]"),
     ],
