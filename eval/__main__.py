@@ -12,9 +12,11 @@ tasks, adapters, the model's config) before any model work, runs every arm at ev
 journals each result to ``results.jsonl`` (an interrupted run resumes; ``--fresh`` starts over) and writes
 ``results.json``, ``report.md`` and PNG plots to the output folder. ``--report-only``
 writes them from the results journalled so far, without loading the model (the progress of a long run); a folder
-with no results yet is an error. Every user error is one sentence on stderr and exit status 2, leaving no empty
-output folder. Configs write under ``outputs/`` (git-ignored); the committed reports under ``docs/`` are
-regenerated only on purpose, by naming them: ``--out docs/reference``.
+with no results yet is an error. ``seconds`` in ``results.json`` is the wall time of the invocations that computed,
+summed: a re-run adds its own, ``--report-only`` adds nothing, ``--fresh`` starts from zero. Every user error is one
+sentence on stderr and exit status 2, leaving no empty output folder. Configs write under ``outputs/``
+(git-ignored); the committed reports under ``docs/`` are regenerated only on purpose, by naming them:
+``--out docs/reference``.
 """
 
 from __future__ import annotations

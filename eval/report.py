@@ -13,7 +13,7 @@ import matplotlib
 import numpy as np
 
 from eval.config import ABConfig, ArmSpec, TaskSpec
-from eval.runner import ABResults
+from eval.runner import RECORD, ABResults
 from eval.stats import MIN_PAIRS, Comparison
 from eval.tasks import metrics_of
 
@@ -267,7 +267,7 @@ AB_SECTION = "A/B evaluation on"
 def arm_section(results_dir: str | Path, label: str) -> str:
     """Markdown for one arm's model card from a finished run in ``results_dir``: per task and budget the arm's
     primary metric beside the best heuristic's (named) and the full cache's, then its paired verdicts."""
-    path = Path(results_dir) / "results.json"
+    path = Path(results_dir) / RECORD
     if not path.is_file():
         raise ValueError(f"{results_dir} holds no results.json; pass the output folder of a finished python -m eval ab run")
     results = json.loads(path.read_text())
@@ -312,14 +312,17 @@ def _task_line(task: TaskSpec) -> str:
 
 def write_report(results: ABResults, command: str = "") -> str:
     """Write ``results.json``, ``report.md`` and the plots to the run's output folder; returns the headline table
-    with its legend, for the terminal."""
+    with its legend, for the terminal.
+
+    ``results.json`` holds the config, every row, the comparisons, ``compute_seconds`` (model time summed over the
+    rows) and ``seconds`` (wall time of the invocations that computed, summed: ``ABResults.seconds``)."""
     config, rows = results.config, results.rows
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = Summary(rows)
     minutes = results.compute_seconds / 60
     model_time = f"{minutes:.1f} min" if minutes < 60 else f"{minutes / 60:.2f} h"
-    (out / "results.json").write_text(
+    (out / RECORD).write_text(
         json.dumps(
             {
                 "model": config.model, "seed": config.seed, "split": config.split, "budgets": list(config.budgets),

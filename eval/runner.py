@@ -30,16 +30,24 @@ from eval.stats import Comparison, compare, matched_memory
 from eval.tasks import Example, binary_metric, build_examples, cost, metrics_of, run_batch
 
 JOURNAL = "results.jsonl"
+#: The report's record of a run (``eval.report.write_report``); the runner reads back the wall time it holds.
+RECORD = "results.json"
 
 
 @dataclass
 class ABResults:
-    """What a run produced: one row per (task, example, arm, budget), the comparisons, and the run's timing."""
+    """What a run produced: one row per (task, example, arm, budget), the comparisons, and the run's timing.
+
+    ``seconds`` is the wall time of the invocations that computed the output folder's results, summed: each one
+    that computes adds its own to what ``results.json`` recorded, one that only reports (``compute=False``) adds
+    nothing, and ``resume=False`` starts from zero. It is None when no computing invocation has finished yet (a
+    report of a first run in progress); an interrupted invocation's time is lost with it.
+    """
 
     config: ABConfig
     rows: list[dict]
     comparisons: list[Comparison]
-    seconds: float  # wall time of this invocation
+    seconds: float | None  # wall time of the computing invocations (see above)
     compute_seconds: float  # model time summed over every row, journalled ones included
     expected: int  # results a complete run has (more than ``len(rows)`` while a run is in progress)
 
@@ -112,6 +120,7 @@ def run_ab(
     comparisons use the examples both arms have, so a long run's progress can be reported while it goes on.
     """
     start = time.perf_counter()
+    recorded = _recorded_seconds(config) if resume else None
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     journal = out / JOURNAL
@@ -130,8 +139,17 @@ def run_ab(
         _compute(config, model, tokenizer, done, journal)
     rows = [done[key] for key in keys if key in done]
     seconds = sum(r["seconds"] for r in rows)
-    elapsed = time.perf_counter() - start
-    return ABResults(config, rows, comparisons(config, rows), elapsed, seconds, len(keys))
+    wall = (recorded or 0.0) + time.perf_counter() - start if compute else recorded
+    return ABResults(config, rows, comparisons(config, rows), wall, seconds, len(keys))
+
+
+def _recorded_seconds(config: ABConfig) -> float | None:
+    """The wall time ``results.json`` of the run's output folder records (``ABResults.seconds``), None without one."""
+    path = Path(config.output_dir) / RECORD
+    try:
+        return json.loads(path.read_text()).get("seconds") if path.is_file() else None
+    except json.JSONDecodeError:
+        return None  # a report killed mid-write: its time is lost
 
 
 def has_results(config: ABConfig) -> bool:

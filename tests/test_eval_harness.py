@@ -377,6 +377,30 @@ def test_a_dms_lora_arm_changes_neither_the_references_nor_the_model(tmp_path, t
     assert {r["arm"] for r in after_dms.rows} == {"full", "h2o", "dms"}
 
 
+def test_report_only_keeps_the_wall_time_of_the_runs_that_computed(tmp_path, tok, model, monkeypatch):
+    """``seconds`` in results.json sums the wall time of the invocations that computed: ``--report-only`` adds nothing
+    (it once recorded its own fraction of a second), a resumed run adds its own, ``--fresh`` starts over."""
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: (model, tok))
+    out = tmp_path / "out"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"arms": ["h2o"], "budgets": [16], "tasks": [TASKS[3]], "output_dir": str(out)}))
+    results = out / "results.json"
+
+    def record(seconds: float | None = None) -> float | None:
+        saved = json.loads(results.read_text())
+        if seconds is not None:
+            results.write_text(json.dumps({**saved, "seconds": seconds}))
+        return saved["seconds"]
+
+    assert main(["ab", "--config", str(path)]) == 0 and record() > 0
+    record(1e6)  # as if the computing run had taken that long
+    assert main(["ab", "--config", str(path), "--report-only"]) == 0 and record() == 1e6
+    assert main(["ab", "--config", str(path)]) == 0 and record() > 1e6  # nothing left to compute, still a computing run
+    assert main(["ab", "--config", str(path), "--fresh"]) == 0 and 0 < record() < 1e6
+    results.unlink()  # a run in progress: no computing run has finished yet
+    assert main(["ab", "--config", str(path), "--report-only"]) == 0 and record() is None
+
+
 def test_a_method_registered_by_kvgates_methods_runs_as_an_arm_from_its_adapter_folder(tmp_path, tok, model):
     from kvgates.methods.kvzap import KVzapGates
 
