@@ -30,18 +30,23 @@ UNTRAINED_GATES = {"gate_hidden": 64, "init_bias": 8.0}
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-def load_adapter(path_or_id: str, label: str) -> kvgates.GateSet:
-    """The adapter an arm names (a folder, a shipped adapter's name, else a Hub id), or ``ConfigError`` saying why
-    it cannot be read."""
+def load_adapter(arm: ArmSpec, adapters: dict[str, kvgates.GateSet]) -> kvgates.GateSet:
+    """The adapter ``arm`` names (a folder, a shipped adapter's name, else a Hub id), or ``ConfigError`` saying why
+    it cannot be read. It is read once per run: ``adapters`` (the run's ``ABConfig.adapters``) keeps it by what the
+    arm names, for every later use and every other arm naming it."""
+    path_or_id, label = arm.gates, arm.label
+    if path_or_id in adapters:
+        return adapters[path_or_id]
     if not Path(path_or_id).is_dir() and embedded_adapter_dir(path_or_id) is None and not HUB_ID.fullmatch(path_or_id):
         raise ConfigError(
             f"arm {label!r}: the adapter {path_or_id} is neither an existing folder, a shipped adapter "
             f"({', '.join(embedded_adapters()) or 'none ship'}) nor a Hub id (owner/name)"
         )
     try:
-        return kvgates.load_gates(path_or_id)
+        adapters[path_or_id] = kvgates.load_gates(path_or_id)
     except AdapterError as err:
         raise ConfigError(f"arm {label!r}: {' '.join(str(err).split())}") from None
+    return adapters[path_or_id]
 
 
 def build_policy(arm: ArmSpec, budget: int | None, gates: kvgates.GateSet | None = None) -> kvgates.Policy:
@@ -63,7 +68,8 @@ def prepare_arms(config: ABConfig, model: PreTrainedModel) -> dict[str, kvgates.
     """Gates of every arm, checked against ``model`` and built into each arm's policy at every budget.
 
     Adapters made for another model and bad parameters of learned arms raise ``ConfigError`` here, before any
-    example runs. Untrained gates are initialised from the run's seed (``UNTRAINED_GATES``).
+    example runs; adapters ``ABConfig.validate`` read are not read again. Untrained gates are initialised from the
+    run's seed (``UNTRAINED_GATES``).
     """
     gates: dict[str, kvgates.GateSet | None] = {}
     for arm in config.all_arms:
@@ -74,7 +80,7 @@ def prepare_arms(config: ABConfig, model: PreTrainedModel) -> dict[str, kvgates.
                 torch.manual_seed(config.seed)
                 g = GATE_KINDS[kind].for_model(model, **UNTRAINED_GATES)
             else:
-                g = load_adapter(arm.gates, arm.label)
+                g = load_adapter(arm, config.adapters)
                 try:
                     g.check_model(model, strict=arm.params.get("strict", True))
                 except AdapterError as err:

@@ -31,8 +31,9 @@ The full cache is always an arm (label ``full``): it is the reference of every t
 everything that can be checked without the model (keys, policy names and parameters, budgets, tasks and their
 options, adapters: present, readable and of the policy's kind) and raises ``kvgates.ConfigError`` with one
 sentence; ``eval.arms.prepare_arms`` checks the rest once the model is loaded (adapters made for another model)
-before any example runs. Loading adapters and building the arms' policies is ``eval.arms``'s; an adapter's
-weights enter the journal keys by ``kvgates.gates.adapter.weights_digest``.
+before any example runs. Loading adapters and building the arms' policies is ``eval.arms``'s: a run reads each
+adapter once, while validating, and keeps it in ``ABConfig.adapters`` for ``prepare_arms``; an adapter's weights
+enter the journal keys by ``kvgates.gates.adapter.weights_digest``.
 """
 
 from __future__ import annotations
@@ -191,6 +192,9 @@ class ABConfig:
     #: Journals (``results.jsonl``) of other runs: a result whose key this run has (same task settings, example,
     #: arm and adapter weights, budget, model, seed) is taken from there instead of being computed again.
     reuse: tuple[str, ...] = ()
+    #: The adapters the arms name, by folder, shipped name or Hub id, as ``validate`` read them (not a config key):
+    #: ``eval.arms.prepare_arms`` reuses them, so a run reads each adapter once.
+    adapters: dict[str, kvgates.GateSet] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def all_arms(self) -> tuple[ArmSpec, ...]:
@@ -297,7 +301,7 @@ class ABConfig:
             if extra:
                 raise ConfigError(f"{what} runs at budget {extra[0]!r}, which is not among the run's budgets {list(self.budgets)}")
         for arm in self.arms:
-            _check_arm(arm, self.arm_budgets(arm))
+            _check_arm(arm, self.arm_budgets(arm), self.adapters)
         for journal in self.reuse:
             if not Path(journal).is_file():
                 raise ConfigError(f"reuse names {journal}, which is not a file; list the results.jsonl of an earlier run")
@@ -320,7 +324,7 @@ def _apply_quick(raw: dict, quick: Any) -> dict:
     task when its settings give a ``task``)."""
     if not isinstance(quick, dict):
         raise ConfigError("--quick needs a 'quick' section in the config (the keys it changes: budgets, arms, tasks, output_dir ...)")
-    refuse_unknown(quick, [f.name for f in dataclasses.fields(ABConfig)], "the quick section")
+    refuse_unknown(quick, [f.name for f in dataclasses.fields(ABConfig) if f.init], "the quick section")
     changes = {"output_dir": f"{raw.get('output_dir', ABConfig.output_dir)}-quick", **quick}
     if "arms" in quick:
         keep = set(_list(quick["arms"], "quick.arms"))
@@ -400,8 +404,9 @@ def _task(entry: Any) -> TaskSpec:
     return TaskSpec(name, kind, lengths, examples, names, max_new, opts, budgets)
 
 
-def _check_arm(arm: ArmSpec, budgets: tuple[int | None, ...]) -> None:
-    """Build the arm's policy at every budget (learned arms with their adapter) to surface bad parameters."""
+def _check_arm(arm: ArmSpec, budgets: tuple[int | None, ...], adapters: dict[str, kvgates.GateSet]) -> None:
+    """Build the arm's policy at every budget (learned arms with their adapter, read into ``adapters``) to surface
+    bad parameters."""
     if arm.learned and arm.gates is None:
         raise ConfigError(
             f"arm {arm.label!r}: {arm.learned_policy.name} is learned and needs 'gates' (an adapter folder, a Hub id or 'untrained')"
@@ -410,4 +415,4 @@ def _check_arm(arm: ArmSpec, budgets: tuple[int | None, ...]) -> None:
         raise ConfigError(f"arm {arm.label!r}: {arm.policy} is not a learned policy and takes no gates")
     if arm.gates == UNTRAINED:
         return  # built for the model in eval.arms.prepare_arms, where its parameters are checked too
-    check_budgets(arm, budgets, load_adapter(arm.gates, arm.label) if arm.learned else None)
+    check_budgets(arm, budgets, load_adapter(arm, adapters) if arm.learned else None)

@@ -401,6 +401,20 @@ def test_report_only_keeps_the_wall_time_of_the_runs_that_computed(tmp_path, tok
     assert main(["ab", "--config", str(path), "--report-only"]) == 0 and record() is None
 
 
+def test_a_run_reads_each_adapter_once(tmp_path, tok, model, monkeypatch):
+    """Validating the config reads an adapter; preparing the arms and building their policies reuse it, also when
+    two arms name the same one."""
+    kvgates.RetentionGates.for_model(model).save_pretrained(tmp_path / "tk")
+    reads = []
+    original = kvgates.load_gates
+    monkeypatch.setattr(kvgates, "load_gates", lambda path, *a, **k: reads.append(str(path)) or original(path, *a, **k))
+    arms = ["h2o", {"policy": "trimkv", "gates": str(tmp_path / "tk"), "label": "tk"},
+            {"policy": "trimkv-snap", "gates": str(tmp_path / "tk"), "params": {"window": 4, "kernel": 3, "gate_keep": 2}, "label": "tk-snap"}]
+    results = run_ab(small_config(tmp_path, tasks=[TASKS[3]], arms=arms, budgets=[16, 32]), model, tok)
+    assert {r["arm"] for r in results.rows} == {"full", "h2o", "tk", "tk-snap"}
+    assert reads == [str(tmp_path / "tk")]
+
+
 def test_a_method_registered_by_kvgates_methods_runs_as_an_arm_from_its_adapter_folder(tmp_path, tok, model):
     from kvgates.methods.kvzap import KVzapGates
 
