@@ -262,6 +262,25 @@ def test_kvmerger_sets(eps):
     assert starts.nonzero().flatten().tolist() == [s[0] for s in sets]
 
 
+@pytest.mark.parametrize("window", [1, 3, 8, 16])
+def test_kvmerger_sets_longer_than_the_scan_window_match_brute_force(window):
+    # Correlated keys make sets far longer than the window, so the scan's walk measures them one at a time: several
+    # thresholds, sequences and heads at once, each row as the token-by-token scan gives it.
+    g = torch.Generator().manual_seed(window)
+    keys = torch.randn(2, 3, 90, 4, generator=g).cumsum(2)
+    mergeable = torch.rand(2, 3, 90, generator=g) > 0.05
+    eps = torch.tensor([[0.99, 0.9], [0.7, 0.5], [0.0, -0.5]])  # [E, B]
+    starts = merging_set_starts(keys, mergeable, eps, window=window)
+    longest = 0
+    for e in range(3):
+        for b in range(2):
+            for h in range(3):
+                sets = brute.kvmerger_sets(keys[b, h].tolist(), mergeable[b, h].tolist(), float(eps[e, b]))
+                assert starts[e, b, h].nonzero().flatten().tolist() == [s[0] for s in sets]
+                longest = max(longest, *map(len, sets))
+    assert longest > window + 1
+
+
 @pytest.mark.parametrize("sigma,scale", [(None, False), (0.7, True)])
 def test_kvmerger_merge_matches_brute_force(sigma, scale):
     policy = KVMerger(budget=14, window=3, heavy=2, epsilon=0.0, sigma=sigma, scale_values=scale)

@@ -18,6 +18,11 @@ from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
 #: stop saves on the CPU (the low thresholds' long sets are its slowest walks) but not on a GPU.
 FEASIBLE_GROUP = 4
 
+#: Tokens after each anchor whose similarities ``MergingScan`` computes for every anchor at once; a set longer than
+#: this is measured on its own in the scan's walk. On SmolLM2-135M's 4K prefill 192 took the least time of 128-320
+#: (a wider window costs its band, a narrower one more walk steps); the sets found do not depend on it.
+SCAN_WINDOW = 192
+
 
 class MergingScan:
     """KVMerger's merging sets of one layer's keys, for any thresholds (``starts``).
@@ -34,14 +39,14 @@ class MergingScan:
     anchor's similarities with every token, once per such set on the chain.
     """
 
-    def __init__(self, keys: torch.Tensor, mergeable: torch.Tensor, window: int = 128):
+    def __init__(self, keys: torch.Tensor, mergeable: torch.Tensor, window: int = SCAN_WINDOW):
         b, h, n, _ = keys.shape
         self.kn = torch.nn.functional.normalize(keys.float(), dim=-1)
         self.n = n
         self.idx = torch.arange(n + 1, device=keys.device)
         # For ``_set_end``: the tokens that stop every set (not mergeable, or the column past the end), so a set
         # ends at the first token flagged or not similar enough.
-        self.blocked = torch.nn.functional.pad(~mergeable, (0, 1), value=True)[:, :, None, :]
+        self.blocked = ~mergeable[:, :, None, :]
         # first_from[j]: the first mergeable token at or after j (n: none), j = 0 .. n.
         open_at = torch.cat([mergeable, mergeable.new_ones((b, h, 1))], -1)
         self.first_from = torch.where(open_at, self.idx, n).flip(-1).cummin(-1).values.flip(-1)
@@ -82,39 +87,35 @@ class MergingScan:
                 break
             jumps.append(doubled)
         # Walk: from each segment's first anchor the table jumps to the next unresolved anchor (or the end); that
-        # set is measured directly and the walk resumes at the anchor after it.
+        # set is measured directly and the walk resumes at the anchor after it. A finished row stays at the end (n).
         sources = torch.zeros((e, b, h, n + 1), dtype=torch.int32, device=nxt.device)
-        at = first_from[None, :, :, 0].expand(e, -1, -1).contiguous()  # [E, B, H]
+        at = first_from[..., :1].expand(e, -1, -1, -1)  # [E, B, H, 1]
+        last = jumps[-1]
         while True:
-            sources.scatter_(-1, at[..., None], 1)
-            stuck = jumps[-1].gather(-1, at[..., None])[..., 0]
-            pending = stuck < n
-            live = pending.flatten(1).any(1).nonzero()[:, 0]  # the thresholds still walking (the loop's host sync)
-            if not live.numel():
+            sources.scatter_(-1, at, 1)
+            stuck = last.gather(-1, at)
+            if not bool((stuck < n).any()):  # the loop's host sync
                 break
-            stop = torch.full_like(stuck, n)
-            stop[live] = self._set_end(eps[live], stuck[live].clamp(max=n - 1), pending[live])
-            sources.scatter_(-1, stuck[..., None], 1)
-            at = torch.where(pending, first_from.expand(e, -1, -1, -1).gather(-1, stop[..., None])[..., 0], n)
+            sources.scatter_(-1, stuck, 1)
+            at = first_from.expand(e, -1, -1, -1).gather(-1, self._set_end(eps, stuck))
         # Every anchor reached from a source: T_k = T_{k+1} + jumps[k](T_{k+1}), from the longest jump down.
         marked = sources
         for jump in reversed(jumps[:-1]):
             marked = marked.scatter_reduce(-1, jump, marked, "amax")
         return marked[..., :n] > 0
 
-    def _set_end(self, eps: torch.Tensor, anchor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``[E, B, H]``: for the ``rows`` whose set is anchored at ``anchor`` and joined by the window after it, the
-        first later token that does not join (``L`` when every later token joins)."""
+    def _set_end(self, eps: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """``[E, B, H, 1]``: for the sets anchored at ``anchor`` ``[E, B, H, 1]`` and joined by the whole window after
+        it, the first later token that does not join (``L`` when every later token joins, and for anchor ``L``)."""
         kn, n = self.kn, self.n
-        anchor_key = kn.gather(2, anchor.permute(1, 2, 0)[..., None].expand(-1, -1, -1, kn.shape[-1]))  # [B, H, E, D]
-        sim = torch.nn.functional.pad(torch.matmul(anchor_key, kn.transpose(-1, -2)), (0, 1))  # [B, H, E, L + 1]
-        sim.masked_fill_(self.blocked, float("-inf"))
-        sim.masked_fill_(self.idx <= (anchor + self.w).permute(1, 2, 0)[..., None], float("inf"))  # inside the window
-        end = (sim <= eps.T[:, None, :, None]).to(torch.uint8).argmax(-1).permute(2, 0, 1)  # the first that does not join
-        return torch.where(rows, end, n)
+        rows = anchor[..., 0].permute(1, 2, 0)  # [B, H, E]
+        anchor_key = kn.gather(2, rows.clamp(max=n - 1)[..., None].expand(-1, -1, -1, kn.shape[-1]))  # [B, H, E, D]
+        sim = torch.matmul(anchor_key, kn.transpose(-1, -2))  # [B, H, E, L]
+        stops = (sim <= eps.T[:, None, :, None]).logical_or_(self.blocked).logical_and_(self.idx[:n] > (rows + self.w)[..., None])
+        return torch.where(stops, self.idx[:n], n).amin(-1).permute(2, 0, 1)[..., None]
 
 
-def merging_set_starts(keys: torch.Tensor, mergeable: torch.Tensor, eps: torch.Tensor, window: int = 128) -> torch.Tensor:
+def merging_set_starts(keys: torch.Tensor, mergeable: torch.Tensor, eps: torch.Tensor, window: int = SCAN_WINDOW) -> torch.Tensor:
     """Which tokens open a new merging set, ``[E, B, H, L]``, for each threshold in ``eps`` (``[E, B]``) (see
     ``MergingScan``)."""
     return MergingScan(keys, mergeable, window).starts(eps)
