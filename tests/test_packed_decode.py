@@ -155,3 +155,35 @@ def test_a_decode_step_reads_nothing_back_from_the_device(tiny, name):
     assert step.sync_ops == {}
     if policy.schedule.decode_every:
         assert max(int(layer.held().max()) for layer in cache.budget_layers) == BUDGET
+
+
+@pytest.mark.parametrize("moved", [1, 3])
+def test_evicting_from_a_full_dense_layer_moves_the_last_slots_into_the_holes(moved):
+    """``evict`` on a dense layer whose every slot holds a token (a decode step's eviction: one slot per row, the
+    sort-free path; several: the general one): each row keeps the same tokens with their keys, values and state,
+    in its first slots, wherever its holes were (the first slot, the last ones, anywhere)."""
+    b, hkv, c = 2, 3, 8
+    pos = torch.arange(c).expand(b, hkv, c).contiguous()
+    layer = make_layer(make_policy("h2o", budget=c - moved), pos, seed=3)
+    layer.fill, layer.packed = [c] * hkv, True
+    layer.slot_data.uniform_()
+    rows = {}
+    for i in range(b):
+        for h in range(hkv):
+            dropped = torch.randperm(c, generator=torch.Generator().manual_seed(i * hkv + h))[:moved].tolist()
+            rows[i, h] = dropped if (i, h) != (0, 0) else list(range(c - moved, c))  # one row drops its last slots
+    rows[1, 2] = [0] if moved == 1 else [0, 3, 5]
+    keep = torch.ones(b, hkv, c, dtype=torch.bool)
+    for (i, h), dropped in rows.items():
+        keep[i, h, dropped] = False
+    keys, values, state = layer.keys.view(b, hkv, c, -1).clone(), layer.values.view(b, hkv, c, -1).clone(), layer.slot_data.clone()
+    layer.evict(keep, slack=moved, held=c - moved)
+    assert layer.fill == [c - moved] * hkv and layer.packed
+    for (i, h), dropped in rows.items():
+        held = layer.pos[i, h, : c - moved].tolist()
+        assert sorted(held) == [p for p in range(c) if p not in dropped]
+        assert bool((layer.pos[i, h, c - moved :] == -1).all())
+        for s, p in enumerate(held):  # position p sat in slot p before
+            assert torch.equal(layer.keys.view(b, hkv, c, -1)[i, h, s], keys[i, h, p])
+            assert torch.equal(layer.values.view(b, hkv, c, -1)[i, h, s], values[i, h, p])
+            assert torch.equal(layer.slot_data[i, h, s], state[i, h, p])

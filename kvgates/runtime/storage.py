@@ -303,8 +303,12 @@ class SlotStorage:
         moved = min(fill - kept, kept)
         if moved == 0:
             return
-        holes = torch.argsort(keep[..., :kept].to(torch.uint8), dim=-1, stable=True)[..., :moved]  # evicted first
-        tail = kept + torch.argsort((~keep[..., kept:fill]).to(torch.uint8), dim=-1, stable=True)[..., :moved]  # kept first
+        if moved == fill - kept == 1:  # a decode step's eviction: the first hole takes the last slot, no sort
+            holes = keep[..., :kept].to(torch.uint8).argmin(-1, keepdim=True)  # the first evicted slot (0: none)
+            tail = torch.full_like(holes, kept)
+        else:
+            holes = torch.argsort(keep[..., :kept].to(torch.uint8), dim=-1, stable=True)[..., :moved]  # evicted first
+            tail = kept + torch.argsort((~keep[..., kept:fill]).to(torch.uint8), dim=-1, stable=True)[..., :moved]  # kept first
         # A row with fewer holes than ``moved`` pairs its extra (kept) slots with evicted tail slots: those are
         # written onto themselves instead.
         dst = torch.where(keep.gather(-1, holes), tail, holes)
