@@ -303,22 +303,22 @@ class SlotStorage:
         moved = min(fill - kept, kept)
         if moved == 0:
             return
-        if moved == fill - kept == 1:  # a decode step's eviction: the first hole takes the last slot, no sort
-            holes = keep[..., :kept].to(torch.uint8).argmin(-1, keepdim=True)  # the first evicted slot (0: none)
-            tail = torch.full_like(holes, kept)
+        b, hkv, c = self.pos.shape
+        stores = [s for s in (self.keys.view(b, hkv, c, -1), self.values.view(b, hkv, c, -1), self.slot_data, self.pos[..., None]) if s.shape[-1]]
+        if moved == fill - kept == 1:  # a decode step's eviction: the last slot moves into the hole, no sort
+            dst = keep[..., :fill].to(torch.uint8).argmin(-1, keepdim=True)  # the evicted slot (the last: onto itself)
+            for store in stores:
+                store.scatter_(2, dst[..., None].expand(-1, -1, -1, store.shape[-1]), store[:, :, kept:fill].clone())
         else:
             holes = torch.argsort(keep[..., :kept].to(torch.uint8), dim=-1, stable=True)[..., :moved]  # evicted first
             tail = kept + torch.argsort((~keep[..., kept:fill]).to(torch.uint8), dim=-1, stable=True)[..., :moved]  # kept first
-        # A row with fewer holes than ``moved`` pairs its extra (kept) slots with evicted tail slots: those are
-        # written onto themselves instead.
-        dst = torch.where(keep.gather(-1, holes), tail, holes)
-        b, hkv, c = self.pos.shape
-        for store in (self.keys.view(b, hkv, c, -1), self.values.view(b, hkv, c, -1), self.slot_data, self.pos[..., None]):
-            if store.shape[-1]:
+            # A row with fewer holes than ``moved`` pairs its extra (kept) slots with evicted tail slots: those are
+            # written onto themselves instead.
+            dst = torch.where(keep.gather(-1, holes), tail, holes)
+            for store in stores:
                 rows = store.gather(2, tail[..., None].expand(-1, -1, -1, store.shape[-1]))
                 store.scatter_(2, dst[..., None].expand(-1, -1, -1, store.shape[-1]), rows)
         self.pos[..., kept:] = -1
-
 
     @property
     def dense_fill(self) -> int | None:
