@@ -65,13 +65,21 @@ def _worst_slot(scores: torch.Tensor, candidates: torch.Tensor, positions: torch
 
 
 def recent_mask(layer: BudgetLayer, n: int | torch.Tensor) -> torch.Tensor:
-    """The ``n`` most recent tokens held per head (``n`` may be per sequence/head)."""
-    return topk_mask(layer.pos, n, layer.valid, sync_free=layer.static)
+    """The ``n`` most recent tokens held per head (``n`` may be per sequence/head). A head's tokens have distinct
+    positions, so ranking every slot (``sync_free``) marks the same ones without reading the largest ``n`` back."""
+    return topk_mask(layer.pos, n, layer.valid, sync_free=True)
 
 
 def sink_mask(layer: BudgetLayer, n: int) -> torch.Tensor:
     """The ``n`` oldest tokens held per head (attention sinks)."""
-    return topk_mask(-layer.pos, n, layer.valid, sync_free=layer.static)
+    return topk_mask(-layer.pos, n, layer.valid, sync_free=True)
+
+
+def top_held(layer: BudgetLayer, scores: torch.Tensor, k: int, candidates: torch.Tensor) -> torch.Tensor:
+    """``topk_mask`` of ``k`` among ``candidates`` (held slots of ``layer``; ties: more recent) without a read-back
+    where the host knows the layer: the candidates beyond ``k`` are at most the held tokens beyond it (``most_held``)."""
+    most = layer.most_held
+    return topk_mask(scores, k, candidates, layer.pos, sync_free=layer.static, excess=None if most is None else most - k)
 
 
 def keep_forced_and_top(

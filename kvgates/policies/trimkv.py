@@ -10,7 +10,7 @@ import torch
 from kvgates import kernels
 from kvgates.policies.base import Schedule, register_policy
 from kvgates.policies.learned import LearnedPolicy
-from kvgates.policies.selection import recent_mask, topk_mask
+from kvgates.policies.selection import recent_mask, top_held
 from kvgates.runtime.state import SlotState
 from kvgates.runtime.stats import AttnStats, Phase
 
@@ -109,8 +109,4 @@ class GateKept(LearnedPolicy):
     def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
         scores, kept = super().score(layer, stats)
         retention = kernels.retention_scores(layer.state[LOG_BETA], layer.pos, current_positions(layer))
-        most = layer.most_held  # the candidates over gate_keep are at most the held ones over it: no read-back
-        excess = None if most is None else most - self.gate_keep
-        return scores, kept | topk_mask(
-            retention, self.gate_keep, layer.valid & ~kept, layer.pos, sync_free=layer.static, excess=excess
-        )
+        return scores, kept | top_held(layer, retention, self.gate_keep, layer.valid & ~kept)
