@@ -196,29 +196,69 @@ def test_policy_params_table_covers_registry():
     assert set(POLICIES) <= set(POLICY_PARAMS)
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+#: Policies overriding ``select`` that still keep exactly ``min(held, quota)`` (D2O where its forced slots fit its
+#: smallest layer budget, merging over such a base, global TRIM-KV whose quota is what its selection keeps).
+EXACT_OVERRIDES = ("d2o", "merge", "trimkv-global")
+
+
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - set(EXACT_OVERRIDES)))
 def test_exact_quota_only_where_select_is_the_base_selection(name):
     """``exact_quota`` (an eviction then trusts ``min(fill, quota)`` kept per head instead of reading the counts back)
-    holds exactly for policies whose ``select`` is ``Policy.select``: every override (merging, wrappers, D2O,
-    KVMerger, global TRIM-KV) may keep another number."""
+    holds for policies whose ``select`` is ``Policy.select``; other overrides (wrappers, KVMerger) may keep another
+    number."""
     from kvgates.policies.base import Policy
 
     policy = object.__new__(POLICIES[name])  # the class's property without its parameters (learned ones need gates)
     assert policy.exact_quota == (type(policy).select is Policy.select)
-    if name in ("d2o", "kvmerger", "adakv", "trimkv-global"):
+    if name in ("kvmerger", "adakv"):
         assert not policy.exact_quota
     if name in ("h2o", "tova", "streaming_llm", "snapkv", "trimkv"):
         assert policy.exact_quota
 
 
-def test_an_eviction_told_a_wrong_count_fails_its_device_side_check():
-    """``evict(held=...)`` checks the kept counts on the device (on the CPU at once) instead of reading them back."""
+def test_overrides_claim_an_exact_quota_only_where_they_keep_it():
+    assert make_policy("d2o", budget=16).exact_quota
+    assert not make_policy("d2o", budget=16, protect_edge_layers=True).exact_quota  # an edge layer keeps its prompt
+    assert not make_policy("d2o", budget=16, recent_share=0.5).exact_quota  # 4 sinks + round(5 * 0.5) > 5
+    assert make_policy("merge", budget=16, base="h2o").exact_quota
+    assert not make_policy("merge", budget=64, base="adakv").exact_quota
+    assert POLICIES["trimkv-global"].exact_quota
+
+
+@pytest.mark.parametrize("recent_share", [0.0, 0.25, 0.3, 0.5, 0.75, 1.0])
+@pytest.mark.parametrize("sinks", [1, 4])
+def test_d2o_keeps_min_held_quota_at_every_layer_budget_where_it_claims_an_exact_quota(sinks, recent_share):
+    """D2O's claim is tight: its selection keeps ``min(held, quota)`` at every layer budget it can give
+    (``sinks + 1`` and up) exactly when it claims ``exact_quota``."""
     from helpers import make_layer, random_positions
 
-    layer = make_layer(make_policy("h2o", budget=4, recent=2), random_positions(1, 2, 10, held=10, seed=0))
-    keep = layer.valid.clone()
-    keep[..., :6] = False  # keeps 4 per head
-    with pytest.raises(RuntimeError, match="kept other than 5 tokens per head"):
-        layer.evict(keep, held=5)
-    layer.evict(keep, held=4)
-    assert layer.held().tolist() == [[4, 4]]
+    from kvgates.policies.h2o import CUMULATIVE
+
+    policy = make_policy("d2o", budget=8, sinks=sinks, recent_share=recent_share, merge=False)
+    layer = make_layer(policy, random_positions(2, 2, 30, held=24, seed=1))
+    layer.state[CUMULATIVE].uniform_(generator=torch.Generator().manual_seed(2))
+    kept = {}
+    for q in range(sinks + 1, 27):
+        kept[q] = (policy.select(layer, None, torch.full((2, 2), q)) & layer.valid).sum(-1)
+    exact = all(bool((n == min(24, q)).all()) for q, n in kept.items())
+    assert policy.exact_quota == exact
+
+
+def test_an_eviction_told_its_counts_checks_them_on_the_device():
+    """``evict(counts=...)`` checks on the device (on the CPU at once) that every head kept ``min(held, quota)``
+    instead of reading the counts back: against one number where every head was told as many, else against the
+    quota."""
+    from helpers import make_layer, random_positions
+
+    def evict(quota, counts):
+        layer = make_layer(make_policy("h2o", budget=4, recent=2), random_positions(1, 2, 10, held=10, seed=0))
+        keep = layer.valid.clone()
+        keep[..., :6] = False  # keeps 4 per head
+        layer.quota = torch.tensor([quota])
+        layer.evict(keep, counts=counts)
+        return layer
+
+    for quota, counts in [([5, 5], ([5, 5], [5, 5])), ([4, 5], ([4, 5], [4, 5]))]:
+        with pytest.raises(RuntimeError, match=r"kept other than min\(held, quota\)"):
+            evict(quota, counts)
+    assert evict([4, 4], ([4, 4], [4, 4])).held().tolist() == [[4, 4]]

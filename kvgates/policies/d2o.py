@@ -91,6 +91,20 @@ class D2O(CumulativeAttention, PerStepEviction):
         if not 0.0 < self.beta <= 1.0:
             raise ValueError(f"{self.name}: beta must be in (0, 1], got {self.beta}")
         self._one_of("merge_rule", MERGE_RULES)
+        # Every layer budget is at least ``sinks + 1`` (``_allocate``) unless the edge layers keep their prompt; the
+        # sinks and the recent share of a budget that small fit it, then those of any larger one do (both grow by at
+        # most one token a token), and ``select`` keeps exactly min(held, budget).
+        smallest = torch.tensor([self.sinks + 1])
+        self._exact_quota = not self.protect_edge_layers and bool(self.sinks + self._recent(smallest) <= smallest)
+
+    @property
+    def exact_quota(self) -> bool:
+        """Whether every layer budget leaves room for the forced slots (see ``__post_init__``)."""
+        return self._exact_quota
+
+    def _recent(self, quota: torch.Tensor) -> torch.Tensor:
+        """The recent window of each layer budget in ``quota``."""
+        return torch.round(quota * self.recent_share).long()
 
     @property
     def schedule(self) -> Schedule:
@@ -103,11 +117,10 @@ class D2O(CumulativeAttention, PerStepEviction):
 
     def select(self, layer, stats: AttnStats | None, quota: torch.Tensor) -> torch.Tensor:
         """Sinks + the recent share of ``quota`` + the top cumulative scores for the rest; evicted tokens merge."""
-        recent = torch.round(quota * self.recent_share).long()
-        forced = sink_mask(layer, self.sinks) | recent_mask(layer, recent)
+        forced = sink_mask(layer, self.sinks) | recent_mask(layer, self._recent(quota))
         keep = keep_forced_and_top(layer, layer.state[CUMULATIVE], quota, forced)
         if self.merge:
-            merge_evicted(layer, keep, self.layer_state(layer), self.beta, self.merge_rule)
+            merge_evicted(layer, keep, self.layer_state(layer), self.beta, self.merge_rule, exact=self.exact_quota)
         return keep
 
     def after_layer(self, layer, stats: AttnStats) -> None:

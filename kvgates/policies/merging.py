@@ -37,10 +37,10 @@ class MergeState(LayerState):
     tau: torch.Tensor | None = None
 
 
-def _slots_of(mask: torch.Tensor, at_least: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _slots_of(mask: torch.Tensor, at_least: int = 0, most: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices ``[B, H, n]`` of the slots set in ``mask`` (padded to the largest count, at least ``at_least``) and
-    which of them are real."""
-    count = max(int(mask.sum(-1).max()), at_least)
+    which of them are real. ``most``: the largest count, when the host knows it (else it is read back)."""
+    count = max(int(mask.sum(-1).max()) if most is None else most, at_least)
     order = torch.argsort((~mask).to(torch.uint8), dim=-1, stable=True)[..., :count]
     return order, torch.gather(mask, -1, order)
 
@@ -49,16 +49,20 @@ def _gather_slots(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.gather(t, 2, idx[..., None].expand(*idx.shape, t.shape[-1]))
 
 
-def best_matches(keys: torch.Tensor, evicted: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def best_matches(
+    keys: torch.Tensor, evicted: torch.Tensor, kept: torch.Tensor, most: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, ...]:
     """For every evicted slot of each head, its most similar kept slot by key cosine similarity.
 
     Returns ``(evicted slot indices [B, H, E], real [B, H, E], best similarity, kept slot indices [B, H, K],
     target [B, H, E])``: evicted token ``i`` matches kept slot ``kept[..., target[..., i]]``. Evicted keys are
     compared with the kept ones only, one tile of evicted tokens at a time (``row_tile``), so memory follows
-    ``E x K`` tiles rather than every slot against every slot.
+    ``E x K`` tiles rather than every slot against every slot. ``most``: the most evicted and kept slots a head
+    has, when the host knows them.
     """
-    idx, real = _slots_of(evicted)
-    kept_idx, kept_real = _slots_of(kept, at_least=1)
+    most_evicted, most_kept = (None, None) if most is None else most
+    idx, real = _slots_of(evicted, most=most_evicted)
+    kept_idx, kept_real = _slots_of(kept, at_least=1, most=most_kept)
     ke = torch.nn.functional.normalize(_gather_slots(keys, idx).float(), dim=-1)
     kk = torch.nn.functional.normalize(_gather_slots(keys, kept_idx).float(), dim=-1).transpose(-1, -2)
     b, h, e = idx.shape
@@ -75,20 +79,29 @@ def best_matches(keys: torch.Tensor, evicted: torch.Tensor, kept: torch.Tensor) 
     return idx, real, best_t.nan_to_num(0.0, neginf=0.0), kept_idx, target_t
 
 
-def merge_evicted(layer: BudgetLayer, keep: torch.Tensor, state: MergeState, beta: float = 0.7, rule: str = "paper") -> None:
+def merge_evicted(
+    layer: BudgetLayer, keep: torch.Tensor, state: MergeState, beta: float = 0.7, rule: str = "paper", exact: bool = False
+) -> None:
     """Merge the tokens ``keep`` evicts into their most similar kept token, in place on ``layer``'s storage,
-    updating the threshold in ``state``."""
+    updating the threshold in ``state``. ``exact``: ``keep`` holds ``min(held, quota)`` tokens per head
+    (``Policy.exact_quota``), so where the host knows the layer (``BudgetLayer.exact_counts``) it knows how many
+    each head evicts and keeps, and nothing is read back."""
     if rule not in MERGE_RULES:
         raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
+    counts = layer.exact_counts() if exact else None
     evicted_all = layer.valid & ~keep
-    if not bool(evicted_all.any()):
+    if not (bool(evicted_all.any()) if counts is None else counts[0] != layer.fill):
         return
     # Pass 1: best match of every evicted token, per group of heads sharing a storage layout.
     matches = []
     for heads, k, v, _ in layer.head_views():
         c = k.shape[2]
         evicted, kept = evicted_all[:, heads, :c], keep[:, heads, :c] & layer.valid[:, heads, :c]
-        matches.append((k, v, *best_matches(k, evicted, kept)))
+        most = None
+        if counts is not None:  # in head h a sequence evicts fill[h] - kept, at most fill[h] - least[h]
+            least, most_kept = counts[0][heads], counts[1][heads]
+            most = (max(f - n for f, n in zip(layer.fill[heads], least)), max(most_kept))
+        matches.append((k, v, *best_matches(k, evicted, kept, most)))
     # The threshold: one EMA per sequence over every evicted token of the layer.
     total = sum((best * real).sum((1, 2)) for _, _, _, real, best, _, _ in matches)
     count = sum(real.sum((1, 2)) for _, _, _, real, _, _, _ in matches)
@@ -99,7 +112,7 @@ def merge_evicted(layer: BudgetLayer, keep: torch.Tensor, state: MergeState, bet
     # Pass 2: merge, computed over the kept slots (the only ones that receive) and written back to them.
     for k, v, idx, real, best, kept_idx, target in matches:
         merging = real & (best >= tau[:, None, None])
-        if not bool(merging.any()):
+        if counts is None and not bool(merging.any()):  # (a step that merges nothing writes the kept values back)
             continue
         if rule == "paper":
             w = torch.where(merging, best.exp(), torch.zeros_like(best))
@@ -151,5 +164,10 @@ class Merge(Wrapper):
 
     def select(self, layer, stats: AttnStats | None, quota: torch.Tensor) -> torch.Tensor:
         keep = self.inner.select(layer, stats, quota)
-        merge_evicted(layer, keep, self.layer_state(layer), self.beta, self.merge_rule)
+        merge_evicted(layer, keep, self.layer_state(layer), self.beta, self.merge_rule, exact=self.exact_quota)
         return keep
+
+    @property
+    def exact_quota(self) -> bool:
+        """The wrapped policy's: merging changes the kept tokens' keys and values, not which are kept."""
+        return self.inner.exact_quota

@@ -69,6 +69,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.free_floor = 0  # free slots every head of every sequence has at least, known on the host
         self._quota_source: int | torch.Tensor | None = None  # the policy's quota ``quota`` was built from
         self._least_quota = 0  # its least entry, on the host
+        self._quota_range: tuple[list[int], list[int]] = ([], [])  # per head, its least and largest entry, on the host
         self._policy_states: dict[int, LayerState] = {}
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.is_compileable = cache.static  # decode steps compile once the prompt is stored (``static``)
@@ -155,6 +156,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.keys = self.values = self.pos = self.slot_data = self.quota = None
         self.head_slots, self._policy_states = [], {}
         self.fill, self.packed, self._quota_source, self.free_floor = [], False, None, 0
+        self._least_quota, self._quota_range = 0, ([], [])
         self.seen, self.decoding, self.decode_steps, self._pending, self.decoded = 0, False, 0, None, None
         self._derived = {}
         self.is_initialized = False
@@ -221,22 +223,35 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         schedule = policy.schedule
         quota = policy.quota(self, stats)
         if not (quota is self._quota_source or (isinstance(quota, int) and quota == self._quota_source)):
-            # A new quota: its least entry is read once, then the host can tell when nobody is over it.
+            # A new quota: its range per head is read once (an int's is known), then the host can tell who is over.
             self.quota = self._quota_tensor(quota)
-            self._quota_source, self._least_quota = quota, int(self.quota.min())
+            if isinstance(quota, int):
+                least = most = [quota] * self.num_kv_heads
+            else:
+                least, most = torch.stack([self.quota.amin(0), self.quota.amax(0)]).tolist()
+            self._quota_source, self._least_quota, self._quota_range = quota, min(least), (least, most)
         if self.packed:  # every sequence holds fill[h] tokens in head h: the host decides, without a sync
-            if max(self.fill) <= self._least_quota + schedule.tolerance:
+            least, most = self._quota_range
+            if all(f <= q + schedule.tolerance for f, q in zip(self.fill, least)):  # nobody is over
                 return
-            if isinstance(quota, int):  # then every sequence is over
-                # Every head of every sequence holding fill[0] tokens keeps min(fill[0], quota) of them.
-                held = min(self.fill[0], quota) if policy.exact_quota and len(set(self.fill)) == 1 else None
-                self.evict(policy.select(self, stats, self.quota), slack=schedule.slack, held=held)
+            if any(f > q + schedule.tolerance for f, q in zip(self.fill, most)):  # every sequence is over in a head
+                counts = self.exact_counts() if policy.exact_quota else None
+                self.evict(policy.select(self, stats, self.quota), slack=schedule.slack, counts=counts)
                 return
         over = (self.held() > self.quota + schedule.tolerance).any(-1)  # [B]
         if not bool(over.any()):
             return
         keep = policy.select(self, stats, self.quota)
         self.evict(torch.where(over[:, None, None], keep, self.valid), slack=schedule.slack)
+
+    def exact_counts(self) -> tuple[list[int], list[int]] | None:
+        """Per head, the least and the most tokens a sequence keeps under a selection of exactly ``min(held,
+        quota)`` (``Policy.exact_quota``), known on the host: a packed layer's ``fill`` against the quota's range;
+        None where only the device knows (unpacked, or no quota yet)."""
+        if not self.packed or self._quota_source is None:
+            return None
+        least, most = self._quota_range
+        return [min(f, q) for f, q in zip(self.fill, least)], [min(f, q) for f, q in zip(self.fill, most)]
 
     def step(self, stats: AttnStats) -> None:
         """Run the policy after this layer's attention: ``observe``, ``enforce`` when the schedule says so,

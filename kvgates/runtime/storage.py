@@ -45,8 +45,8 @@ class SlotStorage:
     """Keys, values, positions and per-slot state of one layer, and the operations that write and evict them.
 
     A base of ``BudgetLayer``, which sets the shapes (``batch_size``, ``num_kv_heads``, ``device``, ``dtype``) and
-    allocates empty storage on its first update (``lazy_initialization``); ``ragged`` says whether heads may get
-    different numbers of slots after an eviction.
+    allocates empty storage on its first update (``lazy_initialization``) and holds the ``quota`` an eviction may be
+    checked against; ``ragged`` says whether heads may get different numbers of slots after an eviction.
     """
 
     ragged = False
@@ -261,25 +261,30 @@ class SlotStorage:
         self.free_floor = min(c - f for c, f in zip(self.head_slots, self.fill)) if packed else self.free_floor - n
         return slots
 
-    def evict(self, keep: torch.Tensor, slack: int = 1, held: int | None = None) -> None:
+    def evict(self, keep: torch.Tensor, slack: int = 1, counts: tuple[list[int], list[int]] | None = None) -> None:
         """Drop every valid slot not in ``keep`` (``[B, H_kv, max_slots]`` bool) and compact each head's kept
         tokens to its first slots.
 
         After eviction each head has what it holds (max over the batch) plus ``slack`` free slots for the tokens
         that arrive before the next eviction (storage shrinks when oversized); heads have different numbers of
         slots only when the layer is ``ragged`` (the policy asks for ragged heads). Called by ``enforce`` only.
-        ``held``: the tokens every head of every sequence keeps, when the host knows it (checked on the device,
-        not read back: the eviction then waits for nothing).
+        ``counts``: per head, the least and the most tokens a sequence keeps, when the host knows them because
+        ``keep`` holds ``min(held, quota)`` tokens in every head of every sequence (``BudgetLayer.exact_counts``);
+        that is checked on the device instead of the counts being read back, and the eviction then waits for nothing.
         """
         fill = self.dense_fill
-        keep = keep & self.valid
+        valid = self.valid
+        keep = keep & valid
+        if counts is not None:  # what each head of each sequence keeps, min(held, quota): one number where all keep as many
+            uniform = counts[0] == counts[1] and len(set(counts[1])) == 1
+            expected = counts[1][0] if uniform else torch.minimum(valid.sum(-1), self.quota)
         self.pos = torch.where(keep, self.pos, torch.full_like(self.pos, -1))
         kept = keep.sum(-1)  # [B, H_kv]
-        if held is None:
+        if counts is None:
             least, most = torch.stack([kept.amin(0), kept.amax(0)]).tolist()  # the eviction's one host sync
         else:
-            torch._assert_async((kept == held).all(), f"layer {self.layer_idx}: the policy kept other than {held} tokens per head")
-            least = most = [held] * self.num_kv_heads
+            torch._assert_async((kept == expected).all(), f"layer {self.layer_idx}: the policy kept other than min(held, quota) tokens")
+            least, most = counts
         need = [n + slack for n in most] if self.ragged else [max(most) + slack] * len(most)
         if fill is not None and least == most and len(set(most)) == 1 and need[0] >= self.max_slots:
             self._fill_holes(keep, fill, most[0])
