@@ -134,6 +134,19 @@ def test_growing_ragged_storage_keeps_every_heads_slots():
         assert torch.equal(layer.slot_data[:, h, c:], layer.state_init.expand_as(layer.slot_data[:, h, c:]))
 
 
+def decode_step_reads(model, name, ids, **overrides):
+    """(the ``Launches`` of the third decode step after the prompt ``ids[:, :PROMPT]``, the cache, the policy)."""
+    with policy_on(model, name, BUDGET, **overrides) as policy:
+        cache = BudgetCache(model.config, policy)
+        with torch.no_grad():
+            model(ids[:, :PROMPT], past_key_values=cache)
+            for t in range(PROMPT, PROMPT + 2):
+                model(ids[:, t : t + 1], past_key_values=cache)
+            with Launches() as step:
+                model(ids[:, -1:], past_key_values=cache)
+    return step, cache, policy
+
+
 @pytest.mark.parametrize(
     "name", ["full", "snapkv", "pyramidkv", "adakv", "streaming_llm", "h2o", "tova", "morphkv", "trimkv", "trimkv-morph"]
 )
@@ -144,14 +157,7 @@ def test_a_decode_step_reads_nothing_back_from_the_device(tiny, name):
     counted their free slots each step)."""
     _, model = tiny
     ids = torch.randint(1, 128, (2, PROMPT + 3), generator=torch.Generator().manual_seed(5))
-    with policy_on(model, name, BUDGET) as policy:
-        cache = BudgetCache(model.config, policy)
-        with torch.no_grad():
-            model(ids[:, :PROMPT], past_key_values=cache)
-            for t in range(PROMPT, PROMPT + 2):
-                model(ids[:, t : t + 1], past_key_values=cache)
-            with Launches() as step:
-                model(ids[:, -1:], past_key_values=cache)
+    step, cache, policy = decode_step_reads(model, name, ids)
     assert step.sync_ops == {}
     if policy.schedule.decode_every:
         assert max(int(layer.held().max()) for layer in cache.budget_layers) == BUDGET
@@ -177,7 +183,7 @@ def test_evicting_from_a_full_dense_layer_moves_the_last_slots_into_the_holes(mo
     for (i, h), dropped in rows.items():
         keep[i, h, dropped] = False
     keys, values, state = layer.keys.view(b, hkv, c, -1).clone(), layer.values.view(b, hkv, c, -1).clone(), layer.slot_data.clone()
-    layer.evict(keep, slack=moved, held=c - moved)
+    layer.evict(keep, slack=moved, counts=([c - moved] * hkv, [c - moved] * hkv))
     assert layer.fill == [c - moved] * hkv and layer.packed
     for (i, h), dropped in rows.items():
         held = layer.pos[i, h, : c - moved].tolist()
@@ -187,3 +193,21 @@ def test_evicting_from_a_full_dense_layer_moves_the_last_slots_into_the_holes(mo
             assert torch.equal(layer.keys.view(b, hkv, c, -1)[i, h, s], keys[i, h, p])
             assert torch.equal(layer.values.view(b, hkv, c, -1)[i, h, s], values[i, h, p])
             assert torch.equal(layer.slot_data[i, h, s], state[i, h, p])
+
+
+@pytest.mark.parametrize("name", ["d2o", "merge", "trimkv-global"])
+def test_an_evicting_decode_step_that_merges_or_decides_across_layers_reads_back_at_most_its_layout(tiny, name):
+    """D2O (per-sequence layer budgets, merging), merging over H2O and global TRIM-KV on a batch whose sequences
+    hold as many tokens (the same prompt twice, so D2O gives them the same budgets): their decode step evicts
+    without reading anything back (before: 7, 5 and 4.75 reads per layer and step). Global TRIM-KV's one read per
+    layer remains: how many tokens each head keeps after the selection across layers decides its storage."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, PROMPT + 3), generator=torch.Generator().manual_seed(5)).repeat(2, 1)
+    step, cache, _ = decode_step_reads(model, name, ids)
+    layers = cache.budget_layers
+    assert step.sync_ops == ({"tolist": len(layers)} if name == "trimkv-global" else {})
+    if name == "trimkv-global":  # the global budget, every layer still packed
+        assert all(layer.packed for layer in layers)
+        assert sum(int(layer.held()[0].sum()) for layer in layers) == BUDGET * len(layers) * layers[0].num_kv_heads
+    else:
+        assert all(int(layer.held().max()) == int(layer.quota.max()) for layer in layers)

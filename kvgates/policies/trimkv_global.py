@@ -7,17 +7,24 @@ from dataclasses import dataclass
 import torch
 
 from kvgates.policies.base import NEVER, Schedule, register_policy
-from kvgates.policies.selection import topk_mask
+from kvgates.policies.selection import top_held, topk_mask
 from kvgates.policies.trimkv import TrimKV
 from kvgates.runtime.state import LayerState
 from kvgates.runtime.stats import AttnStats
 
 
 def global_keep(
-    scores: list[torch.Tensor], valid: list[torch.Tensor], forced: list[torch.Tensor], positions: list[torch.Tensor], total: int
+    scores: list[torch.Tensor],
+    valid: list[torch.Tensor],
+    forced: list[torch.Tensor],
+    positions: list[torch.Tensor],
+    total: int,
+    held: int | None = None,
 ) -> list[torch.Tensor]:
     """Keep masks per layer: the forced slots plus the best-scoring others over *all* layers and heads, so that
-    each sequence keeps ``total`` tokens in all (ties: more recent first)."""
+    each sequence keeps ``total`` tokens in all (ties: more recent first). ``held``: the tokens every sequence
+    holds, when the host knows it; the candidates beyond the room are then at most ``held - total``, and the
+    ranking reads nothing back."""
     b = scores[0].shape[0]
 
     def flat(ts: list[torch.Tensor]) -> torch.Tensor:  # [B, 1, all slots of all layers and heads]
@@ -25,7 +32,8 @@ def global_keep(
 
     all_valid, all_forced = flat(valid), flat(forced) & flat(valid)
     room = (total - all_forced.sum(-1)).clamp(min=0)
-    keep = all_forced | topk_mask(flat(scores), room, all_valid & ~all_forced, flat(positions))
+    excess = None if held is None else held - total
+    keep = all_forced | topk_mask(flat(scores), room, all_valid & ~all_forced, flat(positions), excess=excess)
     out, start = [], 0
     for s in scores:
         n = s[0].numel()
@@ -61,6 +69,7 @@ class TrimKVGlobal(TrimKV):
 
     name = "trimkv-global"
     sync_free_decode = False  # one selection across layers, ragged heads
+    exact_quota = True  # each layer's quota is what its share of the selection keeps (never more than it holds)
     ragged_heads = True
     state_type = GlobalKeep
 
@@ -88,16 +97,19 @@ class TrimKVGlobal(TrimKV):
         total = self.budget * len(layers) * layers[0].num_kv_heads
         held = sum(other.held().sum(-1).to(device) for other in layers)  # [B]
         over = held > total + self.buffer  # only these sequences evict
-        if not bool(over.any()):
+        # What every sequence holds, on the host, when every layer is packed (then every sequence is over or none).
+        fills = [other.fill if other.packed else None for other in layers]
+        held_all = None if None in fills else sum(map(sum, fills))
+        if not (bool(over.any()) if held_all is None else held_all > total + self.buffer):
             return
         scores, valid, forced, positions = [], [], [], []
         for other in layers:
             s, window = self.score(other, None)
             scores.append(s.to(device))
             valid.append(other.valid.to(device))
-            forced.append((window | topk_mask(s, self.min_per_head, other.valid, other.pos)).to(device))
+            forced.append((window | top_held(other, s, self.min_per_head, other.valid)).to(device))
             positions.append(other.pos.to(device))
-        for other, keep in zip(layers, global_keep(scores, valid, forced, positions, total)):
+        for other, keep in zip(layers, global_keep(scores, valid, forced, positions, total, held_all)):
             state = self.layer_state(other)
             state.keep = torch.where(over.to(other.device)[:, None, None], keep.to(other.device), other.valid)
             other.enforce(None)
