@@ -250,15 +250,17 @@ def test_an_eviction_told_its_counts_checks_them_on_the_device():
     quota."""
     from helpers import make_layer, random_positions
 
-    def evict(quota, counts):
+    from kvgates.runtime.storage import KeptCounts
+
+    def evict(quota, kept):
         layer = make_layer(make_policy("h2o", budget=4, recent=2), random_positions(1, 2, 10, held=10, seed=0))
         keep = layer.valid.clone()
         keep[..., :6] = False  # keeps 4 per head
         layer.quota = torch.tensor([quota])
-        layer.evict(keep, counts=counts)
+        layer.evict(keep, counts=KeptCounts(kept, kept, [10 - n for n in kept]))
         return layer
 
-    for quota, counts in [([5, 5], ([5, 5], [5, 5])), ([4, 5], ([4, 5], [4, 5]))]:
+    for quota in ([5, 5], [4, 5]):
         with pytest.raises(RuntimeError, match=r"kept other than min\(held, quota\)"):
-            evict(quota, counts)
-    assert evict([4, 4], ([4, 4], [4, 4])).held().tolist() == [[4, 4]]
+            evict(quota, quota)
+    assert evict([4, 4], [4, 4]).held().tolist() == [[4, 4]]

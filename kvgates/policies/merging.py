@@ -90,7 +90,7 @@ def merge_evicted(
         raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
     counts = layer.exact_counts() if exact else None
     evicted_all = layer.valid & ~keep
-    if not (bool(evicted_all.any()) if counts is None else counts[0] != layer.fill):
+    if not (bool(evicted_all.any()) if counts is None else any(counts.evicted)):
         return
     # Pass 1: best match of every evicted token, per group of heads sharing a storage layout.
     matches = []
@@ -98,9 +98,8 @@ def merge_evicted(
         c = k.shape[2]
         evicted, kept = evicted_all[:, heads, :c], keep[:, heads, :c] & layer.valid[:, heads, :c]
         most = None
-        if counts is not None:  # in head h a sequence evicts fill[h] - kept, at most fill[h] - least[h]
-            least, most_kept = counts[0][heads], counts[1][heads]
-            most = (max(f - n for f, n in zip(layer.fill[heads], least)), max(most_kept))
+        if counts is not None:
+            most = (max(counts.evicted[heads]), max(counts.most[heads]))
         matches.append((k, v, *best_matches(k, evicted, kept, most)))
     # The threshold: one EMA per sequence over every evicted token of the layer.
     total = sum((best * real).sum((1, 2)) for _, _, _, real, best, _, _ in matches)

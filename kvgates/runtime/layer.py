@@ -25,7 +25,7 @@ from transformers.cache_utils import CacheLayerMixin
 from kvgates.runtime.dispatch import AttentionDispatch
 from kvgates.runtime.state import LayerState
 from kvgates.runtime.stats import AttnStats, Phase
-from kvgates.runtime.storage import SlotStorage
+from kvgates.runtime.storage import KeptCounts, SlotStorage
 
 if TYPE_CHECKING:
     from kvgates.runtime.cache import BudgetCache
@@ -70,6 +70,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self._quota_source: int | torch.Tensor | None = None  # the policy's quota ``quota`` was built from
         self._least_quota = 0  # its least entry, on the host
         self._quota_range: tuple[list[int], list[int]] = ([], [])  # per head, its least and largest entry, on the host
+        self.held_over_quota: int | None = None  # every head of every sequence holds its quota plus this, on the host
         self._policy_states: dict[int, LayerState] = {}
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.is_compileable = cache.static  # decode steps compile once the prompt is stored (``static``)
@@ -113,6 +114,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.values = value_states.new_zeros((b, 0, value_states.shape[-1]))
         self.head_slots = [0] * hkv
         self.fill, self.packed, self.free_floor = [0] * hkv, False, 0  # packed once written to (``_free_slots``) or compacted
+        self.held_over_quota = None
         self.pos = torch.full((b, hkv, 0), -1, dtype=torch.int64, device=self.device)
         specs = self.cache.policy.slot_state()
         self._state_layout, offset = {}, 0
@@ -156,7 +158,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.keys = self.values = self.pos = self.slot_data = self.quota = None
         self.head_slots, self._policy_states = [], {}
         self.fill, self.packed, self._quota_source, self.free_floor = [], False, None, 0
-        self._least_quota, self._quota_range = 0, ([], [])
+        self._least_quota, self._quota_range, self.held_over_quota = 0, ([], []), None
         self.seen, self.decoding, self.decode_steps, self._pending, self.decoded = 0, False, 0, None, None
         self._derived = {}
         self.is_initialized = False
@@ -174,7 +176,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         for state in self._policy_states.values():
             state.select_batch(fn)
         self.batch_size = self.keys.shape[0]
-        self._derived = {}
+        self._derived, self.held_over_quota = {}, None
         if self.static:  # new tensors: mark them as static addresses again
             self.settle(self.max_slots)
 
@@ -200,7 +202,9 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
     @property
     def over_quota_bound(self) -> int | None:
         """How many tokens a head of a sequence may hold beyond its entry of ``quota``, at most, known on the host
-        (``most_held`` and the quota's least entry); None where only the device knows."""
+        (``held_over_quota``, or ``most_held`` and the quota's least entry); None where only the device knows."""
+        if self.held_over_quota is not None:
+            return self.held_over_quota
         most = self.most_held
         return None if most is None or self._quota_source is None else most - self._least_quota
 
@@ -230,28 +234,51 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             else:
                 least, most = torch.stack([self.quota.amin(0), self.quota.amax(0)]).tolist()
             self._quota_source, self._least_quota, self._quota_range = quota, min(least), (least, most)
+            self.held_over_quota = None  # it was counted against the previous quota
+        if self.held_over_quota is not None:  # every head holds its quota plus as many: everybody is over, or nobody
+            if self.held_over_quota > schedule.tolerance:
+                self._evict_everyone(stats)
+            return
         if self.packed:  # every sequence holds fill[h] tokens in head h: the host decides, without a sync
             least, most = self._quota_range
             if all(f <= q + schedule.tolerance for f, q in zip(self.fill, least)):  # nobody is over
                 return
             if any(f > q + schedule.tolerance for f, q in zip(self.fill, most)):  # every sequence is over in a head
-                counts = self.exact_counts() if policy.exact_quota else None
-                self.evict(policy.select(self, stats, self.quota), slack=schedule.slack, counts=counts)
+                self._evict_everyone(stats)
                 return
-        over = (self.held() > self.quota + schedule.tolerance).any(-1)  # [B]
-        if not bool(over.any()):
-            return
-        keep = policy.select(self, stats, self.quota)
-        self.evict(torch.where(over[:, None, None], keep, self.valid), slack=schedule.slack)
+        held = self.held()
+        over = (held > self.quota + schedule.tolerance).any(-1)  # [B]
+        # One read: whether anybody is over, and whether every head ends at its quota (an exact selection's over ones).
+        at_quota = torch.where(over[:, None], held >= self.quota, held == self.quota).all()
+        anybody, full = torch.stack([over.any(), at_quota]).tolist()
+        if anybody:
+            keep = policy.select(self, stats, self.quota)
+            self.evict(torch.where(over[:, None, None], keep, self.valid), slack=schedule.slack)
+        self.held_over_quota = 0 if full and (policy.exact_quota or not anybody) else None
 
-    def exact_counts(self) -> tuple[list[int], list[int]] | None:
-        """Per head, the least and the most tokens a sequence keeps under a selection of exactly ``min(held,
-        quota)`` (``Policy.exact_quota``), known on the host: a packed layer's ``fill`` against the quota's range;
-        None where only the device knows (unpacked, or no quota yet)."""
-        if not self.packed or self._quota_source is None:
+    def _evict_everyone(self, stats: AttnStats | None) -> None:
+        """Evict every sequence (the host knows that each is over its quota) to the policy's selection; an exact one
+        evicts with counts known on the host, and one that leaves every head at its quota starts the count of
+        ``held_over_quota``."""
+        policy = self.cache.policy
+        counts = self.exact_counts() if policy.exact_quota else None
+        self.evict(policy.select(self, stats, self.quota), slack=policy.schedule.slack, counts=counts)
+        full = counts is not None and (counts.least, counts.most) == self._quota_range
+        self.held_over_quota = 0 if full else None
+
+    def exact_counts(self) -> KeptCounts | None:
+        """Per head, what a sequence keeps and evicts under a selection of exactly ``min(held, quota)``
+        (``Policy.exact_quota``), known on the host: from ``held_over_quota``, or a packed layer's ``fill`` against the
+        quota's range; None where only the device knows."""
+        if self._quota_source is None:
             return None
         least, most = self._quota_range
-        return [min(f, q) for f, q in zip(self.fill, least)], [min(f, q) for f, q in zip(self.fill, most)]
+        if self.held_over_quota is not None:
+            return KeptCounts(least, most, [self.held_over_quota] * self.num_kv_heads)
+        if not self.packed:
+            return None
+        kept = [min(f, q) for f, q in zip(self.fill, least)]
+        return KeptCounts(kept, [min(f, q) for f, q in zip(self.fill, most)], [f - k for f, k in zip(self.fill, kept)])
 
     def step(self, stats: AttnStats) -> None:
         """Run the policy after this layer's attention: ``observe``, ``enforce`` when the schedule says so,
@@ -293,6 +320,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.seen, self.decode_steps = self.seen + steps, self.decode_steps + steps
         self.decoded.zero_()
         self.free_floor = 0  # static steps took free slots (``write_free``) without the host counting them
+        self.held_over_quota = None
 
     def step_static(self, stats: AttnStats) -> None:
         """``step`` for a static decode step: ``observe``, then the schedule's eviction as a mask (every sequence

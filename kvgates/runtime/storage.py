@@ -31,6 +31,7 @@ and with fixed shapes, so that the step can be compiled (and captured as a CUDA 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -41,12 +42,22 @@ from kvgates.runtime.state import StateViews
 POS_BIG = torch.iinfo(torch.int64).max
 
 
+class KeptCounts(NamedTuple):
+    """What an eviction leaves, per head, known on the host: the least and the most tokens a sequence keeps, and
+    the most it evicts."""
+
+    least: list[int]
+    most: list[int]
+    evicted: list[int]
+
+
 class SlotStorage:
     """Keys, values, positions and per-slot state of one layer, and the operations that write and evict them.
 
     A base of ``BudgetLayer``, which sets the shapes (``batch_size``, ``num_kv_heads``, ``device``, ``dtype``) and
     allocates empty storage on its first update (``lazy_initialization``) and holds the ``quota`` an eviction may be
-    checked against; ``ragged`` says whether heads may get different numbers of slots after an eviction.
+    checked against and ``held_over_quota``, which writes count on; ``ragged`` says whether heads may get different
+    numbers of slots after an eviction.
     """
 
     ragged = False
@@ -258,33 +269,35 @@ class SlotStorage:
                 self.slot_data.scatter_(2, slots[..., None].expand(b, hkv, n, f), self.state_init.expand(b, hkv, n, f).clone())
         self.fill = [f + n for f in self.fill] if packed else list(self.head_slots)
         self.packed = packed and all_real
+        if self.held_over_quota is not None:  # every head of every sequence gained n tokens, unless some were padding
+            self.held_over_quota = self.held_over_quota + n if all_real else None
         self.free_floor = min(c - f for c, f in zip(self.head_slots, self.fill)) if packed else self.free_floor - n
         return slots
 
-    def evict(self, keep: torch.Tensor, slack: int = 1, counts: tuple[list[int], list[int]] | None = None) -> None:
+    def evict(self, keep: torch.Tensor, slack: int = 1, counts: KeptCounts | None = None) -> None:
         """Drop every valid slot not in ``keep`` (``[B, H_kv, max_slots]`` bool) and compact each head's kept
         tokens to its first slots.
 
         After eviction each head has what it holds (max over the batch) plus ``slack`` free slots for the tokens
         that arrive before the next eviction (storage shrinks when oversized); heads have different numbers of
         slots only when the layer is ``ragged`` (the policy asks for ragged heads). Called by ``enforce`` only.
-        ``counts``: per head, the least and the most tokens a sequence keeps, when the host knows them because
-        ``keep`` holds ``min(held, quota)`` tokens in every head of every sequence (``BudgetLayer.exact_counts``);
+        ``counts``: what each head keeps, when the host knows it because ``keep`` holds ``min(held, quota)`` tokens
+        in every head of every sequence (``BudgetLayer.exact_counts``);
         that is checked on the device instead of the counts being read back, and the eviction then waits for nothing.
         """
         fill = self.dense_fill
         valid = self.valid
         keep = keep & valid
         if counts is not None:  # what each head of each sequence keeps, min(held, quota): one number where all keep as many
-            uniform = counts[0] == counts[1] and len(set(counts[1])) == 1
-            expected = counts[1][0] if uniform else torch.minimum(valid.sum(-1), self.quota)
+            uniform = counts.least == counts.most and len(set(counts.most)) == 1
+            expected = counts.most[0] if uniform else torch.minimum(valid.sum(-1), self.quota)
         self.pos = torch.where(keep, self.pos, torch.full_like(self.pos, -1))
         kept = keep.sum(-1)  # [B, H_kv]
         if counts is None:
             least, most = torch.stack([kept.amin(0), kept.amax(0)]).tolist()  # the eviction's one host sync
         else:
             torch._assert_async((kept == expected).all(), f"layer {self.layer_idx}: the policy kept other than min(held, quota) tokens")
-            least, most = counts
+            least, most = counts.least, counts.most
         need = [n + slack for n in most] if self.ragged else [max(most) + slack] * len(most)
         if fill is not None and least == most and len(set(most)) == 1 and need[0] >= self.max_slots:
             self._fill_holes(keep, fill, most[0])
@@ -295,6 +308,7 @@ class SlotStorage:
             self.relayout(order.contiguous(), need)
         self.fill, self.packed = most, least == most
         self.free_floor = min(c - m for c, m in zip(self.head_slots, most))
+        self.held_over_quota = None  # (``enforce`` knows it again after an eviction to the quota)
 
     def _kept_first(self, keep: torch.Tensor, n: int) -> torch.Tensor:
         """``[B, H_kv, <= n]`` slot indices per head: the slots in ``keep`` first, in position order, then the others
@@ -347,6 +361,7 @@ class SlotStorage:
                 order = torch.cat([order, more.expand(*order.shape[:2], -1)], dim=-1)
             self.relayout(order.contiguous(), [slots] * self.num_kv_heads)
         self.fill, self.packed, self.free_floor = list(self.head_slots), False, 0  # decode steps fill slots unseen by the host
+        self.held_over_quota = None
         self._derived = {"state": self._state_views()}  # built here, so that a compiled step finds them built
         if not torch.compiler.is_compiling():
             for tensor in (self.keys, self.values, self.pos, self.slot_data):
