@@ -8,7 +8,8 @@ A policy is a small dataclass of validated parameters. The runtime (``BudgetLaye
 * ``colmax_weights(layer)``: weights of the query rows and slots for a ``colmax`` statistic (default none);
 * ``observe(layer, stats)``: update that state after each attention call;
 * ``schedule``: when it evicts (prompt chunks, every k decode steps, with what tolerance);
-* ``quota(layer, stats)``: how many tokens each head of each sequence may keep (default: ``budget``);
+* ``quota(layer, stats)``: how many tokens each head of each sequence may keep (default: ``budget``), and
+  ``quota_range(layer, quota)`` its range per head where the policy knows it on the host (default: the layer reads it);
 * ``select(layer, stats, quota)``: the keep mask of a sequence over its quota; by default the ``forced`` slots
   plus the best ``scores`` from ``score(layer, stats)``, which is all a scoring policy implements;
 * ``after_layer(layer, stats)``: after each layer's own step, for decisions across layers (D2O, DynamicKV,
@@ -153,6 +154,12 @@ class Policy:
         new tensor for new quotas, never modify a returned one in place."""
         assert self.budget is not None
         return self.budget
+
+    def quota_range(self, layer: BudgetLayer, quota: torch.Tensor) -> tuple[list[int], list[int]] | None:
+        """Per head, the least and the largest entry over the batch of the tensor ``quota`` just returned for
+        ``layer``, when the policy knows them on the host (one read for several layers); None: the layer reads them
+        back once."""
+        return None
 
     def select(self, layer: BudgetLayer, stats: AttnStats | None, quota: torch.Tensor) -> torch.Tensor:
         """Keep mask ``[B, H_kv, C]``: the forced slots plus the best-scoring others, ``quota`` per head."""

@@ -44,9 +44,12 @@ def global_keep(
 
 @dataclass
 class GlobalKeep(LayerState):
-    """This layer's share of the latest global decision (kept slots), while it is being enforced."""
+    """This layer's share of the latest global decision while it is being enforced: the kept slots, how many each
+    head keeps (the layer's quota) and, per head, their least and largest number over the batch (on the host)."""
 
     keep: torch.Tensor | None = None
+    kept: torch.Tensor | None = None
+    kept_range: tuple[list[int], list[int]] | None = None
 
 
 @register_policy
@@ -84,7 +87,10 @@ class TrimKVGlobal(TrimKV):
         return NEVER  # decided for all layers at once, after the last one of every forward (``after_layer``)
 
     def quota(self, layer, stats: AttnStats | None) -> torch.Tensor:
-        return self.layer_state(layer).keep.sum(-1)
+        return self.layer_state(layer).kept
+
+    def quota_range(self, layer, quota: torch.Tensor) -> tuple[list[int], list[int]] | None:
+        return self.layer_state(layer).kept_range
 
     def select(self, layer, stats: AttnStats | None, quota: torch.Tensor) -> torch.Tensor:
         return self.layer_state(layer).keep
@@ -109,8 +115,13 @@ class TrimKVGlobal(TrimKV):
             valid.append(other.valid.to(device))
             forced.append((window | top_held(other, s, self.min_per_head, other.valid)).to(device))
             positions.append(other.pos.to(device))
-        for other, keep in zip(layers, global_keep(scores, valid, forced, positions, total, held_all)):
-            state = self.layer_state(other)
+        states = [self.layer_state(other) for other in layers]
+        for other, state, keep in zip(layers, states, global_keep(scores, valid, forced, positions, total, held_all)):
             state.keep = torch.where(over.to(other.device)[:, None, None], keep.to(other.device), other.valid)
+            state.kept = state.keep.sum(-1)
+        # Every layer's storage follows what its heads keep: one read for all layers (their range over the batch).
+        ranges = torch.stack([torch.stack([s.kept.amin(0), s.kept.amax(0)]).to(device) for s in states]).tolist()
+        for other, state, kept_range in zip(layers, states, ranges):
+            state.kept_range = tuple(kept_range)
             other.enforce(None)
-            state.keep = None
+            state.keep = state.kept = state.kept_range = None

@@ -227,10 +227,14 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         schedule = policy.schedule
         quota = policy.quota(self, stats)
         if not (quota is self._quota_source or (isinstance(quota, int) and quota == self._quota_source)):
-            # A new quota: its range per head is read once (an int's is known), then the host can tell who is over.
+            # A new quota: its range per head is read once (an int's is known, and a policy may know a tensor's),
+            # then the host can tell who is over.
             self.quota = self._quota_tensor(quota)
+            known = None if isinstance(quota, int) else policy.quota_range(self, quota)
             if isinstance(quota, int):
                 least = most = [quota] * self.num_kv_heads
+            elif known is not None:
+                least, most = known
             else:
                 least, most = torch.stack([self.quota.amin(0), self.quota.amax(0)]).tolist()
             self._quota_source, self._least_quota, self._quota_range = quota, min(least), (least, most)
