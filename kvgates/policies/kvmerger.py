@@ -50,21 +50,24 @@ class MergingScan:
         # first_from[j]: the first mergeable token at or after j (n: none), j = 0 .. n.
         open_at = torch.cat([mergeable, mergeable.new_ones((b, h, 1))], -1)
         self.first_from = torch.where(open_at, self.idx, n).flip(-1).cummin(-1).values.flip(-1)
-        # drops[b, h, i, o]: minus the least similarity to anchor i among tokens i+1 .. i+1+o (-inf when one of
-        # them is not mergeable or past the end), non-decreasing in o.
+        # room[b, h, i]: the mergeable tokens right after token i, up to the next one that is not (or the end):
+        # no set anchored at i reaches past them.
+        stop_at = torch.cat([~mergeable, mergeable.new_ones((b, h, 1))], -1)
+        self.room = torch.where(stop_at, self.idx, n).flip(-1).cummin(-1).values.flip(-1)[..., 1:] - self.idx[1:]
+        # drops[b, h, i, o]: minus the least similarity to anchor i among tokens i+1 .. i+1+o, non-decreasing in o
+        # (entries past ``room`` or the end are not read as such: ``starts`` caps the sets at ``room``).
         self.w = w = max(0, min(window, n - 1))
-        # stop[b, h, i, o]: token i+1+o is not mergeable (a sliding window over the padded flags).
-        stop = ~torch.nn.functional.pad(mergeable, (0, w)).unfold(-1, w, 1)[:, :, 1 : n + 1]
         self.drops = self.kn.new_empty((b, h, n, w))
         block = 128  # anchors per matmul, and per prefix maximum (cache-sized)
+        neg = -self.kn
+        order = torch.empty((b, h, block, w), dtype=torch.long, device=keys.device)  # cummax's indices, unused
         for start in range(0, n, block):
             r = min(block, n - start)
-            near = torch.matmul(self.kn[:, :, start : start + r], self.kn[:, :, start : start + r + w].transpose(-1, -2))
-            near = torch.nn.functional.pad(near, (0, start + r + w - min(n, start + r + w)))  # past the end: masked
-            # near[.., i, i + 1 + o]: anchor i's similarity with the o-th token after it, read as a strided view.
+            near = torch.matmul(neg[:, :, start : start + r], self.kn[:, :, start : start + r + w].transpose(-1, -2))
+            near = torch.nn.functional.pad(near, (0, start + r + w - min(n, start + r + w)))
+            # near[.., i, i + 1 + o]: minus anchor i's similarity with the o-th token after it, a strided view.
             band = near.as_strided((b, h, r, w), (h * r * (r + w), r * (r + w), r + w + 1, 1), near.storage_offset() + 1)
-            band = band.neg().masked_fill_(stop[:, :, start : start + r], float("inf"))
-            self.drops[:, :, start : start + r] = band.cummax(-1).values if w else band
+            torch.cummax(band, -1, out=(self.drops[:, :, start : start + r], order[:, :, :r]))
 
     def starts(self, eps: torch.Tensor) -> torch.Tensor:
         """Which tokens open a new merging set, ``[E, B, H, L]``, for each threshold in ``eps`` (``[E, B]``)."""
@@ -73,7 +76,7 @@ class MergingScan:
         b, h = first_from.shape[:2]
         thresh = eps.T[:, None, None, :].expand(-1, h, n, -1).contiguous()  # [B, H, L, E]
         # How many of the tokens after each anchor join its set within the window, per threshold.
-        joined = torch.searchsorted(self.drops, -thresh).permute(3, 0, 1, 2)  # [E, B, H, L]
+        joined = torch.minimum(torch.searchsorted(self.drops, -thresh).permute(3, 0, 1, 2), self.room)  # [E, B, H, L]
         end = idx[:n] + 1 + joined  # where the set anchored there stops, when within the window
         resolved = (joined < self.w) | (end >= n)
         ends = torch.cat([end, end.new_full((e, b, h, 1), n)], -1)
