@@ -64,7 +64,8 @@ class MergingScan:
         for start in range(0, n, block):
             r = min(block, n - start)
             near = torch.matmul(neg[:, :, start : start + r], self.kn[:, :, start : start + r + w].transpose(-1, -2))
-            near = torch.nn.functional.pad(near, (0, start + r + w - min(n, start + r + w)))
+            if start + r + w > n:  # the last blocks: columns past the end (never read as such: ``room``)
+                near = torch.nn.functional.pad(near, (0, start + r + w - n))
             # near[.., i, i + 1 + o]: minus anchor i's similarity with the o-th token after it, a strided view.
             band = near.as_strided((b, h, r, w), (h * r * (r + w), r * (r + w), r + w + 1, 1), near.storage_offset() + 1)
             torch.cummax(band, -1, out=(self.drops[:, :, start : start + r], order[:, :, :r]))
