@@ -75,15 +75,15 @@ class MergingScan:
         e = eps.shape[0]
         n, idx, first_from = self.n, self.idx, self.first_from
         b, h = first_from.shape[:2]
-        thresh = eps.T[:, None, None, :].expand(-1, h, n, -1).contiguous()  # [B, H, L, E]
-        # How many of the tokens after each anchor join its set within the window, per threshold.
-        joined = torch.minimum(torch.searchsorted(self.drops, -thresh).permute(3, 0, 1, 2), self.room)  # [E, B, H, L]
-        end = idx[:n] + 1 + joined  # where the set anchored there stops, when within the window
-        resolved = (joined < self.w) | (end >= n)
-        ends = torch.cat([end, end.new_full((e, b, h, 1), n)], -1)
-        nxt = first_from.expand(e, -1, -1, -1).gather(-1, ends.clamp(max=n))
+        thresh = (-eps).T[:, None, None, :].expand(-1, h, n, -1).contiguous()  # [B, H, L, E], minus eps
+        # How many of the tokens after each anchor join its set within the window, per threshold; the end (n)
+        # joins nothing.
+        joined = torch.minimum(torch.searchsorted(self.drops, thresh).permute(3, 0, 1, 2), self.room)  # [E, B, H, L]
+        joined = torch.nn.functional.pad(joined, (0, 1))
+        end = joined + (idx + 1)  # where the set anchored there stops, when within the window
         # Unresolved anchors (sets longer than the window) point to themselves, and so does the end (n).
-        nxt = torch.where(torch.cat([resolved, resolved.new_ones((e, b, h, 1))], -1), nxt, idx)
+        resolved = (joined < self.w) | (end >= n)
+        nxt = torch.where(resolved, first_from.expand(e, -1, -1, -1).gather(-1, end.clamp_(max=n)), idx)
         jumps = [nxt]  # jumps[k] = next applied 2^k times (chains only move forward)
         while (1 << (len(jumps) - 1)) <= n:
             doubled = jumps[-1].gather(-1, jumps[-1])
