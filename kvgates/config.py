@@ -94,7 +94,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 def build(cls: type[T], raw: Any, where: str) -> T:
     """Dataclass ``cls`` made of mapping ``raw``, its sections built likewise. ``where`` opens each message (a
     file, ``"c.yaml: data"`` for its section; ``""`` when the caller prefixes them). Raises ``ConfigError`` for a
-    value that is not a mapping, an unknown key, a missing required key or a value of the wrong type."""
+    value that is not a mapping, an unknown key, a missing required key or a value of the wrong type, and passes
+    on the ``ConfigError`` of the class's own checks with ``where`` opening it."""
     prefix = f"{where}: " if where else ""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where or 'the config'} must be a mapping, got {raw!r}")
@@ -115,7 +116,10 @@ def build(cls: type[T], raw: Any, where: str) -> T:
     wrong = field_problems(cls, plain)
     if wrong:
         raise ConfigError(f"{prefix}{yaml_hint(wrong[0])}")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:  # the class's own checks (``__post_init__``) name the file too
+        raise ConfigError(f"{prefix}{err}") from None
 
 
 def refuse_unknown(raw: dict[str, Any], known: Iterable[str], where: str) -> None:

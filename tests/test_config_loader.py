@@ -142,3 +142,30 @@ def test_build_finds_sections_from_the_field_types():
     assert build(Top, {"needy": None}, "").needy is None  # an optional section may be null
     with pytest.raises(ConfigError, match="^unknown key 'x'"):  # no where: the caller names the file
         build(Top, {"x": 1}, "")
+
+
+@dataclass
+class Checked:
+    budget: int = 8
+
+    def __post_init__(self) -> None:
+        if self.budget < 1:
+            raise ConfigError(f"budget must be at least 1, got {self.budget}")
+
+
+def test_a_class_s_own_check_names_the_file_as_builds_checks_do():
+    with pytest.raises(ConfigError) as err:
+        build(Checked, {"budget": 0}, "c.yaml")
+    assert one_sentence(err) == "c.yaml: budget must be at least 1, got 0"
+    with pytest.raises(ConfigError, match="^budget must be at least 1"):  # no where: the caller names the file
+        build(Checked, {"budget": 0}, "")
+
+
+def test_a_training_config_s_checks_name_its_file(tmp_path):
+    from train.config import TrainConfig
+
+    path = tmp_path / "c.yaml"
+    path.write_text("kind: trimkv\nbudget: 64\ndata: {mix: [{task: needle, colour: 1}]}\n")
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.load(path)
+    assert one_sentence(err).startswith(f"{path}: data.mix: data source 0 (needle) has unknown keys ['colour']")

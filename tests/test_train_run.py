@@ -373,7 +373,7 @@ def test_a_config_error_under_accelerate_launch_ends_with_the_sentence(tmp_path)
     )
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
-    assert lines[-1] == "train.py: training: learning_rate must be greater than 0, got -1.0", lines
+    assert lines[-1] == f"train.py: {bad}: training: learning_rate must be greater than 0, got -1.0", lines
 
 
 def test_overrides_and_missing_config(tmp_path, tiny_dir):
