@@ -44,8 +44,8 @@ class MergingScan:
         self.kn = torch.nn.functional.normalize(keys.float(), dim=-1)
         self.n = n
         self.idx = torch.arange(n + 1, device=keys.device)
-        # For ``_set_end``: the tokens that stop every set (not mergeable, or the column past the end), so a set
-        # ends at the first token flagged or not similar enough.
+        # For ``_set_end``: the tokens that stop every set (not mergeable), so a set ends at the first token flagged
+        # or not similar enough (at the end, ``n``, when none does).
         self.blocked = ~mergeable[:, :, None, :]
         # first_from[j]: the first mergeable token at or after j (n: none), j = 0 .. n.
         open_at = torch.cat([mergeable, mergeable.new_ones((b, h, 1))], -1)
