@@ -280,7 +280,8 @@ class SlotStorage:
 
         After eviction each head has what it holds (max over the batch) plus ``slack`` free slots for the tokens
         that arrive before the next eviction (storage shrinks when oversized); heads have different numbers of
-        slots only when the layer is ``ragged`` (the policy asks for ragged heads). Called by ``enforce`` only.
+        slots only when the layer is ``ragged`` (the policy asks for ragged heads). Called by ``enforce``, and by
+        ``scoring.discarded_forward`` to drop the tokens of a scoring forward.
         ``counts``: what each head keeps, when the host knows it because ``keep`` holds ``min(held, quota)`` tokens
         in every head of every sequence (``BudgetLayer.exact_counts``);
         that is checked on the device instead of the counts being read back, and the eviction then waits for nothing.
