@@ -36,7 +36,7 @@ def padded_logits(model, policy, rows: list[torch.Tensor], decode: torch.Tensor)
 #: Options whose decisions depend on more than the tokens held (amortised eviction, protected layers).
 VARIANTS = [
     ("trimkv", {"buffer": 3}), ("trimkv-global", {"buffer": 5}), ("d2o", {"protect_edge_layers": True}), ("kvzip", {"normalize": True}),
-    ("kvzap", {"threshold": 0.0}),
+    ("kvzap", {"threshold": 0.0}), ("d2o", {"slack": 2}), ("merge", {"base": "h2o", "base_params": {"slack": 2}}),
 ]
 
 
@@ -80,3 +80,31 @@ def test_reordering_the_batch_reorders_every_per_sequence_state(tiny, name, over
             return torch.cat([model(steps[swap, t : t + 1], past_key_values=cache).logits for t in range(3, 8)], 1)
 
     torch.testing.assert_close(run(torch.tensor([0, 1]), reorder=True), run(swap, reorder=False), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name,overrides", [("d2o", {"slack": 2}), ("merge", {"base": "h2o", "base_params": {"slack": 2}})])
+def test_a_merging_policy_leaves_a_sequence_within_tolerance_as_it_would_be_alone(name, overrides):
+    # With slack, a batch evicts where some sequences are over and others within tolerance: the selection runs for
+    # the batch, and its merge of evicted tokens must not touch a sequence that evicts nothing (a row of 7 real
+    # tokens after 33 pads, positions counted over the pads; 4 KV heads so that D2O's layer budgets differ: its
+    # logits differed by 0.03 alone and in the batch).
+    from helpers import tiny_model
+
+    torch.manual_seed(0)
+    _, model = tiny_model(num_key_value_heads=4)
+    g = torch.Generator().manual_seed(3)
+    prompt, steps = 40, 12
+    ids = torch.randint(1, 128, (2, prompt + steps), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :33] = 0
+
+    def logits(rows: list[int]) -> torch.Tensor:
+        with policy_on(model, name, 10, **overrides) as policy:
+            cache, x, m = BudgetCache(model.config, policy), ids[rows], mask[rows]
+            with torch.no_grad():
+                out = [model(x[:, :prompt], attention_mask=m[:, :prompt], past_key_values=cache).logits[:, -1]]
+                for t in range(prompt, prompt + steps):
+                    out.append(model(x[:, t : t + 1], attention_mask=m[:, : t + 1], past_key_values=cache).logits[:, -1])
+        return torch.stack(out, 1)
+
+    torch.testing.assert_close(logits([0, 1])[1], logits([1])[0], atol=1e-5, rtol=0)

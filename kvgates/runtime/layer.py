@@ -256,7 +256,9 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         at_quota = torch.where(over[:, None], held >= self.quota, held == self.quota).all()
         anybody, full = torch.stack([over.any(), at_quota]).tolist()
         if anybody:
-            keep = policy.select(self, stats, self.quota)
+            # Sequences within tolerance are asked to keep what they hold: a selection with side effects (a merge of
+            # the evicted tokens) leaves them as they would be alone.
+            keep = policy.select(self, stats, torch.where(over[:, None], self.quota, torch.maximum(held, self.quota)))
             self.evict(torch.where(over[:, None, None], keep, self.valid), slack=schedule.slack)
         self.held_over_quota = 0 if full and (policy.exact_quota or not anybody) else None
 
