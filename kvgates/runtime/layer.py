@@ -68,7 +68,6 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.packed = False  # every slot below fill[h] is valid, in every sequence
         self.free_floor = 0  # free slots every head of every sequence has at least, known on the host
         self._quota_source: int | torch.Tensor | None = None  # the policy's quota ``quota`` was built from
-        self._least_quota = 0  # its least entry, on the host
         self._quota_range: tuple[list[int], list[int]] = ([], [])  # per head, its least and largest entry, on the host
         self.held_over_quota: int | None = None  # every head of every sequence holds its quota plus this, on the host
         self._policy_states: dict[int, LayerState] = {}
@@ -158,7 +157,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.keys = self.values = self.pos = self.slot_data = self.quota = None
         self.head_slots, self._policy_states = [], {}
         self.fill, self.packed, self._quota_source, self.free_floor = [], False, None, 0
-        self._least_quota, self._quota_range, self.held_over_quota = 0, ([], []), None
+        self._quota_range, self.held_over_quota = ([], []), None
         self.seen, self.decoding, self.decode_steps, self._pending, self.decoded = 0, False, 0, None, None
         self._derived = {}
         self.is_initialized = False
@@ -200,6 +199,11 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         return max(self.fill) if self.packed and self.fill else None
 
     @property
+    def _least_quota(self) -> int:
+        """The least entry of ``quota``, on the host (with a quota set)."""
+        return min(self._quota_range[0])
+
+    @property
     def over_quota_bound(self) -> int | None:
         """How many tokens a head of a sequence may hold beyond its entry of ``quota``, at most, known on the host
         (``held_over_quota``, or ``most_held`` and the quota's least entry); None where only the device knows."""
@@ -237,7 +241,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
                 least, most = known
             else:
                 least, most = torch.stack([self.quota.amin(0), self.quota.amax(0)]).tolist()
-            self._quota_source, self._least_quota, self._quota_range = quota, min(least), (least, most)
+            self._quota_source, self._quota_range = quota, (least, most)
             self.held_over_quota = None  # it was counted against the previous quota
         if self.held_over_quota is not None:  # every head holds its quota plus as many: everybody is over, or nobody
             if self.held_over_quota > schedule.tolerance:
