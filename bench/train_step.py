@@ -1,18 +1,21 @@
 """Cost of one gate-training step against one teacher forward, and their peak memory per token.
 
     python bench/train_step.py --model random --layers 2 --lengths 1024 4096 8192 --kinds trimkv locret --budget 256
+    python bench/train_step.py --model random --layers 2 --lengths 1024 4096 --kinds dms --attention exact
     python bench/train_step.py --model random:llama-3.1-8b --lengths 8192 16384 --checkpoint-layers   # one GPU
 
 For each sequence length and gate kind, interleaving the two in every round (median of ``--repeats`` rounds):
 
 * teacher forward: the frozen model over the sequence, plain attention, no gradient (what inference costs);
 * training step: ``train.trainer.gate_loss`` (TRIM-KV: teacher forward + gated student forward + losses; Locret:
-  one labelling forward + the regression) with its backward and an AdamW step on the gates.
+  one labelling forward + the regression; DMS: teacher forward + delayed-eviction student forward + losses) with
+  its backward and an AdamW step on the gates.
 
 It prints seconds, the ratio step / teacher forward, and the peak memory each adds: on CUDA the GPU's
 (``torch.cuda.max_memory_allocated`` above what was allocated before), elsewhere the process's resident memory
 (host high-water mark), per token of the sequence and in all. ``--attention`` picks the student's gated attention
-(``kvgates.gates.training.ATTENTIONS``; ``auto``: the padded fused kernels on CUDA, the exact path elsewhere);
+(``kvgates.gates.training.ATTENTIONS``; ``auto``: the padded fused kernels on CUDA, the exact path elsewhere; DMS
+takes ``auto`` and ``fused``, both ``dms_attention_fused`` on every device, or ``exact``, its ``T x T`` mask);
 ``--checkpoint-layers`` recomputes the student's decoder layers in the backward (gradient checkpointing), as
 ``training.activation_checkpointing`` does in a run.
 """
@@ -46,7 +49,7 @@ def peak_bytes(run, device: str) -> int:
 
 def main() -> None:
     args, model, tokenizer = setup(
-        __doc__, choices={"kinds": ["trimkv", "trimkv-global", "locret"], "attention": ["auto", *ATTENTIONS]},
+        __doc__, choices={"kinds": ["trimkv", "trimkv-global", "locret", "dms"], "attention": ["auto", *ATTENTIONS]},
         lengths=[1024, 4096, 8192], kinds=["trimkv", "locret"], budget=256, gate_hidden=64, completion=64, repeats=3,
         attention="auto", checkpoint_layers=False,
     )

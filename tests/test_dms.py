@@ -24,7 +24,9 @@ from kvgates.methods.dms import (
     DecisionHeadsLoRA,
     carries_lora,
     delayed_bias,
+    delayed_operands,
     dms_attention,
+    dms_attention_fused,
     eviction_hinge,
 )
 from kvgates.models import model_fingerprint
@@ -156,6 +158,94 @@ def test_padding_columns_are_masked_and_rows_stay_finite():
     assert float(bias[0, 0, 5, 3]) == -50.0 and float(bias[0, 0, 5, 4]) == 0.0  # 5 - 4 = 1 = w: still visible
 
 
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+@pytest.mark.parametrize("hkv, t, window", [(2, 37, 3), (3, 20, 0), (1, 9, 8), (1, 9, 12), (2, 50, 20), (1, 40, 16)])
+def test_fused_attention_is_the_definition_with_its_gradients(hkv, t, window, padding):
+    """``dms_attention_fused`` (near keys by blocks, far keys through one causal sdpa call with a sink) gives
+    ``dms_attention``'s output and gradients into q, k, v and the decisions, on every real row; padding rows stay
+    finite. Windows of 0, shorter and longer than the near blocks, and covering the whole sequence."""
+    g = torch.Generator().manual_seed(t + window)
+    b, h, d = 2, 2 * hkv, 8
+    q, k, v = (torch.randn(b, n, t, d, generator=g, dtype=torch.float64).requires_grad_() for n in (h, hkv, hkv))
+    log_keep = (-3 * torch.rand(b, hkv, t, generator=g, dtype=torch.float64)).requires_grad_()
+    real = torch.ones(b, t, dtype=torch.bool)
+    if padding == "right":
+        real[1, t - 6 :] = False
+    elif padding == "left":
+        real[1, :6] = False
+    mask = None if padding == "none" else torch.ones(t, t, dtype=torch.bool).tril()[None, None] & real[:, None, None, :]
+    want = dms_attention(q, k, v, log_keep, window, 0.3, mask)
+    got = dms_attention_fused(q, k, v, log_keep, window, 0.3, mask)
+    rows = real[:, None, :, None].expand_as(want)
+    assert bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got[rows], want[rows], rtol=1e-6, atol=1e-6)  # the definition's bias is float32
+    upstream = torch.randn(want.shape, generator=g, dtype=torch.float64) * rows
+    inputs = (q, k, v, log_keep)
+    expected = torch.autograd.grad(want.nan_to_num(0.0), inputs, upstream, allow_unused=True, materialize_grads=True)
+    found = torch.autograd.grad(got, inputs, upstream, allow_unused=True, materialize_grads=True)
+    for name, a, e in zip("qkv" + "l", found, expected):
+        assert bool(torch.isfinite(a).all()), name
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("d, hkv", [(64, 3), (128, 8), (80, 1), (8, 2)])
+def test_the_far_call_hands_cuda_fused_kernels_what_they_take(d, hkv):
+    """The operands of the far keys' sdpa call meet the constraints of CUDA's fused kernels (one width, a multiple
+    of 8, float32, as many key as query heads, contiguous last dim), so on CUDA it never needs the math kernel."""
+    from kvgates.kernels.gated import fused_kernel_violations
+
+    b, h, t, window = 1, 4 * hkv, 24, 4
+    q, k, v = (torch.randn(b, n, t, d) for n in (h, hkv, hkv))
+    operands = delayed_operands(q, k, v, torch.zeros(b, hkv, t), window, 0.1, torch.zeros(b, h, t), torch.ones(b, t, dtype=torch.bool))
+    assert fused_kernel_violations(*operands) == []
+    assert all(x.shape[:3] == (b, h, t - window) for x in operands)
+
+
+def _dms_steps(attention: str, kind: str, steps: int = 3) -> tuple[list[float], list[list[torch.Tensor]]]:
+    """Losses and gate gradients of ``steps`` AdamW steps of fresh gates (same seeds) with ``attention``."""
+    _, model = tiny_model()
+    model.requires_grad_(False)
+    config = _config(kind)
+    method = config.learned_method
+    torch.manual_seed(0)
+    gates = method.gate_set.for_model(model, init_bias=1.0)
+    method.setup(model, gates, config.method_options)
+    optimizer = torch.optim.AdamW(gates.parameters(), lr=3e-2)
+    losses, grads = [], []
+    with GateTraining(model, gates, attention) as run:
+        for step in range(steps):
+            torch.manual_seed(step)  # the same Gumbel noise on both paths
+            loss, _ = method.loss(TrainingStep(model, model.lm_head, run, config, gate_batch(padded=step == 1), budget=8.0))
+            loss.backward()
+            losses.append(float(loss.detach()))
+            grads.append([p.grad.clone() for p in gates.parameters()])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    method.teardown(model, gates)
+    return losses, grads
+
+
+@pytest.mark.parametrize("kind", ["dms", "dms-lora"])
+def test_fused_training_attention_trains_as_the_definition(kind):
+    """A few training steps through ``dms_attention_fused`` (the default) give the losses and gradients of the
+    ``T x T`` definition (``attention: exact``), padded batches included."""
+    ref_losses, ref_grads = _dms_steps("exact", kind)
+    losses, grads = _dms_steps("auto", kind)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for step, (got, want) in enumerate(zip(grads, ref_grads)):
+        for a, e in zip(got, want):
+            assert float((a - e).norm()) <= 1e-4 * float(e.norm()) + 1e-8, (step, float((a - e).norm() / e.norm()))
+
+
+def test_a_training_attention_dms_cannot_run_is_one_sentence():
+    _, model = tiny_model()
+    config = _config()
+    gates = config.learned_method.gate_set.for_model(model)
+    with GateTraining(model, gates, "flex") as run, pytest.raises(ValueError, match="attention must be one of auto, fused, exact, got flex"):
+        run.learn(options=config.method_options)
+        model(gate_batch()["input_ids"], use_cache=False)
+
+
 def test_eviction_hinge_targets_one_minus_budget_over_length():
     alpha = torch.zeros(2, 2, 3, 8)  # [L, B, H_kv, T]
     alpha[:, 0] = 0.25
@@ -236,7 +326,7 @@ def test_dms_options_and_policy_window_are_checked():
         _config("dms", temperature=0.0)
     with pytest.raises(ConfigError, match="decision heads are linear"):
         TrainConfig.from_dict({"kind": "dms", "budget": 32, "data": {"seq_len": 64}, "gates": {"hidden": 8}})
-    with pytest.raises(ConfigError, match="own T x T mask"):
+    with pytest.raises(ConfigError, match="attention must be one of auto, fused, exact, got flex"):
         TrainConfig.from_dict({"kind": "dms", "budget": 32, "data": {"seq_len": 64}, "attention": "flex"})
     assert METHODS["dms-lora"].policy == "dms"
 
