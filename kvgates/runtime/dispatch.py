@@ -132,13 +132,24 @@ class AttentionDispatch:
             out, probs = kernels.decode_attention_flat(query[:, :, 0], keys, self.values, self.pos, self.head_slots, scale, reduce=reduce)
         if not request.empty:
             probs = self._reduce_probs(probs, request, h)
-            if dense:  # over every slot; free slots (at and past fill) stay 0
-                if "probs" not in self._derived:
-                    self._derived["probs"] = probs.new_zeros((b, hkv, self.max_slots))
-                self._derived["probs"][..., :fill] = probs
-                probs = self._derived["probs"]
+            if dense:
+                probs = self._dense_probs(probs, fill)
             self._decode_stats(stats, probs, request)
         return out[:, :, None]
+
+    def _dense_probs(self, probs: torch.Tensor, fill: int) -> torch.Tensor:
+        """A dense layer's decode probabilities ``[B, H_kv, fill]`` over every slot: free slots (at and past
+        ``fill``) read 0. One buffer is kept until storage changes, with how far the last step wrote; only the
+        slots a larger earlier fill left written are cleared (an eviction shrinks ``fill``), so a per-step
+        eviction's next step writes its row and clears nothing."""
+        buffer, written = self._derived.get("probs", (None, 0))
+        if buffer is None:
+            buffer = probs.new_zeros((*probs.shape[:2], self.max_slots))
+        elif written > fill:
+            buffer[..., fill:written] = 0
+        buffer[..., :fill] = probs
+        self._derived["probs"] = (buffer, fill)
+        return buffer
 
     def _reduce_probs(self, probs: torch.Tensor, request: StatsRequest, heads: int) -> torch.Tensor:
         """A decode query's probabilities (per query head for ``max``, else summed over each GQA group) reduced to

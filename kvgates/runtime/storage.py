@@ -99,8 +99,21 @@ class SlotStorage:
 
     @property
     def valid(self) -> torch.Tensor:
-        """``[B, H_kv, C_max]`` slots holding a token."""
-        return self.pos >= 0
+        """``[B, H_kv, C_max]`` slots holding a token (``pos >= 0``), computed once per state of ``pos``.
+
+        A decode step asks for it several times (the selection, its forced slots, the eviction) while ``pos``
+        stays as it is: the mask is kept with the ``pos`` tensor it was computed from and that tensor's version
+        counter, which every in-place write bumps (through views too), and recomputed when either changed. Never
+        modify the returned mask in place. Computed afresh where there is no counter (tensors made under
+        ``torch.inference_mode``) and while ``torch.compile`` traces (the compiler merges the repeats itself)."""
+        pos = self.pos
+        if torch.compiler.is_compiling() or pos.is_inference():
+            return pos >= 0
+        held = self._derived.get("valid")
+        if held is None or held[0] is not pos or held[1] != pos._version:
+            held = (pos, pos._version, pos >= 0)
+            self._derived["valid"] = held
+        return held[2]
 
     def exists(self) -> torch.Tensor:
         """``[H_kv, max_slots]`` padded slot indices that exist in each head's storage."""
@@ -292,7 +305,6 @@ class SlotStorage:
         if counts is not None:  # what each head of each sequence keeps, min(held, quota): one number where all keep as many
             uniform = counts.least == counts.most and len(set(counts.most)) == 1
             expected = counts.most[0] if uniform else torch.minimum(valid.sum(-1), self.quota)
-        self.pos = torch.where(keep, self.pos, torch.full_like(self.pos, -1))
         kept = keep.sum(-1)  # [B, H_kv]
         if counts is None:
             least, most = torch.stack([kept.amin(0), kept.amax(0)]).tolist()  # the eviction's one host sync
@@ -301,9 +313,9 @@ class SlotStorage:
             least, most = counts.least, counts.most
         need = [n + slack for n in most] if self.ragged else [max(most) + slack] * len(most)
         if fill is not None and least == most and len(set(most)) == 1 and need[0] >= self.max_slots:
-            self._fill_holes(keep, fill, most[0])
-            self._derived.pop("probs", None)  # its entries past the new fill are no longer 0
+            self._fill_holes(keep, fill, most[0])  # (it writes over every evicted slot's position)
         else:
+            self.pos = self.pos.masked_fill(~keep, -1)
             need = [min(n, c) for n, c in zip(need, self.head_slots)]
             order = self._kept_first(keep, max(need))
             self.relayout(order.contiguous(), need)
@@ -319,17 +331,16 @@ class SlotStorage:
     def _fill_holes(self, keep: torch.Tensor, fill: int, kept: int) -> None:
         """Compact a dense layer in place when every head of every sequence keeps ``kept`` of its ``fill`` tokens:
         the tokens kept beyond slot ``kept`` move into the evicted slots below it (a decode eviction moves a few
-        slots instead of rebuilding storage)."""
+        slots instead of rebuilding storage), and the slots from ``kept`` on are freed, so every evicted token's
+        position is written over (``evict`` does not clear them first)."""
         moved = min(fill - kept, kept)
-        if moved == 0:
-            return
         b, hkv, c = self.pos.shape
         stores = [s for s in (self.keys.view(b, hkv, c, -1), self.values.view(b, hkv, c, -1), self.slot_data, self.pos[..., None]) if s.shape[-1]]
         if moved == fill - kept == 1:  # a decode step's eviction: the last slot moves into the hole, no sort
-            dst = keep[..., :fill].to(torch.uint8).argmin(-1, keepdim=True)  # the evicted slot (the last: onto itself)
+            dst = keep[..., :fill].min(-1, keepdim=True).indices  # the one evicted slot (the last: onto itself)
             for store in stores:
                 store.scatter_(2, dst[..., None].expand(-1, -1, -1, store.shape[-1]), store[:, :, kept:fill].clone())
-        else:
+        elif moved:  # (none: nothing evicted, or nothing kept)
             holes = torch.argsort(keep[..., :kept].to(torch.uint8), dim=-1, stable=True)[..., :moved]  # evicted first
             tail = kept + torch.argsort((~keep[..., kept:fill]).to(torch.uint8), dim=-1, stable=True)[..., :moved]  # kept first
             # A row with fewer holes than ``moved`` pairs its extra (kept) slots with evicted tail slots: those are
@@ -338,7 +349,8 @@ class SlotStorage:
             for store in stores:
                 rows = store.gather(2, tail[..., None].expand(-1, -1, -1, store.shape[-1]))
                 store.scatter_(2, dst[..., None].expand(-1, -1, -1, store.shape[-1]), rows)
-        self.pos[..., kept:] = -1
+        if kept < fill:
+            self.pos[..., kept:] = -1
 
     @property
     def dense_fill(self) -> int | None:
