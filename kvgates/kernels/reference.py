@@ -520,7 +520,7 @@ def retention_scores(log_beta: torch.Tensor, slot_pos: torch.Tensor, t: torch.Te
         t: ``[B]`` current position of each sequence.
     """
     age = (t[:, None, None] - slot_pos).to(log_beta.dtype)
-    return torch.where(slot_pos >= 0, age * log_beta, torch.full_like(log_beta, float("-inf")))
+    return (age * log_beta).masked_fill(slot_pos < 0, float("-inf"))
 
 
 def _age(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,7 +36,7 @@ class AttentionDispatch:
         phase = self.phase(n)
         q_pos, q_real = self._query_positions(b, n, attention_mask, position_ids, query.device)
         was_empty = n > 1 and (self.max_slots == 0 or (self.packed and max(self.fill) == 0))
-        all_real = attention_mask is None or bool(q_real.all())
+        all_real = q_real is None or bool(q_real.all())
         slots = self.insert(
             key_states, value_states, q_pos if all_real else torch.where(q_real, q_pos, torch.full_like(q_pos, -1)), all_real
         )
@@ -68,6 +68,8 @@ class AttentionDispatch:
         elif n == 1:
             out = self._decode(query, keys, scale, request, stats)
         else:
+            if q_real is None:  # the prompt's paths weigh query rows by it
+                q_real = torch.ones((b, n), dtype=torch.bool, device=query.device)
             if was_empty and all_real and self.uniform and shift is None and (request.colsum or request.window):
                 # Nothing held before and no padding: causal attention over the new tokens, whose probabilities
                 # give the column sums and window scores in the same pass.
@@ -99,23 +101,22 @@ class AttentionDispatch:
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
         device: torch.device,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions ``[B, n]`` of the new tokens and whether each is real (not padding)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Positions ``[B, n]`` of the new tokens and whether each is real (not padding; None without a mask: every
+        token is, and a decode step needs no tensor saying so)."""
         if position_ids is not None:
             q_pos = position_ids.to(device=device, dtype=torch.int64).reshape(-1, n).expand(b, n)
         else:
             q_pos = (torch.arange(n, device=device) + self.seen).expand(b, n)
         if attention_mask is None:
-            q_real = torch.ones((b, n), dtype=torch.bool, device=device)
-        else:
-            if attention_mask.dim() != 4:
-                raise ValueError(f"expected a 4-D attention mask from the 'kvgates' mask function, got {attention_mask.dim()}-D")
-            # Token i of this forward sits in mask column seen + i; its own column is masked iff it is padding.
-            cols = torch.arange(n, device=device) + self.seen
-            diag = attention_mask[:, 0, torch.arange(n, device=device), cols]
-            q_real = diag if diag.dtype == torch.bool else diag > torch.finfo(diag.dtype).min / 2
-            q_real = q_real.expand(b, n)
-        return q_pos.contiguous(), q_real.contiguous()
+            return q_pos.contiguous(), None
+        if attention_mask.dim() != 4:
+            raise ValueError(f"expected a 4-D attention mask from the 'kvgates' mask function, got {attention_mask.dim()}-D")
+        # Token i of this forward sits in mask column seen + i; its own column is masked iff it is padding.
+        cols = torch.arange(n, device=device) + self.seen
+        diag = attention_mask[:, 0, torch.arange(n, device=device), cols]
+        q_real = diag if diag.dtype == torch.bool else diag > torch.finfo(diag.dtype).min / 2
+        return q_pos.contiguous(), q_real.expand(b, n).contiguous()
 
     def _decode(self, query: torch.Tensor, keys: torch.Tensor, scale: float, request: StatsRequest, stats: AttnStats) -> torch.Tensor:
         b, h, _, _ = query.shape
