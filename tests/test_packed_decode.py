@@ -225,3 +225,48 @@ def test_a_decode_step_of_global_trimkv_reads_back_once(tiny):
     assert step.sync_ops == {"tolist": 1}
     assert all(layer.packed for layer in layers)
     assert sum(int(layer.held()[0].sum()) for layer in layers) == BUDGET * len(layers) * layers[0].num_kv_heads
+
+
+def test_the_held_slot_mask_follows_every_change_of_positions():
+    """``valid`` is computed once per state of ``pos`` (a decode step asks for it several times): in-place writes
+    through views, ``scatter_``, ``masked_fill_`` and a new ``pos`` tensor each give a fresh mask, and under
+    ``torch.inference_mode`` (no version counter) it is computed every time."""
+    pos = random_positions(1, 2, 6, held=3, seed=1)
+    layer = make_layer(make_policy("h2o", budget=2), pos)
+    first = layer.valid
+    assert layer.valid is first and torch.equal(first, pos >= 0)
+    writes = [
+        lambda: layer.pos[:, :, :2].fill_(7),
+        lambda: layer.pos.scatter_(2, torch.tensor([[[5], [5]]]), -1),
+        lambda: layer.pos.masked_fill_(layer.pos == 7, -1),
+        lambda: setattr(layer, "pos", torch.full_like(layer.pos, 3)),
+    ]
+    for write in writes:
+        before = layer.valid.clone()
+        write()
+        assert torch.equal(layer.valid, layer.pos >= 0) and not torch.equal(layer.valid, before)
+    with torch.inference_mode():
+        layer.pos = torch.full_like(layer.pos, -1)
+        assert not layer.valid.any()
+        layer.pos[0, 0, 0] = 4
+        assert layer.valid.sum() == 1
+
+
+def test_a_dense_layer_s_decode_probabilities_read_zero_past_the_fill_after_a_shrinking_eviction():
+    """The buffer of a dense layer's decode probabilities is kept across evictions: slots a larger earlier fill
+    wrote and an eviction freed read 0 again at the next step."""
+    layer = make_layer(make_policy("h2o", budget=4), torch.arange(10).expand(1, 2, 10).contiguous())
+    first = layer._dense_probs(torch.rand(1, 2, 10) + 1, 10)
+    again = layer._dense_probs(torch.full((1, 2, 6), 0.5), 6)
+    assert again is first
+    assert bool((again[..., :6] == 0.5).all()) and not again[..., 6:].any()
+
+
+def test_an_eviction_keeping_nothing_of_a_dense_layer_frees_every_slot():
+    """``evict`` leaves the positions of a dense layer to ``_fill_holes``, which frees the slots past what is kept
+    even when nothing moves (nothing kept)."""
+    b, hkv, c = 2, 3, 5
+    layer = make_layer(make_policy("h2o", budget=1), torch.arange(c).expand(b, hkv, c).contiguous())
+    layer.fill, layer.packed = [c] * hkv, True
+    layer.evict(torch.zeros(b, hkv, c, dtype=torch.bool), slack=c, counts=KeptCounts([0] * hkv, [0] * hkv, [c] * hkv))
+    assert not layer.valid.any() and layer.fill == [0] * hkv

@@ -161,3 +161,87 @@ def test_a_host_bound_on_the_excess_gives_the_same_decisions(seed, bound):
         for h in range(HKV):
             s = {int(p): float(x) for p, x in zip(pos[b, h].tolist(), scores[b, h].tolist()) if p >= 0}
             assert {int(p) for p in pos[b, h][keep[b, h]].tolist()} == brute.top_by_score(s, int(k[b, h]), set())
+
+
+def _rows_over_by_at_most_one(seed: int, every_row_over: bool, scores_kind: str):
+    """A layer whose heads hold ``C``, ``C - 1``, ``C - 4`` or no tokens (holes anywhere), quotas that leave each
+    at most one over (every head exactly one over with ``every_row_over``), forced slots at random with a head
+    forcing all it holds and one forcing more than its quota, and scores with many ties (``ties``), integers
+    (``int``) or ``+inf`` on every slot of some heads (``inf``)."""
+    g = torch.Generator().manual_seed(seed)
+    held = torch.tensor([C, C, C - 1, C - 4, 0])[torch.randint(0, 5, (B, HKV), generator=g)]
+    held[0, 0] = held[1, 1] = C
+    pos = torch.full((B, HKV, C), -1, dtype=torch.int64)
+    for b in range(B):
+        for h in range(HKV):
+            slots = torch.randperm(C, generator=g)[: held[b, h]]
+            pos[b, h, slots] = torch.sort(torch.randperm(C + 10, generator=g)[: held[b, h]]).values
+    layer = make_layer(H2O(budget=C - 1), pos, seed=seed)
+    if every_row_over:
+        layer.pos[..., 0] = torch.where(layer.pos[..., 0] < 0, C + 20, layer.pos[..., 0])  # no head is empty
+        quota = layer.held() - 1
+    else:
+        quota = torch.randint(C - 1, C + 1, (B, HKV), generator=g)
+    layer.quota, layer._quota_source = quota, quota
+    layer._quota_range = (quota.amin(0).tolist(), quota.amax(0).tolist())
+    if every_row_over:
+        layer.held_over_quota = 1
+    else:  # a packed layer's bound: its fill (C) over the least quota
+        layer.fill, layer.packed = [C] * HKV, True
+    forced = torch.rand(B, HKV, C, generator=g) < 0.3
+    forced[0, 0] = True  # forces everything it holds: no other slot, more than its quota
+    forced[1, 1] = torch.arange(C) < C - 2  # forced slots alone within budget
+    if scores_kind == "int":
+        scores = torch.randint(0, 4, (B, HKV, C), generator=g)
+    else:
+        scores = torch.randint(0, 4, (B, HKV, C), generator=g).float()
+        if scores_kind == "inf":
+            scores[0, 1] = scores[1, 2] = float("inf")
+    return layer, scores, forced
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("every_row_over", [False, True])
+@pytest.mark.parametrize("scores_kind", ["ties", "int", "inf"])
+def test_the_single_drop_path_keeps_what_the_ranking_keeps(seed, every_row_over, scores_kind):
+    """``keep_forced_and_top`` with the layer's quota, when the host knows that no head holds more than one token
+    over it (``over_quota_bound`` <= 1), drops each over head's worst unforced slot without a ranking and without a
+    read-back; it keeps what the general path (the same quota as another tensor: no bound, one read-back) and the
+    spec keep: heads under their quota, empty heads, heads without unforced slots, heads forced over quota, ties
+    (the older token goes), integer and infinite scores."""
+    from kvgates.policies.selection import keep_forced_and_top
+    from kvgates.runtime.launches import Launches
+
+    layer, scores, forced = _rows_over_by_at_most_one(seed, every_row_over, scores_kind)
+    assert layer.over_quota_bound <= 1
+    with Launches() as fast_path:
+        keep = keep_forced_and_top(layer, scores, layer.quota, forced)
+    with Launches() as general_path:
+        expected = keep_forced_and_top(layer, scores, layer.quota.clone(), forced)
+    assert fast_path.syncs == 0 and general_path.syncs > 0  # (the paths taken)
+    assert torch.equal(keep, expected)
+    for b in range(B):
+        for h in range(HKV):
+            s = head_scores(layer, scores.double(), b, h)
+            kept_forced = {p for p in s if forced[b, h][layer.pos[b, h] == p].item()}
+            room = int(layer.quota[b, h]) - len(kept_forced)
+            assert kept_positions(layer, keep, b, h) == kept_forced | brute.top_by_score(s, room, kept_forced)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n", [0, 1, 5, 12, 30])
+def test_recent_and_sink_masks_mark_what_a_ranking_of_positions_marks(seed, n):
+    """``recent_mask`` and ``sink_mask`` with an int ``n`` find the ``n``-th position with one top-k instead of
+    ranking every slot; the same slots as ``topk_mask`` of the positions, with holes and heads holding fewer."""
+    from kvgates.policies.selection import recent_mask, sink_mask, topk_mask
+
+    pos = random_positions(B, HKV, C, held=12, seed=seed)
+    pos[1, 2, pos[1, 2] >= 0] = torch.arange(100, 112)[: int((pos[1, 2] >= 0).sum())]
+    pos[0, 1, :] = torch.where(torch.arange(C) % 3 == 0, pos[0, 1], -1)  # a head holding fewer than 12
+    layer = make_layer(H2O(budget=4), pos)
+    assert torch.equal(recent_mask(layer, n), topk_mask(layer.pos, n, layer.valid, sync_free=True))
+    assert torch.equal(sink_mask(layer, n), topk_mask(-layer.pos, n, layer.valid, sync_free=True))
+    for b in range(B):
+        for h in range(HKV):
+            held = sorted(p for p in layer.pos[b, h].tolist() if p >= 0)
+            assert kept_positions(layer, sink_mask(layer, n), b, h) == set(held[:n])
