@@ -42,7 +42,8 @@ def topk_mask(
     if positions is not None and not sync_free:
         over = candidates.sum(-1) - k_t
         if (int(over.max()) if excess is None else excess) <= 1:  # the decode case: drop at most one slot per row, no sort
-            return candidates & ~_worst_slot(s, candidates, positions, over > 0)
+            # (a row over has candidates, so its worst slot is one of them: dropped by an exclusive or)
+            return candidates ^ _worst_slot(s, candidates, positions, over > 0)
     if isinstance(k, int):
         kmax = k
     else:
@@ -132,7 +133,7 @@ def _drop_worst(layer: BudgetLayer, scores: torch.Tensor, budget: torch.Tensor, 
     s = scores.double() if not scores.is_floating_point() else scores
     over = True if layer.held_over_quota == 1 else layer.held() > budget
     worst = _worst_slot(s, candidates, layer.pos, over)
-    return valid & ~(worst & candidates)
+    return valid ^ (worst & candidates)  # (a held slot, dropped by an exclusive or)
 
 
 def threshold_quota(layer: BudgetLayer, forced: torch.Tensor, passing: torch.Tensor, budget: int | None) -> torch.Tensor:
