@@ -159,14 +159,17 @@ def test_padding_columns_are_masked_and_rows_stay_finite():
 
 
 @pytest.mark.parametrize("padding", ["none", "right", "left"])
-@pytest.mark.parametrize("hkv, t, window", [(2, 37, 3), (3, 20, 0), (1, 9, 8), (1, 9, 12), (2, 50, 20), (1, 40, 16)])
-def test_fused_attention_is_the_definition_with_its_gradients(hkv, t, window, padding):
+@pytest.mark.parametrize(
+    "hkv, t, window, dv", [(2, 37, 3, 8), (3, 20, 0, 5), (1, 9, 8, 8), (1, 9, 12, 8), (2, 50, 20, 12), (1, 40, 16, 8), (2, 32, 30, 3)]
+)
+def test_fused_attention_is_the_definition_with_its_gradients(hkv, t, window, dv, padding):
     """``dms_attention_fused`` (near keys by blocks, far keys through one causal sdpa call with a sink) gives
     ``dms_attention``'s output and gradients into q, k, v and the decisions, on every real row; padding rows stay
-    finite. Windows of 0, shorter and longer than the near blocks, and covering the whole sequence."""
+    finite. Windows of 0, shorter and longer than the near blocks, one short of the sequence (whose length is then
+    a multiple of the near blocks) and covering it; value heads narrower and wider than the key heads."""
     g = torch.Generator().manual_seed(t + window)
     b, h, d = 2, 2 * hkv, 8
-    q, k, v = (torch.randn(b, n, t, d, generator=g, dtype=torch.float64).requires_grad_() for n in (h, hkv, hkv))
+    q, k, v = (torch.randn(b, n, t, width, generator=g, dtype=torch.float64).requires_grad_() for n, width in ((h, d), (hkv, d), (hkv, dv)))
     log_keep = (-3 * torch.rand(b, hkv, t, generator=g, dtype=torch.float64)).requires_grad_()
     real = torch.ones(b, t, dtype=torch.bool)
     if padding == "right":
@@ -188,14 +191,15 @@ def test_fused_attention_is_the_definition_with_its_gradients(hkv, t, window, pa
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("d, hkv", [(64, 3), (128, 8), (80, 1), (8, 2)])
-def test_the_far_call_hands_cuda_fused_kernels_what_they_take(d, hkv):
+@pytest.mark.parametrize("d, dv, hkv", [(64, 64, 3), (128, 128, 8), (80, 80, 1), (8, 8, 2), (7, 6, 2), (62, 64, 1), (96, 160, 2)])
+def test_the_far_call_hands_cuda_fused_kernels_what_they_take(d, dv, hkv):
     """The operands of the far keys' sdpa call meet the constraints of CUDA's fused kernels (one width, a multiple
-    of 8, float32, as many key as query heads, contiguous last dim), so on CUDA it never needs the math kernel."""
+    of 8, float32, as many key as query heads, contiguous last dim), so on CUDA it never needs the math kernel;
+    odd head dims and value heads of another width than the keys' included."""
     from kvgates.kernels.gated import fused_kernel_violations
 
     b, h, t, window = 1, 4 * hkv, 24, 4
-    q, k, v = (torch.randn(b, n, t, d) for n in (h, hkv, hkv))
+    q, k, v = (torch.randn(b, n, t, width) for n, width in ((h, d), (hkv, d), (hkv, dv)))
     operands = delayed_operands(q, k, v, torch.zeros(b, hkv, t), window, 0.1, torch.zeros(b, h, t), torch.ones(b, t, dtype=torch.bool))
     assert fused_kernel_violations(*operands) == []
     assert all(x.shape[:3] == (b, h, t - window) for x in operands)
@@ -237,13 +241,44 @@ def test_fused_training_attention_trains_as_the_definition(kind):
             assert float((a - e).norm()) <= 1e-4 * float(e.norm()) + 1e-8, (step, float((a - e).norm() / e.norm()))
 
 
-def test_a_training_attention_dms_cannot_run_is_one_sentence():
+@pytest.mark.parametrize("attention", ["flex", "fused-split"])
+def test_a_training_attention_dms_cannot_run_is_one_sentence(attention):
     _, model = tiny_model()
     config = _config()
     gates = config.learned_method.gate_set.for_model(model)
-    with GateTraining(model, gates, "flex") as run, pytest.raises(ValueError, match="attention must be one of auto, fused, exact, got flex"):
+    refusal = f"attention must be one of auto, fused, exact, got {attention}$"
+    with GateTraining(model, gates, attention) as run, pytest.raises(ValueError, match=refusal):
         run.learn(options=config.method_options)
         model(gate_batch()["input_ids"], use_cache=False)
+
+
+@pytest.mark.parametrize("kind", ["dms", "dms-lora"])
+def test_checkpointed_layers_give_dms_the_same_gradients(kind):
+    """``training.activation_checkpointing`` with DMS's default attention (``dms_attention_fused``): the backward's
+    recomputation of the student's layers (the same Gumbel noise, replayed from the saved RNG state) gives the
+    gradients of the stored activations, on a right-padded batch."""
+    grads = []
+    for checkpointed in (False, True):
+        _, model = tiny_model()
+        model.requires_grad_(False)
+        config = _config(kind)
+        method = config.learned_method
+        gates = method.gate_set.for_model(model, init_bias=1.0)
+        method.setup(model, gates, config.method_options)
+        if kind == "dms-lora":
+            _randomise_lora(gates)
+        if checkpointed:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        model.train()
+        with GateTraining(model, gates) as run:
+            torch.manual_seed(0)
+            loss, _ = method.loss(TrainingStep(model, model.lm_head, run, config, gate_batch(padded=True), budget=8.0))
+            loss.backward()
+        method.teardown(model, gates)
+        grads.append([p.grad.clone() for p in gates.parameters()])
+    assert model.model.gradient_checkpointing
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, atol=1e-7, rtol=1e-5)
 
 
 def test_eviction_hinge_targets_one_minus_budget_over_length():
