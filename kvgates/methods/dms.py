@@ -377,7 +377,7 @@ def dms_attention_fused(
         work = torch.float64 if query.dtype == torch.float64 else torch.float32
         q, k, v, log_keep = (x.to(work) for x in (query, key, value, log_keep))
         real = None if attention_mask is None else real_queries(attention_mask)
-        near, near_lse = _near_attention(q, k, v, window, scale, real)
+        near, near_lse = _near_attention(q, k, v, min(window, t - 1), scale, real)  # a longer window sees no more
         if window + 1 >= t:  # every key is near
             return near.to(query.dtype)
         q_far, k_far, v_far = delayed_operands(q, k, v, log_keep, window, scale, near_lse, real)
