@@ -143,10 +143,6 @@ class TrainConfig:
         _check_learned_policy(self.kind, self.budget, self.policy)
         if self.model_dtype not in MODEL_DTYPES:
             raise ConfigError(f"model_dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.model_dtype!r}")
-        from kvgates.gates.training import ATTENTIONS
-
-        if self.attention != "auto" and self.attention not in ATTENTIONS:
-            raise ConfigError(f"attention must be auto or one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if self.data.format not in FORMATS:
             raise ConfigError(f"data.format must be one of {FORMATS}, got {self.data.format!r}")
         if self.data.seq_len < 64 or self.data.seq_len <= self.budget:
@@ -172,6 +168,7 @@ class TrainConfig:
         except ValueError as err:  # the options' own range checks
             raise ConfigError(f"method: {err}") from None
         try:
+            self.learned_method.check_attention(self.attention)
             self.learned_method.check(self)
         except ValueError as err:
             raise ConfigError(str(err)) from None

@@ -59,14 +59,14 @@ class GateTraining:
     Args:
         model: the (frozen) model; its attention must be ``"kvgates"`` (``kvgates.prepare_model``).
         gates: a ``GateSet`` of the model's shapes, of a registered learned method (``kvgates.methods.METHODS``).
-        attention: the gated student's attention, ``"auto"`` or one of ``ATTENTIONS``.
+        attention: the student's attention, ``"auto"`` or one of ``ATTENTIONS`` (what the gates' method takes:
+            ``LearnedMethod.check_attention``).
     """
 
     def __init__(self, model: PreTrainedModel, gates: GateSet, attention: str = "auto"):
         from kvgates.methods import method_of
 
-        if attention != "auto" and attention not in ATTENTIONS:
-            raise ValueError(f"attention must be 'auto' or one of {', '.join(ATTENTIONS)}, got {attention!r}")
+        method_of(gates).check_attention(attention)
         if getattr(model, GATES_ATTR, None) is not None:
             raise RuntimeError("this model already carries training gates; close() the other GateTraining first")
         if model.config._attn_implementation != "kvgates":

@@ -174,6 +174,14 @@ class LearnedMethod:
         if config.loss.hard_eviction:
             raise ValueError(f"loss.hard_eviction trains per-layer retention gates (kind trimkv), not {self.name}")
 
+    def check_attention(self, attention: str) -> None:
+        """Refuse (``ValueError``, one sentence) a training ``attention`` this method's student cannot run. Default:
+        ``"auto"`` or one of ``kvgates.gates.training.ATTENTIONS`` (the gated attentions)."""
+        from kvgates.gates.training import ATTENTIONS
+
+        if attention != "auto" and attention not in ATTENTIONS:
+            raise ValueError(f"attention must be auto or one of {', '.join(ATTENTIONS)}, got {attention!r}")
+
     def setup(self, model: nn.Module, gates: GateSet, options: Any) -> None:
         """Prepare ``model`` for training ``gates`` (before the Trainer is built). Default: nothing."""
 

@@ -519,12 +519,14 @@ class DMSMethod(LearnedMethod):
         super().check(config)
         if config.gates.hidden not in (None, 1):
             raise ValueError(f"{self.name} decision heads are linear (d_model -> H_kv); drop gates.hidden")
-        _student_attention(config.attention)
         window = config.policy.get("window", DMS.window)
         if window != config.method_options.window:
             raise ValueError(
                 f"policy.window ({window}) must equal method.window ({config.method_options.window}): the gates learn to decide with that delay"
             )
+
+    def check_attention(self, attention: str) -> None:
+        _student_attention(attention)
 
     def check_context(self, gates: GateSet, context: dict[str, Any]) -> None:
         if set(context) != {"options"} or not isinstance(context["options"], DMSOptions):
