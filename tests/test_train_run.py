@@ -864,3 +864,17 @@ def test_half_precision_frozen_model_trains_float32_gates(tiny_dir, tmp_path):
     loss.backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trainer.gates.parameters())
     trainer.gated.close()
+
+
+@pytest.mark.parametrize("ramp, halfway", [("budget", 40.0), ("compression", 64 / 2.5)])
+def test_the_budget_ramps_from_the_sequence_length_to_the_budget(ramp, halfway):
+    """``loss.budget_ramp_steps`` lowers the budget from ``seq_len`` (step 0) to ``budget`` (from the last ramp step
+    on), linearly in the budget or, DMS's ramp, linearly in the compression ratio ``seq_len / budget`` (halfway:
+    ratio 1 + (4 - 1) / 2 = 2.5); without a ramp the budget is the target from the start."""
+    from train.trainer import ramped_budget
+
+    config = TrainConfig.from_dict({"budget": 16, "data": {"seq_len": 64}, "loss": {"budget_ramp_steps": 10, "budget_ramp": ramp}})
+    assert [ramped_budget(config, step) for step in (0, 5, 10, 99)] == pytest.approx([64.0, halfway, 16.0, 16.0])
+    assert ramped_budget(TrainConfig.from_dict({"budget": 16, "data": {"seq_len": 64}}), 0) == 16.0
+    with pytest.raises(ConfigError, match="loss.budget_ramp must be one of budget, compression, got 'cosine'"):
+        TrainConfig.from_dict({"budget": 16, "data": {"seq_len": 64}, "loss": {"budget_ramp": "cosine"}})

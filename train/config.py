@@ -56,10 +56,16 @@ class DataSpec:
     mix: list[dict[str, Any]] = field(default_factory=lambda: [{"task": "essays"}])
 
 
+#: How ``loss.budget_ramp_steps`` lowers the budget (see ``LossSpec``).
+BUDGET_RAMPS = ("budget", "compression")
+
+
 @dataclass
 class LossSpec:
-    """Loss weights. ``budget_ramp_steps``: the capacity budget falls linearly from ``seq_len`` to ``budget`` over
-    these optimizer steps (0: the target from the start), as DMS ramps its compression. ``hard_eviction``
+    """Loss weights. ``budget_ramp_steps``: the capacity budget falls from ``seq_len`` to ``budget`` over these
+    optimizer steps (0: the target from the start), ``budget_ramp`` saying how (``BUDGET_RAMPS``): ``"budget"``
+    linearly in the budget, ``"compression"`` linearly in the compression ratio ``seq_len / budget`` (DMS's ramp:
+    the budget falls fast at first, then slowly). ``hard_eviction``
     (``trimkv`` only): the student's forward evicts as inference does (top-``budget`` after the prompt and after
     each completion token) and the gates learn through the soft decay's gradient (straight-through;
     ``kvgates.kernels.gated.evicted_attention``); with ``eviction_temperature > 0`` the eviction is instead relaxed
@@ -68,6 +74,7 @@ class LossSpec:
     lambda_cap: float = 1.0
     capacity_stride: int = 4
     budget_ramp_steps: int = 0
+    budget_ramp: str = "budget"
     hard_eviction: bool = False
     eviction_temperature: float = 0.0
     distill_chunk: int = 256
@@ -153,6 +160,8 @@ class TrainConfig:
             check_mix(self.data.mix)
         except ValueError as err:
             raise ConfigError(f"data.mix: {err}") from None
+        if self.loss.budget_ramp not in BUDGET_RAMPS:
+            raise ConfigError(f"loss.budget_ramp must be one of {', '.join(BUDGET_RAMPS)}, got {self.loss.budget_ramp!r}")
         if self.loss.capacity_stride < 1 or self.loss.budget_ramp_steps < 0 or self.loss.lambda_cap < 0:
             raise ConfigError("loss.capacity_stride must be >= 1, loss.budget_ramp_steps and loss.lambda_cap >= 0")
         _check_ranges(self)

@@ -44,6 +44,16 @@ def gate_loss(
     return gated.method.loss(step)
 
 
+def ramped_budget(config: TrainConfig, step: int) -> float:
+    """The capacity budget at optimizer step ``step``: from ``data.seq_len`` down to ``budget`` over
+    ``loss.budget_ramp_steps`` steps, linearly in the budget or in the compression ratio (``loss.budget_ramp``)."""
+    ramp, target, start = config.loss.budget_ramp_steps, float(config.budget), float(config.data.seq_len)
+    done = 1.0 if ramp == 0 else min(1.0, step / ramp)
+    if config.loss.budget_ramp == "compression":
+        return start / (1 + (start / target - 1) * done)
+    return start + (target - start) * done
+
+
 class GateTrainer(Trainer):
     """Trains the gates of ``training`` (a ``GateTraining`` on the model) according to ``config``.
 
@@ -77,13 +87,8 @@ class GateTrainer(Trainer):
 
     # ------------------------------------------------------------------ schedules
     def current_budget(self) -> float:
-        """The capacity budget at this step: ramps linearly from ``seq_len`` to ``budget`` (``loss.budget_ramp_steps``)."""
-        ramp = self.config.loss.budget_ramp_steps
-        target, start = float(self.config.budget), float(self.config.data.seq_len)
-        if ramp == 0:
-            return target
-        done = min(1.0, self.state.global_step / ramp)
-        return start + (target - start) * done
+        """The capacity budget at this step (``ramped_budget``)."""
+        return ramped_budget(self.config, self.state.global_step)
 
     def teacher_weight(self) -> float:
         teacher = self.config.teacher

@@ -18,7 +18,8 @@ mean over the row's real tokens, layers and heads, as DMS sums its decisions ove
 fraction is ``1 - budget / length``: a head of a row of ``length`` tokens that keeps ``budget`` of them has evicted
 that fraction, and DMS's target compression ratio ``CR`` is ``length / budget`` (its target fraction
 ``1 - 1 / CR``). ``budget`` is the run's *ramped* budget (``loss.budget_ramp_steps`` takes it from
-``data.seq_len``, target 0, to ``budget``), DMS's linear compression ramp.
+``data.seq_len``, target 0, to ``budget``); DMS's ramp, linear in ``CR``, is ``loss.budget_ramp: compression``
+(the GPU recipe's; the CPU recipe ramps the budget linearly).
 
 The student attention (the config's ``attention``) is ``dms_attention_fused`` (``auto`` or ``fused``, on every
 device): the far keys' bias as an extra key channel through one causal sdpa call, the ``w + 1`` near keys scored by
