@@ -14,7 +14,9 @@ from kvgates.policies.h2o import CUMULATIVE
 from kvgates.policies.history import push_rows
 from kvgates.policies.kvmerger import merging_set_starts
 from kvgates.policies.merging import MergeState, merge_evicted
+from kvgates.runtime.launches import Launches
 from kvgates.runtime.stats import AttnStats, Phase
+from kvgates.runtime.storage import KeptCounts
 
 B, HKV, C = 2, 3, 24
 
@@ -391,3 +393,52 @@ def test_adakv_wraps_scoring_policies(tiny, base, params):
 def test_adakv_refuses_a_base_without_scores():
     with pytest.raises(ValueError, match="does not score tokens"):
         AdaKV(budget=12, base="kvmerger", base_params={"window": 4, "heavy": 1})
+
+
+def _first_of(mask: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """One-hot mask of the first slot set in ``mask`` of every ``[B, H]`` row marked in ``where``."""
+    return torch.zeros_like(mask).scatter(-1, mask.int().argmax(-1, keepdim=True), where[..., None]) & mask
+
+
+@pytest.mark.parametrize("rule", ["paper", "official"])
+@pytest.mark.parametrize("seed", range(4))
+def test_merging_one_evicted_token_per_head_matches_the_general_merge(rule, seed):
+    # Where the host knows that no head evicts more than one token (a per-step eviction's decode step), the merge
+    # takes its own path (best_match_of_one, no read-back, no listing of the kept slots): it must leave the keys,
+    # values and threshold the general merge leaves, over two evictions (the first sets the threshold, the second
+    # moves it). Rows: every head evicting, one head of three evicting (the others under budget), nothing held (a
+    # padding row), every head evicting with one that keeps nothing; ties between kept keys and with the evicted key.
+    b, hkv, c = 4, 3, 16
+    pos = random_positions(b, hkv, c, held=12, seed=seed)
+    pos[2] = -1
+    pos[3, 1] = -1
+    pos[3, 1, 5] = 7  # one token: evicting it keeps nothing
+    held = pos >= 0
+    where = torch.tensor([[True] * 3, [False, False, True], [True] * 3, [True] * 3])
+    evicted = _first_of(held, where)
+    keep = held & ~evicted
+    evicted_again = _first_of(keep, where)
+
+    def stored():
+        made = make_layer(Merge(budget=8, base="h2o"), pos, head_dim=8, seed=seed)
+        k = made.keys.view(b, hkv, c, -1)
+        tied = keep[0, 0].nonzero().flatten()[[1, 3, 6]]
+        k[0, 0, tied] = k[0, 0, tied[0]].clone()  # three equal kept keys and an evicted key along them: a tie
+        k[0, 0, evicted[0, 0].int().argmax()] = 2 * k[0, 0, tied[0]]
+        k[1, 2, keep[1, 2].nonzero().flatten()[[2, 5]]] = k[1, 2, evicted[1, 2].int().argmax()].clone()
+        return made
+
+    one, general, untouched = stored(), stored(), stored()
+    one.exact_counts = lambda: KeptCounts([8] * hkv, [11] * hkv, [1] * hkv)  # what the host knows of a decode step
+    states = MergeState(), MergeState()
+    for keep_now, dropped in ((keep, evicted), (keep & ~evicted_again, evicted_again)):
+        with Launches() as fast:
+            merge_evicted(one, keep_now, states[0], rule=rule, exact=True)
+        merge_evicted(general, keep_now, states[1], rule=rule)
+        assert fast.syncs == 0 and "sort" not in fast.ops
+        torch.testing.assert_close(states[0].tau, states[1].tau, atol=0, rtol=0, equal_nan=True)
+        torch.testing.assert_close(one.keys, general.keys, atol=0, rtol=0)
+        torch.testing.assert_close(one.values, general.values, atol=0, rtol=0)
+        for made in (one, general):  # the eviction that follows the merge
+            made.pos.masked_fill_(dropped, -1)
+    assert not torch.equal(one.keys, untouched.keys) and not torch.equal(one.values, untouched.values)

@@ -15,7 +15,9 @@ threshold it would get alone). Tokens with ``m_e < tau`` are dropped; the others
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -75,8 +77,73 @@ def best_matches(
         target.append(top.indices)
     best_t = torch.cat(best, -1) if best else ke.new_zeros((b, h, 0))
     target_t = torch.cat(target, -1) if target else idx
-    real = real & torch.isfinite(best_t)  # a head that keeps nothing receives nothing
-    return idx, real, best_t.nan_to_num(0.0, neginf=0.0), kept_idx, target_t
+    return (idx, *_received(real, best_t), kept_idx, target_t)
+
+
+def best_match_of_one(keys: torch.Tensor, evicted: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``best_matches`` where no head evicts more than one slot (a per-step eviction's decode step), without
+    listing the kept slots: the evicted slot is the first one set (slot 0 where none is), its similarities to every
+    slot are one product with the normalised keys, and slots not kept are masked out before the argmax.
+
+    Returns ``(evicted slot [B, H, 1], real, best similarity, target [B, H, 1])`` with ``target`` a slot of
+    ``keys``: the kept slot the ranking in kept order picks, as the argmax takes the first of equal maxima.
+    """
+    real, idx = evicted.max(-1, keepdim=True)
+    unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+    sim = torch.matmul(_gather_slots(unit, idx), unit.transpose(-1, -2)).masked_fill_(~kept[:, :, None, :], float("-inf"))
+    best, target = sim.max(-1)
+    return (idx, *_received(real, best), target)
+
+
+def _received(real: torch.Tensor, best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(real, best)`` where an evicted token of a head that keeps nothing (best -inf) is no longer real and its
+    best similarity is 0. (Cosine similarities are at most 1 or NaN, so ``> -inf`` is ``isfinite``.)"""
+    return real & (best > float("-inf")), best.nan_to_num(0.0, neginf=0.0)
+
+
+def _weights(best: torch.Tensor, merging: torch.Tensor, rule: str) -> tuple[torch.Tensor, float]:
+    """The weight of every evicted token (0 where it does not merge) and a receiving kept token's own weight."""
+    if rule == "paper":
+        return best.exp() * merging, math.e
+    return best * merging, 1.0
+
+
+def _merge_into_kept(
+    stores: tuple[torch.Tensor, ...], idx: torch.Tensor, kept_idx: torch.Tensor, target: torch.Tensor,
+    merging: torch.Tensor, w: torch.Tensor, self_w: float, rule: str,
+) -> None:
+    """Merge every evicted slot ``idx`` that is ``merging`` into kept slot ``kept_idx[target]`` of each of
+    ``stores`` (keys, values), in place: computed over the kept slots (the only ones that receive) and written back
+    to them."""
+    received = torch.zeros(kept_idx.shape, device=w.device).scatter_add_(2, target, merging.float())
+    if rule == "paper":
+        denom = torch.zeros(kept_idx.shape, device=w.device).scatter_add_(2, target, w) + self_w
+    else:
+        denom = received + self_w
+    receivers = (received > 0)[..., None]
+    for store in stores:
+        extra = _gather_slots(store, idx).float()
+        kept_values = _gather_slots(store, kept_idx)
+        acc = kept_values.float() * self_w
+        acc.scatter_add_(2, target[..., None].expand_as(extra), extra * w[..., None])
+        merged = torch.where(receivers, (acc / denom[..., None]).to(store.dtype), kept_values)
+        store.scatter_(2, kept_idx[..., None].expand_as(merged), merged)
+
+
+def _merge_one(
+    stores: tuple[torch.Tensor, ...], idx: torch.Tensor, target: torch.Tensor, merging: torch.Tensor, w: torch.Tensor,
+    self_w: float, rule: str,
+) -> None:
+    """``_merge_into_kept`` where every head evicts at most one slot: a kept slot receives at most one token
+    (weights summing to ``self_w + w``, or 1 + 1 with ``rule="official"``) and ``target`` is a slot of the stores,
+    so one slot per head is read, weighted and written back."""
+    denom = (w + self_w)[..., None] if rule == "paper" else 2.0
+    for store in stores:
+        extra = _gather_slots(store, idx).float()
+        kept_values = _gather_slots(store, target)
+        merged = (kept_values.float() * self_w + extra * w[..., None]) / denom
+        merged = torch.where(merging[..., None], merged.to(store.dtype), kept_values)
+        store.scatter_(2, target[..., None].expand_as(merged), merged)
 
 
 def merge_evicted(
@@ -85,53 +152,46 @@ def merge_evicted(
     """Merge the tokens ``keep`` evicts into their most similar kept token, in place on ``layer``'s storage,
     updating the threshold in ``state``. ``exact``: ``keep`` holds ``min(held, quota)`` tokens per head
     (``Policy.exact_quota``), so where the host knows the layer (``BudgetLayer.exact_counts``) it knows how many
-    each head evicts and keeps, and nothing is read back."""
+    each head evicts and keeps, and nothing is read back; where no head evicts more than one token (a per-step
+    eviction's decode step), each evicted token is matched and merged on its own (``best_match_of_one``)."""
     if rule not in MERGE_RULES:
         raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
     counts = layer.exact_counts() if exact else None
-    evicted_all = layer.valid & ~keep
+    kept_all = keep & layer.valid
+    evicted_all = layer.valid ^ kept_all
     if not (bool(evicted_all.any()) if counts is None else any(counts.evicted)):
         return
+    one = counts is not None and max(counts.evicted) <= 1
     # Pass 1: best match of every evicted token, per group of heads sharing a storage layout.
     matches = []
     for heads, k, v, _ in layer.head_views():
         c = k.shape[2]
-        evicted, kept = evicted_all[:, heads, :c], keep[:, heads, :c] & layer.valid[:, heads, :c]
+        evicted, kept = evicted_all[:, heads, :c], kept_all[:, heads, :c]
+        if one:
+            idx, real, best, target = best_match_of_one(k, evicted, kept)
+            matches.append((k, v, idx, real, best, None, target))
+            continue
         most = None
         if counts is not None:
             most = (max(counts.evicted[heads]), max(counts.most[heads]))
         matches.append((k, v, *best_matches(k, evicted, kept, most)))
     # The threshold: one EMA per sequence over every evicted token of the layer.
-    total = sum((best * real).sum((1, 2)) for _, _, _, real, best, _, _ in matches)
-    count = sum(real.sum((1, 2)) for _, _, _, real, _, _, _ in matches)
+    total = functools.reduce(operator.add, [(best * real).sum((1, 2)) for _, _, _, real, best, _, _ in matches])
+    count = functools.reduce(operator.add, [real.sum((1, 2)) for _, _, _, real, _, _, _ in matches])
     mean = total / count.clamp(min=1)
     tau = state.tau if state.tau is not None else torch.full_like(mean, float("nan"))
     updated = torch.where(tau.isnan(), mean, beta * mean + (1 - beta) * tau)
     tau = state.tau = torch.where(count > 0, updated, tau)
-    # Pass 2: merge, computed over the kept slots (the only ones that receive) and written back to them.
+    # Pass 2: merge.
     for k, v, idx, real, best, kept_idx, target in matches:
         merging = real & (best >= tau[:, None, None])
         if counts is None and not bool(merging.any()):  # (a step that merges nothing writes the kept values back)
             continue
-        if rule == "paper":
-            w = torch.where(merging, best.exp(), torch.zeros_like(best))
-            self_w = math.e
+        w, self_w = _weights(best, merging, rule)
+        if kept_idx is None:
+            _merge_one((k, v), idx, target, merging, w, self_w, rule)
         else:
-            w = torch.where(merging, best, torch.zeros_like(best))
-            self_w = 1.0
-        received = torch.zeros(kept_idx.shape, device=k.device).scatter_add_(2, target, merging.float())
-        receivers = (received > 0)[..., None]
-        if rule == "paper":
-            denom = torch.zeros(kept_idx.shape, device=k.device).scatter_add_(2, target, w) + self_w
-        else:
-            denom = received + self_w
-        for store in (k, v):
-            extra = _gather_slots(store, idx).float()
-            kept_values = _gather_slots(store, kept_idx)
-            acc = kept_values.float() * self_w
-            acc.scatter_add_(2, target[..., None].expand_as(extra), extra * w[..., None])
-            merged = torch.where(receivers, (acc / denom[..., None]).to(store.dtype), kept_values)
-            store.scatter_(2, kept_idx[..., None].expand_as(merged), merged)
+            _merge_into_kept((k, v), idx, kept_idx, target, merging, w, self_w, rule)
 
 
 @register_policy
