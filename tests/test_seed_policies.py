@@ -400,9 +400,10 @@ def _first_of(mask: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(mask).scatter(-1, mask.int().argmax(-1, keepdim=True), where[..., None]) & mask
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rule", ["paper", "official"])
 @pytest.mark.parametrize("seed", range(4))
-def test_merging_one_evicted_token_per_head_matches_the_general_merge(rule, seed):
+def test_merging_one_evicted_token_per_head_matches_the_general_merge(rule, seed, dtype):
     # Where the host knows that no head evicts more than one token (a per-step eviction's decode step), the merge
     # takes its own path (best_match_of_one, no read-back, no listing of the kept slots): it must leave the keys,
     # values and threshold the general merge leaves, over two evictions (the first sets the threshold, the second
@@ -421,6 +422,7 @@ def test_merging_one_evicted_token_per_head_matches_the_general_merge(rule, seed
 
     def stored():
         made = make_layer(Merge(budget=8, base="h2o"), pos, head_dim=8, seed=seed)
+        made.keys, made.values = made.keys.to(dtype), made.values.to(dtype)
         k = made.keys.view(b, hkv, c, -1)
         tied = keep[0, 0].nonzero().flatten()[[1, 3, 6]]
         k[0, 0, tied] = k[0, 0, tied[0]].clone()  # three equal kept keys and an evicted key along them: a tie

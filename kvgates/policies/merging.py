@@ -136,12 +136,13 @@ def _merge_one(
 ) -> None:
     """``_merge_into_kept`` where every head evicts at most one slot: a kept slot receives at most one token
     (weights summing to ``self_w + w``, or 1 + 1 with ``rule="official"``) and ``target`` is a slot of the stores,
-    so one slot per head is read, weighted and written back."""
+    so per head one pair of slots (the receiving one, the evicted one) is read and one slot written back."""
     denom = (w + self_w)[..., None] if rule == "paper" else 2.0
+    pairs = torch.cat([target, idx], -1)
     for store in stores:
-        extra = _gather_slots(store, idx).float()
-        kept_values = _gather_slots(store, target)
-        merged = (kept_values.float() * self_w + extra * w[..., None]) / denom
+        pair = _gather_slots(store, pairs)
+        kept_values, both = pair[:, :, :1], pair.float()
+        merged = (both[:, :, :1] * self_w + both[:, :, 1:] * w[..., None]) / denom
         merged = torch.where(merging[..., None], merged.to(store.dtype), kept_values)
         store.scatter_(2, target[..., None].expand_as(merged), merged)
 
