@@ -77,7 +77,7 @@ def best_matches(
         target.append(top.indices)
     best_t = torch.cat(best, -1) if best else ke.new_zeros((b, h, 0))
     target_t = torch.cat(target, -1) if target else idx
-    return (idx, *_received(real, best_t), kept_idx, target_t)
+    return (idx, *_matched(real, best_t), kept_idx, target_t)
 
 
 def best_match_of_one(keys: torch.Tensor, evicted: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -86,18 +86,20 @@ def best_match_of_one(keys: torch.Tensor, evicted: torch.Tensor, kept: torch.Ten
     slot are one product with the normalised keys, and slots not kept are masked out before the argmax.
 
     Returns ``(evicted slot [B, H, 1], real, best similarity, target [B, H, 1])`` with ``target`` a slot of
-    ``keys``: the kept slot the ranking in kept order picks, as the argmax takes the first of equal maxima.
+    ``keys``: the one ``best_matches`` picks, which lists the kept slots in slot order (both argmaxes take the first
+    of equal maxima).
     """
     real, idx = evicted.max(-1, keepdim=True)
     unit = torch.nn.functional.normalize(keys.float(), dim=-1)
     sim = torch.matmul(_gather_slots(unit, idx), unit.transpose(-1, -2)).masked_fill_(~kept[:, :, None, :], float("-inf"))
     best, target = sim.max(-1)
-    return (idx, *_received(real, best), target)
+    return (idx, *_matched(real, best), target)
 
 
-def _received(real: torch.Tensor, best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(real, best)`` where an evicted token of a head that keeps nothing (best -inf) is no longer real and its
-    best similarity is 0. (Cosine similarities are at most 1 or NaN, so ``> -inf`` is ``isfinite``.)"""
+def _matched(real: torch.Tensor, best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(real, best)`` of evicted tokens and their best similarities, where a token of a head that keeps nothing
+    (best -inf) is no longer real and its best similarity is 0. (Cosine similarities are at most 1 or NaN, so
+    ``> -inf`` is ``isfinite``.)"""
     return real & (best > float("-inf")), best.nan_to_num(0.0, neginf=0.0)
 
 
@@ -168,7 +170,7 @@ def merge_evicted(
     for heads, k, v, _ in layer.head_views():
         c = k.shape[2]
         evicted, kept = evicted_all[:, heads, :c], kept_all[:, heads, :c]
-        if one:
+        if one:  # (no kept slot indices: its targets are slots)
             idx, real, best, target = best_match_of_one(k, evicted, kept)
             matches.append((k, v, idx, real, best, None, target))
             continue
@@ -176,7 +178,7 @@ def merge_evicted(
         if counts is not None:
             most = (max(counts.evicted[heads]), max(counts.most[heads]))
         matches.append((k, v, *best_matches(k, evicted, kept, most)))
-    # The threshold: one EMA per sequence over every evicted token of the layer.
+    # The threshold: one EMA per sequence over every evicted token of the layer (``reduce``: no launch adding 0).
     total = functools.reduce(operator.add, [(best * real).sum((1, 2)) for _, _, _, real, best, _, _ in matches])
     count = functools.reduce(operator.add, [real.sum((1, 2)) for _, _, _, real, _, _, _ in matches])
     mean = total / count.clamp(min=1)
