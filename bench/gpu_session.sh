@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of issues 26-28 on a lent GPU machine, one stage (or a few) per device call:
 #
-#     bash bench/gpu_session.sh STAGE...    # STAGE: env decode captured captured-evict prefill kernels train tests
+#     bash bench/gpu_session.sh STAGE...    # STAGE: env decode captured captured-evict prefill kernels train train-dms tests
 #
 # A session has 30 minutes of device time and 10 minutes a call. Every stage is killed at its own time limit
 # (the limits of a stage, kill grace included, add up to at most 540 s), so that a slow stage cannot eat the call,
@@ -17,6 +17,7 @@
 #   prefill         (~8 min) issue 27: every policy's prefill vs plain sdpa, 8B shape, 16 and 32 layers, batch 1 and 8
 #   kernels         (~2 min) issue 27: decode attention at batch 1-32 and 4K-32K vs sdpa and HBM peak
 #   train           (~8 min) issue 28: gate-training step vs a teacher forward, 135M at 1K-16K, 8B at 8K
+#   train-dms       (~8 min) issue 28: the same for DMS (dms_attention_fused), the DMS recipe's memory
 #   tests           (~8 min) issue 27: the default test suite on the GPU machine
 #
 # The machine has no network: the packages kvgates needs beyond what it has travel as wheels in the checkout's
@@ -114,11 +115,17 @@ print('device', torch.cuda.get_device_name() if device == 'cuda' else 'cpu', '| 
         stage train 250 "$PY" bench/train_step.py $BIG $TRAIN_BIG --kinds trimkv --checkpoint-layers \
             --dtype bfloat16
         ;;
+    train-dms)
+        # shellcheck disable=SC2086
+        stage train-dms 250 "$PY" bench/train_step.py $SMALL $TRAIN_SMALL --kinds dms
+        # shellcheck disable=SC2086
+        stage train-dms 250 "$PY" bench/train_step.py $BIG $TRAIN_BIG --kinds dms --checkpoint-layers --dtype bfloat16
+        ;;
     tests)
         stage tests 520 "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/tests.xml"
         ;;
     *)
-        echo "unknown stage '$name': choose from env decode captured captured-evict prefill kernels train tests" >&2
+        echo "unknown stage '$name': choose from env decode captured captured-evict prefill kernels train train-dms tests" >&2
         exit 2
         ;;
     esac
