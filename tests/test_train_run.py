@@ -505,6 +505,23 @@ def test_two_cpu_processes_give_the_gates_of_one_with_the_same_global_batch(tiny
         assert states and states[0].stat().st_size < 100_000
 
 
+def test_dms_lora_trains_under_two_cpu_processes(tiny_dir, tmp_path):
+    """DMS with its peft LoRA beside the decision heads (trainable modules inside the wrapped model) under DDP over
+    gloo: the run ends, and its adapter carries a trained LoRA and heads that moved from their initial bias."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = tmp_path / "dms"
+    cfg = tiny_config(tiny_dir, out, kind="dms-lora", method={"window": 4, "lora_rank": 2}, policy={"window": 4},
+                      training={"max_steps": 2, "eval_steps": 2, "save_steps": 2})
+    cfg["gates"] = {"init_bias": 2.0}  # linear heads: no hidden width
+    launch, _ = LAUNCHERS["ddp"]
+    done = subprocess.run([sys.executable, *launch, str(REPO / "train.py"), "--config", str(write(cfg, tmp_path / "c.yaml"))],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    gates = kvgates.load_gates(out / "adapter")
+    assert any(bool(b.weight.detach().any()) for _, _, _, b in gates.lora_modules())
+    assert all(not torch.allclose(head.proj.bias, torch.full_like(head.proj.bias, -2.0)) for head in gates.heads)
+
+
 @pytest.mark.parametrize("path", sorted((REPO / "configs" / "train").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_committed_training_config_validates(path):
     config = TrainConfig.load(path)
