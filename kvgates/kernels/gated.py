@@ -53,6 +53,7 @@ __all__ = [
     "fused_kernel_violations",
     "fused_only",
     "fused_operands",
+    "fused_width",
     "gated_attention",
     "gated_attention_flex",
     "gated_attention_fused",
@@ -185,6 +186,12 @@ def fused_kernel_violations(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     return out
 
 
+def fused_width(width: int) -> int:
+    """The head dim, at least ``width``, that CUDA's fused sdpa kernels take: the next multiple of 8 (extra
+    channels are zeros, which add nothing to ``q . k`` or to the output)."""
+    return -(-width // 8) * 8
+
+
 def _split(x: torch.Tensor, parts: int) -> list[torch.Tensor]:
     """``x`` (float32) as ``parts`` bfloat16 tensors whose sum is ``x`` to ``2^(-8 parts)`` relative."""
     out = []
@@ -219,7 +226,7 @@ def fused_operands(
         k_extra = [a[0], a[1], a[2], a[0], a[1], *c]  # p1 a + p2 (a1 + a2) + c, to 2^-24 relative
     else:
         q_extra, k_extra = [pos, torch.ones_like(pos)], [lb, key_bias]
-    width = -(-max(d + len(q_extra), dv) // 8) * 8
+    width = fused_width(max(d + len(q_extra), dv))
     q_aug = torch.cat([q.to(work), torch.stack(q_extra, -1).expand(b, h, t, -1), q.new_zeros(b, h, t, width - d - len(q_extra), dtype=work)], -1)
     k_aug = torch.cat([k.to(work), torch.stack(k_extra, -1), k.new_zeros(b, hkv, t, width - d - len(k_extra), dtype=work)], -1)
     v_aug = torch.cat([v.to(work), v.new_zeros(b, hkv, t, width - dv, dtype=work)], -1)

@@ -26,9 +26,8 @@ device): the far keys' bias as an extra key channel through one causal sdpa call
 blocks and joined as a sink key, so memory is linear in ``T`` and CUDA's fused kernels take the call (padded
 widths, float32, no math fallback); exact gradients into the decisions, equal to the definition to float32
 rounding. ``exact`` runs the definition, ``dms_attention``: an explicit ``[B, H, T, T]`` float mask through sdpa
-(``T x T`` memory per layer; the shipped DMS adapters were trained with it). On the CPU, forward and backward of
-one layer (9 heads over 3, head dim 64, w = 16) took 0.019 s fused and 0.018 s exact at T = 512, 0.43 s and
-2.1 s at T = 4,096 (plain causal sdpa: 0.35 s).
+(``T x T`` memory per layer; the shipped DMS adapters were trained with it). Measured cost and memory of both:
+docs/training-gpu.md.
 
 How this departs from the paper:
 
@@ -69,7 +68,7 @@ from kvgates.errors import AdapterError
 from kvgates.gates.adapter import GateConfig, GateSet, atomic_write
 from kvgates.gates.capture import attention_modules
 from kvgates.gates.training import real_queries
-from kvgates.kernels.gated import fused_only
+from kvgates.kernels.gated import fused_only, fused_width
 from kvgates.methods.base import LearnedMethod, TrainingStep, register_method
 from kvgates.policies.base import EVERY_STEP, register_policy
 from kvgates.policies.learned import LearnedPolicy
@@ -436,7 +435,7 @@ def delayed_operands(
     b, h, t, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
     n = t - window  # queries with far keys (or, query w, only the sink)
-    width = -(-max(d + 2, dv + 1) // 8) * 8
+    width = fused_width(max(d + 2, dv + 1))
     bias = log_keep if real is None else log_keep.masked_fill(~real[:, None], _HIDDEN)
     q_far = torch.cat([q[:, :, window:], q.new_ones(b, h, n, 1), (near_lse[:, :, window:] / scale)[..., None]], -1)
     k_far = torch.cat([k[:, :, : n - 1], (bias[:, :, : n - 1] / scale)[..., None], k.new_zeros(b, hkv, n - 1, 1)], -1)

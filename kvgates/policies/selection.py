@@ -67,7 +67,7 @@ def _worst_slot(
     """One-hot mask of the lowest-scoring candidate of each selected row (ties: the oldest token), i.e. what the
     full ranking of ``topk_mask`` would leave out when it keeps all candidates but one. ``rows``: ``[B, H_kv]``,
     or True for every row."""
-    s = scores.masked_fill(~candidates, float("inf"))
+    s = (scores if scores.is_floating_point() else scores.double()).masked_fill(~candidates, float("inf"))
     tied = candidates & (s == s.amin(-1, keepdim=True))
     oldest = positions.masked_fill(~tied, torch.iinfo(positions.dtype).max).argmin(-1, keepdim=True)
     return torch.zeros_like(candidates).scatter(-1, oldest, rows if rows is True else rows[..., None])
@@ -130,9 +130,8 @@ def _drop_worst(layer: BudgetLayer, scores: torch.Tensor, budget: torch.Tensor, 
     without any other slot keeps what it holds."""
     valid = layer.valid
     candidates = valid & ~forced
-    s = scores.double() if not scores.is_floating_point() else scores
     over = True if layer.held_over_quota == 1 else layer.held() > budget
-    worst = _worst_slot(s, candidates, layer.pos, over)
+    worst = _worst_slot(scores, candidates, layer.pos, over)
     return valid ^ (worst & candidates)  # (a held slot, dropped by an exclusive or)
 
 

@@ -234,14 +234,11 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             # A new quota: its range per head is read once (an int's is known, and a policy may know a tensor's),
             # then the host can tell who is over.
             self.quota = self._quota_tensor(quota)
-            known = None if isinstance(quota, int) else policy.quota_range(self, quota)
             if isinstance(quota, int):
-                least = most = [quota] * self.num_kv_heads
-            elif known is not None:
-                least, most = known
+                known = ([quota] * self.num_kv_heads,) * 2
             else:
-                least, most = torch.stack([self.quota.amin(0), self.quota.amax(0)]).tolist()
-            self._quota_source, self._quota_range = quota, (least, most)
+                known = policy.quota_range(self, quota) or torch.stack([self.quota.amin(0), self.quota.amax(0)]).tolist()
+            self._quota_source, self._quota_range = quota, tuple(known)
             self.held_over_quota = None  # it was counted against the previous quota
         if self.held_over_quota is not None:  # every head holds its quota plus as many: everybody is over, or nobody
             if self.held_over_quota > schedule.tolerance:
