@@ -202,21 +202,33 @@ def test_locret_loss_by_hand():
     assert float(total) == pytest.approx(float(regression) + 0.5 * float(smooth))
 
 
-def test_distillation_loss_chunks_equal_whole_and_match_the_formula():
+@pytest.mark.parametrize("bias", [False, True])
+def test_distillation_loss_chunks_equal_whole_and_match_the_formula(bias):
     g = torch.Generator().manual_seed(3)
-    head = torch.nn.Linear(6, 11, bias=False)
-    s = torch.randn(9, 6, generator=g, requires_grad=True)
-    t = torch.randn(9, 6, generator=g)
+    head = torch.nn.Linear(6, 11, bias=bias).double().requires_grad_(False)
+    s = torch.randn(9, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(9, 6, generator=g, dtype=torch.float64)
     y = torch.randint(0, 11, (9,), generator=g)
     kl, ce = distillation_loss(s, t, y, head, chunk=4)
     ps, pt = torch.log_softmax(head(s), -1), torch.log_softmax(head(t), -1)
-    torch.testing.assert_close(kl, (pt.exp() * (pt - ps)).sum(-1).mean())
-    torch.testing.assert_close(ce, torch.nn.functional.cross_entropy(head(s), y))
-    grad_chunked = torch.autograd.grad(kl + ce, s)[0]
+    kl_ref, ce_ref = (pt.exp() * (pt - ps)).sum(-1).mean(), torch.nn.functional.cross_entropy(head(s), y)
+    torch.testing.assert_close(kl, kl_ref.float())
+    torch.testing.assert_close(ce, ce_ref.float())
+    # The gradient made in the forward, scaled by the backward, is autograd's through the formula (any weights).
+    grad = torch.autograd.grad(0.3 * kl + 1.7 * ce, s)[0]
+    torch.testing.assert_close(grad, torch.autograd.grad(0.3 * kl_ref + 1.7 * ce_ref, s)[0])
     whole = distillation_loss(s, t, y, head, chunk=100)
-    torch.testing.assert_close(grad_chunked, torch.autograd.grad(whole[0] + whole[1], s)[0])
+    torch.testing.assert_close(grad, torch.autograd.grad(0.3 * whole[0] + 1.7 * whole[1], s)[0])
+    with torch.no_grad():
+        torch.testing.assert_close(distillation_loss(s, t, y, head, chunk=4), (kl.detach(), ce.detach()))
     same = distillation_loss(t, t, y, head)[0].detach()
     assert float(same) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_distillation_loss_refuses_a_trainable_head():
+    head = torch.nn.Linear(6, 11, bias=False)
+    with pytest.raises(ValueError, match="frozen output projection"):
+        distillation_loss(torch.randn(2, 6), torch.randn(2, 6), torch.tensor([1, 2]), head)
 
 
 def test_teacher_ranking_loss_is_low_when_the_order_agrees():

@@ -10,18 +10,48 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from kvgates import kernels
 
 
-def _kl_ce_chunk(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias):
-    s = torch.log_softmax(F.linear(student, weight, bias).float(), -1)
-    with torch.no_grad():
-        t = torch.log_softmax(F.linear(teacher, weight, bias).float(), -1)
-    kl = (t.exp() * (t - s)).sum(-1)
-    ce = -s.gather(-1, targets[:, None])[:, 0]
-    return kl.sum(), ce.sum()
+def _kl_ce_chunk(
+    student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    gradients: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Summed KL and CE of one chunk of rows, and (``gradients``) their gradients with respect to ``student``.
+
+    With ``q = softmax(student logits)`` and ``p = softmax(teacher logits)``, ``d KL / d logits = q - p`` and
+    ``d CE / d logits = q - onehot(target)``, so both gradients come from one ``[2n, vocab] @ [vocab, d]`` product
+    while the chunk's logits exist; nothing is recomputed in the backward."""
+    n = student.shape[0]
+    logp = torch.log_softmax(F.linear(torch.cat([student, teacher]), weight, bias).float(), -1)
+    s, t = logp[:n], logp[n:]
+    p = t.exp()
+    kl = (p * (t - s)).sum()
+    ce = -s.gather(-1, targets[:, None]).sum()
+    if not gradients:
+        return kl, ce, None, None
+    q = s.exp()
+    d_ce = q.clone()
+    d_ce[torch.arange(n, device=q.device), targets] -= 1.0
+    grads = torch.cat([q.sub_(p), d_ce]).to(weight.dtype) @ weight
+    return kl, ce, grads[:n], grads[n:]
+
+
+class _DistillChunk(torch.autograd.Function):
+    """``(KL sum, CE sum)`` of a chunk whose backward scales the gradients ``_kl_ce_chunk`` made in the forward."""
+
+    @staticmethod
+    def forward(ctx, student, teacher, targets, weight, bias):
+        kl, ce, grad_kl, grad_ce = _kl_ce_chunk(student, teacher, targets, weight, bias, gradients=True)
+        ctx.save_for_backward(grad_kl, grad_ce)
+        ctx.dtype = student.dtype
+        return kl, ce
+
+    @staticmethod
+    def backward(ctx, d_kl, d_ce):
+        grad_kl, grad_ce = ctx.saved_tensors
+        return (d_kl * grad_kl.float() + d_ce * grad_ce.float()).to(ctx.dtype), None, None, None, None
 
 
 def distillation_loss(
@@ -40,11 +70,14 @@ def distillation_loss(
         student_hidden, teacher_hidden: ``[n, d]`` final (normed) hidden states at the positions that predict the
             completion tokens.
         targets: ``[n]`` the completion tokens.
-        lm_head: the frozen output projection.
-        chunk: rows per chunk. Each chunk's ``[chunk, vocab]`` logits are made, reduced and dropped; the student's
-            are recomputed in the backward (activation checkpointing), so neither side's ``[n, vocab]`` logits
-            exist whole at any time.
+        lm_head: the frozen output projection (no gradient reaches it).
+        chunk: rows per chunk. Each chunk's ``[2 chunk, vocab]`` logits (student's and teacher's) are made,
+            reduced and dropped; when the student needs a gradient, the chunk's gradient (``[chunk, d]``, for KL and
+            for CE) is made in the forward from the same logits, so neither side's ``[n, vocab]`` logits exist whole
+            at any time and none are recomputed in the backward.
     """
+    if lm_head.weight.requires_grad or (lm_head.bias is not None and lm_head.bias.requires_grad):
+        raise ValueError("distillation_loss takes a frozen output projection: lm_head's parameters require gradients")
     n = targets.numel()
     if n == 0:
         zero = student_hidden.sum() * 0.0
@@ -53,7 +86,10 @@ def distillation_loss(
     for start in range(0, n, chunk):
         sl = slice(start, start + chunk)
         args = (student_hidden[sl], teacher_hidden[sl], targets[sl], lm_head.weight, lm_head.bias)
-        k, c = checkpoint(_kl_ce_chunk, *args, use_reentrant=False) if student_hidden.requires_grad else _kl_ce_chunk(*args)
+        if student_hidden.requires_grad and torch.is_grad_enabled():
+            k, c = _DistillChunk.apply(*args)
+        else:
+            k, c = _kl_ce_chunk(*args, gradients=False)[:2]
         kl, ce = kl + k, ce + c
     return kl / n, ce / n
 
