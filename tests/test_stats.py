@@ -104,3 +104,30 @@ def test_causal_attention_stats_matches_sdpa_and_column_sums(n, shift, window, m
             torch.testing.assert_close(win, window_sums, atol=atol, rtol=0)
         else:
             assert win is None
+
+
+@pytest.mark.parametrize("tile_elements", [1 << 22, 6 * 2 * 12])  # one tile; a row or two per tile
+@pytest.mark.parametrize("weighted", [False, True])
+def test_masked_colmax_and_column_reductions_match_naive(monkeypatch, tile_elements, weighted):
+    """``masked_attention_colmax``, ``column_max`` and ``column_sums`` against explicit loops: empty slots and
+    positions out of order, padded rows (no output, no maximum, no sum), a real row that sees no slot (zero), row
+    weights, and tiles of a row or two."""
+    monkeypatch.setattr(reference, "TILE_ELEMENTS", tile_elements)
+    torch.manual_seed(4)
+    pos = random_positions(2, 2, 12, held=9, seed=2)
+    k, v = torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8)
+    q = torch.randn(2, 6, 5, 8)
+    q_pos = torch.tensor([[3, 6, -1, 8, 30], [0, 2, 4, 9, 30]])  # row (0, 2) sees nothing
+    q_valid = torch.tensor([[True, True, True, False, True], [True, False, True, True, True]])
+    weight = torch.rand(2, 5) if weighted else None
+    probs = naive_probs(q, k, pos, q_pos, 0.4) * q_valid[:, None, :, None]
+    scaled = probs * (1.0 if weight is None else weight[:, None, :, None])
+    out, colmax = reference.masked_attention_colmax(q, k, v, pos, q_pos, q_valid, 0.4, weight)
+    expected_out = probs @ v.repeat_interleave(3, 1)
+    real = q_valid[:, None, :, None].expand_as(expected_out)
+    torch.testing.assert_close(out[real], expected_out[real], atol=1e-5, rtol=0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(colmax, scaled.amax(2), atol=1e-6, rtol=0)
+    torch.testing.assert_close(reference.column_max(q, k, pos, q_pos, q_valid, 0.4, weight), scaled.amax(2), atol=1e-6, rtol=0)
+    sums = reference.column_sums(q, k, pos, q_pos, q_valid, 0.4)
+    torch.testing.assert_close(sums, probs.sum(2), atol=1e-5, rtol=0)

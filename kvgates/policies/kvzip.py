@@ -30,8 +30,8 @@ class KVzip(Policy):
 
     The forwards run through the runtime (``kvgates.runtime.scoring``): the policy must be attached to the model
     (``policy.attach(model)``, which every kvgates caller does). The cost: one more forward as long as the prompt
-    plus the repeat prompts, whose attention materialises every probability for the maxima (7.8x a plain prefill's
-    time at 2K tokens on a CPU, docs/results.md; kvpress states 2-3x).
+    plus the repeat prompts, whose attention materialises every probability for the maxima (measured against a plain
+    prefill in docs/results.md; kvpress states 2-3x).
 
     How it departs from the paper and from kvpress's ``KVzipPress`` (0.5.5):
 
