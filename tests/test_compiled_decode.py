@@ -51,6 +51,8 @@ CASES = [
     ("snapkv", {}), ("h2o", {}), ("tova", {}), ("streaming_llm", {}), ("morphkv", {}), ("trimkv", {}),
     ("h2o", {"slack": 2}), ("morphkv", {"evict_every": 2}),
     ("pyramidkv", {}), ("trimkv-morph", {}),  # inherit the decode step of snapkv and morphkv
+    ("kvmerger", {"budget": 12}),  # prompt merges, then decode appends (its heavy hitters and window need 8)
+    ("kvzip", {}),  # the static layout settles after its scoring forwards
 ]
 BUDGET, PROMPT, STEPS = 8, 20, 6
 
@@ -77,7 +79,8 @@ def test_static_decode_compiles_fullgraph_and_matches_eager(tiny, name, params):
     tokens are those of the eager (dynamic) cache, step by step."""
     _, model = tiny
     ids = torch.randint(1, 128, (2, PROMPT + STEPS + 1), generator=torch.Generator().manual_seed(3))
-    with policy_on(model, name, BUDGET, **params) as policy:
+    params = dict(params)
+    with policy_on(model, name, params.pop("budget", BUDGET), **params) as policy:
         eager = BudgetCache(model.config, policy)
         static = BudgetCache(model.config, policy, static=True, decode_slots=_decode_slots(policy))
         torch._dynamo.reset()
@@ -134,6 +137,25 @@ def test_static_cache_refusals(tiny):
         BudgetCache(model.config, "snapkv", budget=BUDGET, window=4, static=True)
     with pytest.raises(ValueError, match="pass static=True"):
         BudgetCache(model.config, "h2o", budget=BUDGET, decode_slots=4)
+
+
+def test_a_static_kvzip_cache_scores_its_prompt_then_refuses_a_second_prompt_forward(tiny):
+    """KVzip's scoring forwards add and drop tokens: the static layout settles after them (the prompt is evicted to
+    the budget); a later prompt forward would need more scoring forwards in the settled layout, and is refused with
+    nothing changed."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(6))
+    with policy_on(model, "kvzip", BUDGET) as policy:
+        cache = BudgetCache(model.config, policy, static=True, decode_slots=4)
+        with torch.no_grad():
+            model(ids[:, :PROMPT], past_key_values=cache)
+            assert all(layer.static for layer in cache.budget_layers)
+            assert cache.held_tokens().max() == BUDGET
+            held = _held_positions(cache)
+            chunk = torch.arange(PROMPT, PROMPT + 3)
+            with pytest.raises(ValueError, match="cannot once its layout is settled"):
+                model(ids[:, PROMPT : PROMPT + 3], position_ids=chunk[None], cache_position=chunk, past_key_values=cache)
+        assert _held_positions(cache) == held and cache.get_seq_length() == PROMPT
 
 
 def test_static_cache_of_a_prompt_policy_stops_when_its_decode_slots_are_used(tiny):

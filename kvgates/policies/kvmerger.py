@@ -164,6 +164,7 @@ class KVMerger(CumulativeAttention):
 
     name = "kvmerger"
     state_type = KVMergerState
+    sync_free_decode = True  # decode appends: the merges are the prompt's, made before a static layout settles
 
     window: int = 16
     heavy: int | None = None

@@ -301,7 +301,9 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         if due:
             self.enforce(stats)
         policy.after_layer(self, stats)
-        if self.cache.static:
+        if self.cache.static and (schedule.prefill or schedule.decode_every):
+            # A policy that evicts neither here nor while decoding (KVzip: its scoring pass evicts the prompt) is
+            # settled by what evicts for it (``kvgates.runtime.scoring``), once its scoring forwards are done.
             self.settle_static()
 
     # ------------------------------------------------------------------ static layout

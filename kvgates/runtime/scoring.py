@@ -53,8 +53,7 @@ def discarded_forward(model: torch.nn.Module, cache: BudgetCache, context_mask: 
     the positions after its real tokens. The policy must not evict during such a forward (a policy that
     ``scores_prompt`` evicts nothing at the end of a prompt forward). Only the last position's logits are computed.
     """
-    if cache.static:
-        raise ValueError("scoring forwards add and drop tokens, which a static BudgetCache cannot; use static=False")
+    _check_unsettled(cache)
     if len(cache.budget_layer_ids) != len(cache.layers):
         raise UnsupportedModelError(
             "scoring forwards need every cache layer to be budgeted: they would change the model's sliding-window "
@@ -77,6 +76,15 @@ def discarded_forward(model: torch.nn.Module, cache: BudgetCache, context_mask: 
     for layer, before in zip(layers, seen):
         layer.evict(layer.valid & (layer.pos < start[:, :, None].to(layer.device)), slack=slack)
         layer.seen = before
+
+
+def _check_unsettled(cache: BudgetCache) -> None:
+    """Refuse scoring forwards in a static cache whose layout is settled (they add and drop tokens)."""
+    if any(layer.static for layer in cache.budget_layers):
+        raise ValueError(
+            "scoring forwards add and drop tokens, which a static BudgetCache cannot once its layout is settled (a "
+            "prompt given in several forwards, or a turn after decoding); use static=False"
+        )
 
 
 def enforce_prompt(cache: BudgetCache) -> None:
@@ -120,6 +128,7 @@ class PromptScoring:
         layer = cache.budget_layers[0]
         if layer.seen and (ids.shape[1] == 1 or layer.decoding):  # a decode step (BudgetLayer.phase)
             return
+        _check_unsettled(cache)  # before the prompt forward writes anything
         n = ids.shape[1]
         mask = kwargs.get("attention_mask")
         mask = torch.ones_like(ids) if mask is None else mask[:, -n:].to(ids.device).long()
@@ -138,3 +147,6 @@ class PromptScoring:
         finally:
             self._busy = False
         enforce_prompt(cache)
+        if cache.static:  # the layout its decode steps compile for, now that the prompt is evicted
+            for layer in cache.budget_layers:
+                layer.settle_static()
