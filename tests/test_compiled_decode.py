@@ -53,6 +53,7 @@ CASES = [
     ("pyramidkv", {}), ("trimkv-morph", {}),  # inherit the decode step of snapkv and morphkv
     ("kvmerger", {"budget": 12}),  # prompt merges, then decode appends (its heavy hitters and window need 8)
     ("kvzip", {}),  # the static layout settles after its scoring forwards
+    ("dynamickv", {}),  # budgets across layers, decided after the prompt's last layer: every layer settles then
 ]
 BUDGET, PROMPT, STEPS = 8, 20, 6
 

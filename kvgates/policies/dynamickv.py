@@ -62,6 +62,7 @@ class DynamicKV(WindowScored):
 
     name = "dynamickv"
     state_type = DynamicKVState
+    sync_free_decode = True  # decode appends: the layers' budgets are the prompt's, set before a static layout settles
 
     window: int = 8
     r_max: float = 10.0
