@@ -54,13 +54,14 @@ CASES = [
     ("kvmerger", {"budget": 12}),  # prompt merges, then decode appends (its heavy hitters and window need 8)
     ("kvzip", {}),  # the static layout settles after its scoring forwards
     ("dynamickv", {}),  # budgets across layers, decided after the prompt's last layer: every layer settles then
+    ("adakv", {"ragged": False}),  # head budgets within one slot count per head
 ]
 BUDGET, PROMPT, STEPS = 8, 20, 6
 
 
 def test_every_policy_declaring_a_sync_free_decode_is_tested():
     declared = {name for name, cls in POLICIES.items() if cls.sync_free_decode is True}
-    assert declared == {name for name, _ in CASES} - {"streaming_llm"}  # its flag is a property (rerotate=False)
+    assert declared == {name for name, _ in CASES} - {"streaming_llm", "adakv"}  # properties (rerotate, ragged)
 
 
 def _held_positions(cache) -> list[list[list[list[int]]]]:

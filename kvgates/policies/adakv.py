@@ -85,6 +85,12 @@ class AdaKV(Wrapper):
         if type(self.inner).score is Policy.score:
             raise ValueError(f"{self.name}: base policy {self.base!r} does not score tokens; pick a scoring policy")
 
+    @property
+    def sync_free_decode(self) -> bool:
+        """Uniform storage (``ragged=False``) around a base that evicts only the prompt: decode steps append (a static
+        layout has one slot count for every head, which ragged storage gives up by design)."""
+        return not self.ragged_heads and not self.schedule.decode_every
+
     def quota(self, layer, stats: AttnStats | None) -> torch.Tensor:
         """Head budgets of the sequences that have them; the wrapped policy's budget for the others."""
         state = self.layer_state(layer)
