@@ -55,13 +55,15 @@ CASES = [
     ("kvzip", {}),  # the static layout settles after its scoring forwards
     ("dynamickv", {}),  # budgets across layers, decided after the prompt's last layer: every layer settles then
     ("adakv", {"ragged": False}),  # head budgets within one slot count per head
+    ("d2o", {}), ("d2o", {"slack": 2}),  # merges each evicted token, one or several a step, nothing read back
+    ("merge", {}),  # D2O's merging around H2O
 ]
 BUDGET, PROMPT, STEPS = 8, 20, 6
 
 
 def test_every_policy_declaring_a_sync_free_decode_is_tested():
     declared = {name for name, cls in POLICIES.items() if cls.sync_free_decode is True}
-    assert declared == {name for name, _ in CASES} - {"streaming_llm", "adakv"}  # properties (rerotate, ragged)
+    assert declared == {name for name, _ in CASES} - {"streaming_llm", "adakv", "merge"}  # properties
 
 
 def _held_positions(cache) -> list[list[list[list[int]]]]:

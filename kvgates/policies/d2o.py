@@ -8,7 +8,7 @@ import torch
 
 from kvgates.policies.base import PerStepEviction, Schedule, register_policy
 from kvgates.policies.h2o import CUMULATIVE, CumulativeAttention
-from kvgates.policies.merging import MERGE_RULES, MergeState, merge_evicted
+from kvgates.policies.merging import MERGE_RULES, MergeState, merge_evicted, start_threshold
 from kvgates.policies.selection import keep_forced_and_top, recent_mask, sink_mask
 from kvgates.runtime.stats import AttnStats, Phase
 
@@ -75,6 +75,7 @@ class D2O(CumulativeAttention, PerStepEviction):
 
     name = "d2o"
     state_type = D2OState
+    sync_free_decode = True  # its merges read nothing back on a static layer (``merge_evicted``)
 
     sinks: int = 4
     recent_share: float = 0.25
@@ -124,7 +125,10 @@ class D2O(CumulativeAttention, PerStepEviction):
         return keep
 
     def after_layer(self, layer, stats: AttnStats) -> None:
-        if stats.phase is Phase.PREFILL and layer.is_last:
+        if stats.phase is not Phase.PREFILL:
+            return
+        start_threshold(layer, self.layer_state(layer))
+        if layer.is_last:
             self._allocate(layer.cache.budget_layers)
 
     def _allocate(self, layers) -> None:

@@ -27,7 +27,7 @@ from kvgates.policies.base import register_policy
 from kvgates.policies.wrappers import Wrapper
 from kvgates.runtime.layer import BudgetLayer
 from kvgates.runtime.state import LayerState
-from kvgates.runtime.stats import AttnStats
+from kvgates.runtime.stats import AttnStats, Phase
 
 MERGE_RULES = ("paper", "official")
 
@@ -149,6 +149,13 @@ def _merge_one(
         store.scatter_(2, target[..., None].expand_as(merged), merged)
 
 
+def start_threshold(layer: BudgetLayer, state: MergeState) -> None:
+    """Give ``state`` its threshold ``tau`` as a tensor of NaN (no eviction yet) if it has none, so that a compiled
+    decode step never creates it (call it at the end of a prompt forward)."""
+    if state.tau is None:
+        state.tau = torch.full((layer.batch_size,), float("nan"), device=layer.device)
+
+
 def merge_evicted(
     layer: BudgetLayer, keep: torch.Tensor, state: MergeState, beta: float = 0.7, rule: str = "paper", exact: bool = False
 ) -> None:
@@ -159,12 +166,13 @@ def merge_evicted(
     eviction's decode step), each evicted token is matched and merged on its own (``best_match_of_one``)."""
     if rule not in MERGE_RULES:
         raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
-    counts = layer.exact_counts() if exact else None
+    static = layer.static  # fixed shapes, nothing read back: a head evicts at most its slots over its quota
+    counts = layer.exact_counts() if exact and not static else None
     kept_all = keep & layer.valid
     evicted_all = layer.valid ^ kept_all
-    if not (bool(evicted_all.any()) if counts is None else any(counts.evicted)):
+    if not static and not (bool(evicted_all.any()) if counts is None else any(counts.evicted)):
         return
-    one = counts is not None and max(counts.evicted) <= 1
+    one = layer.static_evictions <= 1 if static else counts is not None and max(counts.evicted) <= 1
     # Pass 1: best match of every evicted token, per group of heads sharing a storage layout.
     matches = []
     for heads, k, v, _ in layer.head_views():
@@ -177,6 +185,8 @@ def merge_evicted(
         most = None
         if counts is not None:
             most = (max(counts.evicted[heads]), max(counts.most[heads]))
+        elif static:
+            most = (layer.static_evictions, c)
         matches.append((k, v, *best_matches(k, evicted, kept, most)))
     # The threshold: one EMA per sequence over every evicted token of the layer (``reduce``: no launch adding 0).
     total = functools.reduce(operator.add, [(best * real).sum((1, 2)) for _, _, _, real, best, _, _ in matches])
@@ -188,7 +198,7 @@ def merge_evicted(
     # Pass 2: merge.
     for k, v, idx, real, best, kept_idx, target in matches:
         merging = real & (best >= tau[:, None, None])
-        if counts is None and not bool(merging.any()):  # (a step that merges nothing writes the kept values back)
+        if counts is None and not static and not bool(merging.any()):  # (else the kept values are written back)
             continue
         w, self_w = _weights(best, merging, rule)
         if kept_idx is None:
@@ -228,6 +238,16 @@ class Merge(Wrapper):
         keep = self.inner.select(layer, stats, quota)
         merge_evicted(layer, keep, self.layer_state(layer), self.beta, self.merge_rule, exact=self.exact_quota)
         return keep
+
+    def after_layer(self, layer, stats: AttnStats) -> None:
+        if stats.phase is Phase.PREFILL:
+            start_threshold(layer, self.layer_state(layer))
+        self.inner.after_layer(layer, stats)
+
+    @property
+    def sync_free_decode(self) -> bool:
+        """The wrapped policy's: merges read nothing back on a static layer (``merge_evicted``)."""
+        return self.inner.sync_free_decode
 
     @property
     def exact_quota(self) -> bool:

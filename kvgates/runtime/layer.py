@@ -74,6 +74,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.is_compileable = cache.static  # decode steps compile once the prompt is stored (``static``)
         self.decoded: torch.Tensor | None = None  # static layout: decode steps not yet counted in ``seen`` (0-d)
+        self.static_evictions = 0  # static layout: the most tokens a head may evict in one step (slots over its quota)
         self._derived: dict[str, Any] = {}  # layout-derived tensors and state views, dropped when storage changes
 
     def __repr__(self) -> str:
@@ -316,8 +317,9 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         schedule = policy.schedule
         quota = policy.quota(self, None)
         self.quota = self._quota_tensor(quota)
-        most = quota if isinstance(quota, int) else int(self.quota.max())
+        most, least = (quota, quota) if isinstance(quota, int) else (int(self.quota.max()), int(self.quota.min()))
         self.settle(most + (schedule.slack if schedule.decode_every else self.cache.decode_slots))
+        self.static_evictions = self.max_slots - least
         if policy.state_type is not None:
             self.policy_state(policy)  # created here, not in a compiled step
         if self.decoded is None:
@@ -344,8 +346,9 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             over = (self.held() > self.quota + schedule.tolerance).any(-1)  # [B]
             if schedule.decode_every > 1:
                 over = over & ((self.decode_steps + self.decoded) % schedule.decode_every == 0)
-            keep = policy.select(self, stats, self.quota)
-            self.drop(torch.where(over[:, None, None], keep, self.valid))
+            # A sequence not due selects with a quota of every slot: it keeps what it holds, and a policy that
+            # changes what it keeps (D2O's merges) changes nothing there.
+            self.drop(policy.select(self, stats, torch.where(over[:, None], self.quota, self.max_slots)))
         policy.after_layer(self, stats)
 
     def phase(self, n: int) -> Phase:
