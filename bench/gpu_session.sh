@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of issues 26-28 on a lent GPU machine, one stage (or a few) per device call:
 #
-#     bash bench/gpu_session.sh STAGE...    # STAGE: env decode captured captured-evict prefill kernels train train-dms tests
+#     bash bench/gpu_session.sh STAGE...    # STAGE: env decode captured captured-evict captured-merge prefill kernels train train-dms tests
 #
 # A session has 30 minutes of device time and 10 minutes a call. Every stage is killed at its own time limit
 # (the limits of a stage, kill grace included, add up to at most 540 s), so that a slow stage cannot eat the call,
@@ -14,6 +14,7 @@
 #   captured        (~8 min) issue 26: snapkv's decode compiled and captured as CUDA graphs (reduce-overhead) vs a
 #                            captured StaticCache of the budget's size, DynamicCache and the HBM roofline
 #   captured-evict  (~8 min) issue 26: the same for h2o and trimkv, which evict while decoding
+#   captured-merge  (~8 min) issue 27: the same for d2o (merges while decoding) and kvmerger (merges the prompt)
 #   prefill         (~8 min) issue 27: every policy's prefill vs plain sdpa, 8B shape, 16 and 32 layers, batch 1 and 8
 #   kernels         (~2 min) issue 27: decode attention at batch 1-32 and 4K-32K vs sdpa and HBM peak
 #   train           (~8 min) issue 28: gate-training step vs a teacher forward, 135M at 1K-16K, 8B at 8K
@@ -98,6 +99,11 @@ print('device', torch.cuda.get_device_name() if device == 'cuda' else 'cpu', '| 
         stage captured-evict 500 "$PY" bench/gpu_policies.py $BIG $CAPTURE \
             --policies h2o trimkv --compile inductor --compile-mode reduce-overhead
         ;;
+    captured-merge)
+        # shellcheck disable=SC2086
+        stage captured-merge 500 "$PY" bench/gpu_policies.py $BIG $CAPTURE \
+            --policies d2o kvmerger --compile inductor --compile-mode reduce-overhead
+        ;;
     prefill)
         # shellcheck disable=SC2086
         stage prefill 250 "$PY" bench/gpu_policies.py $DEEP $PREFILL
@@ -125,7 +131,7 @@ print('device', torch.cuda.get_device_name() if device == 'cuda' else 'cpu', '| 
         stage tests 520 "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/tests.xml"
         ;;
     *)
-        echo "unknown stage '$name': choose from env decode captured captured-evict prefill kernels train train-dms tests" >&2
+        echo "unknown stage '$name': choose from env decode captured captured-evict captured-merge prefill kernels train train-dms tests" >&2
         exit 2
         ;;
     esac
