@@ -118,7 +118,10 @@ def test_gpu_session_env_stage_logs_versions_and_an_unknown_stage_is_refused(tmp
     assert "torch" in log and "kernels" in log and "exit status 0" in log
     result = _gpu_session(tmp_path, "decoder")
     assert result.returncode == 2
-    assert result.stderr.strip() == "unknown stage 'decoder': choose from env decode captured captured-evict captured-merge prefill kernels train train-dms tests"
+    assert result.stderr.strip() == (
+        "unknown stage 'decoder': choose from env decode captured captured-evict captured-merge prefill kernels train "
+        "train-dms tests"
+    )
 
 
 @pytest.mark.slow

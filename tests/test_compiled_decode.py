@@ -228,3 +228,23 @@ def test_compiled_steps_take_the_reference_kernels_on_a_gpu_too(monkeypatch):
     assert kernels.backend(cuda_tensor) == "triton"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert kernels.backend(cuda_tensor) == "reference"
+
+
+@pytest.mark.parametrize(("name", "params"), [("d2o", {}), ("d2o", {"slack": 2})], ids=["d2o", "d2o-slack2"])
+def test_merging_decode_steps_compile_with_inductor(tiny, name, params):
+    """The graphs above are captured with ``aot_eager``; inductor must also generate code for them (its CPU code had
+    no max over a boolean tensor, which D2O's one-eviction match took). The merging steps, compiled by inductor,
+    decode what the eager cache decodes."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, PROMPT + STEPS + 1), generator=torch.Generator().manual_seed(8))
+    with policy_on(model, name, BUDGET, **params) as policy:
+        logits = {}
+        for label, cache, forward in (
+            ("eager", BudgetCache(model.config, policy), model.forward),
+            ("static", BudgetCache(model.config, policy, static=True), torch.compile(model.forward, fullgraph=True)),
+        ):
+            torch._dynamo.reset()
+            with torch.no_grad():
+                model(ids[:, :PROMPT], past_key_values=cache)
+            logits[label] = _teacher_forced(forward, cache, ids, PROMPT, STEPS)
+    torch.testing.assert_close(logits["static"], logits["eager"], atol=1e-5, rtol=1e-5)

@@ -89,7 +89,8 @@ def best_match_of_one(keys: torch.Tensor, evicted: torch.Tensor, kept: torch.Ten
     ``keys``: the one ``best_matches`` picks, which lists the kept slots in slot order (both argmaxes take the first
     of equal maxima).
     """
-    real, idx = evicted.max(-1, keepdim=True)
+    found, idx = evicted.to(torch.uint8).max(-1, keepdim=True)  # (inductor's CPU code has no max over bool)
+    real = found.bool()
     unit = torch.nn.functional.normalize(keys.float(), dim=-1)
     sim = torch.matmul(_gather_slots(unit, idx), unit.transpose(-1, -2)).masked_fill_(~kept[:, :, None, :], float("-inf"))
     best, target = sim.max(-1)
