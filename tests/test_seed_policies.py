@@ -405,7 +405,7 @@ def _first_of(mask: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("seed", range(4))
 def test_merging_one_evicted_token_per_head_matches_the_general_merge(rule, seed, dtype):
     # Where the host knows that no head evicts more than one token (a per-step eviction's decode step), the merge
-    # takes its own path (best_match_of_one, no read-back, no listing of the kept slots): it must leave the keys,
+    # takes its own path (best_match_in_slots, no read-back, no listing of the kept slots): it must leave the keys,
     # values and threshold the general merge leaves, over two evictions (the first sets the threshold, the second
     # moves it). Rows: every head evicting, one head of three evicting (the others under budget), nothing held (a
     # padding row), every head evicting with one that keeps nothing; ties between kept keys and with the evicted key.
@@ -444,3 +444,40 @@ def test_merging_one_evicted_token_per_head_matches_the_general_merge(rule, seed
         for made in (one, general):  # the eviction that follows the merge
             made.pos.masked_fill_(dropped, -1)
     assert not torch.equal(one.keys, untouched.keys) and not torch.equal(one.values, untouched.values)
+
+
+@pytest.mark.parametrize("rule", ["paper", "official"])
+@pytest.mark.parametrize("seed", range(3))
+def test_merging_on_a_static_layer_matches_the_general_merge(rule, seed):
+    # A static layer's decode step (compiled: nothing read back, fixed shapes) matches the first
+    # ``static_evictions`` evicted slots of each head against every slot and merges over every slot: it must leave
+    # the keys, values and threshold the general merge leaves, with up to three tokens evicted per head, over two
+    # evictions. Rows as above: every head evicting, one head of three, nothing held, a head that keeps nothing.
+    b, hkv, c = 4, 3, 16
+    pos = random_positions(b, hkv, c, held=12, seed=seed)
+    pos[2] = -1
+    pos[3, 1] = -1
+    pos[3, 1, 5] = 7
+    held = pos >= 0
+    where = torch.tensor([[True] * 3, [False, False, True], [True] * 3, [True] * 3])[..., None]
+    evicted = held & (held.cumsum(-1) <= 3) & where
+    keep = held & ~evicted
+    evicted_again = keep & (keep.cumsum(-1) <= 2) & where
+
+    def stored():
+        return make_layer(Merge(budget=8, base="h2o"), pos, head_dim=8, seed=seed)
+
+    static, general = stored(), stored()
+    static.decoded, static.static_evictions = torch.zeros((), dtype=torch.int64), 3  # as settle_static leaves it
+    states = MergeState(tau=torch.full((b,), float("nan"))), MergeState()
+    for keep_now, dropped in ((keep, evicted), (keep & ~evicted_again, evicted_again)):
+        with Launches() as fast:
+            merge_evicted(static, keep_now, states[0], rule=rule, exact=True)
+        merge_evicted(general, keep_now, states[1], rule=rule)
+        assert fast.syncs == 0 and "sort" not in fast.ops
+        torch.testing.assert_close(states[0].tau, states[1].tau, atol=1e-6, rtol=0, equal_nan=True)
+        torch.testing.assert_close(static.keys, general.keys, atol=1e-6, rtol=0)
+        torch.testing.assert_close(static.values, general.values, atol=1e-6, rtol=0)
+        for made in (static, general):
+            made.pos.masked_fill_(dropped, -1)
+    assert not torch.equal(static.keys, stored().keys)

@@ -80,16 +80,18 @@ def best_matches(
     return (idx, *_matched(real, best_t), kept_idx, target_t)
 
 
-def best_match_of_one(keys: torch.Tensor, evicted: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``best_matches`` where no head evicts more than one slot (a per-step eviction's decode step), without
-    listing the kept slots: the evicted slot is the first one set (slot 0 where none is), its similarities to every
-    slot are one product with the normalised keys, and slots not kept are masked out before the argmax.
+def best_match_in_slots(keys: torch.Tensor, evicted: torch.Tensor, kept: torch.Tensor, count: int = 1) -> tuple[torch.Tensor, ...]:
+    """``best_matches`` where no head evicts more than ``count`` slots (a per-step eviction's decode step; any step
+    of a static layer, whose heads evict at most their slots over the quota), without listing the kept slots: the
+    evicted slots are the first ``count`` set (others, not real, fill the rest), their similarities to every slot
+    are one product with the normalised keys, and slots not kept are masked out before the argmax.
 
-    Returns ``(evicted slot [B, H, 1], real, best similarity, target [B, H, 1])`` with ``target`` a slot of
+    Returns ``(evicted slots [B, H, count], real, best similarity, target [B, H, count])`` with ``target`` a slot of
     ``keys``: the one ``best_matches`` picks, which lists the kept slots in slot order (both argmaxes take the first
     of equal maxima).
     """
-    found, idx = evicted.to(torch.uint8).max(-1, keepdim=True)  # (inductor's CPU code has no max over bool)
+    flags = evicted.to(torch.uint8)  # (inductor's CPU code has no max over bool)
+    found, idx = flags.max(-1, keepdim=True) if count == 1 else flags.topk(count, dim=-1)
     real = found.bool()
     unit = torch.nn.functional.normalize(keys.float(), dim=-1)
     sim = torch.matmul(_gather_slots(unit, idx), unit.transpose(-1, -2)).masked_fill_(~kept[:, :, None, :], float("-inf"))
@@ -157,6 +159,22 @@ def start_threshold(layer: BudgetLayer, state: MergeState) -> None:
         state.tau = torch.full((layer.batch_size,), float("nan"), device=layer.device)
 
 
+def _merge_into_slots(
+    stores: tuple[torch.Tensor, ...], idx: torch.Tensor, target: torch.Tensor, merging: torch.Tensor, w: torch.Tensor,
+    self_w: float, rule: str,
+) -> None:
+    """``_merge_into_kept`` where ``target`` is a slot of the stores (``best_match_in_slots``): computed over every
+    slot, fixed shapes (a static layer's step)."""
+    slots = torch.zeros(stores[0].shape[:3], device=w.device)
+    received = slots.scatter_add(2, target, merging.float())
+    denom = (slots.scatter_add(2, target, w) if rule == "paper" else received) + self_w
+    receivers = (received > 0)[..., None]
+    for store in stores:
+        extra = _gather_slots(store, idx).float()
+        acc = (store.float() * self_w).scatter_add_(2, target[..., None].expand_as(extra), extra * w[..., None])
+        store.copy_(torch.where(receivers, (acc / denom[..., None]).to(store.dtype), store))
+
+
 def merge_evicted(
     layer: BudgetLayer, keep: torch.Tensor, state: MergeState, beta: float = 0.7, rule: str = "paper", exact: bool = False
 ) -> None:
@@ -164,7 +182,10 @@ def merge_evicted(
     updating the threshold in ``state``. ``exact``: ``keep`` holds ``min(held, quota)`` tokens per head
     (``Policy.exact_quota``), so where the host knows the layer (``BudgetLayer.exact_counts``) it knows how many
     each head evicts and keeps, and nothing is read back; where no head evicts more than one token (a per-step
-    eviction's decode step), each evicted token is matched and merged on its own (``best_match_of_one``)."""
+    eviction's decode step), each evicted token is matched and merged on its own (``best_match_in_slots``). On a
+    static layer (``BudgetLayer.static``) nothing is read back either (a compiled decode step): the first
+    ``static_evictions`` evicted slots of each head are matched against every slot and merged over every slot, and
+    ``state.tau`` must already be a tensor."""
     if rule not in MERGE_RULES:
         raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
     static = layer.static  # fixed shapes, nothing read back: a head evicts at most its slots over its quota
@@ -179,15 +200,11 @@ def merge_evicted(
     for heads, k, v, _ in layer.head_views():
         c = k.shape[2]
         evicted, kept = evicted_all[:, heads, :c], kept_all[:, heads, :c]
-        if one:  # (no kept slot indices: its targets are slots)
-            idx, real, best, target = best_match_of_one(k, evicted, kept)
+        if one or static:  # (no kept slot indices: its targets are slots)
+            idx, real, best, target = best_match_in_slots(k, evicted, kept, 1 if one else min(layer.static_evictions, c))
             matches.append((k, v, idx, real, best, None, target))
             continue
-        most = None
-        if counts is not None:
-            most = (max(counts.evicted[heads]), max(counts.most[heads]))
-        elif static:
-            most = (layer.static_evictions, c)
+        most = None if counts is None else (max(counts.evicted[heads]), max(counts.most[heads]))
         matches.append((k, v, *best_matches(k, evicted, kept, most)))
     # The threshold: one EMA per sequence over every evicted token of the layer (``reduce``: no launch adding 0).
     total = functools.reduce(operator.add, [(best * real).sum((1, 2)) for _, _, _, real, best, _, _ in matches])
@@ -202,8 +219,10 @@ def merge_evicted(
         if counts is None and not static and not bool(merging.any()):  # (else the kept values are written back)
             continue
         w, self_w = _weights(best, merging, rule)
-        if kept_idx is None:
+        if one:
             _merge_one((k, v), idx, target, merging, w, self_w, rule)
+        elif kept_idx is None:
+            _merge_into_slots((k, v), idx, target, merging, w, self_w, rule)
         else:
             _merge_into_kept((k, v), idx, kept_idx, target, merging, w, self_w, rule)
 
