@@ -163,16 +163,20 @@ def _merge_into_slots(
     stores: tuple[torch.Tensor, ...], idx: torch.Tensor, target: torch.Tensor, merging: torch.Tensor, w: torch.Tensor,
     self_w: float, rule: str,
 ) -> None:
-    """``_merge_into_kept`` where ``target`` is a slot of the stores (``best_match_in_slots``): computed over every
-    slot, fixed shapes (a static layer's step)."""
+    """``_merge_into_kept`` where ``target`` is a slot of the stores (``best_match_in_slots``), fixed shapes (a static
+    layer's step): the merged tokens are summed per slot, and only the target slots are read and written back (a
+    slot targeted twice gets the same value twice)."""
     slots = torch.zeros(stores[0].shape[:3], device=w.device)
     received = slots.scatter_add(2, target, merging.float())
     denom = (slots.scatter_add(2, target, w) if rule == "paper" else received) + self_w
-    receivers = (received > 0)[..., None]
+    receives = (received.gather(2, target) > 0)[..., None]
+    denom = denom.gather(2, target)[..., None]
     for store in stores:
-        extra = _gather_slots(store, idx).float()
-        acc = (store.float() * self_w).scatter_add_(2, target[..., None].expand_as(extra), extra * w[..., None])
-        store.copy_(torch.where(receivers, (acc / denom[..., None]).to(store.dtype), store))
+        spread = target[..., None].expand(*target.shape, store.shape[-1])
+        incoming = torch.zeros(store.shape, device=w.device).scatter_add_(2, spread, _gather_slots(store, idx).float() * w[..., None])
+        kept_values = _gather_slots(store, target)
+        merged = (kept_values.float() * self_w + incoming.gather(2, spread)) / denom
+        store.scatter_(2, spread, torch.where(receives, merged.to(store.dtype), kept_values))
 
 
 def merge_evicted(
