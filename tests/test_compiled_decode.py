@@ -133,6 +133,29 @@ def test_generate_compiles_the_static_cache_decode_steps(tiny):
     assert torch.equal(out[True], out[False])
 
 
+@pytest.mark.parametrize("name", ["d2o", "merge"])
+def test_merging_static_caches_take_prompt_chunks_and_multi_token_calls_as_the_eager_cache(tiny, name):
+    """A prompt in two forwards, decode steps, a multi-token call after them, more decode steps: the calls other
+    than single-token steps evict several tokens a head on a static layer too, and must merge them all, as the
+    eager cache does (the static step's bounded match took only the first, before)."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(9))
+    runs = {}
+    for static in (False, True):
+        with policy_on(model, name, BUDGET) as policy:
+            cache = BudgetCache(model.config, policy, static=static)
+            with torch.no_grad():
+                logits = [model(ids[:, :12], past_key_values=cache).logits[:, -1:]]
+                for start, n, steps in ((12, 8, 3), (23, 4, 2)):
+                    chunk = torch.arange(start, start + n)
+                    logits.append(model(ids[:, start : start + n], position_ids=chunk[None].expand(2, -1), cache_position=chunk,
+                                        past_key_values=cache).logits)
+                    logits.append(_teacher_forced(model.forward, cache, ids, start + n, steps))
+            runs[static] = (torch.cat(logits, dim=1), _held_positions(cache))
+    torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
+    assert runs[True][1] == runs[False][1]
+
+
 def test_static_cache_refusals(tiny):
     _, model = tiny
     with pytest.raises(ValueError, match="cannot run in a static BudgetCache"):

@@ -472,7 +472,7 @@ def test_merging_on_a_static_layer_matches_the_general_merge(rule, seed):
     states = MergeState(tau=torch.full((b,), float("nan"))), MergeState()
     for keep_now, dropped in ((keep, evicted), (keep & ~evicted_again, evicted_again)):
         with Launches() as fast:
-            merge_evicted(static, keep_now, states[0], rule=rule, exact=True)
+            merge_evicted(static, keep_now, states[0], rule=rule, exact=True, static_step=True)
         merge_evicted(general, keep_now, states[1], rule=rule)
         assert fast.syncs == 0 and "sort" not in fast.ops
         torch.testing.assert_close(states[0].tau, states[1].tau, atol=1e-6, rtol=0, equal_nan=True)

@@ -121,7 +121,10 @@ class D2O(CumulativeAttention, PerStepEviction):
         forced = sink_mask(layer, self.sinks) | recent_mask(layer, self._recent(quota))
         keep = keep_forced_and_top(layer, layer.state[CUMULATIVE], quota, forced)
         if self.merge:
-            merge_evicted(layer, keep, self.layer_state(layer), self.beta, self.merge_rule, exact=self.exact_quota)
+            merge_evicted(
+                layer, keep, self.layer_state(layer), self.beta, self.merge_rule, exact=self.exact_quota,
+                static_step=stats is not None and stats.static_step,
+            )
         return keep
 
     def after_layer(self, layer, stats: AttnStats) -> None:

@@ -180,19 +180,21 @@ def _merge_into_slots(
 
 
 def merge_evicted(
-    layer: BudgetLayer, keep: torch.Tensor, state: MergeState, beta: float = 0.7, rule: str = "paper", exact: bool = False
+    layer: BudgetLayer, keep: torch.Tensor, state: MergeState, beta: float = 0.7, rule: str = "paper", exact: bool = False,
+    static_step: bool = False,
 ) -> None:
     """Merge the tokens ``keep`` evicts into their most similar kept token, in place on ``layer``'s storage,
     updating the threshold in ``state``. ``exact``: ``keep`` holds ``min(held, quota)`` tokens per head
     (``Policy.exact_quota``), so where the host knows the layer (``BudgetLayer.exact_counts``) it knows how many
     each head evicts and keeps, and nothing is read back; where no head evicts more than one token (a per-step
     eviction's decode step), each evicted token is matched and merged on its own (``best_match_in_slots``). On a
-    static layer (``BudgetLayer.static``) nothing is read back either (a compiled decode step): the first
-    ``static_evictions`` evicted slots of each head are matched against every slot and merged over every slot, and
-    ``state.tau`` must already be a tensor."""
+    static layer's decode step (``static_step``: ``AttnStats.static_step``, possibly compiled) nothing is read back
+    either: each head evicts at most the layer's ``static_evictions`` slots, which are matched against every slot
+    and merged into their targets, and ``state.tau`` must already be a tensor. (Other calls on a static layer, a
+    prompt chunk or a multi-token decode call, evict more and take the general path.)"""
     if rule not in MERGE_RULES:
         raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
-    static = layer.static  # fixed shapes, nothing read back: a head evicts at most its slots over its quota
+    static = static_step  # fixed shapes, nothing read back: a head evicts at most its slots over its quota
     counts = layer.exact_counts() if exact and not static else None
     kept_all = keep & layer.valid
     evicted_all = layer.valid ^ kept_all
@@ -260,7 +262,10 @@ class Merge(Wrapper):
 
     def select(self, layer, stats: AttnStats | None, quota: torch.Tensor) -> torch.Tensor:
         keep = self.inner.select(layer, stats, quota)
-        merge_evicted(layer, keep, self.layer_state(layer), self.beta, self.merge_rule, exact=self.exact_quota)
+        merge_evicted(
+            layer, keep, self.layer_state(layer), self.beta, self.merge_rule, exact=self.exact_quota,
+            static_step=stats is not None and stats.static_step,
+        )
         return keep
 
     def after_layer(self, layer, stats: AttnStats) -> None:

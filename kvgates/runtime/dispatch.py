@@ -185,7 +185,7 @@ class AttentionDispatch:
         slots = self.write_free(key_states, value_states, q_pos)
         self.decoded.add_(1)
         request = self.cache.policy.stats_request(Phase.DECODE)
-        stats = AttnStats(phase=Phase.DECODE, new_slots=slots)
+        stats = AttnStats(phase=Phase.DECODE, new_slots=slots, static_step=True)
         keys, values = self.keys.view(b, hkv, c, -1), self.values.view(b, hkv, c, -1)
         if request.empty:
             mask = self.valid[:, :, None].repeat_interleave(h // hkv, dim=1)

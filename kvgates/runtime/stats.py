@@ -63,6 +63,8 @@ class AttnStats:
             ``window_rows`` says how many rows there were (fewer than asked when the chunk is shorter).
         colsum: ``[B, H_kv, C]`` summed probabilities of all real query rows, or None.
         colmax: ``[B, H_kv, C]`` largest probability of any real query row of a prompt forward, or None.
+        static_step: a static layer's single-token decode step (``BudgetLayer.step_static``: fixed shapes, nothing
+            read back, possibly compiled), not an eager call.
     """
 
     phase: Phase
@@ -72,3 +74,4 @@ class AttnStats:
     window_rows: int = 0
     colsum: torch.Tensor | None = None
     colmax: torch.Tensor | None = None
+    static_step: bool = False
