@@ -12,7 +12,8 @@ from helpers import policy_on
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, StaticCache
 
-from kvgates import POLICIES, BudgetCache
+from kvgates import POLICIES, BudgetCache, make_policy
+from kvgates.gates import GATE_KINDS
 
 BACKEND = "aot_eager"
 
@@ -160,6 +161,10 @@ def test_static_cache_refusals(tiny):
     _, model = tiny
     with pytest.raises(ValueError, match="cannot run in a static BudgetCache"):
         BudgetCache(model.config, "adakv", budget=BUDGET, base_params={"window": 4}, static=True)
+    gates = GATE_KINDS["retention"].for_model(model)
+    around = make_policy("adakv", budget=BUDGET, ragged=False, base="trimkv-snap", base_params={"window": 4, "gate_keep": 3, "gates": gates})
+    with pytest.raises(ValueError, match="adakv cannot run in a static BudgetCache"):  # uniform, but its base cannot
+        BudgetCache(model.config, around, static=True, decode_slots=4)
     with pytest.raises(ValueError, match="needs decode_slots"):
         BudgetCache(model.config, "snapkv", budget=BUDGET, window=4, static=True)
     with pytest.raises(ValueError, match="pass static=True"):
@@ -183,6 +188,29 @@ def test_a_static_kvzip_cache_scores_its_prompt_then_refuses_a_second_prompt_for
             with pytest.raises(ValueError, match="cannot once its layout is settled"):
                 model(ids[:, PROMPT : PROMPT + 3], position_ids=chunk[None], cache_position=chunk, past_key_values=cache)
         assert _held_positions(cache) == held and cache.get_seq_length() == PROMPT
+
+
+def test_a_static_kvzip_cache_takes_a_multi_token_call_after_decoding_within_its_decode_slots_only(tiny):
+    """After decode steps, a multi-token call is a decode call (not scored, as in an eager cache): it fills decode
+    slots, and one that holds more than the static slots is refused with the host's sentence (it was taken, and the
+    next decode step failed on a device assert)."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(7))
+    for n, fits in ((2, True), (3, False)):
+        with policy_on(model, "kvzip", BUDGET) as policy:
+            cache = BudgetCache(model.config, policy, static=True, decode_slots=4)
+            with torch.no_grad():
+                model(ids[:, :PROMPT], past_key_values=cache)
+                _teacher_forced(model.forward, cache, ids, PROMPT, 2)
+                chunk = torch.arange(PROMPT + 2, PROMPT + 2 + n)
+                call = lambda: model(ids[:, PROMPT + 2 : PROMPT + 2 + n], position_ids=chunk[None], cache_position=chunk,  # noqa: E731
+                                     past_key_values=cache)
+                if fits:
+                    call()
+                    assert cache.held_tokens().max() == BUDGET + 4
+                else:
+                    with pytest.raises(ValueError, match=f"holds {BUDGET + 5} tokens in a head, more than its {BUDGET + 4} static"):
+                        call()
 
 
 def test_static_cache_of_a_prompt_policy_stops_when_its_decode_slots_are_used(tiny):

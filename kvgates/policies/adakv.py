@@ -87,9 +87,10 @@ class AdaKV(Wrapper):
 
     @property
     def sync_free_decode(self) -> bool:
-        """Uniform storage (``ragged=False``) around a base that evicts only the prompt: decode steps append (a static
-        layout has one slot count for every head, which ragged storage gives up by design)."""
-        return not self.ragged_heads and not self.schedule.decode_every
+        """Uniform storage (``ragged=False``) around a base that evicts only the prompt and runs in a static cache
+        itself: decode steps append (a static layout has one slot count for every head, which ragged storage gives up
+        by design)."""
+        return not self.ragged_heads and not self.schedule.decode_every and self.inner.sync_free_decode
 
     def quota(self, layer, stats: AttnStats | None) -> torch.Tensor:
         """Head budgets of the sequences that have them; the wrapped policy's budget for the others."""

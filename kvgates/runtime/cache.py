@@ -150,7 +150,7 @@ def check_static(policy: CachePolicy, decode_slots: int) -> None:
     if not policy.sync_free_decode:
         raise ValueError(
             f"{policy.name} cannot run in a static BudgetCache: its decode step needs host syncs or changes storage "
-            "shapes (ragged heads, merges, cross-layer budgets); use static=False"
+            "shapes (ragged heads, budgets across layers at every step, or not examined); use static=False"
         )
     if decode_slots < 0:
         raise ValueError(f"decode_slots must be >= 0, got {decode_slots}")

@@ -302,10 +302,10 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         if due:
             self.enforce(stats)
         policy.after_layer(self, stats)
-        if self.cache.static and self.is_last and (schedule.prefill or schedule.decode_every):
+        if self.cache.static and self.is_last and (schedule.prefill or schedule.decode_every or stats.phase is Phase.DECODE):
             # Every layer settles once the forward's last evictions are made (cross-layer budgets are decided after
-            # the last layer). A policy that evicts neither at the end of a prompt forward nor while decoding
-            # (KVzip: its scoring pass evicts the prompt) is settled by what evicts for it (``runtime.scoring``).
+            # the last layer). After a prompt forward, a policy that evicts neither then nor while decoding (KVzip:
+            # its scoring pass evicts the prompt) is settled by what evicts for it (``runtime.scoring``).
             for layer in self.cache.budget_layers:
                 layer.settle_static()
 

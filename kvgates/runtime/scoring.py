@@ -83,7 +83,7 @@ def _check_unsettled(cache: BudgetCache) -> None:
     if any(layer.static for layer in cache.budget_layers):
         raise ValueError(
             "scoring forwards add and drop tokens, which a static BudgetCache cannot once its layout is settled (a "
-            "prompt given in several forwards, or a turn after decoding); use static=False"
+            "prompt given in several forwards); use static=False"
         )
 
 
