@@ -131,3 +131,13 @@ def test_masked_colmax_and_column_reductions_match_naive(monkeypatch, tile_eleme
     torch.testing.assert_close(reference.column_max(q, k, pos, q_pos, q_valid, 0.4, weight), scaled.amax(2), atol=1e-6, rtol=0)
     sums = reference.column_sums(q, k, pos, q_pos, q_valid, 0.4)
     torch.testing.assert_close(sums, probs.sum(2), atol=1e-5, rtol=0)
+
+
+def test_probability_reductions_of_no_query_rows_are_zero():
+    """A call with no query rows (an empty chunk) reduces nothing: zeros, as before the tiles were shared."""
+    q, k, v = torch.randn(1, 4, 0, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    pos, q_pos, valid = torch.arange(5).expand(1, 2, 5), torch.zeros(1, 0, dtype=torch.long), torch.ones(1, 0, dtype=torch.bool)
+    out, best = reference.masked_attention_colmax(q, k, v, pos, q_pos, valid, 0.3)
+    assert out.shape == (1, 4, 0, 8) and not best.any()
+    assert not reference.column_sums(q, k, pos, q_pos, valid, 0.3).any()
+    assert not reference.column_max(q, k, pos, q_pos, valid, 0.3).any()

@@ -51,8 +51,8 @@ GROUP_REDUCTIONS = ("sum", "mean", "max")
 
 #: Attention scores (or mask entries) that may exist at once when a long prompt chunk attends over many slots:
 #: query rows are processed in tiles of ``row_tile`` rows, so memory follows the chunk and the slots held
-#: (linearly), never their product for every head (16 MiB of float32 scores: smaller tiles stay in the CPU's
-#: caches, 2.9x faster for KVzip's scoring forward at 4K than tiles four times this size).
+#: (linearly), never their product for every head (16 MiB of float32 scores; on the CPU, tiles four times this
+#: size were slower, as they fall out of its caches).
 TILE_ELEMENTS = 1 << 22
 
 
@@ -156,7 +156,7 @@ def _prob_tiles(
     b, h, n, d = q.shape
     hkv, c = k.shape[1], k.shape[2]
     g = h // hkv
-    tile = min(n, row_tile(b, h, c))
+    tile = max(1, min(n, row_tile(b, h, c)))  # (no rows: no tile)
     q_pos = torch.where(q_valid, q_pos, torch.full_like(q_pos, -1))  # sees no slot
     scaled, kt = q.float() * scale, k.float().transpose(-1, -2)
     empty = (slot_pos < 0)[:, :, None, :]
@@ -282,8 +282,8 @@ def _column_reduce(
     total = q.new_zeros((b, hkv, h // hkv, k.shape[2]), dtype=torch.float32)
     weight = None if row_weight is None else row_weight.float()
     for start, stop, probs in _prob_tiles(q, k, slot_pos, q_pos, q_valid, scale):
-        if how == "sum":  # padded rows are zero
-            total += probs.sum(3) if weight is None else torch.einsum("bkgrc,br->bkgc", probs, weight[:, start:stop])
+        if how == "sum":  # padded rows are zero (``column_sums`` weighs no rows)
+            total += probs.sum(3)
         else:  # probabilities are >= 0 and padded rows zero: a weight (>= 0) is all that needs multiplying
             if weight is not None:
                 probs.mul_(weight[:, None, None, start:stop, None])
