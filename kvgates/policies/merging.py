@@ -164,19 +164,18 @@ def _merge_into_slots(
     self_w: float, rule: str,
 ) -> None:
     """``_merge_into_kept`` where ``target`` is a slot of the stores (``best_match_in_slots``), fixed shapes (a static
-    layer's step): the merged tokens are summed per slot, and only the target slots are read and written back (a
-    slot targeted twice gets the same value twice)."""
-    slots = torch.zeros(stores[0].shape[:3], device=w.device)
-    received = slots.scatter_add(2, target, merging.float())
-    denom = (slots.scatter_add(2, target, w) if rule == "paper" else received) + self_w
-    receives = (received.gather(2, target) > 0)[..., None]
-    denom = denom.gather(2, target)[..., None]
+    layer's step), nothing of the size of the stores: the evicted tokens sharing a target are summed among the
+    ``E`` of the head (an ``E x E`` match of targets), and only the target slots are read and written back (a slot
+    targeted twice gets the same value twice)."""
+    same = (target[..., :, None] == target[..., None, :]).float()  # [B, H, E, E]
+    received = same @ merging.float()[..., None]
+    denom = (same @ w[..., None] if rule == "paper" else received) + self_w
     for store in stores:
-        spread = target[..., None].expand(*target.shape, store.shape[-1])
-        incoming = torch.zeros(store.shape, device=w.device).scatter_add_(2, spread, _gather_slots(store, idx).float() * w[..., None])
         kept_values = _gather_slots(store, target)
-        merged = (kept_values.float() * self_w + incoming.gather(2, spread)) / denom
-        store.scatter_(2, spread, torch.where(receives, merged.to(store.dtype), kept_values))
+        incoming = same @ (_gather_slots(store, idx).float() * w[..., None])
+        merged = (kept_values.float() * self_w + incoming) / denom
+        spread = target[..., None].expand_as(kept_values)
+        store.scatter_(2, spread, torch.where(received > 0, merged.to(store.dtype), kept_values))
 
 
 def merge_evicted(
