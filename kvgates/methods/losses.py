@@ -26,16 +26,18 @@ def _kl_ce_chunk(
     n = student.shape[0]
     logp = torch.log_softmax(F.linear(torch.cat([student, teacher]), weight, bias).float(), -1)
     s, t = logp[:n], logp[n:]
-    p = t.exp()
-    kl = (p * (t - s)).sum()
     ce = -s.gather(-1, targets[:, None]).sum()
+    diff = t - s
+    p = t.exp_()  # in place: logp holds [log q; p] from here on (the softmax held four [n, vocab] buffers, now three)
+    kl = diff.mul_(p).sum()
+    del diff
     if not gradients:
         return kl, ce, None, None
-    q = s.exp()
-    d_ce = q.clone()
-    d_ce[torch.arange(n, device=q.device), targets] -= 1.0
-    grads = torch.cat([q.sub_(p), d_ce]).to(weight.dtype) @ weight
-    return kl, ce, grads[:n], grads[n:]
+    q = s.exp_()
+    p.neg_().add_(q)  # logp: [q; q - p]
+    q[torch.arange(n, device=q.device), targets] -= 1.0  # logp: [q - onehot; q - p]
+    grads = logp.to(weight.dtype) @ weight
+    return kl, ce, grads[n:], grads[:n]
 
 
 class _DistillChunk(torch.autograd.Function):
