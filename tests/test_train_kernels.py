@@ -241,3 +241,24 @@ def test_teacher_ranking_loss_is_low_when_the_order_agrees():
     low = teacher_ranking_loss(agree, keep, lengths, generator=torch.Generator().manual_seed(0))
     high = teacher_ranking_loss(disagree, keep, lengths, generator=torch.Generator().manual_seed(0))
     assert float(low) < 0.05 < 1.0 < float(high)
+
+
+def test_distillation_loss_in_bfloat16_follows_the_float64_formula():
+    """bfloat16 hidden states and head (a GPU run's dtypes): the loss and the gradient made in the forward stay
+    within bfloat16's rounding of the float64 formula's."""
+    g = torch.Generator().manual_seed(4)
+    head = torch.nn.Linear(16, 50, bias=False).requires_grad_(False)
+    s = torch.randn(12, 16, generator=g)
+    t = torch.randn(12, 16, generator=g)
+    y = torch.randint(0, 50, (12,), generator=g)
+    s16 = s.bfloat16().requires_grad_(True)
+    kl, ce = distillation_loss(s16, t.bfloat16(), y, head.bfloat16(), chunk=5)
+    grad = torch.autograd.grad(kl + ce, s16)[0]
+    assert grad.dtype == torch.bfloat16
+    w = head.weight.bfloat16().double()
+    s64 = s.bfloat16().double().requires_grad_(True)
+    ps, pt = torch.log_softmax(s64 @ w.T, -1), torch.log_softmax(t.bfloat16().double() @ w.T, -1)
+    ref = (pt.exp() * (pt - ps)).sum(-1).mean() + torch.nn.functional.nll_loss(ps, y)
+    torch.testing.assert_close(kl + ce, ref.float(), atol=0, rtol=1e-2)
+    expected = torch.autograd.grad(ref, s64)[0]
+    assert (grad.double() - expected).norm() / expected.norm() < 1e-2
