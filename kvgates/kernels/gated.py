@@ -124,7 +124,7 @@ def _gated_sdpa(q, k, v, log_beta, scale, mask):
     # Equal q/k/v widths keep sdpa on its fused kernels; the padded value channels are dropped after.
     pad = d + 2 - dv
     v_aug = torch.cat([v, v.new_zeros(b, hkv, t, pad)], dim=-1) if pad > 0 else v
-    if h != hkv and torch.is_grad_enabled() and k_aug.requires_grad:
+    if h != hkv and k_aug.requires_grad:
         # The CPU flash kernel's backward splits its work over key heads: with grouped heads it runs on as many
         # threads as there are key heads, repeated on as many as query heads (same forward cost).
         k_aug, v_aug = k_aug.repeat_interleave(h // hkv, 1), v_aug.repeat_interleave(h // hkv, 1)

@@ -188,15 +188,22 @@ def masked_attention_colmax(
     b, h, n, d = q.shape
     hkv, c = k.shape[1], k.shape[2]
     best = q.new_zeros((b, hkv, h // hkv, c), dtype=torch.float32)
-    vf = v.float()
+    vf, weight = v.float(), None if row_weight is None else row_weight.float()
     out = q.new_empty((b, n, h, v.shape[-1]), dtype=torch.float32).transpose(1, 2)
     for start, stop, probs in _prob_tiles(q, k, slot_pos, q_pos, q_valid, scale):
         g, r = probs.shape[2], stop - start
         out[:, :, start:stop] = torch.matmul(probs.view(b, hkv, g * r, c), vf).view(b, h, r, -1)
-        if row_weight is not None:  # probabilities are >= 0 and padded rows zero: only a weight needs multiplying
-            probs.mul_(row_weight.float()[:, None, None, start:stop, None])
-        torch.maximum(best, probs.amax(3), out=best)
+        _raise_maxima(best, probs, weight, start, stop)
     return out.to(q.dtype), best.reshape(b, h, c)
+
+
+def _raise_maxima(best: torch.Tensor, probs: torch.Tensor, weight: torch.Tensor | None, start: int, stop: int) -> None:
+    """Raise ``best`` ``[B, H_kv, G, C]`` to each column's largest probability in the tile of rows ``[start, stop)``
+    (``_prob_tiles``), each row's first multiplied by ``weight`` ``[B, q]`` if given (probabilities are >= 0 and
+    padded rows zero: only a weight needs multiplying)."""
+    if weight is not None:
+        probs.mul_(weight[:, None, None, start:stop, None])
+    torch.maximum(best, probs.amax(3), out=best)
 
 
 def decode_attention(
@@ -284,10 +291,8 @@ def _column_reduce(
     for start, stop, probs in _prob_tiles(q, k, slot_pos, q_pos, q_valid, scale):
         if how == "sum":  # padded rows are zero (``column_sums`` weighs no rows)
             total += probs.sum(3)
-        else:  # probabilities are >= 0 and padded rows zero: a weight (>= 0) is all that needs multiplying
-            if weight is not None:
-                probs.mul_(weight[:, None, None, start:stop, None])
-            torch.maximum(total, probs.amax(3), out=total)
+        else:
+            _raise_maxima(total, probs, weight, start, stop)
     return total.reshape(b, h, -1)
 
 

@@ -75,7 +75,7 @@ class D2O(CumulativeAttention, PerStepEviction):
 
     name = "d2o"
     state_type = D2OState
-    sync_free_decode = True  # its merges read nothing back on a static layer (``merge_evicted``)
+    sync_free_decode = True  # its merges read nothing back in a static decode step (``merge_evicted``)
 
     sinks: int = 4
     recent_share: float = 0.25

@@ -81,7 +81,7 @@ def best_matches(
 
 
 def best_match_in_slots(keys: torch.Tensor, evicted: torch.Tensor, kept: torch.Tensor, count: int = 1) -> tuple[torch.Tensor, ...]:
-    """``best_matches`` where no head evicts more than ``count`` slots (a per-step eviction's decode step; any step
+    """``best_matches`` where no head evicts more than ``count`` slots (a per-step eviction's decode step; the decode step
     of a static layer, whose heads evict at most their slots over the quota), without listing the kept slots: the
     evicted slots are the first ``count`` set (others, not real, fill the rest), their similarities to every slot
     are one product with the normalised keys, and slots not kept are masked out before the argmax.
@@ -193,19 +193,19 @@ def merge_evicted(
     prompt chunk or a multi-token decode call, evict more and take the general path.)"""
     if rule not in MERGE_RULES:
         raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
-    static = static_step  # fixed shapes, nothing read back: a head evicts at most its slots over its quota
-    counts = layer.exact_counts() if exact and not static else None
+    counts = layer.exact_counts() if exact and not static_step else None
     kept_all = keep & layer.valid
     evicted_all = layer.valid ^ kept_all
-    if not static and not (bool(evicted_all.any()) if counts is None else any(counts.evicted)):
+    if not static_step and not (bool(evicted_all.any()) if counts is None else any(counts.evicted)):
         return
-    one = layer.static_evictions <= 1 if static else counts is not None and max(counts.evicted) <= 1
+    # A static step (fixed shapes, nothing read back) evicts at most the layer's slots over its smallest quota.
+    one = layer.static_evictions <= 1 if static_step else counts is not None and max(counts.evicted) <= 1
     # Pass 1: best match of every evicted token, per group of heads sharing a storage layout.
     matches = []
     for heads, k, v, _ in layer.head_views():
         c = k.shape[2]
         evicted, kept = evicted_all[:, heads, :c], kept_all[:, heads, :c]
-        if one or static:  # (no kept slot indices: its targets are slots)
+        if one or static_step:  # (no kept slot indices: its targets are slots)
             idx, real, best, target = best_match_in_slots(k, evicted, kept, 1 if one else min(layer.static_evictions, c))
             matches.append((k, v, idx, real, best, None, target))
             continue
@@ -221,7 +221,7 @@ def merge_evicted(
     # Pass 2: merge.
     for k, v, idx, real, best, kept_idx, target in matches:
         merging = real & (best >= tau[:, None, None])
-        if counts is None and not static and not bool(merging.any()):  # (else the kept values are written back)
+        if counts is None and not static_step and not bool(merging.any()):  # (else the kept values are written back)
             continue
         w, self_w = _weights(best, merging, rule)
         if one:
@@ -274,7 +274,7 @@ class Merge(Wrapper):
 
     @property
     def sync_free_decode(self) -> bool:
-        """The wrapped policy's: merges read nothing back on a static layer (``merge_evicted``)."""
+        """The wrapped policy's: merges read nothing back in a static decode step (``merge_evicted``)."""
         return self.inner.sync_free_decode
 
     @property
