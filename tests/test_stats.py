@@ -133,6 +133,57 @@ def test_masked_colmax_and_column_reductions_match_naive(monkeypatch, tile_eleme
     torch.testing.assert_close(sums, probs.sum(2), atol=1e-5, rtol=0)
 
 
+def chunk_layout(b: int, hkv: int, older: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slot_pos, q_pos)`` of a chunk of ``n`` queries after ``older`` held tokens (in any slot order, per head),
+    its own tokens in the last ``n`` slots: the layout of KVzip's reconstruction forwards."""
+    g = torch.Generator().manual_seed(seed)
+    q_pos = older + 3 + torch.randint(0, 4, (b, 1), generator=g) + torch.arange(n)
+    held = torch.stack([torch.randperm(older + 3, generator=g)[:older] for _ in range(b * hkv)]).view(b, hkv, older)
+    return torch.cat([held, q_pos[:, None].expand(b, hkv, n)], -1), q_pos
+
+
+@pytest.mark.parametrize("tile_elements", [1 << 22, 6 * 7 * 3])  # one tile; three slots per tile
+@pytest.mark.parametrize("older", [0, 11])
+def test_chunk_colmax_matches_naive(monkeypatch, tile_elements, older):
+    """A chunk over older tokens takes the chunk path (two flash calls, maxima from their log-sum-exps), which gives
+    the naive output and weighted maxima: row weights (one zero), slot weights zero outside a span, which leaves
+    those slots 0, and grouped heads."""
+    monkeypatch.setattr(reference, "TILE_ELEMENTS", tile_elements)
+    torch.manual_seed(5)
+    pos, q_pos = chunk_layout(2, 2, older, 7, seed=older)
+    c = pos.shape[-1]
+    q, k, v = torch.randn(2, 6, 7, 8), torch.randn(2, 2, c, 8), torch.randn(2, 2, c, 8)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    assert reference.own_block_start(pos, q_pos, valid) == older
+    row_weight = torch.rand(2, 7)
+    row_weight[0, 3] = 0.0
+    col_weight = torch.zeros(2, 6, c)
+    col_weight[..., 2 : c - 2] = torch.rand(2, 6, c - 4)
+    probs = naive_probs(q, k, pos, q_pos, 0.4)
+    for rows, cols in ((None, None), (row_weight, col_weight)):
+        out, colmax = reference.masked_attention_colmax(q, k, v, pos, q_pos, valid, 0.4, rows, cols)
+        torch.testing.assert_close(out, probs @ v.repeat_interleave(3, 1), atol=1e-5, rtol=0)
+        weighted = probs * (1.0 if rows is None else rows[:, None, :, None])
+        expected = weighted.amax(2) * (1.0 if cols is None else cols)
+        torch.testing.assert_close(colmax, expected, atol=1e-6, rtol=0)
+
+
+def test_other_layouts_take_the_tiles():
+    """``own_block_start`` finds the chunk layout only: an empty or newer older slot, a padded row, or own tokens
+    out of order send the call to the tiled softmax."""
+    pos, q_pos = chunk_layout(1, 2, 6, 4, seed=0)
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    assert reference.own_block_start(pos, q_pos, valid) == 6
+    empty, newer, swapped = pos.clone(), pos.clone(), pos.clone()
+    empty[0, 1, 2] = -1
+    newer[0, 0, 0] = q_pos[0, 0]
+    swapped[0, 1, [-1, -2]] = swapped[0, 1, [-2, -1]]
+    for slots in (empty, newer, swapped):
+        assert reference.own_block_start(slots, q_pos, valid) is None
+    assert reference.own_block_start(pos, q_pos, torch.tensor([[False, True, True, True]])) is None
+    assert reference.own_block_start(pos[..., :3], q_pos, valid) is None  # fewer slots than queries
+
+
 def test_probability_reductions_of_no_query_rows_are_zero():
     """A call with no query rows (an empty chunk) reduces nothing: zeros, as before the tiles were shared."""
     q, k, v = torch.randn(1, 4, 0, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)

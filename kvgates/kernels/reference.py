@@ -32,6 +32,7 @@ __all__ = [
     "attention_probs",
     "masked_attention",
     "masked_attention_colmax",
+    "own_block_start",
     "decode_attention",
     "column_sums",
     "column_max",
@@ -181,12 +182,22 @@ def masked_attention_colmax(
     q_valid: torch.Tensor,
     scale: float,
     row_weight: torch.Tensor | None = None,
+    col_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``masked_attention`` and ``column_max`` (with its ``row_weight``) from one softmax: ``(out [B, H, q, D] in
     q's dtype, colmax [B, H, C] float32)``. Padded rows (``q_valid`` False) get an output the caller discards (zero)
-    and raise no maximum."""
+    and raise no maximum. ``col_weight`` ``[B, H, C]`` (>= 0) multiplies each query head's maxima per slot; a slot
+    whose weights are all zero gets 0, and the CPU's chunk path below does not score it.
+
+    On the CPU, a chunk that attends over older tokens and its own (``own_block_start``: what KVzip's reconstruction
+    forwards are) takes the chunk path, ``_chunk_colmax``: two calls of the fused flash kernel give the output and
+    each row's log-sum-exp, and the maxima are taken from those without a softmax. Otherwise the probabilities are
+    made one tile of rows at a time (``_prob_tiles``)."""
     b, h, n, d = q.shape
     hkv, c = k.shape[1], k.shape[2]
+    own = own_block_start(slot_pos, q_pos, q_valid) if q.device.type == "cpu" else None
+    if own is not None:
+        return _chunk_colmax(q, k, v, own, scale, row_weight, col_weight)
     best = q.new_zeros((b, hkv, h // hkv, c), dtype=torch.float32)
     vf, weight = v.float(), None if row_weight is None else row_weight.float()
     out = q.new_empty((b, n, h, v.shape[-1]), dtype=torch.float32).transpose(1, 2)
@@ -194,7 +205,72 @@ def masked_attention_colmax(
         g, r = probs.shape[2], stop - start
         out[:, :, start:stop] = torch.matmul(probs.view(b, hkv, g * r, c), vf).view(b, h, r, -1)
         _raise_maxima(best, probs, weight, start, stop)
-    return out.to(q.dtype), best.reshape(b, h, c)
+    best = best.reshape(b, h, c)
+    return out.to(q.dtype), best if col_weight is None else best * col_weight
+
+
+def own_block_start(slot_pos: torch.Tensor, q_pos: torch.Tensor, q_valid: torch.Tensor) -> int | None:
+    """The first slot of the queries' own tokens when ``C - q`` older tokens come first: every query row is real, their
+    positions increase, the last ``q`` slots of every head hold those positions in order, and every slot before them
+    holds a token older than the first query. Query ``t`` then sees every older slot and its own block's first
+    ``t + 1`` slots: plain attention over the older slots and causal attention over its own. None otherwise (empty
+    or reused slots, padded rows)."""
+    n, c = q_pos.shape[1], slot_pos.shape[2]
+    first = c - n
+    if n == 0 or first < 0 or not bool(q_valid.all()) or not bool((q_pos[:, 1:] > q_pos[:, :-1]).all()):
+        return None
+    own, older = slot_pos[..., first:], slot_pos[..., :first]
+    if not torch.equal(own, q_pos[:, None, :].expand_as(own)):
+        return None
+    return first if bool(((older >= 0) & (older < q_pos[:, None, :1])).all()) else None
+
+
+def _chunk_colmax(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, scale: float, row_weight: torch.Tensor | None,
+    col_weight: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``masked_attention_colmax`` of a chunk whose own tokens fill the slots from ``first`` on (``own_block_start``),
+    on the CPU.
+
+    The output is two fused flash calls merged by their log-sum-exps: the older slots without a mask (query heads
+    folded into rows, so grouped keys are never repeated), the own block causal. The largest weighted probability of
+    slot ``j`` is ``exp(max_t (scale q_t . k_j - lse_t + log w_t))``: one product of the queries, with the column
+    ``log w_t - lse_t`` appended, and the keys, with a column of ones appended; no softmax is made. Only slots with a
+    positive ``col_weight`` (from the first to the last) are scored, a tile of slots at a time (``TILE_ELEMENTS``)."""
+    b, h, n, d = q.shape
+    hkv, c = k.shape[1], k.shape[2]
+    g = h // hkv
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    qf, kf, vf = q.float(), k.float(), v.float()
+    own_k, own_v = kf[:, :, first:].repeat_interleave(g, 1), vf[:, :, first:].repeat_interleave(g, 1)
+    out, lse = flash(qf, own_k, own_v, is_causal=True, scale=scale)
+    if first:
+        older, older_lse = flash(qf.reshape(b, hkv, g * n, d), kf[:, :, :first], vf[:, :, :first], scale=scale)
+        older, older_lse = older.reshape(b, h, n, -1), older_lse.reshape(b, h, n)
+        total = torch.logaddexp(lse, older_lse)
+        out = older * (older_lse - total).exp()[..., None] + out * (lse - total).exp()[..., None]
+        lse = total
+    shift = -lse if row_weight is None else row_weight.float().log()[:, None] - lse
+    rows = torch.cat([qf * scale, shift[..., None]], -1).reshape(b, hkv, g * n, d + 1).transpose(-1, -2)
+    keys = torch.cat([kf, kf.new_ones((b, hkv, c, 1))], -1)
+    best = q.new_zeros((b, h, c), dtype=torch.float32)
+    lo, hi = 0, c
+    if col_weight is not None:
+        wanted = (col_weight > 0).flatten(0, 1).any(0).nonzero()
+        if not len(wanted):
+            return out.to(q.dtype), best
+        lo, hi = int(wanted[0]), int(wanted[-1]) + 1
+    tile = max(1, TILE_ELEMENTS // max(1, b * h * n))
+    buffer = torch.empty(b * h * min(tile, hi - lo) * n, dtype=torch.float32, device=q.device)  # one, for every tile
+    for start in range(lo, hi, tile):
+        stop = min(hi, start + tile)
+        top = torch.matmul(keys[:, :, start:stop], rows, out=buffer[: b * h * (stop - start) * n].view(b, hkv, stop - start, g * n))
+        top = top.view(b, hkv, stop - start, g, n)  # [.., slot, head, row]
+        if stop > first:  # own slots: row t sees own slot j from t = j on
+            j = torch.arange(max(start, first), stop, device=q.device) - first
+            top[:, :, max(start, first) - start :].masked_fill_((torch.arange(n, device=q.device) < j[:, None])[:, None], float("-inf"))
+        best[..., start:stop] = top.amax(-1).exp_().permute(0, 1, 3, 2).reshape(b, h, stop - start)
+    return out.to(q.dtype), best if col_weight is None else best * col_weight
 
 
 def _raise_maxima(best: torch.Tensor, probs: torch.Tensor, weight: torch.Tensor | None, start: int, stop: int) -> None:

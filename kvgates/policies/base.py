@@ -134,7 +134,8 @@ class Policy:
     def colmax_weights(self, layer: BudgetLayer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """For a ``colmax`` request on ``layer``'s current call: ``(rows [B, q], cols [B, H, max_slots])``, weights of
         each query row and of each slot per query head that multiply the probabilities before the maxima (KVzip+'s
-        normalisation); ``None`` leaves them as they are."""
+        normalisation; KVzip's zeros outside the chunk it reconstructs, slots the attention then need not score:
+        ``kernels.masked_attention_colmax``); ``None`` leaves them as they are."""
         return None, None
 
     def observe(self, layer: BudgetLayer, stats: AttnStats) -> None:

@@ -30,8 +30,9 @@ class KVzip(Policy):
 
     The forwards run through the runtime (``kvgates.runtime.scoring``): the policy must be attached to the model
     (``policy.attach(model)``, which every kvgates caller does). The cost: one more forward as long as the prompt
-    plus the repeat prompts, whose attention materialises every probability for the maxima (measured against a plain
-    prefill in docs/results.md; kvpress states 2-3x).
+    plus the repeat prompts, whose queries attend over the whole prompt; the maxima are taken over the chunk's own
+    slots only (on the CPU from the flash kernel's log-sum-exps, elsewhere from every probability; measured against a
+    plain prefill in docs/results.md; kvpress states 2-3x).
 
     How it departs from the paper and from kvpress's ``KVzipPress`` (0.5.5):
 
@@ -123,26 +124,26 @@ class KVzip(Policy):
         return {SCORE: SlotState()}
 
     def colmax_weights(self, layer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """KVzip+ (``normalize``): rows weighted by ``1 / ||h_i||`` (the hidden state entering attention), slots by
-        ``||W_O^g v_j||`` per query head ``g``."""
+        """Slots outside the chunk being reconstructed weigh 0: only the chunk's tokens take a score from this
+        forward, and the attention need not score the others. KVzip+ (``normalize``): rows weighted by ``1 / ||h_i||``
+        (the hidden state entering attention), the chunk's slots by ``||W_O^g v_j||`` per query head ``g``."""
+        lo, hi = (t.to(layer.device)[:, None, None] for t in self._chunk)
+        g = layer.cache.config.num_attention_heads // layer.num_kv_heads
+        mine = ((layer.pos >= lo) & (layer.pos < hi)).repeat_interleave(g, 1).float()  # [B, H, max_slots]
         if not self.normalize:
-            return None, None
+            return None, mine
         rows = 1.0 / self._hidden.inputs[layer.layer_idx].float().norm(dim=-1).clamp(min=1e-12)
         gram = self._gram[layer.layer_idx].to(layer.device)
-        g = gram.shape[0] // layer.num_kv_heads
         cols = []
         for heads, _, values, _ in layer.head_views():
             m = gram[heads.start * g : heads.stop * g].view(heads.stop - heads.start, g, *gram.shape[1:])
             norms = torch.einsum("bkcd,kgde,bkce->bkgc", values.float(), m, values.float()).clamp(min=0).sqrt()
             cols.append(torch.nn.functional.pad(norms.flatten(1, 2), (0, layer.max_slots - norms.shape[-1])))
-        return rows.to(layer.device), torch.cat(cols, dim=1)
+        return rows.to(layer.device), torch.cat(cols, dim=1) * mine
 
     def observe(self, layer, stats: AttnStats) -> None:
-        if self._chunk is None or stats.colmax is None:
-            return
-        lo, hi = (t.to(layer.device)[:, None, None] for t in self._chunk)
-        mine = (layer.pos >= lo) & (layer.pos < hi)  # the tokens of the chunk being reconstructed
-        layer.state[SCORE] = torch.where(mine, torch.maximum(layer.state[SCORE], stats.colmax), layer.state[SCORE])
+        if self._chunk is not None and stats.colmax is not None:  # (0 outside the chunk: ``colmax_weights``)
+            layer.state[SCORE] = torch.maximum(layer.state[SCORE], stats.colmax)
 
     def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
         return layer.state[SCORE], sink_mask(layer, self.sinks)

@@ -236,9 +236,8 @@ class AttentionDispatch:
         for heads, k, v, pos in kernels.dense_groups(keys, self.values, self.pos, self.head_slots):
             q = query[:, heads.start * g : heads.stop * g]
             if request.colmax:
-                out, best = kernels.masked_attention_colmax(q, k, v, pos, q_pos, q_real, scale, rows)
-                if cols is not None:
-                    best = best * cols[:, heads.start * g : heads.stop * g, : best.shape[-1]]
+                weight = None if cols is None else cols[:, heads.start * g : heads.stop * g, : k.shape[2]]
+                out, best = kernels.masked_attention_colmax(q, k, v, pos, q_pos, q_real, scale, rows, weight)
                 outs.append(out)
                 best = kernels.group_reduce(best, k.shape[1], request.reduce)
                 maxima.append(torch.nn.functional.pad(best, (0, self.max_slots - best.shape[-1])))
