@@ -142,12 +142,12 @@ def chunk_layout(b: int, hkv: int, older: int, n: int, seed: int) -> tuple[torch
     return torch.cat([held, q_pos[:, None].expand(b, hkv, n)], -1), q_pos
 
 
-@pytest.mark.parametrize("tile_elements", [1 << 22, 6 * 7 * 3])  # one tile; three slots per tile
+@pytest.mark.parametrize("tile_elements", [1 << 22, 2 * 6 * 7 * 3])  # one tile; three slots per tile
 @pytest.mark.parametrize("older", [0, 11])
 def test_chunk_colmax_matches_naive(monkeypatch, tile_elements, older):
     """A chunk over older tokens takes the chunk path (two flash calls, maxima from their log-sum-exps), which gives
-    the naive output and weighted maxima: row weights (one zero), slot weights zero outside a span, which leaves
-    those slots 0, and grouped heads."""
+    the naive output and weighted maxima: row weights (one zero), slot weights zero outside a span of slots that
+    differs per row and head (the slots outside every span get 0), and grouped heads."""
     monkeypatch.setattr(reference, "TILE_ELEMENTS", tile_elements)
     torch.manual_seed(5)
     pos, q_pos = chunk_layout(2, 2, older, 7, seed=older)
@@ -158,7 +158,10 @@ def test_chunk_colmax_matches_naive(monkeypatch, tile_elements, older):
     row_weight = torch.rand(2, 7)
     row_weight[0, 3] = 0.0
     col_weight = torch.zeros(2, 6, c)
-    col_weight[..., 2 : c - 2] = torch.rand(2, 6, c - 4)
+    col_weight[0, :, 2 : c - 2] = torch.rand(6, c - 4)
+    col_weight[0, 0, c // 2 :] = 0.0  # the first row and head weigh a narrower span than the others
+    col_weight[1, :, : c - 3] = torch.rand(6, c - 3)
+    col_weight[1, 5, c - 1] = 0.7  # the second row's last head weighs the last own slot too
     probs = naive_probs(q, k, pos, q_pos, 0.4)
     for rows, cols in ((None, None), (row_weight, col_weight)):
         out, colmax = reference.masked_attention_colmax(q, k, v, pos, q_pos, valid, 0.4, rows, cols)
@@ -169,8 +172,9 @@ def test_chunk_colmax_matches_naive(monkeypatch, tile_elements, older):
 
 
 def test_other_layouts_take_the_tiles():
-    """``own_block_start`` finds the chunk layout only: an empty or newer older slot, a padded row, or own tokens
-    out of order send the call to the tiled softmax."""
+    """``own_block_start`` finds the chunk layout only: an empty or newer older slot (newer than its own row's first
+    query), a padded row, own tokens out of order, or query positions that do not increase send the call to the
+    tiled softmax."""
     pos, q_pos = chunk_layout(1, 2, 6, 4, seed=0)
     valid = torch.ones(1, 4, dtype=torch.bool)
     assert reference.own_block_start(pos, q_pos, valid) == 6
@@ -182,6 +186,14 @@ def test_other_layouts_take_the_tiles():
         assert reference.own_block_start(slots, q_pos, valid) is None
     assert reference.own_block_start(pos, q_pos, torch.tensor([[False, True, True, True]])) is None
     assert reference.own_block_start(pos[..., :3], q_pos, valid) is None  # fewer slots than queries
+    unordered = q_pos.clone()
+    unordered[0, [1, 2]] = unordered[0, [2, 1]]  # own slots hold the queries' positions, which do not increase
+    assert reference.own_block_start(torch.cat([pos[..., :6], unordered[:, None].expand(1, 2, 4)], -1), unordered, valid) is None
+    rows_q = torch.tensor([[12, 13, 14, 15], [9, 10, 11, 12]])  # each row is checked against its own first query
+    rows_pos = torch.cat([torch.arange(6).expand(2, 2, 6), rows_q[:, None].expand(2, 2, 4)], -1)
+    assert reference.own_block_start(rows_pos, rows_q, torch.ones(2, 4, dtype=torch.bool)) == 6
+    rows_pos[1, 0, 0] = 10  # older than the first row's first query, not the second's
+    assert reference.own_block_start(rows_pos, rows_q, torch.ones(2, 4, dtype=torch.bool)) is None
 
 
 def test_probability_reductions_of_no_query_rows_are_zero():
