@@ -186,8 +186,9 @@ def masked_attention_colmax(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``masked_attention`` and ``column_max`` (with its ``row_weight``) from one softmax: ``(out [B, H, q, D] in
     q's dtype, colmax [B, H, C] float32)``. Padded rows (``q_valid`` False) get an output the caller discards (zero)
-    and raise no maximum. ``col_weight`` ``[B, H, C]`` (>= 0) multiplies each query head's maxima per slot; a slot
-    whose weights are all zero gets 0, and the CPU's chunk path below does not score it.
+    and raise no maximum. ``row_weight`` ``[B, q]`` (>= 0) multiplies each row's probabilities; ``col_weight``
+    ``[B, H, C]`` (>= 0) multiplies each query head's maxima per slot, and a slot whose weights are all zero gets 0,
+    which the CPU's chunk path below does not score.
 
     On the CPU, a chunk that attends over older tokens and its own (``own_block_start``: what KVzip's reconstruction
     forwards are) takes the chunk path, ``_chunk_colmax``: two calls of the fused flash kernel give the output and
@@ -250,9 +251,6 @@ def _chunk_colmax(
         total = torch.logaddexp(lse, older_lse)
         out = older * (older_lse - total).exp()[..., None] + out * (lse - total).exp()[..., None]
         lse = total
-    shift = -lse if row_weight is None else row_weight.float().log()[:, None] - lse
-    rows = torch.cat([qf * scale, shift[..., None]], -1).reshape(b, hkv, g * n, d + 1).transpose(-1, -2)
-    keys = torch.cat([kf, kf.new_ones((b, hkv, c, 1))], -1)
     best = q.new_zeros((b, h, c), dtype=torch.float32)
     lo, hi = 0, c
     if col_weight is not None:
@@ -260,11 +258,14 @@ def _chunk_colmax(
         if not len(wanted):
             return out.to(q.dtype), best
         lo, hi = int(wanted[0]), int(wanted[-1]) + 1
+    shift = -lse if row_weight is None else row_weight.float().log()[:, None] - lse
+    rows = torch.cat([qf * scale, shift[..., None]], -1).reshape(b, hkv, g * n, d + 1).transpose(-1, -2)
+    keys = torch.cat([kf[:, :, lo:hi], kf.new_ones((b, hkv, hi - lo, 1))], -1)  # the scored span only
     tile = max(1, TILE_ELEMENTS // max(1, b * h * n))
     buffer = torch.empty(b * h * min(tile, hi - lo) * n, dtype=torch.float32, device=q.device)  # one, for every tile
     for start in range(lo, hi, tile):
         stop = min(hi, start + tile)
-        top = torch.matmul(keys[:, :, start:stop], rows, out=buffer[: b * h * (stop - start) * n].view(b, hkv, stop - start, g * n))
+        top = torch.matmul(keys[:, :, start - lo : stop - lo], rows, out=buffer[: b * h * (stop - start) * n].view(b, hkv, stop - start, g * n))
         top = top.view(b, hkv, stop - start, g, n)  # [.., slot, head, row]
         if stop > first:  # own slots: row t sees own slot j from t = j on
             j = torch.arange(max(start, first), stop, device=q.device) - first

@@ -30,9 +30,9 @@ class KVzip(Policy):
 
     The forwards run through the runtime (``kvgates.runtime.scoring``): the policy must be attached to the model
     (``policy.attach(model)``, which every kvgates caller does). The cost: one more forward as long as the prompt
-    plus the repeat prompts, whose queries attend over the whole prompt; the maxima are taken over the chunk's own
-    slots only (on the CPU from the flash kernel's log-sum-exps, elsewhere from every probability; measured against a
-    plain prefill in docs/results.md; kvpress states 2-3x).
+    plus the repeat prompts, whose queries attend over the whole prompt; the maxima are taken over the slots of the
+    prompt chunk being reconstructed only (on the CPU from the flash kernel's log-sum-exps, elsewhere from every
+    probability; measured against a plain prefill in docs/results.md; kvpress states 2-3x).
 
     How it departs from the paper and from kvpress's ``KVzipPress`` (0.5.5):
 
