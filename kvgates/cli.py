@@ -8,8 +8,9 @@ Every parameter of the chosen policy is an option (``kvgates generate --policy s
 policy without ``--gates`` on an embedded model runs the adapter shipped for it (``kvgates.gates.embedded``). The
 generated text is the only thing written to stdout; the KV memory report (naming the adapter a learned policy ran)
 and every error go to stderr. Every user error (a bad option, model, adapter or prompt) is one sentence and exit
-status 2; help goes to stdout. torch and transformers are imported only by ``generate`` and ``policies``, so
-``kvgates --version`` and ``kvgates --help`` answer at once.
+status 2; help goes to stdout. A prompt that runs past the model's context is warned about in one line, not
+refused. torch and transformers are imported only by ``generate`` and ``policies``, so ``kvgates --version`` and
+``kvgates --help`` answer at once.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import time
 import typing
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import kvgates
 
@@ -157,6 +158,7 @@ def _generate(argv: list[str]) -> int:
         if chat:
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
         inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+        _warn_past_context(model, args.model, inputs["input_ids"].shape[1], args.max_new_tokens)
         try:
             policy.attach(model)  # learned policies hook their gate inputs; heuristics need nothing
         except AdapterError as err:  # the library names its own argument; say the option that does the same
@@ -195,6 +197,18 @@ def _generate(argv: list[str]) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _warn_past_context(model: Any, name: str, prompt: int, new: int) -> None:
+    """Say on stderr, in one sentence, when the prompt and the new tokens run past the model's context
+    (``max_position_embeddings``): eviction bounds the cache, not the positions, which keep counting."""
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit is not None and prompt + new > limit:
+        print(
+            f"kvgates generate: warning: the prompt ({prompt} tokens) and --max-new-tokens {new} run past the {limit} "
+            f"positions {name} was trained on; eviction bounds the cache, not the positions, so the text may be garbled",
+            file=sys.stderr,
+        )
 
 
 def _policies(argv: list[str]) -> int:

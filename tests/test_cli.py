@@ -164,6 +164,21 @@ def test_the_run_summary_names_the_adapter(checkpoint, tmp_path, capsys):
     assert f"policy=trimkv gates={tmp_path / 'gates'} tokens=" in capsys.readouterr().err
 
 
+def test_a_prompt_past_the_context_is_warned_about(checkpoint, capsys):
+    """The tiny model has 1,024 positions: a prompt past them still generates (eviction bounds the cache, not the
+    positions), with one warning line on stderr; a prompt within them gets none."""
+    long = "hello there " * 90  # 1,080 tokens with the tiny tokenizer
+    for prompt, warned in ((long, True), ("hello there", False)):
+        code = main(["generate", "--model", checkpoint, "--policy", "streaming_llm", "--budget", "16", "--prompt", prompt,
+                     "--max-new-tokens", "2"])
+        err = capsys.readouterr().err
+        assert code == 0
+        lines = [line for line in err.splitlines() if "warning" in line]
+        assert len(lines) == int(warned)
+        if warned:
+            assert "run past the 1024 positions" in lines[0] and "tokens) and --max-new-tokens 2" in lines[0]
+
+
 def test_stdout_holds_the_generated_text_only(checkpoint, capsys):
     code = main(["generate", "--model", checkpoint, "--prompt", "the lazy dog", "--max-new-tokens", "6"])
     out, err = capsys.readouterr()
