@@ -158,7 +158,8 @@ def _generate(argv: list[str]) -> int:
         if chat:
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
         inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
-        _warn_past_context(model, args.model, inputs["input_ids"].shape[1], args.max_new_tokens)
+        if not policy.shifts_positions:
+            _warn_past_context(model, args.model, inputs["input_ids"].shape[1], args.max_new_tokens)
         try:
             policy.attach(model)  # learned policies hook their gate inputs; heuristics need nothing
         except AdapterError as err:  # the library names its own argument; say the option that does the same
@@ -201,7 +202,8 @@ def _generate(argv: list[str]) -> int:
 
 def _warn_past_context(model: Any, name: str, prompt: int, new: int) -> None:
     """Say on stderr, in one sentence, when the prompt and the new tokens run past the model's context
-    (``max_position_embeddings``): eviction bounds the cache, not the positions, which keep counting."""
+    (``max_position_embeddings``): eviction bounds the cache, not the positions, which keep counting (unless the
+    policy attends at positions within the cache, ``Policy.shifts_positions``, which the caller checks)."""
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if limit is not None and prompt + new > limit:
         print(

@@ -166,11 +166,12 @@ def test_the_run_summary_names_the_adapter(checkpoint, tmp_path, capsys):
 
 def test_a_prompt_past_the_context_is_warned_about(checkpoint, capsys):
     """The tiny model has 1,024 positions: a prompt past them still generates (eviction bounds the cache, not the
-    positions), with one warning line on stderr; a prompt within them gets none."""
+    positions), with one warning line on stderr; a prompt within them gets none, and neither does StreamingLLM
+    attending at positions within its cache (``rerotate``)."""
     long = "hello there " * 90  # 1,080 tokens with the tiny tokenizer
-    for prompt, warned in ((long, True), ("hello there", False)):
+    for prompt, extra, warned in ((long, [], True), ("hello there", [], False), (long, ["--rerotate", "true"], False)):
         code = main(["generate", "--model", checkpoint, "--policy", "streaming_llm", "--budget", "16", "--prompt", prompt,
-                     "--max-new-tokens", "2"])
+                     "--max-new-tokens", "2", *extra])
         err = capsys.readouterr().err
         assert code == 0
         lines = [line for line in err.splitlines() if "warning" in line]

@@ -9,7 +9,7 @@ from helpers import _COMMON, dynamic_cache, teacher_forced_logits
 from transformers import CohereConfig, CohereForCausalLM, GlmConfig, GlmForCausalLM
 
 import kvgates
-from kvgates import BudgetCache, UnsupportedModelError
+from kvgates import BudgetCache, UnsupportedModelError, make_policy
 from kvgates.policies import StreamingLLM
 from kvgates.runtime.rope import rotary_of, shift_rotary
 
@@ -106,3 +106,12 @@ def test_rerotate_needs_attach(tiny):
     _, model = tiny
     with pytest.raises(RuntimeError, match="call policy.attach"):
         model(torch.randint(1, 128, (1, 6)), past_key_values=BudgetCache(model.config, StreamingLLM(budget=4, sinks=1, rerotate=True)))
+
+
+def test_shifts_positions_says_whether_attention_runs_within_the_cache():
+    """``Policy.shifts_positions`` (what ``kvgates generate`` reads before warning about a prompt past the model's
+    context): StreamingLLM with ``rerotate``, also inside a wrapper; no other policy."""
+    assert StreamingLLM(budget=16, rerotate=True).shifts_positions
+    assert not StreamingLLM(budget=16).shifts_positions
+    assert make_policy("merge", budget=16, base="streaming_llm", base_params={"rerotate": True}).shifts_positions
+    assert not make_policy("merge", budget=16, base="h2o").shifts_positions

@@ -170,6 +170,12 @@ class Policy:
     def after_layer(self, layer: BudgetLayer, stats: AttnStats) -> None:
         """Called after each budgeted layer's own step (cross-layer decisions; ``layer.is_last`` ends a forward)."""
 
+    @property
+    def shifts_positions(self) -> bool:
+        """Whether attention runs at positions within the cache (``position_shift``), so a stream may run past the
+        model's context (StreamingLLM's ``rerotate``)."""
+        return False
+
     def position_shift(self, layer: BudgetLayer, q_pos: torch.Tensor) -> tuple[Rotary, torch.Tensor, torch.Tensor] | None:
         """For policies that attend at shifted positions (StreamingLLM's re-rotation):
         ``(rotary, key_delta [B, H_kv, C], query_delta [B, q])``; ``None`` keeps the original positions."""

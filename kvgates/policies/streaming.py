@@ -51,6 +51,10 @@ class StreamingLLM(PerStepEviction):
         """Re-rotation sorts positions per step on the host's terms (``position_shift``); no static cache for it."""
         return not self.rerotate
 
+    @property
+    def shifts_positions(self) -> bool:
+        return self.rerotate
+
     def attach(self, model) -> StreamingLLM:
         if self.rerotate:
             self._rotary = rotary_of(model)

@@ -102,5 +102,9 @@ class Wrapper(Policy):
     def after_layer(self, layer, stats: AttnStats) -> None:
         self.inner.after_layer(layer, stats)
 
+    @property
+    def shifts_positions(self) -> bool:
+        return self.inner.shifts_positions
+
     def position_shift(self, layer, q_pos: torch.Tensor):
         return self.inner.position_shift(layer, q_pos)
