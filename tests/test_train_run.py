@@ -23,7 +23,7 @@ from kvgates.gates import GATE_KINDS
 from kvgates.gates.training import GateTraining
 from kvgates.methods import METHODS
 from train.config import ConfigError, TrainConfig
-from train.run import build_trainer, main, prepare_output_dir
+from train.run import build_trainer, check_context, main, prepare_output_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -360,6 +360,19 @@ def test_an_adapter_for_another_model_stops_the_run_and_leaves_no_folder(tiny_di
     assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 2
     err = capsys.readouterr().err.strip()  # after the model's loading bar
     assert "were trained for" in err.splitlines()[-1] and "Traceback" not in err and not out.exists()
+
+
+def test_rows_past_the_models_context_stop_the_run_and_leave_no_folder(tiny_dir, tmp_path, capsys):
+    """``data.seq_len`` past the tiny model's 1,024 positions is refused once the model is loaded (its config says
+    how far it was trained), in one sentence, with no folder left; 1,024 itself is within them."""
+    out = tmp_path / "run"
+    cfg = tiny_config(tiny_dir, out, data={"seq_len": 1025})
+    assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "data.seq_len 1025 runs past the 1024 positions" in err.splitlines()[-1] and "Traceback" not in err
+    assert not out.exists()
+    model, _ = kvgates.load_model(tiny_dir)
+    check_context(TrainConfig.from_dict(tiny_config(tiny_dir, out, data={"seq_len": 1024})), model)
 
 
 def test_a_config_error_under_accelerate_launch_ends_with_the_sentence(tmp_path):

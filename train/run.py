@@ -208,6 +208,17 @@ def initial_gates(config: TrainConfig, model: PreTrainedModel) -> kvgates.GateSe
     return gates.float()
 
 
+def check_context(config: TrainConfig, model: PreTrainedModel) -> None:
+    """Refuse rows longer than the positions the model was trained on (``max_position_embeddings``): past them the
+    frozen model's outputs, which the gates learn from, are not what it was trained to give (``ConfigError``)."""
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit is not None and config.data.seq_len > limit:
+        raise ConfigError(
+            f"data.seq_len {config.data.seq_len} runs past the {limit} positions {config.model} was trained on "
+            "(max_position_embeddings); lower data.seq_len or train a model with a longer context"
+        )
+
+
 def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.GateSet]:
     """The frozen model with its starting gates, the data and the Trainer; returns ``(trainer, copy of the
     starting gates)``."""
@@ -219,6 +230,7 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
 
     # The frozen LLM and fresh gates; only the gates train.
     model, tokenizer = kvgates.load_model(config.model, dtype=config.torch_dtype(torch.cuda.is_available()))
+    check_context(config, model)
     model.requires_grad_(False)
     gates = initial_gates(config, model)  # float32, whatever the model's dtype
     start = copy.deepcopy(gates)
