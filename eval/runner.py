@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kvgates
 from eval.arms import build_policy, prepare_arms
-from eval.config import ABConfig, ArmSpec, TaskSpec
+from eval.config import ABConfig, ArmSpec, ConfigError, TaskSpec
 from eval.stats import Comparison, compare, matched_memory
 from eval.tasks import Example, binary_metric, build_examples, cost, metrics_of, run_batch
 
@@ -172,8 +172,29 @@ def _adopt(config: ABConfig, keys: list[str], done: dict[str, dict], journal: Pa
         print(f"{len(new)} of {len(keys)} results reused from {other}")
 
 
+#: Tasks whose arms generate (or are teacher-forced through) ``new_tokens`` after the prompt.
+GENERATING = ("fidelity", "generation")
+
+
+def check_context(config: ABConfig, model: PreTrainedModel) -> None:
+    """Refuse a task whose prompts, with the tokens generated after them, run past the positions the model was
+    trained on (``max_position_embeddings``): every arm, the full cache included, would be scored on text the model
+    cannot read (``ConfigError``)."""
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    for task in config.tasks:
+        new = int(task.option("new_tokens")) if task.task in GENERATING else task.max_new_tokens
+        longest = max(task.context_tokens) + new
+        if limit is not None and longest > limit:
+            raise ConfigError(
+                f"task {task.name!r}: context_tokens {max(task.context_tokens)} and {new} new tokens run past the {limit} "
+                f"positions {config.model} was trained on (max_position_embeddings); shorten the task or use a model "
+                "with a longer context"
+            )
+
+
 def _compute(config: ABConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, done: dict[str, dict], journal: Path) -> None:
     """Run and journal every result missing from ``done`` (updated in place), batch by batch."""
+    check_context(config, model)
     gates = prepare_arms(config, model)
     examples = {task.name: build_examples(task, tokenizer, config.seed, config.split) for task in config.tasks}
     full_arm = config.all_arms[0]

@@ -256,6 +256,22 @@ def test_adapter_for_another_model_fails_before_any_example(tmp_path, model):
         prepare_arms(ABConfig.from_dict({"arms": [{"policy": "locret", "gates": str(tmp_path / "mine")}], "tasks": ["needle"]}), model)
 
 
+@pytest.mark.parametrize(
+    "task, message",
+    [
+        ({"task": "needle", "context_tokens": [200, 2040], "examples": 1}, "'needle': context_tokens 2040 and 12 new tokens"),
+        ({"task": "fidelity", "context_tokens": 2000, "examples": 1, "new_tokens": 64}, "context_tokens 2000 and 64 new tokens"),
+    ],
+)
+def test_a_task_past_the_models_context_fails_before_any_example(tmp_path, tok, model, task, message):
+    """The tiny model has 2,048 positions: a task whose longest prompt and new tokens run past them is refused in one
+    sentence before anything runs or is journalled."""
+    config = small_config(tmp_path, tasks=[task])
+    with pytest.raises(ConfigError, match=f"{message} run past the 2048 positions"):
+        run_ab(config, model, tok)
+    assert not (tmp_path / "out" / JOURNAL).exists() or not (tmp_path / "out" / JOURNAL).read_text()
+
+
 def test_cli_exits_non_zero_with_one_sentence_before_loading_a_model(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     path = tmp_path / "bad.yaml"
