@@ -28,6 +28,7 @@ from eval.arms import build_policy, prepare_arms
 from eval.config import ABConfig, ArmSpec, ConfigError, TaskSpec
 from eval.stats import Comparison, compare, matched_memory
 from eval.tasks import Example, binary_metric, build_examples, cost, metrics_of, run_batch
+from kvgates.models import context_length
 
 JOURNAL = "results.jsonl"
 #: The report's record of a run (``eval.report.write_report``); the runner reads back the wall time it holds.
@@ -178,9 +179,9 @@ GENERATING = ("fidelity", "generation")
 
 def check_context(config: ABConfig, model: PreTrainedModel) -> None:
     """Refuse a task whose prompts, with the tokens generated after them, run past the positions the model was
-    trained on (``max_position_embeddings``): every arm, the full cache included, would be scored on text the model
+    trained on (``kvgates.models.context_length``): every arm, the full cache included, would be scored on text the model
     cannot read (``ConfigError``)."""
-    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    limit = context_length(model)
     for task in config.tasks:
         new = int(task.option("new_tokens")) if task.task in GENERATING else task.max_new_tokens
         longest = max(task.context_tokens) + new

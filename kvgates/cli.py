@@ -202,9 +202,11 @@ def _generate(argv: list[str]) -> int:
 
 def _warn_past_context(model: Any, name: str, prompt: int, new: int) -> None:
     """Say on stderr, in one sentence, when the prompt and the new tokens run past the model's context
-    (``max_position_embeddings``): eviction bounds the cache, not the positions, which keep counting (unless the
+    (``kvgates.models.context_length``): eviction bounds the cache, not the positions, which keep counting (unless the
     policy attends at positions within the cache, ``Policy.shifts_positions``, which the caller checks)."""
-    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    from kvgates.models import context_length
+
+    limit = context_length(model)
     if limit is not None and prompt + new > limit:
         print(
             f"kvgates generate: warning: the prompt ({prompt} tokens) and --max-new-tokens {new} run past the {limit} "

@@ -147,6 +147,20 @@ def _no_attention_interface(name: str) -> str:
     return f"{name} does not route attention through transformers' AttentionInterface, so kvgates cannot budget its cache; {_FAMILIES}"
 
 
+def context_length(model: PreTrainedModel) -> int | None:
+    """The positions ``model`` reads: ``max_position_embeddings`` of its text config, times the RoPE scaling factor
+    when its rotary embedding is scaled (YaRN, linear, dynamic, ...: configs that extend a model past its trained
+    length keep the original ``max_position_embeddings``); None when the config gives no length. Generous by design:
+    a bound past which the model's outputs are not what it was trained to give."""
+    config = model.config.get_text_config(decoder=True)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is None:
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
+    return int(limit * max(1.0, float(rope.get("factor") or 1.0))) if scaled else int(limit)
+
+
 def check_supported(model: PreTrainedModel) -> None:
     """Raise ``UnsupportedModelError`` unless ``model`` routes attention through transformers' AttentionInterface."""
     config = model.config.get_text_config(decoder=True)

@@ -4,6 +4,7 @@ import copy
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from helpers import save_tiny_checkpoint, tiny_model
 
 import kvgates
 from kvgates import BudgetCache, RetentionGates, UnsupportedModelError, models
-from kvgates.models import embedded_name_of, hub_id_of
+from kvgates.models import context_length, embedded_name_of, hub_id_of
 
 
 def test_prepare_model_keeps_training_mode_and_gradient_checkpointing():
@@ -135,3 +136,14 @@ def test_an_interrupted_conversion_leaves_nothing_behind(fake_installs, monkeypa
         models.embedded_model_dir("smollm2-135m")
     home = models.kvgates_home() / "models"
     assert [p.name for p in home.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_context_length_counts_a_scaled_rotary_embedding():
+    """``kvgates.models.context_length``: ``max_position_embeddings``, times the factor of a scaled RoPE (YaRN keeps
+    the original length in the config), and None for a config without a length."""
+    _, model = tiny_model(max_position_embeddings=1024)
+    assert context_length(model) == 1024
+    model.config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 1e4}
+    assert context_length(model) == 4096
+    lengthless = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda decoder: SimpleNamespace()))
+    assert context_length(lengthless) is None

@@ -42,7 +42,7 @@ from data.splits import essay_split
 from eval.heldout import markdown_table
 from kvgates.cli import OneLineParser, usage_error
 from kvgates.gates.training import GateTraining
-from kvgates.models import check_model_source
+from kvgates.models import check_model_source, context_length
 from train.config import ConfigError, TrainConfig
 from train.trainer import GateTrainer, MetricsJsonl
 from train.validation import Validator, final_table
@@ -209,9 +209,9 @@ def initial_gates(config: TrainConfig, model: PreTrainedModel) -> kvgates.GateSe
 
 
 def check_context(config: TrainConfig, model: PreTrainedModel) -> None:
-    """Refuse rows longer than the positions the model was trained on (``max_position_embeddings``): past them the
+    """Refuse rows longer than the positions the model was trained on (``kvgates.models.context_length``): past them the
     frozen model's outputs, which the gates learn from, are not what it was trained to give (``ConfigError``)."""
-    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    limit = context_length(model)
     if limit is not None and config.data.seq_len > limit:
         raise ConfigError(
             f"data.seq_len {config.data.seq_len} runs past the {limit} positions {config.model} was trained on "
