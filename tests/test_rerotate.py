@@ -115,4 +115,3 @@ def test_shifts_positions_says_whether_attention_runs_within_the_cache():
     assert not StreamingLLM(budget=16).shifts_positions
     assert make_policy("merge", budget=16, base="streaming_llm", base_params={"rerotate": True}).shifts_positions
     assert not make_policy("merge", budget=16, base="h2o").shifts_positions
-
