@@ -158,8 +158,7 @@ def _generate(argv: list[str]) -> int:
         if chat:
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
         inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
-        if not policy.shifts_positions:
-            _warn_past_context(model, args.model, inputs["input_ids"].shape[1], args.max_new_tokens)
+        _warn_past_context(model, args.model, inputs["input_ids"].shape[1], args.max_new_tokens, policy.position_window, args.prefill_chunk)
         try:
             policy.attach(model)  # learned policies hook their gate inputs; heuristics need nothing
         except AdapterError as err:  # the library names its own argument; say the option that does the same
@@ -200,17 +199,27 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
-def _warn_past_context(model: Any, name: str, prompt: int, new: int) -> None:
-    """Say on stderr, in one sentence, when the prompt and the new tokens run past the model's context
-    (``kvgates.models.context_length``): eviction bounds the cache, not the positions, which keep counting (unless the
-    policy attends at positions within the cache, ``Policy.shifts_positions``, which the caller checks)."""
+def _warn_past_context(model: Any, name: str, prompt: int, new: int, window: int | None, chunk: int | None) -> None:
+    """Say on stderr, in one sentence, when attention runs past the model's context (``kvgates.models.context_length``):
+    eviction bounds the cache, not the positions, which keep counting; a policy attending at positions within its
+    cache (``Policy.position_window``) still attends a prompt forward's own tokens at their ranks after the cache's,
+    so a prompt fed in one forward (no ``--prefill-chunk``) reaches its own length."""
     from kvgates.models import context_length
 
     limit = context_length(model)
-    if limit is not None and prompt + new > limit:
+    if limit is None or prompt + new <= limit:
+        return
+    if window is None:
         print(
             f"kvgates generate: warning: the prompt ({prompt} tokens) and --max-new-tokens {new} run past the {limit} "
             f"positions {name} was trained on; eviction bounds the cache, not the positions, so the text may be garbled",
+            file=sys.stderr,
+        )
+    elif window + (chunk or prompt) > limit:
+        fix = f"pass --prefill-chunk {limit - window} or less" if window < limit else "lower --budget"
+        print(
+            f"kvgates generate: warning: re-rotated attention over a {window}-token cache and a prompt forward of "
+            f"{chunk or prompt} tokens runs past the {limit} positions {name} was trained on; {fix}",
             file=sys.stderr,
         )
 

@@ -167,17 +167,23 @@ def test_the_run_summary_names_the_adapter(checkpoint, tmp_path, capsys):
 def test_a_prompt_past_the_context_is_warned_about(checkpoint, capsys):
     """The tiny model has 1,024 positions: a prompt past them still generates (eviction bounds the cache, not the
     positions), with one warning line on stderr; a prompt within them gets none, and neither does StreamingLLM
-    attending at positions within its cache (``rerotate``)."""
+    attending at positions within its cache (``rerotate``) when the prompt comes in chunks; in one forward the
+    prompt's own tokens are attended at their positions, past the context, and that is warned about."""
     long = "hello there " * 90  # 1,080 tokens with the tiny tokenizer
-    for prompt, extra, warned in ((long, [], True), ("hello there", [], False), (long, ["--rerotate", "true"], False)):
+    rerotate = ["--rerotate", "true"]
+    for prompt, extra, warned in (
+        (long, [], True), ("hello there", [], False), (long, [*rerotate, "--prefill-chunk", "64"], False), (long, rerotate, True),
+    ):
         code = main(["generate", "--model", checkpoint, "--policy", "streaming_llm", "--budget", "16", "--prompt", prompt,
                      "--max-new-tokens", "2", *extra])
         err = capsys.readouterr().err
         assert code == 0
         lines = [line for line in err.splitlines() if "warning" in line]
         assert len(lines) == int(warned)
-        if warned:
+        if warned and not extra:
             assert "run past the 1024 positions" in lines[0] and "tokens) and --max-new-tokens 2" in lines[0]
+        elif warned:
+            assert "a prompt forward of 1080 tokens" in lines[0] and "pass --prefill-chunk 1008 or less" in lines[0]
 
 
 def test_stdout_holds_the_generated_text_only(checkpoint, capsys):

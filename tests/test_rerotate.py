@@ -11,6 +11,8 @@ from transformers import CohereConfig, CohereForCausalLM, GlmConfig, GlmForCausa
 import kvgates
 from kvgates import BudgetCache, UnsupportedModelError, make_policy
 from kvgates.policies import StreamingLLM
+from kvgates.policies.base import Policy
+from kvgates.policies.wrappers import Wrapper
 from kvgates.runtime.rope import rotary_of, shift_rotary
 
 #: Families whose RoPE rotates interleaved feature pairs (2i, 2i+1) instead of halves (i, i + D/2); GLM also
@@ -108,10 +110,20 @@ def test_rerotate_needs_attach(tiny):
         model(torch.randint(1, 128, (1, 6)), past_key_values=BudgetCache(model.config, StreamingLLM(budget=4, sinks=1, rerotate=True)))
 
 
-def test_shifts_positions_says_whether_attention_runs_within_the_cache():
-    """``Policy.shifts_positions`` (what ``kvgates generate`` reads before warning about a prompt past the model's
-    context): StreamingLLM with ``rerotate``, also inside a wrapper; no other policy."""
-    assert StreamingLLM(budget=16, rerotate=True).shifts_positions
-    assert not StreamingLLM(budget=16).shifts_positions
-    assert make_policy("merge", budget=16, base="streaming_llm", base_params={"rerotate": True}).shifts_positions
-    assert not make_policy("merge", budget=16, base="h2o").shifts_positions
+def test_position_window_says_how_far_attention_runs_within_the_cache():
+    """``Policy.position_window`` (what ``kvgates generate`` reads before warning about a prompt past the model's
+    context): StreamingLLM with ``rerotate`` holds at most its budget and slack before a forward, also inside a
+    wrapper; no other policy attends within its cache."""
+    assert StreamingLLM(budget=16, rerotate=True).position_window == 16
+    assert StreamingLLM(budget=16, rerotate=True, slack=3).position_window == 19
+    assert StreamingLLM(budget=16).position_window is None
+    assert make_policy("merge", budget=16, base="streaming_llm", base_params={"rerotate": True}).position_window == 16
+    assert make_policy("merge", budget=16, base="h2o").position_window is None
+
+
+def test_every_policy_that_shifts_positions_says_how_far():
+    """A registered policy overriding ``position_shift`` declares ``position_window`` too (``kvgates generate`` reads
+    it to say whether a long stream runs past the model's context); wrappers forward both."""
+    for name, cls in kvgates.POLICIES.items():
+        if cls.position_shift is not Policy.position_shift and not issubclass(cls, Wrapper):
+            assert cls.position_window is not Policy.position_window, name

@@ -171,10 +171,11 @@ class Policy:
         """Called after each budgeted layer's own step (cross-layer decisions; ``layer.is_last`` ends a forward)."""
 
     @property
-    def shifts_positions(self) -> bool:
-        """Whether attention runs at positions within the cache (``position_shift``), so a stream may run past the
-        model's context (StreamingLLM's ``rerotate``)."""
-        return False
+    def position_window(self) -> int | None:
+        """Where attention runs at positions within the cache (``position_shift``, StreamingLLM's ``rerotate``): the
+        most tokens a head holds before a forward, so that a forward of n tokens attends below position
+        ``position_window + n`` however long the stream; None (the default) where positions keep counting."""
+        return None
 
     def position_shift(self, layer: BudgetLayer, q_pos: torch.Tensor) -> tuple[Rotary, torch.Tensor, torch.Tensor] | None:
         """For policies that attend at shifted positions (StreamingLLM's re-rotation):

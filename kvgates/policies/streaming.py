@@ -52,8 +52,8 @@ class StreamingLLM(PerStepEviction):
         return not self.rerotate
 
     @property
-    def shifts_positions(self) -> bool:
-        return self.rerotate
+    def position_window(self) -> int | None:
+        return self.budget + self.slack if self.rerotate else None
 
     def attach(self, model) -> StreamingLLM:
         if self.rerotate:

@@ -103,8 +103,8 @@ class Wrapper(Policy):
         self.inner.after_layer(layer, stats)
 
     @property
-    def shifts_positions(self) -> bool:
-        return self.inner.shifts_positions
+    def position_window(self) -> int | None:
+        return self.inner.position_window
 
     def position_shift(self, layer, q_pos: torch.Tensor):
         return self.inner.position_shift(layer, q_pos)
