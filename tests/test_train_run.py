@@ -369,10 +369,31 @@ def test_rows_past_the_models_context_stop_the_run_and_leave_no_folder(tiny_dir,
     cfg = tiny_config(tiny_dir, out, data={"seq_len": 1025})
     assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 2
     err = capsys.readouterr().err.strip()
-    assert "data.seq_len 1025 runs past the 1024 positions" in err.splitlines()[-1] and "Traceback" not in err
+    last = err.splitlines()[-1]
+    assert "data.seq_len 1025 and the 4 tokens held-out needles generate after it (report.max_new_tokens) run past the 1024" in last
+    assert "Traceback" not in err
     assert not out.exists()
     model, _ = kvgates.load_model(tiny_dir)
-    check_context(TrainConfig.from_dict(tiny_config(tiny_dir, out, data={"seq_len": 1024})), model)
+    check_context(TrainConfig.from_dict(tiny_config(tiny_dir, out, data={"seq_len": 1020})), model)
+
+
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        ({"data": {"seq_len": 1024}}, "data.seq_len 1024 and the 4 tokens held-out needles generate after it"),
+        ({"validation": {"needles": 1, "needle_tokens": 2000}}, "validation.needle_tokens 2000 and the 4 tokens"),
+    ],
+)
+def test_held_out_needles_past_the_models_context_are_refused(tiny_dir, tmp_path, sections, message):
+    """The held-out needles (validation's at ``validation.needle_tokens``, the final report's at ``data.seq_len``)
+    generate ``report.max_new_tokens`` after their prompt: those past the tiny model's 1,024 positions are refused
+    too, naming the option; without needles only the rows count."""
+    model, _ = kvgates.load_model(tiny_dir)
+    with pytest.raises(ConfigError, match=f"{message} .*run past the 1024 positions"):
+        check_context(TrainConfig.from_dict(tiny_config(tiny_dir, tmp_path, **sections)), model)
+    check_context(TrainConfig.from_dict(tiny_config(
+        tiny_dir, tmp_path, data={"seq_len": 1024}, validation={"needles": 0, "needle_tokens": 2000}, report={"needles": 0},
+    )), model)
 
 
 def test_a_config_error_under_accelerate_launch_ends_with_the_sentence(tmp_path):

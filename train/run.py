@@ -210,13 +210,24 @@ def initial_gates(config: TrainConfig, model: PreTrainedModel) -> kvgates.GateSe
 
 def check_context(config: TrainConfig, model: PreTrainedModel) -> None:
     """Refuse rows longer than the positions the model was trained on (``kvgates.models.context_length``): past them the
-    frozen model's outputs, which the gates learn from, are not what it was trained to give (``ConfigError``)."""
+    frozen model's outputs, which the gates learn from, are not what it was trained to give; and held-out needles
+    (validation's at ``validation.needle_tokens``, else at ``data.seq_len`` as the final report's) whose prompt and
+    the ``report.max_new_tokens`` generated after it run past them (``ConfigError``)."""
     limit = context_length(model)
-    if limit is not None and config.data.seq_len > limit:
-        raise ConfigError(
-            f"data.seq_len {config.data.seq_len} runs past the {limit} positions {config.model} was trained on "
-            "(max_position_embeddings); lower data.seq_len or train a model with a longer context"
-        )
+    if limit is None:
+        return
+    needles, new = config.validation, config.report.max_new_tokens
+    at_seq_len = config.report.needles > 0 or (needles.needles > 0 and needles.needle_tokens is None)
+    checks = [("data.seq_len", config.data.seq_len, new if at_seq_len else 0)]
+    if needles.needles > 0 and needles.needle_tokens is not None:
+        checks.append(("validation.needle_tokens", needles.needle_tokens, new))
+    for option, tokens, after in checks:
+        if tokens + after > limit:
+            generated = f" and the {after} tokens held-out needles generate after it (report.max_new_tokens)" if after else ""
+            raise ConfigError(
+                f"{option} {tokens}{generated} run past the {limit} positions {config.model} was trained on "
+                f"(max_position_embeddings); lower {option} or train a model with a longer context"
+            )
 
 
 def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.GateSet]:
