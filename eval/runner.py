@@ -121,6 +121,10 @@ def run_ab(
     comparisons use the examples both arms have, so a long run's progress can be reported while it goes on.
     """
     start = time.perf_counter()
+    if compute:  # a task past the model's context is refused before the folder is made or anything adopted into it
+        if model is None:
+            model, tokenizer = kvgates.load_model(config.model)
+        check_context(config, model)
     recorded = _recorded_seconds(config) if resume else None
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,8 +139,6 @@ def run_ab(
     if resume and config.reuse:
         _adopt(config, keys, done, journal)
     if compute:
-        if model is None:
-            model, tokenizer = kvgates.load_model(config.model)
         _compute(config, model, tokenizer, done, journal)
     rows = [done[key] for key in keys if key in done]
     seconds = sum(r["seconds"] for r in rows)
@@ -195,7 +197,6 @@ def check_context(config: ABConfig, model: PreTrainedModel) -> None:
 
 def _compute(config: ABConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, done: dict[str, dict], journal: Path) -> None:
     """Run and journal every result missing from ``done`` (updated in place), batch by batch."""
-    check_context(config, model)
     gates = prepare_arms(config, model)
     examples = {task.name: build_examples(task, tokenizer, config.seed, config.split) for task in config.tasks}
     full_arm = config.all_arms[0]

@@ -265,11 +265,14 @@ def test_adapter_for_another_model_fails_before_any_example(tmp_path, model):
 )
 def test_a_task_past_the_models_context_fails_before_any_example(tmp_path, tok, model, task, message):
     """The tiny model has 2,048 positions: a task whose longest prompt and new tokens run past them is refused in one
-    sentence before anything runs or is journalled."""
-    config = small_config(tmp_path, tasks=[task])
+    sentence before anything runs or is journalled, before the output folder is made or another run's results are
+    adopted into it (``reuse``)."""
+    other = tmp_path / "other.jsonl"
+    other.write_text("")
+    config = small_config(tmp_path, tasks=[task], reuse=[str(other)])
     with pytest.raises(ConfigError, match=f"{message} run past the 2048 positions"):
         run_ab(config, model, tok)
-    assert not (tmp_path / "out" / JOURNAL).exists() or not (tmp_path / "out" / JOURNAL).read_text()
+    assert not (tmp_path / "out").exists()
 
 
 def test_cli_exits_non_zero_with_one_sentence_before_loading_a_model(tmp_path, capsys, monkeypatch):
