@@ -190,8 +190,8 @@ def check_context(config: ABConfig, model: PreTrainedModel) -> None:
         if limit is not None and longest > limit:
             raise ConfigError(
                 f"task {task.name!r}: context_tokens {max(task.context_tokens)} and {new} new tokens run past the {limit} "
-                f"positions {config.model} was trained on (max_position_embeddings); shorten the task or use a model "
-                "with a longer context"
+                f"positions {config.model} was trained on (its config's max_position_embeddings, RoPE scaling included); "
+                "shorten the task or use a model with a longer context"
             )
 
 

@@ -226,7 +226,7 @@ def check_context(config: TrainConfig, model: PreTrainedModel) -> None:
             generated = f" and the {after} tokens held-out needles generate after it (report.max_new_tokens)" if after else ""
             raise ConfigError(
                 f"{option} {tokens}{generated} run past the {limit} positions {config.model} was trained on "
-                f"(max_position_embeddings); lower {option} or train a model with a longer context"
+                f"(its config's max_position_embeddings, RoPE scaling included); lower {option} or train a model with a longer context"
             )
 
 
