@@ -323,6 +323,15 @@ def _exit_status(call) -> int:
         return exit_.code
 
 
+def test_softhard_windows_past_the_models_context_are_one_sentence(capsys):
+    """``python -m eval softhard``'s windows (prompt and teacher-forced continuation) must fit the model's context: the
+    embedded model reads 8,192 positions, so 8,000 + 512 is refused in one line once its config is loaded."""
+    assert _exit_status(lambda: main(["softhard", "--gates", "smollm2-135m-trimkv", "--prompt-tokens", "8000", "--new-tokens", "512"])) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m eval softhard: ")
+    assert "--prompt-tokens 8000 and --new-tokens 512 run past the 8192 positions smollm2-135m was trained on" in err
+
+
 def test_a_task_can_run_at_some_of_the_budgets(tmp_path):
     tasks = [{"task": "needle", "context_tokens": 120, "examples": 2}, {**TASKS[3], "budgets": [16]}]
     config = small_config(tmp_path, tasks=tasks)
