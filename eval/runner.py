@@ -28,7 +28,7 @@ from eval.arms import build_policy, prepare_arms
 from eval.config import ABConfig, ArmSpec, ConfigError, TaskSpec
 from eval.stats import Comparison, compare, matched_memory
 from eval.tasks import Example, binary_metric, build_examples, cost, metrics_of, run_batch
-from kvgates.models import context_length
+from kvgates.models import past_context
 
 JOURNAL = "results.jsonl"
 #: The report's record of a run (``eval.report.write_report``); the runner reads back the wall time it holds.
@@ -181,16 +181,14 @@ GENERATING = ("fidelity", "generation")
 
 def check_context(config: ABConfig, model: PreTrainedModel) -> None:
     """Refuse a task whose prompts, with the tokens generated after them, run past the positions the model was
-    trained on (``kvgates.models.context_length``): every arm, the full cache included, would be scored on text the model
+    trained on (``kvgates.models.past_context``): every arm, the full cache included, would be scored on text the model
     cannot read (``ConfigError``)."""
-    limit = context_length(model)
     for task in config.tasks:
         new = int(task.option("new_tokens")) if task.task in GENERATING else task.max_new_tokens
-        longest = max(task.context_tokens) + new
-        if limit is not None and longest > limit:
+        past = past_context(model, config.model, max(task.context_tokens) + new)
+        if past is not None:
             raise ConfigError(
-                f"task {task.name!r}: context_tokens {max(task.context_tokens)} and {new} new tokens run past the {limit} "
-                f"positions {config.model} was trained on (its config's max_position_embeddings, RoPE scaling included); "
+                f"task {task.name!r}: context_tokens {max(task.context_tokens)} and {new} new tokens {past}; "
                 "shorten the task or use a model with a longer context"
             )
 

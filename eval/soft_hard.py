@@ -26,7 +26,7 @@ from kvgates.cli import OneLineParser
 from kvgates.gates.training import GateTraining
 from kvgates.methods import method_of
 from kvgates.methods.trimkv import TrimKVMethod
-from kvgates.models import check_model_source, context_length
+from kvgates.models import check_model_source, past_context
 
 
 @dataclass
@@ -98,12 +98,9 @@ def main(argv: list[str] | None = None) -> None:
             raise kvgates.AdapterError(f"{name} holds {gates.kind!r} gates, which are not trained with soft eviction (retention gates are)")
     check_model_source(args.model)
     model, tokenizer = kvgates.load_model(args.model)
-    limit = context_length(model)
-    if limit is not None and args.prompt_tokens + args.new_tokens > limit:
-        parser.error(
-            f"--prompt-tokens {args.prompt_tokens} and --new-tokens {args.new_tokens} run past the {limit} positions "
-            f"{args.model} was trained on (its config's max_position_embeddings, RoPE scaling included)"
-        )
+    past = past_context(model, args.model, args.prompt_tokens + args.new_tokens)
+    if past is not None:
+        parser.error(f"--prompt-tokens {args.prompt_tokens} and --new-tokens {args.new_tokens} {past}")
     for gates in adapters.values():
         gates.check_model(model)
     texts = windows(tokenizer, args.windows, args.prompt_tokens + args.new_tokens)

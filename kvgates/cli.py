@@ -204,15 +204,16 @@ def _warn_past_context(model: Any, name: str, prompt: int, new: int, window: int
     eviction bounds the cache, not the positions, which keep counting; a policy attending at positions within its
     cache (``Policy.position_window``) still attends a prompt forward's own tokens at their ranks after the cache's,
     so a prompt fed in one forward (no ``--prefill-chunk``) reaches its own length."""
-    from kvgates.models import context_length
+    from kvgates.models import context_length, past_context
 
-    limit = context_length(model)
-    if limit is None or prompt + new <= limit:
+    past = past_context(model, name, prompt + new)
+    if past is None:
         return
+    limit = context_length(model)
     if window is None:
         print(
-            f"kvgates generate: warning: the prompt ({prompt} tokens) and --max-new-tokens {new} run past the {limit} "
-            f"positions {name} was trained on; eviction bounds the cache, not the positions, so the text may be garbled",
+            f"kvgates generate: warning: the prompt ({prompt} tokens) and --max-new-tokens {new} {past}; eviction bounds "
+            "the cache, not the positions, so the text may be garbled",
             file=sys.stderr,
         )
     elif window + (chunk or prompt) > limit:

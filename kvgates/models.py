@@ -161,6 +161,16 @@ def context_length(model: PreTrainedModel) -> int | None:
     return int(limit * max(1.0, float(rope.get("factor") or 1.0))) if scaled else int(limit)
 
 
+def past_context(model: PreTrainedModel, name: str, positions: int) -> str | None:
+    """The end of a sentence saying that ``positions`` run past ``model``'s context (``context_length``), naming it
+    ``name``; None when they do not (or the config gives no length). Every command that refuses or warns about a
+    length past the context words it so."""
+    limit = context_length(model)
+    if limit is None or positions <= limit:
+        return None
+    return f"run past the {limit} positions {name} was trained on (its config's max_position_embeddings, RoPE scaling included)"
+
+
 def check_supported(model: PreTrainedModel) -> None:
     """Raise ``UnsupportedModelError`` unless ``model`` routes attention through transformers' AttentionInterface."""
     config = model.config.get_text_config(decoder=True)

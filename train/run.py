@@ -42,7 +42,7 @@ from data.splits import essay_split
 from eval.heldout import markdown_table
 from kvgates.cli import OneLineParser, usage_error
 from kvgates.gates.training import GateTraining
-from kvgates.models import check_model_source, context_length
+from kvgates.models import check_model_source, past_context
 from train.config import ConfigError, TrainConfig
 from train.trainer import GateTrainer, MetricsJsonl
 from train.validation import Validator, final_table
@@ -209,25 +209,20 @@ def initial_gates(config: TrainConfig, model: PreTrainedModel) -> kvgates.GateSe
 
 
 def check_context(config: TrainConfig, model: PreTrainedModel) -> None:
-    """Refuse rows longer than the positions the model was trained on (``kvgates.models.context_length``): past them the
+    """Refuse rows longer than the positions the model was trained on (``kvgates.models.past_context``): past them the
     frozen model's outputs, which the gates learn from, are not what it was trained to give; and held-out needles
     (validation's at ``validation.needle_tokens``, else at ``data.seq_len`` as the final report's) whose prompt and
     the ``report.max_new_tokens`` generated after it run past them (``ConfigError``)."""
-    limit = context_length(model)
-    if limit is None:
-        return
     needles, new = config.validation, config.report.max_new_tokens
     at_seq_len = config.report.needles > 0 or (needles.needles > 0 and needles.needle_tokens is None)
     checks = [("data.seq_len", config.data.seq_len, new if at_seq_len else 0)]
     if needles.needles > 0 and needles.needle_tokens is not None:
         checks.append(("validation.needle_tokens", needles.needle_tokens, new))
     for option, tokens, after in checks:
-        if tokens + after > limit:
+        past = past_context(model, config.model, tokens + after)
+        if past is not None:
             generated = f" and the {after} tokens held-out needles generate after it (report.max_new_tokens)" if after else ""
-            raise ConfigError(
-                f"{option} {tokens}{generated} run past the {limit} positions {config.model} was trained on "
-                f"(its config's max_position_embeddings, RoPE scaling included); lower {option} or train a model with a longer context"
-            )
+            raise ConfigError(f"{option} {tokens}{generated} {past}; lower {option} or train a model with a longer context")
 
 
 def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.GateSet]:
