@@ -180,17 +180,27 @@ GENERATING = ("fidelity", "generation")
 
 
 def check_context(config: ABConfig, model: PreTrainedModel) -> None:
-    """Refuse a task whose prompts, with the tokens generated after them, run past the positions the model was
-    trained on (``kvgates.models.past_context``): every arm, the full cache included, would be scored on text the model
-    cannot read (``ConfigError``)."""
+    """Refuse a task whose prompts, with the tokens generated after them or an arm's scoring forwards
+    (``Policy.scoring_reach``: KVzip's reconstruction), run past the positions the model was trained on
+    (``kvgates.models.past_context``): the arms would be scored on text the model cannot read (``ConfigError``)."""
     for task in config.tasks:
+        context = max(task.context_tokens)
         new = int(task.option("new_tokens")) if task.task in GENERATING else task.max_new_tokens
-        past = past_context(model, config.model, max(task.context_tokens) + new)
+        past = past_context(model, config.model, context + new)
         if past is not None:
             raise ConfigError(
-                f"task {task.name!r}: context_tokens {max(task.context_tokens)} and {new} new tokens {past}; "
+                f"task {task.name!r}: context_tokens {context} and {new} new tokens {past}; "
                 "shorten the task or use a model with a longer context"
             )
+        for arm in config.all_arms:
+            budgets = config.arm_budgets(arm, task)
+            reach = build_policy(arm, budgets[0]).scoring_reach(model, context) if budgets and not arm.learned else 0
+            past = past_context(model, config.model, context + reach)
+            if past is not None:
+                raise ConfigError(
+                    f"task {task.name!r}: context_tokens {context} and the {reach} positions after them where arm "
+                    f"{arm.label!r} scores its prompt {past}; shorten the task or the arm's scoring chunks (chunk_size)"
+                )
 
 
 def _compute(config: ABConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, done: dict[str, dict], journal: Path) -> None:

@@ -158,7 +158,7 @@ def _generate(argv: list[str]) -> int:
         if chat:
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
         inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
-        _warn_past_context(model, args.model, inputs["input_ids"].shape[1], args.max_new_tokens, policy.position_window, args.prefill_chunk)
+        _warn_past_context(model, args.model, inputs["input_ids"].shape[1], args.max_new_tokens, policy, args.prefill_chunk)
         try:
             policy.attach(model)  # learned policies hook their gate inputs; heuristics need nothing
         except AdapterError as err:  # the library names its own argument; say the option that does the same
@@ -199,21 +199,24 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
-def _warn_past_context(model: Any, name: str, prompt: int, new: int, window: int | None, chunk: int | None) -> None:
+def _warn_past_context(model: Any, name: str, prompt: int, new: int, policy: kvgates.Policy, chunk: int | None) -> None:
     """Say on stderr, in one sentence, when attention runs past the model's context (``kvgates.models.context_length``):
-    eviction bounds the cache, not the positions, which keep counting; a policy attending at positions within its
-    cache (``Policy.position_window``) still attends a prompt forward's own tokens at their ranks after the cache's,
-    so a prompt fed in one forward (no ``--prefill-chunk``) reaches its own length."""
+    eviction bounds the cache, not the positions, which keep counting, and a policy's scoring forwards run after the
+    prompt (``Policy.scoring_reach``); a policy attending at positions within its cache (``Policy.position_window``)
+    still attends a prompt forward's own tokens at their ranks after the cache's, so a prompt fed in one forward (no
+    ``--prefill-chunk``) reaches its own length."""
     from kvgates.models import context_length, past_context
 
-    past = past_context(model, name, prompt + new)
+    reach, window = policy.scoring_reach(model, prompt), policy.position_window
+    past = past_context(model, name, prompt + max(new, reach))
     if past is None:
         return
     limit = context_length(model)
     if window is None:
+        after = f"--max-new-tokens {new}" if new >= reach else f"the {reach} positions after it where {policy.name}'s scoring forwards run"
         print(
-            f"kvgates generate: warning: the prompt ({prompt} tokens) and --max-new-tokens {new} {past}; eviction bounds "
-            "the cache, not the positions, so the text may be garbled",
+            f"kvgates generate: warning: the prompt ({prompt} tokens) and {after} {past}; eviction bounds the cache, "
+            "not the positions, so the text may be garbled",
             file=sys.stderr,
         )
     elif window + (chunk or prompt) > limit:

@@ -186,6 +186,20 @@ def test_a_prompt_past_the_context_is_warned_about(checkpoint, capsys):
             assert "a prompt forward of 1080 tokens" in lines[0] and "pass --prefill-chunk 1008 or less" in lines[0]
 
 
+def test_kvzip_scoring_past_the_context_is_warned_about(checkpoint, capsys):
+    """KVzip's scoring forwards run after the prompt (``Policy.scoring_reach``: its repeat prompt, 28 tokens with the
+    tiny tokenizer, then a chunk of the prompt): a 600-token prompt within the tiny model's 1,024 positions is warned
+    about with the default ``chunk_size`` (600 + 28 + 600 positions), not with ``--chunk-size 300`` (928)."""
+    for extra, warned in (([], True), (["--chunk-size", "300"], False)):
+        code = main(["generate", "--model", checkpoint, "--policy", "kvzip", "--budget", "16", "--prompt", "hello there " * 50,
+                     "--max-new-tokens", "2", *extra])
+        lines = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+        assert code == 0 and len(lines) == int(warned), lines
+        if warned:
+            assert "the prompt (600 tokens) and the 628 positions after it where kvzip's scoring forwards run" in lines[0]
+            assert "run past the 1024 positions" in lines[0]
+
+
 def test_stdout_holds_the_generated_text_only(checkpoint, capsys):
     code = main(["generate", "--model", checkpoint, "--prompt", "the lazy dog", "--max-new-tokens", "6"])
     out, err = capsys.readouterr()

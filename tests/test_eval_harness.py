@@ -18,7 +18,7 @@ from eval.arms import build_policy, prepare_arms
 from eval.config import ABConfig, ConfigError
 from eval.fidelity import first_false, kl_divergence, make_batch, perplexity, state_bytes, stream_nll, token_nll
 from eval.report import write_report
-from eval.runner import JOURNAL, run_ab
+from eval.runner import JOURNAL, check_context, run_ab
 from eval.tasks import build_examples
 
 TASKS = [
@@ -273,6 +273,23 @@ def test_a_task_past_the_models_context_fails_before_any_example(tmp_path, tok, 
     with pytest.raises(ConfigError, match=f"{message} run past the 2048 positions"):
         run_ab(config, model, tok)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_arm_scoring_past_the_models_context_fails_before_any_example(tmp_path, tok, model):
+    """KVzip's scoring forwards run after the prompt (``Policy.scoring_reach``): a 1,200-token needle task fits the
+    tiny model's 2,048 positions, but not with a KVzip arm reconstructing the whole prompt after it (1,200 + 3 +
+    1,200); with 512-token chunks (1,715) it passes the check."""
+    task = {"task": "needle", "context_tokens": 1200, "examples": 1}
+    for chunk, refused in ((2048, True), (512, False)):
+        arm = {"policy": "kvzip", "label": "kvzip", "params": {"repeat_ids": [5, 6, 7], "chunk_size": chunk}}
+        config = small_config(tmp_path, tasks=[task], arms=["streaming_llm", arm])
+        if refused:
+            message = "'needle': context_tokens 1200 and the 1203 positions after them where arm 'kvzip' scores its prompt run past"
+            with pytest.raises(ConfigError, match=message):
+                run_ab(config, model, tok)
+            assert not (tmp_path / "out").exists()
+        else:
+            check_context(config, model)
 
 
 def test_cli_exits_non_zero_with_one_sentence_before_loading_a_model(tmp_path, capsys, monkeypatch):

@@ -112,6 +112,31 @@ def test_adakv_wraps_kvzip(tiny):
         assert int(layer.held().sum()) <= 10 * layer.num_kv_heads + 1 and layer.seen == 40
 
 
+@pytest.mark.parametrize("length,chunk", [(30, 64), (37, 16)])
+def test_scoring_reach_is_how_far_past_the_prompt_the_scoring_forwards_run(tiny, length, chunk):
+    """``Policy.scoring_reach`` (what the context checks of ``kvgates generate``, ``eval ab`` and ``train.py`` add to a
+    prompt) is the last position a scoring forward runs at, past the prompt; a wrapper says its base's, others 0."""
+    _, model = tiny
+    policy = make_policy("kvzip", budget=10, repeat_ids=PROMPT_IDS, chunk_size=chunk).attach(model)
+    positions = []
+
+    def record(module, args, kwargs):
+        if kwargs.get("position_ids") is not None:
+            positions.append(int(kwargs["position_ids"].max()))
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(torch.randint(8, 128, (1, length), generator=torch.Generator().manual_seed(2)), past_key_values=BudgetCache(model.config, policy))
+    finally:
+        hook.remove()
+        policy.detach()
+    assert max(positions) + 1 == length + policy.scoring_reach(model, length) == length + len(PROMPT_IDS) + min(chunk, length)
+    wrapped = make_policy("adakv", budget=10, base="kvzip", base_params={"repeat_ids": PROMPT_IDS, "chunk_size": chunk})
+    assert wrapped.scoring_reach(model, length) == policy.scoring_reach(model, length)
+    assert make_policy("snapkv", budget=64).scoring_reach(model, length) == 0
+
+
 def test_kvzip_scores_label_every_token_as_the_literal_scoring_does():
     from kvgates.policies.kvzip import kvzip_scores
 

@@ -210,12 +210,14 @@ def initial_gates(config: TrainConfig, model: PreTrainedModel) -> kvgates.GateSe
 
 def check_context(config: TrainConfig, model: PreTrainedModel) -> None:
     """Refuse rows longer than the positions the model was trained on (``kvgates.models.past_context``): past them the
-    frozen model's outputs, which the gates learn from, are not what it was trained to give; and held-out needles
-    (validation's at ``validation.needle_tokens``, else at ``data.seq_len`` as the final report's) whose prompt and
-    the ``report.max_new_tokens`` generated after it run past them (``ConfigError``)."""
-    needles, new = config.validation, config.report.max_new_tokens
+    frozen model's outputs, which the gates learn from, are not what it was trained to give; so are rows whose labels,
+    heuristic teacher or report policies score them with forwards after the row (``scoring_reach``: KVzip's
+    reconstruction); and held-out needles (validation's at ``validation.needle_tokens``, else at ``data.seq_len`` as
+    the final report's) whose prompt and the ``report.max_new_tokens`` generated after it run past them
+    (``ConfigError``)."""
+    needles, new, seq_len = config.validation, config.report.max_new_tokens, config.data.seq_len
     at_seq_len = config.report.needles > 0 or (needles.needles > 0 and needles.needle_tokens is None)
-    checks = [("data.seq_len", config.data.seq_len, new if at_seq_len else 0)]
+    checks = [("data.seq_len", seq_len, new if at_seq_len else 0)]
     if needles.needles > 0 and needles.needle_tokens is not None:
         checks.append(("validation.needle_tokens", needles.needle_tokens, new))
     for option, tokens, after in checks:
@@ -223,6 +225,19 @@ def check_context(config: TrainConfig, model: PreTrainedModel) -> None:
         if past is not None:
             generated = f" and the {after} tokens held-out needles generate after it (report.max_new_tokens)" if after else ""
             raise ConfigError(f"{option} {tokens}{generated} {past}; lower {option} or train a model with a longer context")
+    scorers = {f"the report policy {name}": (name, {}) for name in config.report.policies}
+    if config.teacher is not None:
+        scorers[f"the teacher {config.teacher.policy}"] = (config.teacher.policy, config.teacher.params)
+    reach = {f"{config.kind}'s labelling": config.learned_method.scoring_reach(model, config.method_options, seq_len)}
+    for what, (name, params) in scorers.items():
+        reach[what] = kvgates.make_policy(name, budget=config.budget, **params).scoring_reach(model, seq_len)
+    what = max(reach, key=reach.get)
+    past = past_context(model, config.model, seq_len + reach[what])
+    if past is not None:
+        raise ConfigError(
+            f"data.seq_len {seq_len} and the {reach[what]} positions after a row where {what} runs its scoring forwards {past}; lower "
+            "data.seq_len or that scoring's chunk_size"
+        )
 
 
 def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.GateSet]:

@@ -182,6 +182,12 @@ class LearnedMethod:
         if attention != "auto" and attention not in ATTENTIONS:
             raise ValueError(f"attention must be auto or one of {', '.join(ATTENTIONS)}, got {attention!r}")
 
+    def scoring_reach(self, model: nn.Module, options: Any, tokens: int) -> int:
+        """How many positions past a training row of ``tokens`` tokens the forwards making its labels run at on
+        ``model`` (``Policy.scoring_reach``; KVzap: KVzip's reconstruction), for the check of rows against the
+        model's context. Default: 0 (labels come from the row's own forward)."""
+        return 0
+
     def setup(self, model: nn.Module, gates: GateSet, options: Any) -> None:
         """Prepare ``model`` for training ``gates`` (before the Trainer is built). Default: nothing."""
 

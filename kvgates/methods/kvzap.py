@@ -237,6 +237,9 @@ class KVzapMethod(LearnedMethod):
     policies = ("kvzap",)
     options = KVzapOptions
 
+    def scoring_reach(self, model: nn.Module, options: KVzapOptions, tokens: int) -> int:
+        return KVzip(budget=2, sinks=0, **options.scoring()).scoring_reach(model, tokens)
+
     def attend(self, training, module: nn.Module, query, key, value, attention_mask, scale, captured, **kwargs) -> torch.Tensor:
         training.records[PREDICTED][module.layer_idx] = training.gates(module.layer_idx, captured).transpose(1, 2)  # [B, H_kv, T]
         return training.plain(module, query, key, value, attention_mask, scaling=scale, **kwargs)

@@ -177,6 +177,12 @@ class Policy:
         ``position_window + n`` however long the stream; None (the default) where positions keep counting."""
         return None
 
+    def scoring_reach(self, model: Any, prompt_tokens: int) -> int:
+        """How many positions past a prompt of ``prompt_tokens`` tokens the policy's own scoring forwards on ``model``
+        run at (KVzip reconstructs the prompt after it); 0, the default, where a prompt is scored within its own
+        forward. The commands that warn about or refuse lengths past the model's context count them."""
+        return 0
+
     def position_shift(self, layer: BudgetLayer, q_pos: torch.Tensor) -> tuple[Rotary, torch.Tensor, torch.Tensor] | None:
         """For policies that attend at shifted positions (StreamingLLM's re-rotation):
         ``(rotary, key_delta [B, H_kv, C], query_delta [B, q])``; ``None`` keeps the original positions."""

@@ -112,6 +112,11 @@ class KVzip(Policy):
             self._hidden = None
         self._gram = {}
 
+    def scoring_reach(self, model: Any, prompt_tokens: int) -> int:
+        """The repeat prompt and a chunk of up to ``chunk_size`` prompt tokens follow the prompt in each scoring forward."""
+        repeat = self.repeat_ids if self.repeat_ids is not None else _encode(model, self.repeat_prompt)
+        return len(repeat) + min(self.chunk_size, prompt_tokens)
+
     # -- what the runtime asks
     def stats_request(self, phase: Phase) -> StatsRequest:
         if self._hooks is None:

@@ -106,5 +106,8 @@ class Wrapper(Policy):
     def position_window(self) -> int | None:
         return self.inner.position_window
 
+    def scoring_reach(self, model: Any, prompt_tokens: int) -> int:
+        return self.inner.scoring_reach(model, prompt_tokens)
+
     def position_shift(self, layer, q_pos: torch.Tensor):
         return self.inner.position_shift(layer, q_pos)
