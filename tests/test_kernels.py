@@ -121,6 +121,42 @@ def test_causal_attention_stats(ops, dtype, shape, colsum, window):
     assert out.transpose(1, 2).is_contiguous()  # written where the model reads it: no copy on the way back
 
 
+CHUNK_CASES = [  # (batch, query heads, KV heads, older slots, chunk rows, head_dim, weighted): offsets off the blocks
+    (1, 4, 2, 0, 20, 16, False),  # no older token: a prompt
+    (2, 9, 3, 37, 21, 64, True),
+    (1, 8, 1, 50, 5, 32, False),  # MQA, a chunk shorter than a block
+    (2, 4, 2, 16, 33, 64, True),  # older slots exactly one key block
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("b,h,hkv,first,n,d,weighted", CHUNK_CASES)
+def test_chunk_attention_colmax(ops, dtype, b, h, hkv, first, n, d, weighted):
+    """A chunk after ``first`` older tokens (``own_block_start``'s layout, KVzip's reconstruction forwards): the
+    Triton output and weighted column maxima equal ``reference.masked_attention_colmax``'s, a weight of 0 outside
+    the scored span and for some rows included."""
+    g = torch.Generator().manual_seed(first + n)
+    c = first + n
+    q = torch.randn(b, n, h, d, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
+    k, v = (torch.randn(b, hkv, c, d, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    older = torch.stack([torch.randperm(first + 9, generator=g)[:first].sort().values for _ in range(b * hkv)])
+    q_pos = torch.arange(first + 9, c + 9).expand(b, n)
+    slot_pos = torch.cat([older.view(b, hkv, first), q_pos[:, None].expand(b, hkv, n)], -1).to(DEVICE)
+    q_pos, q_valid = q_pos.to(DEVICE), torch.ones(b, n, dtype=torch.bool, device=DEVICE)
+    assert reference.own_block_start(slot_pos, q_pos, q_valid) == first
+    rows = cols = None
+    if weighted:
+        rows = (torch.rand(b, n, generator=g) * (torch.rand(b, n, generator=g) > 0.2)).to(DEVICE)
+        cols = torch.rand(b, h, c, generator=g).to(DEVICE)
+        cols[..., : first // 2] = 0  # outside the scored span
+    out, best = ops.chunk_attention_colmax(q, k, v, first, d**-0.5, rows, cols)
+    ref_out, ref_best = reference.masked_attention_colmax(q, k, v, slot_pos, q_pos, q_valid, d**-0.5, rows, cols)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol * 5, rtol=tol * 5)
+    torch.testing.assert_close(best, ref_best, atol=tol * 5, rtol=tol * 5)
+    assert out.dtype == q.dtype and out.transpose(1, 2).is_contiguous()
+
+
 @pytest.mark.parametrize("reduce", ["sum", "none"])
 def test_split_over_the_sequence_at_batch_one(ops, monkeypatch, reduce):
     """One sequence over long ragged heads, its slots split across many programs (as on a GPU with many SMs):

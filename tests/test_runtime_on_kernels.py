@@ -24,16 +24,20 @@ def model(tiny):
     return copy.deepcopy(tiny[1]).to(DEVICE)
 
 
+#: KVzip's reconstruction forwards in chunks of 16 of the 34-token prompt (the Triton chunk kernel's layout).
+PARAMS = {"kvzip": {"repeat_ids": [5, 6, 7], "chunk_size": 16}}
+
+
 def run(model, name, budget, ids, backend, monkeypatch):
     monkeypatch.setenv("KVGATES_KERNELS", backend)
     torch.manual_seed(0)  # same fresh gates for learned policies on both backends
-    with policy_on(model, name, budget) as policy:
+    with policy_on(model, name, budget, **PARAMS.get(name, {})) as policy:
         cache = BudgetCache(model.config, policy)
         logits = teacher_forced_logits(model, cache, ids, 24)
     return logits, cache
 
 
-@pytest.mark.parametrize("name", ["h2o", "snapkv", "tova", "morphkv", "adakv", "trimkv", "trimkv-global"])
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "tova", "morphkv", "adakv", "trimkv", "trimkv-global", "kvzip"])
 def test_same_decisions_and_logits_on_both_backends(model, name, monkeypatch):
     ids = torch.randint(1, 128, (2, 34), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     ref_logits, ref_cache = run(model, name, 12, ids, "reference", monkeypatch)

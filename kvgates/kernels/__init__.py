@@ -3,7 +3,8 @@
 Call these functions, not the implementations. Each of ``causal_attention_stats``, ``decode_attention_flat``,
 ``window_scores_flat``, ``pool_by_position``, ``compact_slots``, ``retention_scores`` and ``retention_sum`` runs its Triton kernel
 (``kvgates.kernels.triton_ops``) when its inputs are CUDA tensors and the torch reference
-(``kvgates.kernels.reference``) otherwise. ``KVGATES_KERNELS=reference`` forces the reference everywhere;
+(``kvgates.kernels.reference``) otherwise; so does ``masked_attention_colmax`` for a chunk over older tokens
+(``chunk_attention_colmax``; its other layouts take the reference). ``KVGATES_KERNELS=reference`` forces the reference everywhere;
 ``KVGATES_KERNELS=triton`` forces Triton, which on CPU needs ``TRITON_INTERPRET=1`` (how CI runs the runtime
 on the kernels). The other functions here are reference-only.
 """
@@ -25,7 +26,6 @@ from kvgates.kernels.reference import (
     dense_groups,
     group_reduce,
     masked_attention,
-    masked_attention_colmax,
     scatter_flat,
     visibility,
     window_scores,
@@ -68,6 +68,30 @@ def causal_attention_stats(
     """Causal prefill attention with the column sums and/or window scores of its probabilities, per query head
     (see ``reference.causal_attention_stats``)."""
     return _impl(q).causal_attention_stats(q, k, v, scale, colsum, window)
+
+
+def masked_attention_colmax(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_valid: torch.Tensor,
+    scale: float,
+    row_weight: torch.Tensor | None = None,
+    col_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention under position visibility and the largest weighted probability of each slot (see
+    ``reference.masked_attention_colmax``). With Triton, a chunk over older tokens and its own
+    (``reference.own_block_start``: KVzip's reconstruction forwards) runs the fused prefill kernels; other layouts
+    take the reference."""
+    if backend(q) == "triton":
+        first = reference.own_block_start(slot_pos, q_pos, q_valid)
+        if first is not None:
+            from kvgates.kernels import triton_ops
+
+            return triton_ops.chunk_attention_colmax(q, k, v, first, scale, row_weight, col_weight)
+    return reference.masked_attention_colmax(q, k, v, slot_pos, q_pos, q_valid, scale, row_weight, col_weight)
 
 
 def decode_attention_flat(

@@ -33,6 +33,7 @@ __all__ = [
     "masked_attention",
     "masked_attention_colmax",
     "own_block_start",
+    "scored_span",
     "decode_attention",
     "column_sums",
     "column_max",
@@ -192,8 +193,9 @@ def masked_attention_colmax(
 
     On the CPU, a chunk that attends over older tokens and its own (``own_block_start``: what KVzip's reconstruction
     forwards are) takes the chunk path, ``_chunk_colmax``: two calls of the fused flash kernel give the output and
-    each row's log-sum-exp, and the maxima are taken from those without a softmax. Otherwise the probabilities are
-    made one tile of rows at a time (``_prob_tiles``)."""
+    each row's log-sum-exp, and the maxima are taken from those without a softmax (on CUDA, with Triton,
+    ``kvgates.kernels.masked_attention_colmax`` runs ``triton_ops.chunk_attention_colmax`` instead). Otherwise the
+    probabilities are made one tile of rows at a time (``_prob_tiles``)."""
     b, h, n, d = q.shape
     hkv, c = k.shape[1], k.shape[2]
     own = own_block_start(slot_pos, q_pos, q_valid) if q.device.type == "cpu" else None
@@ -252,12 +254,9 @@ def _chunk_colmax(
         out = older * (older_lse - total).exp()[..., None] + out * (lse - total).exp()[..., None]
         lse = total
     best = q.new_zeros((b, h, c), dtype=torch.float32)
-    lo, hi = 0, c
-    if col_weight is not None:
-        wanted = (col_weight > 0).flatten(0, 1).any(0).nonzero()
-        if not len(wanted):
-            return out.to(q.dtype), best
-        lo, hi = int(wanted[0]), int(wanted[-1]) + 1
+    lo, hi = scored_span(col_weight, c)
+    if hi == lo:
+        return out.to(q.dtype), best
     shift = -lse if row_weight is None else row_weight.float().log()[:, None] - lse
     rows = torch.cat([qf * scale, shift[..., None]], -1).reshape(b, hkv, g * n, d + 1).transpose(-1, -2)
     keys = torch.cat([kf[:, :, lo:hi], kf.new_ones((b, hkv, hi - lo, 1))], -1)  # the scored span only
@@ -272,6 +271,16 @@ def _chunk_colmax(
             top[:, :, max(start, first) - start :].masked_fill_((torch.arange(n, device=q.device) < j[:, None])[:, None], float("-inf"))
         best[..., start:stop] = top.amax(-1).exp_().permute(0, 1, 3, 2).reshape(b, h, stop - start)
     return out.to(q.dtype), best if col_weight is None else best * col_weight
+
+
+def scored_span(col_weight: torch.Tensor | None, slots: int) -> tuple[int, int]:
+    """``(lo, hi)``: the slots from the first to the last with a positive ``col_weight`` ``[B, H, C]`` in any row or
+    head (all ``slots`` without weights; ``lo == hi`` when none is positive), the only ones a chunk's maxima are
+    taken over."""
+    if col_weight is None:
+        return 0, slots
+    wanted = (col_weight > 0).flatten(0, 1).any(0).nonzero()
+    return (int(wanted[0]), int(wanted[-1]) + 1) if len(wanted) else (0, 0)
 
 
 def _raise_maxima(best: torch.Tensor, probs: torch.Tensor, weight: torch.Tensor | None, start: int, stop: int) -> None:
