@@ -134,8 +134,11 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
         for colsum, window in ((True, 32), (True, 0), (False, 32)):
             yield "causal_attention_stats", lambda q=q, k=k, c=colsum, w=window: ops.causal_attention_stats(q, k, k, d**-0.5, c, w)
         kc = torch.zeros(1, hkv, 900, d, dtype=dtype)  # a chunk of 200 after 700 older tokens (KVzip's reconstruction)
+        slots, rows, valid = torch.arange(900).expand(1, hkv, 900), torch.arange(700, 900)[None], torch.ones(1, 200, dtype=torch.bool)
         for weights in ((None, None), (torch.ones(1, 200), torch.ones(1, h, 900))):
-            yield "chunk_attention_colmax", lambda q=q, k=kc, w=weights: ops.chunk_attention_colmax(q, k, k, 700, d**-0.5, *w)
+            yield "masked_attention_colmax", lambda q=q, k=kc, w=weights: (
+                ops.masked_attention_colmax(q, k, k, slots, rows, valid, d**-0.5, *w)
+            )
         keys, values, pos = _flat_layer(2, [300] * hkv, d, dtype)
         state, init = torch.zeros(2, hkv, 300, 2), torch.zeros(2)
         index = torch.arange(200).expand(2, hkv, 200).contiguous()

@@ -121,38 +121,55 @@ def test_causal_attention_stats(ops, dtype, shape, colsum, window):
     assert out.transpose(1, 2).is_contiguous()  # written where the model reads it: no copy on the way back
 
 
-CHUNK_CASES = [  # (batch, query heads, KV heads, older slots, chunk rows, head_dim, weighted): offsets off the blocks
-    (1, 4, 2, 0, 20, 16, False),  # no older token: a prompt
-    (2, 9, 3, 37, 21, 64, True),
-    (1, 8, 1, 50, 5, 32, False),  # MQA, a chunk shorter than a block
-    (2, 4, 2, 16, 33, 64, True),  # older slots exactly one key block
+COLMAX_CASES = [  # (batch, query heads, KV heads, held slots, query rows, head_dim, layout)
+    (1, 4, 2, 20, 20, 16, "chunk"),  # a prompt: no older token
+    (2, 9, 3, 58, 21, 64, "chunk"),  # KVzip's reconstruction: 37 older tokens, then the chunk's own
+    (1, 8, 1, 55, 5, 32, "chunk"),  # MQA, a chunk shorter than a block
+    (2, 9, 3, 70, 19, 64, "any"),  # padded rows, empty and reused slots, a row seeing nothing
+    (3, 4, 2, 33, 40, 32, "any"),
 ]
 
 
+def colmax_inputs(b, hkv, c, n, layout, g):
+    """Slot positions ``[B, H_kv, C]``, query positions ``[B, n]`` and their validity: the chunk layout
+    (``reference.own_block_start``: older tokens, then the rows' own in order), or any (random positions with
+    holes, rows at random positions, some padded)."""
+    if layout == "chunk":
+        first = c - n
+        older = torch.stack([torch.randperm(first + 9, generator=g)[:first].sort().values for _ in range(b * hkv)])
+        q_pos = torch.arange(first + 9, c + 9).expand(b, n)
+        slot_pos = torch.cat([older.view(b, hkv, first), q_pos[:, None].expand(b, hkv, n)], -1)
+        return slot_pos, q_pos, torch.ones(b, n, dtype=torch.bool)
+    slot_pos = torch.stack([torch.randperm(3 * c, generator=g)[:c] for _ in range(b * hkv)]).view(b, hkv, c)
+    slot_pos[torch.rand(b, hkv, c, generator=g) < 0.25] = -1
+    q_pos = torch.randint(0, 3 * c, (b, n), generator=g).sort(-1).values
+    q_pos[0, 0] = -5  # sees no slot
+    return slot_pos, q_pos, torch.rand(b, n, generator=g) > 0.2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("b,h,hkv,first,n,d,weighted", CHUNK_CASES)
-def test_chunk_attention_colmax(ops, dtype, b, h, hkv, first, n, d, weighted):
-    """A chunk after ``first`` older tokens (``own_block_start``'s layout, KVzip's reconstruction forwards): the
-    Triton output and weighted column maxima equal ``reference.masked_attention_colmax``'s, a weight of 0 outside
-    the scored span and for some rows included."""
-    g = torch.Generator().manual_seed(first + n)
-    c = first + n
-    q = torch.randn(b, n, h, d, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
-    k, v = (torch.randn(b, hkv, c, d, generator=g).to(dtype).to(DEVICE) for _ in range(2))
-    older = torch.stack([torch.randperm(first + 9, generator=g)[:first].sort().values for _ in range(b * hkv)])
-    q_pos = torch.arange(first + 9, c + 9).expand(b, n)
-    slot_pos = torch.cat([older.view(b, hkv, first), q_pos[:, None].expand(b, hkv, n)], -1).to(DEVICE)
-    q_pos, q_valid = q_pos.to(DEVICE), torch.ones(b, n, dtype=torch.bool, device=DEVICE)
-    assert reference.own_block_start(slot_pos, q_pos, q_valid) == first
+@pytest.mark.parametrize("b,h,hkv,c,n,d,layout", COLMAX_CASES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_masked_attention_colmax(ops, dtype, b, h, hkv, c, n, d, layout, weighted):
+    """Attention under position visibility and each slot's largest weighted probability (KVzip's reconstruction
+    forwards), against ``reference.masked_attention_colmax`` (on the CPU its chunk path for the chunk layout, its
+    tiles otherwise), with row weights with zeros and column weights zero outside a span."""
+    g = torch.Generator().manual_seed(c + n)
+    q = torch.randn(b, n, h, d, generator=g).to(dtype).transpose(1, 2)  # the runtime's [B, H, q, D] view
+    k, v = (torch.randn(b, hkv, c, d, generator=g).to(dtype) for _ in range(2))
+    slot_pos, q_pos, q_valid = colmax_inputs(b, hkv, c, n, layout, g)
+    assert (reference.own_block_start(slot_pos, q_pos, q_valid) is not None) == (layout == "chunk")
     rows = cols = None
     if weighted:
-        rows = (torch.rand(b, n, generator=g) * (torch.rand(b, n, generator=g) > 0.2)).to(DEVICE)
-        cols = torch.rand(b, h, c, generator=g).to(DEVICE)
-        cols[..., : first // 2] = 0  # outside the scored span
-    out, best = ops.chunk_attention_colmax(q, k, v, first, d**-0.5, rows, cols)
-    ref_out, ref_best = reference.masked_attention_colmax(q, k, v, slot_pos, q_pos, q_valid, d**-0.5, rows, cols)
+        rows = torch.rand(b, n, generator=g) * (torch.rand(b, n, generator=g) > 0.2)
+        cols = torch.rand(b, h, c, generator=g)
+        cols[..., : c // 3] = 0  # outside the scored span
+    args = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in (q, k, v, slot_pos, q_pos, q_valid, d**-0.5, rows, cols)]
+    out, best = ops.masked_attention_colmax(*args)
+    ref_out, ref_best = reference.masked_attention_colmax(*args)
     tol = TOL[dtype]
-    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol * 5, rtol=tol * 5)
+    valid = q_valid.to(DEVICE)[:, None, :, None]
+    torch.testing.assert_close(out.float() * valid, ref_out.float() * valid, atol=tol * 5, rtol=tol * 5)
     torch.testing.assert_close(best, ref_best, atol=tol * 5, rtol=tol * 5)
     assert out.dtype == q.dtype and out.transpose(1, 2).is_contiguous()
 

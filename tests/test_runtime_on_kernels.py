@@ -46,3 +46,23 @@ def test_same_decisions_and_logits_on_both_backends(model, name, monkeypatch):
     for a, b in zip(ref_cache.budget_layers, tri_cache.budget_layers):
         assert a.head_slots == b.head_slots
         assert torch.equal(torch.sort(a.pos, -1).values, torch.sort(b.pos, -1).values)
+
+
+def test_kvzip_scores_a_padded_batch_alike_on_both_backends(model, monkeypatch):
+    """KVzip's reconstruction forwards over a left-padded batch (its tokens reuse the padding's empty slots: no
+    chunk layout) give the same scores and kept tokens on the Triton kernel as on the reference's tiles."""
+    from kvgates.policies.kvzip import SCORE
+
+    ids = torch.randint(1, 128, (2, 30), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    results = {}
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("KVGATES_KERNELS", backend)
+        with policy_on(model, "kvzip", 12, **PARAMS["kvzip"]) as policy, torch.no_grad():
+            cache = BudgetCache(model.config, policy)
+            model(ids, attention_mask=mask, past_key_values=cache)
+        results[backend] = cache
+    for a, b in zip(results["reference"].budget_layers, results["triton"].budget_layers):
+        torch.testing.assert_close(b.state[SCORE], a.state[SCORE], atol=1e-5, rtol=1e-4)
+        assert torch.equal(torch.sort(a.pos, -1).values, torch.sort(b.pos, -1).values)

@@ -1,10 +1,9 @@
 """Kernels of the cache runtime: torch reference semantics everywhere, Triton on CUDA tensors.
 
-Call these functions, not the implementations. Each of ``causal_attention_stats``, ``decode_attention_flat``,
-``window_scores_flat``, ``pool_by_position``, ``compact_slots``, ``retention_scores`` and ``retention_sum`` runs its Triton kernel
-(``kvgates.kernels.triton_ops``) when its inputs are CUDA tensors and the torch reference
-(``kvgates.kernels.reference``) otherwise; so does ``masked_attention_colmax`` for a chunk over older tokens
-(``chunk_attention_colmax``; its other layouts take the reference). ``KVGATES_KERNELS=reference`` forces the reference everywhere;
+Call these functions, not the implementations. Each of ``causal_attention_stats``, ``masked_attention_colmax``,
+``decode_attention_flat``, ``window_scores_flat``, ``pool_by_position``, ``compact_slots``, ``retention_scores`` and
+``retention_sum`` runs its Triton kernel (``kvgates.kernels.triton_ops``) when its inputs are CUDA tensors and the torch reference
+(``kvgates.kernels.reference``) otherwise. ``KVGATES_KERNELS=reference`` forces the reference everywhere;
 ``KVGATES_KERNELS=triton`` forces Triton, which on CPU needs ``TRITON_INTERPRET=1`` (how CI runs the runtime
 on the kernels). The other functions here are reference-only.
 """
@@ -81,17 +80,9 @@ def masked_attention_colmax(
     row_weight: torch.Tensor | None = None,
     col_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention under position visibility and the largest weighted probability of each slot (see
-    ``reference.masked_attention_colmax``). With Triton, a chunk over older tokens and its own
-    (``reference.own_block_start``: KVzip's reconstruction forwards) runs the fused prefill kernels; other layouts
-    take the reference."""
-    if backend(q) == "triton":
-        first = reference.own_block_start(slot_pos, q_pos, q_valid)
-        if first is not None:
-            from kvgates.kernels import triton_ops
-
-            return triton_ops.chunk_attention_colmax(q, k, v, first, scale, row_weight, col_weight)
-    return reference.masked_attention_colmax(q, k, v, slot_pos, q_pos, q_valid, scale, row_weight, col_weight)
+    """Attention under position visibility and the largest weighted probability of each slot, per query head (see
+    ``reference.masked_attention_colmax``): KVzip's reconstruction forwards."""
+    return _impl(q).masked_attention_colmax(q, k, v, slot_pos, q_pos, q_valid, scale, row_weight, col_weight)
 
 
 def decode_attention_flat(

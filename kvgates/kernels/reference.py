@@ -193,9 +193,9 @@ def masked_attention_colmax(
 
     On the CPU, a chunk that attends over older tokens and its own (``own_block_start``: what KVzip's reconstruction
     forwards are) takes the chunk path, ``_chunk_colmax``: two calls of the fused flash kernel give the output and
-    each row's log-sum-exp, and the maxima are taken from those without a softmax (on CUDA, with Triton,
-    ``kvgates.kernels.masked_attention_colmax`` runs ``triton_ops.chunk_attention_colmax`` instead). Otherwise the
-    probabilities are made one tile of rows at a time (``_prob_tiles``)."""
+    each row's log-sum-exp, and the maxima are taken from those without a softmax. Otherwise the probabilities are
+    made one tile of rows at a time (``_prob_tiles``). (On CUDA, ``kvgates.kernels`` runs the Triton kernel of any
+    layout, ``triton_ops.masked_attention_colmax``.)"""
     b, h, n, d = q.shape
     hkv, c = k.shape[1], k.shape[2]
     own = own_block_start(slot_pos, q_pos, q_valid) if q.device.type == "cpu" else None
@@ -275,8 +275,8 @@ def _chunk_colmax(
 
 def scored_span(col_weight: torch.Tensor | None, slots: int) -> tuple[int, int]:
     """``(lo, hi)``: the slots from the first to the last with a positive ``col_weight`` ``[B, H, C]`` in any row or
-    head (all ``slots`` without weights; ``lo == hi`` when none is positive), the only ones a chunk's maxima are
-    taken over."""
+    head (all ``slots`` without weights; ``lo == hi`` when none is positive), the only ones whose maxima the chunk
+    path and the Triton kernel compute."""
     if col_weight is None:
         return 0, slots
     wanted = (col_weight > 0).flatten(0, 1).any(0).nonzero()

@@ -13,8 +13,9 @@
   in a second key-block-major pass that recomputes the logits, the column sums and window scores of its
   probabilities: each program owns a block of keys and loops over the query rows that see them (no atomics,
   no host sync, fp32 accumulation).
-* ``chunk_attention_colmax`` — the same two kernels for a chunk after older tokens (KVzip's reconstruction
-  forwards), the column pass taking each slot's largest weighted probability.
+* ``masked_attention_colmax`` — attention under position visibility (any slot layout: padded rows, empty or reused
+  slots) and each slot's largest weighted probability (KVzip's reconstruction forwards): the same two passes, the
+  mask read from the slots' and rows' positions.
 * ``pool_by_position`` — 1-D pooling along token order through a slot permutation.
 * ``compact_slots`` — keys, values, positions and per-slot state of a layer rebuilt in one launch.
 * ``retention_scores`` / ``retention_sum`` — TRIM-KV decayed scores, and the capacity-loss retention mass with
@@ -377,23 +378,31 @@ def _causal_block(
     s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
     if DIAGONAL:
         s = tl.where((n[None, :] <= m[:, None]) & nm[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
     v = tl.load(v_base + n[:, None] * svn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+    return _online_softmax(s, v, m_i, l_i, acc, PREC, UPCAST)
+
+
+@triton.jit
+def _online_softmax(s, v, m_i, l_i, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One online-softmax step of rows over keys with base-2 logits ``s`` (``-inf``: hidden) and values ``v``: the
+    rows' new (running max, normaliser, accumulator). A row that has seen no key yet keeps its max at ``-inf`` and
+    adds nothing."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - shift)
+    p = tl.exp2(s - shift[:, None])
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
 
 
 @triton.jit
 def _prefill_forward(
     Q, K, V, OUT, LSE,
-    scale_log2, N, NK, FIRST, H, G, D,
+    scale_log2, N, H, G, D,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Flash-attention forward of one block of query rows of one head, row ``i`` of ``N`` seeing keys
-    ``0 .. FIRST + i`` of ``NK``: a prompt's causal mask (``FIRST`` 0), or a chunk's after ``FIRST`` older tokens; also
-    stores each row's base-2 logsumexp of its scaled logits (the normaliser the column pass needs)."""
+    """Flash-attention forward of one block of query rows of one head under the causal mask; also stores each
+    row's base-2 logsumexp of its scaled logits (the normaliser the column pass needs)."""
     b, qh, kh, m0, m, mm, d, dm = _prefill_program(H, G, N, D, BLOCK_M, BLOCK_D)
     q = tl.load(Q + b * sqb + qh * sqh + m[:, None] * sqn + d[None, :], mask=mm[:, None] & dm[None, :], other=0.0)
     k_base = K + b * skb + kh * skh
@@ -401,16 +410,13 @@ def _prefill_forward(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    seen = FIRST + m0  # keys every row of the block sees
-    whole = seen // BLOCK_N * BLOCK_N
-    for n0 in range(0, whole, BLOCK_N):  # whole blocks of them: no mask
+    for n0 in range(0, m0, BLOCK_N):  # keys before the block's first row: visible to every row, no mask
         m_i, l_i, acc = _causal_block(
-            q, k_base, v_base, m, n0 + tl.arange(0, BLOCK_N), m_i, l_i, acc, NK, skn, svn, d, dm, scale_log2, False, PREC, UPCAST
+            q, k_base, v_base, m, n0 + tl.arange(0, BLOCK_N), m_i, l_i, acc, N, skn, svn, d, dm, scale_log2, False, PREC, UPCAST
         )
-    for n0 in range(whole, tl.minimum(seen + BLOCK_M, NK), BLOCK_N):  # the diagonal: row i sees keys up to FIRST + i
+    for n0 in range(m0, tl.minimum(m0 + BLOCK_M, N), BLOCK_N):  # the diagonal: row i sees keys up to i
         m_i, l_i, acc = _causal_block(
-            q, k_base, v_base, m + FIRST, n0 + tl.arange(0, BLOCK_N), m_i, l_i, acc, NK, skn, svn, d, dm, scale_log2, True,
-            PREC, UPCAST,
+            q, k_base, v_base, m, n0 + tl.arange(0, BLOCK_N), m_i, l_i, acc, N, skn, svn, d, dm, scale_log2, True, PREC, UPCAST
         )
     out = acc / l_i[:, None]
     tl.store(OUT + b * sob + qh * soh + m[:, None] * son + d[None, :], out.to(OUT.dtype.element_ty), mask=mm[:, None] & dm[None, :])
@@ -419,47 +425,40 @@ def _prefill_forward(
 
 @triton.jit
 def _prefill_columns(
-    Q, K, LSE, COLSUM, WINDOW, WEIGHT,
-    scale_log2, N, NK, FIRST, LO, HI, H, G, D, W,
+    Q, K, LSE, COLSUM, WINDOW,
+    scale_log2, N, H, G, D, W,
     sqb, sqh, sqn, skb, skh, skn,
-    COLS: tl.constexpr, WIN: tl.constexpr, MAXIMA: tl.constexpr, WEIGHTED: tl.constexpr,
+    COLS: tl.constexpr, WIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Column pass of one block of the keys ``LO .. HI`` (of ``NK``) of one query head, under ``_prefill_forward``'s
-    mask: recompute the logits of every query row that sees them (or of the last ``W`` rows only), normalise them by
-    the rows' logsumexp, and per key sum them (``COLS``, ``WIN``) or take their largest (``MAXIMA``, into
-    ``COLSUM``), each row's first multiplied by its ``WEIGHT`` (``WEIGHTED``). Each program owns its keys' results:
-    no atomics."""
-    b, qh, kh, n0, n, nm, d, dm = _prefill_program(H, G, HI - LO, D, BLOCK_N, BLOCK_D)
-    n0 += LO
-    n += LO
+    """Column pass of one block of keys of one query head: recompute the logits of every query row that sees
+    them (or of the last ``W`` rows only), normalise them by the rows' logsumexp and sum them per key. Each
+    program owns its keys' sums: no atomics."""
+    b, qh, kh, n0, n, nm, d, dm = _prefill_program(H, G, N, D, BLOCK_N, BLOCK_D)
     k = tl.load(K + b * skb + kh * skh + n[:, None] * skn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
     q_base = Q + b * sqb + qh * sqh
     lse_base = LSE + (b * H + qh) * N
     col = tl.zeros([BLOCK_N], tl.float32)
     win = tl.zeros([BLOCK_N], tl.float32)
-    start = tl.maximum(n0 - FIRST, 0)  # the first row that sees a key of the block
-    if not COLS and not MAXIMA:
-        start = tl.maximum(start, N - W)
+    if COLS:
+        start = n0
+    else:
+        start = tl.maximum(n0, N - W)
     for r0 in range(start, N, BLOCK_M):
         r = r0 + tl.arange(0, BLOCK_M)
         rm = r < N
         q = tl.load(q_base + r[:, None] * sqn + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
         lse = tl.load(lse_base + r, mask=rm, other=float("inf"))
         s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
-        p = tl.where((r[:, None] + FIRST >= n[None, :]) & rm[:, None], tl.exp2(s - lse[:, None]), 0.0)
-        if WEIGHTED:
-            p *= tl.load(WEIGHT + b * N + r, mask=rm, other=0.0)[:, None]
+        p = tl.where((r[:, None] >= n[None, :]) & rm[:, None], tl.exp2(s - lse[:, None]), 0.0)
         if COLS:
             col += tl.sum(p, 0)
-        if MAXIMA:
-            col = tl.maximum(col, tl.max(p, 0))
         if WIN:
             win += tl.sum(tl.where((r >= N - W)[:, None], p, 0.0), 0)
-    if COLS or MAXIMA:
-        tl.store(COLSUM + (b * H + qh) * NK + n, col, mask=nm)
+    if COLS:
+        tl.store(COLSUM + (b * H + qh) * N + n, col, mask=nm)
     if WIN:
-        tl.store(WINDOW + (b * H + qh) * NK + n, win, mask=nm)
+        tl.store(WINDOW + (b * H + qh) * N + n, win, mask=nm)
 
 
 def _prefill_config(d: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
@@ -478,6 +477,9 @@ def causal_attention_stats(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, colsum: bool = True, window: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     b, h, n, d = q.shape
+    hkv = k.shape[1]
+    if v.shape[-1] != d:
+        raise ValueError(f"the fused prefill kernel needs values as wide as keys, got {v.shape[-1]} and {d}")
     w = min(window, n)
     dev = q.device
     # Written in [B, n, H, D] memory, the layout attention returns to the model in: transposing it back is free.
@@ -487,77 +489,131 @@ def causal_attention_stats(
     if n == 0 or b == 0:
         return out, sums, win
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    lse = _prefill_lse(q, k, v, out, 0, scale)
+    lse = torch.empty((b, h, n), dtype=torch.float32, device=dev)
+    cfg = _prefill_config(d, q.dtype, dev)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    common = dict(BLOCK_D=_pow2(d), PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _prefill_forward[(triton.cdiv(n, block_m), b * h)](
+        q, k, v, out, lse, scale * _LOG2E, n, h, h // hkv, d,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_M=block_m, BLOCK_N=block_n, **common,
+    )
     if sums is not None or win is not None:
-        _columns(q, k, lse, sums, win, None, 0, (0, n), scale, w)
+        _prefill_columns[(triton.cdiv(n, block_n), b * h)](
+            q, k, lse, lse if sums is None else sums, lse if win is None else win, scale * _LOG2E, n, h, h // hkv, d, w,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            COLS=sums is not None, WIN=win is not None, BLOCK_M=block_n, BLOCK_N=block_n, **common,
+        )
     return out, sums, win
 
 
-def _prefill_launch(q: torch.Tensor) -> tuple[dict[str, int], dict]:
-    """``_prefill_config``'s block sizes, and the launch arguments both prefill kernels share."""
-    cfg = _prefill_config(q.shape[-1], q.dtype, q.device)
-    common = dict(BLOCK_D=_pow2(q.shape[-1]), PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"])
-    return cfg, common
+@triton.jit
+def _visible(POS, QPOS, b, kh, qpos, n, nm, H_KV, C):
+    """``[rows, keys]``: which keys ``n`` rows at positions ``qpos`` see (a held slot at or before the row)."""
+    pos = tl.load(POS + (b * H_KV + kh) * C + n, mask=nm, other=-1)
+    return (pos[None, :] >= 0) & (pos[None, :] <= qpos[:, None])
 
 
-def _prefill_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, first: int, scale: float) -> torch.Tensor:
-    """``_prefill_forward`` into ``out`` (query row ``i`` sees keys ``0 .. first + i``); returns the rows' base-2
-    logsumexps ``[B, H, n]``."""
+@triton.jit
+def _masked_forward(
+    Q, K, V, POS, QPOS, OUT, LSE,
+    scale_log2, N, C, H, G, H_KV, D,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Flash-attention forward of one block of query rows of one head over every slot it sees (``_visible``); also
+    stores each row's base-2 logsumexp (``+inf`` for a row that sees nothing, whose output is 0)."""
+    b, qh, kh, m0, m, mm, d, dm = _prefill_program(H, G, N, D, BLOCK_M, BLOCK_D)
+    q = tl.load(Q + b * sqb + qh * sqh + m[:, None] * sqn + d[None, :], mask=mm[:, None] & dm[None, :], other=0.0)
+    qpos = tl.load(QPOS + b * N + m, mask=mm, other=-1)
+    k_base = K + b * skb + kh * skh
+    v_base = V + b * svb + kh * svh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, C, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < C
+        k = tl.load(k_base + n[:, None] * skn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+        v = tl.load(v_base + n[:, None] * svn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+        s = tl.where(_visible(POS, QPOS, b, kh, qpos, n, nm, H_KV, C), _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2, float("-inf"))
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, PREC, UPCAST)
+    seen = l_i > 0
+    norm = tl.where(seen, l_i, 1.0)
+    out = tl.where(seen[:, None], acc / norm[:, None], 0.0)
+    tl.store(OUT + b * sob + qh * soh + m[:, None] * son + d[None, :], out.to(OUT.dtype.element_ty), mask=mm[:, None] & dm[None, :])
+    tl.store(LSE + (b * H + qh) * N + m, tl.where(seen, m_i + tl.log2(norm), float("inf")), mask=mm)
+
+
+@triton.jit
+def _masked_columns(
+    Q, K, POS, QPOS, LSE, WEIGHT, BEST,
+    scale_log2, N, C, LO, HI, H, G, H_KV, D,
+    sqb, sqh, sqn, skb, skh, skn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Column pass of one block of the slots ``LO .. HI`` of one query head: recompute the logits of every row,
+    normalise the visible ones by the rows' logsumexp, weigh them by the rows' ``WEIGHT`` and keep each slot's
+    largest. Each program owns its slots' maxima: no atomics."""
+    b, qh, kh, n0, n, nm, d, dm = _prefill_program(H, G, HI - LO, D, BLOCK_N, BLOCK_D)
+    n += LO
+    k = tl.load(K + b * skb + kh * skh + n[:, None] * skn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+    best = tl.zeros([BLOCK_N], tl.float32)
+    for r0 in range(0, N, BLOCK_M):
+        r = r0 + tl.arange(0, BLOCK_M)
+        rm = r < N
+        q = tl.load(Q + b * sqb + qh * sqh + r[:, None] * sqn + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+        lse = tl.load(LSE + (b * H + qh) * N + r, mask=rm, other=float("inf"))
+        w = tl.load(WEIGHT + b * N + r, mask=rm, other=0.0)
+        visible = _visible(POS, QPOS, b, kh, tl.load(QPOS + b * N + r, mask=rm, other=-1), n, nm, H_KV, C)
+        p = tl.where(visible, tl.exp2(_dot(q, tl.trans(k), PREC, UPCAST) * scale_log2 - lse[:, None]), 0.0)
+        best = tl.maximum(best, tl.max(p * w[:, None], 0))
+    tl.store(BEST + (b * H + qh) * C + n, best, mask=nm)
+
+
+def masked_attention_colmax(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_valid: torch.Tensor,
+    scale: float,
+    row_weight: torch.Tensor | None = None,
+    col_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     b, h, n, d = q.shape
+    hkv, c = k.shape[1], k.shape[2]
     if v.shape[-1] != d:
         raise ValueError(f"the fused prefill kernel needs values as wide as keys, got {v.shape[-1]} and {d}")
+    # Written in [B, q, H, D] memory, the layout attention returns to the model in: transposing it back is free.
+    out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    best = torch.zeros((b, h, c), dtype=torch.float32, device=q.device)
+    if n == 0 or b == 0 or c == 0:
+        return out.zero_(), best
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    pos, qpos = slot_pos.contiguous(), q_pos.contiguous()
+    weight = q_valid.float() if row_weight is None else row_weight.float() * q_valid
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
-    cfg, common = _prefill_launch(q)
-    _prefill_forward[(triton.cdiv(n, cfg["BLOCK_M"]), b * h)](
-        q, k, v, out, lse, scale * _LOG2E, n, k.shape[2], first, h, h // k.shape[1], d,
+    cfg = _prefill_config(d, q.dtype, q.device)
+    common = dict(BLOCK_D=_pow2(d), PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _masked_forward[(triton.cdiv(n, cfg["BLOCK_M"]), b * h)](
+        q, k, v, pos, qpos, out, lse, scale * _LOG2E, n, c, h, h // hkv, hkv, d,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **common,
     )
-    return lse
-
-
-def _columns(
-    q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, sums: torch.Tensor | None, win: torch.Tensor | None,
-    maxima: torch.Tensor | None, first: int, span: tuple[int, int], scale: float, window: int = 0,
-    row_weight: torch.Tensor | None = None,
-) -> None:
-    """``_prefill_columns`` over the keys ``span``: their column sums into ``sums`` and window scores into ``win``,
-    or their largest (``row_weight``-ed) probabilities into ``maxima`` (each ``[B, H, C]`` float32, or None)."""
-    b, h, n, d = q.shape
-    lo, hi = span
-    cfg, common = _prefill_launch(q)
-    block = cfg["BLOCK_N"]
-    first_out = maxima if maxima is not None else sums
-    weight = row_weight.float().contiguous() if row_weight is not None else lse
-    _prefill_columns[(triton.cdiv(hi - lo, block), b * h)](
-        q, k, lse, lse if first_out is None else first_out, lse if win is None else win, weight, scale * _LOG2E, n,
-        k.shape[2], first, lo, hi, h, h // k.shape[1], d, window,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        COLS=sums is not None, WIN=win is not None, MAXIMA=maxima is not None, WEIGHTED=row_weight is not None,
-        BLOCK_M=block, BLOCK_N=block, **common,
-    )
-
-
-def chunk_attention_colmax(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, scale: float, row_weight: torch.Tensor | None = None,
-    col_weight: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``reference.masked_attention_colmax`` of a chunk whose own tokens fill the slots from ``first`` on
-    (``reference.own_block_start``: KVzip's reconstruction forwards): the prefill kernels with the chunk's offset,
-    the maxima taken in the column pass from each row's logsumexp (no probability is stored), over the slots of
-    positive ``col_weight`` only (``reference.scored_span``)."""
+    out.masked_fill_(~q_valid[:, None, :, None], 0)  # padded rows: an output the caller discards
     from kvgates.kernels.reference import scored_span
 
-    b, h, n, d = q.shape
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
-    best = torch.zeros((b, h, k.shape[2]), dtype=torch.float32, device=q.device)
-    lse = _prefill_lse(q, k, v, out, first, scale)
-    span = scored_span(col_weight, k.shape[2])
-    if span[1] > span[0]:
-        _columns(q, k, lse, None, None, best, first, span, scale, row_weight=row_weight)
+    lo, hi = scored_span(col_weight, c)
+    if hi > lo:
+        _masked_columns[(triton.cdiv(hi - lo, cfg["BLOCK_N"]), b * h)](
+            q, k, pos, qpos, lse, weight.contiguous(), best, scale * _LOG2E, n, c, lo, hi, h, h // hkv, hkv, d,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            BLOCK_M=cfg["BLOCK_N"], BLOCK_N=cfg["BLOCK_N"], **common,
+        )
     return out, best if col_weight is None else best * col_weight
 
 
