@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU figures of issues 26-28 on a lent GPU machine, one stage (or a few) per device call:
 #
-#     bash bench/gpu_session.sh STAGE...    # STAGE: env decode captured captured-evict captured-merge prefill kernels train train-dms tests
+#     bash bench/gpu_session.sh STAGE...    # STAGE: env decode captured captured-evict captured-merge prefill prefill-rest
+#                                           #        kernels train train-dms tests
 #
 # A session has 30 minutes of device time and 10 minutes a call. Every stage is killed at its own time limit
 # (the limits of a stage, kill grace included, add up to at most 540 s), so that a slow stage cannot eat the call,
@@ -16,6 +17,8 @@
 #   captured-evict  (~8 min) issue 26: the same for h2o and trimkv, which evict while decoding
 #   captured-merge  (~8 min) issue 27: the same for d2o (merges while decoding) and kvmerger (merges the prompt)
 #   prefill         (~8 min) issue 27: every policy's prefill vs plain sdpa, 8B shape, 16 and 32 layers, batch 1 and 8
+#   prefill-rest    (~8 min) issue 27: the same (16 layers) for the policies the prefill stage leaves out: KVzip's
+#                            reconstruction kernel, KVMerger's merges, the learned policies' gates
 #   kernels         (~2 min) issue 27: decode attention at batch 1-32 and 4K-32K vs sdpa and HBM peak
 #   train           (~8 min) issue 28: gate-training step vs a teacher forward, 135M at 1K-16K, 8B at 8K
 #   train-dms       (~8 min) issue 28: the same for DMS (dms_attention_fused), the DMS recipe's memory
@@ -110,6 +113,11 @@ print('device', torch.cuda.get_device_name() if device == 'cuda' else 'cpu', '| 
         # shellcheck disable=SC2086
         stage prefill 250 "$PY" bench/gpu_policies.py $BIG $PREFILL --batch 8 --policies snapkv h2o d2o trimkv
         ;;
+    prefill-rest)
+        # shellcheck disable=SC2086
+        stage prefill-rest 500 "$PY" bench/gpu_policies.py $DEEP $PREFILL \
+            --policies kvzip kvmerger locret kvzap dms trimkv-global trimkv-morph trimkv-snap
+        ;;
     kernels)
         # shellcheck disable=SC2086
         stage kernels 240 "$PY" bench/kernels.py $KERNELS
@@ -131,7 +139,7 @@ print('device', torch.cuda.get_device_name() if device == 'cuda' else 'cpu', '| 
         stage tests 520 "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/tests.xml"
         ;;
     *)
-        echo "unknown stage '$name': choose from env decode captured captured-evict captured-merge prefill kernels train train-dms tests" >&2
+        echo "unknown stage '$name': choose from env decode captured captured-evict captured-merge prefill prefill-rest kernels train train-dms tests" >&2
         exit 2
         ;;
     esac
