@@ -139,6 +139,7 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
             yield "masked_attention_colmax", lambda q=q, k=kc, w=weights: (
                 ops.masked_attention_colmax(q, k, k, slots, rows, valid, d**-0.5, *w)
             )
+        yield "masked_attention_colsum", lambda q=q, k=kc: ops.masked_attention_colsum(q, k, k, slots, rows, valid, d**-0.5)
         keys, values, pos = _flat_layer(2, [300] * hkv, d, dtype)
         state, init = torch.zeros(2, hkv, 300, 2), torch.zeros(2)
         index = torch.arange(200).expand(2, hkv, 200).contiguous()

@@ -149,25 +149,28 @@ def colmax_inputs(b, hkv, c, n, layout, g):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("b,h,hkv,c,n,d,layout", COLMAX_CASES)
-@pytest.mark.parametrize("weighted", [False, True])
-def test_masked_attention_colmax(ops, dtype, b, h, hkv, c, n, d, layout, weighted):
+@pytest.mark.parametrize("weighted", [False, True, "sum"])
+def test_masked_attention_stats(ops, dtype, b, h, hkv, c, n, d, layout, weighted):
     """Attention under position visibility and each slot's largest weighted probability (KVzip's reconstruction
     forwards), against ``reference.masked_attention_colmax`` (on the CPU its chunk path for the chunk layout, its
-    tiles otherwise), with row weights with zeros and column weights zero outside a span."""
+    tiles otherwise), with row weights with zeros and column weights zero outside a span; or their sum
+    (``masked_attention_colsum``: H2O over a chunk after others)."""
     g = torch.Generator().manual_seed(c + n)
     q = torch.randn(b, n, h, d, generator=g).to(dtype).transpose(1, 2)  # the runtime's [B, H, q, D] view
     k, v = (torch.randn(b, hkv, c, d, generator=g).to(dtype) for _ in range(2))
     slot_pos, q_pos, q_valid = colmax_inputs(b, hkv, c, n, layout, g)
     assert (reference.own_block_start(slot_pos, q_pos, q_valid) is not None) == (layout == "chunk")
     rows = cols = None
-    if weighted:
+    if weighted is True:
         rows = torch.rand(b, n, generator=g) * (torch.rand(b, n, generator=g) > 0.2)
         cols = torch.rand(b, h, c, generator=g)
         cols[..., : c // 3] = 0  # outside the scored span
-    args = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in (q, k, v, slot_pos, q_pos, q_valid, d**-0.5, rows, cols)]
-    out, best = ops.masked_attention_colmax(*args)
-    ref_out, ref_best = reference.masked_attention_colmax(*args)
-    tol = TOL[dtype]
+    args = [t.to(DEVICE) for t in (q, k, v, slot_pos, q_pos, q_valid)] + [d**-0.5]
+    if weighted == "sum":
+        (out, best), (ref_out, ref_best), tol = ops.masked_attention_colsum(*args), reference.masked_attention_colsum(*args), TOL[dtype] * 2
+    else:
+        args += [None if t is None else t.to(DEVICE) for t in (rows, cols)]
+        (out, best), (ref_out, ref_best), tol = ops.masked_attention_colmax(*args), reference.masked_attention_colmax(*args), TOL[dtype]
     valid = q_valid.to(DEVICE)[:, None, :, None]
     torch.testing.assert_close(out.float() * valid, ref_out.float() * valid, atol=tol * 5, rtol=tol * 5)
     torch.testing.assert_close(best, ref_best, atol=tol * 5, rtol=tol * 5)

@@ -109,7 +109,8 @@ def test_causal_attention_stats_matches_sdpa_and_column_sums(n, shift, window, m
 @pytest.mark.parametrize("tile_elements", [1 << 22, 6 * 2 * 12])  # one tile; a row or two per tile
 @pytest.mark.parametrize("weighted", [False, True])
 def test_masked_colmax_and_column_reductions_match_naive(monkeypatch, tile_elements, weighted):
-    """``masked_attention_colmax``, ``column_max`` and ``column_sums`` against explicit loops: empty slots and
+    """``masked_attention_colmax``, ``masked_attention_colsum``, ``column_max`` and ``column_sums`` against explicit
+    loops: empty slots and
     positions out of order, padded rows (no output, no maximum, no sum), a real row that sees no slot (zero), row
     weights, and tiles of a row or two."""
     monkeypatch.setattr(reference, "TILE_ELEMENTS", tile_elements)
@@ -130,6 +131,9 @@ def test_masked_colmax_and_column_reductions_match_naive(monkeypatch, tile_eleme
     torch.testing.assert_close(colmax, scaled.amax(2), atol=1e-6, rtol=0)
     torch.testing.assert_close(reference.column_max(q, k, pos, q_pos, q_valid, 0.4, weight), scaled.amax(2), atol=1e-6, rtol=0)
     sums = reference.column_sums(q, k, pos, q_pos, q_valid, 0.4)
+    torch.testing.assert_close(sums, probs.sum(2), atol=1e-5, rtol=0)
+    out, sums = reference.masked_attention_colsum(q, k, v, pos, q_pos, q_valid, 0.4)
+    torch.testing.assert_close(out[real], expected_out[real], atol=1e-5, rtol=0)
     torch.testing.assert_close(sums, probs.sum(2), atol=1e-5, rtol=0)
 
 

@@ -1,9 +1,10 @@
 """Kernels of the cache runtime: torch reference semantics everywhere, Triton on CUDA tensors.
 
 Call these functions, not the implementations. Each of ``causal_attention_stats``, ``masked_attention_colmax``,
-``decode_attention_flat``, ``window_scores_flat``, ``pool_by_position``, ``compact_slots``, ``retention_scores`` and
-``retention_sum`` runs its Triton kernel (``kvgates.kernels.triton_ops``) when its inputs are CUDA tensors and the torch reference
-(``kvgates.kernels.reference``) otherwise. ``KVGATES_KERNELS=reference`` forces the reference everywhere;
+``masked_attention_colsum``, ``decode_attention_flat``, ``window_scores_flat``, ``pool_by_position``,
+``compact_slots``, ``retention_scores`` and ``retention_sum`` runs its Triton kernel (``kvgates.kernels.triton_ops``)
+when its inputs are CUDA tensors and the torch reference (``kvgates.kernels.reference``) otherwise.
+``KVGATES_KERNELS=reference`` forces the reference everywhere;
 ``KVGATES_KERNELS=triton`` forces Triton, which on CPU needs ``TRITON_INTERPRET=1`` (how CI runs the runtime
 on the kernels). The other functions here are reference-only.
 """
@@ -85,6 +86,15 @@ def masked_attention_colmax(
     return _impl(q).masked_attention_colmax(q, k, v, slot_pos, q_pos, q_valid, scale, row_weight, col_weight)
 
 
+def masked_attention_colsum(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos: torch.Tensor, q_pos: torch.Tensor, q_valid: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention under position visibility and the column sums of its probabilities, per query head (see
+    ``reference.masked_attention_colsum``): H2O, D2O and KVMerger over a prompt chunk after others, or padded."""
+    return _impl(q).masked_attention_colsum(q, k, v, slot_pos, q_pos, q_valid, scale)
+
+
 def decode_attention_flat(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -163,6 +173,7 @@ __all__ = [
     "group_reduce",
     "masked_attention",
     "masked_attention_colmax",
+    "masked_attention_colsum",
     "pool_by_position",
     "retention_scores",
     "retention_sum",

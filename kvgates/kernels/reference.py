@@ -20,7 +20,7 @@ Probabilities and scores are returned in float32 whatever the input dtype.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,7 @@ __all__ = [
     "attention_probs",
     "masked_attention",
     "masked_attention_colmax",
+    "masked_attention_colsum",
     "own_block_start",
     "scored_span",
     "decode_attention",
@@ -202,14 +203,48 @@ def masked_attention_colmax(
     if own is not None:
         return _chunk_colmax(q, k, v, own, scale, row_weight, col_weight)
     best = q.new_zeros((b, hkv, h // hkv, c), dtype=torch.float32)
-    vf, weight = v.float(), None if row_weight is None else row_weight.float()
+    weight = None if row_weight is None else row_weight.float()
+    out = _tiled_attention(q, k, v, slot_pos, q_pos, q_valid, scale, lambda start, stop, probs: _raise_maxima(best, probs, weight, start, stop))
+    best = best.reshape(b, h, c)
+    return out, best if col_weight is None else best * col_weight
+
+
+def masked_attention_colsum(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_valid: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``masked_attention`` and ``column_sums`` from one softmax, one tile of rows at a time (``_prob_tiles``):
+    ``(out [B, H, q, D] in q's dtype, colsum [B, H, C] float32)``, a prompt chunk's attention over what the cache
+    holds with the column sums H2O, D2O and KVMerger accumulate. Padded rows (``q_valid`` False) get an output the
+    caller discards (zero) and add nothing."""
+    b, h, _, _ = q.shape
+    hkv, c = k.shape[1], k.shape[2]
+    sums = q.new_zeros((b, hkv, h // hkv, c), dtype=torch.float32)
+    out = _tiled_attention(q, k, v, slot_pos, q_pos, q_valid, scale, lambda start, stop, probs: sums.add_(probs.sum(3)))
+    return out, sums.reshape(b, h, c)
+
+
+def _tiled_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos: torch.Tensor, q_pos: torch.Tensor, q_valid: torch.Tensor,
+    scale: float, reduce: Callable[[int, int, torch.Tensor], object],
+) -> torch.Tensor:
+    """Attention under position visibility, ``[B, H, q, D]`` in q's dtype, from the probabilities of ``_prob_tiles``;
+    each tile's ``(start, stop, probs)`` is then handed to ``reduce`` (the statistics taken from them; it may
+    overwrite them)."""
+    b, h, n, _ = q.shape
+    hkv, c = k.shape[1], k.shape[2]
+    vf = v.float()
     out = q.new_empty((b, n, h, v.shape[-1]), dtype=torch.float32).transpose(1, 2)
     for start, stop, probs in _prob_tiles(q, k, slot_pos, q_pos, q_valid, scale):
         g, r = probs.shape[2], stop - start
         out[:, :, start:stop] = torch.matmul(probs.view(b, hkv, g * r, c), vf).view(b, h, r, -1)
-        _raise_maxima(best, probs, weight, start, stop)
-    best = best.reshape(b, h, c)
-    return out.to(q.dtype), best if col_weight is None else best * col_weight
+        reduce(start, stop, probs)
+    return out.to(q.dtype)
 
 
 def own_block_start(slot_pos: torch.Tensor, q_pos: torch.Tensor, q_valid: torch.Tensor) -> int | None:

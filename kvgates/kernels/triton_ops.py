@@ -13,9 +13,10 @@
   in a second key-block-major pass that recomputes the logits, the column sums and window scores of its
   probabilities: each program owns a block of keys and loops over the query rows that see them (no atomics,
   no host sync, fp32 accumulation).
-* ``masked_attention_colmax`` — attention under position visibility (any slot layout: padded rows, empty or reused
-  slots) and each slot's largest weighted probability (KVzip's reconstruction forwards): the same two passes, the
-  mask read from the slots' and rows' positions.
+* ``masked_attention_colmax`` / ``masked_attention_colsum`` — attention under position visibility (any slot layout:
+  padded rows, empty or reused slots) and each slot's largest weighted probability (KVzip's reconstruction
+  forwards) or their sum (H2O, D2O, KVMerger over a prompt chunk after others): the same two passes, the mask read
+  from the slots' and rows' positions.
 * ``pool_by_position`` — 1-D pooling along token order through a slot permutation.
 * ``compact_slots`` — keys, values, positions and per-slot state of a layer rebuilt in one launch.
 * ``retention_scores`` / ``retention_sum`` — TRIM-KV decayed scores, and the capacity-loss retention mass with
@@ -551,11 +552,12 @@ def _masked_columns(
     Q, K, POS, QPOS, LSE, WEIGHT, BEST,
     scale_log2, N, C, LO, HI, H, G, H_KV, D,
     sqb, sqh, sqn, skb, skh, skn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Column pass of one block of the slots ``LO .. HI`` of one query head: recompute the logits of every row,
     normalise the visible ones by the rows' logsumexp, weigh them by the rows' ``WEIGHT`` and keep each slot's
-    largest. Each program owns its slots' maxima: no atomics."""
+    largest (or, with ``SUM``, their sum). Each program owns its slots' results: no atomics."""
     b, qh, kh, n0, n, nm, d, dm = _prefill_program(H, G, HI - LO, D, BLOCK_N, BLOCK_D)
     n += LO
     k = tl.load(K + b * skb + kh * skh + n[:, None] * skn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
@@ -568,7 +570,10 @@ def _masked_columns(
         w = tl.load(WEIGHT + b * N + r, mask=rm, other=0.0)
         visible = _visible(POS, QPOS, b, kh, tl.load(QPOS + b * N + r, mask=rm, other=-1), n, nm, H_KV, C)
         p = tl.where(visible, tl.exp2(_dot(q, tl.trans(k), PREC, UPCAST) * scale_log2 - lse[:, None]), 0.0)
-        best = tl.maximum(best, tl.max(p * w[:, None], 0))
+        if SUM:
+            best += tl.sum(p * w[:, None], 0)
+        else:
+            best = tl.maximum(best, tl.max(p * w[:, None], 0))
     tl.store(BEST + (b * H + qh) * C + n, best, mask=nm)
 
 
@@ -583,18 +588,38 @@ def masked_attention_colmax(
     row_weight: torch.Tensor | None = None,
     col_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    weight = q_valid.float() if row_weight is None else row_weight.float() * q_valid
+    from kvgates.kernels.reference import scored_span
+
+    out, best = _masked_stats(q, k, v, slot_pos, q_pos, q_valid, scale, weight, scored_span(col_weight, k.shape[2]), False)
+    return out, best if col_weight is None else best * col_weight
+
+
+def masked_attention_colsum(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos: torch.Tensor, q_pos: torch.Tensor, q_valid: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _masked_stats(q, k, v, slot_pos, q_pos, q_valid, scale, q_valid.float(), (0, k.shape[2]), True)
+
+
+def _masked_stats(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos: torch.Tensor, q_pos: torch.Tensor, q_valid: torch.Tensor,
+    scale: float, weight: torch.Tensor, span: tuple[int, int], total: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_masked_forward``, then ``_masked_columns`` over the slots ``span``: ``(out [B, H, q, D] in q's dtype,
+    [B, H, C] float32)``, each slot's ``weight``-ed probabilities summed (``total``) or their largest; padded rows
+    (``q_valid`` False) get an output of 0."""
     b, h, n, d = q.shape
     hkv, c = k.shape[1], k.shape[2]
     if v.shape[-1] != d:
         raise ValueError(f"the fused prefill kernel needs values as wide as keys, got {v.shape[-1]} and {d}")
     # Written in [B, q, H, D] memory, the layout attention returns to the model in: transposing it back is free.
     out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
-    best = torch.zeros((b, h, c), dtype=torch.float32, device=q.device)
+    result = torch.zeros((b, h, c), dtype=torch.float32, device=q.device)
     if n == 0 or b == 0 or c == 0:
-        return out.zero_(), best
+        return out.zero_(), result
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     pos, qpos = slot_pos.contiguous(), q_pos.contiguous()
-    weight = q_valid.float() if row_weight is None else row_weight.float() * q_valid
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
     cfg = _prefill_config(d, q.dtype, q.device)
     common = dict(BLOCK_D=_pow2(d), PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -605,16 +630,14 @@ def masked_attention_colmax(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **common,
     )
     out.masked_fill_(~q_valid[:, None, :, None], 0)  # padded rows: an output the caller discards
-    from kvgates.kernels.reference import scored_span
-
-    lo, hi = scored_span(col_weight, c)
+    lo, hi = span
     if hi > lo:
         _masked_columns[(triton.cdiv(hi - lo, cfg["BLOCK_N"]), b * h)](
-            q, k, pos, qpos, lse, weight.contiguous(), best, scale * _LOG2E, n, c, lo, hi, h, h // hkv, hkv, d,
+            q, k, pos, qpos, lse, weight.contiguous(), result, scale * _LOG2E, n, c, lo, hi, h, h // hkv, hkv, d,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            BLOCK_M=cfg["BLOCK_N"], BLOCK_N=cfg["BLOCK_N"], **common,
+            SUM=total, BLOCK_M=cfg["BLOCK_N"], BLOCK_N=cfg["BLOCK_N"], **common,
         )
-    return out, best if col_weight is None else best * col_weight
+    return out, result
 
 
 # ---------------------------------------------------------------------------------------------- pooling

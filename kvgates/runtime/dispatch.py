@@ -228,23 +228,28 @@ class AttentionDispatch:
         self, query: torch.Tensor, keys: torch.Tensor, scale: float, q_pos: torch.Tensor, q_real: torch.Tensor,
         request: StatsRequest, stats: AttnStats,
     ) -> torch.Tensor:
-        """Attention under position visibility; when ``request`` asks for ``colmax``, it comes from the same softmax
-        (``stats.colmax``, weighted by the policy's ``colmax_weights``)."""
+        """Attention under position visibility; when ``request`` asks for ``colmax`` (else ``colsum``), it comes from
+        the same softmax (``stats.colmax``, weighted by the policy's ``colmax_weights``; ``stats.colsum``)."""
         g = query.shape[1] // self.num_kv_heads
-        outs, maxima = [], []
+        outs, columns = [], []
         rows, cols = self.cache.policy.colmax_weights(self) if request.colmax else (None, None)
         for heads, k, v, pos in kernels.dense_groups(keys, self.values, self.pos, self.head_slots):
             q = query[:, heads.start * g : heads.stop * g]
             if request.colmax:
                 weight = None if cols is None else cols[:, heads.start * g : heads.stop * g, : k.shape[2]]
-                out, best = kernels.masked_attention_colmax(q, k, v, pos, q_pos, q_real, scale, rows, weight)
-                outs.append(out)
-                best = kernels.group_reduce(best, k.shape[1], request.reduce)
-                maxima.append(torch.nn.functional.pad(best, (0, self.max_slots - best.shape[-1])))
+                out, per_head = kernels.masked_attention_colmax(q, k, v, pos, q_pos, q_real, scale, rows, weight)
+            elif request.colsum:
+                out, per_head = kernels.masked_attention_colsum(q, k, v, pos, q_pos, q_real, scale)
             else:
                 outs.append(kernels.masked_attention(q, k, v, pos, q_pos, scale))
-        if maxima:
-            stats.colmax = torch.cat(maxima, dim=1)
+                continue
+            outs.append(out)
+            per_head = kernels.group_reduce(per_head, k.shape[1], request.reduce)
+            columns.append(torch.nn.functional.pad(per_head, (0, self.max_slots - per_head.shape[-1])))
+        if request.colmax:
+            stats.colmax = torch.cat(columns, dim=1)
+        elif request.colsum:
+            stats.colsum = torch.cat(columns, dim=1)
         return torch.cat(outs, dim=1)
 
     def _per_group(self, fn, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
