@@ -46,12 +46,16 @@ def read_yaml(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]
 
 
 def _read(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; name a YAML file in it")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     if path.resolve() in seen:
         raise ConfigError(f"{path}: 'base' configs form a cycle")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a YAML file (not UTF-8 text)") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML ({_one_line(err)})") from None
     if not isinstance(raw, dict):

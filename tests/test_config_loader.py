@@ -78,11 +78,20 @@ def test_merge_changes_neither_side():
         ({"a.yaml": "base: [b.yaml]\n"}, "a.yaml: base must name another YAML config"),
         ({"a.yaml": "budget: [1,\n"}, "a.yaml is not valid YAML (while parsing"),
         ({"a.yaml": "- 1\n- 2\n"}, "a.yaml must hold a mapping of settings at the top level"),
+        ({"a.yaml": b"\xff\xfebudget: 1\n"}, "a.yaml is not a YAML file (not UTF-8 text)"),
+        ({"a.yaml": None}, "config file {tmp}/a.yaml is a folder; name a YAML file in it"),
+        ({"a.yaml": "base: sub\n", "sub": None}, "config file {tmp}/sub is a folder"),
     ],
 )
 def test_unreadable_configs_are_one_sentence(tmp_path, files, message):
     for name, text in files.items():
-        (tmp_path / name).write_text(text)
+        if text is None:
+            (tmp_path / name).mkdir()
+        elif isinstance(text, bytes):
+            (tmp_path / name).write_bytes(text)
+        else:
+            (tmp_path / name).write_text(text)
+    message = message.format(tmp=tmp_path)
     with pytest.raises(ConfigError) as err:
         read_yaml(tmp_path / "a.yaml")
     assert message in one_sentence(err)
