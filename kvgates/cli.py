@@ -143,9 +143,14 @@ def _generate(argv: list[str]) -> int:
     except ValueError as err:
         parser.error(str(err))
     if args.prompt_file is not None:
+        if args.prompt_file.is_dir():
+            parser.error(f"prompt file {args.prompt_file} is a folder; name a text file")
         if not args.prompt_file.is_file():
             parser.error(f"prompt file {args.prompt_file} does not exist")
-        prompt = args.prompt_file.read_text(encoding="utf-8")
+        try:
+            prompt = args.prompt_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            parser.error(f"prompt file {args.prompt_file} is not UTF-8 text")
     else:
         prompt = args.prompt
     if not prompt.strip():

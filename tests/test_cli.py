@@ -89,6 +89,8 @@ def bad_models(tmp_path_factory):
         (["--policy", "snapkv", "--budget", "8", "--window", "16", "--prompt", "x"], "observation window"),
         (["--policy", "h2o", "--budget", "0", "--prompt", "x"], "at least 1"),
         (["--policy", "h2o", "--budget", "8", "--prompt-file", "/nonexistent"], "does not exist"),
+        (["--policy", "h2o", "--budget", "8", "--prompt-file", "EMPTY"], "is a folder; name a text file"),
+        (["--policy", "h2o", "--budget", "8", "--prompt-file", "BINARY"], "prompt.bin is not UTF-8 text"),
         (["--max-new-tokens", "-1", "--prompt", "x"], "--max-new-tokens: must be a positive integer, got '-1'"),
         (["--prefill-chunk", "0", "--prompt", "x"], "--prefill-chunk: must be a positive integer, got '0'"),
         (["--policy", "trimkv", "--budget", "8", "--gates", "/tmp/nonexistent", "--prompt", "x"],
@@ -103,7 +105,9 @@ def bad_models(tmp_path_factory):
     ],
 )
 def test_bad_input_is_one_clear_error(checkpoint, foreign_gates, bad_models, tmp_path, capsys, argv, message):
-    argv = [{"FOREIGN": foreign_gates, "EMPTY": str(tmp_path), **bad_models}.get(a, a) for a in argv]
+    if "BINARY" in argv:
+        (tmp_path / "prompt.bin").write_bytes(b"\xff\xfe hello")
+    argv = [{"FOREIGN": foreign_gates, "EMPTY": str(tmp_path), "BINARY": str(tmp_path / "prompt.bin"), **bad_models}.get(a, a) for a in argv]
     if "--model" not in argv:
         argv = ["--model", checkpoint, *argv]
     assert run(["generate", *argv]) == USAGE_ERROR  # every user error: the same status
