@@ -55,6 +55,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r} (greedy decoding is the default: leave out --sample)")
+    return value
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -116,10 +126,10 @@ def _generate(argv: list[str]) -> int:
         "--chat", action=argparse.BooleanOptionalAction, default=None,
         help="wrap the prompt in the model's chat template (default: when the tokenizer has one; --no-chat for raw text)",
     )
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=64, help="default: 64")
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=_positive_float, default=0.7, help="sampling temperature with --sample (default: 0.7)")
+    parser.add_argument("--seed", type=int, default=0, help="default: 0")
     parser.add_argument("--prefill-chunk", type=_positive_int, help="feed the prompt in chunks of this many tokens")
     names = _policy_options(parser, known.policy)
     args = parser.parse_args(argv)
