@@ -86,8 +86,13 @@ def _policy_options(parser: argparse.ArgumentParser, policy: str) -> list[str]:
         args = typing.get_args(hint)
         base = next((a for a in args if a is not type(None)), hint) if args else hint
         kind = _bool if base is bool else base if base in (int, float, str) else str
-        default = f.default if f.default is not dataclasses.MISSING else None
-        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None, help=f"default: {default}")
+        if f.name == "gates":  # a learned policy: without --gates, the shipped adapter (_shipped_gates)
+            text = ("a gate adapter: folder, Hub id or shipped name (default on the embedded model: the adapter shipped "
+                    "for this policy, trained nearest --budget)")
+        else:
+            factory = f.default_factory if f.default_factory is not dataclasses.MISSING else lambda: None
+            text = f"default: {f.default if f.default is not dataclasses.MISSING else factory()}"
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None, help=text)
         names.append(f.name)
     return names
 

@@ -118,6 +118,16 @@ def test_bad_input_is_one_clear_error(checkpoint, foreign_gates, bad_models, tmp
     assert out == "" and len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
 
 
+def test_policy_help_states_each_option_s_real_default(capsys):
+    """``--gates`` of a learned policy defaults to the shipped adapter (not "None"), a wrapper's ``--base-params`` to
+    no parameters."""
+    for policy, option, default in (("trimkv", "--gates", "the adapter shipped for this policy"), ("adakv", "--base-params", "default: {}")):
+        assert run(["generate", "--policy", policy, "--help"]) == 0
+        help_text = " ".join(capsys.readouterr().out.split())
+        entry = help_text.split(f"{policy} parameters:")[1].split(f"{option} {option.lstrip('-').replace('-', '_').upper()} ")[1]
+        assert default in entry.split(" --")[0], entry
+
+
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"kvgates {kvgates.__version__}"
