@@ -29,6 +29,7 @@ from pathlib import Path
 import kvgates
 from eval.config import ABConfig, ConfigError
 from kvgates.cli import OneLineParser, usage_error
+from kvgates.config import check_output_folder
 from kvgates.models import check_model_source
 
 
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     out = None
     try:
         config = ABConfig.load(args.config, args.overrides, quick=args.quick, output_dir=args.out)
+        check_output_folder(config.output_dir, "--out" if args.out else "output_dir")
         out = Path(config.output_dir)
         made = not out.exists()
         from eval.report import write_report

@@ -31,7 +31,7 @@ import yaml
 from kvgates.errors import ConfigError
 from kvgates.typecheck import field_problems
 
-__all__ = ["ConfigError", "apply_override", "build", "merge", "read_yaml", "refuse_unknown", "yaml_hint"]
+__all__ = ["ConfigError", "apply_override", "build", "check_output_folder", "merge", "read_yaml", "refuse_unknown", "yaml_hint"]
 
 T = TypeVar("T")
 
@@ -66,6 +66,18 @@ def _read(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     if not isinstance(base, str):
         raise ConfigError(f"{path}: base must name another YAML config (a path relative to this one), got {base!r}")
     return merge(_read(path.parent / base, (*seen, path.resolve())), raw)
+
+
+def check_output_folder(path: str | Path, option: str) -> None:
+    """``ConfigError`` when ``path``, the output folder ``option`` names, cannot be a folder: it, or a folder it
+    would be made in, is a file. Run before any model work, so that the run is not refused only when it writes."""
+    path = Path(path)
+    for node in (path, *path.parents):
+        if node.exists():
+            if node.is_dir():
+                return
+            where = "" if node == path else f" cannot be made: {node}"
+            raise ConfigError(f"{option} {path}{where} is a file, not a folder; name a folder for the run's outputs")
 
 
 def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

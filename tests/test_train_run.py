@@ -328,6 +328,21 @@ def test_config_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, ca
         assert not out.exists()
 
 
+@pytest.mark.parametrize("inside", ["", "sub"])
+def test_an_output_dir_that_is_a_file_is_refused_before_the_model_loads(tiny_dir, tmp_path, capsys, monkeypatch, inside):
+    """``output_dir`` naming a file, or a folder inside one: one sentence at --check and before the model loads (the
+    run used to end in mkdir's FileExistsError / NotADirectoryError traceback), the file untouched."""
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "file").write_text("not a folder")
+    out = tmp_path / "file" / inside if inside else tmp_path / "file"
+    path = write(tiny_config(tiny_dir, out), tmp_path / "c.yaml")
+    for check in ([], ["--check"]):
+        assert main(["--config", str(path), *check]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"output_dir {out}" in err and "is a file, not a folder" in err and len(err.splitlines()) == 1, err
+    assert (tmp_path / "file").read_text() == "not a folder"
+
+
 def test_invalid_yaml_is_one_line(tmp_path, capsys):
     """The YAML parser's own message spans lines; train.py prints it as one."""
     path = tmp_path / "bad.yaml"

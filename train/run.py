@@ -41,6 +41,7 @@ from data.build import build_dataset, summarize
 from data.splits import essay_split
 from eval.heldout import markdown_table
 from kvgates.cli import OneLineParser, usage_error
+from kvgates.config import check_output_folder
 from kvgates.gates.training import GateTraining
 from kvgates.models import check_model_source, past_context
 from train.config import ConfigError, TrainConfig
@@ -67,10 +68,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) -> tuple[Path, str | None]:
-    """``(output folder, checkpoint to resume from or None)``. Refuses to overwrite an earlier run, or to resume
-    one made with another config or one without a complete checkpoint; only then (and with ``write``) creates the
-    folder and writes ``run_config.json``."""
+    """``(output folder, checkpoint to resume from or None)``. Refuses an output folder that is a file, to overwrite
+    an earlier run, or to resume one made with another config or one without a complete checkpoint; only then (and
+    with ``write``) creates the folder and writes ``run_config.json``."""
     out = Path(config.output_dir)
+    check_output_folder(out, "output_dir")
     recorded = out / RUN_CONFIG
     checkpoint = None
     if resume:
