@@ -1,6 +1,7 @@
 """Learned eviction: gate modules, TRIM-KV / global TRIM-KV / Locret policies, and the gate adapter format."""
 
 import json
+import os
 import re
 
 import brute
@@ -214,6 +215,19 @@ def test_save_load_round_trip_is_bit_exact(tiny_pair, tmp_path, cls):
         assert n1 == n2 and torch.equal(a, b)
     card = (tmp_path / "README.md").read_text()
     assert "base_model:" in card and "needle@64" in card
+
+
+def test_adapter_files_get_the_permissions_of_any_written_file(tiny_pair, tmp_path):
+    """Saved through temporary files, an adapter's files are still readable as the umask allows (mkstemp's files are
+    owner-only: a trained adapter could not be read by another user of the machine)."""
+    _, model = tiny_pair
+    umask = os.umask(0o022)
+    try:
+        RetentionGates.for_model(model).save_pretrained(tmp_path / "gates")
+    finally:
+        os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "gates").iterdir()}
+    assert modes == {"README.md": 0o644, "config.json": 0o644, "model.safetensors": 0o644}, modes
 
 
 def test_saving_the_same_weights_again_leaves_the_weights_file_as_it_is(tiny_pair, tmp_path):

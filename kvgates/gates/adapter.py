@@ -129,11 +129,16 @@ def _geometry(model: PreTrainedModel) -> dict[str, Any]:
 
 
 def atomic_write(path: Path, write: Callable[[str], Any]) -> None:
-    """Write through a temporary file in the same folder, so an interrupted save leaves the old file intact."""
+    """Write through a temporary file in the same folder, so an interrupted save leaves the old file intact. The
+    file gets the permissions a plain ``open`` would give it (``0o666`` less the umask), not ``mkstemp``'s
+    owner-only ``0o600``."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
