@@ -9,7 +9,6 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,7 +94,11 @@ def embedded_model_dir(name: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
         if target.is_dir():  # another process converted it while we waited
             return target
-        tmp = Path(tempfile.mkdtemp(dir=models, prefix=f".{target.name}-"))
+        # A plain mkdir under the lock (what a killed conversion left there is stale): the folder gets the umask's
+        # permissions, not mkdtemp's owner-only 0o700, and reads like any other folder of $KVGATES_HOME.
+        tmp = models / f".{target.name}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         try:
             convert_gguf(gguf, spec.hub_id, tmp)
             os.rename(tmp, target)

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -113,6 +114,22 @@ def test_two_installs_share_one_converted_model(fake_installs, monkeypatch):
         folders.append(models.embedded_model_dir("smollm2-135m"))
     assert folders[0] == folders[1] and len(calls) == 1
     assert folders[0].name.startswith("smollm2-135m-") and json.loads((folders[0] / "config.json").read_text())
+
+
+def test_the_converted_model_is_readable_as_the_umask_allows(fake_installs, monkeypatch):
+    """The conversion's folder gets a plain folder's permissions (mkdtemp's were owner-only, 0o700), and a folder a
+    killed conversion left behind is replaced."""
+    installs, _ = fake_installs
+    monkeypatch.setattr(models, "_gguf_path", lambda spec: installs[0])
+    umask = os.umask(0o022)
+    try:
+        key = models.embedded_key(models.EMBEDDED_MODELS["smollm2-135m"], installs[0])
+        (models.kvgates_home() / "models" / f".smollm2-135m-{key}.partial" / "half-written").mkdir(parents=True)
+        folder = models.embedded_model_dir("smollm2-135m")
+    finally:
+        os.umask(umask)
+    assert folder.stat().st_mode & 0o777 == 0o755
+    assert [p.name for p in folder.parent.iterdir() if not p.name.endswith(".lock")] == [folder.name]
 
 
 def test_concurrent_processes_convert_once(fake_installs, monkeypatch):
