@@ -281,6 +281,8 @@ class ABConfig:
         for budget in self.budgets:
             if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
                 raise ConfigError(f"budget {budget!r} is not a whole number of tokens of at least 1; budgets count tokens per KV head")
+        for budget in {b for b in self.budgets if self.budgets.count(b) > 1}:
+            raise ConfigError(f"budgets lists {budget} twice; list each budget once")
         if not self.tasks:
             raise ConfigError("the config lists no tasks")
         labels = [a.label for a in self.all_arms]

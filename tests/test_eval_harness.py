@@ -217,6 +217,7 @@ def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
         ({"arms": ["snapkvv"]}, "unknown policy 'snapkvv'"),
         ({"budgets": [128, 0]}, "budget 0 is not a whole number of tokens of at least 1"),
         ({"budgets": [-5]}, "budget -5"),
+        ({"budgets": [64, 128, 64]}, "budgets lists 64 twice; list each budget once"),
         ({"tasks": [{"task": "needles"}]}, "unknown task 'needles'"),
         ({"tasks": [{"task": "needle", "hops": 3}]}, "unknown key 'hops'"),
         ({"tasks": [{"task": "needle", "templates": ["nope"]}]}, "has no template 'nope'"),
