@@ -80,6 +80,23 @@ def check_mix(mix: list[dict[str, Any]]) -> None:
             raise ValueError(f"data source {i} ({task}): {source['path']} does not exist")
 
 
+def check_readable(mix: list[dict[str, Any]]) -> None:
+    """Read the first row of every ``hf``/``text``/``jsonl`` source of ``mix`` as a stream: ``ValueError`` (one
+    sentence naming the source) for one that cannot be loaded or read (a dataset neither cached nor reachable, a
+    folder, text that is not UTF-8, lines that are not JSON), so that a run finds it before it loads the model."""
+    for i, source in enumerate(mix):
+        if source["task"] not in ("hf", "text", "jsonl"):
+            continue
+        try:
+            rows = _external_rows(source, streaming=True)
+        except ValueError as err:
+            raise ValueError(f"data source {i} ({source['task']}): {err}") from None
+        try:
+            next(iter(rows), None)
+        except Exception as err:  # datasets, pyarrow and the codecs raise many types
+            raise ValueError(f"data source {i} ({source['task']}): could not read {source['path']!r} ({type(err).__name__}: {err})") from None
+
+
 def _external_rows(source: dict[str, Any], streaming: bool = False) -> datasets.Dataset | datasets.IterableDataset:
     """The rows of an ``hf``/``text``/``jsonl`` source, read whole or as a stream (raises ``ValueError`` when it
     cannot be loaded)."""

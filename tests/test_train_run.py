@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 import yaml
@@ -341,6 +342,35 @@ def test_an_output_dir_that_is_a_file_is_refused_before_the_model_loads(tiny_dir
         err = capsys.readouterr().err.strip()
         assert f"output_dir {out}" in err and "is a file, not a folder" in err and len(err.splitlines()) == 1, err
     assert (tmp_path / "file").read_text() == "not a folder"
+
+
+@pytest.mark.parametrize(
+    "task, path, message",
+    [
+        ("text", "binary.txt", "data source 0 (text): could not read"),
+        ("jsonl", "folder", "data source 0 (jsonl): could not load data source"),
+        ("jsonl", "plain.txt", "data source 0 (jsonl): could not read"),
+        ("hf", "nobody/no-such-dataset", "data source 0 (hf): could not load data source 'nobody/no-such-dataset'"),
+    ],
+)
+def test_a_data_source_that_cannot_be_read_is_refused_before_the_model_loads(tiny_dir, tmp_path, capsys, monkeypatch, task, path, message):
+    """A dataset that is neither cached nor reachable, a folder, text that is not UTF-8, lines that are not JSON: one
+    sentence at --check and before the model loads, nothing written (they used to fail after the model loaded, in
+    a datasets traceback that left run_config.json behind)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe not text\n")
+    (tmp_path / "plain.txt").write_text("not json\n")
+    (tmp_path / "folder").mkdir()
+    source = {"task": task, "path": path if task == "hf" else str(tmp_path / path)}
+    out = tmp_path / "never"
+    config = write(tiny_config(tiny_dir, out, data={"seq_len": 96, "mix": [source]}), tmp_path / "c.yaml")
+    for check in ([], ["--check"]):
+        assert main(["--config", str(config), *check]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"data.mix: {message}" in err and len(err.splitlines()) == 1 and err.startswith("train.py: "), err
+        assert not out.exists()
 
 
 def test_invalid_yaml_is_one_line(tmp_path, capsys):

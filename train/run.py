@@ -37,7 +37,7 @@ from transformers import PreTrainedModel, TrainerState, TrainingArguments, set_s
 from transformers.trainer import TRAINER_STATE_NAME
 
 import kvgates
-from data.build import build_dataset, summarize
+from data.build import build_dataset, check_readable, summarize
 from data.splits import essay_split
 from eval.heldout import markdown_table
 from kvgates.cli import OneLineParser, usage_error
@@ -181,9 +181,14 @@ def check_training_arguments(config: TrainConfig) -> None:
 
 def check_sources(config: TrainConfig) -> None:
     """What the run reads besides the config, checked without loading the model: the model (``UnsupportedModelError``:
-    not a model, unreachable, an unsupported architecture) and ``gates.init_from`` (``AdapterError``: unreadable, or
-    of another kind than the run trains)."""
+    not a model, unreachable, an unsupported architecture), the data mix's datasets and files (``ConfigError``: one
+    that cannot be loaded or read, ``data.build.check_readable``) and ``gates.init_from`` (``AdapterError``:
+    unreadable, or of another kind than the run trains)."""
     check_model_source(config.model)
+    try:
+        check_readable(config.data.mix)
+    except ValueError as err:
+        raise ConfigError(f"data.mix: {err}") from None
     spec = config.gates
     if spec.init_from is not None:
         gates = kvgates.load_gates(spec.init_from)
