@@ -8,8 +8,8 @@ Training scores TRIM-KV gates with *soft* eviction: every token stays visible, i
 within the budget. Inference evicts *hard*: each KV head keeps the ``budget`` tokens with the highest decayed
 score (``BudgetCache``). For windows of the *validation* essays (``prompt_tokens`` prompt, then ``new_tokens`` of the
 essay's own text, teacher-forced one decode step at a time) this prints, per gate set, the mean KL to the full
-cache over the continuation under both. Gates whose training lowers the soft KL while the hard one rises are
-optimising something inference does not reward.
+cache over the continuation under both (a progress bar on stderr counts the windows). Gates whose training lowers
+the soft KL while the hard one rises are optimising something inference does not reward.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kvgates
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     texts = windows(tokenizer, args.windows, args.prompt_tokens + args.new_tokens)
     print("| gates | budget | soft KL (training) | hard KL (inference) | per window (soft / hard) |\n|---|---|---|---|---|")
     for name, gates in adapters.items():
-        rows = [soft_hard(model, gates, args.budget, w, args.prompt_tokens) for w in texts]
+        # Each window teacher-forces new_tokens decode steps (tens of seconds on a CPU): a bar on stderr per gate set.
+        rows = [soft_hard(model, gates, args.budget, w, args.prompt_tokens) for w in tqdm(texts, desc=name, unit="window", leave=False)]
         soft = sum(r.soft for r in rows) / len(rows)
         hard = sum(r.hard for r in rows) / len(rows)
         each = ", ".join(f"{r.soft:.4f} / {r.hard:.4f}" for r in rows)

@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 import yaml
-from helpers import tiny_model
+from helpers import save_tiny_checkpoint, tiny_model
 
 import kvgates
 from eval import runner as runner_module
@@ -352,6 +352,21 @@ def test_softhard_windows_past_the_models_context_are_one_sentence(capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("python -m eval softhard: ")
     assert "--prompt-tokens 8000 and --new-tokens 512 run past the 8192 positions smollm2-135m was trained on" in err
+
+
+def test_softhard_prints_a_row_per_gate_set_and_shows_its_progress(tmp_path, capsys):
+    """``python -m eval softhard`` end to end on a tiny checkpoint: the table on stdout, one row per gate set, and a
+    progress bar over the windows on stderr (each window is new_tokens decode steps: minutes in all on a CPU)."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "model")
+    tiny, _ = kvgates.load_model(str(checkpoint))
+    kvgates.RetentionGates.for_model(tiny).save_pretrained(tmp_path / "gates")
+    argv = ["softhard", "--gates", str(tmp_path / "gates"), "--model", str(checkpoint), "--budget", "8", "--windows", "2",
+            "--prompt-tokens", "24", "--new-tokens", "6"]
+    assert _exit_status(lambda: main(argv)) in (0, None)
+    out, err = capsys.readouterr()
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert len(table) == 3 and table[0].startswith("| gates | budget |") and table[2].startswith(f"| {tmp_path / 'gates'} | 8 |")
+    assert "0/2 [" in err and "window" in err, err  # the bar over 2 windows (leave=False: cleared when done)
 
 
 def test_a_task_can_run_at_some_of_the_budgets(tmp_path):
