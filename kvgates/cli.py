@@ -251,6 +251,7 @@ def _warn_past_context(model: Any, name: str, prompt: int, new: int, policy: kvg
 def _policies(argv: list[str]) -> int:
     from kvgates import POLICIES
 
+    OneLineParser(prog="kvgates policies", description="List the registered policies, each with its docstring's first line.").parse_args(argv)
     for name in sorted(POLICIES):
         doc = (POLICIES[name].__doc__ or "").strip().splitlines()[0]
         print(f"{name:16s} {doc}")

@@ -250,6 +250,11 @@ def test_unknown_policy(capsys):
 def test_policies_lists_registry(capsys):
     assert main(["policies"]) == 0
     assert "snapkv" in capsys.readouterr().out
+    assert run(["policies", "--help"]) == 0  # help, not the list
+    assert capsys.readouterr().out.startswith("usage: kvgates policies")
+    assert run(["policies", "snapkv"]) == USAGE_ERROR  # an argument it takes none of is refused, not ignored
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == "kvgates policies: unrecognized arguments: snapkv (see kvgates policies --help)"
 
 
 def test_load_model_with_an_accelerate_device_map(checkpoint):
