@@ -363,6 +363,10 @@ def _arm(entry: Any) -> ArmSpec:
     if label is None:
         extra = ",".join(f"{k}={v}" for k, v in sorted(params.items()))
         label = policy + (f"[{extra}]" if extra else "") + (" (untrained)" if gates == UNTRAINED else "")
+    if not str(label).strip():
+        raise ConfigError(f"arm {policy!r}: label must name the arm in the report, got {label!r}")
+    if str(label) == "full" and policy != "full":
+        raise ConfigError(f"arm {policy!r} is labelled 'full', the full cache's label (every run's reference arm); give it another label")
     budgets = tuple(_list(entry.get("budgets", []), f"arm {label!r}: budgets"))
     return ArmSpec(str(label), policy, params, None if gates is None else str(gates), budgets)
 

@@ -230,6 +230,8 @@ def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
         ({"arms": [{"policy": "trimkv", "gates": "/nonexistent/adapter"}]}, "adapter /nonexistent/adapter is neither an existing folder"),
         ({"arms": [{"policy": "trimkv", "gates": "configs"}]}, "configs has no config.json"),
         ({"arms": ["h2o", "h2o"]}, "two arms are labelled 'h2o'"),
+        ({"arms": [{"policy": "h2o", "label": "full"}]}, "arm 'h2o' is labelled 'full', the full cache's label"),
+        ({"arms": [{"policy": "h2o", "label": " "}]}, "arm 'h2o': label must name the arm in the report"),
         ({"comparisons": [["h2o", "tova"]], "arms": ["h2o"]}, "names arm 'tova'"),
         ({"tasks": [{"task": "needle", "budgets": [64]}]}, "runs at budget 64, which is not among the run's budgets"),
         ({"arms": [{"policy": "trimkv", "gates": "smollm2-1b-trimkv"}]}, "neither an existing folder, a shipped adapter"),
