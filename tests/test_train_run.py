@@ -313,6 +313,8 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
         ({"gates": {"init_from": "/no/such/adapter"}}, "/no/such/adapter is neither an adapter folder nor a Hub repository id"),
         ({"gates": {"init_from": "smollm2-135m-locret"}}, "holds 'retaining-head' gates; a trimkv run trains 'retention' gates"),
         ({"model_dtype": "float8"}, "model_dtype must be one of auto, float32, bfloat16, float16"),
+        ({"push_to_hub": "me/runs/trimkv"}, "push_to_hub must be a Hub repository id (user/name), got 'me/runs/trimkv'"),
+        ({"report": {"policies": ["snapk"]}}, "report.policies: 'snapk' is not a heuristic policy; heuristic policies: adakv, d2o"),
         ({"attention": "fastest"}, "attention must be auto or one of exact, fused, fused-split, flex"),
         ({"data": {"mix": [{"task": "hf", "path": "x", "pack": "yes"}]}}, "pack must be true or false"),
     ],

@@ -195,7 +195,15 @@ class TrainConfig:
                 raise ConfigError(f"teacher: {err}") from None
         for name in self.report.policies:
             if not is_heuristic(name):
-                raise ConfigError(f"report.policies: {name!r} is not a heuristic policy")
+                heuristics = sorted(p for p in POLICIES if is_heuristic(p))
+                raise ConfigError(f"report.policies: {name!r} is not a heuristic policy; heuristic policies: {', '.join(heuristics)}")
+        if self.push_to_hub is not None:
+            from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+            try:
+                validate_repo_id(self.push_to_hub)
+            except HFValidationError:
+                raise ConfigError(f"push_to_hub must be a Hub repository id (user/name), got {self.push_to_hub!r}") from None
         _check_training_args(self.training)
 
     # ------------------------------------------------------------------ loading
