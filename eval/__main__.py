@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ab.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, values as YAML (budgets=[128], tasks=[needle])")
     ab.add_argument("--quick", action="store_true", help="apply the config's quick section: a smaller, complete report")
     ab.add_argument("--out", help="output folder (default: the config's output_dir)")
-    ab.add_argument("--fresh", action="store_true", help="ignore results already journalled in results.jsonl")
-    ab.add_argument("--report-only", action="store_true", help="compute nothing: report what results.jsonl holds so far")
+    journal = ab.add_mutually_exclusive_group()  # --fresh discards the journal that --report-only reports
+    journal.add_argument("--fresh", action="store_true", help="ignore results already journalled in results.jsonl")
+    journal.add_argument("--report-only", action="store_true", help="compute nothing: report what results.jsonl holds so far")
     commands.add_parser("softhard", add_help=False, help="retention gates' KL to the full cache under soft and hard eviction (eval.soft_hard)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "softhard":
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         from eval.report import write_report
         from eval.runner import has_results, run_ab
 
-        if args.report_only and (args.fresh or not has_results(config)):
+        if args.report_only and not has_results(config):
             raise ConfigError(f"{out} holds no results of this config yet; run it without --report-only first")
         if not args.report_only:
             check_model_source(config.model)

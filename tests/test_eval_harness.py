@@ -311,6 +311,7 @@ def test_cli_exits_non_zero_with_one_sentence_before_loading_a_model(tmp_path, c
     [
         (["ab", "--config", "NOT_A_MODEL"], "is not a model folder (no config.json there)"),
         (["ab", "--config", "GOOD", "--report-only"], "holds no results of this config yet; run it without --report-only first"),
+        (["ab", "--config", "GOOD", "--report-only", "--fresh"], "argument --fresh: not allowed with argument --report-only"),
         (["ab", "--config", "GOOD", "--out", "FILE"], "file is a file, not a folder"),
         (["ab", "--config", "GOOD", "output_dir=FILE/sub"], "file/sub cannot be made: "),
         (["softhard", "--gates", "/no/such/adapter"], "/no/such/adapter is neither an adapter folder nor a Hub repository id"),
@@ -334,7 +335,7 @@ def test_cli_user_errors_are_one_sentence_exit_2_and_leave_no_folder(tmp_path, c
     (tmp_path / "file").write_text("not a folder")
     argv = [str(tmp_path / f"{a}.yaml") if a in configs else str(tmp_path / "empty") if a == "EMPTY" else a for a in argv]
     argv = [a.replace("FILE", str(tmp_path / "file")) for a in argv]
-    code = main(argv) if argv[0] == "ab" else _exit_status(lambda: main(argv))
+    code = _exit_status(lambda: main(argv))
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert not out.exists() and (tmp_path / "file").read_text() == "not a folder"
