@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the workbench pa
 
 import kvgates  # noqa: E402
 from data.corpus import paul_graham_essays  # noqa: E402
+from kvgates.cli import OneLineParser  # noqa: E402
 from kvgates.gates import GATE_KINDS  # noqa: E402
 from kvgates.models import tokenizer_source  # noqa: E402
 from kvgates.policies.learned import LearnedPolicy  # noqa: E402
@@ -30,7 +31,7 @@ def setup(doc: str, choices: dict[str, list[str]] | None = None, **options: Any)
     list default takes one or more values; ``None`` takes a string; ``False`` is a flag) with optional ``choices``. Returns
     ``(args, model, tokenizer)``; the tokenizer is None for the random model.
     """
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--model", default="smollm2-135m",
         help=f"model to load, or random[:SHAPE] for random weights of a known shape ({', '.join(RANDOM_SHAPES)}; default smollm2-135m)",
@@ -48,6 +49,12 @@ def setup(doc: str, choices: dict[str, list[str]] | None = None, **options: Any)
             nargs="+" if isinstance(default, list) else None, choices=(choices or {}).get(name), help=f"default: {default}",
         )
     args = parser.parse_args()
+    # Found before the model loads (an 8B random model takes minutes), each in one sentence rather than a traceback.
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch sees no CUDA device; pass --device cpu")
+    unknown = [spec.partition(":")[0] for spec in getattr(args, "policies", None) or [] if spec.partition(":")[0] not in kvgates.POLICIES]
+    if unknown:
+        parser.error(f"--policies: unknown policy {unknown[0]!r}; available policies: {', '.join(sorted(kvgates.POLICIES))}")
     model, tokenizer = _load(args)
     facts = "; ".join(f"{name} {getattr(args, name)}" for name, default in options.items() if not isinstance(default, list))
     print(f"device: {device_name(args.device)}; model: {args.model} ({model.config.num_hidden_layers} layers); {facts}")

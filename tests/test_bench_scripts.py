@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,6 +42,18 @@ def test_decode_speed_bench_runs_on_a_small_random_model():
             "| trimkv slack=4 |", "| trimkv-morph slack=4 |")
     for row in rows:
         assert result.stdout.count(row) == 2, row  # batch 1 and batch 2
+
+
+def test_a_bench_refuses_an_unknown_policy_or_a_missing_gpu_in_one_sentence_before_its_model():
+    """``--policies snapk`` (or ``--device cuda`` without a GPU) ended in a traceback once the model had been built."""
+    argv = [[sys.executable, str(ROOT / "bench" / "decode_speed.py"), "--model", "random", "--layers", "1", "--policies", "h2o", "snapk"]]
+    if not torch.cuda.is_available():
+        argv.append([sys.executable, str(ROOT / "bench" / "kv_memory.py"), "--model", "random", "--device", "cuda"])
+    for args, message in zip(argv, ("--policies: unknown policy 'snapk'; available policies: adakv", "--device cuda: this torch sees no CUDA")):
+        result = subprocess.run(args, capture_output=True, text=True, timeout=600)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and message in lines[-1] and "Traceback" not in result.stderr, result.stderr
+        assert "device:" not in result.stdout  # the header line printed once the model is loaded
 
 
 def test_decode_speed_bench_compiles_static_caches():
