@@ -9,9 +9,7 @@ once one prompt at a time (the causal path). Prints seconds and the ratio padded
 
 from __future__ import annotations
 
-import argparse
-
-from common import add_model_args, device_name, load, timed
+from common import setup, timed
 
 import kvgates
 from data.tasks import make_example
@@ -19,19 +17,12 @@ from eval.fidelity import greedy_generate
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(parser)
-    parser.add_argument("--context", type=int, default=2000)
-    parser.add_argument("--rows", type=int, default=4)
-    parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--policies", nargs="+", default=["snapkv", "h2o"])
-    args = parser.parse_args()
-    model, tok = load(args)
+    args, model, tok = setup(__doc__, context=2000, rows=4, budget=256, policies=["snapkv", "h2o"])
     if tok is None:
-        parser.error("needs a model with a tokenizer (the prompts are text)")
+        raise SystemExit("ab_batching.py: needs a model with a tokenizer (the prompts are text), not --model random")
     examples = [make_example("needle", tok, "test", args.context, seed=i, template_set="eval", depth=i / 3) for i in range(args.rows)]
     prompts = [tok(ex["prompt"], return_tensors="pt")["input_ids"][0] for ex in examples]
-    print(f"device: {device_name(args.device)}; model: {args.model}; prompt lengths {[len(p) for p in prompts]}; budget {args.budget}")
+    print(f"prompt lengths {[len(p) for p in prompts]}")
     print("| policy | padded batch s | one at a time s | padded / one at a time |\n|---|---:|---:|---:|")
     for name in args.policies:
         policy = kvgates.make_policy(name, budget=args.budget)
