@@ -124,3 +124,6 @@ def test_on_the_embedded_model_it_uses_the_shipped_128_trimkv_adapter():
 
     assert default_gates("smollm2-135m", "trimkv-morph", 128) == default_gates("smollm2-135m", "trimkv-morph", 512)
     assert default_gates("smollm2-135m", "trimkv-morph", 256) == "smollm2-135m-trimkv-128"
+    # The Hub id the embedded model came from (its adapters' base model) gets the same adapters.
+    assert default_gates("HuggingFaceTB/SmolLM2-135M-Instruct", "trimkv", 512) == default_gates("smollm2-135m", "trimkv", 512)
+    assert default_gates("HuggingFaceTB/SmolLM2-135M-Instruct", "trimkv", 512) is not None

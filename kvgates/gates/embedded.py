@@ -41,9 +41,13 @@ def embedded_adapter_dir(name: str) -> Path | None:
 
 
 def default_gates(model: str, policy: str, budget: int | None = None) -> str | None:
-    """The shipped adapter a learned ``policy`` uses on the embedded ``model`` when none is named (None if none):
-    of those listed in ``DEFAULTS``, the one whose training budget is nearest ``budget`` by ratio (ties: the
-    larger budget); without a budget (or with one below 1, which the policy itself refuses), the first listed."""
+    """The shipped adapter a learned ``policy`` uses on the embedded ``model`` (its short name, or the Hub id it came
+    from, which the adapters name as their base model) when none is named (None if none): of those listed in
+    ``DEFAULTS``, the one whose training budget is nearest ``budget`` by ratio (ties: the larger budget); without a
+    budget (or with one below 1, which the policy itself refuses), the first listed."""
+    from kvgates.models import EMBEDDED_MODELS
+
+    model = next((name for name, spec in EMBEDDED_MODELS.items() if spec.hub_id == model), model)
     names = [n for n in DEFAULTS.get((model, policy), ()) if embedded_adapter_dir(n) is not None]
     if not names or budget is None or budget < 1:
         return names[0] if names else None
