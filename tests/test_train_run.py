@@ -293,7 +293,7 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
         ({"data": {"mix": [{"task": "hf"}]}}, "needs a 'path'"),
         ({"training": {"max_stepz": 3}}, "not transformers.TrainingArguments fields"),
         ({"training": {"output_dir": "elsewhere"}}, "set by the run itself"),
-        ({"training": {"eval_steps": 4, "save_steps": 2}}, "round multiple of the evaluation steps"),
+        ({"training": {"eval_steps": 4, "save_steps": 2}}, "training.save_steps 2 must be a multiple of training.eval_steps 4"),
         ({"loss": {"lambda_cap": -1}}, "lambda_cap"),
         ({"kind": "locret"}, "policy: locret: budget 24 must be larger"),
         ({"policy": {"windoww": 3}}, "policy: policy 'trimkv' has no parameter windoww"),

@@ -171,6 +171,13 @@ def check_precision(args: TrainingArguments) -> None:
 def check_training_arguments(config: TrainConfig) -> None:
     """``ConfigError`` for a ``training`` section that transformers refuses (e.g. ``save_steps`` not a multiple of
     ``eval_steps``) or mixed precision (``check_precision``), before anything is written."""
+    args = config.training
+    save, every = args.get("save_steps", 50), args.get("eval_steps", 50)
+    if args.get("load_best_model_at_end", True) and every is not None and save % every:
+        raise ConfigError(
+            f"training.save_steps {save} must be a multiple of training.eval_steps {every}: the run keeps its best "
+            "checkpoint (training.load_best_model_at_end), so every save needs the validation of its step"
+        )
     try:
         training_arguments(config, Path(config.output_dir))
     except ConfigError:
