@@ -230,10 +230,14 @@ class ABConfig:
         read as YAML) and validate it; ``quick`` applies its ``quick`` section, ``output_dir`` overrides last.
 
         With ``quick``, a key the quick section sets is overridden in that section (``quick.budgets=[64]``): an
-        override of the key itself would be replaced by the section's, so it is refused.
+        override of the key itself would be replaced by the section's, so it is refused; without ``quick``, an
+        override of the quick section would be ignored, so it is refused too.
         """
         raw = read_yaml(path, overrides)
         try:
+            ignored = [item for item in overrides if item.partition("=")[0].split(".")[0].strip() == "quick"]
+            if ignored and not quick:
+                raise ConfigError(f"the override {ignored[0]!r} changes the quick section, which only --quick applies; add --quick")
             if quick and isinstance(raw.get("quick"), dict):
                 for item in overrides:
                     key = item.partition("=")[0].split(".")[0].strip()

@@ -638,6 +638,8 @@ def test_an_ab_config_builds_on_a_base_and_takes_overrides(tmp_path):
     assert ABConfig.load(tmp_path / "top.yaml", ["quick.budgets=[128]"], quick=True).budgets == (128,)
     with pytest.raises(ConfigError, match="top.yaml: the quick section sets budgets, .* override quick.budgets instead"):
         ABConfig.load(tmp_path / "top.yaml", ["budgets=[128]"], quick=True)
+    with pytest.raises(ConfigError, match="the override 'quick.budgets=\\[128\\]' changes the quick section, which only --quick applies"):
+        ABConfig.load(tmp_path / "top.yaml", ["quick.budgets=[128]"])  # it would be ignored
     for overrides, message in [(["colour=red"], "top.yaml: unknown key 'colour'; known keys: model, seed"),
                                (["seed=x"], "top.yaml: seed must be an integer, got 'x'"),
                                (["quick.colour=red"], "top.yaml: the quick section: unknown key 'colour'")]:
@@ -685,7 +687,7 @@ def test_soft_and_hard_kl_of_retention_gates(model, tok):
 
     (window,) = windows(tok, 1, 48)
     assert len(window) == 48 and windows(tok, 3, 48)[0] == window
-    gates = kvgates.RetentionGates.for_model(model)  # init_bias 8: beta ~ 0.9997
+    gates = kvgates.RetentionGates.for_model(model)  # the default init_bias (18): beta ~ 1
     keep_all = soft_hard(model, gates, budget=64, window=window, prompt_tokens=32)
     assert 0 <= keep_all.hard < 1e-4 and 0 <= keep_all.soft < 1e-2
     tight = soft_hard(model, gates, budget=8, window=window, prompt_tokens=32)
