@@ -862,7 +862,7 @@ def test_ship_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, monk
     capsys.readouterr()
     assert ship.main([str(tmp_path / "adapter") if a == "ADAPTER" else a for a in argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1 and err.startswith("train.ship: "), err
+    assert message in err and len(err.splitlines()) == 1 and err.startswith("python -m train.ship: "), err
     assert sorted(tmp_path.rglob("*")) == before and not Path("/tmp/x").exists()
 
 

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         folder = ship(args.source, args.name, args.ab, args.arm)
     except (ValueError, OSError) as err:  # a bad name, AdapterError, an A/B folder without results or that arm
-        return usage_error("train.ship", err)
+        return usage_error(parser.prog, err)
     size = sum(p.stat().st_size for p in folder.iterdir()) / 2**20
     print(f"shipped {args.source} as {args.name}: {folder} ({size:.1f} MiB)")
     return 0
