@@ -233,12 +233,11 @@ def _warn_past_context(model: Any, name: str, prompt: int, new: int, policy: kvg
         return
     limit = context_length(model)
     if window is None:
-        after = f"--max-new-tokens {new}" if new >= reach else f"the {reach} positions after it where {policy.name}'s scoring forwards run"
-        print(
-            f"kvgates generate: warning: the prompt ({prompt} tokens) and {after} {past}; eviction bounds the cache, "
-            "not the positions, so the text may be garbled",
-            file=sys.stderr,
-        )
+        if new >= reach:
+            after, why = f"--max-new-tokens {new}", "eviction bounds the cache, not the positions, so the text may be garbled"
+        else:
+            after, why = f"the {reach} positions {policy.name}'s scoring forwards take after it", f"{policy.name} may keep the wrong tokens"
+        print(f"kvgates generate: warning: the prompt ({prompt} tokens) and {after} {past}; {why}", file=sys.stderr)
     elif window + (chunk or prompt) > limit:
         fix = f"pass --prefill-chunk {limit - window} or less" if window < limit else "lower --budget"
         print(
