@@ -144,7 +144,8 @@ def colmax_inputs(b, hkv, c, n, layout, g):
     slot_pos[torch.rand(b, hkv, c, generator=g) < 0.25] = -1
     q_pos = torch.randint(0, 3 * c, (b, n), generator=g).sort(-1).values
     q_pos[0, 0] = -5  # sees no slot
-    return slot_pos, q_pos, torch.rand(b, n, generator=g) > 0.2
+    valid = torch.rand(b, n, generator=g) > 0.2
+    return slot_pos, torch.where(valid, q_pos, torch.iinfo(torch.int64).max), valid  # padded rows as the runtime places them
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -165,6 +166,7 @@ def test_masked_attention_stats(ops, dtype, b, h, hkv, c, n, d, layout, weighted
         rows = torch.rand(b, n, generator=g) * (torch.rand(b, n, generator=g) > 0.2)
         cols = torch.rand(b, h, c, generator=g)
         cols[..., : c // 3] = 0  # outside the scored span
+        cols[-1, -1] = 0  # a query head of a sequence that scores no slot
     args = [t.to(DEVICE) for t in (q, k, v, slot_pos, q_pos, q_valid)] + [d**-0.5]
     if weighted == "sum":
         (out, best), (ref_out, ref_best), tol = ops.masked_attention_colsum(*args), reference.masked_attention_colsum(*args), TOL[dtype] * 2
@@ -175,6 +177,23 @@ def test_masked_attention_stats(ops, dtype, b, h, hkv, c, n, d, layout, weighted
     torch.testing.assert_close(out.float() * valid, ref_out.float() * valid, atol=tol * 5, rtol=tol * 5)
     torch.testing.assert_close(best, ref_best, atol=tol * 5, rtol=tol * 5)
     assert out.dtype == q.dtype and out.transpose(1, 2).is_contiguous()
+
+
+def test_masked_attention_stats_read_nothing_back(ops):
+    """The column pass skips slots weighing 0 on the device, per sequence and query head: no host sync (a GPU
+    would wait there in every layer of every scoring forward)."""
+    from kvgates.runtime.launches import Launches
+
+    b, h, hkv, c, n, d = 2, 4, 2, 40, 8, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*shape, generator=g).to(DEVICE) for shape in ((b, h, n, d), (b, hkv, c, d), (b, hkv, c, d)))
+    slot_pos, q_pos, q_valid = (t.to(DEVICE) for t in colmax_inputs(b, hkv, c, n, "any", g))
+    cols = (torch.arange(c) >= c // 2).float().expand(b, h, c).to(DEVICE)
+    with Launches() as counted:
+        _, best = ops.masked_attention_colmax(q, k, v, slot_pos, q_pos, q_valid, d**-0.5, torch.rand(b, n).to(DEVICE), cols)
+        ops.masked_attention_colsum(q, k, v, slot_pos, q_pos, q_valid, d**-0.5)
+    assert counted.syncs == 0, counted.sync_ops
+    assert best[..., : c // 2].eq(0).all() and best[..., c // 2 :].gt(0).any()
 
 
 @pytest.mark.parametrize("reduce", ["sum", "none"])

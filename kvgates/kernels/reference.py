@@ -34,7 +34,6 @@ __all__ = [
     "masked_attention_colmax",
     "masked_attention_colsum",
     "own_block_start",
-    "scored_span",
     "decode_attention",
     "column_sums",
     "column_max",
@@ -289,7 +288,7 @@ def _chunk_colmax(
         out = older * (older_lse - total).exp()[..., None] + out * (lse - total).exp()[..., None]
         lse = total
     best = q.new_zeros((b, h, c), dtype=torch.float32)
-    lo, hi = scored_span(col_weight, c)
+    lo, hi = _scored_span(col_weight, c)
     if hi == lo:
         return out.to(q.dtype), best
     shift = -lse if row_weight is None else row_weight.float().log()[:, None] - lse
@@ -308,10 +307,10 @@ def _chunk_colmax(
     return out.to(q.dtype), best if col_weight is None else best * col_weight
 
 
-def scored_span(col_weight: torch.Tensor | None, slots: int) -> tuple[int, int]:
+def _scored_span(col_weight: torch.Tensor | None, slots: int) -> tuple[int, int]:
     """``(lo, hi)``: the slots from the first to the last with a positive ``col_weight`` ``[B, H, C]`` in any row or
     head (all ``slots`` without weights; ``lo == hi`` when none is positive), the only ones whose maxima the chunk
-    path and the Triton kernel compute."""
+    path computes (one read-back; the Triton kernel skips slots weighing 0 on the device)."""
     if col_weight is None:
         return 0, slots
     wanted = (col_weight > 0).flatten(0, 1).any(0).nonzero()

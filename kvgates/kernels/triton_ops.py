@@ -549,32 +549,40 @@ def _masked_forward(
 
 @triton.jit
 def _masked_columns(
-    Q, K, POS, QPOS, LSE, WEIGHT, BEST,
-    scale_log2, N, C, LO, HI, H, G, H_KV, D,
+    Q, K, POS, QPOS, LSE, WEIGHT, COLW, OUT,
+    scale_log2, N, C, H, G, H_KV, D,
     sqb, sqh, sqn, skb, skh, skn,
-    SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    WEIGHTED: tl.constexpr, COLS: tl.constexpr, SUM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Column pass of one block of the slots ``LO .. HI`` of one query head: recompute the logits of every row,
-    normalise the visible ones by the rows' logsumexp, weigh them by the rows' ``WEIGHT`` and keep each slot's
-    largest (or, with ``SUM``, their sum). Each program owns its slots' results: no atomics."""
-    b, qh, kh, n0, n, nm, d, dm = _prefill_program(H, G, HI - LO, D, BLOCK_N, BLOCK_D)
-    n += LO
-    k = tl.load(K + b * skb + kh * skh + n[:, None] * skn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
-    best = tl.zeros([BLOCK_N], tl.float32)
-    for r0 in range(0, N, BLOCK_M):
+    """Column pass of one block of slots of one query head: recompute the logits of every row, normalise the
+    visible ones by the rows' logsumexp, weigh them by the rows' ``WEIGHT`` (``WEIGHTED``) and keep each slot's
+    largest (or, with ``SUM``, their sum), times the slot's ``COLW`` (``COLS``). A block whose slots all weigh 0 for
+    this head skips the rows, and no key of a slot weighing 0 is read (KVzip scores the chunk being reconstructed
+    only). Each program owns its slots' results: no atomics, no host sync."""
+    b, qh, kh, n0, n, nm, d, dm = _prefill_program(H, G, C, D, BLOCK_N, BLOCK_D)
+    rows, live = N, nm
+    if COLS:
+        cw = tl.load(COLW + (b * H + qh) * C + n, mask=nm, other=0.0)
+        rows, live = tl.where(tl.max(cw, 0) > 0, N, 0), cw > 0
+    k = tl.load(K + b * skb + kh * skh + n[:, None] * skn + d[None, :], mask=live[:, None] & dm[None, :], other=0.0)
+    result = tl.zeros([BLOCK_N], tl.float32)
+    for r0 in range(0, rows, BLOCK_M):
         r = r0 + tl.arange(0, BLOCK_M)
         rm = r < N
         q = tl.load(Q + b * sqb + qh * sqh + r[:, None] * sqn + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
         lse = tl.load(LSE + (b * H + qh) * N + r, mask=rm, other=float("inf"))
-        w = tl.load(WEIGHT + b * N + r, mask=rm, other=0.0)
         visible = _visible(POS, QPOS, b, kh, tl.load(QPOS + b * N + r, mask=rm, other=-1), n, nm, H_KV, C)
         p = tl.where(visible, tl.exp2(_dot(q, tl.trans(k), PREC, UPCAST) * scale_log2 - lse[:, None]), 0.0)
+        if WEIGHTED:
+            p = p * tl.load(WEIGHT + b * N + r, mask=rm, other=0.0)[:, None]
         if SUM:
-            best += tl.sum(p * w[:, None], 0)
+            result += tl.sum(p, 0)
         else:
-            best = tl.maximum(best, tl.max(p * w[:, None], 0))
-    tl.store(BEST + (b * H + qh) * C + n, best, mask=nm)
+            result = tl.maximum(result, tl.max(p, 0))
+    if COLS:
+        result = result * cw
+    tl.store(OUT + (b * H + qh) * C + n, result, mask=nm)
 
 
 def masked_attention_colmax(
@@ -588,27 +596,23 @@ def masked_attention_colmax(
     row_weight: torch.Tensor | None = None,
     col_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    weight = q_valid.float() if row_weight is None else row_weight.float() * q_valid
-    from kvgates.kernels.reference import scored_span
-
-    out, best = _masked_stats(q, k, v, slot_pos, q_pos, q_valid, scale, weight, scored_span(col_weight, k.shape[2]), False)
-    return out, best if col_weight is None else best * col_weight
+    return _masked_stats(q, k, v, slot_pos, q_pos, q_valid, scale, row_weight, col_weight, False)
 
 
 def masked_attention_colsum(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos: torch.Tensor, q_pos: torch.Tensor, q_valid: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _masked_stats(q, k, v, slot_pos, q_pos, q_valid, scale, q_valid.float(), (0, k.shape[2]), True)
+    return _masked_stats(q, k, v, slot_pos, q_pos, q_valid, scale, None, None, True)
 
 
 def _masked_stats(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos: torch.Tensor, q_pos: torch.Tensor, q_valid: torch.Tensor,
-    scale: float, weight: torch.Tensor, span: tuple[int, int], total: bool,
+    scale: float, row_weight: torch.Tensor | None, col_weight: torch.Tensor | None, total: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_masked_forward``, then ``_masked_columns`` over the slots ``span``: ``(out [B, H, q, D] in q's dtype,
-    [B, H, C] float32)``, each slot's ``weight``-ed probabilities summed (``total``) or their largest; padded rows
-    (``q_valid`` False) get an output of 0."""
+    """``_masked_forward``, then ``_masked_columns``: ``(out [B, H, q, D] in q's dtype, [B, H, C] float32)``, each
+    slot's probabilities, weighted by ``row_weight``, summed (``total``) or their largest, times ``col_weight``;
+    padded rows (``q_valid`` False) see no slot: an output of 0, nothing added."""
     b, h, n, d = q.shape
     hkv, c = k.shape[1], k.shape[2]
     if v.shape[-1] != d:
@@ -619,7 +623,8 @@ def _masked_stats(
     if n == 0 or b == 0 or c == 0:
         return out.zero_(), result
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    pos, qpos = slot_pos.contiguous(), q_pos.contiguous()
+    pos = slot_pos.contiguous()
+    qpos = torch.where(q_valid, q_pos, -1)
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
     cfg = _prefill_config(d, q.dtype, q.device)
     common = dict(BLOCK_D=_pow2(d), PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -629,14 +634,14 @@ def _masked_stats(
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **common,
     )
-    out.masked_fill_(~q_valid[:, None, :, None], 0)  # padded rows: an output the caller discards
-    lo, hi = span
-    if hi > lo:
-        _masked_columns[(triton.cdiv(hi - lo, cfg["BLOCK_N"]), b * h)](
-            q, k, pos, qpos, lse, weight.contiguous(), result, scale * _LOG2E, n, c, lo, hi, h, h // hkv, hkv, d,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            SUM=total, BLOCK_M=cfg["BLOCK_N"], BLOCK_N=cfg["BLOCK_N"], **common,
-        )
+    rows = lse if row_weight is None else row_weight.float().contiguous()
+    cols = lse if col_weight is None else col_weight.float().contiguous()
+    _masked_columns[(triton.cdiv(c, cfg["BLOCK_N"]), b * h)](
+        q, k, pos, qpos, lse, rows, cols, result, scale * _LOG2E, n, c, h, h // hkv, hkv, d,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        WEIGHTED=row_weight is not None, COLS=col_weight is not None, SUM=total, BLOCK_M=cfg["BLOCK_N"], BLOCK_N=cfg["BLOCK_N"],
+        **common,
+    )
     return out, result
 
 
