@@ -91,8 +91,7 @@ class KVzip(Policy):
     # -- lifecycle: the scoring pass needs the model
     def attach(self, model: Any) -> KVzip:
         self.detach()
-        ids = self.repeat_ids if self.repeat_ids is not None else _encode(model, self.repeat_prompt)
-        self._prompt = torch.tensor(ids, dtype=torch.long)
+        self._prompt = torch.tensor(self._repeat(model), dtype=torch.long)
         self._hooks = PromptScoring(model, self, self.reconstruct)
         if self.normalize:  # KVzip+: the hidden state entering each attention, and each query head's W_O
             modules = attention_modules(model)
@@ -114,8 +113,11 @@ class KVzip(Policy):
 
     def scoring_reach(self, model: Any, prompt_tokens: int) -> int:
         """The repeat prompt and a chunk of up to ``chunk_size`` prompt tokens follow the prompt in each scoring forward."""
-        repeat = self.repeat_ids if self.repeat_ids is not None else _encode(model, self.repeat_prompt)
-        return len(repeat) + min(self.chunk_size, prompt_tokens)
+        return len(self._repeat(model)) + min(self.chunk_size, prompt_tokens)
+
+    def _repeat(self, model: Any) -> list[int]:
+        """The repeat prompt's token ids: ``repeat_ids``, else ``repeat_prompt`` in ``model``'s tokenizer."""
+        return self.repeat_ids if self.repeat_ids is not None else _encode(model, self.repeat_prompt)
 
     # -- what the runtime asks
     def stats_request(self, phase: Phase) -> StatsRequest:
