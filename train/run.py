@@ -239,18 +239,20 @@ def check_context(config: TrainConfig, model: PreTrainedModel) -> None:
         if past is not None:
             generated = f" and the {after} tokens held-out needles generate after it (report.max_new_tokens)" if after else ""
             raise ConfigError(f"{option} {tokens}{generated} {past}; lower {option} or train a model with a longer context")
-    scorers = {f"the report policy {name}": (name, {}) for name in config.report.policies}
+    # (what scores, how far past a row, what else the sentence offers: report policies run with their defaults)
+    scorers = [(f"{config.kind}'s labelling", config.learned_method.scoring_reach(model, config.method_options, seq_len), "method.chunk_size")]
+    for name in config.report.policies:
+        policy = kvgates.make_policy(name, budget=config.budget)
+        scorers.append((f"the report policy {name}", policy.scoring_reach(model, seq_len), f"leave {name} out of report.policies"))
     if config.teacher is not None:
-        scorers[f"the teacher {config.teacher.policy}"] = (config.teacher.policy, config.teacher.params)
-    reach = {f"{config.kind}'s labelling": config.learned_method.scoring_reach(model, config.method_options, seq_len)}
-    for what, (name, params) in scorers.items():
-        reach[what] = kvgates.make_policy(name, budget=config.budget, **params).scoring_reach(model, seq_len)
-    what = max(reach, key=reach.get)
-    past = past_context(model, config.model, seq_len + reach[what])
+        teacher = kvgates.make_policy(config.teacher.policy, budget=config.budget, **config.teacher.params)
+        scorers.append((f"the teacher {config.teacher.policy}", teacher.scoring_reach(model, seq_len), "teacher.params.chunk_size"))
+    what, reach, other = max(scorers, key=lambda scorer: scorer[1])
+    past = past_context(model, config.model, seq_len + reach)
     if past is not None:
         raise ConfigError(
-            f"data.seq_len {seq_len} and the {reach[what]} positions after a row where {what} runs its scoring forwards {past}; lower "
-            "data.seq_len or that scoring's chunk_size"
+            f"data.seq_len {seq_len} and the {reach} positions after a row where {what} runs its scoring forwards {past}; lower "
+            f"data.seq_len or {other}"
         )
 
 
