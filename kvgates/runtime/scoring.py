@@ -1,8 +1,8 @@
 """Scoring passes: extra forwards of the same model through the same cache after a prompt, which only produce
 attention statistics and whose tokens are then discarded (KVzip's context reconstruction).
 
-A policy that scores the prompt this way (``Policy.scores_prompt``) evicts nothing at the end of a prompt forward
-by itself. ``PromptScoring`` hooks the model instance the policy is attached to: after each prompt forward through
+A policy that scores the prompt this way evicts nothing at the end of a prompt forward by itself (its ``schedule`` is
+``NEVER``, as KVzip's). ``PromptScoring`` hooks the model instance the policy is attached to: after each prompt forward through
 a ``BudgetCache`` running the policy (alone or inside a wrapper such as Ada-KV) it hands the policy the prompt's
 token ids, the policy runs its scoring forwards with ``discarded_forward``, and ``enforce_prompt`` then evicts every
 budgeted layer through the runtime's one eviction path. Everything that prefills through ``model(...)`` or
@@ -50,8 +50,8 @@ def discarded_forward(model: torch.nn.Module, cache: BudgetCache, context_mask: 
     aside.
 
     ``context_mask`` ``[B, seen]`` is the attention mask of everything the cache has seen; each row's new tokens take
-    the positions after its real tokens. The policy must not evict during such a forward (a policy that
-    ``scores_prompt`` evicts nothing at the end of a prompt forward). Only the last position's logits are computed.
+    the positions after its real tokens. The policy must not evict during such a forward (a scoring policy's
+    ``schedule`` is ``NEVER``: it evicts nothing at the end of a prompt forward). Only the last position's logits are computed.
     """
     _check_unsettled(cache)
     if len(cache.budget_layer_ids) != len(cache.layers):
