@@ -108,22 +108,29 @@ def training_seconds(out: Path) -> float:
     return sum(line.get("train_runtime", 0.0) for line in lines)
 
 
+#: The run's TrainingArguments where the config's ``training`` section sets none (``training_arguments`` adds the seed
+#: and the device).
+TRAINING_DEFAULTS = dict(
+    per_device_train_batch_size=1,
+    learning_rate=2e-4,
+    lr_scheduler_type="cosine",
+    warmup_steps=10,
+    logging_steps=5,
+    eval_strategy="steps",
+    save_strategy="steps",
+    eval_steps=50,
+    save_steps=50,
+    save_total_limit=2,
+    load_best_model_at_end=True,
+    report_to=["wandb"],
+    dataloader_num_workers=0,
+)
+
+
 def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
-    """TrainingArguments: the config's ``training`` section over the run's defaults."""
+    """TrainingArguments: the config's ``training`` section over the run's defaults (``TRAINING_DEFAULTS``)."""
     defaults = dict(
-        per_device_train_batch_size=1,
-        learning_rate=2e-4,
-        lr_scheduler_type="cosine",
-        warmup_steps=10,
-        logging_steps=5,
-        eval_strategy="steps",
-        save_strategy="steps",
-        eval_steps=50,
-        save_steps=50,
-        save_total_limit=2,
-        load_best_model_at_end=True,
-        report_to=["wandb"],
-        dataloader_num_workers=0,
+        TRAINING_DEFAULTS,
         seed=config.data.seed,
         # Without this, TrainingArguments on a machine without CUDA ignores the process group that torchrun /
         # `accelerate launch --multi_gpu` set up; with it, accelerate picks gloo and the run is MULTI_CPU.
@@ -171,9 +178,9 @@ def check_precision(args: TrainingArguments) -> None:
 def check_training_arguments(config: TrainConfig) -> None:
     """``ConfigError`` for a ``training`` section that transformers refuses (e.g. ``save_steps`` not a multiple of
     ``eval_steps``) or mixed precision (``check_precision``), before anything is written."""
-    args = config.training
-    save, every = args.get("save_steps", 50), args.get("eval_steps", 50)
-    if args.get("load_best_model_at_end", True) and every is not None and save % every:
+    args = {**TRAINING_DEFAULTS, **config.training}
+    save, every = args["save_steps"], args["eval_steps"]
+    if args["load_best_model_at_end"] and every is not None and save % every:
         raise ConfigError(
             f"training.save_steps {save} must be a multiple of training.eval_steps {every}: the run keeps its best "
             "checkpoint (training.load_best_model_at_end), so every save needs the validation of its step"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -182,11 +183,17 @@ class KVzip(Policy):
 
 def _encode(model: Any, text: str) -> list[int]:
     """``text``'s token ids with ``model``'s own tokenizer (no special tokens), loaded offline."""
-    from transformers import AutoTokenizer
-
     from kvgates.models import tokenizer_source
 
-    source = tokenizer_source(model)
+    return list(_encode_with(tokenizer_source(model), text))
+
+
+@lru_cache(maxsize=16)
+def _encode_with(source: str | None, text: str) -> tuple[int, ...]:
+    """``_encode`` by tokenizer source, kept: the repeat prompt is encoded for the context checks
+    (``KVzip.scoring_reach``) and again when the policy is attached, without loading the tokenizer twice."""
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError) as err:
@@ -194,7 +201,7 @@ def _encode(model: Any, text: str) -> list[int]:
             f"kvzip: cannot load the tokenizer of {source or 'this model'!r} to encode its repeat prompt ({err}); "
             "pass repeat_ids"
         ) from err
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
 def kvzip_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **params: Any) -> torch.Tensor:
