@@ -235,14 +235,12 @@ class ABConfig:
         """
         raw = read_yaml(path, overrides)
         try:
-            ignored = [item for item in overrides if item.partition("=")[0].split(".")[0].strip() == "quick"]
-            if ignored and not quick:
-                raise ConfigError(f"the override {ignored[0]!r} changes the quick section, which only --quick applies; add --quick")
-            if quick and isinstance(raw.get("quick"), dict):
-                for item in overrides:
-                    key = item.partition("=")[0].split(".")[0].strip()
-                    if key in raw["quick"]:
-                        raise ConfigError(f"the quick section sets {key}, so --quick replaces the override {item!r}; override quick.{key} instead")
+            for item in overrides:
+                key = item.partition("=")[0].split(".")[0].strip()  # the top-level key the override sets
+                if key == "quick" and not quick:
+                    raise ConfigError(f"the override {item!r} changes the quick section, which only --quick applies; add --quick")
+                if quick and isinstance(raw.get("quick"), dict) and key in raw["quick"]:
+                    raise ConfigError(f"the quick section sets {key}, so --quick replaces the override {item!r}; override quick.{key} instead")
             return cls.from_dict(raw, quick=quick, output_dir=output_dir)
         except ConfigError as err:
             raise ConfigError(f"{path}: {err}") from None
@@ -285,8 +283,9 @@ class ABConfig:
         for budget in self.budgets:
             if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
                 raise ConfigError(f"budget {budget!r} is not a whole number of tokens of at least 1; budgets count tokens per KV head")
-        for budget in {b for b in self.budgets if self.budgets.count(b) > 1}:
-            raise ConfigError(f"budgets lists {budget} twice; list each budget once")
+        twice = next((b for b in self.budgets if self.budgets.count(b) > 1), None)
+        if twice is not None:
+            raise ConfigError(f"budgets lists {twice} twice; list each budget once")
         if not self.tasks:
             raise ConfigError("the config lists no tasks")
         labels = [a.label for a in self.all_arms]
