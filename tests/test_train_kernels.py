@@ -1,5 +1,6 @@
 """Training-time kernels and losses against literal brute-force definitions."""
 
+import functools
 import math
 
 import pytest
@@ -10,6 +11,7 @@ from kvgates.kernels.gated import (
     evicted_attention,
     gated_attention,
     gated_attention_flex,
+    gated_attention_fused,
     gated_attention_reference,
     hard_eviction_mask,
 )
@@ -69,6 +71,50 @@ def test_gated_attention_flex_forward_matches():
     q, k, v, lb = _inputs(dtype=torch.float32)
     with torch.no_grad():  # FlexAttention has no CPU backward; the GPU path is unmeasured here
         torch.testing.assert_close(gated_attention_flex(q, k, v, lb, 0.3), gated_attention_reference(q, k, v, lb, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize(
+    "attention, tolerance",
+    [(gated_attention, 1e-10), (gated_attention_reference, 1e-10), (gated_attention_fused, 1e-10),
+     (functools.partial(gated_attention_fused, precision="split"), 0.05)],
+)
+def test_queries_of_the_last_rows_are_those_rows_of_the_whole_attention_with_their_gradients(attention, tolerance, masked):
+    """A model's last layer in distillation attends with the queries of its distilled rows only: each gated attention
+    takes the last ``n`` positions' queries over all ``T`` keys, and gives those rows of the whole attention."""
+    q, k, v, lb = _inputs(t=11)
+    n = 4
+    mask = None
+    if masked:
+        mask = torch.ones(2, 1, 11, 11, dtype=torch.bool)
+        mask[1, ..., :3] = False  # left padding of the second sequence
+    whole = [x.clone().requires_grad_() for x in (q, k, v, lb)]
+    part = [x.clone().requires_grad_() for x in (q[:, :, -n:], k, v, lb)]
+    if tolerance > 1e-6:  # bfloat16 operands: compare with the definition in float64
+        ref = gated_attention_reference(*whole, 0.3, mask)[:, :, -n:]
+    else:
+        ref = attention(*whole, 0.3, mask)[:, :, -n:]
+    out = attention(*part, 0.3, None if mask is None else mask[:, :, -n:])
+    torch.testing.assert_close(out.double(), ref, atol=tolerance, rtol=tolerance)
+    w = torch.randn_like(ref)
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    torch.testing.assert_close(part[0].grad, whole[0].grad[:, :, -n:], atol=tolerance, rtol=tolerance)
+    for a, r in zip(part[1:], whole[1:]):
+        torch.testing.assert_close(a.grad, r.grad, atol=tolerance * 10, rtol=tolerance * 10)
+
+
+def test_gated_attention_flex_takes_the_queries_of_the_last_rows():
+    q, k, v, lb = _inputs(dtype=torch.float32, t=11)
+    with torch.no_grad():
+        out = gated_attention_flex(q[:, :, -4:], k, v, lb, 0.3)
+        torch.testing.assert_close(out, gated_attention_reference(q, k, v, lb, 0.3)[:, :, -4:], atol=1e-5, rtol=1e-5)
+
+
+def test_evicted_attention_refuses_fewer_queries_than_positions():
+    q, k, v, lb = _inputs()
+    with pytest.raises(ValueError, match="a query for each of the 9 positions, got 3"):
+        evicted_attention(q[:, :, -3:], k, v, lb, 0.3, 4, torch.tensor([5, 5]))
 
 
 def _brute_visible(lb: torch.Tensor, budget: int, decode_from: int) -> torch.Tensor:

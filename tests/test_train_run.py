@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 import kvgates
 from kvgates.gates import GATE_KINDS
-from kvgates.gates.training import GateTraining
+from kvgates.gates.training import ATTENTIONS, GateTraining
 from kvgates.methods import METHODS
 from train.config import ConfigError, TrainConfig
 from train.run import build_trainer, check_context, main, prepare_output_dir
@@ -913,6 +913,62 @@ def test_gpu_training_attention_hands_the_fused_kernels_what_they_take(tiny_dir,
             assert problems == [[]] * len(problems), (kind, attention, problems)
         elif kind not in ("locret", "dms"):  # the exact path's head dim (D + 2) is what CUDA's fused kernels refuse
             assert any("head dims" in p for found in problems for p in found)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("kind", ["trimkv", "trimkv-global", "trimkv+hard", "dms"])
+def test_the_last_layer_on_the_distilled_rows_alone_gives_the_loss_and_gradients_of_every_row(tiny_dir, kind, padded, monkeypatch):
+    """A step runs the model's last layer on the rows it distills (``TrainingStep.distilled_from``): its loss and
+    gate gradients are those of the whole layer (attention cut for TRIM-KV's soft student and the teacher; the
+    output projection and MLP for every method)."""
+    from kvgates.methods.base import TrainingStep
+    from train.trainer import gate_loss
+
+    model, _ = kvgates.load_model(str(tiny_dir))
+    model.requires_grad_(False)
+    config = TrainConfig.from_dict({"budget": 8, "data": {"seq_len": 64}, **GPU_KINDS[kind]})
+    torch.manual_seed(0)
+    gates = GATE_KINDS[config.gate_kind].for_model(model, gate_hidden=8, init_bias=2.0)
+    batch = gate_batch(padded)
+    last, exact = model.model.layers[-1], ATTENTIONS["exact"]
+    runs = {}
+    for cut in (True, False):
+        if not cut:
+            monkeypatch.setattr(TrainingStep, "distilled_from", property(lambda self: 0))
+        rows = {"mlp": [], "o_proj": [], "student": []}  # the rows each module computed, per forward
+        monkeypatch.setitem(ATTENTIONS, "exact", lambda q, *a, seen=rows["student"], **k: seen.append(q.shape[2]) or exact(q, *a, **k))
+        handles = [
+            module.register_forward_hook(lambda m, args, out, seen=rows[name]: seen.append(args[0].shape[1]))
+            for name, module in (("mlp", last.mlp), ("o_proj", last.self_attn.o_proj))
+        ]
+        with GateTraining(model, gates) as run:
+            loss, _ = gate_loss(model, model.lm_head, run, config, batch, 8.0, 0.0)
+            loss.backward()
+        for handle in handles:
+            handle.remove()
+        runs[cut] = loss.detach(), [p.grad.clone() for p in gates.parameters()], rows
+        gates.zero_grad(set_to_none=True)
+    (loss, grads, rows), (whole_loss, whole_grads, whole_rows) = runs[True], runs[False]
+    # Teacher and student: rows 47 .. 63 (the completion's 48 ..); TRIM-KV's soft student attends with those queries.
+    assert (rows["mlp"], rows["o_proj"], whole_rows["mlp"], whole_rows["o_proj"]) == ([17, 17], [17, 17], [64, 64], [64, 64])
+    if kind != "dms":
+        assert rows["student"] == [64] * (len(rows["student"]) - 1) + ([64] if kind == "trimkv+hard" else [17])
+    torch.testing.assert_close(loss, whole_loss, atol=1e-6, rtol=1e-5)
+    for grad, whole in zip(grads, whole_grads):
+        torch.testing.assert_close(grad, whole, atol=1e-7, rtol=1e-4)
+
+
+def test_rows_from_lasts_until_the_mode_changes_and_close_removes_its_hooks(tiny_dir):
+    model, _ = kvgates.load_model(str(tiny_dir))
+    gates = GATE_KINDS["retention"].for_model(model, gate_hidden=8)
+    mlp = model.model.layers[-1].mlp
+    with GateTraining(model, gates) as run:
+        assert run.learn(rows_from=5).rows_from == 5
+        assert run.teach().rows_from == 0  # a forward after teach() (validation, a policy's cache) runs every row
+        with pytest.raises(ValueError, match="rows_from is a row index, got -1"):
+            run.teach(rows_from=-1)
+        assert mlp._forward_pre_hooks and mlp._forward_hooks
+    assert not mlp._forward_pre_hooks and not mlp._forward_hooks
 
 
 def _train_steps(tiny_dir, kind: str, attention: str, steps: int = 3) -> tuple[list[float], list[list[torch.Tensor]]]:

@@ -19,9 +19,17 @@ CUDA only, it has no CPU backward). ``"auto"`` is ``CUDA_ATTENTION`` on CUDA and
 every training attention call (teacher and student) runs with sdpa's math kernel excluded, so nothing falls back
 silently to ``T x T`` memory.
 
-Everything lives on the model instance and is undone by ``close()``; no library code is replaced. The mode
-stays set until changed, so a backward that recomputes checkpointed layers sees the same attention as the
-forward did.
+Distillation reads the model's final hidden states at a sequence's last rows only (its completion), so both modes
+take ``rows_from``: with ``rows_from = s > 0`` the model's last decoder layer computes its rows ``s ..`` alone. Its
+keys and values still come from every row (they are what those rows attend to), but its queries, attention, output
+projection and MLP run on rows ``s ..`` (the attention of methods that take it, ``LearnedMethod.partial_queries``,
+and the teacher's; the output projection and MLP through hooks on that layer), and its rows before ``s`` come out
+as zeros plus the residual: not the model's output, so only rows ``s ..`` of the last hidden states may be read.
+Exact for those rows; it takes most of a layer off a step (a model's last layer of ``L``).
+
+Everything lives on the model instance and is undone by ``close()``; no library code is replaced. The mode (and
+``rows_from``) stays set until changed, so a backward that recomputes checkpointed layers sees the same attention
+as the forward did.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvgates.gates.adapter import GateSet
 from kvgates.gates.capture import GateCapture, attention_modules
-from kvgates.kernels.gated import fused_only, gated_attention, gated_attention_flex, gated_attention_fused
+from kvgates.kernels.gated import causal_visibility, fused_only, gated_attention, gated_attention_flex, gated_attention_fused
 from kvgates.runtime.attention import TRAINING_ATTR
 
 GATES_ATTR = "kvgates_gates"
@@ -76,6 +84,7 @@ class GateTraining:
         self.attention = attention
         self.student = False
         self.context: dict[str, Any] = {}
+        self.rows_from = 0
         self.records: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
         model.add_module(GATES_ATTR, gates)
         self._capture = GateCapture(model, gates.captures, gates.config.layer_ids)
@@ -83,21 +92,46 @@ class GateTraining:
         self._marked: list[nn.Module] = [modules[i] for i in gates.config.layer_ids]
         for module in self._marked:
             setattr(module, TRAINING_ATTR, self)
+        self._last = max(modules)
+        self._row_hooks = self._hook_last_rows(model, modules[self._last])
 
-    def teach(self) -> GateTraining:
-        """The next forwards (and the backward's recomputations) run plain attention; clears the records and the
-        captured gate inputs."""
-        self.student, self.context = False, {}
+    def teach(self, rows_from: int = 0) -> GateTraining:
+        """The next forwards (and the backward's recomputations) run plain attention, the last layer on rows
+        ``rows_from ..`` (see the module docstring); clears the records and the captured gate inputs."""
+        self.student, self.context, self.rows_from = False, {}, self._rows(rows_from)
         self._reset()
         return self
 
-    def learn(self, **context: Any) -> GateTraining:
-        """The next forwards run the method's student attention with ``context``; clears the records and the
-        captured gate inputs."""
+    def learn(self, rows_from: int = 0, **context: Any) -> GateTraining:
+        """The next forwards run the method's student attention with ``context``, the last layer on rows
+        ``rows_from ..``; clears the records and the captured gate inputs."""
         self.method.check_context(self.gates, context)
-        self.student, self.context = True, context
+        self.student, self.context, self.rows_from = True, context, self._rows(rows_from)
         self._reset()
         return self
+
+    def _rows(self, rows_from: int) -> int:
+        if rows_from < 0:
+            raise ValueError(f"rows_from is a row index, got {rows_from}")
+        return rows_from if self._row_hooks else 0
+
+    def _hook_last_rows(self, model: nn.Module, attention: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+        """Hooks running the last layer's output projection (``o_proj``, when it has one) and MLP (``mlp``) on rows
+        ``rows_from ..`` (inputs ``[B, T, ..]``; outputs padded back to ``T`` rows with zeros). None when the layer
+        holding ``attention`` has no ``mlp``, and ``rows_from`` is then ignored."""
+        layer = next((m for m in model.modules() if any(c is attention for c in m.children())), None)
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, nn.Module):
+            return []
+
+        def rows(module: nn.Module, args: tuple) -> tuple | None:
+            return (args[0][:, self.rows_from :], *args[1:]) if self.rows_from else None
+
+        def pad(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+            return torch.nn.functional.pad(output, (0, 0, self.rows_from, 0)) if self.rows_from else None
+
+        modules = [m for m in (getattr(attention, "o_proj", None), mlp) if isinstance(m, nn.Module)]
+        return [h for m in modules for h in (m.register_forward_pre_hook(rows), m.register_forward_hook(pad))]
 
     def _reset(self) -> None:
         """Forget the records and the captured inputs. A forward through a kvgates cache (a KVzip teacher's or
@@ -118,12 +152,22 @@ class GateTraining:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         """The attention call of a gated layer (from the ``"kvgates"`` attention function)."""
+        if query.shape[2] != key.shape[2]:
+            raise RuntimeError("training attention runs on whole sequences without a cache (use_cache=False)")
+        skip = self.rows_from if module.layer_idx == self._last else 0
+        if skip and (not self.student or self.method.partial_queries(self.context)):
+            query = query[:, :, skip:]  # the last layer's rows before ``skip`` are not read (``rows_from``)
+            attention_mask = None if attention_mask is None else attention_mask[:, :, skip:]
+        else:
+            skip = 0
         with fused_only(query.device, f"training attention of layer {module.layer_idx}", query, key, value):
             captured = self._capture.pop(module.layer_idx)
             if not self.student:
-                return self.plain(module, query, key, value, attention_mask, dropout, scaling, **kwargs), None
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return self.method.attend(self, module, query, key, value, attention_mask, scale, captured, dropout=dropout, **kwargs), None
+                out = self.plain(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+            else:
+                scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+                out = self.method.attend(self, module, query, key, value, attention_mask, scale, captured, dropout=dropout, **kwargs)
+        return torch.nn.functional.pad(out, (0, 0, 0, 0, skip, 0)), None
 
     def plain(
         self,
@@ -136,7 +180,11 @@ class GateTraining:
         scaling: float | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """Plain attention ``[B, T, H, D]``: transformers' sdpa, as the teacher runs it."""
+        """Plain attention ``[B, n, H, D]``: transformers' sdpa, as the teacher runs it; the queries may be those of
+        the last ``n`` of the keys' ``T`` positions."""
+        n, t = query.shape[2], key.shape[2]
+        if n != t and attention_mask is None:  # sdpa's own causal mask would align the queries with the first keys
+            attention_mask = causal_visibility(n, t, None, query.device)
         half = query.dtype in (torch.float16, torch.bfloat16)
         if self.attention_name(query.device) != "exact" and not half and attention_mask is None:
             # float32 on CUDA is the memory-efficient kernel's, which takes no grouped query heads: repeat them here
@@ -155,6 +203,9 @@ class GateTraining:
     def close(self) -> None:
         """Remove the hooks, the marks and the gates from the model."""
         self._capture.remove()
+        for handle in self._row_hooks:
+            handle.remove()
+        self._row_hooks, self.rows_from = [], 0
         for module in self._marked:
             if getattr(module, TRAINING_ATTR, None) is self:
                 delattr(module, TRAINING_ATTR)

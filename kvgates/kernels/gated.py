@@ -48,6 +48,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
     "causal_importance",
+    "causal_visibility",
     "evicted_attention",
     "FUSED_PRECISIONS",
     "fused_kernel_violations",
@@ -67,10 +68,11 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _visible(t: int, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """``[B or 1, 1, T, T]`` bool: causal, and ``mask`` (bool, True = attend; or additive float) when given."""
+def causal_visibility(n: int, t: int, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``[B or 1, 1, n, T]`` bool: ``n`` query rows, the last ``n`` of ``T`` positions, under causality, and ``mask``
+    (``[.., n, T]``, bool, True = attend; or additive float) when given."""
     idx = torch.arange(t, device=device)
-    causal = (idx[:, None] >= idx[None, :])[None, None]
+    causal = (idx[t - n :, None] >= idx[None, :])[None, None]
     if mask is None:
         return causal
     allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
@@ -80,25 +82,27 @@ def _visible(t: int, mask: torch.Tensor | None, device: torch.device) -> torch.T
 def gated_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_beta: torch.Tensor, scale: float, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The definition, with an explicit ``[B, H, T, T]`` bias.
+    """The definition, with an explicit ``[B, H, n, T]`` bias.
 
     Args:
-        q: ``[B, H, T, D]``; k, v: ``[B, H_kv, T, D]`` (one sequence, no cache: key ``i`` sits at position ``i``).
+        q: ``[B, H, n, D]``, the queries of the last ``n`` positions (``n = T``: every position; fewer when only the
+            last rows' outputs are read, e.g. a model's last layer in distillation); k, v: ``[B, H_kv, T, D]`` (one
+            sequence, no cache: key ``i`` sits at position ``i``).
         log_beta: ``[B, H_kv, T]`` per-token log retention (<= 0) of each KV head.
         scale: softmax scale.
-        mask: optional ``[B, 1, T, T]`` bool (True = may attend) or additive float mask, on top of causality.
+        mask: optional ``[B, 1, n, T]`` bool (True = may attend) or additive float mask, on top of causality.
 
     Returns:
-        ``[B, H, T, D]`` in ``q``'s dtype; a row that may attend to nothing is zero.
+        ``[B, H, n, D]`` in ``q``'s dtype; a row that may attend to nothing is zero.
     """
-    b, h, t, _ = q.shape
-    g = h // k.shape[1]
+    n, t = q.shape[2], k.shape[2]
+    g = q.shape[1] // k.shape[1]
     work = _work_dtype(q)
     kk, vv = k.repeat_interleave(g, 1).to(work), v.repeat_interleave(g, 1).to(work)
     lb = log_beta.repeat_interleave(g, 1).to(work)
     idx = torch.arange(t, device=q.device, dtype=work)
-    logits = torch.matmul(q.to(work), kk.transpose(-1, -2)) * scale + (idx[:, None] - idx[None, :]) * lb[:, :, None, :]
-    logits = logits.masked_fill(~_visible(t, mask, q.device), float("-inf"))
+    logits = torch.matmul(q.to(work), kk.transpose(-1, -2)) * scale + (idx[t - n :, None] - idx[None, :]) * lb[:, :, None, :]
+    logits = logits.masked_fill(~causal_visibility(n, t, mask, q.device), float("-inf"))
     probs = torch.softmax(logits, -1).nan_to_num(0.0)
     return torch.matmul(probs, vv).to(q.dtype)
 
@@ -113,13 +117,13 @@ def gated_attention(
 
 
 def _gated_sdpa(q, k, v, log_beta, scale, mask):
-    b, h, t, d = q.shape
-    hkv, dv = k.shape[1], v.shape[-1]
+    b, h, n, d = q.shape
+    hkv, t, dv = k.shape[1], k.shape[2], v.shape[-1]
     dtype, work = q.dtype, _work_dtype(q)
     q, k, v = q.to(work), k.to(work), v.to(work)
     pos = torch.arange(t, device=q.device, dtype=work) - (t - 1) / 2
     lb = log_beta.to(work) / scale
-    q_aug = torch.cat([q, pos.expand(b, h, t)[..., None], q.new_ones(b, h, t, 1)], dim=-1)
+    q_aug = torch.cat([q, pos[t - n :].expand(b, h, n)[..., None], q.new_ones(b, h, n, 1)], dim=-1)
     k_aug = torch.cat([k, lb[..., None], (-pos * lb)[..., None]], dim=-1)
     # Equal q/k/v widths keep sdpa on its fused kernels; the padded value channels are dropped after.
     pad = d + 2 - dv
@@ -132,12 +136,13 @@ def _gated_sdpa(q, k, v, log_beta, scale, mask):
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
-    """sdpa under the causal mask (and ``mask``, see ``_visible``; a row that sees nothing is zero), grouped query
-    heads when ``k`` has fewer heads than ``q``."""
+    """sdpa under the causal mask (and ``mask``, see ``causal_visibility``; a row that sees nothing is zero), grouped query
+    heads when ``k`` has fewer heads than ``q``; the queries are the last ``q.shape[2]`` of ``k.shape[2]`` positions."""
     gqa = k.shape[1] != q.shape[1]
-    if mask is None:
+    n, t = q.shape[2], k.shape[2]
+    if mask is None and n == t:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    visible = _visible(q.shape[2], mask, q.device)
+    visible = causal_visibility(n, t, mask, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa).nan_to_num(0.0)
 
 
@@ -215,13 +220,14 @@ def fused_operands(
     (memory-efficient: float32 or ``masked``) has no grouped-query support."""
     if precision not in FUSED_PRECISIONS:
         raise ValueError(f"precision must be one of {FUSED_PRECISIONS}, got {precision!r}")
-    b, h, t, d = q.shape
-    hkv, dv = k.shape[1], v.shape[-1]
+    b, h, n, d = q.shape
+    hkv, t, dv = k.shape[1], k.shape[2], v.shape[-1]
     work = torch.bfloat16 if precision == "split" else _work_dtype(q)
     bias_dtype = torch.float32 if precision == "split" else work
     pos = torch.arange(t, device=q.device, dtype=bias_dtype) - (t - 1) // 2  # whole numbers: exact in the parts
     lb = log_beta.to(bias_dtype) / scale
     key_bias = -pos * lb
+    pos = pos[t - n :]  # the queries' positions
     if precision == "split":
         p1, p2 = _split(pos, 2)
         a, c = _split(lb, 3), _split(key_bias, 3)
@@ -231,7 +237,7 @@ def fused_operands(
     else:
         q_extra, k_extra = [pos, torch.ones_like(pos)], [lb, key_bias]
     width = fused_width(max(d + len(q_extra), dv))
-    q_aug = torch.cat([q.to(work), torch.stack(q_extra, -1).expand(b, h, t, -1), q.new_zeros(b, h, t, width - d - len(q_extra), dtype=work)], -1)
+    q_aug = torch.cat([q.to(work), torch.stack(q_extra, -1).expand(b, h, n, -1), q.new_zeros(b, h, n, width - d - len(q_extra), dtype=work)], -1)
     k_aug = torch.cat([k.to(work), torch.stack(k_extra, -1), k.new_zeros(b, hkv, t, width - d - len(k_extra), dtype=work)], -1)
     v_aug = torch.cat([v.to(work), v.new_zeros(b, hkv, t, width - dv, dtype=work)], -1)
     if h != hkv and (work not in _HALF or masked):
@@ -247,7 +253,9 @@ def gated_attention_fused(
     linear in ``T``, never sdpa's math kernel on CUDA. Same arguments and result, plus ``precision``."""
     dv = v.shape[-1]
     with torch.autocast(q.device.type, enabled=False):
-        q_aug, k_aug, v_aug = fused_operands(q, k, v, log_beta, scale, precision, masked=mask is not None)
+        # Queries of the last rows only are masked too (``causal_visibility``): sdpa's causal flag aligns the first.
+        masked = mask is not None or q.shape[2] != k.shape[2]
+        q_aug, k_aug, v_aug = fused_operands(q, k, v, log_beta, scale, precision, masked=masked)
         with fused_only(q.device, "gated training attention", q_aug, k_aug, v_aug):
             out = _causal_sdpa(q_aug, k_aug, v_aug, scale, mask)
     return out[..., :dv].to(q.dtype)
@@ -326,7 +334,10 @@ def evicted_attention(
     (in units of ``r``) and ``soft_attention``, the gated attention giving the straight-through gradient (``gated_attention``
     or one of its GPU forms). The eviction masks are ``[B, H_kv, T, T]``: memory quadratic in ``T``.
     """
-    seen = _visible(q.shape[2], mask, q.device)
+    t = k.shape[2]
+    if q.shape[2] != t:
+        raise ValueError(f"evicted_attention takes a query for each of the {t} positions, got {q.shape[2]}")
+    seen = causal_visibility(t, t, mask, q.device)
     g = q.shape[1] // k.shape[1]
     # Masked attention is the memory-efficient kernel's on CUDA, which takes no grouped query heads: repeat them.
     kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
@@ -365,22 +376,23 @@ def gated_attention_flex(
     forwards only."""
     if mask is not None and mask.dtype != torch.bool:
         raise ValueError("gated_attention_flex takes a boolean mask")
-    b, h, t, _ = q.shape
-    g = h // k.shape[1]
+    b, h, n, _ = q.shape
+    t, g = k.shape[2], h // k.shape[1]
     lb = log_beta.float()
+    first = t - n  # the first query's position
 
     def score_mod(score, batch, head, q_idx, kv_idx):
-        return score + lb[batch, head // g, kv_idx] * (q_idx - kv_idx).to(torch.float32)
+        return score + lb[batch, head // g, kv_idx] * (q_idx + first - kv_idx).to(torch.float32)
 
     if mask is None:
-        block_mask = _causal_block_mask(t, str(q.device))
+        block_mask = _causal_block_mask(n, t, str(q.device))
     else:
         from torch.nn.attention.flex_attention import create_block_mask
 
         def mask_mod(batch, head, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & mask[batch if mask.shape[0] > 1 else 0, 0, q_idx, kv_idx]
+            return (q_idx + first >= kv_idx) & mask[batch if mask.shape[0] > 1 else 0, 0, q_idx, kv_idx]
 
-        block_mask = create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=t, device=q.device)
+        block_mask = create_block_mask(mask_mod, B=b, H=None, Q_LEN=n, KV_LEN=t, device=q.device)
     return _compiled_flex_attention()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=g > 1)
 
 
@@ -393,11 +405,12 @@ def _compiled_flex_attention():
 
 
 @functools.lru_cache(maxsize=8)
-def _causal_block_mask(t: int, device: str):
-    """The causal block mask of length ``t`` (made once per length and device)."""
+def _causal_block_mask(n: int, t: int, device: str):
+    """The causal block mask of the last ``n`` of ``t`` positions' queries (made once per shape and device)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B=None, H=None, Q_LEN=t, KV_LEN=t, device=device)
+    first = t - n
+    return create_block_mask(lambda b, h, q_idx, kv_idx: q_idx + first >= kv_idx, B=None, H=None, Q_LEN=n, KV_LEN=t, device=device)
 
 
 def causal_importance(

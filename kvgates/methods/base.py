@@ -120,11 +120,18 @@ class TrainingStep:
         kwargs.setdefault("use_cache", kwargs.get("past_key_values") is not None)
         return self.model(input_ids=self.ids, attention_mask=self.attention_mask, logits_to_keep=1, **kwargs)
 
+    @property
+    def distilled_from(self) -> int:
+        """The first row any sequence of the batch distills (``completion``): the model's last layer computes only
+        the rows from there on (``GateTraining``'s ``rows_from``; 0 when nothing is distilled)."""
+        rows = self.completion.any(0)
+        return int(rows.int().argmax()) if bool(rows.any()) else 0
+
     def teacher_hidden(self, cache: Any = None) -> torch.Tensor:
         """``[n, d]`` the frozen model's final hidden states at the completion positions (plain attention, eval
         mode, no gradient, as the method's ``frozen`` context leaves the model; through ``cache`` when given: a
-        policy's cache leaves the logits unchanged and records what it would keep)."""
-        self.training.teach()
+        policy's cache leaves the logits unchanged and records what it would keep, so every row is computed)."""
+        self.training.teach(rows_from=0 if cache is not None else self.distilled_from)
         method = self.training.method
         with torch.no_grad(), eval_mode(self.model), method.frozen(self.training.model):
             out = self.forward(past_key_values=cache, output_hidden_states=True)
@@ -133,7 +140,7 @@ class TrainingStep:
     def student_hidden(self, **context: Any) -> torch.Tensor:
         """``[n, d]`` the student's final hidden states at the completion positions (``GateTraining.learn``
         with ``context``)."""
-        self.training.learn(**context)
+        self.training.learn(rows_from=self.distilled_from, **context)
         out = self.forward(output_hidden_states=True)
         return out.hidden_states[-1][:, :-1][self.completion]
 
@@ -194,6 +201,12 @@ class LearnedMethod:
     def teardown(self, model: nn.Module, gates: GateSet) -> None:
         """Undo ``setup`` once training is over (before the final evaluation runs other policies on ``model``).
         Default: nothing."""
+
+    def partial_queries(self, context: dict[str, Any]) -> bool:
+        """Whether ``attend`` with ``context`` takes the queries of a sequence's last rows only (``[B, H, n, D]``
+        against keys and values of all ``T`` rows, the queries at positions ``T - n ..``; ``GateTraining``'s
+        ``rows_from``). Default: no, the method's attention always gets every row's query."""
+        return False
 
     def check_context(self, gates: GateSet, context: dict[str, Any]) -> None:
         """``ValueError`` for a student context (``GateTraining.learn(**context)``) this method does not take.

@@ -533,8 +533,6 @@ class DMSMethod(LearnedMethod):
             raise ValueError(f"{self.name} student forwards take options=DMSOptions(...) only, got {', '.join(context) or 'none'}")
 
     def attend(self, training, module: nn.Module, query, key, value, attention_mask, scale, captured, **kwargs) -> torch.Tensor:
-        if query.shape[2] != key.shape[2]:
-            raise RuntimeError("DMS training attention runs on whole sequences without a cache (use_cache=False)")
         options = training.context["options"]
         logits = training.gates(module.layer_idx, captured).transpose(1, 2)  # [B, H_kv, T]
         z = gumbel_sigmoid_logits(logits, options.temperature, noise=training.gates.training)

@@ -66,9 +66,10 @@ class TrimKVMethod(LearnedMethod):
         if context.get("hard") is not None and self.global_budget:
             raise ValueError("hard eviction is per head; global gates rank across layers, which one layer cannot see")
 
+    def partial_queries(self, context: dict[str, Any]) -> bool:
+        return context.get("hard") is None  # hard eviction's masks are per row of the whole sequence
+
     def attend(self, training, module: nn.Module, query, key, value, attention_mask, scale, captured, **kwargs) -> torch.Tensor:
-        if query.shape[2] != key.shape[2]:
-            raise RuntimeError("gated training attention runs on whole sequences without a cache (use_cache=False)")
         log_beta = training.gates(module.layer_idx, captured).transpose(1, 2)  # [B, H_kv, T]
         training.records[LOG_BETA][module.layer_idx] = log_beta
         hard, soft = training.context.get("hard"), training.student_attention(query.device)
