@@ -141,6 +141,25 @@ def test_a_run_stopped_during_its_held_out_table_keeps_its_adapter(tiny_dir, tmp
     assert not gates.config.report and not (out / "report.md").exists()
 
 
+def test_a_failed_push_at_the_end_is_one_sentence_and_keeps_the_outputs(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Offline (here: ``HF_HUB_OFFLINE``), ``push_to_hub`` fails after the adapter and report are written: one sentence
+    naming the repository, why and where the outputs are, exit status 1, the outputs intact (it was a traceback)."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    out = tmp_path / "run"
+    assert main(["--config", str(write(tiny_config(tiny_dir, out, push_to_hub="me/tiny-gates"), tmp_path / "c.yaml"))]) == 1
+    printed, err = capsys.readouterr()
+    assert f"adapter: {out / 'adapter'}" in printed and "pushed:" not in printed
+    last = err.strip().splitlines()[-1]  # after the progress bars
+    assert "Traceback" not in err and err.count("train.py: ") == 1, err
+    assert last.startswith("train.py: could not push the adapter to the Hub repository me/tiny-gates (") and "offline mode" in last
+    assert f"kept locally at {out / 'adapter'} and {out / 'report.md'}" in last
+    assert last.endswith(f"hf upload me/tiny-gates {out / 'adapter'}")
+    assert "Held-out comparison" in (out / "report.md").read_text()
+    assert kvgates.load_gates(out / "adapter").config.training["steps"] == 4
+
+
 def test_a_run_can_continue_from_a_trained_adapter(tiny_dir, tmp_path, capsys):
     model, _ = kvgates.load_model(str(tiny_dir))
     start = kvgates.RetentionGates.for_model(model, gate_hidden=6, training_budget=48, init_bias=3.0).half()

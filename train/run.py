@@ -16,7 +16,8 @@ line rather than accelerate's ``CalledProcessError`` traceback; ``make train`` r
 Outputs in ``output_dir``: ``checkpoint-*`` (gate adapter + optimizer/scheduler/RNG/trainer state, no LLM),
 ``metrics.jsonl`` (every log line), ``run_config.json``, ``wandb/`` (offline unless ``WANDB_MODE`` says otherwise),
 and at the end ``adapter/`` (the best checkpoint's gates, with the held-out table in its model card) and
-``report.md``.
+``report.md``. With ``push_to_hub``, the adapter is then uploaded; a push that fails (no network, a refused token)
+is one sentence on stderr and exit status 1, the adapter and report kept as written.
 """
 
 from __future__ import annotations
@@ -391,8 +392,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     gates.config.report = f"{heading}\n\n{table}"
     gates.save_pretrained(adapter)
-    (out / "report.md").write_text(f"# {config.run_name}\n\n{heading}\n\n{table}\n\nValidation (best checkpoint): {validation}\n")
+    report = out / "report.md"
+    report.write_text(f"# {config.run_name}\n\n{heading}\n\n{table}\n\nValidation (best checkpoint): {validation}\n")
     print(f"\n{heading}\n\n{table}\n\nadapter: {adapter}  ({seconds / 60:.1f} min)")
     if config.push_to_hub:
-        print(f"pushed: {gates.push_to_hub(config.push_to_hub)}")
+        try:
+            print(f"pushed: {gates.push_to_hub(config.push_to_hub)}")
+        except kvgates.HubPushError as err:  # the run's outputs are complete on disk: say where, and how to push them
+            print(
+                f"train.py: could not push the adapter to the Hub repository {err.repo_id} ({err.reason}); the adapter and "
+                f"report are kept locally at {adapter} and {report}: check the network, HF_HUB_OFFLINE and your token, then "
+                f"upload it with hf upload {err.repo_id} {adapter}",
+                file=sys.stderr,
+            )
+            return 1
     return 0
