@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import huggingface_hub
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from transformers import PreTrainedTokenizerBase
 
 from data.splits import SPLITS
@@ -90,7 +92,8 @@ def check_readable(mix: list[dict[str, Any]]) -> None:
     * A local file the run reads whole (``text``/``jsonl`` without ``pack``) is loaded here as the run loads it,
       every line decoded and parsed and every row's text checked; ``datasets`` keeps the Arrow copy in its cache,
       so the run does not read the file again.
-    * A streamed source (``pack: true``) and a Hub dataset (``hf``) are opened and their first row read and checked.
+    * A streamed source (``pack: true``) and a Hub dataset (``hf``) are opened and their first row read and checked;
+      a Hub dataset first by one request (``_check_hub_reachable``), so that an unreachable Hub is said at once.
       Their other rows are left to run time (a packed source is read only as far as the run's rows need, a Hub
       dataset is downloaded whole only when the run builds its data), where a bad one stops the run with one
       sentence too (``build_dataset``), but after the model has loaded.
@@ -100,7 +103,9 @@ def check_readable(mix: list[dict[str, Any]]) -> None:
             continue
         whole = source["task"] != "hf" and not source.get("pack")
         try:
-            if source["task"] != "hf" and Path(source["path"]).is_file() and Path(source["path"]).stat().st_size == 0:
+            if source["task"] == "hf":
+                _check_hub_reachable(source["path"])
+            elif Path(source["path"]).is_file() and Path(source["path"]).stat().st_size == 0:
                 raise ValueError(f"{source['path']!r} is empty")
             rows = _external_rows(source, streaming=not whole)
             if not whole:
@@ -111,6 +116,25 @@ def check_readable(mix: list[dict[str, Any]]) -> None:
             _check_rows(source, rows)
         except ValueError as err:
             raise ValueError(f"data source {i} ({source['task']}): {err}") from None
+
+
+def _check_hub_reachable(path: str) -> None:
+    """``ValueError`` at once for a Hub dataset id when the Hub cannot be reached and ``HF_HUB_OFFLINE`` is not set:
+    ``datasets`` would wait through its downloads' retries (23 s, 46 s when the dataset's card is cached) before it
+    fails or falls back to its cache, which offline mode reads at once. One request, bounded by a timeout; a local
+    path, an offline run and any answer of the Hub (a dataset it does not know, a gated one) are left to ``datasets``,
+    which words them."""
+    if datasets.config.HF_HUB_OFFLINE or Path(path).exists():
+        return
+    try:
+        huggingface_hub.dataset_info(path, timeout=10)
+    except (HFValidationError, HfHubHTTPError):
+        return
+    except Exception as err:  # no network, no DNS, timeout
+        raise ValueError(
+            f"the Hub cannot be reached for the dataset {path!r} ({type(err).__name__}) and HF_HUB_OFFLINE is not set; "
+            "connect, or set HF_HUB_OFFLINE=1 to load it from the local cache"
+        ) from None
 
 
 def _check_rows(source: dict[str, Any], rows: datasets.Dataset) -> None:
@@ -131,8 +155,8 @@ def _check_rows(source: dict[str, Any], rows: datasets.Dataset) -> None:
 
 
 def _reason(err: BaseException) -> str:
-    """``Type: message`` of the error at the root of ``err`` (``datasets`` wraps a parser's error in a generic one)."""
-    while err.__cause__ is not None:
+    """``Type: message`` of ``err``, or of the error a generic ``DatasetGenerationError`` wraps (a parser's)."""
+    while isinstance(err, datasets.exceptions.DatasetGenerationError) and err.__cause__ is not None:
         err = err.__cause__
     text = " ".join(str(err).split())
     return f"{type(err).__name__}: {text}" if text else type(err).__name__

@@ -205,6 +205,34 @@ def test_a_hub_dataset_row_without_text_is_one_sentence_when_the_data_is_built(t
         build_dataset(tok, [source], "train", 2, 64, cache_dir=str(tmp_path / "c"))
 
 
+def test_an_unreachable_hub_is_said_at_once_without_offline_mode(tmp_path, monkeypatch):
+    """With the network down and ``HF_HUB_OFFLINE`` unset, a Hub dataset's check waited through datasets' download
+    retries (23 s) for its failure: one bounded request now says so at once, with what to do. Offline, and for a
+    local folder, nothing is asked of the Hub."""
+    import datasets
+    import huggingface_hub
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "dataset_info", unreachable)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("datasets was asked"))
+    message = ("data source 0 (hf): the Hub cannot be reached for the dataset 'team/corpus' (ConnectionError) and HF_HUB_OFFLINE "
+               "is not set; connect, or set HF_HUB_OFFLINE=1 to load it from the local cache")
+    with pytest.raises(ValueError, match=f"^{message}$".replace("(", "\\(").replace(")", "\\)")):
+        check_readable([{"task": "hf", "path": "team/corpus"}])
+
+    monkeypatch.undo()
+    monkeypatch.setattr(huggingface_hub, "dataset_info", lambda *a, **k: pytest.fail("the Hub was asked"))
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "train.jsonl").write_text('{"text": "a document"}\n')
+    check_readable([{"task": "hf", "path": str(tmp_path / "corpus")}])
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="could not load data source 'team/corpus' .*OfflineModeIsEnabled"):
+        check_readable([{"task": "hf", "path": "team/corpus"}])
+
+
 def test_essay_rows_can_be_longer_than_any_essay(tok, tmp_path):
     from data.corpus import essays_dir
 
