@@ -29,6 +29,7 @@ answer prefix and answer to the assistant turn); ``raw`` keeps plain text, as th
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections.abc import Sequence
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import huggingface_hub
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from transformers import PreTrainedTokenizerBase
 
 from data.splits import SPLITS
@@ -81,20 +84,82 @@ def check_mix(mix: list[dict[str, Any]]) -> None:
 
 
 def check_readable(mix: list[dict[str, Any]]) -> None:
-    """Read the first row of every ``hf``/``text``/``jsonl`` source of ``mix`` as a stream: ``ValueError`` (one
-    sentence naming the source) for one that cannot be loaded or read (a dataset neither cached nor reachable, a
-    folder, text that is not UTF-8, lines that are not JSON), so that a run finds it before it loads the model."""
+    """Check what a run will read from each ``hf``/``text``/``jsonl`` source of ``mix``, as far as that is cheap, so
+    that a run finds a bad source before it loads the model: ``ValueError``, one sentence naming the source and its
+    path (a dataset neither cached nor reachable, a folder, text that is not UTF-8, a line that is not JSON, rows
+    without the text the run takes: ``text_field``, or ``prompt`` and ``completion``).
+
+    * A local file the run reads whole (``text``/``jsonl`` without ``pack``) is loaded here as the run loads it,
+      every line decoded and parsed and every row's text checked; ``datasets`` keeps the Arrow copy in its cache,
+      so the run does not read the file again.
+    * A streamed source (``pack: true``) and a Hub dataset (``hf``) are opened and their first row read and checked;
+      a Hub dataset first by one request (``_check_hub_reachable``), so that an unreachable Hub is said at once.
+      Their other rows are left to run time (a packed source is read only as far as the run's rows need, a Hub
+      dataset is downloaded whole only when the run builds its data), where a bad one stops the run with one
+      sentence too (``build_dataset``), but after the model has loaded.
+    """
     for i, source in enumerate(mix):
         if source["task"] not in ("hf", "text", "jsonl"):
             continue
+        whole = source["task"] != "hf" and not source.get("pack")
         try:
-            rows = _external_rows(source, streaming=True)
+            if source["task"] == "hf":
+                _check_hub_reachable(source["path"])
+            elif Path(source["path"]).is_file() and Path(source["path"]).stat().st_size == 0:
+                raise ValueError(f"{source['path']!r} is empty")
+            rows = _external_rows(source, streaming=not whole)
+            if not whole:
+                try:
+                    rows = datasets.Dataset.from_list(list(itertools.islice(rows, 1)))
+                except Exception as err:  # datasets, pyarrow and the codecs raise many types
+                    raise ValueError(f"could not read {source['path']!r} ({_reason(err)})") from None
+            _check_rows(source, rows)
         except ValueError as err:
             raise ValueError(f"data source {i} ({source['task']}): {err}") from None
-        try:
-            next(iter(rows), None)
-        except Exception as err:  # datasets, pyarrow and the codecs raise many types
-            raise ValueError(f"data source {i} ({source['task']}): could not read {source['path']!r} ({type(err).__name__}: {err})") from None
+
+
+def _check_hub_reachable(path: str) -> None:
+    """``ValueError`` at once for a Hub dataset id when the Hub cannot be reached and ``HF_HUB_OFFLINE`` is not set:
+    ``datasets`` would wait through its downloads' retries (23 s, 46 s when the dataset's card is cached) before it
+    fails or falls back to its cache, which offline mode reads at once. One request, bounded by a timeout; a local
+    path, an offline run and any answer of the Hub (a dataset it does not know, a gated one) are left to ``datasets``,
+    which words them."""
+    if datasets.config.HF_HUB_OFFLINE or Path(path).exists():
+        return
+    try:
+        huggingface_hub.dataset_info(path, timeout=10)
+    except (HFValidationError, HfHubHTTPError):
+        return
+    except Exception as err:  # no network, no DNS, timeout
+        raise ValueError(
+            f"the Hub cannot be reached for the dataset {path!r} ({type(err).__name__}) and HF_HUB_OFFLINE is not set; "
+            "connect, or set HF_HUB_OFFLINE=1 to load it from the local cache"
+        ) from None
+
+
+def _check_rows(source: dict[str, Any], rows: datasets.Dataset) -> None:
+    """``ValueError`` unless every row gives the text a run takes from ``source``: its ``text_field`` (``text``) or,
+    without that column and unpacked, ``prompt`` and ``completion``."""
+    if len(rows) == 0:
+        raise ValueError(f"{source['path']!r} holds no rows")
+    field = source.get("text_field", "text")
+    names = [field] if field in rows.column_names or source.get("pack") else ["prompt", "completion"]
+    for name in names:
+        if name not in rows.column_names:
+            wanted = f"a {field!r} field" + ("" if source.get("pack") else " or 'prompt' and 'completion'")
+            raise ValueError(f"rows of {source['path']!r} need {wanted}; they have {', '.join(map(repr, rows.column_names))}")
+        kind, missing = rows.features[name], rows.data.column(name).null_count
+        if getattr(kind, "dtype", None) not in ("string", "large_string") or missing:
+            held = f"{missing} of its {len(rows)} rows have none" if missing else f"it holds {kind}"
+            raise ValueError(f"the {name!r} field of {source['path']!r} must be text in every row; {held}")
+
+
+def _reason(err: BaseException) -> str:
+    """``Type: message`` of ``err``, or of the error a generic ``DatasetGenerationError`` wraps (a parser's)."""
+    while isinstance(err, datasets.exceptions.DatasetGenerationError) and err.__cause__ is not None:
+        err = err.__cause__
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _external_rows(source: dict[str, Any], streaming: bool = False) -> datasets.Dataset | datasets.IterableDataset:
@@ -106,7 +171,7 @@ def _external_rows(source: dict[str, Any], streaming: bool = False) -> datasets.
         builder = "text" if source["task"] == "text" else "json"
         return datasets.load_dataset(builder, data_files=str(source["path"]), split="train", streaming=streaming)
     except Exception as err:  # datasets raises many types (missing, offline, malformed)
-        raise ValueError(f"could not load data source {source['path']!r} ({type(err).__name__}: {err})") from err
+        raise ValueError(f"could not load data source {source['path']!r} ({_reason(err)})") from err
 
 
 def _window(ids: Sequence[int], seq_len: int, completion_tokens: int, rng: random.Random) -> tuple[list[int], list[int]]:
@@ -129,7 +194,10 @@ class _PackedStream:
         self.passes = 0
 
     def _document(self) -> list[int]:
-        row = next(self.rows, None)
+        try:
+            row = next(self.rows, None)
+        except Exception as err:  # a row past those check_readable reads: datasets, pyarrow and the codecs raise many types
+            raise ValueError(f"could not read {self.source['path']!r} ({_reason(err)})") from None
         if row is None:
             if self.passes > 0 and not self.buffer:
                 raise ValueError(f"{self.source['path']!r} holds no text in the field {self.field!r} to pack")
@@ -200,6 +268,8 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
     rng = random.Random(f"mix:{split}:{seed}")
     weights = [s.get("weight", 1.0) for s in mix]
     external = {i: _external_rows(s) for i, s in enumerate(mix) if s["task"] in ("hf", "text", "jsonl") and not s.get("pack")}
+    for i, rows in external.items():
+        _check_rows(mix[i], rows)  # a Hub dataset's rows past the first one check_readable reads
     packed = {i: _PackedStream(s, tokenizer, seed) for i, s in enumerate(mix) if s.get("pack")}
     built: list[dict[str, Any]] = []
     pending: dict[int, list[int]] = {}  # continuation rows by their number of new tokens
@@ -227,10 +297,8 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
             if field in row:
                 ids = tokenizer(row[field], add_special_tokens=False)["input_ids"]
                 prompt_ids, completion_ids = _window(ids, seq_len, options.get("completion_tokens", 64), rng)
-            elif "prompt" in row and "completion" in row:
+            else:  # then every row has a prompt and a completion (_check_rows)
                 prompt_ids, completion_ids = _encode(tokenizer, row["prompt"], row["completion"], fmt)
-            else:
-                raise ValueError(f"rows of {source['path']!r} need a {field!r} field or 'prompt' and 'completion'")
         else:
             ex = make_example(task, tokenizer, split, seq_len, seed=seed * 1_000_003 + index, template_set=template_set, **options)
             template = ex["template"]
@@ -264,7 +332,8 @@ def build_dataset(
 
     Built with ``datasets.Dataset.from_generator``: the result is cached on disk (under ``cache_dir``, default the
     🤗 datasets cache) keyed by every argument, so a second run with the same config loads it instead of
-    regenerating it. Same arguments, same rows.
+    regenerating it. Same arguments, same rows. A source that cannot be loaded or gives a row without text raises
+    ``ValueError`` (one sentence naming its path; ``check_readable`` finds most of these before a run loads its model).
     """
     check_mix(mix)
     if split not in SPLITS:
@@ -275,15 +344,20 @@ def build_dataset(
         raise ValueError(f"need num_examples >= 1 and seq_len >= 64, got {num_examples} and {seq_len}")
     if model is None and any(source["task"] == "continuations" for source in mix):
         raise ValueError("a 'continuations' source is written by the model: pass build_dataset a model")
-    return datasets.Dataset.from_generator(
-        _generate,
-        gen_kwargs={
-            # A list-valued keyword would be split into shards by ``from_generator``: the mix travels as JSON.
-            "tokenizer": tokenizer, "mix_json": json.dumps(mix, sort_keys=True), "split": split, "num_examples": num_examples,
-            "seq_len": seq_len, "seed": seed, "fmt": fmt, "template_set": template_set, "model": model,
-        },
-        cache_dir=cache_dir,
-    )
+    try:
+        return datasets.Dataset.from_generator(
+            _generate,
+            gen_kwargs={
+                # A list-valued keyword would be split into shards by ``from_generator``: the mix travels as JSON.
+                "tokenizer": tokenizer, "mix_json": json.dumps(mix, sort_keys=True), "split": split, "num_examples": num_examples,
+                "seq_len": seq_len, "seed": seed, "fmt": fmt, "template_set": template_set, "model": model,
+            },
+            cache_dir=cache_dir,
+        )
+    except datasets.exceptions.DatasetGenerationError as err:
+        if isinstance(err.__cause__, ValueError):  # a source's own sentence (a row it cannot use), not datasets' wrapper
+            raise err.__cause__ from None
+        raise
 
 
 def summarize(dataset: datasets.Dataset) -> str:

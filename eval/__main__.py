@@ -9,14 +9,14 @@
 ``ab`` reads the config (``base:`` and ``key=value`` overrides, as ``kvgates.config`` reads them; with ``--quick``,
 a key its quick section sets is overridden there: ``quick.budgets=[64]``), validates the whole of it (arms, budgets,
 tasks, adapters, the model's config) before any model work, runs every arm at every budget on the same examples,
-journals each result to ``results.jsonl`` (an interrupted run resumes; ``--fresh`` starts over) and writes
-``results.json``, ``report.md`` and PNG plots to the output folder. ``--report-only``
-writes them from the results journalled so far, without loading the model (the progress of a long run); a folder
-with no results yet is an error. ``seconds`` in ``results.json`` is the wall time of the invocations that computed,
-summed: a re-run adds its own, ``--report-only`` adds nothing, ``--fresh`` starts from zero. Every user error is one
-sentence on stderr and exit status 2, leaving no empty output folder. Configs write under ``outputs/``
-(git-ignored); the committed reports under ``docs/`` are regenerated only on purpose, by naming them:
-``--out docs/reference``.
+journals each result to ``results.jsonl`` (an interrupted run resumes, and one with every result journalled reports
+them without loading the model; ``--fresh`` starts over) and writes ``results.json``, ``report.md`` and PNG plots to
+the output folder. ``--report-only`` writes them from the results journalled so far, without loading the model (the
+progress of a long run); a folder with no results yet is an error. ``seconds`` in ``results.json`` is the wall time
+of the invocations that computed, summed: a re-run adds its own, ``--report-only`` adds nothing, ``--fresh`` starts
+from zero. Every user error is one sentence on stderr and exit status 2, leaving no empty output folder. Configs
+write under ``outputs/`` (git-ignored); the committed reports under ``docs/`` are regenerated only on purpose, by
+naming them: ``--out docs/reference``.
 """
 
 from __future__ import annotations
@@ -64,11 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(config.output_dir)
         made = not out.exists()
         from eval.report import write_report
-        from eval.runner import has_results, run_ab
+        from eval.runner import has_results, missing_results, run_ab
 
         if args.report_only and not has_results(config):
             raise ConfigError(f"{out} holds no results of this config yet; run it without --report-only first")
-        if not args.report_only:
+        if not args.report_only and (args.fresh or missing_results(config)):  # a complete journal needs no model
             check_model_source(config.model)
         results = run_ab(config, resume=not args.fresh, compute=not args.report_only)
     except (ConfigError, kvgates.AdapterError, kvgates.UnsupportedModelError) as err:

@@ -118,10 +118,13 @@ def run_ab(
     """Run every (task, example, arm, budget) not already journalled and return all rows and comparisons.
 
     ``compute=False`` runs nothing (no model is loaded): the results are what the journal holds so far, and
-    comparisons use the examples both arms have, so a long run's progress can be reported while it goes on.
+    comparisons use the examples both arms have, so a long run's progress can be reported while it goes on. A
+    resumed run whose results are all journalled (in its own journal or one it reuses) loads no model either: its
+    results were computed, and their context checked, under the same keys.
     """
     start = time.perf_counter()
-    if compute:  # a task past the model's context is refused before the folder is made or anything adopted into it
+    work = compute and (not resume or missing_results(config) > 0)
+    if work:  # a task past the model's context is refused before the folder is made or anything adopted into it
         if model is None:
             model, tokenizer = kvgates.load_model(config.model)
         check_context(config, model)
@@ -138,7 +141,7 @@ def run_ab(
         print(f"{reused} of {len(keys)} results are already journalled in {journal} (--fresh recomputes them all)")
     if resume and config.reuse:
         _adopt(config, keys, done, journal)
-    if compute:
+    if work:
         _compute(config, model, tokenizer, done, journal)
     rows = [done[key] for key in keys if key in done]
     seconds = sum(r["seconds"] for r in rows)
@@ -155,12 +158,24 @@ def _recorded_seconds(config: ABConfig) -> float | None:
         return None  # a report killed mid-write: its time is lost
 
 
+def _journalled(config: ABConfig) -> tuple[set[str], set[str]]:
+    """Keys of all of ``config``'s results, and those of them the run's journal or a journal it reuses holds."""
+    keys = set(_keys(config))
+    journals = [Path(config.output_dir) / JOURNAL, *map(Path, config.reuse)]
+    return keys, keys & {key for journal in journals for key in load_journal(journal)}
+
+
 def has_results(config: ABConfig) -> bool:
     """Whether the run's journal, or a journal it reuses, holds any result of ``config`` (what ``--report-only``
     needs to report anything)."""
-    keys = set(_keys(config))
-    journals = [Path(config.output_dir) / JOURNAL, *map(Path, config.reuse)]
-    return any(keys & set(load_journal(j)) for j in journals)
+    return bool(_journalled(config)[1])
+
+
+def missing_results(config: ABConfig) -> int:
+    """How many of ``config``'s results neither the run's journal nor a journal it reuses holds: what a resumed run
+    computes (with none, it loads no model)."""
+    keys, journalled = _journalled(config)
+    return len(keys - journalled)
 
 
 def _adopt(config: ABConfig, keys: list[str], done: dict[str, dict], journal: Path) -> None:

@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "AdapterError": "kvgates.errors",
     "ConfigError": "kvgates.errors",
+    "HubPushError": "kvgates.errors",
     "UnsupportedModelError": "kvgates.errors",
     "GateSet": "kvgates.gates",
     "GlobalRetentionGates": "kvgates.gates",
@@ -63,7 +64,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ imports them
-    from kvgates.errors import AdapterError, ConfigError, UnsupportedModelError  # noqa: F401
+    from kvgates.errors import AdapterError, ConfigError, HubPushError, UnsupportedModelError  # noqa: F401
     from kvgates.gates import GateSet, GlobalRetentionGates, RetainingHeads, RetentionGates, load_gates  # noqa: F401
     from kvgates.models import EMBEDDED_MODELS, check_supported, load_model, model_fingerprint, prepare_model  # noqa: F401
     from kvgates.policies import POLICIES, Policy, Schedule, make_policy, register_policy  # noqa: F401

@@ -2,7 +2,7 @@
 
 import pytest
 
-from data.build import build_dataset, check_mix, summarize
+from data.build import build_dataset, check_mix, check_readable, summarize
 from data.splits import SPLITS, essay_split, make_essay_split, split_text
 from data.tasks import HAYSTACK_TASKS, TASKS, TEMPLATES, make_example, n_tokens, score, templates
 
@@ -158,6 +158,79 @@ def test_packed_source_streams_documents_into_rows_of_exactly_seq_len(tok, tmp_p
     assert set(pieces[1:-1]) <= set(docs)  # whole documents, in the stream's order, across row boundaries
     with pytest.raises(ValueError, match="pack must be true or false"):
         check_mix([{"task": "jsonl", "path": str(path), "pack": "yes"}])
+
+
+def test_a_file_read_whole_is_checked_to_its_last_row_and_a_stream_at_its_first(tmp_path):
+    """``check_readable`` reads an unpacked local file as the run will, all of it: a bad line past the first 10 MB
+    (what a stream's first read covers, so it once passed the check and failed after the model loaded) and rows
+    without text are one sentence naming the file. A packed source is read at run time only as far as its rows need:
+    the check reads its first row."""
+    import json
+
+    good = json.dumps({"text": "a line of text " * 20}) + "\n"
+    late = tmp_path / "late.jsonl"
+    late.write_text(good * ((11 << 20) // len(good)) + "not json\n")
+    with pytest.raises(ValueError, match=f"data source 0 \\(jsonl\\): could not load data source '{late}' \\(ArrowInvalid: JSON parse error"):
+        check_readable([{"task": "jsonl", "path": str(late)}])
+    check_readable([{"task": "jsonl", "path": str(late), "pack": True}])
+    (tmp_path / "late.txt").write_bytes(b"text\n" * ((11 << 20) // 5) + b"\xff\xfe\n")
+    with pytest.raises(ValueError, match="data source 1 \\(text\\): could not load data source .*late.txt' \\(UnicodeDecodeError"):
+        check_readable([{"task": "essays"}, {"task": "text", "path": str(tmp_path / "late.txt")}])
+
+    cases = {
+        "fieldless.jsonl": ('{"body": "x"}\n', "rows of '{}' need a 'text' field or 'prompt' and 'completion'; they have 'body'"),
+        "gap.jsonl": ('{"text": "x"}\n{"title": "y"}\n', "the 'text' field of '{}' must be text in every row; 1 of its 2 rows have none"),
+        "numbers.jsonl": ('{"text": 1}\n', "the 'text' field of '{}' must be text in every row; it holds Value\\('int64'\\)"),
+        "empty.jsonl": ("", "'{}' is empty"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=message.format(tmp_path / name)):
+            check_readable([{"task": "jsonl", "path": str(tmp_path / name)}])
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "Say hi.", "completion": " Hi."}\n')
+    check_readable([{"task": "jsonl", "path": str(tmp_path / "pairs.jsonl")}])
+    with pytest.raises(ValueError, match="rows of '.*pairs.jsonl' need a 'text' field; they have 'prompt', 'completion'"):
+        check_readable([{"task": "jsonl", "path": str(tmp_path / "pairs.jsonl"), "pack": True}])  # packing takes text only
+
+
+def test_a_hub_dataset_row_without_text_is_one_sentence_when_the_data_is_built(tok, tmp_path):
+    """A ``datasets`` source is checked at its first row before a run; its other rows when the data is built, where a
+    row without text is the same sentence naming the source (it was a tokenizer error inside datasets' wrapper)."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text('{"text": "a document"}\n{"title": "no text"}\n')
+    source = {"task": "hf", "path": str(folder)}
+    check_readable([source])
+    with pytest.raises(ValueError, match=f"^the 'text' field of '{folder}' must be text in every row; 1 of its 2 rows have none$"):
+        build_dataset(tok, [source], "train", 2, 64, cache_dir=str(tmp_path / "c"))
+
+
+def test_an_unreachable_hub_is_said_at_once_without_offline_mode(tmp_path, monkeypatch):
+    """With the network down and ``HF_HUB_OFFLINE`` unset, a Hub dataset's check waited through datasets' download
+    retries (23 s) for its failure: one bounded request now says so at once, with what to do. Offline, and for a
+    local folder, nothing is asked of the Hub."""
+    import datasets
+    import huggingface_hub
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "dataset_info", unreachable)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("datasets was asked"))
+    message = ("data source 0 (hf): the Hub cannot be reached for the dataset 'team/corpus' (ConnectionError) and HF_HUB_OFFLINE "
+               "is not set; connect, or set HF_HUB_OFFLINE=1 to load it from the local cache")
+    with pytest.raises(ValueError, match=f"^{message}$".replace("(", "\\(").replace(")", "\\)")):
+        check_readable([{"task": "hf", "path": "team/corpus"}])
+
+    monkeypatch.undo()
+    monkeypatch.setattr(huggingface_hub, "dataset_info", lambda *a, **k: pytest.fail("the Hub was asked"))
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "train.jsonl").write_text('{"text": "a document"}\n')
+    check_readable([{"task": "hf", "path": str(tmp_path / "corpus")}])
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="could not load data source 'team/corpus' .*OfflineModeIsEnabled"):
+        check_readable([{"task": "hf", "path": "team/corpus"}])
 
 
 def test_essay_rows_can_be_longer_than_any_essay(tok, tmp_path):

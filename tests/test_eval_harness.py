@@ -469,6 +469,33 @@ def test_report_only_keeps_the_wall_time_of_the_runs_that_computed(tmp_path, tok
     assert main(["ab", "--config", str(path), "--report-only"]) == 0 and record() is None
 
 
+def test_a_resumed_run_with_every_result_journalled_loads_no_model(tmp_path, tok, model, monkeypatch, capsys):
+    """A re-run of a finished config, or a run whose results all come from a journal it reuses, has nothing to
+    compute: it prints and writes the same report without checking or loading the model (it once loaded it to run
+    nothing); ``--fresh`` still computes."""
+    import eval.__main__ as cli
+
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: (model, tok))
+    out, again = tmp_path / "out", tmp_path / "again"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"arms": ["h2o"], "budgets": [16], "tasks": [TASKS[3]], "output_dir": str(out)}))
+    assert main(["ab", "--config", str(path)]) == 0
+    printed, report = capsys.readouterr().out, (out / "report.md").read_text()
+
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(cli, "check_model_source", lambda *a, **k: pytest.fail("the model was checked"))
+    assert main(["ab", "--config", str(path)]) == 0
+    resumed = capsys.readouterr().out
+    assert resumed == f"4 of 4 results are already journalled in {out / JOURNAL} (--fresh recomputes them all)\n" + printed
+    assert (out / "report.md").read_text() == report
+    # Another folder whose results all come from the first run's journal: copied into its own, nothing computed.
+    assert main(["ab", "--config", str(path), f"output_dir={again}", f"reuse=[{out / JOURNAL}]"]) == 0
+    assert "4 of 4 results reused from" in capsys.readouterr().out
+    assert sorted((again / JOURNAL).read_text().splitlines()) == sorted((out / JOURNAL).read_text().splitlines())
+    with pytest.raises(pytest.fail.Exception, match="the model was checked"):
+        main(["ab", "--config", str(path), "--fresh"])
+
+
 def test_a_run_reads_each_adapter_once(tmp_path, tok, model, monkeypatch):
     """Validating the config reads an adapter; preparing the arms and building their policies reuse it, also when
     two arms name the same one."""

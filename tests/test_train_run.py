@@ -141,6 +141,25 @@ def test_a_run_stopped_during_its_held_out_table_keeps_its_adapter(tiny_dir, tmp
     assert not gates.config.report and not (out / "report.md").exists()
 
 
+def test_a_failed_push_at_the_end_is_one_sentence_and_keeps_the_outputs(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Offline (here: ``HF_HUB_OFFLINE``), ``push_to_hub`` fails after the adapter and report are written: one sentence
+    naming the repository, why and where the outputs are, exit status 1, the outputs intact (it was a traceback)."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    out = tmp_path / "run"
+    assert main(["--config", str(write(tiny_config(tiny_dir, out, push_to_hub="me/tiny-gates"), tmp_path / "c.yaml"))]) == 1
+    printed, err = capsys.readouterr()
+    assert f"adapter: {out / 'adapter'}" in printed and "pushed:" not in printed
+    last = err.strip().splitlines()[-1]  # after the progress bars
+    assert "Traceback" not in err and err.count("train.py: ") == 1, err
+    assert last.startswith("train.py: could not push the adapter to the Hub repository me/tiny-gates (") and "offline mode" in last
+    assert f"kept locally at {out / 'adapter'} and {out / 'report.md'}" in last
+    assert last.endswith(f"hf upload me/tiny-gates {out / 'adapter'}")
+    assert "Held-out comparison" in (out / "report.md").read_text()
+    assert kvgates.load_gates(out / "adapter").config.training["steps"] == 4
+
+
 def test_a_run_can_continue_from_a_trained_adapter(tiny_dir, tmp_path, capsys):
     model, _ = kvgates.load_model(str(tiny_dir))
     start = kvgates.RetentionGates.for_model(model, gate_hidden=6, training_budget=48, init_bias=3.0).half()
@@ -349,21 +368,24 @@ def test_an_output_dir_that_is_a_file_is_refused_before_the_model_loads(tiny_dir
 @pytest.mark.parametrize(
     "task, path, message",
     [
-        ("text", "binary.txt", "data source 0 (text): could not read"),
+        ("text", "binary.txt", "data source 0 (text): could not load data source"),
         ("jsonl", "folder", "data source 0 (jsonl): could not load data source"),
-        ("jsonl", "plain.txt", "data source 0 (jsonl): could not read"),
+        ("jsonl", "plain.txt", "data source 0 (jsonl): could not load data source"),
+        ("jsonl", "fieldless.jsonl", "data source 0 (jsonl): rows of"),
         ("hf", "nobody/no-such-dataset", "data source 0 (hf): could not load data source 'nobody/no-such-dataset'"),
     ],
 )
 def test_a_data_source_that_cannot_be_read_is_refused_before_the_model_loads(tiny_dir, tmp_path, capsys, monkeypatch, task, path, message):
-    """A dataset that is neither cached nor reachable, a folder, text that is not UTF-8, lines that are not JSON: one
-    sentence at --check and before the model loads, nothing written (they used to fail after the model loaded, in
-    a datasets traceback that left run_config.json behind)."""
+    """A dataset that is neither cached nor reachable, a folder, text that is not UTF-8, lines that are not JSON, rows
+    without text: one sentence (the last line, after datasets' progress bars) at --check and before the model loads,
+    nothing written (they used to fail after the model loaded, in a datasets traceback that left run_config.json
+    behind)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe not text\n")
     (tmp_path / "plain.txt").write_text("not json\n")
+    (tmp_path / "fieldless.jsonl").write_text('{"body": "no text"}\n')
     (tmp_path / "folder").mkdir()
     source = {"task": task, "path": path if task == "hf" else str(tmp_path / path)}
     out = tmp_path / "never"
@@ -371,8 +393,25 @@ def test_a_data_source_that_cannot_be_read_is_refused_before_the_model_loads(tin
     for check in ([], ["--check"]):
         assert main(["--config", str(config), *check]) == 2
         err = capsys.readouterr().err.strip()
-        assert f"data.mix: {message}" in err and len(err.splitlines()) == 1 and err.startswith("train.py: "), err
+        last = err.splitlines()[-1]
+        assert f"data.mix: {message}" in last and last.startswith("train.py: ") and err.count("train.py: ") == 1, err
         assert not out.exists()
+
+
+def test_a_data_error_found_once_the_model_is_loaded_is_one_sentence_and_leaves_no_folder(tiny_dir, tmp_path, capsys):
+    """A Hub dataset (here a local dataset folder) is checked at its first row before the model loads; a later row
+    without text stops the run when its data is built: one sentence naming the source, exit status 2, no folder
+    left (it was a datasets traceback)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.jsonl").write_text('{"text": "a document of some words"}\n{"title": "no text"}\n')
+    out = tmp_path / "run"
+    config = write(tiny_config(tiny_dir, out, data={"seq_len": 96, "mix": [{"task": "hf", "path": str(corpus)}]}), tmp_path / "c.yaml")
+    assert main(["--config", str(config), "--check"]) == 0
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines()[-1] == f"train.py: data.mix: the 'text' field of '{corpus}' must be text in every row; 1 of its 2 rows have none"
+    assert "Traceback" not in err and not out.exists()
 
 
 def test_invalid_yaml_is_one_line(tmp_path, capsys):

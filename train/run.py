@@ -3,20 +3,22 @@
     accelerate launch train.py                                       # configs/train/quickstart.yaml
     accelerate launch train.py --config configs/train/trimkv-256.yaml training.max_steps=200
     accelerate launch train.py --config ... --resume                  # continue from the last checkpoint
-    python train.py --config ... --check                              # validate only: loads no model, writes nothing
+    python train.py --config ... --check                              # validate only: loads no model, writes no output
 
 On the CPU add ``--num_cpu_threads_per_process $(nproc)`` (as ``make train`` does): a bare ``accelerate launch``
 exports ``OMP_NUM_THREADS=1``, and the run then says it trains on one thread (``cpu_threads_note``).
 
-The config, the model (without its weights), ``gates.init_from`` and the output folder are all checked before the
-model loads or anything is written; every such error is one sentence on stderr and exit status 2 (under
-``accelerate launch``, which reports a failed script as status 1, pass ``--quiet`` so that the sentence is the last
-line rather than accelerate's ``CalledProcessError`` traceback; ``make train`` runs ``--check`` first).
+The config, the model (without its weights), the data sources (``data.build.check_readable``: what is cheap to read
+of them), ``gates.init_from`` and the output folder are all checked before the model loads or anything is written;
+every such error is one sentence on stderr and exit status 2 (under ``accelerate launch``, which reports a failed
+script as status 1, pass ``--quiet`` so that the sentence is the last line rather than accelerate's
+``CalledProcessError`` traceback; ``make train`` runs ``--check`` first).
 
 Outputs in ``output_dir``: ``checkpoint-*`` (gate adapter + optimizer/scheduler/RNG/trainer state, no LLM),
 ``metrics.jsonl`` (every log line), ``run_config.json``, ``wandb/`` (offline unless ``WANDB_MODE`` says otherwise),
 and at the end ``adapter/`` (the best checkpoint's gates, with the held-out table in its model card) and
-``report.md``.
+``report.md``. With ``push_to_hub``, the adapter is then uploaded; a push that fails (no network, a refused token)
+is one sentence on stderr and exit status 1, the adapter and report kept as written.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue the run in output_dir from its last checkpoint")
     parser.add_argument(
         "--check", action="store_true",
-        help="check the config, the model, gates.init_from and output_dir without loading the model or writing anything",
+        help="check the config, the model, the data sources, gates.init_from and output_dir without loading the model or writing output",
     )
     parser.add_argument("overrides", nargs="*", help="single-key overrides, e.g. training.max_steps=20 budget=128")
     return parser.parse_args(argv)
@@ -283,10 +285,13 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
 
     # Data: training rows from the train essays; validation on validation essays.
     data = config.data
-    train_rows = build_dataset(
-        tokenizer, data.mix, "train", data.train_examples, data.seq_len, data.seed, data.format, model=config.model
-    )
-    validator = Validator.build(config, tokenizer)
+    try:
+        train_rows = build_dataset(
+            tokenizer, data.mix, "train", data.train_examples, data.seq_len, data.seed, data.format, model=config.model
+        )
+        validator = Validator.build(config, tokenizer)
+    except ValueError as err:  # a row past what check_sources reads (a packed or Hub source's)
+        raise ConfigError(f"data.mix: {err}") from None
 
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
@@ -391,8 +396,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     gates.config.report = f"{heading}\n\n{table}"
     gates.save_pretrained(adapter)
-    (out / "report.md").write_text(f"# {config.run_name}\n\n{heading}\n\n{table}\n\nValidation (best checkpoint): {validation}\n")
+    report = out / "report.md"
+    report.write_text(f"# {config.run_name}\n\n{heading}\n\n{table}\n\nValidation (best checkpoint): {validation}\n")
     print(f"\n{heading}\n\n{table}\n\nadapter: {adapter}  ({seconds / 60:.1f} min)")
     if config.push_to_hub:
-        print(f"pushed: {gates.push_to_hub(config.push_to_hub)}")
+        try:
+            print(f"pushed: {gates.push_to_hub(config.push_to_hub)}")
+        except kvgates.HubPushError as err:  # the run's outputs are complete on disk: say where, and how to push them
+            print(
+                f"train.py: could not push the adapter to the Hub repository {err.repo_id} ({err.reason}); the adapter and "
+                f"report are kept locally at {adapter} and {report}: check the network, HF_HUB_OFFLINE and your token, then "
+                f"upload it with hf upload {err.repo_id} {adapter}",
+                file=sys.stderr,
+            )
+            return 1
     return 0

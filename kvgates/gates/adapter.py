@@ -27,7 +27,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
-from kvgates.errors import AdapterError
+from kvgates.errors import AdapterError, HubPushError
 from kvgates.gates.modules import GlobalRetentionTrunk, RetainingHead, RetentionGate, SharedRetentionHead
 from kvgates.typecheck import field_problems
 
@@ -319,7 +319,7 @@ class GateSet(nn.Module):
         commit_message: str = "Upload kvgates gate adapter",
     ) -> str:
         """Create (if needed) the Hub model repository ``repo_id`` and upload the adapter; returns the commit URL.
-        ``ConnectionError`` (one sentence) when the Hub cannot be reached or refuses the upload."""
+        ``HubPushError`` (a ``ConnectionError``, one sentence) when the Hub cannot be reached or refuses the upload."""
         from huggingface_hub import HfApi
 
         api = HfApi(endpoint=endpoint, token=token)
@@ -329,11 +329,7 @@ class GateSet(nn.Module):
                 api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
                 info = api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=commit_message, repo_type="model")
             except Exception as err:  # the Hub client raises many types (offline mode, no network, auth, HTTP errors)
-                reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise ConnectionError(
-                    f"could not push the adapter to the Hub repository {repo_id} ({reason}); check the network, "
-                    "HF_HUB_OFFLINE and your token, or save it with save_pretrained and upload it later"
-                ) from err
+                raise HubPushError(repo_id, str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__) from err
         return str(getattr(info, "commit_url", info))
 
     def model_card(self) -> str:
