@@ -9,7 +9,8 @@ For each sequence length and gate kind, interleaving the two in every round (med
 * teacher forward: the frozen model over the sequence, plain attention, no gradient (what inference costs);
 * training step: ``train.trainer.gate_loss`` (TRIM-KV: teacher forward + gated student forward + losses; Locret:
   one labelling forward + the regression; DMS: teacher forward + delayed-eviction student forward + losses) with
-  its backward and an AdamW step on the gates.
+  its backward and an AdamW step on the gates, distilling the last ``--completion`` rows (so the model's last layer
+  runs on those rows only, as in a run: ``GateTraining``'s ``rows_from``).
 
 It prints seconds, the ratio step / teacher forward, and the peak memory each adds: on CUDA the GPU's
 (``torch.cuda.max_memory_allocated`` above what was allocated before), elsewhere the process's resident memory
