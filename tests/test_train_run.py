@@ -954,47 +954,100 @@ def test_gpu_training_attention_hands_the_fused_kernels_what_they_take(tiny_dir,
             assert any("head dims" in p for found in problems for p in found)
 
 
-@pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("kind", ["trimkv", "trimkv-global", "trimkv+hard", "dms"])
-def test_the_last_layer_on_the_distilled_rows_alone_gives_the_loss_and_gradients_of_every_row(tiny_dir, kind, padded, monkeypatch):
-    """A step runs the model's last layer on the rows it distills (``TrainingStep.distilled_from``): its loss and
-    gate gradients are those of the whole layer (attention cut for TRIM-KV's soft student and the teacher; the
-    output projection and MLP for every method)."""
+def _step_with_and_without_the_cut(model, gates, config, batch, monkeypatch) -> dict[bool, tuple]:
+    """One step's ``(loss, gate gradients, rows)`` with the model's last layer on the distilled rows (``True``) and
+    on every row (``False``: ``TrainingStep.distilled_from`` 0); ``rows``: the rows the last layer's ``mlp`` and
+    ``o_proj`` (when it has one) and the exact gated attention computed, per call (a backward's recomputation
+    included)."""
     from kvgates.methods.base import TrainingStep
     from train.trainer import gate_loss
 
+    last, exact = model.model.layers[-1], ATTENTIONS["exact"]
+    modules = {"mlp": last.mlp, "o_proj": getattr(last.self_attn, "o_proj", None)}
+    runs = {}
+    for cut in (True, False):
+        rows = {"mlp": [], "o_proj": [], "student": []}
+        with monkeypatch.context() as patch:
+            if not cut:
+                patch.setattr(TrainingStep, "distilled_from", property(lambda self: 0))
+            patch.setitem(ATTENTIONS, "exact", lambda q, *a, seen=rows["student"], **k: seen.append(q.shape[2]) or exact(q, *a, **k))
+            handles = [
+                module.register_forward_hook(lambda m, args, out, seen=rows[name]: seen.append(args[0].shape[1]))
+                for name, module in modules.items() if module is not None
+            ]
+            torch.manual_seed(0)  # DMS's gates draw Gumbel noise in train mode
+            with GateTraining(model, gates) as run:
+                loss, _ = gate_loss(model, model.lm_head, run, config, batch, 8.0, 0.0)
+                loss.backward()
+            for handle in handles:
+                handle.remove()
+        runs[cut] = loss.detach(), [p.grad.clone() for p in gates.parameters()], rows
+        gates.zero_grad(set_to_none=True)
+    return runs
+
+
+def _assert_same_step(runs: dict[bool, tuple]) -> None:
+    (loss, grads, _), (whole_loss, whole_grads, _) = runs[True], runs[False]
+    torch.testing.assert_close(loss, whole_loss, atol=1e-6, rtol=1e-5)
+    for grad, whole in zip(grads, whole_grads, strict=True):
+        torch.testing.assert_close(grad, whole, atol=1e-7, rtol=1e-4)
+
+
+@pytest.mark.parametrize("padded, checkpointed", [(False, None), (True, None), (True, "early stop"), (True, "whole layers")])
+@pytest.mark.parametrize("kind", ["trimkv", "trimkv-global", "trimkv+hard", "dms"])
+def test_the_last_layer_on_the_distilled_rows_alone_gives_the_loss_and_gradients_of_every_row(tiny_dir, kind, padded, checkpointed, monkeypatch):
+    """A step runs the model's last layer on the rows it distills (``TrainingStep.distilled_from``): its loss and
+    gate gradients are those of the whole layer (attention cut for TRIM-KV's soft student and the teacher; the
+    output projection and MLP for every method), also under ``training.activation_checkpointing``, whose backward
+    recomputes the student's layers with the last one on the distilled rows again: up to its attention and output
+    projection (where torch's default early stop ends the recomputation, as on a plain model) or, without early
+    stop, all of it."""
     model, _ = kvgates.load_model(str(tiny_dir))
     model.requires_grad_(False)
+    if checkpointed:  # as train.run sets it up; the Trainer trains in train mode (the teacher runs in eval mode)
+        model.activation_checkpointing_enable({"use_reentrant": False})
+        model.train()
     config = TrainConfig.from_dict({"budget": 8, "data": {"seq_len": 64}, **GPU_KINDS[kind]})
     torch.manual_seed(0)
     gates = GATE_KINDS[config.gate_kind].for_model(model, gate_hidden=8, init_bias=2.0)
-    batch = gate_batch(padded)
-    last, exact = model.model.layers[-1], ATTENTIONS["exact"]
-    runs = {}
-    for cut in (True, False):
-        if not cut:
-            monkeypatch.setattr(TrainingStep, "distilled_from", property(lambda self: 0))
-        rows = {"mlp": [], "o_proj": [], "student": []}  # the rows each module computed, per forward
-        monkeypatch.setitem(ATTENTIONS, "exact", lambda q, *a, seen=rows["student"], **k: seen.append(q.shape[2]) or exact(q, *a, **k))
-        handles = [
-            module.register_forward_hook(lambda m, args, out, seen=rows[name]: seen.append(args[0].shape[1]))
-            for name, module in (("mlp", last.mlp), ("o_proj", last.self_attn.o_proj))
-        ]
-        with GateTraining(model, gates) as run:
-            loss, _ = gate_loss(model, model.lm_head, run, config, batch, 8.0, 0.0)
-            loss.backward()
-        for handle in handles:
-            handle.remove()
-        runs[cut] = loss.detach(), [p.grad.clone() for p in gates.parameters()], rows
-        gates.zero_grad(set_to_none=True)
-    (loss, grads, rows), (whole_loss, whole_grads, whole_rows) = runs[True], runs[False]
-    # Teacher and student: rows 47 .. 63 (the completion's 48 ..); TRIM-KV's soft student attends with those queries.
-    assert (rows["mlp"], rows["o_proj"], whole_rows["mlp"], whole_rows["o_proj"]) == ([17, 17], [17, 17], [64, 64], [64, 64])
+    with torch.utils.checkpoint.set_checkpoint_early_stop(checkpointed != "whole layers"):
+        runs = _step_with_and_without_the_cut(model, gates, config, gate_batch(padded), monkeypatch)
+    rows, whole_rows = runs[True][2], runs[False][2]
+    # Teacher and student: rows 47 .. 63 (the completion's 48 ..), the student's again when recomputed; TRIM-KV's
+    # soft student attends with those queries.
+    attentions, mlps = (1, 1) if checkpointed is None else (2, 2 if checkpointed == "whole layers" else 1)
+    assert (rows["o_proj"], rows["mlp"]) == ([17] * (1 + attentions), [17] * (1 + mlps))
+    assert (whole_rows["o_proj"], whole_rows["mlp"]) == ([64] * (1 + attentions), [64] * (1 + mlps))
     if kind != "dms":
-        assert rows["student"] == [64] * (len(rows["student"]) - 1) + ([64] if kind == "trimkv+hard" else [17])
-    torch.testing.assert_close(loss, whole_loss, atol=1e-6, rtol=1e-5)
-    for grad, whole in zip(grads, whole_grads):
-        torch.testing.assert_close(grad, whole, atol=1e-7, rtol=1e-4)
+        assert rows["student"].count(17) == (0 if kind == "trimkv+hard" else attentions)
+        assert set(rows["student"]) <= {17, 64} and set(whole_rows["student"]) == {64}
+    _assert_same_step(runs)
+
+
+@pytest.mark.parametrize("family", ["qwen2-sliding-last", "phi"])
+def test_the_last_layer_cut_is_exact_when_that_layer_is_not_gated_or_has_no_o_proj(family, monkeypatch):
+    """A model whose last layer is a sliding-window layer (not gated: its attention is transformers' own, over every
+    row, and only the MLP and output projection are cut) and one whose attention has no ``o_proj`` (Phi: ``dense``,
+    attention and MLP in parallel; only the MLP is cut): a step's loss and gate gradients are still those of every
+    row."""
+    from helpers import _COMMON
+    from transformers import PhiConfig, PhiForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    if family == "phi":
+        model = PhiForCausalLM(PhiConfig(**{k: v for k, v in _COMMON.items() if k != "head_dim"}))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=2))
+    kvgates.prepare_model(model.eval())
+    model.requires_grad_(False)
+    config = TrainConfig.from_dict({"budget": 8, "data": {"seq_len": 64}})
+    gates = GATE_KINDS[config.gate_kind].for_model(model, gate_hidden=8, init_bias=2.0)
+    last = len(model.model.layers) - 1
+    assert (last in gates.config.layer_ids) == (family == "phi")
+    runs = _step_with_and_without_the_cut(model, gates, config, gate_batch(padded=True), monkeypatch)
+    rows = runs[True][2]
+    assert rows["mlp"] == [17, 17] and rows["o_proj"] == ([] if family == "phi" else [17, 17])
+    _assert_same_step(runs)
 
 
 def test_rows_from_lasts_until_the_mode_changes_and_close_removes_its_hooks(tiny_dir):
