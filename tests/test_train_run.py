@@ -1050,6 +1050,50 @@ def test_the_last_layer_cut_is_exact_when_that_layer_is_not_gated_or_has_no_o_pr
     _assert_same_step(runs)
 
 
+def test_a_run_with_the_last_layer_cut_logs_what_a_run_of_every_row_logs(tiny_dir, tmp_path, monkeypatch):
+    """train.py's trainer with ``training.activation_checkpointing``: the losses and validation metrics it logs are
+    those of a run whose steps compute every row of the last layer (``TrainingStep.distilled_from`` 0), and its
+    validation (the learned policy through a kvgates cache, after ``teach()``) computes every row of that layer."""
+    from kvgates.methods.base import TrainingStep
+    from train.validation import Validator
+
+    validate = Validator.run
+
+    def validating(self, *args):
+        phase[0] = "validation"
+        try:
+            return validate(self, *args)
+        finally:
+            phase[0] = "train"
+
+    logged, cut_rows = {}, {}
+    training = {**tiny_config(tiny_dir, tmp_path)["training"], "activation_checkpointing": True, "max_steps": 2, "eval_steps": 1}
+    for cut in (True, False):
+        cfg = TrainConfig.from_dict(tiny_config(tiny_dir, tmp_path / f"cut-{cut}", training=training))
+        out, _ = prepare_output_dir(cfg, resume=False)
+        trainer, _ = build_trainer(cfg, out)
+        layer = trainer.model.model.layers[-1]
+        phase, rows_in, seen = ["train"], [0], {"train": set(), "validation": set()}  # (rows in, rows the MLP computed)
+        layer.register_forward_pre_hook(
+            lambda m, args, kwargs: rows_in.__setitem__(0, (args or [kwargs["hidden_states"]])[0].shape[1]), with_kwargs=True
+        )
+        layer.mlp.register_forward_hook(lambda m, args, out: seen[phase[0]].add((rows_in[0], args[0].shape[1])))
+        with monkeypatch.context() as patch:
+            patch.setattr(Validator, "run", validating)
+            if not cut:
+                patch.setattr(TrainingStep, "distilled_from", property(lambda self: 0))
+            trainer.train()
+        assert trainer.model.model.gradient_checkpointing
+        trainer.gated.close()
+        logged[cut] = {(i, k): v for i, entry in enumerate(trainer.state.log_history) for k, v in entry.items()
+                       if k in ("loss", "kl", "ce", "capacity", "grad_norm", "eval_kl", "eval_top1")}
+        assert seen["validation"] and all(n == t for t, n in seen["validation"])
+        cut_rows[cut] = {(t, n) for t, n in seen["train"] if n < t}
+    assert cut_rows[True] and not cut_rows[False]
+    assert {name for _, name in logged[True]} == {"loss", "kl", "ce", "capacity", "grad_norm", "eval_kl", "eval_top1"}
+    assert logged[True] == pytest.approx(logged[False], rel=1e-5)
+
+
 def test_rows_from_lasts_until_the_mode_changes_and_close_removes_its_hooks(tiny_dir):
     model, _ = kvgates.load_model(str(tiny_dir))
     gates = GATE_KINDS["retention"].for_model(model, gate_hidden=8)
