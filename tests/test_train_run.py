@@ -1094,6 +1094,32 @@ def test_a_run_with_the_last_layer_cut_logs_what_a_run_of_every_row_logs(tiny_di
     assert logged[True] == pytest.approx(logged[False], rel=1e-5)
 
 
+@pytest.mark.parametrize("variant", ["trimkv+teacher", "trimkv+kvzip-teacher", "kvzap", "locret"])
+def test_forwards_through_a_cache_and_labelling_passes_compute_every_row_of_the_last_layer(tiny_dir, variant):
+    """A heuristic teacher's policy cache (KVzip's scoring forwards included), KVzap's KVzip labels and Locret's
+    labelling student read the last layer's every row: only TRIM-KV's distillation forwards without a cache run it
+    on the distilled rows."""
+    from train.trainer import gate_loss
+
+    model, _ = kvgates.load_model(str(tiny_dir))
+    model.requires_grad_(False)
+    change, gate_kind, _ = KINDS[variant]
+    config = TrainConfig.from_dict({"budget": 24, "data": {"seq_len": 64}, **change})
+    gates = GATE_KINDS[gate_kind].for_model(model, gate_hidden=8, init_bias=2.0)
+    layer, forward = model.model.layers[-1], {}
+    seen = []  # (through a cache, rows in, rows the MLP computed) of each forward of the last layer
+    layer.register_forward_pre_hook(lambda m, args, kwargs: forward.update(
+        cache=kwargs.get("past_key_values") is not None, rows=(args or [kwargs["hidden_states"]])[0].shape[1]), with_kwargs=True)
+    layer.mlp.register_forward_hook(lambda m, args, out: seen.append((forward["cache"], forward["rows"], args[0].shape[1])))
+    with GateTraining(model, gates) as run:
+        loss, _ = gate_loss(model, model.lm_head, run, config, gate_batch(padded=True), 24.0, 1.0)
+        loss.backward()
+    assert any(cache for cache, _, _ in seen) == (variant != "locret")
+    assert all(rows == computed for cache, rows, computed in seen if cache)
+    cut = {(rows, computed) for cache, rows, computed in seen if not cache and computed < rows}
+    assert cut == ({(64, 17)} if variant.startswith("trimkv") else set())
+
+
 def test_rows_from_lasts_until_the_mode_changes_and_close_removes_its_hooks(tiny_dir):
     model, _ = kvgates.load_model(str(tiny_dir))
     gates = GATE_KINDS["retention"].for_model(model, gate_hidden=8)
