@@ -1133,6 +1133,33 @@ def test_rows_from_lasts_until_the_mode_changes_and_close_removes_its_hooks(tiny
     assert not mlp._forward_pre_hooks and not mlp._forward_hooks
 
 
+def test_a_forward_shorter_than_rows_from_is_refused(tiny_dir):
+    """A decoding step through a cache while the last layer runs on rows ``rows_from ..`` (no ``teach()`` since a
+    student forward) would pad one row to ``rows_from`` and broadcast them over the residual: it stops with one
+    sentence, and after ``teach()`` the same forwards give the model's logits."""
+    model, _ = kvgates.load_model(str(tiny_dir))
+    gates = GATE_KINDS["retention"].for_model(model, gate_hidden=8)
+    ids = torch.randint(3, 100, (1, 11), generator=torch.Generator().manual_seed(0))
+
+    def decode() -> torch.Tensor:
+        policy = kvgates.make_policy("streaming_llm", budget=8, sinks=2).attach(model)
+        cache = kvgates.BudgetCache(model.config, policy)
+        try:
+            with torch.no_grad():
+                model(ids[:, :10], past_key_values=cache)
+                return model(ids[:, 10:], past_key_values=cache).logits
+        finally:
+            policy.detach()
+
+    reference = decode()
+    with GateTraining(model, gates) as run:
+        run.learn(rows_from=5)
+        with pytest.raises(RuntimeError, match=r"last layer runs on rows 5 \.\. \(GateTraining's rows_from\) but this forward has 1;"):
+            decode()
+        run.teach()
+        torch.testing.assert_close(decode(), reference)
+
+
 def _train_steps(tiny_dir, kind: str, attention: str, steps: int = 3) -> tuple[list[float], list[list[torch.Tensor]]]:
     """Losses and gate gradients of ``steps`` AdamW steps of fresh gates (same seed) with ``attention``."""
     from train.trainer import gate_loss

@@ -117,15 +117,23 @@ class GateTraining:
 
     def _hook_last_rows(self, model: nn.Module, attention: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
         """Hooks running the last layer's output projection (``o_proj``, when it has one) and MLP (``mlp``) on rows
-        ``rows_from ..`` (inputs ``[B, T, ..]``; outputs padded back to ``T`` rows with zeros). None when the layer
-        holding ``attention`` has no ``mlp``, and ``rows_from`` is then ignored."""
+        ``rows_from ..`` (inputs ``[B, T, ..]``; outputs padded back to ``T`` rows with zeros). No hooks when the
+        layer holding ``attention`` has no ``mlp``, and ``rows_from`` is then ignored. A forward of no more than
+        ``rows_from`` rows (a decoding step through a cache) is refused: padded, it would broadcast silently."""
         layer = next((m for m in model.modules() if any(c is attention for c in m.children())), None)
         mlp = getattr(layer, "mlp", None)
         if not isinstance(mlp, nn.Module):
             return []
 
         def rows(module: nn.Module, args: tuple) -> tuple | None:
-            return (args[0][:, self.rows_from :], *args[1:]) if self.rows_from else None
+            if not self.rows_from:
+                return None
+            if args[0].shape[1] <= self.rows_from:
+                raise RuntimeError(
+                    f"the model's last layer runs on rows {self.rows_from} .. (GateTraining's rows_from) but this forward "
+                    f"has {args[0].shape[1]}; call teach() or learn() without rows_from before a forward through a cache"
+                )
+            return (args[0][:, self.rows_from :], *args[1:])
 
         def pad(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
             return torch.nn.functional.pad(output, (0, 0, self.rows_from, 0)) if self.rows_from else None
