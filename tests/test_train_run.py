@@ -1160,6 +1160,23 @@ def test_a_forward_shorter_than_rows_from_is_refused(tiny_dir):
         torch.testing.assert_close(decode(), reference)
 
 
+@pytest.mark.parametrize("mode", ["teach", "learn"])
+def test_training_attention_refuses_a_decoding_step_through_a_cache_in_either_mode(tiny_dir, mode):
+    """Teacher and student attention run on whole sequences (key ``i`` at position ``i``; the last layer's queries
+    those of the last rows): a step through a cache that is not a kvgates one stops with one sentence."""
+    from transformers import DynamicCache
+
+    model, _ = kvgates.load_model(str(tiny_dir))
+    gates = GATE_KINDS["retention"].for_model(model, gate_hidden=8)
+    ids = torch.randint(3, 100, (1, 11), generator=torch.Generator().manual_seed(0))
+    with GateTraining(model, gates) as run, torch.no_grad():
+        getattr(run, mode)()
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :10], past_key_values=cache)
+        with pytest.raises(RuntimeError, match=r"^training attention runs on whole sequences without a cache \(use_cache=False\)$"):
+            model(ids[:, 10:], past_key_values=cache)
+
+
 def _train_steps(tiny_dir, kind: str, attention: str, steps: int = 3) -> tuple[list[float], list[list[torch.Tensor]]]:
     """Losses and gate gradients of ``steps`` AdamW steps of fresh gates (same seed) with ``attention``."""
     from train.trainer import gate_loss
