@@ -1236,6 +1236,22 @@ def test_checkpointed_layers_give_the_same_gradients(tiny_dir):
         torch.testing.assert_close(recomputed, plain, atol=1e-7, rtol=1e-5)
 
 
+def test_the_held_out_table_runs_the_model_in_eval_mode(tiny_dir, tmp_path):
+    """A run ends with its model in train mode (the Trainer leaves it so), and the GPU recipes checkpoint its layers
+    (``training.activation_checkpointing``): the held-out table runs it in eval mode, where a checkpointed layer
+    keeps its cache (in train mode transformers drops it and every budgeted arm failed), and leaves the mode as it was."""
+    from train.validation import final_table
+
+    cfg = TrainConfig.from_dict(tiny_config(tiny_dir, tmp_path / "run"))
+    model, tokenizer = kvgates.load_model(str(tiny_dir))
+    gates = GATE_KINDS["retention"].for_model(model, gate_hidden=8, init_bias=4.0)
+    reference = final_table(cfg, model, tokenizer, gates, gates)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    assert final_table(cfg, model, tokenizer, gates, gates) == reference
+    assert model.training
+
+
 def test_half_precision_frozen_model_trains_float32_gates(tiny_dir, tmp_path):
     cfg = TrainConfig.from_dict(tiny_config(tiny_dir, tmp_path / "run", model_dtype="bfloat16"))
     out, _ = prepare_output_dir(cfg, resume=False)

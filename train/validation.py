@@ -18,6 +18,7 @@ import kvgates
 from data.build import build_dataset
 from data.tasks import make_example
 from eval.heldout import HeldOut
+from kvgates.methods.base import eval_mode
 from train.config import TrainConfig
 
 
@@ -69,7 +70,8 @@ def start_label(config: TrainConfig) -> str:
 def final_table(
     config: TrainConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, trained: kvgates.GateSet, start: kvgates.GateSet
 ) -> dict[str, dict[str, float]]:
-    """The held-out comparison at the training budget (test essays, eval templates); results by arm."""
+    """The held-out comparison at the training budget (test essays, eval templates); results by arm. The model runs in
+    eval mode (a run ends in train mode, where a layer under activation checkpointing would drop the cache)."""
     data, report = config.data, config.report
     rows = build_dataset(
         tokenizer, data.mix, "test", report.examples, data.seq_len, data.seed, data.format, template_set="eval", model=config.model
@@ -83,4 +85,5 @@ def final_table(
     for name in report.policies:
         arms[name] = lambda name=name: kvgates.make_policy(name, budget=config.budget)
     arms["full"] = lambda: kvgates.make_policy("full")
-    return heldout.compare(model, tokenizer, arms, report.max_new_tokens)
+    with eval_mode(model):
+        return heldout.compare(model, tokenizer, arms, report.max_new_tokens)
