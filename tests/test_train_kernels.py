@@ -227,11 +227,14 @@ def test_capacity_loss_against_brute_force(global_budget, stride):
     assert float(capacity_loss(lb, 30, lengths, global_budget, stride)) == 0.0  # the budget exceeds every length
 
 
-def test_causal_importance_against_brute_force():
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("block", [1, 3, 16])
+def test_causal_importance_against_brute_force(block, padded):
     q, k, _, _ = _inputs(b=2, h=4, hkv=2, t=7, d=5)
     valid = torch.ones(2, 7, dtype=torch.bool)
-    valid[1, 5:] = False
-    got = causal_importance(q, k, 0.4, valid, block=3)
+    if padded:
+        valid[1, 5:] = False
+    got = causal_importance(q, k, 0.4, valid if padded else None, block=block)
     for b in range(2):
         for j in range(2):
             for i in range(7):

@@ -420,11 +420,13 @@ def causal_importance(
     *later* query ``p > i`` of the head's query group gives it, ``[B, H_kv, T]`` float32.
 
     Tokens no later (valid) query sees get ``-inf`` (the last token always does): leave them out of the loss.
-    Query rows are processed ``block`` at a time, so at most ``block x T`` logits per head exist at once.
+    Query rows are processed ``block`` at a time, so at most ``block x T`` logits per head exist at once; a block's
+    queries meet only the keys before them (every one of those, with no mask, except the block's own diagonal),
+    and the scale multiplies the maxima (exact: rounding ``scale * x`` is monotone in ``x``).
 
     Args:
         q: ``[B, H, T, D]`` post-RoPE queries; k: ``[B, H_kv, T, D]`` post-RoPE keys (what attention sees).
-        scale: softmax scale.
+        scale: softmax scale (positive).
         q_valid: ``[B, T]`` bool, False for padding queries (they give no label).
     """
     b, h, t, d = q.shape
@@ -435,12 +437,17 @@ def causal_importance(
     idx = torch.arange(t, device=q.device)
     for start in range(0, t, block):
         stop = min(t, start + block)
-        rows = q[:, :, start:stop].float().reshape(b, hkv, g * (stop - start), d)
-        logits = torch.matmul(rows, kf).view(b, hkv, g, stop - start, t) * scale
-        later = idx[start:stop, None] > idx[None, :]  # query p strictly after key i
-        allowed = later[None, None, None]
-        if q_valid is not None:
-            allowed = allowed & q_valid[:, None, None, start:stop, None]
-        logits = logits.masked_fill(~allowed, float("-inf"))
-        best = torch.maximum(best, logits.amax(dim=(2, 3)))
-    return best
+        r = stop - start
+        rows = q[:, :, start:stop].float().reshape(b, hkv, g * r, d)  # a KV head's query rows, by query head
+        hidden = None if q_valid is None else ~q_valid[:, None, None, start:stop, None]  # [B, 1, 1, r, 1]
+        if start:  # keys before the block: every row is later than each of them
+            past = torch.matmul(rows, kf[..., :start]).view(b, hkv, g, r, start)
+            if hidden is not None:
+                past.masked_fill_(hidden, float("-inf"))
+            best[..., :start] = torch.maximum(best[..., :start], past.amax(dim=(2, 3)))
+        own = torch.matmul(rows, kf[..., start:stop]).view(b, hkv, g, r, r)
+        own.masked_fill_(idx[start:stop, None] <= idx[None, start:stop], float("-inf"))  # query p strictly after key i
+        if hidden is not None:
+            own.masked_fill_(hidden, float("-inf"))
+        best[..., start:stop] = own.amax(dim=(2, 3))  # later blocks' queries raise these
+    return best * scale
