@@ -1095,10 +1095,10 @@ def test_a_run_with_the_last_layer_cut_logs_what_a_run_of_every_row_logs(tiny_di
 
 
 @pytest.mark.parametrize("variant", ["trimkv+teacher", "trimkv+kvzip-teacher", "kvzap", "locret"])
-def test_forwards_through_a_cache_and_labelling_passes_compute_every_row_of_the_last_layer(tiny_dir, variant):
-    """A heuristic teacher's policy cache (KVzip's scoring forwards included), KVzap's KVzip labels and Locret's
-    labelling student read the last layer's every row: only TRIM-KV's distillation forwards without a cache run it
-    on the distilled rows."""
+def test_forwards_through_a_cache_compute_every_row_of_the_last_layer_and_recording_forwards_its_last(tiny_dir, variant):
+    """A heuristic teacher's policy cache (KVzip's scoring forwards included) and KVzap's KVzip labels read the last
+    layer's every row; TRIM-KV's distillation forwards without a cache run it on the distilled rows, and the student
+    forwards of Locret and KVzap, whose losses read only what attention records, on the last row."""
     from train.trainer import gate_loss
 
     model, _ = kvgates.load_model(str(tiny_dir))
@@ -1117,7 +1117,34 @@ def test_forwards_through_a_cache_and_labelling_passes_compute_every_row_of_the_
     assert any(cache for cache, _, _ in seen) == (variant != "locret")
     assert all(rows == computed for cache, rows, computed in seen if cache)
     cut = {(rows, computed) for cache, rows, computed in seen if not cache and computed < rows}
-    assert cut == ({(64, 17)} if variant.startswith("trimkv") else set())
+    assert cut == ({(64, 17)} if variant.startswith("trimkv") else {(64, 1)})
+
+
+@pytest.mark.parametrize("variant", ["locret", "kvzap"])
+def test_a_recording_forward_on_the_last_row_gives_the_loss_and_gradients_of_every_row(tiny_dir, variant, monkeypatch):
+    """Locret's and KVzap's student forwards (``TrainingStep.record``) run the last layer on its last row: their
+    losses and gradients are those of a forward of every row (``rows_from`` switched off)."""
+    from train.trainer import gate_loss
+
+    model, _ = kvgates.load_model(str(tiny_dir))
+    model.requires_grad_(False)
+    change, gate_kind, _ = KINDS[variant]
+    config = TrainConfig.from_dict({"budget": 24, "data": {"seq_len": 64}, **change})
+    torch.manual_seed(0)
+    gates = GATE_KINDS[gate_kind].for_model(model, gate_hidden=8, init_bias=2.0)
+    runs = []
+    for cut in (True, False):
+        if not cut:
+            monkeypatch.setattr(GateTraining, "_rows", lambda self, rows_from: 0)
+        with GateTraining(model, gates) as run:
+            loss, _ = gate_loss(model, model.lm_head, run, config, gate_batch(padded=True), 24.0, 0.0)
+            loss.backward()
+        runs.append((loss.detach(), [p.grad.clone() for p in gates.parameters()]))
+        gates.zero_grad(set_to_none=True)
+    (loss, grads), (whole, whole_grads) = runs
+    torch.testing.assert_close(loss, whole, atol=1e-7, rtol=1e-6)
+    for grad, ref in zip(grads, whole_grads):
+        torch.testing.assert_close(grad, ref, atol=1e-8, rtol=1e-5)
 
 
 def test_rows_from_lasts_until_the_mode_changes_and_close_removes_its_hooks(tiny_dir):

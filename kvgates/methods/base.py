@@ -144,6 +144,13 @@ class TrainingStep:
         out = self.forward(output_hidden_states=True)
         return out.hidden_states[-1][:, :-1][self.completion]
 
+    def record(self, **context: Any) -> None:
+        """The student forward of a method whose loss reads only what its attention records (``GateTraining.learn``
+        with ``context``; Locret's labels, KVzap's predictions): no row of the last layer's output is read, so that
+        layer computes its last row alone (``rows_from``; its attention every row unless ``partial_queries``)."""
+        self.training.learn(rows_from=self.ids.shape[1] - 1, **context)
+        self.forward()
+
     def distill(self, student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(KL, CE)`` of the student against the teacher on the completion tokens (``distillation_loss``)."""
         targets = self.labels[:, 1:][self.completion]

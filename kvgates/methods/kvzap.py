@@ -240,6 +240,9 @@ class KVzapMethod(LearnedMethod):
     def scoring_reach(self, model: nn.Module, options: KVzapOptions, tokens: int) -> int:
         return KVzip(budget=2, sinks=0, **options.scoring()).scoring_reach(model, tokens)
 
+    def partial_queries(self, context: dict[str, Any]) -> bool:
+        return True  # plain attention; the predictions read the layer's input
+
     def attend(self, training, module: nn.Module, query, key, value, attention_mask, scale, captured, **kwargs) -> torch.Tensor:
         training.records[PREDICTED][module.layer_idx] = training.gates(module.layer_idx, captured).transpose(1, 2)  # [B, H_kv, T]
         return training.plain(module, query, key, value, attention_mask, scaling=scale, **kwargs)
@@ -248,8 +251,7 @@ class KVzapMethod(LearnedMethod):
         mask = step.inputs["attention_mask"]
         step.training.teach()  # kvzip's scoring forwards run the frozen model with plain attention
         targets = kvzap_targets(step.training.model, step.ids, mask, step.config.method_options)
-        step.training.learn()
-        step.forward()
+        step.record()
         predicted = step.stacked(PREDICTED)
         if predicted.shape != targets.shape:
             raise RuntimeError(f"kvzap: {tuple(targets.shape)} KVzip scores for {tuple(predicted.shape)} predictions; "

@@ -34,7 +34,6 @@ class LocretMethod(LearnedMethod):
         return training.plain(module, query, key, value, attention_mask, scaling=scale, **kwargs)
 
     def loss(self, step: TrainingStep) -> tuple[torch.Tensor, dict[str, float]]:
-        step.training.learn()
-        step.forward()
+        step.record()
         loss, regression, smooth = locret_loss(step.stacked(SCORES), step.stacked(LABELS), step.config.loss.locret_smoothness)
         return loss, {"regression": regression.item(), "smoothness": smooth.item()}
