@@ -191,6 +191,35 @@ def test_fused_attention_is_the_definition_with_its_gradients(hkv, t, window, dv
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("attention", [dms_attention, dms_attention_fused])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("t, window, n", [(37, 3, 5), (37, 3, 35), (20, 0, 1), (9, 12, 4), (50, 20, 31), (40, 16, 40)])
+def test_queries_of_the_last_rows_are_those_rows_of_the_whole_attention(attention, padded, t, window, n):
+    """Both DMS attentions take the queries of the last ``n`` positions alone (a model's last layer in
+    distillation): those rows of the whole attention, and the gradients the whole one gives from them, including
+    queries that see only near keys (``n > T - w``) and windows longer than the sequence."""
+    g = torch.Generator().manual_seed(t + n)
+    b, hkv, h, d = 2, 2, 4, 8
+    q, k, v = (torch.randn(b, heads, t, d, generator=g, dtype=torch.float64) for heads in (h, hkv, hkv))
+    log_keep = -3 * torch.rand(b, hkv, t, generator=g, dtype=torch.float64)
+    real = torch.ones(b, t, dtype=torch.bool)
+    if padded:
+        real[1, :4] = False  # left padding: the last rows are real
+    mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & real[:, None, None, :] if padded else None
+    whole = [x.clone().requires_grad_() for x in (q, k, v, log_keep)]
+    part = [x.clone().requires_grad_() for x in (q[:, :, -n:], k, v, log_keep)]
+    want = attention(*whole[:3], whole[3], window, 0.3, mask)[:, :, -n:]
+    got = attention(*part[:3], part[3], window, 0.3, None if mask is None else mask[:, :, -n:])
+    tolerance = 1e-9 if attention is dms_attention_fused else 1e-5  # the definition's bias is float32
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    upstream = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    (want * upstream).sum().backward()
+    (got * upstream).sum().backward()
+    torch.testing.assert_close(part[0].grad, whole[0].grad[:, :, -n:], rtol=tolerance, atol=tolerance)
+    for a, e in zip(part[1:], whole[1:]):
+        torch.testing.assert_close(a.grad, e.grad, rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("d, dv, hkv", [(64, 64, 3), (128, 128, 8), (80, 80, 1), (8, 8, 2), (7, 6, 2), (62, 64, 1), (96, 160, 2)])
 def test_the_far_call_hands_cuda_fused_kernels_what_they_take(d, dv, hkv):
     """The operands of the far keys' sdpa call meet the constraints of CUDA's fused kernels (one width, a multiple

@@ -957,12 +957,13 @@ def test_gpu_training_attention_hands_the_fused_kernels_what_they_take(tiny_dir,
 def _step_with_and_without_the_cut(model, gates, config, batch, monkeypatch) -> dict[bool, tuple]:
     """One step's ``(loss, gate gradients, rows)`` with the model's last layer on the distilled rows (``True``) and
     on every row (``False``: ``TrainingStep.distilled_from`` 0); ``rows``: the rows the last layer's ``mlp`` and
-    ``o_proj`` (when it has one) and the exact gated attention computed, per call (a backward's recomputation
-    included)."""
+    ``o_proj`` (when it has one) and the student's attention (TRIM-KV's exact, DMS's fused) computed, per call (a
+    backward's recomputation included)."""
+    from kvgates.methods import dms
     from kvgates.methods.base import TrainingStep
     from train.trainer import gate_loss
 
-    last, exact = model.model.layers[-1], ATTENTIONS["exact"]
+    last, exact, fused = model.model.layers[-1], ATTENTIONS["exact"], dms.ATTENTIONS["auto"]
     modules = {"mlp": last.mlp, "o_proj": getattr(last.self_attn, "o_proj", None)}
     runs = {}
     for cut in (True, False):
@@ -971,6 +972,7 @@ def _step_with_and_without_the_cut(model, gates, config, batch, monkeypatch) -> 
             if not cut:
                 patch.setattr(TrainingStep, "distilled_from", property(lambda self: 0))
             patch.setitem(ATTENTIONS, "exact", lambda q, *a, seen=rows["student"], **k: seen.append(q.shape[2]) or exact(q, *a, **k))
+            patch.setitem(dms.ATTENTIONS, "auto", lambda q, *a, seen=rows["student"], **k: seen.append(q.shape[2]) or fused(q, *a, **k))
             handles = [
                 module.register_forward_hook(lambda m, args, out, seen=rows[name]: seen.append(args[0].shape[1]))
                 for name, module in modules.items() if module is not None
@@ -997,8 +999,8 @@ def _assert_same_step(runs: dict[bool, tuple]) -> None:
 @pytest.mark.parametrize("kind", ["trimkv", "trimkv-global", "trimkv+hard", "dms"])
 def test_the_last_layer_on_the_distilled_rows_alone_gives_the_loss_and_gradients_of_every_row(tiny_dir, kind, padded, checkpointed, monkeypatch):
     """A step runs the model's last layer on the rows it distills (``TrainingStep.distilled_from``): its loss and
-    gate gradients are those of the whole layer (attention cut for TRIM-KV's soft student and the teacher; the
-    output projection and MLP for every method), also under ``training.activation_checkpointing``, whose backward
+    gate gradients are those of the whole layer (attention cut for the teacher and for TRIM-KV's soft student and
+    DMS's; the output projection and MLP for every method), also under ``training.activation_checkpointing``, whose backward
     recomputes the student's layers with the last one on the distilled rows again: up to its attention and output
     projection (where torch's default early stop ends the recomputation, as on a plain model) or, without early
     stop, all of it."""
@@ -1018,9 +1020,8 @@ def test_the_last_layer_on_the_distilled_rows_alone_gives_the_loss_and_gradients
     attentions, mlps = (1, 1) if checkpointed is None else (2, 2 if checkpointed == "whole layers" else 1)
     assert (rows["o_proj"], rows["mlp"]) == ([17] * (1 + attentions), [17] * (1 + mlps))
     assert (whole_rows["o_proj"], whole_rows["mlp"]) == ([64] * (1 + attentions), [64] * (1 + mlps))
-    if kind != "dms":
-        assert rows["student"].count(17) == (0 if kind == "trimkv+hard" else attentions)
-        assert set(rows["student"]) <= {17, 64} and set(whole_rows["student"]) == {64}
+    assert rows["student"].count(17) == (0 if kind == "trimkv+hard" else attentions)
+    assert set(rows["student"]) <= {17, 64} and set(whole_rows["student"]) == {64}
     _assert_same_step(runs)
 
 

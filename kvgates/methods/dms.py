@@ -68,7 +68,7 @@ from kvgates.errors import AdapterError
 from kvgates.gates.adapter import GateConfig, GateSet, atomic_write
 from kvgates.gates.capture import attention_modules
 from kvgates.gates.training import real_queries
-from kvgates.kernels.gated import fused_only, fused_width
+from kvgates.kernels.gated import causal_visibility, fused_only, fused_width
 from kvgates.methods.base import LearnedMethod, TrainingStep, register_method
 from kvgates.policies.base import EVERY_STEP, register_policy
 from kvgates.policies.learned import LearnedPolicy
@@ -307,17 +307,19 @@ def gumbel_sigmoid_logits(logits: torch.Tensor, temperature: float, noise: bool)
     return logits / temperature
 
 
-def delayed_bias(log_keep: torch.Tensor, window: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``[B, H_kv, T, T]`` additive attention mask: causal (``-inf`` above the diagonal), plus ``log_keep[..., i]``
-    (``log(1 - alpha_i)``) for query ``t`` and key ``i`` when ``t - i > window``, plus the padding of a 4-D
-    ``attention_mask`` (bool: True attends; or additive)."""
+def delayed_bias(log_keep: torch.Tensor, window: int, attention_mask: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor:
+    """``[B, H_kv, n, T]`` additive attention mask of the queries of the last ``n = rows`` (default ``T``) positions:
+    causal (``-inf`` above the diagonal), plus ``log_keep[..., i]`` (``log(1 - alpha_i)``) for query ``t`` and key
+    ``i`` when ``t - i > window``, plus the padding of a 4-D ``attention_mask`` (``[B, 1, n, T]``; bool: True
+    attends; or additive)."""
     t = log_keep.shape[-1]
+    n = t if rows is None else rows
     pos = torch.arange(t, device=log_keep.device)
-    gap = pos[:, None] - pos[None, :]
-    causal = torch.zeros((t, t), device=log_keep.device).masked_fill(gap < 0, float("-inf"))
+    gap = pos[t - n :, None] - pos[None, :]
+    causal = torch.zeros((n, t), device=log_keep.device).masked_fill(gap < 0, float("-inf"))
     bias = torch.where(gap > window, log_keep[..., None, :], 0.0) + causal
     if attention_mask is not None:
-        mask = attention_mask[..., :t, :t]
+        mask = attention_mask[..., -n:, :t]
         mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else mask.float()
         bias = bias + mask
     return bias
@@ -332,11 +334,12 @@ def dms_attention(
     scale: float,
     attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """DMS training attention ``[B, H, T, D]`` (``query`` ``[B, H, T, D]``, ``key``/``value`` ``[B, H_kv, T, D]``,
-    ``log_keep`` ``[B, H_kv, T]``): sdpa with ``delayed_bias`` as its float mask, each KV head's bias shared by its
-    query group. Memory ``B * H * T * T`` floats (see the module docstring)."""
+    """DMS training attention ``[B, H, n, D]`` (``query`` ``[B, H, n, D]``, the queries of the last ``n`` of the ``T``
+    positions, ``key``/``value`` ``[B, H_kv, T, D]``, ``log_keep`` ``[B, H_kv, T]``): sdpa with ``delayed_bias`` as
+    its float mask, each KV head's bias shared by its query group. Memory ``B * H * n * T`` floats (see the module
+    docstring)."""
     groups = query.shape[1] // key.shape[1]
-    bias = delayed_bias(log_keep.float(), window, attention_mask).to(query.dtype).repeat_interleave(groups, 1)
+    bias = delayed_bias(log_keep.float(), window, attention_mask, query.shape[2]).to(query.dtype).repeat_interleave(groups, 1)
     key, value = (x.repeat_interleave(groups, 1) for x in (key, value))
     return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale)
 
@@ -370,20 +373,30 @@ def dms_attention_fused(
     ``query``, ``key``, ``value`` and ``log_keep`` (through the near log-sum-exp too), in float32 (float64 stays
     float64). Same arguments and result as ``dms_attention`` (``attention_mask``: a padding mask, the only kind
     training batches carry: the keys its last row may not see are hidden from every row; a row that sees nothing
-    is finite, not zero).
+    is finite, not zero). ``query`` may hold the queries of the last ``n`` of the ``T`` positions only
+    (``[B, H, n, D]``, ``attention_mask`` ``[B, 1, n, T]``; ``GateTraining``'s ``rows_from``): the far call then
+    runs those rows alone (the near part, ``T (NEAR_BLOCK + w)`` scores per head, runs every row).
     """
-    t, dv = query.shape[2], value.shape[-1]
+    n, t, dv = query.shape[2], key.shape[2], value.shape[-1]
     with torch.autocast(query.device.type, enabled=False):
         work = torch.float64 if query.dtype == torch.float64 else torch.float32
         q, k, v, log_keep = (x.to(work) for x in (query, key, value, log_keep))
+        q = F.pad(q, (0, 0, t - n, 0))  # rows before the queries given: zeros, their outputs dropped
         real = None if attention_mask is None else real_queries(attention_mask)
         near, near_lse = _near_attention(q, k, v, min(window, t - 1), scale, real)  # a longer window sees no more
         if window + 1 >= t:  # every key is near
-            return near.to(query.dtype)
+            return near[:, :, t - n :].to(query.dtype)
         q_far, k_far, v_far = delayed_operands(q, k, v, log_keep, window, scale, near_lse, real)
+        rows = min(n, t - window)  # the far call's rows that are queries given
+        q_far = q_far[:, :, q_far.shape[2] - rows :]
         with fused_only(q.device, "DMS training attention (far keys)", q_far, k_far, v_far):
-            far = F.scaled_dot_product_attention(q_far, k_far, v_far, is_causal=True, scale=scale)
-        out = torch.cat([near[:, :, :window], far[..., :dv] + far[..., dv : dv + 1] * near[:, :, window:]], 2)
+            if rows == k_far.shape[2]:
+                far = F.scaled_dot_product_attention(q_far, k_far, v_far, is_causal=True, scale=scale)
+            else:
+                visible = causal_visibility(rows, k_far.shape[2], None, q.device)
+                far = F.scaled_dot_product_attention(q_far, k_far, v_far, attn_mask=visible, scale=scale)
+        far = far[..., :dv] + far[..., dv : dv + 1] * near[:, :, t - rows :]
+        out = torch.cat([near[:, :, t - n : window], far], 2)
     return out.to(query.dtype)
 
 
@@ -531,6 +544,9 @@ class DMSMethod(LearnedMethod):
     def check_context(self, gates: GateSet, context: dict[str, Any]) -> None:
         if set(context) != {"options"} or not isinstance(context["options"], DMSOptions):
             raise ValueError(f"{self.name} student forwards take options=DMSOptions(...) only, got {', '.join(context) or 'none'}")
+
+    def partial_queries(self, context: dict[str, Any]) -> bool:
+        return True  # both attentions take the queries of the last rows
 
     def attend(self, training, module: nn.Module, query, key, value, attention_mask, scale, captured, **kwargs) -> torch.Tensor:
         options = training.context["options"]
