@@ -25,7 +25,7 @@ keys and values still come from every row (they are what those rows attend to), 
 projection and MLP run on rows ``s ..`` (the attention of methods that take it, ``LearnedMethod.partial_queries``,
 and the teacher's; the output projection and MLP through hooks on that layer), and its rows before ``s`` come out
 as zeros plus the residual: not the model's output, so only rows ``s ..`` of the last hidden states may be read.
-Exact for those rows; it takes most of a layer off a step (a model's last layer of ``L``).
+Exact for those rows; it takes nearly the last of a model's ``L`` layers off a step.
 
 Everything lives on the model instance and is undone by ``close()``; no library code is replaced. The mode (and
 ``rows_from``) stays set until changed, so a backward that recomputes checkpointed layers sees the same attention
