@@ -111,10 +111,25 @@ def test_gated_attention_flex_takes_the_queries_of_the_last_rows():
         torch.testing.assert_close(out, gated_attention_reference(q, k, v, lb, 0.3)[:, :, -4:], atol=1e-5, rtol=1e-5)
 
 
-def test_evicted_attention_refuses_fewer_queries_than_positions():
-    q, k, v, lb = _inputs()
-    with pytest.raises(ValueError, match="a query for each of the 9 positions, got 3"):
-        evicted_attention(q[:, :, -3:], k, v, lb, 0.3, 4, torch.tensor([5, 5]))
+@pytest.mark.parametrize("temperature", [0.0, 0.5])
+def test_evicted_attention_takes_the_queries_of_the_last_rows(temperature):
+    """Hard (straight-through) and relaxed eviction take the queries of the last rows alone: those rows of the
+    whole attention, with the gradients the whole one gives from them."""
+    q, k, v, lb = _inputs(t=11)
+    mask = torch.ones(2, 1, 11, 11, dtype=torch.bool)
+    mask[1, ..., :2] = False  # left padding
+    decode_from = torch.tensor([5, 7])
+    whole = [x.clone().requires_grad_() for x in (q, k, v, lb)]
+    part = [x.clone().requires_grad_() for x in (q[:, :, -4:], k, v, lb)]
+    want = evicted_attention(*whole, 0.3, 3, decode_from, mask, temperature)[:, :, -4:]
+    got = evicted_attention(*part, 0.3, 3, decode_from, mask[:, :, -4:], temperature)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+    w = torch.randn_like(want)
+    (want * w).sum().backward()
+    (got * w).sum().backward()
+    torch.testing.assert_close(part[0].grad, whole[0].grad[:, :, -4:], atol=1e-12, rtol=1e-10)
+    for a, r in zip(part[1:], whole[1:]):
+        torch.testing.assert_close(a.grad, r.grad, atol=1e-12, rtol=1e-10)
 
 
 def _brute_visible(lb: torch.Tensor, budget: int, decode_from: int) -> torch.Tensor:

@@ -999,8 +999,8 @@ def _assert_same_step(runs: dict[bool, tuple]) -> None:
 @pytest.mark.parametrize("kind", ["trimkv", "trimkv-global", "trimkv+hard", "dms"])
 def test_the_last_layer_on_the_distilled_rows_alone_gives_the_loss_and_gradients_of_every_row(tiny_dir, kind, padded, checkpointed, monkeypatch):
     """A step runs the model's last layer on the rows it distills (``TrainingStep.distilled_from``): its loss and
-    gate gradients are those of the whole layer (attention cut for the teacher and for TRIM-KV's soft student and
-    DMS's; the output projection and MLP for every method), also under ``training.activation_checkpointing``, whose backward
+    gate gradients are those of the whole layer (attention cut for the teacher and for TRIM-KV's student, soft or
+    hard, and DMS's; the output projection and MLP for every method), also under ``training.activation_checkpointing``, whose backward
     recomputes the student's layers with the last one on the distilled rows again: up to its attention and output
     projection (where torch's default early stop ends the recomputation, as on a plain model) or, without early
     stop, all of it."""
@@ -1015,12 +1015,12 @@ def test_the_last_layer_on_the_distilled_rows_alone_gives_the_loss_and_gradients
     with torch.utils.checkpoint.set_checkpoint_early_stop(checkpointed != "whole layers"):
         runs = _step_with_and_without_the_cut(model, gates, config, gate_batch(padded), monkeypatch)
     rows, whole_rows = runs[True][2], runs[False][2]
-    # Teacher and student: rows 47 .. 63 (the completion's 48 ..), the student's again when recomputed; TRIM-KV's
-    # soft student attends with those queries.
+    # Teacher and student: rows 47 .. 63 (the completion's 48 ..), the student's again when recomputed; the student
+    # attends with those queries.
     attentions, mlps = (1, 1) if checkpointed is None else (2, 2 if checkpointed == "whole layers" else 1)
     assert (rows["o_proj"], rows["mlp"]) == ([17] * (1 + attentions), [17] * (1 + mlps))
     assert (whole_rows["o_proj"], whole_rows["mlp"]) == ([64] * (1 + attentions), [64] * (1 + mlps))
-    assert rows["student"].count(17) == (0 if kind == "trimkv+hard" else attentions)
+    assert rows["student"].count(17) == attentions
     assert set(rows["student"]) <= {17, 64} and set(whole_rows["student"]) == {64}
     _assert_same_step(runs)
 

@@ -330,25 +330,24 @@ def evicted_attention(
       are partly seen and carry the gradient of whether keeping them would help. ``temperature -> 0`` is the hard
       value. The gradient is this function's own.
 
-    Args: as ``gated_attention``, plus ``budget`` and ``decode_from`` (``hard_eviction_mask``), ``temperature``
-    (in units of ``r``) and ``soft_attention``, the gated attention giving the straight-through gradient (``gated_attention``
-    or one of its GPU forms). The eviction masks are ``[B, H_kv, T, T]``: memory quadratic in ``T``.
+    Args: as ``gated_attention`` (the queries may be those of the last ``n`` positions), plus ``budget`` and
+    ``decode_from`` (``hard_eviction_mask``), ``temperature`` (in units of ``r``) and ``soft_attention``, the gated
+    attention giving the straight-through gradient (``gated_attention`` or one of its GPU forms). The eviction masks
+    are ``[B, H_kv, T, T]``: memory quadratic in ``T``.
     """
-    t = k.shape[2]
-    if q.shape[2] != t:
-        raise ValueError(f"evicted_attention takes a query for each of the {t} positions, got {q.shape[2]}")
-    seen = causal_visibility(t, t, mask, q.device)
+    n, t = q.shape[2], k.shape[2]  # the queries of the last n positions
+    seen = causal_visibility(n, t, mask, q.device)
     g = q.shape[1] // k.shape[1]
     # Masked attention is the memory-efficient kernel's on CUDA, which takes no grouped query heads: repeat them.
     kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     if temperature > 0:
         work = _work_dtype(q)
-        bias = _relaxed_keep_bias(log_beta, budget, decode_from, temperature, work).masked_fill(~seen, float("-inf"))
+        bias = _relaxed_keep_bias(log_beta, budget, decode_from, temperature, work)[..., t - n :, :].masked_fill(~seen, float("-inf"))
         out = F.scaled_dot_product_attention(q.to(work), kk.to(work), vv.to(work), attn_mask=bias.repeat_interleave(g, 1), scale=scale)
         return out.nan_to_num(0.0).to(q.dtype)
     soft = soft_attention(q, k, v, log_beta, scale, mask)
     with torch.no_grad():
-        seen = (hard_eviction_mask(log_beta, budget, decode_from) & seen).repeat_interleave(g, 1)
+        seen = (hard_eviction_mask(log_beta, budget, decode_from)[..., t - n :, :] & seen).repeat_interleave(g, 1)
         hard = F.scaled_dot_product_attention(q, kk, vv, attn_mask=seen, scale=scale).nan_to_num(0.0)
     return soft + (hard - soft).detach()
 

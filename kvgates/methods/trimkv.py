@@ -67,7 +67,7 @@ class TrimKVMethod(LearnedMethod):
             raise ValueError("hard eviction is per head; global gates rank across layers, which one layer cannot see")
 
     def partial_queries(self, context: dict[str, Any]) -> bool:
-        return context.get("hard") is None  # hard eviction's masks are per row of the whole sequence
+        return True  # the gated attentions and evicted_attention (hard or relaxed) take the last rows' queries
 
     def attend(self, training, module: nn.Module, query, key, value, attention_mask, scale, captured, **kwargs) -> torch.Tensor:
         log_beta = training.gates(module.layer_idx, captured).transpose(1, 2)  # [B, H_kv, T]
