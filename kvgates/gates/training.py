@@ -175,7 +175,7 @@ class GateTraining:
             else:
                 scale = scaling if scaling is not None else query.shape[-1] ** -0.5
                 out = self.method.attend(self, module, query, key, value, attention_mask, scale, captured, dropout=dropout, **kwargs)
-        return torch.nn.functional.pad(out, (0, 0, 0, 0, skip, 0)), None
+        return (torch.nn.functional.pad(out, (0, 0, 0, 0, skip, 0)) if skip else out), None
 
     def plain(
         self,

@@ -22,6 +22,7 @@ The pieces a method is made of:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -120,10 +121,11 @@ class TrainingStep:
         kwargs.setdefault("use_cache", kwargs.get("past_key_values") is not None)
         return self.model(input_ids=self.ids, attention_mask=self.attention_mask, logits_to_keep=1, **kwargs)
 
-    @property
+    @functools.cached_property
     def distilled_from(self) -> int:
         """The first row any sequence of the batch distills (``completion``): the model's last layer computes only
-        the rows from there on (``GateTraining``'s ``rows_from``; 0 when nothing is distilled)."""
+        the rows from there on (``GateTraining``'s ``rows_from``; 0 when nothing is distilled). Read once per batch
+        (a host sync) for the teacher's and the student's forward."""
         rows = self.completion.any(0)
         return int(rows.int().argmax()) if bool(rows.any()) else 0
 

@@ -381,7 +381,8 @@ def dms_attention_fused(
     with torch.autocast(query.device.type, enabled=False):
         work = torch.float64 if query.dtype == torch.float64 else torch.float32
         q, k, v, log_keep = (x.to(work) for x in (query, key, value, log_keep))
-        q = F.pad(q, (0, 0, t - n, 0))  # rows before the queries given: zeros, their outputs dropped
+        if n < t:
+            q = F.pad(q, (0, 0, t - n, 0))  # rows before the queries given: zeros, their outputs dropped
         real = None if attention_mask is None else real_queries(attention_mask)
         near, near_lse = _near_attention(q, k, v, min(window, t - 1), scale, real)  # a longer window sees no more
         if window + 1 >= t:  # every key is near
