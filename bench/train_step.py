@@ -2,6 +2,7 @@
 
     python bench/train_step.py --model random --layers 2 --lengths 1024 4096 8192 --kinds trimkv locret --budget 256
     python bench/train_step.py --model random --layers 2 --lengths 1024 4096 --kinds dms --attention exact
+    python bench/train_step.py --model random --layers 2 --lengths 4096 --kinds trimkv --eviction hard relaxed
     python bench/train_step.py --model random:llama-3.1-8b --lengths 8192 16384 --checkpoint-layers   # one GPU
 
 For each sequence length and gate kind, interleaving the two in every round (median of ``--repeats`` rounds):
@@ -17,6 +18,9 @@ It prints seconds, the ratio step / teacher forward, and the peak memory each ad
 (host high-water mark), per token of the sequence and in all. ``--attention`` picks the student's gated attention
 (``kvgates.gates.training.ATTENTIONS``; ``auto``: the padded fused kernels on CUDA, the exact path elsewhere; DMS
 takes ``auto`` and ``fused``, both ``dms_attention_fused`` on every device, or ``exact``, its ``T x T`` mask);
+``--eviction`` picks TRIM-KV's student forward: ``soft`` (the decay), ``hard`` (``loss.hard_eviction``: the budget's
+hard eviction with the soft decay's gradient) or ``relaxed`` (``loss.eviction_temperature: 1.0``, as
+``configs/train/trimkv-relaxed-128.yaml``); each listed is a row of its own (other kinds train soft only).
 ``--checkpoint-layers`` recomputes the student's decoder layers in the backward (gradient checkpointing), as
 ``training.activation_checkpointing`` does in a run.
 """
@@ -35,6 +39,13 @@ from kvgates.gates.training import ATTENTIONS, GateTraining
 from train.config import TrainConfig
 from train.trainer import gate_loss
 
+#: ``--eviction``: the ``loss`` section of each student forward TRIM-KV trains with.
+EVICTION = {
+    "soft": {},
+    "hard": {"hard_eviction": True},
+    "relaxed": {"hard_eviction": True, "eviction_temperature": 1.0},
+}
+
 
 def peak_bytes(run, device: str) -> int:
     """Peak memory ``run()`` adds: GPU memory allocated on CUDA, resident host memory elsewhere."""
@@ -50,9 +61,12 @@ def peak_bytes(run, device: str) -> int:
 
 def main() -> None:
     args, model, tokenizer = setup(
-        __doc__, choices={"kinds": ["trimkv", "trimkv-global", "locret", "dms"], "attention": ["auto", *ATTENTIONS]},
+        __doc__, choices={
+            "kinds": ["trimkv", "trimkv-global", "locret", "dms"], "attention": ["auto", *ATTENTIONS],
+            "eviction": list(EVICTION),
+        },
         lengths=[1024, 4096, 8192], kinds=["trimkv", "locret"], budget=256, gate_hidden=64, completion=64, repeats=3,
-        attention="auto", checkpoint_layers=False,
+        attention="auto", checkpoint_layers=False, eviction=["soft"],
     )
     model.requires_grad_(False)
     if args.checkpoint_layers:
@@ -64,9 +78,13 @@ def main() -> None:
         f"| step {memory} peak (MiB) | step {memory} peak per token (KiB) |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for kind in args.kinds:
+    runs = [(kind, eviction) for kind in args.kinds for eviction in (args.eviction if kind.startswith("trimkv") else ["soft"])]
+    for kind, eviction in runs:
+        label = kind if eviction == "soft" else f"{kind} ({eviction})"
         for length in args.lengths:
-            config = TrainConfig.from_dict({"kind": kind, "budget": args.budget, "data": {"seq_len": length}})
+            config = TrainConfig.from_dict(
+                {"kind": kind, "budget": args.budget, "data": {"seq_len": length}, "loss": EVICTION[eviction]}
+            )
             gates = GATE_KINDS[config.gate_kind].for_model(model, gate_hidden=args.gate_hidden, init_bias=8.0)
             optimizer = torch.optim.AdamW(gates.parameters(), lr=1e-4)
             ids = essay_ids(tokenizer, length, args.device)
@@ -99,7 +117,7 @@ def main() -> None:
                 peaks = {name: peak_bytes(fn, args.device) for name, fn in (("teacher", teacher), ("step", step))}
             t, s = statistics.median(times["teacher"]), statistics.median(times["step"])
             print(
-                f"| {kind} | {length} | {t:.2f} | {s:.2f} | {s / t:.2f}x | {peaks['teacher'] / 2**20:.0f} "
+                f"| {label} | {length} | {t:.2f} | {s:.2f} | {s / t:.2f}x | {peaks['teacher'] / 2**20:.0f} "
                 f"| {peaks['step'] / 2**20:.0f} | {peaks['step'] / 2**10 / length:.1f} |",
                 flush=True,
             )
