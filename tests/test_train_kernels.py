@@ -156,6 +156,31 @@ def test_hard_eviction_mask_is_inference_eviction_row_by_row(budget, decode_from
     for b in range(2):
         for h in range(2):
             assert torch.equal(mask[b, h], _brute_visible(lb[b, h], budget, int(starts[b]))), (b, h)
+    # The last rows alone, and with the steps before the rows every sequence prefills not ranked: the same rows.
+    for rows_from in (0, 1, 6, 11):
+        for prefilled in (0, int(starts.min())):
+            assert torch.equal(hard_eviction_mask(lb, budget, starts, rows_from, prefilled), mask[:, :, rows_from:]), (rows_from, prefilled)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.5])
+def test_evicted_attention_ranks_only_the_steps_after_the_prompt(temperature):
+    """``prefilled`` (the rows every sequence prefills) skips ranking steps no row sees: the same values and
+    gradients, padded or not, whole or for the last rows."""
+    q, k, v, lb = _inputs(t=11)
+    mask = torch.ones(2, 1, 11, 11, dtype=torch.bool)
+    mask[1, ..., :2] = False  # left padding
+    decode_from = torch.tensor([5, 7])
+    for rows in (11, 4):
+        outs, grads = [], []
+        for prefilled in (0, 5):
+            args = [x.clone().requires_grad_() for x in (q[:, :, -rows:], k, v, lb)]
+            out = evicted_attention(*args, 0.3, 3, decode_from, mask[:, :, -rows:], temperature, prefilled=prefilled)
+            out.backward(torch.ones_like(out))
+            outs.append(out)
+            grads.append([a.grad for a in args])
+        torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+        for a, r in zip(*grads):
+            torch.testing.assert_close(a, r, atol=0, rtol=0)
 
 
 def test_evicted_attention_has_the_hard_value_and_the_soft_gradient():

@@ -261,8 +261,11 @@ def gated_attention_fused(
     return out[..., :dv].to(q.dtype)
 
 
-def hard_eviction_mask(log_beta: torch.Tensor, budget: int, decode_from: torch.Tensor) -> torch.Tensor:
-    """``[B, H_kv, T, T]`` bool: the keys each query row sees when ``TrimKV(budget)`` evicts as inference does.
+def hard_eviction_mask(
+    log_beta: torch.Tensor, budget: int, decode_from: torch.Tensor, rows_from: int = 0, prefilled: int = 0
+) -> torch.Tensor:
+    """``[B, H_kv, T - rows_from, T]`` bool: the keys each query row (from ``rows_from`` on) sees when
+    ``TrimKV(budget)`` evicts as inference does.
 
     Inference prefills a prompt with every token visible, then decodes one token at a time, and after each step
     keeps the ``budget`` tokens of highest ``(t - i) * log_beta_i`` (``t`` the step's position). So a query row
@@ -275,34 +278,49 @@ def hard_eviction_mask(log_beta: torch.Tensor, budget: int, decode_from: torch.T
         log_beta: ``[B, H_kv, T]`` (<= 0).
         budget: tokens per KV head kept after each decode step.
         decode_from: ``[B]`` the first decoded position of each row (``T``: no decoding).
+        rows_from: the first query row wanted (the queries of the last ``T - rows_from`` positions).
+        prefilled: rows every sequence prefills (at most ``decode_from``'s least value): only the steps from
+            there on are ranked (``T x T`` scores and a top-k over each become ``(T - prefilled) x T``).
     """
     with torch.no_grad():
-        score, causal = _ranking_scores(log_beta, torch.float32)
+        score, causal = _ranking_scores(log_beta, torch.float32, _first_step(rows_from, prefilled))
         kth = score.topk(min(budget, score.shape[-1]), dim=-1).values[..., -1:]  # -inf: fewer exist, keep all
-        kept = (score >= kth) & causal  # kept after the step at each row's position
-        return _rows_after_step(kept, causal, decode_from)
+        kept = (score >= kth) & causal  # kept after each step
+        t = log_beta.shape[-1]
+        everything = torch.arange(rows_from, t, device=log_beta.device)[:, None] >= torch.arange(t, device=log_beta.device)
+        return _rows_after_step(kept, everything, decode_from, rows_from)
 
 
-def _ranking_scores(log_beta: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([B, H_kv, T, T] scores, [T, T] causal)``: row ``s`` holds ``(s - i) * log_beta_i`` (``-inf`` for
-    ``i > s``), the ranking an eviction after step ``s`` uses."""
+def _first_step(rows_from: int, prefilled: int) -> int:
+    """The first step whose keep set a query row from ``rows_from`` on may see: the step before the first row that
+    is not prefilled in every sequence (row 0 sees only itself either way)."""
+    return max(rows_from, prefilled, 1) - 1
+
+
+def _ranking_scores(log_beta: torch.Tensor, dtype: torch.dtype, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B, H_kv, S, T] scores, [S, T] causal)`` for the steps ``s = first .. T - 2`` (``S`` of them; the last
+    position's step keeps nothing a row sees): row ``s`` holds ``(s - i) * log_beta_i`` (``-inf`` for ``i > s``),
+    the ranking an eviction after step ``s`` uses."""
     t = log_beta.shape[-1]
     idx = torch.arange(t, device=log_beta.device)
-    causal = idx[:, None] >= idx[None, :]
-    score = (idx[:, None] - idx[None, :]).to(dtype) * log_beta.to(dtype)[:, :, None, :]
+    steps = idx[first : t - 1]
+    causal = steps[:, None] >= idx[None, :]
+    score = (steps[:, None] - idx[None, :]).to(dtype) * log_beta.to(dtype)[:, :, None, :]
     return score.masked_fill(~causal, float("-inf")), causal
 
 
-def _rows_after_step(kept: torch.Tensor, everything: torch.Tensor, decode_from: torch.Tensor) -> torch.Tensor:
-    """From what each step keeps (row ``s`` of ``kept``) to what each query row sees: row ``t`` sees what step
-    ``t - 1`` kept and itself (True for a bool mask, 0 for an additive one), and a prompt row
-    (``t < decode_from[b]``) sees ``everything``."""
-    t = kept.shape[-1]
-    seen = torch.zeros_like(kept)
-    seen[:, :, 1:] = kept[:, :, :-1]
-    diagonal = torch.eye(t, dtype=torch.bool, device=kept.device)
+def _rows_after_step(kept: torch.Tensor, everything: torch.Tensor, decode_from: torch.Tensor, rows_from: int) -> torch.Tensor:
+    """From what the steps ``T - 1 - S .. T - 2`` keep (``kept`` ``[B, H_kv, S, T]``) to what each query row from
+    ``rows_from`` on sees: row ``t`` sees what step ``t - 1`` kept and itself (True for a bool mask, 0 for an
+    additive one), and a prompt row (``t < decode_from[b]``) sees its row of ``everything`` (``[T - rows_from, T]``,
+    or a scalar). Rows before ``T - S`` must be prompt rows of every sequence, or row 0 (which sees itself)."""
+    t, s = kept.shape[-1], kept.shape[2]
+    rows = torch.arange(rows_from, t, device=kept.device)
+    seen = kept.new_zeros((*kept.shape[:2], t - rows_from, t))
+    seen[:, :, t - s - rows_from :] = kept
+    diagonal = rows[:, None] == torch.arange(t, device=kept.device)[None, :]
     seen = seen | diagonal if kept.dtype == torch.bool else seen.masked_fill(diagonal, 0.0)
-    prompt = torch.arange(t, device=kept.device)[None, :] < decode_from[:, None]  # [B, T] rows that are prefilled
+    prompt = rows[None, :] < decode_from[:, None]  # [B, T - rows_from] rows that are prefilled
     return torch.where(prompt[:, None, :, None], everything.to(kept.dtype), seen)
 
 
@@ -317,6 +335,7 @@ def evicted_attention(
     mask: torch.Tensor | None = None,
     temperature: float = 0.0,
     soft_attention=gated_attention,
+    prefilled: int = 0,
 ) -> torch.Tensor:
     """The TRIM-KV student attending as inference does: plain attention (no retention bias) over the tokens
     ``hard_eviction_mask`` leaves, with one of two gradients into the gates.
@@ -332,8 +351,9 @@ def evicted_attention(
 
     Args: as ``gated_attention`` (the queries may be those of the last ``n`` positions), plus ``budget`` and
     ``decode_from`` (``hard_eviction_mask``), ``temperature`` (in units of ``r``) and ``soft_attention``, the gated
-    attention giving the straight-through gradient (``gated_attention`` or one of its GPU forms). The eviction masks
-    are ``[B, H_kv, T, T]``: memory quadratic in ``T``.
+    attention giving the straight-through gradient (``gated_attention`` or one of its GPU forms), and ``prefilled``
+    (``hard_eviction_mask``: only the steps after the rows every sequence prefills are ranked). The eviction masks
+    are ``[B, H_kv, n, T]``: memory quadratic in ``T``.
     """
     n, t = q.shape[2], k.shape[2]  # the queries of the last n positions
     seen = causal_visibility(n, t, mask, q.device)
@@ -342,28 +362,35 @@ def evicted_attention(
     kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     if temperature > 0:
         work = _work_dtype(q)
-        bias = _relaxed_keep_bias(log_beta, budget, decode_from, temperature, work)[..., t - n :, :].masked_fill(~seen, float("-inf"))
+        bias = _relaxed_keep_bias(log_beta, budget, decode_from, temperature, work, t - n, prefilled).masked_fill(~seen, float("-inf"))
         out = F.scaled_dot_product_attention(q.to(work), kk.to(work), vv.to(work), attn_mask=bias.repeat_interleave(g, 1), scale=scale)
         return out.nan_to_num(0.0).to(q.dtype)
     soft = soft_attention(q, k, v, log_beta, scale, mask)
     with torch.no_grad():
-        seen = (hard_eviction_mask(log_beta, budget, decode_from)[..., t - n :, :] & seen).repeat_interleave(g, 1)
+        seen = (hard_eviction_mask(log_beta, budget, decode_from, t - n, prefilled) & seen).repeat_interleave(g, 1)
         hard = F.scaled_dot_product_attention(q, kk, vv, attn_mask=seen, scale=scale).nan_to_num(0.0)
     return soft + (hard - soft).detach()
 
 
 def _relaxed_keep_bias(
-    log_beta: torch.Tensor, budget: int, decode_from: torch.Tensor, temperature: float, dtype: torch.dtype
+    log_beta: torch.Tensor,
+    budget: int,
+    decode_from: torch.Tensor,
+    temperature: float,
+    dtype: torch.dtype,
+    rows_from: int = 0,
+    prefilled: int = 0,
 ) -> torch.Tensor:
-    """``[B, H_kv, T, T]`` additive bias of ``evicted_attention``'s relaxed form (0 where a row sees a token
-    fully; causality is the caller's)."""
-    score, causal = _ranking_scores(log_beta, dtype)
+    """``[B, H_kv, T - rows_from, T]`` additive bias of ``evicted_attention``'s relaxed form for the query rows from
+    ``rows_from`` on (0 where a row sees a token fully; causality is the caller's; ``prefilled`` as
+    ``hard_eviction_mask``'s)."""
+    score, causal = _ranking_scores(log_beta, dtype, _first_step(rows_from, prefilled))
     t = score.shape[-1]
     top = score.detach().topk(min(budget + 1, t), dim=-1).values
     theta = (top[..., budget - 1 : budget] + top[..., -1:]) / 2 if budget < t else top[..., -1:]
     keep = F.logsigmoid((score - theta.nan_to_num(0.0, neginf=-1e30)) / temperature)
     keep = torch.where(torch.isfinite(top[..., -1:]), keep, torch.zeros_like(keep))  # fewer than budget + 1: all kept
-    return _rows_after_step(keep.masked_fill(~causal, 0.0), torch.zeros_like(causal, dtype=dtype), decode_from)
+    return _rows_after_step(keep.masked_fill(~causal, 0.0), keep.new_zeros(()), decode_from, rows_from)
 
 
 def gated_attention_flex(

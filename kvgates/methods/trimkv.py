@@ -24,11 +24,13 @@ class HardEviction:
     """The student forward evicts as inference does: ``budget`` tokens per KV head kept after each decoded
     position, decoding from ``decode_from`` (``[B]``, the first position after each row's prompt).
     ``temperature``: ``evicted_attention``'s (0: hard eviction with the soft decay's gradient; above 0: eviction
-    relaxed at the keep-set's boundary)."""
+    relaxed at the keep-set's boundary). ``prefilled``: the rows every sequence prefills (``decode_from``'s least
+    value), read once per batch: the steps before them are not ranked (``evicted_attention``)."""
 
     budget: int
     decode_from: torch.Tensor
     temperature: float = 0.0
+    prefilled: int = 0
 
 
 def keep_sets(cache: kvgates.BudgetCache, length: int) -> torch.Tensor:
@@ -77,7 +79,8 @@ class TrimKVMethod(LearnedMethod):
             out = soft(query, key, value, log_beta, scale, attention_mask)
         else:
             out = evicted_attention(
-                query, key, value, log_beta, scale, hard.budget, hard.decode_from, attention_mask, hard.temperature, soft
+                query, key, value, log_beta, scale, hard.budget, hard.decode_from, attention_mask, hard.temperature, soft,
+                hard.prefilled,
             )
         return out.transpose(1, 2).contiguous()
 
@@ -96,7 +99,8 @@ class TrimKVMethod(LearnedMethod):
                 policy.detach()
         hard = None
         if config.loss.hard_eviction:
-            hard = HardEviction(max(1, round(step.budget)), decode_start(step.labels), config.loss.eviction_temperature)
+            decode_from = decode_start(step.labels)
+            hard = HardEviction(max(1, round(step.budget)), decode_from, config.loss.eviction_temperature, int(decode_from.min()))
         kl, ce = step.distill(step.student_hidden(hard=hard), teacher)
         log_beta = step.stacked(LOG_BETA)  # [L, B, H_kv, T]
         cap = capacity_loss(log_beta, step.budget, step.lengths, self.global_budget, config.loss.capacity_stride)
