@@ -313,15 +313,18 @@ def _rows_after_step(kept: torch.Tensor, everything: torch.Tensor, decode_from: 
     """From what the steps ``T - 1 - S .. T - 2`` keep (``kept`` ``[B, H_kv, S, T]``) to what each query row from
     ``rows_from`` on sees: row ``t`` sees what step ``t - 1`` kept and itself (True for a bool mask, 0 for an
     additive one), and a prompt row (``t < decode_from[b]``) sees its row of ``everything`` (``[T - rows_from, T]``,
-    or a scalar). Rows before ``T - S`` must be prompt rows of every sequence, or row 0 (which sees itself)."""
+    or a scalar). Rows before ``T - S`` must be prompt rows of every sequence, or row 0 (which sees itself): they
+    are ``everything``'s rows, and only the last ``S`` rows are assembled."""
     t, s = kept.shape[-1], kept.shape[2]
-    rows = torch.arange(rows_from, t, device=kept.device)
-    seen = kept.new_zeros((*kept.shape[:2], t - rows_from, t))
-    seen[:, :, t - s - rows_from :] = kept
+    n = t - rows_from
+    seen = everything.to(kept.dtype).expand(*kept.shape[:2], n, t).clone()
+    rows = torch.arange(t - s, t, device=kept.device)
     diagonal = rows[:, None] == torch.arange(t, device=kept.device)[None, :]
-    seen = seen | diagonal if kept.dtype == torch.bool else seen.masked_fill(diagonal, 0.0)
-    prompt = rows[None, :] < decode_from[:, None]  # [B, T - rows_from] rows that are prefilled
-    return torch.where(prompt[:, None, :, None], everything.to(kept.dtype), seen)
+    decoded = kept | diagonal if kept.dtype == torch.bool else kept.masked_fill(diagonal, 0.0)
+    prompt = rows[None, :] < decode_from[:, None]  # [B, S] ranked rows that are prefilled
+    tail = everything[n - s :] if everything.dim() else everything
+    seen[:, :, n - s :] = torch.where(prompt[:, None, :, None], tail.to(kept.dtype), decoded)
+    return seen
 
 
 def evicted_attention(
