@@ -360,19 +360,33 @@ def evicted_attention(
     """
     n, t = q.shape[2], k.shape[2]  # the queries of the last n positions
     seen = causal_visibility(n, t, mask, q.device)
-    g = q.shape[1] // k.shape[1]
-    # Masked attention is the memory-efficient kernel's on CUDA, which takes no grouped query heads: repeat them.
-    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     if temperature > 0:
         work = _work_dtype(q)
         bias = _relaxed_keep_bias(log_beta, budget, decode_from, temperature, work, t - n, prefilled).masked_fill(~seen, float("-inf"))
-        out = F.scaled_dot_product_attention(q.to(work), kk.to(work), vv.to(work), attn_mask=bias.repeat_interleave(g, 1), scale=scale)
-        return out.nan_to_num(0.0).to(q.dtype)
+        return _grouped_masked_attention(q.to(work), k.to(work), v.to(work), bias, scale).to(q.dtype)
     soft = soft_attention(q, k, v, log_beta, scale, mask)
     with torch.no_grad():
-        seen = (hard_eviction_mask(log_beta, budget, decode_from, t - n, prefilled) & seen).repeat_interleave(g, 1)
-        hard = F.scaled_dot_product_attention(q, kk, vv, attn_mask=seen, scale=scale).nan_to_num(0.0)
+        hard = _grouped_masked_attention(q, k, v, hard_eviction_mask(log_beta, budget, decode_from, t - n, prefilled) & seen, scale)
     return soft + (hard - soft).detach()
+
+
+def _grouped_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """sdpa of ``q`` ``[B, H, n, D]`` over ``k``, ``v`` ``[B, H_kv, T, D]`` under ``mask`` ``[B, H_kv, n, T]`` (bool or
+    additive), one mask per KV head: each KV head's group of query heads is a batch entry of its own, which the mask
+    broadcasts over, so the mask (and its gradient) is never repeated per query head. The keys and values are
+    expanded, not copied (the memory-efficient kernel, which CUDA runs masked attention on, takes no grouped heads). A
+    row that sees nothing is zero."""
+    b, h, n, d = q.shape
+    hkv, t = k.shape[1], k.shape[2]
+    g = h // hkv
+    out = F.scaled_dot_product_attention(
+        q.reshape(b * hkv, g, n, d),
+        k.reshape(b * hkv, 1, t, d).expand(-1, g, -1, -1),
+        v.reshape(b * hkv, 1, t, -1).expand(-1, g, -1, -1),
+        attn_mask=mask.reshape(b * hkv, 1, n, t),
+        scale=scale,
+    )
+    return out.nan_to_num(0.0).view(b, h, n, -1)
 
 
 def _relaxed_keep_bias(
