@@ -29,15 +29,18 @@ answer prefix and answer to the assistant turn); ``raw`` keeps plain text, as th
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import datasets
 import huggingface_hub
+from datasets.packaged_modules.json import json as json_builder
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from transformers import PreTrainedTokenizerBase
 
@@ -110,7 +113,8 @@ def check_readable(mix: list[dict[str, Any]]) -> None:
             rows = _external_rows(source, streaming=not whole)
             if not whole:
                 try:
-                    rows = datasets.Dataset.from_list(list(itertools.islice(rows, 1)))
+                    with _parser_log_held():
+                        rows = datasets.Dataset.from_list(list(itertools.islice(rows, 1)))
                 except Exception as err:  # datasets, pyarrow and the codecs raise many types
                     raise ValueError(f"could not read {source['path']!r} ({_reason(err)})") from None
             _check_rows(source, rows)
@@ -162,14 +166,29 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
+@contextlib.contextmanager
+def _parser_log_held() -> Iterator[None]:
+    """Hold back, while ``datasets`` reads inside the block, its JSON builder's own log line about a line it cannot
+    parse ("Failed to load JSON from file ..."): the error it raises becomes our one sentence, and the line would be
+    a second message on stderr saying the same. Only that builder's logger, and its level is restored afterwards."""
+    logger = json_builder.logger
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _external_rows(source: dict[str, Any], streaming: bool = False) -> datasets.Dataset | datasets.IterableDataset:
     """The rows of an ``hf``/``text``/``jsonl`` source, read whole or as a stream (raises ``ValueError`` when it
     cannot be loaded)."""
     try:
-        if source["task"] == "hf":
-            return datasets.load_dataset(source["path"], source.get("name"), split=source.get("split", "train"), streaming=streaming)
-        builder = "text" if source["task"] == "text" else "json"
-        return datasets.load_dataset(builder, data_files=str(source["path"]), split="train", streaming=streaming)
+        with _parser_log_held():
+            if source["task"] == "hf":
+                return datasets.load_dataset(source["path"], source.get("name"), split=source.get("split", "train"), streaming=streaming)
+            builder = "text" if source["task"] == "text" else "json"
+            return datasets.load_dataset(builder, data_files=str(source["path"]), split="train", streaming=streaming)
     except Exception as err:  # datasets raises many types (missing, offline, malformed)
         raise ValueError(f"could not load data source {source['path']!r} ({_reason(err)})") from err
 
@@ -195,7 +214,8 @@ class _PackedStream:
 
     def _document(self) -> list[int]:
         try:
-            row = next(self.rows, None)
+            with _parser_log_held():
+                row = next(self.rows, None)
         except Exception as err:  # a row past those check_readable reads: datasets, pyarrow and the codecs raise many types
             raise ValueError(f"could not read {self.source['path']!r} ({_reason(err)})") from None
         if row is None:

@@ -239,3 +239,24 @@ def test_essay_rows_can_be_longer_than_any_essay(tok, tmp_path):
     longest = max(n_tokens(tok, (essays_dir() / name).read_text()) for name in essay_split()["train"])
     ds = build_dataset(tok, [{"task": "essays"}], "train", 2, 2 * longest, cache_dir=str(tmp_path / "c"))
     assert all(len(row["input_ids"]) == 2 * longest for row in ds)
+
+
+def test_a_malformed_json_line_is_our_one_sentence_without_datasets_own_log_line(tmp_path, caplog, capfd):
+    """``datasets``' JSON builder logs "Failed to load JSON from file ..." on stderr before it raises; the run's one
+    sentence said the same again, so a user read two messages. Its logger is held back while we read (the file whole,
+    and a packed stream's rows) and its level restored afterwards."""
+    import logging
+
+    from datasets.packaged_modules.json import json as json_builder
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a document"}\n{not json\n')
+    level = json_builder.logger.level
+    caplog.set_level(logging.WARNING)
+    for source in ({"task": "jsonl", "path": str(bad)}, {"task": "jsonl", "path": str(bad), "pack": True}):
+        message = f"^data source 0 \\(jsonl\\): could not (load data source|read) '{bad}' \\(ArrowInvalid: JSON parse error"
+        with pytest.raises(ValueError, match=message):
+            check_readable([source])
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("datasets")]
+    assert "Failed to load JSON" not in capfd.readouterr().err
+    assert json_builder.logger.level == level
