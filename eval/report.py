@@ -16,6 +16,7 @@ from eval.config import ABConfig, ArmSpec, TaskSpec
 from eval.runner import RECORD, ABResults
 from eval.stats import MIN_PAIRS, Comparison
 from eval.tasks import metrics_of
+from kvgates.gates.adapter import atomic_write
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -141,6 +142,14 @@ def best_heuristic(config: ABConfig, summary: Summary, task: TaskSpec, budget: i
     return max(scored)[1] if scored else None
 
 
+def _save(fig: plt.Figure, path: Path) -> Path:
+    """Write ``fig`` to the PNG ``path`` (through a temporary file: an interrupted report keeps the plot it had) and
+    close it."""
+    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100, bbox_inches="tight"))
+    plt.close(fig)
+    return path
+
+
 def plot_score_vs_kv(config: ABConfig, summary: Summary, path: Path, headline: bool = False) -> Path:
     """Per task: each arm's primary metric against the KV MiB it held per sequence, one point per budget.
 
@@ -179,9 +188,7 @@ def plot_score_vs_kv(config: ABConfig, summary: Summary, path: Path, headline: b
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_depth_heatmaps(config: ABConfig, task: TaskSpec, rows: list[dict], path: Path) -> Path:
@@ -215,9 +222,7 @@ def plot_depth_heatmaps(config: ABConfig, task: TaskSpec, rows: list[dict], path
     fig.tight_layout()
     scale = plt.cm.ScalarMappable(norm=plt.Normalize(0, 1), cmap="RdYlGn")
     fig.colorbar(scale, ax=axes.ravel().tolist(), shrink=0.6, label="share of the answer recalled")
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_kl_curves(config: ABConfig, task: TaskSpec, rows: list[dict], path: Path, smooth: int = 16) -> Path:
@@ -243,9 +248,7 @@ def plot_kl_curves(config: ABConfig, task: TaskSpec, rows: list[dict], path: Pat
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def load_config(results: dict) -> ABConfig:
@@ -322,17 +325,16 @@ def write_report(results: ABResults, command: str = "") -> str:
     summary = Summary(rows)
     minutes = results.compute_seconds / 60
     model_time = f"{minutes:.1f} min" if minutes < 60 else f"{minutes / 60:.2f} h"
-    (out / RECORD).write_text(
-        json.dumps(
-            {
-                "model": config.model, "seed": config.seed, "split": config.split, "budgets": list(config.budgets),
-                "arms": [a.__dict__ for a in config.all_arms], "tasks": [t.__dict__ for t in config.tasks],
-                "seconds": results.seconds, "compute_seconds": results.compute_seconds, "machine": platform.platform(),
-                "comparisons": [c.to_dict() for c in results.comparisons], "rows": rows,
-            },
-            indent=1,
-        )
+    record = json.dumps(
+        {
+            "model": config.model, "seed": config.seed, "split": config.split, "budgets": list(config.budgets),
+            "arms": [a.__dict__ for a in config.all_arms], "tasks": [t.__dict__ for t in config.tasks],
+            "seconds": results.seconds, "compute_seconds": results.compute_seconds, "machine": platform.platform(),
+            "comparisons": [c.to_dict() for c in results.comparisons], "rows": rows,
+        },
+        indent=1,
     )
+    atomic_write(out / RECORD, lambda p: Path(p).write_text(record))
     headline = headline_table(config, summary)
     plots = [plot_score_vs_kv(config, summary, out / "score_vs_kv.png")]
     learned = any(a.learned for a in config.arms)
@@ -383,5 +385,5 @@ def write_report(results: ABResults, command: str = "") -> str:
         "first position the greedy choice departs; prefix = generated tokens identical to the full cache's before "
         "the first departure; nll = mean negative log-likelihood per streamed token (ppl = its exp).",
     ]
-    (out / "report.md").write_text("\n".join(md) + "\n")
+    atomic_write(out / "report.md", lambda p: Path(p).write_text("\n".join(md) + "\n"))
     return f"{legend}\n\n{headline}"

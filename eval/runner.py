@@ -155,7 +155,7 @@ def _recorded_seconds(config: ABConfig) -> float | None:
     try:
         return json.loads(path.read_text()).get("seconds") if path.is_file() else None
     except json.JSONDecodeError:
-        return None  # a report killed mid-write: its time is lost
+        return None  # torn by a report killed mid-write before reports were written atomically: its time is lost
 
 
 def _journalled(config: ABConfig) -> tuple[set[str], set[str]]:

@@ -723,3 +723,36 @@ def test_soft_and_hard_kl_of_retention_gates(model, tok):
         soft_hard(model, kvgates.RetainingHeads.for_model(model), budget=8, window=window, prompt_tokens=32)
     with pytest.raises(ValueError, match="prompt_tokens"):
         soft_hard(model, gates, budget=8, window=window, prompt_tokens=48)
+
+
+def test_a_report_interrupted_while_it_writes_keeps_the_files_it_had(tmp_path, tok, model, monkeypatch):
+    """A report written again (a resumed run, ``--report-only``, a committed report re-rendered under ``docs/``) and
+    stopped mid-write (Ctrl-C) left ``results.json``, ``report.md`` or a plot half-written: each is now written
+    through a temporary file, so the earlier one stays whole and no temporary file is left behind."""
+    import pathlib
+
+    import matplotlib.figure
+
+    results = run_ab(small_config(tmp_path, tasks=[TASKS[3]], arms=["h2o"], budgets=[16]), model, tok)
+    write_report(results)
+    out = tmp_path / "out"
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.name != JOURNAL}
+    assert {"results.json", "report.md", "score_vs_kv.png", "kl_fidelity.png"} <= set(before)
+
+    def torn(write):
+        def half_then_interrupt(self, data, *args, **kwargs):
+            write(self, data[: len(data) // 2], *args, **kwargs)
+            raise KeyboardInterrupt
+
+        return half_then_interrupt
+
+    def torn_png(fig, path, **kwargs):
+        pathlib.Path(path).write_bytes(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    for owner, name, interrupted in [(pathlib.Path, "write_text", torn(pathlib.Path.write_text)), (matplotlib.figure.Figure, "savefig", torn_png)]:
+        with monkeypatch.context() as m:
+            m.setattr(owner, name, interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                write_report(results)
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != JOURNAL} == before
