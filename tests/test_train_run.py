@@ -1307,3 +1307,33 @@ def test_the_budget_ramps_from_the_sequence_length_to_the_budget(ramp, halfway):
     assert ramped_budget(TrainConfig.from_dict({"budget": 16, "data": {"seq_len": 64}}), 0) == 16.0
     with pytest.raises(ConfigError, match="loss.budget_ramp must be one of budget, compression, got 'cosine'"):
         TrainConfig.from_dict({"budget": 16, "data": {"seq_len": 64}, "loss": {"budget_ramp": "cosine"}})
+
+
+def test_a_torn_run_record_is_one_sentence_and_a_resume_interrupted_while_writing_it_keeps_it(tiny_dir, tmp_path, monkeypatch):
+    """``run_config.json`` is rewritten by every resumed run: written in place, a run stopped then left it torn, and
+    the next ``--resume`` ended in a JSONDecodeError traceback. It is now written through a temporary file, and one
+    that cannot be read is one sentence (exit status 2)."""
+    import pathlib
+
+    out = tmp_path / "run"
+    cfg = TrainConfig.from_dict(tiny_config(tiny_dir, out))
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    recorded = out / "run_config.json"
+    recorded.write_text(cfg.to_json())
+
+    write_text = pathlib.Path.write_text
+
+    def half_then_interrupt(self, data, *args, **kwargs):
+        write_text(self, data[: len(data) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(pathlib.Path, "write_text", half_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            prepare_output_dir(cfg, resume=True)
+    assert recorded.read_text() == cfg.to_json() and sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "run_config.json"]
+
+    recorded.write_text(cfg.to_json()[:40])
+    with pytest.raises(ConfigError, match=f"^--resume: {recorded}, the config the run was started with, cannot be read \\(JSONDecodeError\\)"):
+        prepare_output_dir(cfg, resume=True)

@@ -44,6 +44,7 @@ from data.splits import essay_split
 from eval.heldout import markdown_table
 from kvgates.cli import OneLineParser, usage_error
 from kvgates.config import check_output_folder
+from kvgates.gates.adapter import atomic_write
 from kvgates.gates.training import GateTraining
 from kvgates.models import check_model_source, past_context
 from train.config import ConfigError, TrainConfig
@@ -81,8 +82,15 @@ def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) ->
         checkpoint = last_complete_checkpoint(out)
         if not recorded.is_file():
             raise ConfigError(f"--resume: {out} has checkpoints but no {RUN_CONFIG}; it was not made by train.py")
+        try:
+            record = json.loads(recorded.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(
+                f"--resume: {recorded}, the config the run was started with, cannot be read ({type(err).__name__}), so "
+                "this config cannot be checked against it; start the run again in another output_dir"
+            ) from None
         # Both through TrainConfig, so a key added to it since the run started (at its default) is no difference.
-        before = json.loads(TrainConfig.from_dict(json.loads(recorded.read_text()), str(recorded)).to_json())
+        before = json.loads(TrainConfig.from_dict(record, str(recorded)).to_json())
         now = json.loads(config.to_json())
         changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
         if changed:
@@ -91,7 +99,7 @@ def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) ->
         raise ConfigError(f"{out} already holds checkpoints of a run; pass --resume to continue it or pick another output_dir")
     if write:
         out.mkdir(parents=True, exist_ok=True)
-        recorded.write_text(config.to_json())
+        atomic_write(recorded, lambda p: Path(p).write_text(config.to_json()))  # a resumed run rewrites it
     return out, checkpoint
 
 
@@ -397,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     gates.config.report = f"{heading}\n\n{table}"
     gates.save_pretrained(adapter)
     report = out / "report.md"
-    report.write_text(f"# {config.run_name}\n\n{heading}\n\n{table}\n\nValidation (best checkpoint): {validation}\n")
+    atomic_write(report, lambda p: Path(p).write_text(f"# {config.run_name}\n\n{heading}\n\n{table}\n\nValidation (best checkpoint): {validation}\n"))
     print(f"\n{heading}\n\n{table}\n\nadapter: {adapter}  ({seconds / 60:.1f} min)")
     if config.push_to_hub:
         try:
