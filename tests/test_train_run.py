@@ -1337,3 +1337,23 @@ def test_a_torn_run_record_is_one_sentence_and_a_resume_interrupted_while_writin
     recorded.write_text(cfg.to_json()[:40])
     with pytest.raises(ConfigError, match=f"^--resume: {recorded}, the config the run was started with, cannot be read \\(JSONDecodeError\\)"):
         prepare_output_dir(cfg, resume=True)
+
+
+def test_a_metrics_line_torn_by_a_killed_run_does_not_stop_the_resumed_one(tiny_dir, tmp_path):
+    """A run killed while it appended to ``metrics.jsonl`` leaves a torn last line: the resumed run appended its
+    first line to it and, once trained, ended in a JSONDecodeError traceback (summing the training time) before it
+    exported its adapter. The torn line is now ended before the resumed run appends, and skipped when read."""
+    out = tmp_path / "run"
+    steps = {"max_steps": 4, "eval_steps": 2, "save_steps": 2}
+    path = write(tiny_config(tiny_dir, out, training=steps), tmp_path / "c.yaml")
+    assert main(["--config", str(path)]) == 0
+    shutil.rmtree(out / "checkpoint-4")  # killed after its checkpoint at step 2, while logging
+    shutil.rmtree(out / "adapter")
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "lo')
+    assert main(["--config", str(path), "--resume"]) == 0
+    assert (out / "adapter" / "model.safetensors").is_file()
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    torn = lines.index('{"step": 3, "lo')  # a line of its own: the resumed run's lines after it are whole
+    rows = [json.loads(line) for i, line in enumerate(lines) if i != torn]
+    assert rows[-1]["step"] == 4 and any("train_runtime" in r for r in rows[torn:])

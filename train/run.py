@@ -114,8 +114,7 @@ def last_complete_checkpoint(out: Path) -> str:
 def training_seconds(out: Path) -> float:
     """Seconds ``Trainer.train`` ran in this folder, summed over the invocations that reached the end (resumed runs
     add up; time lost in a killed invocation is not counted)."""
-    lines = (json.loads(line) for line in (out / METRICS).read_text().splitlines() if line.strip())
-    return sum(line.get("train_runtime", 0.0) for line in lines)
+    return sum(row.get("train_runtime", 0.0) for row in MetricsJsonl.read(out / METRICS))
 
 
 #: The run's TrainingArguments where the config's ``training`` section sets none (``training_arguments`` adds the seed

@@ -171,10 +171,30 @@ class GateTrainer(Trainer):
 
 
 class MetricsJsonl(TrainerCallback):
-    """Appends every log (training losses, validation metrics) as one JSON line to ``path`` (main process)."""
+    """Appends every log (training losses, validation metrics) as one JSON line to ``path`` (main process). A run
+    killed while it appended leaves a torn last line: the resumed run ends it before appending its own, and ``read``
+    skips it."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+
+    @staticmethod
+    def read(path: str | os.PathLike) -> list[dict]:
+        """The logs ``path`` holds, in order, without a line torn by a killed run."""
+        rows = []
+        for line in Path(path).read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return rows
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self.path.is_file() and self.path.stat().st_size:
+            with self.path.open("rb+") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
