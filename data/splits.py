@@ -9,8 +9,10 @@ by ``make_essay_split`` (``python -m data.splits`` rewrites it) and a test check
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -64,13 +66,19 @@ def split_text(split: str) -> str:
     return "\n\n".join((folder / name).read_text(encoding="utf-8").strip() for name in essay_split()[split])
 
 
-def main() -> None:
-    """Rewrite ``data/essay_split.json`` from ``make_essay_split(0)`` and print the split's sizes."""
+def main(argv: list[str] | None = None) -> int:
+    """``python -m data.splits``: rewrite ``data/essay_split.json`` from ``make_essay_split(0)`` (through a temporary
+    file) and print the split's sizes; ``--help`` says so and writes nothing, and any argument is refused."""
+    from kvgates.cli import OneLineParser
+    from kvgates.gates.adapter import atomic_write
+
+    OneLineParser(prog="python -m data.splits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     split = make_essay_split(0)
-    SPLIT_FILE.write_text(json.dumps(split, indent=1) + "\n")
+    atomic_write(SPLIT_FILE, lambda p: Path(p).write_text(json.dumps(split, indent=1) + "\n"))
     for s in SPLITS:
         print(f"{s:10s} {len(split[s]):3d} essays  {len(split_text(s)):8d} characters")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,5 +1,7 @@
 """The essay split, the synthetic tasks and their template sets, and the dataset builder."""
 
+from pathlib import Path
+
 import pytest
 
 from data.build import build_dataset, check_mix, check_readable, summarize
@@ -260,3 +262,22 @@ def test_a_malformed_json_line_is_our_one_sentence_without_datasets_own_log_line
     assert not [r.getMessage() for r in caplog.records if r.name.startswith("datasets")]
     assert "Failed to load JSON" not in capfd.readouterr().err
     assert json_builder.logger.level == level
+
+
+def test_data_splits_help_says_what_it_does_and_writes_nothing(monkeypatch, tmp_path, capsys):
+    """``python -m data.splits --help`` rewrote the recorded split (any argument was ignored); help now writes
+    nothing, an unknown argument is a usage error (exit status 2), and the rewrite itself goes through a temporary
+    file."""
+    from data import splits
+
+    record = tmp_path / "essay_split.json"
+    monkeypatch.setattr(splits, "SPLIT_FILE", record)
+    with pytest.raises(SystemExit) as done:
+        splits.main(["--help"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("usage: python -m data.splits")
+    with pytest.raises(SystemExit) as done:
+        splits.main(["--budget", "3"])
+    assert done.value.code == 2 and not record.exists()
+    assert splits.main([]) == 0
+    assert record.read_text() == Path(splits.__file__).with_name("essay_split.json").read_text()  # the committed record
+    assert list(tmp_path.iterdir()) == [record]
