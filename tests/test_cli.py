@@ -11,7 +11,7 @@ from helpers import policy_on, save_tiny_checkpoint, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kvgates
-from kvgates import BudgetCache, RetentionGates, load_model
+from kvgates import POLICIES, BudgetCache, RetentionGates, load_model
 from kvgates.cli import USAGE_ERROR, main
 
 
@@ -249,7 +249,9 @@ def test_unknown_policy(capsys):
 
 def test_policies_lists_registry(capsys):
     assert main(["policies"]) == 0
-    assert "snapkv" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == sorted(POLICIES)
+    assert [line for line in lines if not line.endswith(".")] == []  # each a whole sentence (kvzap's was cut mid-way)
     assert run(["policies", "--help"]) == 0  # help, not the list
     assert capsys.readouterr().out.startswith("usage: kvgates policies")
     assert run(["policies", "snapkv"]) == USAGE_ERROR  # an argument it takes none of is refused, not ignored

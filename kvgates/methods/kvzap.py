@@ -114,11 +114,12 @@ class KVzapLinearGates(KVzapGates):
 @register_policy
 @dataclass
 class KVzap(WriteScored):
-    """KVzap (NVIDIA, arXiv:2601.07891; kvpress's ``KVzapPress``): each new token gets a predicted log-importance
-    per KV head from its layer's regressor (over the normed hidden state entering attention, computed inside the
-    forward) when it is written; a head keeps its ``sinks`` first and ``window`` most recent tokens plus its
-    best-predicted others, ``budget`` in all, after every prompt chunk and (``decode_evict``, the default) every
-    decode step.
+    """KVzap (NVIDIA, arXiv:2601.07891; kvpress's ``KVzapPress``): learned regressors predict each token's importance.
+
+    Each new token gets a predicted log-importance per KV head from its layer's regressor (over the normed hidden
+    state entering attention, computed inside the forward) when it is written; a head keeps its ``sinks`` first and
+    ``window`` most recent tokens plus its best-predicted others, ``budget`` in all, after every prompt chunk and
+    (``decode_evict``, the default) every decode step.
 
     Threshold mode (``threshold`` set): a token outside the window whose prediction is below ``threshold`` is
     dropped, so each head holds a variable number of tokens (its sinks and window plus the tokens at or above the threshold),
