@@ -81,11 +81,13 @@ def soft_hard(
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(prog="python -m eval softhard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gates", nargs="+", required=True, help="adapters: shipped names, folders or Hub ids")
-    parser.add_argument("--budget", type=int, default=128, help="tokens per KV head (default 128)")
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--windows", type=int, default=3, help="validation-essay windows (default 3)")
-    parser.add_argument("--prompt-tokens", type=int, default=1000)
-    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--budget", type=int, default=128, help="tokens per KV head (default %(default)s)")
+    parser.add_argument("--model", default="smollm2-135m", help="the embedded model, a Hub id or a model folder (default %(default)s)")
+    parser.add_argument("--windows", type=int, default=3, help="validation-essay windows (default %(default)s)")
+    parser.add_argument("--prompt-tokens", type=int, default=1000, help="prompt tokens of each window (default %(default)s)")
+    parser.add_argument(
+        "--new-tokens", type=int, default=512, help="tokens of the essay teacher-forced after each prompt (default %(default)s)"
+    )
     args = parser.parse_args(argv)
     for name, value in (("--budget", args.budget), ("--windows", args.windows), ("--prompt-tokens", args.prompt_tokens),
                         ("--new-tokens", args.new_tokens)):

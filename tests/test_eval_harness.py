@@ -348,6 +348,16 @@ def _exit_status(call) -> int:
         return exit_.code
 
 
+def test_softhard_help_says_every_option_and_its_default(capsys):
+    """``--model``, ``--prompt-tokens`` and ``--new-tokens`` were listed in ``python -m eval softhard --help`` with
+    neither a word nor their default."""
+    assert _exit_status(lambda: main(["softhard", "--help"])) == 0
+    options = capsys.readouterr().out.split("options:")[1]
+    for name, default in [("--budget", 128), ("--model", "smollm2-135m"), ("--windows", 3), ("--prompt-tokens", 1000), ("--new-tokens", 512)]:
+        described = " ".join(options.split(name)[1].split("\n  -")[0].split())
+        assert f"(default {default})" in described, name
+
+
 def test_softhard_windows_past_the_models_context_are_one_sentence(capsys):
     """``python -m eval softhard``'s windows (prompt and teacher-forced continuation) must fit the model's context: the
     embedded model reads 8,192 positions, so 8,000 + 512 is refused in one line once its config is loaded."""
