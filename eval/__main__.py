@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     out = None
     try:
         config = ABConfig.load(args.config, args.overrides, quick=args.quick, output_dir=args.out)
-        check_output_folder(config.output_dir, "--out" if args.out else "output_dir")
+        check_output_folder(config.output_dir, "--out" if args.out is not None else "output_dir")
         out = Path(config.output_dir)
         made = not out.exists()
         from eval.report import write_report

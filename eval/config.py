@@ -252,7 +252,7 @@ class ABConfig:
         quick_section = raw.pop("quick", None)
         if quick:
             raw = _apply_quick(raw, quick_section)
-        if output_dir:
+        if output_dir is not None:
             raw["output_dir"] = output_dir
         comparisons = raw.get("comparisons", "auto")
         specs = {

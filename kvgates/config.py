@@ -70,7 +70,10 @@ def _read(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
 
 def check_output_folder(path: str | Path, option: str) -> None:
     """``ConfigError`` when ``path``, the output folder ``option`` names, cannot be a folder: it, or a folder it
-    would be made in, is a file. Run before any model work, so that the run is not refused only when it writes."""
+    would be made in, is a file; or it is empty (``""``, which a run would take for the current folder, strewing
+    its outputs there). Run before any model work, so that the run is not refused only when it writes."""
+    if not str(path).strip():
+        raise ConfigError(f"{option} is empty; name a folder for the run's outputs (an empty one would be the current folder)")
     path = Path(path)
     for node in (path, *path.parents):
         if node.exists():

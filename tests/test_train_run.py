@@ -365,6 +365,19 @@ def test_an_output_dir_that_is_a_file_is_refused_before_the_model_loads(tiny_dir
     assert (tmp_path / "file").read_text() == "not a folder"
 
 
+def test_an_empty_output_dir_is_refused_not_taken_for_the_current_folder(tiny_dir, tmp_path, capsys, monkeypatch):
+    """``output_dir: ""`` passed ``--check`` ("ready to run ... into .") and the run wrote its checkpoints, metrics
+    and adapter into the current folder: it is now one sentence, before the model loads."""
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.chdir(tmp_path)
+    path = write(tiny_config(tiny_dir, ""), tmp_path / "c.yaml")
+    for check in ([], ["--check"]):
+        assert main(["--config", str(path), *check]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == "train.py: output_dir is empty; name a folder for the run's outputs (an empty one would be the current folder)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
 @pytest.mark.parametrize(
     "task, path, message",
     [

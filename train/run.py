@@ -74,8 +74,8 @@ def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) ->
     """``(output folder, checkpoint to resume from or None)``. Refuses an output folder that is a file, to overwrite
     an earlier run, or to resume one made with another config or one without a complete checkpoint; only then (and
     with ``write``) creates the folder and writes ``run_config.json``."""
+    check_output_folder(config.output_dir, "output_dir")
     out = Path(config.output_dir)
-    check_output_folder(out, "output_dir")
     recorded = out / RUN_CONFIG
     checkpoint = None
     if resume:
