@@ -29,6 +29,9 @@ import kvgates
 #: The exit status of every user error (a bad option, model, adapter or prompt): one sentence on stderr.
 USAGE_ERROR = 2
 
+#: ``kvgates generate --sample``'s temperature when ``--temperature`` is not given.
+TEMPERATURE = 0.7
+
 
 class OneLineParser(argparse.ArgumentParser):
     """An argument parser whose errors are one line on stderr (exit status 2), not the usage block; every command of
@@ -133,11 +136,13 @@ def _generate(argv: list[str]) -> int:
     )
     parser.add_argument("--max-new-tokens", type=_positive_int, default=64, help="default: 64")
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=_positive_float, default=0.7, help="sampling temperature with --sample (default: 0.7)")
+    parser.add_argument("--temperature", type=_positive_float, help=f"sampling temperature with --sample (default: {TEMPERATURE})")
     parser.add_argument("--seed", type=int, default=0, help="default: 0")
     parser.add_argument("--prefill-chunk", type=_positive_int, help="feed the prompt in chunks of this many tokens")
     names = _policy_options(parser, known.policy)
     args = parser.parse_args(argv)
+    if args.temperature is not None and not args.sample:
+        parser.error("--temperature sets how --sample samples; add --sample (greedy decoding, the default, has no temperature)")
 
     params = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if args.budget is not None:
@@ -193,7 +198,7 @@ def _generate(argv: list[str]) -> int:
                 past_key_values=cache,
                 max_new_tokens=args.max_new_tokens,
                 do_sample=args.sample,
-                temperature=args.temperature if args.sample else None,
+                temperature=(args.temperature or TEMPERATURE) if args.sample else None,
                 top_p=None,
                 top_k=None,
                 prefill_chunk_size=args.prefill_chunk,

@@ -96,6 +96,7 @@ def bad_models(tmp_path_factory):
         (["--policy", "h2o", "--budget", "8", "--prompt-file", "BINARY"], "prompt.bin is not UTF-8 text"),
         (["--sample", "--temperature", "0", "--prompt", "x"], "--temperature: must be a positive number, got '0' (greedy"),
         (["--sample", "--temperature", "nan", "--prompt", "x"], "--temperature: must be a positive number, got 'nan'"),
+        (["--temperature", "1.2", "--prompt", "x"], "--temperature sets how --sample samples; add --sample"),  # was ignored
         (["--max-new-tokens", "-1", "--prompt", "x"], "--max-new-tokens: must be a positive integer, got '-1'"),
         (["--prefill-chunk", "0", "--prompt", "x"], "--prefill-chunk: must be a positive integer, got '0'"),
         (["--policy", "trimkv", "--budget", "8", "--gates", "/tmp/nonexistent", "--prompt", "x"],
