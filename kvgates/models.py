@@ -254,9 +254,11 @@ def _local_or_hub(name_or_path: str) -> str:
     """``name_or_path`` itself, after refusing a local path that holds no model (one sentence, not a tokenizer error)
     and a Hub id that is not in the local Hugging Face cache when the Hub cannot be reached (at once, not after the
     download's retries)."""
+    choices = f"pass a model folder, a Hugging Face id or an embedded model ({', '.join(EMBEDDED_MODELS)})"
+    if not name_or_path.strip():  # Path("") is the current folder
+        raise UnsupportedModelError(f"the model name is empty; {choices}")
     path = Path(name_or_path)
     looks_local = path.exists() or path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1
-    choices = f"pass a model folder, a Hugging Face id or an embedded model ({', '.join(EMBEDDED_MODELS)})"
     if looks_local:
         if not (path / "config.json").is_file():
             raise UnsupportedModelError(f"{name_or_path} is not a model folder (no config.json there); {choices}")

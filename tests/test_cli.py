@@ -108,6 +108,7 @@ def bad_models(tmp_path_factory):
          "--policy trimkv-snap needs --base-params gates=..."),
         (["--policy", "adakv", "--budget", "8", "--base-params", "window", "--prompt", "x"], "--base-params: expected key=value"),
         (["--model", "EMPTY", "--prompt", "x"], "is not a model folder (no config.json there)"),
+        (["--model", "", "--prompt", "x"], "the model name is empty; pass a model folder"),  # was " is not a model folder"
     ],
 )
 def test_bad_input_is_one_clear_error(checkpoint, foreign_gates, bad_models, tmp_path, capsys, argv, message):
