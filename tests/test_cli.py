@@ -101,6 +101,7 @@ def bad_models(tmp_path_factory):
         (["--prefill-chunk", "0", "--prompt", "x"], "--prefill-chunk: must be a positive integer, got '0'"),
         (["--policy", "trimkv", "--budget", "8", "--gates", "/tmp/nonexistent", "--prompt", "x"],
          "/tmp/nonexistent is neither an adapter folder nor a Hub repository id"),
+        (["--policy", "trimkv", "--budget", "8", "--gates", "", "--prompt", "x"], "the adapter name is empty"),  # was ". has no config.json"
         (["--policy", "trimkv", "--budget", "8", "--gates", "FOREIGN", "--prompt", "x"], "were trained for"),
         (["--policy", "trimkv", "--budget", "8", "--gates", "FOREIGN", "--prompt", "x"], "pass --strict false to attach them"),
         (["--policy", "locret", "--budget", "8", "--prompt", "x"], "--policy locret needs --gates"),

@@ -276,6 +276,8 @@ class GateSet(nn.Module):
         (``kvgates.gates.embedded``) or a Hub repository id (on the base class: any kind)."""
         from kvgates.gates.embedded import embedded_adapter_dir
 
+        if not str(path_or_id).strip():  # Path("") is the current folder
+            raise AdapterError("the adapter name is empty; pass an adapter folder, a shipped adapter's name or a Hub repository id")
         folder = Path(path_or_id)
         if not folder.is_dir():
             folder = embedded_adapter_dir(str(path_or_id)) or _download(str(path_or_id), revision, endpoint, token)
