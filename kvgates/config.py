@@ -5,7 +5,7 @@
 
 * ``base: other.yaml`` (a path relative to the file) is read first and the file's own keys are merged over it,
   section by section: a mapping merges key by key, anything else (lists included) is replaced. A chain may be of
-  any length; a cycle is refused.
+  any length; a cycle is refused. A mapping that gives a key twice is refused too (PyYAML would keep the last).
 * An override ``a.b=value`` sets key ``b`` of section ``a`` (made when absent); ``value`` is read as YAML, so
   ``budgets=[128]`` is a list and ``seed=3`` a number.
 * ``build`` makes a dataclass of a mapping, refusing an unknown key, a value of the wrong type
@@ -36,6 +36,33 @@ __all__ = ["ConfigError", "apply_override", "build", "check_output_folder", "mer
 T = TypeVar("T")
 
 
+class _DuplicateKey(yaml.YAMLError):
+    """A mapping of a config gives one key twice."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that gives a key twice: PyYAML keeps the last one silently, so a
+    copied line (``budget: 128`` below an earlier ``budget: 256``) would change a run unseen. Keys a ``<<`` merge
+    brings in may be overridden, as YAML intends."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in lines:
+                raise _DuplicateKey(f"key {key!r} is given twice (lines {lines[key]} and {key_node.start_mark.line + 1}); keep one")
+            if isinstance(key, typing.Hashable):
+                lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load(text: str) -> Any:
+    """``text`` read as YAML by ``_UniqueKeyLoader``."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 def read_yaml(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """The mapping a YAML config holds, its ``base`` chain merged in (the ``base`` key itself removed), then the
     command-line ``overrides`` (``apply_override``) in order."""
@@ -53,9 +80,11 @@ def _read(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     if path.resolve() in seen:
         raise ConfigError(f"{path}: 'base' configs form a cycle")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = _load(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not a YAML file (not UTF-8 text)") from None
+    except _DuplicateKey as err:
+        raise ConfigError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML ({_one_line(err)})") from None
     if not isinstance(raw, dict):
@@ -105,7 +134,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {item!r}: {part!r} is not a section")
     try:
-        node[parts[-1]] = yaml.safe_load(text)
+        node[parts[-1]] = _load(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"override {item!r}: the value is not valid YAML ({_one_line(err)})") from None
 

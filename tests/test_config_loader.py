@@ -81,6 +81,9 @@ def test_merge_changes_neither_side():
         ({"a.yaml": b"\xff\xfebudget: 1\n"}, "a.yaml is not a YAML file (not UTF-8 text)"),
         ({"a.yaml": None}, "config file {tmp}/a.yaml is a folder; name a YAML file in it"),
         ({"a.yaml": "base: sub\n", "sub": None}, "config file {tmp}/sub is a folder"),
+        # PyYAML keeps the last of a key given twice, silently: a copied line changed the run unseen.
+        ({"a.yaml": "budget: 256\nseed: 1\nbudget: 128\n"}, "{tmp}/a.yaml: key 'budget' is given twice (lines 1 and 3); keep one"),
+        ({"a.yaml": "base: b.yaml\n", "b.yaml": "data:\n  seq_len: 64\n  seq_len: 96\n"}, "{tmp}/b.yaml: key 'seq_len' is given twice"),
     ],
 )
 def test_unreadable_configs_are_one_sentence(tmp_path, files, message):
@@ -107,6 +110,12 @@ def test_overrides_are_yaml_values_at_dotted_keys():
     assert build(Top, raw, "c.yaml").needy == Needy("snapkv")
 
 
+def test_a_key_a_yaml_merge_brings_in_may_be_overridden(tmp_path):
+    """Refusing a key given twice leaves YAML's own ``<<`` merge alone: the mapping's key wins over the merged one."""
+    (tmp_path / "a.yaml").write_text("shared: &s {window: 4, kernel: 3}\nparams:\n  <<: *s\n  window: 8\n")
+    assert read_yaml(tmp_path / "a.yaml")["params"] == {"window": 8, "kernel": 3}
+
+
 @pytest.mark.parametrize(
     "item, message",
     [
@@ -115,6 +124,7 @@ def test_overrides_are_yaml_values_at_dotted_keys():
         ("section..rate=1", "overrides look like key=value"),
         ("budget.x=1", "override 'budget.x=1': 'budget' is not a section"),
         ("names=[a,", "override 'names=[a,': the value is not valid YAML"),
+        ("params={window: 4, window: 8}", "override 'params={window: 4, window: 8}': the value is not valid YAML (key 'window' is given twice"),
     ],
 )
 def test_bad_overrides_are_one_sentence(item, message):
