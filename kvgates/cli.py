@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import sys
 import time
 import typing
@@ -28,6 +29,8 @@ import kvgates
 
 #: The exit status of every user error (a bad option, model, adapter or prompt): one sentence on stderr.
 USAGE_ERROR = 2
+#: Exit status when the reader of the output left early: a tool that SIGPIPE ends gives 128 + 13.
+BROKEN_PIPE = 141
 
 #: ``kvgates generate --sample``'s temperature when ``--temperature`` is not given.
 TEMPERATURE = 0.7
@@ -281,7 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     transformers.utils.logging.set_verbosity_error()  # library notices and progress bars are not for the command line
     transformers.utils.logging.disable_progress_bar()
     try:
-        return commands[argv[0]](argv[1:])
+        code = commands[argv[0]](argv[1:])
+        sys.stdout.flush()  # a closed pipe is found here, not at exit
+        return code
+    except BrokenPipeError:  # the reader left early (kvgates ... | head): stop quietly, as a tool SIGPIPE ends
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return BROKEN_PIPE
     except (ValueError, OSError) as err:  # bad parameters, AdapterError, UnsupportedModelError, a model that cannot load
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(f"kvgates: {message}", file=sys.stderr)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kvgates
 from kvgates import POLICIES, BudgetCache, RetentionGates, load_model
-from kvgates.cli import USAGE_ERROR, main
+from kvgates.cli import BROKEN_PIPE, USAGE_ERROR, main
 
 
 @pytest.fixture(scope="module")
@@ -312,3 +312,14 @@ def test_cross_layer_policies_over_a_device_map(checkpoint, tmp_path, name, layo
         logits.append(torch.stack(out).cpu())
         assert_within_budget(name, cache, 12 + 10)
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly():
+    """``kvgates policies | head -0``: the pipe is closed before the command writes. It stops with SIGPIPE's status
+    and says nothing (it said "kvgates: [Errno 32] Broken pipe", a user error, and Python's exit-time flush failed
+    again)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvgates.cli", "policies"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the interpreter has even imported kvgates
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == BROKEN_PIPE, stderr
+    assert stderr == ""
