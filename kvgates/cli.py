@@ -61,6 +61,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _file_name(text: str) -> Path:
+    """A file named on the command line (an empty name is refused: ``Path("")`` would be the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the file name is empty")
+    return Path(text)
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -132,7 +139,7 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--budget", type=int, help="tokens kept per KV head and layer (not for --policy full)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
-    source.add_argument("--prompt-file", type=Path, help="a file holding the prompt")
+    source.add_argument("--prompt-file", type=_file_name, help="a file holding the prompt")
     parser.add_argument(
         "--chat", action=argparse.BooleanOptionalAction, default=None,
         help="wrap the prompt in the model's chat template (default: when the tokenizer has one; --no-chat for raw text)",

@@ -46,15 +46,21 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     brings in may be overridden, as YAML intends."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        lines: dict[Any, int] = {}
+        marks: dict[Any, yaml.Mark] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, typing.Hashable) and key in lines:
-                raise _DuplicateKey(f"key {key!r} is given twice (lines {lines[key]} and {key_node.start_mark.line + 1}); keep one")
-            if isinstance(key, typing.Hashable):
-                lines[key] = key_node.start_mark.line + 1
+            if not isinstance(key, typing.Hashable):
+                continue
+            if key in marks:
+                first, again = marks[key], key_node.start_mark
+                where = (
+                    f"line {first.line + 1}, columns {first.column + 1} and {again.column + 1}"
+                    if first.line == again.line else f"lines {first.line + 1} and {again.line + 1}"
+                )
+                raise _DuplicateKey(f"key {key!r} is given twice ({where}); keep one")
+            marks[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
 
 
@@ -94,7 +100,10 @@ def _read(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
         return raw
     if not isinstance(base, str):
         raise ConfigError(f"{path}: base must name another YAML config (a path relative to this one), got {base!r}")
-    return merge(_read(path.parent / base, (*seen, path.resolve())), raw)
+    target = path.parent / base
+    if not target.exists():
+        raise ConfigError(f"{path}: base {base!r} names {target}, which does not exist (a path relative to this config)")
+    return merge(_read(target, (*seen, path.resolve())), raw)
 
 
 def check_output_folder(path: str | Path, option: str) -> None:

@@ -94,6 +94,7 @@ def bad_models(tmp_path_factory):
         (["--policy", "h2o", "--budget", "8", "--prompt-file", "/nonexistent"], "does not exist"),
         (["--policy", "h2o", "--budget", "8", "--prompt-file", "EMPTY"], "is a folder; name a text file"),
         (["--policy", "h2o", "--budget", "8", "--prompt-file", "BINARY"], "prompt.bin is not UTF-8 text"),
+        (["--policy", "h2o", "--budget", "8", "--prompt-file", ""], "--prompt-file: the file name is empty"),  # was ". is a folder"
         (["--sample", "--temperature", "0", "--prompt", "x"], "--temperature: must be a positive number, got '0' (greedy"),
         (["--sample", "--temperature", "nan", "--prompt", "x"], "--temperature: must be a positive number, got 'nan'"),
         (["--temperature", "1.2", "--prompt", "x"], "--temperature sets how --sample samples; add --sample"),  # was ignored

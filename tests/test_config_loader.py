@@ -74,7 +74,8 @@ def test_merge_changes_neither_side():
     [
         ({"a.yaml": "base: b.yaml\n", "b.yaml": "base: a.yaml\n"}, "a.yaml: 'base' configs form a cycle"),
         ({"a.yaml": "base: a.yaml\n"}, "a.yaml: 'base' configs form a cycle"),
-        ({"a.yaml": "base: gone.yaml\n"}, "gone.yaml does not exist"),
+        # The config that names a missing base is named too.
+        ({"a.yaml": "base: gone.yaml\n"}, "{tmp}/a.yaml: base 'gone.yaml' names {tmp}/gone.yaml, which does not exist"),
         ({"a.yaml": "base: [b.yaml]\n"}, "a.yaml: base must name another YAML config"),
         ({"a.yaml": "budget: [1,\n"}, "a.yaml is not valid YAML (while parsing"),
         ({"a.yaml": "- 1\n- 2\n"}, "a.yaml must hold a mapping of settings at the top level"),
@@ -124,7 +125,10 @@ def test_a_key_a_yaml_merge_brings_in_may_be_overridden(tmp_path):
         ("section..rate=1", "overrides look like key=value"),
         ("budget.x=1", "override 'budget.x=1': 'budget' is not a section"),
         ("names=[a,", "override 'names=[a,': the value is not valid YAML"),
-        ("params={window: 4, window: 8}", "override 'params={window: 4, window: 8}': the value is not valid YAML (key 'window' is given twice"),
+        (
+            "params={window: 4, window: 8}",
+            "override 'params={window: 4, window: 8}': the value is not valid YAML (key 'window' is given twice (line 1, columns 2 and 13)",
+        ),
     ],
 )
 def test_bad_overrides_are_one_sentence(item, message):
