@@ -374,15 +374,16 @@ def _grouped_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """sdpa of ``q`` ``[B, H, n, D]`` over ``k``, ``v`` ``[B, H_kv, T, D]`` under ``mask`` ``[B, H_kv, n, T]`` (bool or
     additive), one mask per KV head: each KV head's group of query heads is a batch entry of its own, which the mask
     broadcasts over, so the mask (and its gradient) is never repeated per query head. The keys and values are
-    expanded, not copied (the memory-efficient kernel, which CUDA runs masked attention on, takes no grouped heads). A
-    row that sees nothing is zero."""
+    repeated per query head (the memory-efficient kernel, which CUDA runs masked attention on, takes no grouped
+    heads; and it gave wrong values for stride-0 keys and values before pytorch#191984): memory linear in ``T``,
+    beside the mask's quadratic. A row that sees nothing is zero."""
     b, h, n, d = q.shape
     hkv, t = k.shape[1], k.shape[2]
     g = h // hkv
     out = F.scaled_dot_product_attention(
         q.reshape(b * hkv, g, n, d),
-        k.reshape(b * hkv, 1, t, d).expand(-1, g, -1, -1),
-        v.reshape(b * hkv, 1, t, -1).expand(-1, g, -1, -1),
+        k.reshape(b * hkv, 1, t, d).repeat(1, g, 1, 1),
+        v.reshape(b * hkv, 1, t, -1).repeat(1, g, 1, 1),
         attn_mask=mask.reshape(b * hkv, 1, n, t),
         scale=scale,
     )
