@@ -59,6 +59,7 @@ __all__ = [
     "gated_attention_flex",
     "gated_attention_fused",
     "gated_attention_reference",
+    "grouped_masked_attention",
     "hard_eviction_mask",
 ]
 
@@ -363,20 +364,21 @@ def evicted_attention(
     if temperature > 0:
         work = _work_dtype(q)
         bias = _relaxed_keep_bias(log_beta, budget, decode_from, temperature, work, t - n, prefilled).masked_fill(~seen, float("-inf"))
-        return _grouped_masked_attention(q.to(work), k.to(work), v.to(work), bias, scale).to(q.dtype)
+        return grouped_masked_attention(q.to(work), k.to(work), v.to(work), bias, scale).nan_to_num(0.0).to(q.dtype)
     soft = soft_attention(q, k, v, log_beta, scale, mask)
     with torch.no_grad():
-        hard = _grouped_masked_attention(q, k, v, hard_eviction_mask(log_beta, budget, decode_from, t - n, prefilled) & seen, scale)
+        seen = hard_eviction_mask(log_beta, budget, decode_from, t - n, prefilled) & seen
+        hard = grouped_masked_attention(q, k, v, seen, scale).nan_to_num(0.0)
     return soft + (hard - soft).detach()
 
 
-def _grouped_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def grouped_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """sdpa of ``q`` ``[B, H, n, D]`` over ``k``, ``v`` ``[B, H_kv, T, D]`` under ``mask`` ``[B, H_kv, n, T]`` (bool or
     additive), one mask per KV head: each KV head's group of query heads is a batch entry of its own, which the mask
     broadcasts over, so the mask (and its gradient) is never repeated per query head. The keys and values are
     repeated per query head (the memory-efficient kernel, which CUDA runs masked attention on, takes no grouped
     heads; and it gave wrong values for stride-0 keys and values before pytorch#191984): memory linear in ``T``,
-    beside the mask's quadratic. A row that sees nothing is zero."""
+    beside the mask's quadratic. A row that sees nothing is sdpa's (NaN)."""
     b, h, n, d = q.shape
     hkv, t = k.shape[1], k.shape[2]
     g = h // hkv
@@ -387,7 +389,7 @@ def _grouped_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         attn_mask=mask.reshape(b * hkv, 1, n, t),
         scale=scale,
     )
-    return out.nan_to_num(0.0).view(b, h, n, -1)
+    return out.view(b, h, n, -1)
 
 
 def _relaxed_keep_bias(

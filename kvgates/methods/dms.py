@@ -68,7 +68,7 @@ from kvgates.errors import AdapterError
 from kvgates.gates.adapter import GateConfig, GateSet, atomic_write
 from kvgates.gates.capture import attention_modules
 from kvgates.gates.training import real_queries
-from kvgates.kernels.gated import causal_visibility, fused_only, fused_width
+from kvgates.kernels.gated import causal_visibility, fused_only, fused_width, grouped_masked_attention
 from kvgates.methods.base import LearnedMethod, TrainingStep, register_method
 from kvgates.policies.base import EVERY_STEP, register_policy
 from kvgates.policies.learned import LearnedPolicy
@@ -336,12 +336,10 @@ def dms_attention(
 ) -> torch.Tensor:
     """DMS training attention ``[B, H, n, D]`` (``query`` ``[B, H, n, D]``, the queries of the last ``n`` of the ``T``
     positions, ``key``/``value`` ``[B, H_kv, T, D]``, ``log_keep`` ``[B, H_kv, T]``): sdpa with ``delayed_bias`` as
-    its float mask, each KV head's bias shared by its query group. Memory ``B * H * n * T`` floats (see the module
-    docstring)."""
-    groups = query.shape[1] // key.shape[1]
-    bias = delayed_bias(log_keep.float(), window, attention_mask, query.shape[2]).to(query.dtype).repeat_interleave(groups, 1)
-    key, value = (x.repeat_interleave(groups, 1) for x in (key, value))
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale)
+    its float mask, each KV head's bias shared by its query group (``grouped_masked_attention``). Memory
+    ``B * H * n * T`` floats (see the module docstring)."""
+    bias = delayed_bias(log_keep.float(), window, attention_mask, query.shape[2]).to(query.dtype)
+    return grouped_masked_attention(query, key, value, bias, scale)
 
 
 #: Query rows per block of ``dms_attention_fused``'s near part (16 was the fastest of 8-64 at w = 16 and 256 on the CPU).

@@ -4,6 +4,7 @@ optionally ranked by a heuristic teacher's keep-set (``spec/learned.md``)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,13 +25,17 @@ class HardEviction:
     """The student forward evicts as inference does: ``budget`` tokens per KV head kept after each decoded
     position, decoding from ``decode_from`` (``[B]``, the first position after each row's prompt).
     ``temperature``: ``evicted_attention``'s (0: hard eviction with the soft decay's gradient; above 0: eviction
-    relaxed at the keep-set's boundary). ``prefilled``: the rows every sequence prefills (``decode_from``'s least
-    value), read once per batch: the steps before them are not ranked (``evicted_attention``)."""
+    relaxed at the keep-set's boundary)."""
 
     budget: int
     decode_from: torch.Tensor
     temperature: float = 0.0
-    prefilled: int = 0
+
+    @functools.cached_property
+    def prefilled(self) -> int:
+        """The rows every sequence prefills (``decode_from``'s least value; a host read, once per batch): the steps
+        before them are not ranked (``evicted_attention``)."""
+        return int(self.decode_from.min())
 
 
 def keep_sets(cache: kvgates.BudgetCache, length: int) -> torch.Tensor:
@@ -99,8 +104,7 @@ class TrimKVMethod(LearnedMethod):
                 policy.detach()
         hard = None
         if config.loss.hard_eviction:
-            decode_from = decode_start(step.labels)
-            hard = HardEviction(max(1, round(step.budget)), decode_from, config.loss.eviction_temperature, int(decode_from.min()))
+            hard = HardEviction(max(1, round(step.budget)), decode_start(step.labels), config.loss.eviction_temperature)
         kl, ce = step.distill(step.student_hidden(hard=hard), teacher)
         log_beta = step.stacked(LOG_BETA)  # [L, B, H_kv, T]
         cap = capacity_loss(log_beta, step.budget, step.lengths, self.global_budget, config.loss.capacity_stride)
