@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from kvgates.kernels import gated
 from kvgates.kernels.gated import (
     causal_importance,
     evicted_attention,
@@ -164,8 +165,8 @@ def test_hard_eviction_mask_is_inference_eviction_row_by_row(budget, decode_from
 
 @pytest.mark.parametrize("temperature", [0.0, 0.5])
 def test_evicted_attention_ranks_only_the_steps_after_the_prompt(temperature):
-    """``prefilled`` (the rows every sequence prefills) skips ranking steps no row sees: the same values and
-    gradients, padded or not, whole or for the last rows."""
+    """``prefilled`` (the rows every sequence prefills) skips ranking steps no row sees, and those rows take plain
+    causal attention: the same values and gradients (to rounding), padded or not, whole or for the last rows."""
     q, k, v, lb = _inputs(t=11)
     mask = torch.ones(2, 1, 11, 11, dtype=torch.bool)
     mask[1, ..., :2] = False  # left padding
@@ -178,9 +179,24 @@ def test_evicted_attention_ranks_only_the_steps_after_the_prompt(temperature):
             out.backward(torch.ones_like(out))
             outs.append(out)
             grads.append([a.grad for a in args])
-        torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-12, rtol=1e-12)
         for a, r in zip(*grads):
-            torch.testing.assert_close(a, r, atol=0, rtol=0)
+            torch.testing.assert_close(a, r, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.5])
+def test_evicted_attention_masks_only_the_rows_after_the_prompt(monkeypatch, temperature):
+    """The rows every sequence prefills are plain causal attention; the eviction mask (or relaxed bias) covers only
+    the rows after them, ``(T - prefilled) x T`` rather than ``T x T``: memory linear in ``T`` for a short completion."""
+    q, k, v, lb = _inputs(t=11)
+    decode_from = torch.tensor([8, 9])
+    shapes = []
+    masked = gated.grouped_masked_attention
+    monkeypatch.setattr(gated, "grouped_masked_attention", lambda *a: shapes.append(tuple(a[3].shape)) or masked(*a))
+    out = evicted_attention(q, k, v, lb, 0.3, 3, decode_from, temperature=temperature, prefilled=8)
+    assert shapes == [(2, lb.shape[1], 3, 11)]
+    plain = torch.nn.functional.scaled_dot_product_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], is_causal=True, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out[:, :, :8], plain, atol=1e-12, rtol=1e-12)
 
 
 def test_evicted_attention_has_the_hard_value_and_the_soft_gradient():

@@ -356,20 +356,45 @@ def evicted_attention(
     Args: as ``gated_attention`` (the queries may be those of the last ``n`` positions), plus ``budget`` and
     ``decode_from`` (``hard_eviction_mask``), ``temperature`` (in units of ``r``) and ``soft_attention``, the gated
     attention giving the straight-through gradient (``gated_attention`` or one of its GPU forms), and ``prefilled``
-    (``hard_eviction_mask``: only the steps after the rows every sequence prefills are ranked). The eviction masks
-    are ``[B, H_kv, n, T]``: memory quadratic in ``T``.
+    (``hard_eviction_mask``: the rows every sequence prefills). Those rows see every earlier key: they take plain
+    causal attention (sdpa's fused kernels, memory linear in ``T``), and only the rows after them are masked (an
+    eviction mask or bias ``[B, H_kv, n - prefilled, T]``): memory ``(T - prefilled) x T``, quadratic in ``T`` only
+    when the completion is as long as the sequence.
     """
     n, t = q.shape[2], k.shape[2]  # the queries of the last n positions
-    seen = causal_visibility(n, t, mask, q.device)
+    p = min(n, max(0, prefilled - (t - n)))  # query rows every sequence prefills
+    ranked_mask = None if mask is None else mask[..., p:, :]
+    seen = causal_visibility(n - p, t, ranked_mask, q.device)
     if temperature > 0:
         work = _work_dtype(q)
-        bias = _relaxed_keep_bias(log_beta, budget, decode_from, temperature, work, t - n, prefilled).masked_fill(~seen, float("-inf"))
-        return grouped_masked_attention(q.to(work), k.to(work), v.to(work), bias, scale).nan_to_num(0.0).to(q.dtype)
+        qw, kw, vw = q.to(work), k.to(work), v.to(work)
+        bias = _relaxed_keep_bias(log_beta, budget, decode_from, temperature, work, t - n + p, prefilled).masked_fill(~seen, float("-inf"))
+        ranked = grouped_masked_attention(qw[:, :, p:], kw, vw, bias, scale).nan_to_num(0.0)
+        return _prompt_rows_then(qw, kw, vw, scale, mask, p, ranked).to(q.dtype)
     soft = soft_attention(q, k, v, log_beta, scale, mask)
     with torch.no_grad():
-        seen = hard_eviction_mask(log_beta, budget, decode_from, t - n, prefilled) & seen
-        hard = grouped_masked_attention(q, k, v, seen, scale).nan_to_num(0.0)
+        seen = hard_eviction_mask(log_beta, budget, decode_from, t - n + p, prefilled) & seen
+        hard = _prompt_rows_then(q, k, v, scale, mask, p, grouped_masked_attention(q[:, :, p:], k, v, seen, scale).nan_to_num(0.0))
     return soft + (hard - soft).detach()
+
+
+def _prompt_rows_then(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None, p: int, ranked: torch.Tensor
+) -> torch.Tensor:
+    """``evicted_attention``'s output: the first ``p`` query rows (prompt rows of every sequence; ``q`` holds the
+    last ``n`` positions of ``k``'s) by plain causal attention over the keys they see, then ``ranked``, the other
+    rows' output. Key and value heads are repeated to the query heads (the CPU flash kernel's backward then uses
+    every thread; CUDA's memory-efficient kernel, which takes float32 and masks, has no grouped heads), and on
+    CUDA sdpa's math kernel is excluded (``fused_only``)."""
+    if p == 0:
+        return ranked
+    n, t = q.shape[2], k.shape[2]
+    keys = t - n + p  # the prompt rows see keys up to their last position
+    g = q.shape[1] // k.shape[1]
+    k, v = k[:, :, :keys].repeat_interleave(g, 1), v[:, :, :keys].repeat_interleave(g, 1)
+    with fused_only(q.device, "eviction's prompt rows", q[:, :, :p], k, v):
+        prompt = _causal_sdpa(q[:, :, :p], k, v, scale, None if mask is None else mask[..., :p, :keys])
+    return torch.cat([prompt, ranked], dim=2)
 
 
 def grouped_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
