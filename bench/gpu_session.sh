@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # The GPU figures of issues 26-28 on a lent GPU machine, one stage (or a few) per device call:
 #
-#     bash bench/gpu_session.sh STAGE...    # STAGE: env decode captured captured-evict captured-merge prefill prefill-rest
-#                                           #        kernels train train-dms tests
+#     bash bench/gpu_session.sh STAGE...    # STAGE: issue27 env decode captured captured-evict captured-merge prefill
+#                                           #        prefill-rest kernels train train-dms tests
 #
-# A session has 30 minutes of device time and 10 minutes a call. Every stage is killed at its own time limit
-# (the limits of a stage, kill grace included, add up to at most 540 s), so that a slow stage cannot eat the call,
-# and its benches print each arm as it finishes, so that a stage cut short still leaves figures. Each stage writes
-# $OUT/<stage>.log (OUT: the device tool's output folder; outputs/gpu elsewhere); the exit status is 1 if any stage
-# failed or ran out of time. One call per stage, in order of value if time runs short (minutes are estimates on an
-# H100 until measured; `env` takes seconds and goes with the first call):
+# A session has 15 minutes of device time (the machine's start and every idle wait included) and 10 minutes a
+# call: one full call, perhaps a short second one. `issue27` is that first call: the open issue's three GPU targets
+# in one command of at most 8.5 minutes, in order of value, each part killed at its own limit and printing as it
+# goes, so that a call cut short still leaves the figures before it:
+#
+#   issue27         env; decode attention at batch 1 and 8, 16K, bf16, vs sdpa and HBM peak (80 s); every
+#                   policy's prefill vs plain sdpa, 8B shape, 16 layers, 8K, batch 1 and 8 (220 s); the tests the
+#                   issue saw fail there: kernels, the runtime on them, the device maps (170 s)
+#
+# The other stages measure the rest, one per later session (minutes are estimates on an H100 until measured):
 #
 #   decode          (~6 min) issue 26: eager decode of every policy vs DynamicCache at the budget and at 16K
 #   captured        (~8 min) issue 26: snapkv's decode compiled and captured as CUDA graphs (reduce-overhead) vs a
@@ -55,6 +59,7 @@ if [ "$SMOKE" = 1 ]; then
     CAPTURE="--contexts 160 --budget 64 --batch 2 --steps 2 --rounds 1 --slack 0 --peak-gbps 50"
     PREFILL="--contexts 160 --budget 64 --batch 1 --steps 2 --rounds 1"
     KERNELS="--smoke" TRAIN_SMALL="--lengths 160 256 --budget 64" TRAIN_BIG="--lengths 160 --budget 64"
+    KERNELS_FIRST="--smoke" PREFILL_FIRST="--contexts 160 --budget 64 --batch 1 2 --steps 1 --rounds 1 --slack 0"
     export TRITON_INTERPRET=1
 else
     BIG="--model random:llama-3.1-8b --layers 32" DEEP="--model random:llama-3.1-8b --layers 16"
@@ -64,7 +69,16 @@ else
     PREFILL="--contexts 8192 16384 --budget 1024 --batch 1 8 --steps 4 --rounds 1"
     KERNELS="--budgets 4096 16384 32768 --batch 1 4 8 32 --head-dim 128 --dtype bf16"
     TRAIN_SMALL="--lengths 1024 4096 8192 16384 --budget 256" TRAIN_BIG="--lengths 8192 --budget 1024"
+    KERNELS_FIRST="--budgets 16384 --batch 1 8 --head-dim 128 --dtype bf16"
+    PREFILL_FIRST="--contexts 8192 --budget 1024 --batch 1 8 --steps 1 --rounds 1 --slack 0"
 fi
+#: Every policy whose prefill issue 27 measures (bench/gpu_policies.py's default list and the prefill-rest stage's).
+ALL_POLICIES="snapkv pyramidkv adakv dynamickv streaming_llm h2o tova morphkv trimkv d2o kvmerger kvzip locret kvzap
+    dms trimkv-global trimkv-morph trimkv-snap"
+#: The tests issue 27 names as failing on a GPU machine: the kernels, the runtime on them, the device maps (the smoke
+#: run takes the first alone: under the interpreter the three take minutes).
+GPU_TESTS="tests/test_kernels.py tests/test_runtime_on_kernels.py tests/test_cli.py"
+[ "$SMOKE" = 1 ] && GPU_TESTS="tests/test_kernels.py"
 
 # stage NAME SECONDS COMMAND...: run COMMAND with a time limit (then 20 s of grace), its output to the terminal and
 # $OUT/NAME.log; a failure or a timeout (status 124) makes the script's exit status 1.
@@ -79,13 +93,27 @@ stage() {
     [ "$status" = 0 ] || FAILED=1
 }
 
-for name in "$@"; do
-    case $name in
-    env)
-        stage env 60 "$PY" -c "import torch, transformers, kvgates, kvgates.kernels as k; \
+# The versions and the kernel backend this machine runs.
+env_stage() {
+    stage env 60 "$PY" -c "import torch, transformers, kvgates, kvgates.kernels as k; \
 device = 'cuda' if torch.cuda.is_available() else 'cpu'; \
 print('torch', torch.__version__, '| cuda', torch.version.cuda, '| transformers', transformers.__version__); \
 print('device', torch.cuda.get_device_name() if device == 'cuda' else 'cpu', '| kernels', k.backend(torch.empty(0, device=device)))"
+}
+
+for name in "$@"; do
+    case $name in
+    issue27)
+        env_stage
+        # shellcheck disable=SC2086
+        stage issue27-kernels 80 "$PY" bench/kernels.py $KERNELS_FIRST
+        # shellcheck disable=SC2086
+        stage issue27-prefill 220 "$PY" bench/gpu_policies.py $DEEP $PREFILL_FIRST --policies $ALL_POLICIES
+        # shellcheck disable=SC2086
+        stage issue27-tests 170 "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/issue27-tests.xml" $GPU_TESTS
+        ;;
+    env)
+        env_stage
         ;;
     decode)
         # shellcheck disable=SC2086
@@ -139,7 +167,7 @@ print('device', torch.cuda.get_device_name() if device == 'cuda' else 'cpu', '| 
         stage tests 520 "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/tests.xml"
         ;;
     *)
-        echo "unknown stage '$name': choose from env decode captured captured-evict captured-merge prefill prefill-rest kernels train train-dms tests" >&2
+        echo "unknown stage '$name': choose from issue27 env decode captured captured-evict captured-merge prefill prefill-rest kernels train train-dms tests" >&2
         exit 2
         ;;
     esac

@@ -154,7 +154,7 @@ def test_gpu_session_env_stage_logs_versions_and_an_unknown_stage_is_refused(tmp
     result = _gpu_session(tmp_path, "decoder")
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "unknown stage 'decoder': choose from env decode captured captured-evict captured-merge prefill prefill-rest "
+        "unknown stage 'decoder': choose from issue27 env decode captured captured-evict captured-merge prefill prefill-rest "
         "kernels train train-dms tests"
     )
 
@@ -165,9 +165,9 @@ def test_gpu_session_stages_run_at_toy_sizes(tmp_path):
     """Every measuring stage of the GPU session script runs at toy sizes (GPU_SESSION_SMOKE=1), so that a lent GPU's
     few minutes are not spent on a broken script."""
     stages = ("decode", "captured", "captured-evict", "captured-merge", "prefill", "prefill-rest", "kernels", "train", "train-dms")
-    result = _gpu_session(tmp_path, *stages)
+    result = _gpu_session(tmp_path, *stages, "issue27")
     assert result.returncode == 0, result.stderr
-    for stage in stages:
+    for stage in (*stages, "issue27-kernels", "issue27-prefill", "issue27-tests"):
         log = (tmp_path / f"{stage}.log").read_text()
         assert "exit status 0" in log and "exit status 1" not in log, log[-3000:]
 
