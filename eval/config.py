@@ -259,7 +259,7 @@ class ABConfig:
             "arms": tuple(_arm(entry) for entry in _list(raw.get("arms", []), "arms")),
             "tasks": tuple(_task(entry) for entry in _list(raw.get("tasks", []), "tasks")),
             "budgets": tuple(_list(raw.get("budgets", list(cls.budgets)), "budgets")),
-            "comparisons": None if comparisons == "auto" else tuple(tuple(p) for p in _list(comparisons, "comparisons")),
+            "comparisons": None if comparisons == "auto" else tuple(_pair(p) for p in _list(comparisons, "comparisons")),
             "reuse": tuple(str(p) for p in _list(raw.get("reuse", []), "reuse")),
         }
         config = build(cls, {**raw, **specs}, "")
@@ -321,6 +321,13 @@ def _list(value: Any, what: str) -> list:
     return list(value)
 
 
+def _pair(entry: Any) -> tuple[str, ...]:
+    """A comparison: a list of two arm labels (``validate`` checks that they name two different arms)."""
+    if not isinstance(entry, (list, tuple)):
+        raise ConfigError(f"comparison {entry!r} must be a pair of arm labels such as [trimkv, snapkv] (or comparisons: auto)")
+    return tuple(str(label) for label in entry)
+
+
 def _apply_quick(raw: dict, quick: Any) -> dict:
     """``raw`` with the ``quick`` section merged over it (``kvgates.config.merge``): its keys replace the config's
     (``output_dir`` by default the config's with ``-quick``), except ``arms``, which keeps the arms it labels (and
@@ -357,7 +364,10 @@ def _arm(entry: Any) -> ArmSpec:
     if not isinstance(entry, dict) or "policy" not in entry:
         raise ConfigError(f"arm {entry!r} must be a policy name or a mapping with a 'policy' key")
     refuse_unknown(entry, ["policy", "params", "gates", "label", "budgets"], f"arm {entry['policy']!r}")
-    policy, params, gates = entry["policy"], dict(entry.get("params") or {}), entry.get("gates")
+    policy, params, gates = entry["policy"], entry.get("params") or {}, entry.get("gates")
+    if not isinstance(params, dict):
+        raise ConfigError(f"arm {policy!r}: params must be a mapping of the policy's parameters such as {{window: 16}}, got {params!r}")
+    params = dict(params)
     if policy not in kvgates.POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; available policies: {', '.join(sorted(kvgates.POLICIES))}")
     if "budget" in params:
