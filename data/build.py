@@ -45,7 +45,7 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from transformers import PreTrainedTokenizerBase
 
 from data.splits import SPLITS
-from data.tasks import TASKS, make_example, split_ids
+from data.tasks import OPTIONS, TASKS, check_options, make_example, split_ids
 
 SOURCES = ("essays", "continuations", "hf", "text", "jsonl") + TASKS + ("multikey",)
 FORMATS = ("raw", "chat")
@@ -58,7 +58,6 @@ _SOURCE_KEYS = {
     "text": {"path", "completion_tokens", "pack"},
     "jsonl": {"path", "text_field", "completion_tokens", "pack"},
 }
-_TASK_OPTIONS = {"digits", "values", "pairs", "hops", "keys", "top", "distinct"}
 
 
 def check_mix(mix: list[dict[str, Any]]) -> None:
@@ -74,10 +73,15 @@ def check_mix(mix: list[dict[str, Any]]) -> None:
         weight = source.get("weight", 1.0)
         if not isinstance(weight, (int, float)) or weight <= 0:
             raise ValueError(f"data source {i} ({task}): weight must be a positive number, got {weight!r}")
-        allowed = _COMMON | _SOURCE_KEYS.get(task, _TASK_OPTIONS)
+        allowed = _COMMON | _SOURCE_KEYS.get(task, set(OPTIONS.get(task, ())))
         unknown = sorted(set(source) - allowed)
         if unknown:
             raise ValueError(f"data source {i} ({task}) has unknown keys {unknown}; allowed: {sorted(allowed)}")
+        if task in OPTIONS:  # training rows take the train templates, the held-out report's the eval ones
+            try:
+                check_options(task, {k: v for k, v in source.items() if k not in _COMMON})
+            except ValueError as err:
+                raise ValueError(f"data source {i} ({task}): {err}") from None
         if task in ("hf", "text", "jsonl") and "path" not in source:
             raise ValueError(f"data source {i} ({task}) needs a 'path'")
         if not isinstance(source.get("pack", False), bool):

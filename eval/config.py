@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import kvgates
-from data.tasks import templates
+from data.tasks import OPTIONS, check_options, templates
 from eval.arms import UNTRAINED, UNTRAINED_GATES, check_budgets, load_adapter
 from kvgates.config import ConfigError, build, merge, read_yaml, refuse_unknown
 from kvgates.gates.adapter import weights_digest
@@ -59,16 +59,8 @@ from kvgates.policies.wrappers import learned_policy
 EVAL_SPLITS = ("test", "validation")
 
 
-#: Options each task kind accepts besides the common keys (see ``data.tasks.make_example``).
-ANSWER_OPTIONS = {
-    "needle": ("digits",),
-    "multikey": ("digits", "keys"),
-    "multivalue": ("digits", "values"),
-    "kv": ("pairs",),
-    "variable_tracking": ("digits", "hops"),
-    "passkey": ("digits",),
-    "common_words": ("top", "distinct"),
-}
+#: Options each task kind accepts besides the common keys (``data.tasks.OPTIONS``, each task's option names).
+ANSWER_OPTIONS = {task: tuple(options) for task, options in OPTIONS.items()}
 ANSWER_KINDS = tuple(ANSWER_OPTIONS)  # data.tasks.TASKS and multikey (a test keeps them in step)
 #: Tasks scored against the full cache's own output rather than a known answer.
 REFERENCE_OPTIONS = {"fidelity": ("new_tokens",), "generation": ("new_tokens",), "perplexity": ("chunk",)}
@@ -416,6 +408,10 @@ def _task(entry: Any) -> TaskSpec:
         for t in names:
             if t not in {u.name for u in usable}:
                 raise ConfigError(f"task {name!r} has no template {t!r}; its templates: {', '.join(sorted(u.name for u in usable))}")
+        try:  # what its examples draw (multikey's keys, common words' top and distinct), by the templates' sets
+            check_options(kind, opts, tuple(sorted({u.set for u in usable if u.name in names})))
+        except ValueError as err:
+            raise ConfigError(f"task {name!r}: {err}") from None
     max_new = entry.get("max_new_tokens", 24 if kind in ("multivalue", "variable_tracking", "common_words") else 12) if answer else 0
     if answer and (not isinstance(max_new, int) or max_new < 1):
         raise ConfigError(f"task {name!r}: max_new_tokens must be a positive integer, got {max_new!r}")

@@ -240,6 +240,9 @@ def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
         ({"tasks": [{"task": "needle", "budgets": [64]}]}, "runs at budget 64, which is not among the run's budgets"),
         ({"arms": [{"policy": "trimkv", "gates": "smollm2-1b-trimkv"}]}, "neither an existing folder, a shipped adapter"),
         ({"split": "train"}, "split must be one of test, validation"),
+        ({"tasks": [{"task": "multikey", "keys": 21}]}, "task 'multikey': keys 21 is more than the 20 keys the eval templates"),
+        ({"tasks": [{"task": "common_words", "top": 30}]}, "task 'common_words': top \\(30\\) must be smaller than distinct"),
+        ({"tasks": [{"task": "common_words", "distinct": 100}]}, "task 'common_words': distinct 100 is more than the 34 words"),
     ],
 )
 def test_bad_configs_fail_with_one_sentence(change, message):
