@@ -313,6 +313,11 @@ def _list(value: Any, what: str) -> list:
     return list(value)
 
 
+def _whole(value: Any, least: int) -> bool:
+    """Whether ``value`` is an integer (not a bool: YAML's ``true`` is no count) of at least ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 def _pair(entry: Any) -> tuple[str, ...]:
     """A comparison: a list of two arm labels (``validate`` checks that they name two different arms)."""
     if not isinstance(entry, (list, tuple)):
@@ -389,15 +394,17 @@ def _task(entry: Any) -> TaskSpec:
     refuse_unknown(entry, list(COMMON_TASK_KEYS) + (list(ANSWER_KEYS) if answer else []) + list(options), f"task {entry.get('name', kind)!r}")
     name = str(entry.get("name", kind))
     lengths = tuple(_list(entry.get("context_tokens", 2000), f"task {name!r}: context_tokens"))
+    if not lengths:
+        raise ConfigError(f"task {name!r}: context_tokens is empty; list at least one prompt length")
     for n in lengths:
-        if not isinstance(n, int) or n < 64:
+        if not _whole(n, 64):
             raise ConfigError(f"task {name!r}: context_tokens must be whole numbers of at least 64 tokens, got {n!r}")
     examples = entry.get("examples", 10)
-    if not isinstance(examples, int) or examples < 1:
+    if not _whole(examples, 1):
         raise ConfigError(f"task {name!r}: examples must be a positive integer, got {examples!r}")
     opts = {k: entry[k] for k in options if k in entry}
     for k, v in opts.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        if not _whole(v, 1):
             raise ConfigError(f"task {name!r}: {k} must be a positive integer, got {v!r}")
     names: tuple[str, ...] = ()
     if answer:
@@ -405,6 +412,8 @@ def _task(entry: Any) -> TaskSpec:
         usable = [t for s in ("train", "eval") for t in templates(base, s) if kind != "multikey" or "{key}" in t.statement]
         default = [t.name for t in usable if t.set == "eval"]
         names = tuple(_list(entry.get("templates", default), f"task {name!r}: templates"))
+        if not names:
+            raise ConfigError(f"task {name!r}: templates is empty; list template names or leave it out for the eval set's")
         for t in names:
             if t not in {u.name for u in usable}:
                 raise ConfigError(f"task {name!r} has no template {t!r}; its templates: {', '.join(sorted(u.name for u in usable))}")
@@ -413,7 +422,7 @@ def _task(entry: Any) -> TaskSpec:
         except ValueError as err:
             raise ConfigError(f"task {name!r}: {err}") from None
     max_new = entry.get("max_new_tokens", 24 if kind in ("multivalue", "variable_tracking", "common_words") else 12) if answer else 0
-    if answer and (not isinstance(max_new, int) or max_new < 1):
+    if answer and not _whole(max_new, 1):
         raise ConfigError(f"task {name!r}: max_new_tokens must be a positive integer, got {max_new!r}")
     budgets = tuple(_list(entry.get("budgets", []), f"task {name!r}: budgets"))
     return TaskSpec(name, kind, lengths, examples, names, max_new, opts, budgets)

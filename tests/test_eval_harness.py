@@ -240,6 +240,10 @@ def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
         ({"tasks": [{"task": "needle", "budgets": [64]}]}, "runs at budget 64, which is not among the run's budgets"),
         ({"arms": [{"policy": "trimkv", "gates": "smollm2-1b-trimkv"}]}, "neither an existing folder, a shipped adapter"),
         ({"split": "train"}, "split must be one of test, validation"),
+        ({"tasks": [{"task": "needle", "templates": []}]}, "task 'needle': templates is empty"),  # a ZeroDivisionError in the run
+        ({"tasks": [{"task": "needle", "context_tokens": []}]}, "task 'needle': context_tokens is empty"),  # ran no example
+        ({"tasks": [{"task": "needle", "examples": True}]}, "task 'needle': examples must be a positive integer, got True"),
+        ({"tasks": [{"task": "needle", "max_new_tokens": True}]}, "max_new_tokens must be a positive integer, got True"),
         ({"tasks": [{"task": "multikey", "keys": 21}]}, "task 'multikey': keys 21 is more than the 20 keys the eval templates"),
         ({"tasks": [{"task": "common_words", "top": 30}]}, "task 'common_words': top \\(30\\) must be smaller than distinct"),
         ({"tasks": [{"task": "common_words", "distinct": 100}]}, "task 'common_words': distinct 100 is more than the 34 words"),
