@@ -143,6 +143,12 @@ def test_continuations_are_the_models_own_greedy_output(tok, tmp_path):
         ([{"task": "jsonl", "path": "/nonexistent.jsonl"}], "does not exist"),
         ([{"task": "hf"}], "needs a 'path'"),
         ([{"task": "continuations", "keys": 3}], "unknown keys"),
+        ([{"task": "jsonl", "path": 5}], "data source 0 \\(jsonl\\): path must be a non-empty string, got 5"),  # a TypeError
+        ([{"task": "hf", "path": ""}], "path must be a non-empty string, got ''"),  # datasets' IndexError, as a reason
+        ([{"task": "essays", "completion_tokens": "abc"}], "completion_tokens must be a positive integer, got 'abc'"),
+        ([{"task": "essays", "completion_tokens": 0}], "completion_tokens must be a positive integer, got 0"),
+        ([{"task": "continuations", "prompt_tokens": 1.5}], "prompt_tokens must be a positive integer, got 1.5"),
+        ([{"task": "hf", "path": "x/y", "text_field": 3}], "text_field must be a string, got 3"),
         ([{"task": "needle", "hops": 3}], "unknown keys \\['hops'\\]"),  # another task's option: ignored before
         ([{"task": "kv", "pairs": 0}], "data source 0 \\(kv\\): pairs must be a positive integer, got 0"),
         ([{"task": "multikey", "keys": 25}], "keys 25 is more than the 20 keys the train and eval templates draw from"),
