@@ -336,6 +336,9 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
         ({"report": {"policies": ["snapk"]}}, "report.policies: 'snapk' is not a heuristic policy; heuristic policies: adakv, d2o"),
         ({"attention": "fastest"}, "attention must be auto or one of exact, fused, fused-split, flex"),
         ({"data": {"mix": [{"task": "hf", "path": "x", "pack": "yes"}]}}, "pack must be true or false"),
+        # Both were the Trainer's ValueError or RuntimeError traceback once the model had loaded, run_config.json left.
+        ({"training": {"report_to": "wandbb"}}, "training.report_to: 'wandbb' is not an integration transformers reports to"),
+        ({"training": {"report_to": ["clearml"]}}, "training.report_to: clearml is not installed here"),
     ],
 )
 def test_config_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, capsys, change, message):
