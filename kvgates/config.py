@@ -189,9 +189,12 @@ def refuse_unknown(raw: dict[str, Any], known: Iterable[str], where: str) -> Non
 
 
 def yaml_hint(problem: str) -> str:
-    """``problem`` (a ``field_problems`` phrase) plus, for a number YAML read as a string (``1e-3`` without a dot),
-    how to write it."""
+    """``problem`` (a ``field_problems`` phrase) plus, for a value YAML read otherwise than it was meant, how to write
+    it: a number read as a string (``1e-3`` without a dot), or a word read as a boolean (YAML 1.1's ``no``, ``yes``,
+    ``on`` and ``off``) where a boolean is not what is asked."""
     value = problem.rsplit("got ", 1)[-1].strip("'")
+    if value in ("True", "False") and "true or false" not in problem:
+        return f"{problem} (YAML reads no, yes, off and on as false or true; quote the word: 'no')"
     try:
         float(value)
     except ValueError:

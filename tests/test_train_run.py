@@ -321,6 +321,7 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
         ({"loss": {"hard_eviction": True, "eviction_temperature": -1.0}}, "eviction_temperature must be >= 0"),
         ({"training": {"learning_rate": -1.0e-3}}, "training: learning_rate must be greater than 0, got -0.001"),
         ({"training": {"learning_rate": "1e-3"}}, "learning_rate must be a number, got '1e-3' (YAML reads 1e-3 as a string"),
+        ({"training": {"eval_strategy": False}}, "eval_strategy must be one of 'no', 'steps', 'epoch', got False (YAML reads no"),
         ({"training": {"max_steps": 0}}, "max_steps must be at least 1"),
         ({"training": {"per_device_train_batch_size": 2.5}}, "per_device_train_batch_size must be an integer"),
         ({"data": {"seq_len": "big"}}, "data: seq_len must be an integer, got 'big'"),
