@@ -111,6 +111,11 @@ def bad_models(tmp_path_factory):
         (["--policy", "adakv", "--budget", "8", "--base-params", "window", "--prompt", "x"], "--base-params: expected key=value"),
         (["--model", "EMPTY", "--prompt", "x"], "is not a model folder (no config.json there)"),
         (["--model", "", "--prompt", "x"], "the model name is empty; pass a model folder"),  # was " is not a model folder"
+        # An adapter given as the model: 'not in the local Hugging Face cache and the Hub cannot be reached', and
+        # 'the model config of ... cannot be read (Unrecognized model ...)'.
+        (["--model", "smollm2-135m-trimkv", "--prompt", "x"],
+         "smollm2-135m-trimkv is a kvgates gate adapter (retention gates for smollm2-135m), not a model; name it as the gates"),
+        (["--model", "FOREIGN", "--prompt", "x"], "is a kvgates gate adapter (retention gates for llama), not a model"),
     ],
 )
 def test_bad_input_is_one_clear_error(checkpoint, foreign_gates, bad_models, tmp_path, capsys, argv, message):
