@@ -326,6 +326,7 @@ def test_cli_exits_non_zero_with_one_sentence_before_loading_a_model(tmp_path, c
         (["ab", "--config", "GOOD", "--out", "FILE"], "file is a file, not a folder"),
         (["ab", "--config", "GOOD", "output_dir=FILE/sub"], "file/sub cannot be made: "),
         (["ab", "--config", "GOOD", "output_dir=''"], "output_dir is empty; name a folder for the run's outputs"),  # was the current folder
+        (["ab", "--config", "GOOD", "--out", "/proc/kvgates-ab"], "--out /proc/kvgates-ab cannot be made: /proc takes no new files ("),
         (["ab", "--config", "GOOD", "--out", ""], "--out is empty; name a folder"),  # was the config's output_dir
         (["softhard", "--gates", "/no/such/adapter"], "/no/such/adapter is neither an adapter folder nor a Hub repository id"),
         (["softhard", "--gates", "smollm2-135m-locret"], "smollm2-135m-locret holds 'retaining-head' gates, which are not trained"),

@@ -369,6 +369,22 @@ def test_an_output_dir_that_is_a_file_is_refused_before_the_model_loads(tiny_dir
     assert (tmp_path / "file").read_text() == "not a folder"
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no folder can be made")
+@pytest.mark.parametrize("out", ["/proc/kvgates-run", "/proc"])
+def test_an_output_dir_that_cannot_be_made_or_written_is_refused_before_the_model_loads(tiny_dir, tmp_path, capsys, monkeypatch, out):
+    """An output folder nothing can be made in (read-only, not the user's, or ``/proc``, which even root cannot write
+    in): one sentence at --check and before the model loads; the run passed --check and ended in mkdir's
+    FileNotFoundError traceback (a PermissionError for a user's read-only folder)."""
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    path = write(tiny_config(tiny_dir, out), tmp_path / "c.yaml")
+    for check in ([], ["--check"]):
+        assert main(["--config", str(path), *check]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"train.py: output_dir {out}") and "/proc takes no new files (" in err and len(err.splitlines()) == 1, err
+    main(["--config", str(write(tiny_config(tiny_dir, tmp_path / "new" / "run"), tmp_path / "c.yaml")), "--check"])
+    assert "is ready to run" in capsys.readouterr().out and sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]  # nothing left
+
+
 def test_an_empty_output_dir_is_refused_not_taken_for_the_current_folder(tiny_dir, tmp_path, capsys, monkeypatch):
     """``output_dir: ""`` passed ``--check`` ("ready to run ... into .") and the run wrote its checkpoints, metrics
     and adapter into the current folder: it is now one sentence, before the model loads."""
