@@ -100,6 +100,8 @@ def check_mix(mix: list[dict[str, Any]]) -> None:
                 raise ValueError(f"data source {i} ({task}): {key} must be {_SOURCE_VALUES[key][1]}, got {value!r}")
         if task in ("text", "jsonl") and not Path(source["path"]).exists():
             raise ValueError(f"data source {i} ({task}): {source['path']} does not exist")
+        if task in ("text", "jsonl") and Path(source["path"]).is_dir():
+            raise ValueError(f"data source {i} ({task}): {source['path']} is a folder; name a {task} file")
 
 
 def check_readable(mix: list[dict[str, Any]]) -> None:

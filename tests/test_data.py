@@ -141,6 +141,7 @@ def test_continuations_are_the_models_own_greedy_output(tok, tmp_path):
         ([{"task": "needle", "weight": 0}], "weight"),
         ([{"task": "needle", "colour": 1}], "unknown keys"),
         ([{"task": "jsonl", "path": "/nonexistent.jsonl"}], "does not exist"),
+        ([{"task": "jsonl", "path": "data"}], "data source 0 \\(jsonl\\): data is a folder; name a jsonl file"),  # 'Unable to find'
         ([{"task": "hf"}], "needs a 'path'"),
         ([{"task": "continuations", "keys": 3}], "unknown keys"),
         ([{"task": "jsonl", "path": 5}], "data source 0 \\(jsonl\\): path must be a non-empty string, got 5"),  # a TypeError

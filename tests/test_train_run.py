@@ -402,7 +402,7 @@ def test_an_empty_output_dir_is_refused_not_taken_for_the_current_folder(tiny_di
     "task, path, message",
     [
         ("text", "binary.txt", "data source 0 (text): could not load data source"),
-        ("jsonl", "folder", "data source 0 (jsonl): could not load data source"),
+        ("jsonl", "folder", "data source 0 (jsonl): "),  # the path, then: "is a folder; name a jsonl file"
         ("jsonl", "plain.txt", "data source 0 (jsonl): could not load data source"),
         ("jsonl", "fieldless.jsonl", "data source 0 (jsonl): rows of"),
         ("hf", "nobody/no-such-dataset", "data source 0 (hf): could not load data source 'nobody/no-such-dataset'"),
@@ -428,6 +428,7 @@ def test_a_data_source_that_cannot_be_read_is_refused_before_the_model_loads(tin
         err = capsys.readouterr().err.strip()
         last = err.splitlines()[-1]
         assert f"data.mix: {message}" in last and last.startswith("train.py: ") and err.count("train.py: ") == 1, err
+        assert path != "folder" or last.endswith(f"{tmp_path / 'folder'} is a folder; name a jsonl file")  # was "Unable to find"
         assert not out.exists()
 
 
