@@ -323,6 +323,9 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
         ({"training": {"learning_rate": "1e-3"}}, "learning_rate must be a number, got '1e-3' (YAML reads 1e-3 as a string"),
         ({"training": {"eval_strategy": False}}, "eval_strategy must be one of 'no', 'steps', 'epoch', got False (YAML reads no"),
         ({"training": {"max_steps": 0}}, "max_steps must be at least 1"),
+        # Both passed --check and ended in numpy's 'Seed must be between 0 and 2**32 - 1' traceback, run_config.json left.
+        ({"data": {"seed": 2**32}}, "data.seed must be at most 4294967295 (2**32 - 1, what numpy's generator takes), got 4294967296"),
+        ({"training": {"seed": 2**32}}, "training: seed must be from 0 to 4294967295 (2**32 - 1, what numpy's generator takes), got"),
         ({"training": {"per_device_train_batch_size": 2.5}}, "per_device_train_batch_size must be an integer"),
         ({"data": {"seq_len": "big"}}, "data: seq_len must be an integer, got 'big'"),
         ({"budget": "64"}, "budget must be an integer, got '64'"),
