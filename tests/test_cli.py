@@ -100,6 +100,8 @@ def bad_models(tmp_path_factory):
         (["--temperature", "1.2", "--prompt", "x"], "--temperature sets how --sample samples; add --sample"),  # was ignored
         (["--max-new-tokens", "-1", "--prompt", "x"], "--max-new-tokens: must be a positive integer, got '-1'"),
         (["--prefill-chunk", "0", "--prompt", "x"], "--prefill-chunk: must be a positive integer, got '0'"),
+        # Torch's "Overflow when unpacking long long" once the model had loaded.
+        (["--seed", "99999999999999999999999", "--prompt", "x"], "--seed: must be a whole number from 0 to 2**64 - 1, got '9999"),
         (["--policy", "trimkv", "--budget", "8", "--gates", "/tmp/nonexistent", "--prompt", "x"],
          "/tmp/nonexistent is neither an adapter folder nor a Hub repository id"),
         (["--policy", "trimkv", "--budget", "8", "--gates", "", "--prompt", "x"], "the adapter name is empty"),  # was ". has no config.json"
