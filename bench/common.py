@@ -23,13 +23,17 @@ from kvgates.policies.learned import LearnedPolicy  # noqa: E402
 from kvgates.policies.wrappers import parse_params  # noqa: E402
 
 
-def setup(doc: str, choices: dict[str, list[str]] | None = None, **options: Any) -> tuple[argparse.Namespace, Any, Any]:
+def setup(
+    doc: str, choices: dict[str, list[str]] | None = None, zero_ok: tuple[str, ...] = (), **options: Any
+) -> tuple[argparse.Namespace, Any, Any]:
     """Parse a bench script's command line, load its model and print the run's header line.
 
     Every script takes ``--model`` (``random[:SHAPE]``: a ``RANDOM_SHAPES`` shape with random weights, ``--layers`` of them),
     ``--device`` and ``--dtype``; its own options are given as ``name=default`` (the type follows the default; a
-    list default takes one or more values; ``None`` takes a string; ``False`` is a flag) with optional ``choices``. Returns
-    ``(args, model, tokenizer)``; the tokenizer is None for the random model.
+    list default takes one or more values; ``None`` takes a string; ``False`` is a flag) with optional ``choices``. A
+    number counts something, so it must be at least 1, or at least 0 where 0 means something: an option whose default
+    is 0, or one named in ``zero_ok`` (``--slack 0``: no amortised rows). Returns ``(args, model, tokenizer)``; the
+    tokenizer is None for the random model.
     """
     parser = OneLineParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -50,6 +54,14 @@ def setup(doc: str, choices: dict[str, list[str]] | None = None, **options: Any)
         )
     args = parser.parse_args()
     # Found before the model loads (an 8B random model takes minutes), each in one sentence rather than a traceback.
+    numbers = {"layers": args.layers, **{name: getattr(args, name) for name in options}}
+    for name, value in numbers.items():
+        least = 0 if name in zero_ok or options.get(name) == 0 else 1
+        for number in value if isinstance(value, list) else [value]:
+            if isinstance(number, (int, float)) and not isinstance(number, bool) and number < least:
+                parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {number}")
+    if random_shape(args.model) not in (None, *RANDOM_SHAPES):
+        parser.error(f"--model {args.model}: unknown random model shape; known: {', '.join(f'random:{n}' for n in RANDOM_SHAPES)}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this torch sees no CUDA device; pass --device cpu")
     unknown = [spec.partition(":")[0] for spec in getattr(args, "policies", None) or [] if spec.partition(":")[0] not in kvgates.POLICIES]
@@ -80,13 +92,11 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
 
 
 def random_shape(model: str) -> str | None:
-    """The ``RANDOM_SHAPES`` name a ``--model`` value asks for (``random`` or ``random:NAME``), None for a real model."""
+    """The shape a ``--model`` value asks for (``random`` or ``random:NAME``; ``setup`` refuses a NAME not in
+    ``RANDOM_SHAPES``), None for a real model."""
     if model != "random" and not model.startswith("random:"):
         return None
-    name = model.partition(":")[2] or "smollm2-135m"
-    if name not in RANDOM_SHAPES:
-        raise SystemExit(f"unknown random model shape {name!r}; known: {', '.join(RANDOM_SHAPES)}")
-    return name
+    return model.partition(":")[2] or "smollm2-135m"
 
 
 def random_model(shape: str, layers: int | None, device: str | torch.device, dtype: torch.dtype, max_positions: int = 32768):

@@ -117,7 +117,7 @@ def prefilled(model, make_cache, ids: torch.Tensor):
 
 def main() -> None:
     args, model, tokenizer = setup(
-        __doc__, {"compile": ["inductor", "aot_eager"], "compile_mode": COMPILE_MODES},
+        __doc__, {"compile": ["inductor", "aot_eager"], "compile_mode": COMPILE_MODES}, zero_ok=("slack",),
         configs=["4096:256", "8192:512"], batch=[1, 8], steps=16, rounds=3, slack=32, policies=POLICIES, compile=None,
         compile_mode="default",
     )

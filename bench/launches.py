@@ -41,7 +41,7 @@ def count(model, make_cache, ids: torch.Tensor) -> tuple[Launches, Launches]:
 
 
 def main() -> None:
-    args, model, tokenizer = setup(__doc__, context=1024, budget=256, batch=1, slack=32, ops=0, policies=POLICIES)
+    args, model, tokenizer = setup(__doc__, zero_ok=("slack",), context=1024, budget=256, batch=1, slack=32, ops=0, policies=POLICIES)
     layers = model.config.num_hidden_layers
     arms = {"DynamicCache + sdpa": lambda: DynamicCache(config=model.config)}
     for name in args.policies:

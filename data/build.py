@@ -45,7 +45,7 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from transformers import PreTrainedTokenizerBase
 
 from data.splits import SPLITS
-from data.tasks import TASKS, make_example, split_ids
+from data.tasks import OPTIONS, TASKS, check_options, make_example, split_ids
 
 SOURCES = ("essays", "continuations", "hf", "text", "jsonl") + TASKS + ("multikey",)
 FORMATS = ("raw", "chat")
@@ -58,11 +58,21 @@ _SOURCE_KEYS = {
     "text": {"path", "completion_tokens", "pack"},
     "jsonl": {"path", "text_field", "completion_tokens", "pack"},
 }
-_TASK_OPTIONS = {"digits", "values", "pairs", "hops", "keys", "top", "distinct"}
+#: What the values of a source's own keys must be: key -> (test, the words saying what it must be).
+_SOURCE_VALUES = {
+    "path": (lambda v: isinstance(v, str) and bool(v.strip()), "a non-empty string"),
+    "name": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "split": (lambda v: isinstance(v, str), "a string"),
+    "text_field": (lambda v: isinstance(v, str), "a string"),
+    "completion_tokens": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer"),
+    "prompt_tokens": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer"),
+    "pack": (lambda v: isinstance(v, bool), "true or false"),
+}
 
 
 def check_mix(mix: list[dict[str, Any]]) -> None:
-    """Raise ``ValueError`` (one sentence) for an empty mix, an unknown source, a bad weight or an unknown key."""
+    """Raise ``ValueError`` (one sentence) for an empty mix, an unknown source, a bad weight, an unknown key or a
+    value of the wrong type (``_SOURCE_VALUES``, a task's options: ``data.tasks.check_options``)."""
     if not mix:
         raise ValueError("the data mix is empty; list at least one source (e.g. {task: essays})")
     for i, source in enumerate(mix):
@@ -74,16 +84,24 @@ def check_mix(mix: list[dict[str, Any]]) -> None:
         weight = source.get("weight", 1.0)
         if not isinstance(weight, (int, float)) or weight <= 0:
             raise ValueError(f"data source {i} ({task}): weight must be a positive number, got {weight!r}")
-        allowed = _COMMON | _SOURCE_KEYS.get(task, _TASK_OPTIONS)
+        allowed = _COMMON | _SOURCE_KEYS.get(task, set(OPTIONS.get(task, ())))
         unknown = sorted(set(source) - allowed)
         if unknown:
             raise ValueError(f"data source {i} ({task}) has unknown keys {unknown}; allowed: {sorted(allowed)}")
+        if task in OPTIONS:  # training rows take the train templates, the held-out report's the eval ones
+            try:
+                check_options(task, {k: v for k, v in source.items() if k not in _COMMON})
+            except ValueError as err:
+                raise ValueError(f"data source {i} ({task}): {err}") from None
         if task in ("hf", "text", "jsonl") and "path" not in source:
             raise ValueError(f"data source {i} ({task}) needs a 'path'")
-        if not isinstance(source.get("pack", False), bool):
-            raise ValueError(f"data source {i} ({task}): pack must be true or false, got {source['pack']!r}")
+        for key, value in source.items():
+            if key in _SOURCE_VALUES and not _SOURCE_VALUES[key][0](value):
+                raise ValueError(f"data source {i} ({task}): {key} must be {_SOURCE_VALUES[key][1]}, got {value!r}")
         if task in ("text", "jsonl") and not Path(source["path"]).exists():
             raise ValueError(f"data source {i} ({task}): {source['path']} does not exist")
+        if task in ("text", "jsonl") and Path(source["path"]).is_dir():
+            raise ValueError(f"data source {i} ({task}): {source['path']} is a folder; name a {task} file")
 
 
 def check_readable(mix: list[dict[str, Any]]) -> None:

@@ -136,6 +136,39 @@ _WORDS = ("river", "stone", "paper", "cloud", "garden", "window", "candle", "mir
           "button", "kettle", "marble", "pillow", "shovel", "teapot", "wallet", "zipper", "helmet", "hammer", "jacket")
 
 
+#: Each task's options (``make_example``'s keyword arguments besides its template and depth, all positive integers)
+#: and their defaults.
+OPTIONS: dict[str, dict[str, int]] = {
+    "needle": {"digits": 5},
+    "multikey": {"digits": 5, "keys": 4},
+    "multivalue": {"digits": 5, "values": 3},
+    "kv": {"pairs": 8},
+    "variable_tracking": {"digits": 5, "hops": 3},
+    "passkey": {"digits": 5},
+    "common_words": {"top": 3, "distinct": 24},
+}
+
+
+def check_options(task: str, options: dict, template_sets: tuple[str, ...] = TEMPLATE_SETS) -> None:
+    """``ValueError`` (one sentence) unless every one of ``options`` is an option of ``task`` (``OPTIONS``) and a
+    positive integer the task can draw from its lists with templates of ``template_sets``: at most as many multikey
+    ``keys`` as the smallest of those sets' key lists holds, at most as many common-words ``distinct`` words as there
+    are, and fewer ``top`` words than ``distinct`` ones."""
+    for name, value in options.items():
+        if name not in OPTIONS[task]:
+            raise ValueError(f"{task} takes no option {name!r}; its options: {', '.join(OPTIONS[task])}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    opts = {**OPTIONS[task], **options}
+    keys = min(len(_KEYS[s]) for s in template_sets)
+    if task == "multikey" and opts["keys"] > keys:
+        raise ValueError(f"keys {opts['keys']} is more than the {keys} keys the {' and '.join(template_sets)} templates draw from")
+    if task == "common_words" and opts["distinct"] > len(_WORDS):
+        raise ValueError(f"distinct {opts['distinct']} is more than the {len(_WORDS)} words common_words draws from")
+    if task == "common_words" and opts["top"] >= opts["distinct"]:
+        raise ValueError(f"top ({opts['top']}) must be smaller than distinct ({opts['distinct']}): the other words fill the list")
+
+
 def templates(task: str, template_set: str) -> tuple[Template, ...]:
     """The templates of ``task`` in ``template_set`` (``"train"`` or ``"eval"``)."""
     if task not in TEMPLATES:
@@ -200,33 +233,32 @@ def _join(items: list[str]) -> str:
 
 def _statements(task: str, template: Template, rng: random.Random, keys: tuple[str, ...], options: dict) -> tuple[list[str], list[str], dict]:
     """``(statements to insert, answers, fields of the question and answer prefix)`` of one example."""
-    digits = options.get("digits", 5)
     if task == "needle":
-        key, value = rng.choice(keys), _digits(rng, digits)
+        key, value = rng.choice(keys), _digits(rng, options["digits"])
         return [template.statement.format(key=key, value=value)], [value], {"key": key}
     if task == "multikey":
-        asked, *others = rng.sample(keys, options.get("keys", 4))
-        value = _digits(rng, digits)
-        pairs = [(asked, value)] + [(k, _digits(rng, digits)) for k in others]
+        asked, *others = rng.sample(keys, options["keys"])
+        value = _digits(rng, options["digits"])
+        pairs = [(asked, value)] + [(k, _digits(rng, options["digits"])) for k in others]
         statements = [template.statement.format(key=k, value=v) for k, v in pairs]
         rng.shuffle(statements)
         return statements, [value], {"key": asked}
     if task == "multivalue":
         key = rng.choice(keys)
-        values = [_digits(rng, digits) for _ in range(options.get("values", 3))]
+        values = [_digits(rng, options["digits"]) for _ in range(options["values"])]
         return [template.statement.format(key=key, value=v) for v in values], values, {"key": key}
     if task == "kv":
-        pairs = [(_hex(rng), _hex(rng)) for _ in range(options.get("pairs", 8))]
+        pairs = [(_hex(rng), _hex(rng)) for _ in range(options["pairs"])]
         key, value = rng.choice(pairs)
         return ["\n".join(template.statement.format(key=k, value=v) for k, v in pairs)], [value], {"key": key}
     if task == "variable_tracking":
-        value = _digits(rng, digits)
-        names = [_var(rng) for _ in range(options.get("hops", 3))]
+        value = _digits(rng, options["digits"])
+        names = [_var(rng) for _ in range(options["hops"])]
         lines = [template.first.format(var=names[0], value=value)]
         lines += [template.statement.format(var=b, src=a) for a, b in zip(names, names[1:])]
         return lines, names, {"value": value}
     if task == "passkey":
-        value = _digits(rng, digits)
+        value = _digits(rng, options["digits"])
         return [template.statement.format(value=value)], [value], {}
     raise ValueError(f"unknown task {task!r}")
 
@@ -247,13 +279,16 @@ def make_example(
     ``answers`` lists what a correct completion contains (``data.tasks.score`` checks them). ``depth`` (0..1)
     places the first statement (random if None); later statements of the same example go at random depths after
     it. ``options``: ``digits``, ``values`` (multivalue), ``pairs`` (kv), ``hops`` (variable tracking), ``keys``
-    (multikey: how many keyed statements), ``top`` and ``distinct`` (common words).
+    (multikey: how many keyed statements), ``top`` and ``distinct`` (common words); ``OPTIONS`` holds each task's
+    and their defaults, ``check_options`` the values it can draw (a ``ValueError`` otherwise).
     """
     if context_tokens < 64:
         raise ValueError(f"context_tokens must be at least 64, got {context_tokens}")
     rng = random.Random(f"{task}:{split}:{template_set}:{context_tokens}:{seed}")
     base_task = "needle" if task == "multikey" else task
     pool = templates(base_task, template_set)
+    check_options(task, options, (template_set,))
+    options = {**OPTIONS[task], **options}
     if task == "multikey":
         pool = tuple(t for t in pool if "{key}" in t.statement)
     chosen = template_by_name(base_task, template) if template else rng.choice(pool)
@@ -283,8 +318,8 @@ def make_example(
 
 
 def _common_words(tokenizer, template: Template, rng: random.Random, context_tokens: int, seed: int, split: str, options: dict) -> dict:
-    top = options.get("top", 3)
-    vocab = rng.sample(_WORDS, options.get("distinct", 24))
+    top = options["top"]
+    vocab = rng.sample(_WORDS, options["distinct"])
     frequent, rest = vocab[:top], vocab[top:]
     tail = ANSWER_FORMAT.format(question=template.question.format(n=top), answer=template.answer.format(n=top))
     per_item = n_tokens(tokenizer, template.statement.format(index=99, word="garden")) + 1

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import kvgates
-from data.tasks import templates
+from data.tasks import OPTIONS, check_options, templates
 from eval.arms import UNTRAINED, UNTRAINED_GATES, check_budgets, load_adapter
 from kvgates.config import ConfigError, build, merge, read_yaml, refuse_unknown
 from kvgates.gates.adapter import weights_digest
@@ -59,16 +59,8 @@ from kvgates.policies.wrappers import learned_policy
 EVAL_SPLITS = ("test", "validation")
 
 
-#: Options each task kind accepts besides the common keys (see ``data.tasks.make_example``).
-ANSWER_OPTIONS = {
-    "needle": ("digits",),
-    "multikey": ("digits", "keys"),
-    "multivalue": ("digits", "values"),
-    "kv": ("pairs",),
-    "variable_tracking": ("digits", "hops"),
-    "passkey": ("digits",),
-    "common_words": ("top", "distinct"),
-}
+#: Options each task kind accepts besides the common keys (``data.tasks.OPTIONS``, each task's option names).
+ANSWER_OPTIONS = {task: tuple(options) for task, options in OPTIONS.items()}
 ANSWER_KINDS = tuple(ANSWER_OPTIONS)  # data.tasks.TASKS and multikey (a test keeps them in step)
 #: Tasks scored against the full cache's own output rather than a known answer.
 REFERENCE_OPTIONS = {"fidelity": ("new_tokens",), "generation": ("new_tokens",), "perplexity": ("chunk",)}
@@ -259,7 +251,7 @@ class ABConfig:
             "arms": tuple(_arm(entry) for entry in _list(raw.get("arms", []), "arms")),
             "tasks": tuple(_task(entry) for entry in _list(raw.get("tasks", []), "tasks")),
             "budgets": tuple(_list(raw.get("budgets", list(cls.budgets)), "budgets")),
-            "comparisons": None if comparisons == "auto" else tuple(tuple(p) for p in _list(comparisons, "comparisons")),
+            "comparisons": None if comparisons == "auto" else tuple(_pair(p) for p in _list(comparisons, "comparisons")),
             "reuse": tuple(str(p) for p in _list(raw.get("reuse", []), "reuse")),
         }
         config = build(cls, {**raw, **specs}, "")
@@ -321,6 +313,18 @@ def _list(value: Any, what: str) -> list:
     return list(value)
 
 
+def _whole(value: Any, least: int) -> bool:
+    """Whether ``value`` is an integer (not a bool: YAML's ``true`` is no count) of at least ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _pair(entry: Any) -> tuple[str, ...]:
+    """A comparison: a list of two arm labels (``validate`` checks that they name two different arms)."""
+    if not isinstance(entry, (list, tuple)):
+        raise ConfigError(f"comparison {entry!r} must be a pair of arm labels such as [trimkv, snapkv] (or comparisons: auto)")
+    return tuple(str(label) for label in entry)
+
+
 def _apply_quick(raw: dict, quick: Any) -> dict:
     """``raw`` with the ``quick`` section merged over it (``kvgates.config.merge``): its keys replace the config's
     (``output_dir`` by default the config's with ``-quick``), except ``arms``, which keeps the arms it labels (and
@@ -357,7 +361,10 @@ def _arm(entry: Any) -> ArmSpec:
     if not isinstance(entry, dict) or "policy" not in entry:
         raise ConfigError(f"arm {entry!r} must be a policy name or a mapping with a 'policy' key")
     refuse_unknown(entry, ["policy", "params", "gates", "label", "budgets"], f"arm {entry['policy']!r}")
-    policy, params, gates = entry["policy"], dict(entry.get("params") or {}), entry.get("gates")
+    policy, params, gates = entry["policy"], entry.get("params") or {}, entry.get("gates")
+    if not isinstance(params, dict):
+        raise ConfigError(f"arm {policy!r}: params must be a mapping of the policy's parameters such as {{window: 16}}, got {params!r}")
+    params = dict(params)
     if policy not in kvgates.POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; available policies: {', '.join(sorted(kvgates.POLICIES))}")
     if "budget" in params:
@@ -387,15 +394,17 @@ def _task(entry: Any) -> TaskSpec:
     refuse_unknown(entry, list(COMMON_TASK_KEYS) + (list(ANSWER_KEYS) if answer else []) + list(options), f"task {entry.get('name', kind)!r}")
     name = str(entry.get("name", kind))
     lengths = tuple(_list(entry.get("context_tokens", 2000), f"task {name!r}: context_tokens"))
+    if not lengths:
+        raise ConfigError(f"task {name!r}: context_tokens is empty; list at least one prompt length")
     for n in lengths:
-        if not isinstance(n, int) or n < 64:
+        if not _whole(n, 64):
             raise ConfigError(f"task {name!r}: context_tokens must be whole numbers of at least 64 tokens, got {n!r}")
     examples = entry.get("examples", 10)
-    if not isinstance(examples, int) or examples < 1:
+    if not _whole(examples, 1):
         raise ConfigError(f"task {name!r}: examples must be a positive integer, got {examples!r}")
     opts = {k: entry[k] for k in options if k in entry}
     for k, v in opts.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        if not _whole(v, 1):
             raise ConfigError(f"task {name!r}: {k} must be a positive integer, got {v!r}")
     names: tuple[str, ...] = ()
     if answer:
@@ -403,11 +412,17 @@ def _task(entry: Any) -> TaskSpec:
         usable = [t for s in ("train", "eval") for t in templates(base, s) if kind != "multikey" or "{key}" in t.statement]
         default = [t.name for t in usable if t.set == "eval"]
         names = tuple(_list(entry.get("templates", default), f"task {name!r}: templates"))
+        if not names:
+            raise ConfigError(f"task {name!r}: templates is empty; list template names or leave it out for the eval set's")
         for t in names:
             if t not in {u.name for u in usable}:
                 raise ConfigError(f"task {name!r} has no template {t!r}; its templates: {', '.join(sorted(u.name for u in usable))}")
+        try:  # what its examples draw (multikey's keys, common words' top and distinct), by the templates' sets
+            check_options(kind, opts, tuple(sorted({u.set for u in usable if u.name in names})))
+        except ValueError as err:
+            raise ConfigError(f"task {name!r}: {err}") from None
     max_new = entry.get("max_new_tokens", 24 if kind in ("multivalue", "variable_tracking", "common_words") else 12) if answer else 0
-    if answer and (not isinstance(max_new, int) or max_new < 1):
+    if answer and not _whole(max_new, 1):
         raise ConfigError(f"task {name!r}: max_new_tokens must be a positive integer, got {max_new!r}")
     budgets = tuple(_list(entry.get("budgets", []), f"task {name!r}: budgets"))
     return TaskSpec(name, kind, lengths, examples, names, max_new, opts, budgets)

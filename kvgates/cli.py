@@ -61,6 +61,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    """A ``--seed``: a whole number torch's generator takes (0 to 2**64 - 1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 0 to 2**64 - 1, got {text!r}")
+    return value
+
+
 def _file_name(text: str) -> Path:
     """A file named on the command line (an empty name is refused: ``Path("")`` would be the current folder)."""
     if not text.strip():
@@ -147,7 +158,7 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--max-new-tokens", type=_positive_int, default=64, help="default: 64")
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=_positive_float, help=f"sampling temperature with --sample (default: {TEMPERATURE})")
-    parser.add_argument("--seed", type=int, default=0, help="default: 0")
+    parser.add_argument("--seed", type=_seed, default=0, help="default: 0")
     parser.add_argument("--prefill-chunk", type=_positive_int, help="feed the prompt in chunks of this many tokens")
     names = _policy_options(parser, known.policy)
     args = parser.parse_args(argv)

@@ -20,6 +20,7 @@ Each problem is a ``ConfigError`` (``kvgates.errors``) with one sentence naming 
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import types
 import typing
 from collections.abc import Iterable, Sequence
@@ -107,18 +108,25 @@ def _read(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
 
 
 def check_output_folder(path: str | Path, option: str) -> None:
-    """``ConfigError`` when ``path``, the output folder ``option`` names, cannot be a folder: it, or a folder it
-    would be made in, is a file; or it is empty (``""``, which a run would take for the current folder, strewing
-    its outputs there). Run before any model work, so that the run is not refused only when it writes."""
+    """``ConfigError`` when ``path``, the output folder ``option`` names, cannot be a folder the run writes in: it, or
+    a folder it would be made in, is a file; the nearest of them that exists takes no new entries (read-only, not
+    yours, or a place such as ``/proc``: an empty folder is made there and removed again to find out); or it is
+    empty (``""``, which a run would take for the current folder, strewing its outputs there). Run before any model
+    work, so that the run is not refused only when it writes."""
     if not str(path).strip():
         raise ConfigError(f"{option} is empty; name a folder for the run's outputs (an empty one would be the current folder)")
     path = Path(path)
     for node in (path, *path.parents):
         if node.exists():
-            if node.is_dir():
-                return
-            where = "" if node == path else f" cannot be made: {node}"
-            raise ConfigError(f"{option} {path}{where} is a file, not a folder; name a folder for the run's outputs")
+            if not node.is_dir():
+                where = "" if node == path else f" cannot be made: {node}"
+                raise ConfigError(f"{option} {path}{where} is a file, not a folder; name a folder for the run's outputs")
+            try:
+                tempfile.TemporaryDirectory(dir=node).cleanup()
+            except OSError as err:
+                where = "" if node == path else f" cannot be made: {node}"
+                raise ConfigError(f"{option} {path}{where} takes no new files ({err.strerror}); name a folder you can write in") from None
+            return
 
 
 def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -189,9 +197,12 @@ def refuse_unknown(raw: dict[str, Any], known: Iterable[str], where: str) -> Non
 
 
 def yaml_hint(problem: str) -> str:
-    """``problem`` (a ``field_problems`` phrase) plus, for a number YAML read as a string (``1e-3`` without a dot),
-    how to write it."""
+    """``problem`` (a ``field_problems`` phrase) plus, for a value YAML read otherwise than it was meant, how to write
+    it: a number read as a string (``1e-3`` without a dot), or a word read as a boolean (YAML 1.1's ``no``, ``yes``,
+    ``on`` and ``off``) where a boolean is not what is asked."""
     value = problem.rsplit("got ", 1)[-1].strip("'")
+    if value in ("True", "False") and "true or false" not in problem:
+        return f"{problem} (YAML reads no, yes, off and on as false or true; quote the word: 'no')"
     try:
         float(value)
     except ValueError:

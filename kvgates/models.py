@@ -258,6 +258,7 @@ def _local_or_hub(name_or_path: str) -> str:
     if not name_or_path.strip():  # Path("") is the current folder
         raise UnsupportedModelError(f"the model name is empty; {choices}")
     path = Path(name_or_path)
+    _refuse_gate_adapter(name_or_path)
     looks_local = path.exists() or path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1
     if looks_local:
         if not (path / "config.json").is_file():
@@ -284,6 +285,24 @@ def _local_or_hub(name_or_path: str) -> str:
             f"{name_or_path} is not in the local Hugging Face cache and the Hub cannot be reached ({type(err).__name__}); {choices}"
         ) from None
     return name_or_path
+
+
+def _refuse_gate_adapter(name: str) -> None:
+    """``UnsupportedModelError`` when ``name``, given as a model, is a kvgates gate adapter: a shipped adapter's name or
+    a folder whose ``config.json`` is an adapter's (its ``kind`` and ``base_model``), not a model's."""
+    from kvgates.gates.embedded import embedded_adapter_dir
+
+    config = (embedded_adapter_dir(name) or Path(name)) / "config.json"
+    try:
+        adapter = json.loads(config.read_text()) if config.is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # not an adapter's config: the model checks say what it is
+    if isinstance(adapter, dict) and "kind" in adapter and "base_model" in adapter:
+        base = adapter.get("base_model_embedded") or adapter["base_model"]
+        raise UnsupportedModelError(
+            f"{name} is a kvgates gate adapter ({adapter['kind']} gates for {base}), not a model; name it as the gates "
+            f"(--gates, an arm's gates:, gates.init_from) and {base} as the model"
+        )
 
 
 #: Geometry a decoder's config must give as positive whole numbers (when it has the key).

@@ -8,6 +8,7 @@ the wrong type (``window: eight``) would otherwise surface later as a ``TypeErro
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 import typing
 from typing import Any, Union
@@ -28,6 +29,8 @@ def _accepts(value: Any, hint: Any) -> bool | None:
     if origin is typing.Literal:
         return value in typing.get_args(hint)
     base = origin or hint
+    if isinstance(base, type) and issubclass(base, enum.Enum):  # a member, or its value (YAML gives the value)
+        return any(value is member or (value == member.value and type(value) is type(member.value)) for member in base)
     if base is bool:
         return isinstance(value, bool)
     if base is int:
@@ -45,17 +48,27 @@ def _describe(hint: Any) -> str:
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if any(_string_enum(a) for a in args):  # IntervalStrategy | str: the strings it takes are the enum's values
+            args = [a for a in args if a is not str]
         words = " or ".join(_describe(a) for a in args)
-        return f"{words} or null" if len(args) < len(typing.get_args(hint)) else words
+        return f"{words} or null" if type(None) in typing.get_args(hint) else words
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
     base = origin or hint
+    if isinstance(base, type) and issubclass(base, enum.Enum):
+        return "one of " + ", ".join(repr(member.value) for member in base)
     return _NAMES.get(base, getattr(base, "__name__", str(base)))
 
 
+def _string_enum(hint: Any) -> bool:
+    """Whether ``hint`` is an enum whose values are strings (transformers' ``IntervalStrategy``, ``SchedulerType``)."""
+    return isinstance(hint, type) and issubclass(hint, enum.Enum) and all(isinstance(m.value, str) for m in hint)
+
+
 def type_problem(value: Any, hint: Any) -> str | None:
-    """``None`` when ``value`` fits the type ``hint`` (ints, floats, bools, strings, lists, mappings, Literal,
-    Optional and unions of them; other types are not checked), else what it should be, e.g. ``"an integer"``."""
+    """``None`` when ``value`` fits the type ``hint`` (ints, floats, bools, strings, lists, mappings, Literal, enums
+    (a member or its value), Optional and unions of them; other types are not checked), else what it should be, e.g.
+    ``"an integer"``."""
     return None if _accepts(value, hint) is not False else _describe(hint)
 
 

@@ -196,3 +196,20 @@ def test_launch_count_bench_runs_on_a_small_random_model():
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ")}
     assert rows["DynamicCache + sdpa"][2] == "1.00x" and rows["h2o slack=4"][-1].strip(" |") == "0.00"
     assert "h2o, decode step per layer:" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "random:llama-8b"], "--model random:llama-8b: unknown random model shape; known: random:smollm2-135m"),  # exit 1
+        (["--model", "random", "--layers", "0"], "--layers must be at least 1, got 0"),  # an UnsupportedModelError traceback
+        (["--model", "random", "--layers", "1", "--steps", "0"], "--steps must be at least 1, got 0"),  # a ZeroDivisionError
+        (["--model", "random", "--layers", "1", "--batch", "1", "0"], "--batch must be at least 1, got 0"),
+        (["--model", "random", "--layers", "1", "--slack", "-1"], "--slack must be at least 0, got -1"),  # 0: no amortised rows
+    ],
+)
+def test_a_bench_refuses_a_count_below_what_it_counts_in_one_sentence_before_its_model(args, message):
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_speed.py"), *args], capture_output=True, text=True, timeout=600)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"decode_speed.py: {message}"), result.stderr
+    assert "device:" not in result.stdout  # the header line printed once the model is loaded

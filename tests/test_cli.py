@@ -100,6 +100,8 @@ def bad_models(tmp_path_factory):
         (["--temperature", "1.2", "--prompt", "x"], "--temperature sets how --sample samples; add --sample"),  # was ignored
         (["--max-new-tokens", "-1", "--prompt", "x"], "--max-new-tokens: must be a positive integer, got '-1'"),
         (["--prefill-chunk", "0", "--prompt", "x"], "--prefill-chunk: must be a positive integer, got '0'"),
+        # Torch's "Overflow when unpacking long long" once the model had loaded.
+        (["--seed", "99999999999999999999999", "--prompt", "x"], "--seed: must be a whole number from 0 to 2**64 - 1, got '9999"),
         (["--policy", "trimkv", "--budget", "8", "--gates", "/tmp/nonexistent", "--prompt", "x"],
          "/tmp/nonexistent is neither an adapter folder nor a Hub repository id"),
         (["--policy", "trimkv", "--budget", "8", "--gates", "", "--prompt", "x"], "the adapter name is empty"),  # was ". has no config.json"
@@ -111,6 +113,11 @@ def bad_models(tmp_path_factory):
         (["--policy", "adakv", "--budget", "8", "--base-params", "window", "--prompt", "x"], "--base-params: expected key=value"),
         (["--model", "EMPTY", "--prompt", "x"], "is not a model folder (no config.json there)"),
         (["--model", "", "--prompt", "x"], "the model name is empty; pass a model folder"),  # was " is not a model folder"
+        # An adapter given as the model: 'not in the local Hugging Face cache and the Hub cannot be reached', and
+        # 'the model config of ... cannot be read (Unrecognized model ...)'.
+        (["--model", "smollm2-135m-trimkv", "--prompt", "x"],
+         "smollm2-135m-trimkv is a kvgates gate adapter (retention gates for smollm2-135m), not a model; name it as the gates"),
+        (["--model", "FOREIGN", "--prompt", "x"], "is a kvgates gate adapter (retention gates for llama), not a model"),
     ],
 )
 def test_bad_input_is_one_clear_error(checkpoint, foreign_gates, bad_models, tmp_path, capsys, argv, message):

@@ -3,6 +3,7 @@ every key and type checked; each problem one sentence."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,12 +152,33 @@ def test_bad_overrides_are_one_sentence(item, message):
         ({"section": None}, "c.yaml: section must be a mapping, got None"),  # a required section set to null
         ({"needy": {"weight": 2.0}}, "c.yaml: needy: missing required key 'policy'"),
         ({"params": [1]}, "c.yaml: params must be a mapping, got [1]"),
+        ({"section": {"name": False}}, "section: name must be a string, got False (YAML reads no, yes, off and on as false or true"),
     ],
 )
 def test_build_refuses_unknown_keys_and_wrong_types(raw, message):
     with pytest.raises(ConfigError) as err:
         build(Top, raw, "c.yaml")
     assert message in one_sentence(err)
+
+
+class Strategy(str, enum.Enum):
+    NO = "no"
+    STEPS = "steps"
+
+
+@dataclass
+class Scheduled:
+    strategy: Strategy | str = "steps"
+
+
+def test_an_enum_field_takes_its_values_and_names_them():
+    """A field typed as a string enum or a string (transformers' ``eval_strategy: IntervalStrategy | str``) takes the
+    enum's values; YAML's ``no`` (False) is refused naming them, where it passed to fail later as "False is not a
+    valid IntervalStrategy"."""
+    assert build(Scheduled, {"strategy": "no"}, "c.yaml").strategy == "no"
+    with pytest.raises(ConfigError) as err:
+        build(Scheduled, {"strategy": False}, "c.yaml")
+    assert one_sentence(err).startswith("c.yaml: strategy must be one of 'no', 'steps', got False (YAML reads no, yes, off and on")
 
 
 def test_build_finds_sections_from_the_field_types():

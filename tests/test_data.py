@@ -75,6 +75,22 @@ def test_template_set_mismatch_and_unknowns_are_refused(tok):
         make_example("needle", tok, "dev", 300, seed=0)
 
 
+@pytest.mark.parametrize(
+    "task, options, message",
+    [
+        ("multikey", {"keys": 21}, "keys 21 is more than the 20 keys the eval templates draw from"),  # rng.sample's ValueError
+        ("common_words", {"top": 24}, "top \\(24\\) must be smaller than distinct \\(24\\)"),  # an IndexError
+        ("common_words", {"distinct": 35}, "distinct 35 is more than the 34 words"),
+        ("needle", {"hops": 2}, "needle takes no option 'hops'; its options: digits"),
+        ("kv", {"pairs": "8"}, "pairs must be a positive integer, got '8'"),
+    ],
+)
+def test_options_a_task_cannot_draw_are_one_sentence(tok, task, options, message):
+    with pytest.raises(ValueError, match=message):
+        make_example(task, tok, "test", 300, seed=0, template_set="eval", **options)
+    make_example("multikey", tok, "test", 300, seed=0, template_set="eval", keys=20)  # every key of the eval list
+
+
 def test_build_dataset_cached_deterministic_completion_only(tok, tmp_path):
     mix = [{"task": "essays", "completion_tokens": 16}, {"task": "needle"}, {"task": "kv", "pairs": 3}]
     a = build_dataset(tok, mix, "train", 6, 128, seed=1, cache_dir=str(tmp_path))
@@ -125,8 +141,20 @@ def test_continuations_are_the_models_own_greedy_output(tok, tmp_path):
         ([{"task": "needle", "weight": 0}], "weight"),
         ([{"task": "needle", "colour": 1}], "unknown keys"),
         ([{"task": "jsonl", "path": "/nonexistent.jsonl"}], "does not exist"),
+        ([{"task": "jsonl", "path": "data"}], "data source 0 \\(jsonl\\): data is a folder; name a jsonl file"),  # 'Unable to find'
         ([{"task": "hf"}], "needs a 'path'"),
         ([{"task": "continuations", "keys": 3}], "unknown keys"),
+        ([{"task": "jsonl", "path": 5}], "data source 0 \\(jsonl\\): path must be a non-empty string, got 5"),  # a TypeError
+        ([{"task": "hf", "path": ""}], "path must be a non-empty string, got ''"),  # datasets' IndexError, as a reason
+        ([{"task": "essays", "completion_tokens": "abc"}], "completion_tokens must be a positive integer, got 'abc'"),
+        ([{"task": "essays", "completion_tokens": 0}], "completion_tokens must be a positive integer, got 0"),
+        ([{"task": "continuations", "prompt_tokens": 1.5}], "prompt_tokens must be a positive integer, got 1.5"),
+        ([{"task": "hf", "path": "x/y", "text_field": 3}], "text_field must be a string, got 3"),
+        ([{"task": "needle", "hops": 3}], "unknown keys \\['hops'\\]"),  # another task's option: ignored before
+        ([{"task": "kv", "pairs": 0}], "data source 0 \\(kv\\): pairs must be a positive integer, got 0"),
+        ([{"task": "multikey", "keys": 25}], "keys 25 is more than the 20 keys the train and eval templates draw from"),
+        ([{"task": "common_words", "distinct": 40}], "distinct 40 is more than the 34 words"),
+        ([{"task": "common_words", "top": 5, "distinct": 5}], "top \\(5\\) must be smaller than distinct \\(5\\)"),
     ],
 )
 def test_bad_mixes_fail_with_one_sentence(mix, message):

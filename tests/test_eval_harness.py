@@ -233,9 +233,20 @@ def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
         ({"arms": [{"policy": "h2o", "label": "full"}]}, "arm 'h2o' is labelled 'full', the full cache's label"),
         ({"arms": [{"policy": "h2o", "label": " "}]}, "arm 'h2o': label must name the arm in the report"),
         ({"comparisons": [["h2o", "tova"]], "arms": ["h2o"]}, "names arm 'tova'"),
+        ({"comparisons": 5}, "comparison 5 must be a pair of arm labels"),  # was a TypeError
+        ({"comparisons": ["h2o", "tova"], "arms": ["h2o", "tova"]}, "comparison 'h2o' must be a pair of arm labels"),  # was ['h', '2', 'o']
+        ({"arms": [{"policy": "h2o", "params": 5}]}, "arm 'h2o': params must be a mapping"),  # was a TypeError
+        ({"arms": [{"policy": "h2o", "params": ["recent", 8]}]}, "arm 'h2o': params must be a mapping"),
         ({"tasks": [{"task": "needle", "budgets": [64]}]}, "runs at budget 64, which is not among the run's budgets"),
         ({"arms": [{"policy": "trimkv", "gates": "smollm2-1b-trimkv"}]}, "neither an existing folder, a shipped adapter"),
         ({"split": "train"}, "split must be one of test, validation"),
+        ({"tasks": [{"task": "needle", "templates": []}]}, "task 'needle': templates is empty"),  # a ZeroDivisionError in the run
+        ({"tasks": [{"task": "needle", "context_tokens": []}]}, "task 'needle': context_tokens is empty"),  # ran no example
+        ({"tasks": [{"task": "needle", "examples": True}]}, "task 'needle': examples must be a positive integer, got True"),
+        ({"tasks": [{"task": "needle", "max_new_tokens": True}]}, "max_new_tokens must be a positive integer, got True"),
+        ({"tasks": [{"task": "multikey", "keys": 21}]}, "task 'multikey': keys 21 is more than the 20 keys the eval templates"),
+        ({"tasks": [{"task": "common_words", "top": 30}]}, "task 'common_words': top \\(30\\) must be smaller than distinct"),
+        ({"tasks": [{"task": "common_words", "distinct": 100}]}, "task 'common_words': distinct 100 is more than the 34 words"),
     ],
 )
 def test_bad_configs_fail_with_one_sentence(change, message):
@@ -315,6 +326,7 @@ def test_cli_exits_non_zero_with_one_sentence_before_loading_a_model(tmp_path, c
         (["ab", "--config", "GOOD", "--out", "FILE"], "file is a file, not a folder"),
         (["ab", "--config", "GOOD", "output_dir=FILE/sub"], "file/sub cannot be made: "),
         (["ab", "--config", "GOOD", "output_dir=''"], "output_dir is empty; name a folder for the run's outputs"),  # was the current folder
+        (["ab", "--config", "GOOD", "--out", "/proc/kvgates-ab"], "--out /proc/kvgates-ab cannot be made: /proc takes no new files ("),
         (["ab", "--config", "GOOD", "--out", ""], "--out is empty; name a folder"),  # was the config's output_dir
         (["softhard", "--gates", "/no/such/adapter"], "/no/such/adapter is neither an adapter folder nor a Hub repository id"),
         (["softhard", "--gates", "smollm2-135m-locret"], "smollm2-135m-locret holds 'retaining-head' gates, which are not trained"),

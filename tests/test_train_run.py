@@ -321,7 +321,11 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
         ({"loss": {"hard_eviction": True, "eviction_temperature": -1.0}}, "eviction_temperature must be >= 0"),
         ({"training": {"learning_rate": -1.0e-3}}, "training: learning_rate must be greater than 0, got -0.001"),
         ({"training": {"learning_rate": "1e-3"}}, "learning_rate must be a number, got '1e-3' (YAML reads 1e-3 as a string"),
+        ({"training": {"eval_strategy": False}}, "eval_strategy must be one of 'no', 'steps', 'epoch', got False (YAML reads no"),
         ({"training": {"max_steps": 0}}, "max_steps must be at least 1"),
+        # Both passed --check and ended in numpy's 'Seed must be between 0 and 2**32 - 1' traceback, run_config.json left.
+        ({"data": {"seed": 2**32}}, "data.seed must be at most 4294967295 (2**32 - 1, what numpy's generator takes), got 4294967296"),
+        ({"training": {"seed": 2**32}}, "training: seed must be from 0 to 4294967295 (2**32 - 1, what numpy's generator takes), got"),
         ({"training": {"per_device_train_batch_size": 2.5}}, "per_device_train_batch_size must be an integer"),
         ({"data": {"seq_len": "big"}}, "data: seq_len must be an integer, got 'big'"),
         ({"budget": "64"}, "budget must be an integer, got '64'"),
@@ -336,6 +340,9 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
         ({"report": {"policies": ["snapk"]}}, "report.policies: 'snapk' is not a heuristic policy; heuristic policies: adakv, d2o"),
         ({"attention": "fastest"}, "attention must be auto or one of exact, fused, fused-split, flex"),
         ({"data": {"mix": [{"task": "hf", "path": "x", "pack": "yes"}]}}, "pack must be true or false"),
+        # Both were the Trainer's ValueError or RuntimeError traceback once the model had loaded, run_config.json left.
+        ({"training": {"report_to": "wandbb"}}, "training.report_to: 'wandbb' is not an integration transformers reports to"),
+        ({"training": {"report_to": ["clearml"]}}, "training.report_to: clearml is not installed here"),
     ],
 )
 def test_config_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, capsys, change, message):
@@ -365,6 +372,22 @@ def test_an_output_dir_that_is_a_file_is_refused_before_the_model_loads(tiny_dir
     assert (tmp_path / "file").read_text() == "not a folder"
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no folder can be made")
+@pytest.mark.parametrize("out", ["/proc/kvgates-run", "/proc"])
+def test_an_output_dir_that_cannot_be_made_or_written_is_refused_before_the_model_loads(tiny_dir, tmp_path, capsys, monkeypatch, out):
+    """An output folder nothing can be made in (read-only, not the user's, or ``/proc``, which even root cannot write
+    in): one sentence at --check and before the model loads; the run passed --check and ended in mkdir's
+    FileNotFoundError traceback (a PermissionError for a user's read-only folder)."""
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    path = write(tiny_config(tiny_dir, out), tmp_path / "c.yaml")
+    for check in ([], ["--check"]):
+        assert main(["--config", str(path), *check]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"train.py: output_dir {out}") and "/proc takes no new files (" in err and len(err.splitlines()) == 1, err
+    main(["--config", str(write(tiny_config(tiny_dir, tmp_path / "new" / "run"), tmp_path / "c.yaml")), "--check"])
+    assert "is ready to run" in capsys.readouterr().out and sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]  # nothing left
+
+
 def test_an_empty_output_dir_is_refused_not_taken_for_the_current_folder(tiny_dir, tmp_path, capsys, monkeypatch):
     """``output_dir: ""`` passed ``--check`` ("ready to run ... into .") and the run wrote its checkpoints, metrics
     and adapter into the current folder: it is now one sentence, before the model loads."""
@@ -382,7 +405,7 @@ def test_an_empty_output_dir_is_refused_not_taken_for_the_current_folder(tiny_di
     "task, path, message",
     [
         ("text", "binary.txt", "data source 0 (text): could not load data source"),
-        ("jsonl", "folder", "data source 0 (jsonl): could not load data source"),
+        ("jsonl", "folder", "data source 0 (jsonl): "),  # the path, then: "is a folder; name a jsonl file"
         ("jsonl", "plain.txt", "data source 0 (jsonl): could not load data source"),
         ("jsonl", "fieldless.jsonl", "data source 0 (jsonl): rows of"),
         ("hf", "nobody/no-such-dataset", "data source 0 (hf): could not load data source 'nobody/no-such-dataset'"),
@@ -408,6 +431,7 @@ def test_a_data_source_that_cannot_be_read_is_refused_before_the_model_loads(tin
         err = capsys.readouterr().err.strip()
         last = err.splitlines()[-1]
         assert f"data.mix: {message}" in last and last.startswith("train.py: ") and err.count("train.py: ") == 1, err
+        assert path != "folder" or last.endswith(f"{tmp_path / 'folder'} is a folder; name a jsonl file")  # was "Unable to find"
         assert not out.exists()
 
 

@@ -247,6 +247,8 @@ class TrainConfig:
 _RESERVED_ARGS = {"output_dir", "run_name", "remove_unused_columns", "metric_for_best_model", "greater_is_better"}
 
 
+#: The largest seed a run takes: transformers' ``set_seed`` seeds numpy's global generator, which takes no more.
+MAX_SEED = 2**32 - 1
 #: Lower bounds of section values not checked elsewhere: (section, key) -> smallest allowed value.
 _AT_LEAST = {
     ("gates", "hidden"): 1,
@@ -269,6 +271,8 @@ def _check_ranges(config: TrainConfig) -> None:
         value = getattr(getattr(config, section) or object(), key, None)
         if value is not None and value < least:
             raise ConfigError(f"{section}.{key} must be at least {least}, got {value!r}")
+    if config.data.seed > MAX_SEED:  # the run's training.seed unless that is set
+        raise ConfigError(f"data.seed must be at most {MAX_SEED} (2**32 - 1, what numpy's generator takes), got {config.data.seed}")
 
 
 def is_heuristic(policy: str) -> bool:
@@ -307,7 +311,7 @@ _TRAINING_RANGES = {
     "eval_steps": (lambda v: v is None or v > 0, "greater than 0"),
     "save_steps": (lambda v: v > 0, "greater than 0"),
     "save_total_limit": (lambda v: v is None or v >= 1, "at least 1"),
-    "seed": (lambda v: v >= 0, "at least 0"),
+    "seed": (lambda v: 0 <= v <= MAX_SEED, f"from 0 to {MAX_SEED} (2**32 - 1, what numpy's generator takes)"),
     "adam_epsilon": (lambda v: v > 0, "greater than 0"),
     "adam_beta1": (lambda v: 0 <= v < 1, "from 0 to below 1"),
     "adam_beta2": (lambda v: 0 <= v < 1, "from 0 to below 1"),

@@ -155,7 +155,25 @@ def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
         output_dir=str(out), run_name=config.run_name, metric_for_best_model="kl", greater_is_better=False, **args
     )
     check_precision(train_args)
+    check_report_to(train_args)
     return train_args
+
+
+def check_report_to(args: TrainingArguments) -> None:
+    """``ConfigError`` for a ``training.report_to`` integration transformers does not know or finds no installation
+    of: its Trainer would raise only once the model had loaded."""
+    from transformers.integrations import get_available_reporting_integrations
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    installed = get_available_reporting_integrations()
+    for name in args.report_to:
+        if name not in INTEGRATION_TO_CALLBACK:
+            raise ConfigError(f"training.report_to: {name!r} is not an integration transformers reports to; it knows {', '.join(INTEGRATION_TO_CALLBACK)}")
+        if name not in installed:
+            raise ConfigError(
+                f"training.report_to: {name} is not installed here (installed: {', '.join(installed) or 'none'}); install it, "
+                "or leave it out (report_to: [] reports to none)"
+            )
 
 
 def check_precision(args: TrainingArguments) -> None:
