@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,11 @@ from kvgates.policies.wrappers import parse_params  # noqa: E402
 
 
 def setup(
-    doc: str, choices: dict[str, list[str]] | None = None, zero_ok: tuple[str, ...] = (), **options: Any
+    doc: str,
+    choices: dict[str, list[str]] | None = None,
+    zero_ok: tuple[str, ...] = (),
+    check: Callable[[argparse.Namespace], str | None] | None = None,
+    **options: Any,
 ) -> tuple[argparse.Namespace, Any, Any]:
     """Parse a bench script's command line, load its model and print the run's header line.
 
@@ -32,8 +36,9 @@ def setup(
     ``--device`` and ``--dtype``; its own options are given as ``name=default`` (the type follows the default; a
     list default takes one or more values; ``None`` takes a string; ``False`` is a flag) with optional ``choices``. A
     number counts something, so it must be at least 1, or at least 0 where 0 means something: an option whose default
-    is 0, or one named in ``zero_ok`` (``--slack 0``: no amortised rows). Returns ``(args, model, tokenizer)``; the
-    tokenizer is None for the random model.
+    is 0, or one named in ``zero_ok`` (``--slack 0``: no amortised rows). ``check`` is the script's own test of the
+    parsed options (a sentence saying what is wrong, or None), run before the model loads as these are. Returns
+    ``(args, model, tokenizer)``; the tokenizer is None for the random model.
     """
     parser = OneLineParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -67,6 +72,9 @@ def setup(
     unknown = [spec.partition(":")[0] for spec in getattr(args, "policies", None) or [] if spec.partition(":")[0] not in kvgates.POLICIES]
     if unknown:
         parser.error(f"--policies: unknown policy {unknown[0]!r}; available policies: {', '.join(sorted(kvgates.POLICIES))}")
+    problem = None if check is None else check(args)
+    if problem is not None:
+        parser.error(problem)
     model, tokenizer = _load(args)
     facts = "; ".join(f"{name} {getattr(args, name)}" for name, default in options.items() if not isinstance(default, list))
     print(f"device: {device_name(args.device)}; model: {args.model} ({model.config.num_hidden_layers} layers); {facts}")

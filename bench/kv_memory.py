@@ -8,6 +8,8 @@ holds every ``--every`` tokens, plus the ratio to DynamicCache at the end.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from common import essay_ids, setup
 from transformers import DynamicCache
@@ -51,9 +53,23 @@ def plot(columns: dict[str, list[int]], every: int, path: str) -> None:
     plt.close(fig)
 
 
+def problem(args) -> str | None:
+    """What is wrong with the options before any generation: nothing recorded, or a plot that cannot be written."""
+    if args.every > args.tokens:
+        return f"--every {args.every} is more than --tokens {args.tokens}: no size would be recorded"
+    if args.plot is not None:
+        path = Path(args.plot)
+        if path.is_dir():
+            return f"--plot {args.plot} is a folder; name the PNG file to write"
+        if not path.parent.is_dir():
+            return f"--plot {args.plot}: its folder {path.parent} does not exist"
+    return None
+
+
 def main() -> None:
     args, model, tokenizer = setup(
-        __doc__, prompt=200, tokens=2000, budget=128, every=250, policies=["streaming_llm", "h2o", "tova", "morphkv"], plot=None
+        __doc__, check=problem, prompt=200, tokens=2000, budget=128, every=250, policies=["streaming_llm", "h2o", "tova", "morphkv"],
+        plot=None,
     )
     ids = essay_ids(tokenizer, args.prompt, args.device)
     columns, held = {}, {}

@@ -213,3 +213,22 @@ def test_a_bench_refuses_a_count_below_what_it_counts_in_one_sentence_before_its
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"decode_speed.py: {message}"), result.stderr
     assert "device:" not in result.stdout  # the header line printed once the model is loaded
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tokens", "100", "--every", "250"], "--every 250 is more than --tokens 100: no size would be recorded"),  # an IndexError
+        (["--plot", "bench"], "--plot bench is a folder; name the PNG file to write"),  # a traceback after the whole run
+        (["--plot", "no/such/folder/kv.png"], "--plot no/such/folder/kv.png: its folder no/such/folder does not exist"),
+    ],
+)
+def test_kv_memory_bench_refuses_options_it_cannot_honour_before_its_model(args, message):
+    """``bench/kv_memory.py``'s own checks (``setup(check=...)``) run before the model loads, like the shared ones."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "kv_memory.py"), "--model", "random", "--layers", "1", *args],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"kv_memory.py: {message}"), result.stderr
+    assert "device:" not in result.stdout
