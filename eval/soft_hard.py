@@ -93,6 +93,12 @@ def main(argv: list[str] | None = None) -> None:
                         ("--new-tokens", args.new_tokens)):
         if value < 1:
             parser.error(f"{name} must be at least 1, got {value}")
+    window = args.prompt_tokens + args.new_tokens
+    if args.budget >= window:  # every token kept: both KLs would be 0, a comparison of nothing
+        parser.error(
+            f"--budget {args.budget} keeps every token of a window (--prompt-tokens {args.prompt_tokens} + --new-tokens "
+            f"{args.new_tokens} = {window}), so nothing is evicted; pass a budget below {window}"
+        )
     # Everything that can be checked without the model first: the adapters (readable, of a kind trained with soft
     # eviction) and the model's config; then the model, and each adapter against it, before any table line.
     adapters = {name: kvgates.load_gates(name).to(torch.float32) for name in args.gates}

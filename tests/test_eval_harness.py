@@ -332,6 +332,8 @@ def test_cli_exits_non_zero_with_one_sentence_before_loading_a_model(tmp_path, c
         (["softhard", "--gates", "smollm2-135m-locret"], "smollm2-135m-locret holds 'retaining-head' gates, which are not trained"),
         (["softhard", "--gates", "smollm2-135m-trimkv", "--model", "EMPTY"], "is not a model folder"),
         (["softhard", "--gates", "smollm2-135m-trimkv", "--windows", "0"], "--windows must be at least 1"),
+        (["softhard", "--gates", "smollm2-135m-trimkv", "--budget", "5000"],
+         "--budget 5000 keeps every token of a window (--prompt-tokens 1000 + --new-tokens 512 = 1512), so nothing is evicted"),
     ],
 )
 def test_cli_user_errors_are_one_sentence_exit_2_and_leave_no_folder(tmp_path, capsys, monkeypatch, argv, message):
