@@ -152,7 +152,9 @@ def test_a_failed_push_at_the_end_is_one_sentence_and_keeps_the_outputs(tiny_dir
     printed, err = capsys.readouterr()
     assert f"adapter: {out / 'adapter'}" in printed and "pushed:" not in printed
     last = err.strip().splitlines()[-1]  # after the progress bars
-    assert "Traceback" not in err and err.count("train.py: ") == 1, err
+    # One error line (a run with fewer threads than cores, OMP_NUM_THREADS=1 on this machine, adds its own note first).
+    said = [line for line in err.splitlines() if line.startswith("train.py: ") and "CPU thread" not in line]
+    assert "Traceback" not in err and len(said) == 1, err
     assert last.startswith("train.py: could not push the adapter to the Hub repository me/tiny-gates (") and "offline mode" in last
     assert f"kept locally at {out / 'adapter'} and {out / 'report.md'}" in last
     assert last.endswith(f"hf upload me/tiny-gates {out / 'adapter'}")
