@@ -77,7 +77,7 @@ def test_pool_by_position_ignores_slot_order():
 @pytest.mark.parametrize("window", [0, 5, 64])
 def test_causal_attention_stats_matches_sdpa_and_column_sums(n, shift, window, monkeypatch):
     """Also with scores far above exp's range (``shift`` 200: every row overflows unshifted) or far below it (-200:
-    every row underflows), where the kernel redoes the tiles shifted by their row maxima. The window scores are
+    every row underflows), which the row maxima the softmax subtracts bring back into range. The window scores are
     those of the last rows (all of them when the window is longer than the prompt), with or without column sums."""
     monkeypatch.setattr(reference, "FUSED_TILE_ELEMENTS", 6 * 2 * 40)  # several row tiles
     g = torch.Generator().manual_seed(n)

@@ -19,7 +19,6 @@ Probabilities and scores are returned in float32 whatever the input dtype.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -62,11 +61,6 @@ TILE_ELEMENTS = 1 << 22
 #: are fastest, 1.05-1.07x faster than 28-56), and at most ``FUSED_TILE_ELEMENTS`` scores per tile (its buffer).
 FUSED_TILE_ROWS = 64
 FUSED_TILE_ELEMENTS = 1 << 23
-#: ``causal_attention_stats`` exponentiates scores without subtracting the row maximum when every row's sum of
-#: ``exp(score)`` is finite and at least this (``e^-20``): its largest term is then at least ``e^-20 / n``, so
-#: the terms that underflow (scores below -87) weigh less than ``e^-58`` of it and the result is the shifted one's.
-_SAFE_ROW_SUM = math.exp(-20.0)
-_MAX_ROW_SUM = torch.finfo(torch.float32).max
 
 
 def row_tile(batch: int, heads: int, slots: int) -> int:
@@ -169,9 +163,13 @@ def _prob_tiles(
         rows = scaled[:, :, start:stop].reshape(b, hkv, g * r, d)
         probs = torch.matmul(rows, kt, out=buffer[: b * h * r * c].view(b, hkv, g * r, c)).view(b, hkv, g, r, c)
         probs.masked_fill_((empty | (slot_pos[:, :, None, :] > q_pos[:, None, start:stop, None]))[:, :, None], float("-inf"))
-        # In place on the CPU (its softmax reads each row before writing it); CUDA's allocator makes a copy cheap.
-        probs = torch.softmax(probs, -1, out=probs) if probs.device.type == "cpu" else torch.softmax(probs, -1)
-        yield start, stop, probs.nan_to_num_(0.0)
+        yield start, stop, _softmax_last(probs).nan_to_num_(0.0)
+
+
+def _softmax_last(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension: in place on the CPU (its softmax reads each row before writing it, while
+    the row sits in its caches); CUDA's allocator makes a copy cheap."""
+    return torch.softmax(scores, -1, out=scores) if scores.device.type == "cpu" else torch.softmax(scores, -1)
 
 
 def masked_attention_colmax(
@@ -437,7 +435,8 @@ def causal_attention_stats(
         With column sums the rows are processed one tile at a time (``FUSED_TILE_ROWS`` rows, at most
         ``FUSED_TILE_ELEMENTS`` scores), and a tile of rows ``[start, stop)`` scores only the keys ``[0, stop)`` it
         can see, so the probabilities that give the output give both statistics. Every tile's scores are written
-        into one buffer allocated once. Without column sums the output is sdpa's and the window rows are scored
+        into one buffer allocated once and normalised there by a softmax (in place on the CPU, ``_softmax_last``).
+        Without column sums the output is sdpa's and the window rows are scored
         on their own. An inference kernel: no gradient flows through it.
     """
     b, h, n, d = q.shape
@@ -464,25 +463,13 @@ def causal_attention_stats(
         stop = min(n, start + tile)
         r = stop - start
         rows_q, buffer = qs[:, :, :, start:stop].reshape(b, hkv, g * r, d), scores[: b * h * r * stop].view(b, hkv, g * r, stop)
-
-        def tile_scores() -> torch.Tensor:  # [B, H_kv, G, r, stop] into the buffer, the future masked out
-            e = torch.matmul(rows_q, kt[..., :stop], out=buffer).view(b, hkv, g, r, stop)
-            e[..., start:].masked_fill_(future[:r, :r], float("-inf"))
-            return e
-
-        e = tile_scores()
-        row_sums = e.exp_().sum(-1)  # unnormalised probabilities, unshifted: one pass fewer than subtracting the row max
-        if not torch.equal(row_sums.clamp(_SAFE_ROW_SUM, _MAX_ROW_SUM), row_sums):
-            # A row overflowed or every score of a row is very negative: this tile again, shifted by its row maxima.
-            e = tile_scores()
-            row_sums = e.sub_(e.amax(-1, keepdim=True)).exp_().sum(-1)
-        inv = row_sums.reciprocal_()  # [B, H_kv, G, r]: normalise the r-row results, not the r x stop tile
-        sums[..., :stop] += torch.matmul(inv[..., None, :], e)[..., 0, :]
+        e = torch.matmul(rows_q, kt[..., :stop], out=buffer).view(b, hkv, g, r, stop)
+        e[..., start:].masked_fill_(future[:r, :r], float("-inf"))
+        e = _softmax_last(e)  # shifted by each row's maximum: no overflow to check, no host sync
+        sums[..., :stop] += e.sum(-2)
         if win is not None and stop > n - w:  # this tile holds window rows: the same probabilities, those rows only
-            in_window = inv * (torch.arange(start, stop, device=q.device) >= n - w)
-            win[..., :stop] += torch.matmul(in_window[..., None, :], e)[..., 0, :]
-        rows = torch.matmul(e.view(b, hkv, g * r, stop), vf[:, :, :stop]).view(b, hkv, g, r, -1).mul_(inv[..., None])
-        out[:, :, start:stop] = rows.view(b, h, r, -1)
+            win[..., :stop] += e[..., max(0, n - w - start) :, :].sum(-2)
+        out[:, :, start:stop] = torch.matmul(e.view(b, hkv, g * r, stop), vf[:, :, :stop]).view(b, h, r, -1)
     return out, sums.view(b, h, n), None if win is None else win.view(b, h, n)
 
 
