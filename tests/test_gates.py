@@ -38,6 +38,14 @@ def tiny_pair():
 
 
 # ------------------------------------------------------------------------------------------------ modules
+@pytest.mark.parametrize("hidden", [0, -3, 2.5, True])
+def test_fresh_gates_refuse_a_width_no_gate_has(tiny_pair, hidden):
+    """``gate_hidden=0`` was taken for the default width (and 2.5 failed inside ``nn.Linear``)."""
+    with pytest.raises(ValueError, match=r"^gate_hidden must be a whole number of units, at least 1 \(None: the default\), got"):
+        RetentionGates.for_model(tiny_pair[1], gate_hidden=hidden)
+    assert RetentionGates.for_model(tiny_pair[1], gate_hidden=3).config.gate_hidden == 3
+
+
 @pytest.mark.parametrize("cls", KINDS)
 def test_fresh_gates_match_the_model(tiny_pair, cls):
     _, model = tiny_pair

@@ -24,7 +24,7 @@ from kvgates.gates import GATE_KINDS
 from kvgates.gates.training import ATTENTIONS, GateTraining
 from kvgates.methods import METHODS
 from train.config import ConfigError, TrainConfig
-from train.run import build_trainer, check_context, main, prepare_output_dir
+from train.run import build_trainer, check_context, main, prepare_output_dir, training_arguments
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -181,7 +181,8 @@ def test_a_run_can_continue_from_a_trained_adapter(tiny_dir, tmp_path, capsys):
                          gates={"init_from": str(tmp_path / "start")})
     assert main(["--config", str(write(locret, tmp_path / "c.yaml"))]) == 2
     err = capsys.readouterr().err.splitlines()[-1]
-    assert err.startswith("train.py: gates.init_from:") and err.endswith("holds 'retention' gates; a locret run trains 'retaining-head' gates")
+    assert err.startswith(f"train.py: {tmp_path / 'c.yaml'}: gates.init_from:")
+    assert err.endswith("holds 'retention' gates; a locret run trains 'retaining-head' gates")
     assert not (tmp_path / "run2" / "adapter").exists()
 
 
@@ -301,6 +302,19 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
     assert after > before + 0.15, (before, after)
 
 
+def test_report_to_flyte_is_taken_where_flytekit_is_installed(tiny_dir, tmp_path, monkeypatch):
+    """transformers never lists flyte among its available integrations, though its callback runs with flytekit: the
+    check refused it even where flytekit was installed."""
+    import transformers.integrations.integration_utils as integrations
+
+    cfg = TrainConfig.from_dict(tiny_config(tiny_dir, tmp_path / "run", training={"report_to": ["flyte"]}))
+    monkeypatch.setattr(integrations, "is_flytekit_available", lambda: True)
+    assert training_arguments(cfg, tmp_path / "run").report_to == ["flyte"]  # checked there (``check_report_to``)
+    monkeypatch.setattr(integrations, "is_flytekit_available", lambda: False)
+    with pytest.raises(ConfigError, match="training.report_to: flyte is not installed here"):
+        training_arguments(cfg, tmp_path / "run")
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -345,6 +359,9 @@ def test_heuristic_teacher_term_raises_top_m_overlap(tiny_dir):
         # Both were the Trainer's ValueError or RuntimeError traceback once the model had loaded, run_config.json left.
         ({"training": {"report_to": "wandbb"}}, "training.report_to: 'wandbb' is not an integration transformers reports to"),
         ({"training": {"report_to": ["clearml"]}}, "training.report_to: clearml is not installed here"),
+        # Found by transformers' TrainingArguments: the message did not name the config.
+        ({"training": {"lr_scheduler_type": "cosin"}}, "training: cosin is not a valid SchedulerType"),
+        ({"run_name": " "}, "run_name is empty; name the run"),  # was accepted
     ],
 )
 def test_config_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, capsys, change, message):
@@ -355,7 +372,9 @@ def test_config_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, ca
     for check in ([], ["--check"]):
         assert main(["--config", str(write(cfg, tmp_path / "c.yaml")), *check]) == 2
         err = capsys.readouterr().err.strip()
-        assert message in err and len(err.splitlines()) == 1 and err.startswith("train.py: "), err
+        # Named by the file it concerns: those found after the file was read (the model, gates.init_from, what
+        # transformers refuses in training) said only what was wrong.
+        assert message in err and len(err.splitlines()) == 1 and err.startswith(f"train.py: {tmp_path / 'c.yaml'}: "), err
         assert not out.exists()
 
 
@@ -778,7 +797,8 @@ def test_mixed_precision_from_any_source_is_refused_before_the_model_loads(tiny_
     argv = ["--config", str(path), "--check", *(o.replace("BF16_JSON", str(tmp_path / "bf16.json")) for o in overrides)]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"train.py: {source} would train the gates in half precision") and len(err.splitlines()) == 1, err
+    where = "" if env else f"{path}: "  # accelerate launch's setting is not the config's
+    assert err.startswith(f"train.py: {where}{source} would train the gates in half precision") and len(err.splitlines()) == 1, err
     assert "leave mixed precision off" in err and not (tmp_path / "run").exists()
 
 

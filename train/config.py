@@ -143,6 +143,8 @@ class TrainConfig:
     push_to_hub: str | None = None
 
     def __post_init__(self) -> None:
+        if not self.run_name.strip():  # its type was checked when the config was built
+            raise ConfigError("run_name is empty; name the run (wandb and report.md show the name)")
         if self.kind not in METHODS:
             raise ConfigError(f"unknown kind {self.kind!r}; kinds (learned methods): {', '.join(METHODS)}")
         if self.budget < 1:  # its type was checked when the config was built (``kvgates.config.build``)

@@ -56,6 +56,10 @@ RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
 
 
+class LaunchError(ConfigError):
+    """A run that cannot go as it was launched (``accelerate launch``'s settings), whatever its config says."""
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = OneLineParser(
         prog="train.py", description="Train KV-eviction gates on a frozen LLM.", epilog="Overrides: key=value or section.key=value."
@@ -163,12 +167,15 @@ def check_report_to(args: TrainingArguments) -> None:
     """``ConfigError`` for a ``training.report_to`` integration transformers does not know or finds no installation
     of: its Trainer would raise only once the model had loaded."""
     from transformers.integrations import get_available_reporting_integrations
-    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, is_flytekit_available
 
     installed = get_available_reporting_integrations()
+    if is_flytekit_available():  # its callback runs, but transformers leaves it out of that list
+        installed.append("flyte")
     for name in args.report_to:
         if name not in INTEGRATION_TO_CALLBACK:
-            raise ConfigError(f"training.report_to: {name!r} is not an integration transformers reports to; it knows {', '.join(INTEGRATION_TO_CALLBACK)}")
+            known = ", ".join(INTEGRATION_TO_CALLBACK)
+            raise ConfigError(f"training.report_to: {name!r} is not an integration transformers reports to; it knows {known}")
         if name not in installed:
             raise ConfigError(
                 f"training.report_to: {name} is not installed here (installed: {', '.join(installed) or 'none'}); install it, "
@@ -188,15 +195,16 @@ def check_precision(args: TrainingArguments) -> None:
     flags = [flag for flag in ("bf16", "fp16", "bf16_full_eval", "fp16_full_eval") if getattr(args, flag)]
     deepspeed = args.deepspeed_plugin.deepspeed_config if args.deepspeed_plugin is not None else {}
     enabled = [name for name in ("bf16", "fp16") if str(deepspeed.get(name, {}).get("enabled")).lower() == "true"]
+    error = ConfigError
     if flags:
         source = f"training.{flags[0]}"
     elif args.mixed_precision != "no":  # transformers reads ACCELERATE_MIXED_PRECISION, set by accelerate launch
-        source = f"accelerate launch's mixed precision {args.mixed_precision}"
+        source, error = f"accelerate launch's mixed precision {args.mixed_precision}", LaunchError
     elif enabled:
         source = f"the DeepSpeed config's {enabled[0]}.enabled"
     else:
         return
-    raise ConfigError(
+    raise error(
         f"{source} would train the gates in half precision (DeepSpeed casts them, autocast and FSDP compute them so); "
         "the frozen weights take model_dtype (bfloat16 on CUDA by default) and the gates stay float32, so leave mixed precision off"
     )
@@ -225,14 +233,20 @@ def check_sources(config: TrainConfig) -> None:
     not a model, unreachable, an unsupported architecture), the data mix's datasets and files (``ConfigError``: one
     that cannot be loaded or read, ``data.build.check_readable``) and ``gates.init_from`` (``AdapterError``:
     unreadable, or of another kind than the run trains)."""
-    check_model_source(config.model)
+    try:
+        check_model_source(config.model)
+    except kvgates.UnsupportedModelError as err:
+        raise kvgates.UnsupportedModelError(f"model: {err}") from None
     try:
         check_readable(config.data.mix)
     except ValueError as err:
         raise ConfigError(f"data.mix: {err}") from None
     spec = config.gates
     if spec.init_from is not None:
-        gates = kvgates.load_gates(spec.init_from)
+        try:
+            gates = kvgates.load_gates(spec.init_from)
+        except kvgates.AdapterError as err:
+            raise kvgates.AdapterError(f"gates.init_from: {err}") from None
         if gates.kind != config.gate_kind:
             raise kvgates.AdapterError(
                 f"gates.init_from: {spec.init_from} holds {gates.kind!r} gates; a {config.kind} run trains {config.gate_kind!r} gates"
@@ -357,8 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config = TrainConfig.load(args.config, args.overrides)
-        check_training_arguments(config)
-        check_sources(config)
+        try:
+            check_training_arguments(config)
+            check_sources(config)
+        except LaunchError:
+            raise
+        except USER_ERRORS as err:  # the config's own problems name it, as its file's do
+            raise type(err)(f"{args.config}: {err}") from None
         out, resume = prepare_output_dir(config, args.resume, write=False)
     except USER_ERRORS as err:
         return usage_error("train.py", err)

@@ -197,7 +197,10 @@ class GateSet(nn.Module):
         training_budget: int | None = None,
         init_bias: float = 18.0,
     ) -> GateSet:
-        """Freshly initialised gates shaped for ``model`` (recording its id and fingerprint)."""
+        """Freshly initialised gates shaped for ``model`` (recording its id and fingerprint); ``gate_hidden`` units
+        (at least 1; None: the kind's default)."""
+        if gate_hidden is not None and (isinstance(gate_hidden, bool) or not isinstance(gate_hidden, int) or gate_hidden < 1):
+            raise ValueError(f"gate_hidden must be a whole number of units, at least 1 (None: the default), got {gate_hidden!r}")
         from kvgates.models import embedded_name_of, hub_id_of, model_fingerprint
         from kvgates.runtime.attention import input_device
 
@@ -206,7 +209,7 @@ class GateSet(nn.Module):
             base_model=hub_id_of(model),
             base_model_embedded=embedded_name_of(model),
             fingerprint=model_fingerprint(model),
-            gate_hidden=gate_hidden or cls.default_hidden,
+            gate_hidden=cls.default_hidden if gate_hidden is None else gate_hidden,
             init_bias=init_bias,
             training_budget=training_budget,
             **_geometry(model),
