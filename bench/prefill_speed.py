@@ -8,7 +8,8 @@ forwards too). After one warm-up call of
 each, every arm runs once per round for ``--rounds`` interleaved rounds, so that drifts of a shared machine hit
 all arms alike, each round starting at another arm so that no arm always runs after the same one (a run of every
 policy in a fixed order put nine policies that only add work at 0.87-0.92x of the reference); the table gives each
-arm's median seconds and its ratio to the reference's median.
+arm's median seconds, its ratio to the reference's median, and the range of its ratio to the reference in the
+same round (how far this machine's noise moves it).
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ def main() -> None:
             for label, make in arms[start:] + arms[:start]:
                 times[label].append(time_prefill(model, make, ids, args.device)[0])
         seconds = {label: statistics.median(t) for label, t in times.items()}
+        reference = times[arms[0][0]]
         base = seconds[arms[0][0]]
-        print(f"\ncontext {n}: median of {args.rounds} interleaved rounds")
-        print("| arm | seconds | vs DynamicCache + sdpa |\n|---|---:|---:|")
+        print(f"\ncontext {n}: median of {args.rounds} interleaved rounds; the range is each round's ratio to that round's reference")
+        print("| arm | seconds | vs DynamicCache + sdpa | range over rounds |\n|---|---:|---:|---:|")
         for label, s in seconds.items():
-            print(f"| {label} | {s:.3f} | {s / base:.2f}x |")
+            ratios = [t / ref for t, ref in zip(times[label], reference)]
+            print(f"| {label} | {s:.3f} | {s / base:.2f}x | {min(ratios):.2f}-{max(ratios):.2f}x |")
 
 
 if __name__ == "__main__":

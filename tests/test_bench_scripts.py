@@ -102,6 +102,7 @@ def test_prefill_speed_bench_runs_on_a_small_random_model():
     assert result.returncode == 0, result.stderr
     for row in ("| DynamicCache + sdpa |", "| full (kvgates) |", "| h2o@64 |", "| d2o@64 |", "| kvmerger@64 |", "| trimkv@64 |", "| kvzip@64 |"):
         assert row in result.stdout, row
+    assert "| DynamicCache + sdpa | " in result.stdout and " | 1.00x | 1.00-1.00x |" in result.stdout  # its own rounds
 
 
 def test_gpu_policies_bench_runs_on_a_small_random_model():
