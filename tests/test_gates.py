@@ -184,6 +184,15 @@ def test_trimkv_global_decisions_match_brute_force(seed, window, min_per_head):
         assert got == expected
 
 
+def test_trimkv_global_refuses_more_tokens_per_head_than_the_budget(tiny_pair):
+    _, model = tiny_pair
+    gates = GlobalRetentionGates.for_model(model)
+    with pytest.raises(ValueError, match=r"window \(4\) \+ min_per_head \(6\) must fit the budget \(8\)"):
+        TrimKVGlobal(budget=8, gates=gates, window=4, min_per_head=6)
+    with pytest.raises(ValueError, match=r"window \(0\) \+ min_per_head \(20\) must fit the budget \(8\)"):
+        TrimKVGlobal(budget=8, gates=gates, min_per_head=20)  # was taken, and every head then held 20 tokens
+
+
 def test_trimkv_global_runs_within_the_global_budget(tiny_pair):
     _, model = tiny_pair
     gates = GlobalRetentionGates.for_model(model, init_bias=0.0)
