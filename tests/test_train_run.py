@@ -362,6 +362,10 @@ def test_report_to_flyte_is_taken_where_flytekit_is_installed(tiny_dir, tmp_path
         # Found by transformers' TrainingArguments: the message did not name the config.
         ({"training": {"lr_scheduler_type": "cosin"}}, "training: cosin is not a valid SchedulerType"),
         ({"run_name": " "}, "run_name is empty; name the run"),  # was accepted
+        # All three were "make_policy() got multiple values for keyword argument 'budget'" (or 'gates').
+        ({"policy": {"budget": 64}}, "policy: budget is set by the run (its top-level budget); remove it from policy"),
+        ({"teacher": {"policy": "h2o", "params": {"budget": 64}}}, "teacher.params: budget is set by the run (its top-level budget)"),
+        ({"policy": {"gates": "smollm2-135m-trimkv"}}, "policy: gates is set by the run (the gates it trains); remove it from policy"),
     ],
 )
 def test_config_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, capsys, change, message):

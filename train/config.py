@@ -191,6 +191,8 @@ class TrainConfig:
                 raise ConfigError(f"unknown teacher policy {self.teacher.policy!r}; heuristic policies: {', '.join(heuristics)}")
             from kvgates import make_policy
 
+            if "budget" in self.teacher.params:
+                raise ConfigError("teacher.params: budget is set by the run (its top-level budget); remove it from teacher.params")
             try:
                 make_policy(self.teacher.policy, budget=self.budget, **self.teacher.params)
             except (ValueError, TypeError) as err:
@@ -287,6 +289,9 @@ def _check_learned_policy(kind: str, budget: int, params: dict[str, Any]) -> Non
     from kvgates import make_policy
     from kvgates.gates import GateConfig
 
+    for key, what in (("budget", "its top-level budget"), ("gates", "the gates it trains")):
+        if key in params:
+            raise ConfigError(f"policy: {key} is set by the run ({what}); remove it from policy")
     method = METHODS[kind]
     placeholder = method.gate_set(
         GateConfig(kind=method.gate_set.kind, base_model="-", fingerprint="-", num_layers=1, layer_ids=[0], hidden_size=4,
