@@ -218,6 +218,24 @@ def test_a_bench_refuses_a_count_below_what_it_counts_in_one_sentence_before_its
 @pytest.mark.parametrize(
     "args, message",
     [
+        (["--policies", "h2o", "snapkv", "--budget", "16"], "--policies snapkv: snapkv: budget 16 must be larger than the observation window (32)"),
+        (["--policies", "snapkv:windw=3"], "--policies snapkv:windw=3: policy 'snapkv' has no parameter windw"),
+    ],
+)
+def test_a_bench_refuses_bad_policy_parameters_in_one_sentence_before_its_model(args, message):
+    """Both were make_policy's ValueError traceback once the model was built (and the policies before measured)."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "launches.py"), "--model", "random", "--layers", "1", *args],
+        capture_output=True, text=True, timeout=600,
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"launches.py: {message}"), result.stderr
+    assert "device:" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
         (["--tokens", "100", "--every", "250"], "--every 250 is more than --tokens 100: no size would be recorded"),  # an IndexError
         (["--plot", "bench"], "--plot bench is a folder; name the PNG file to write"),  # a traceback after the whole run
         (["--plot", "no/such/folder/kv.png"], "--plot no/such/folder/kv.png: its folder no/such/folder does not exist"),
