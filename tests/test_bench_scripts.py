@@ -24,11 +24,11 @@ def test_every_bench_script_imports(script, monkeypatch):
 @pytest.mark.slow
 def test_ab_batching_bench_runs_on_the_embedded_model():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "ab_batching.py"), "--context", "120", "--rows", "2", "--budget", "32", "--policies", "h2o"],
+        [sys.executable, str(ROOT / "bench" / "ab_batching.py"), "--context", "120", "--rows", "2", "--budget", "32", "--policies", "h2o:recent=8"],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
-    assert "| h2o |" in result.stdout and "padded / one at a time" in result.stdout
+    assert "| h2o:recent=8 |" in result.stdout and "padded / one at a time" in result.stdout
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on CPU")
@@ -213,6 +213,17 @@ def test_a_bench_refuses_a_count_below_what_it_counts_in_one_sentence_before_its
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"decode_speed.py: {message}"), result.stderr
     assert "device:" not in result.stdout  # the header line printed once the model is loaded
+
+
+def test_policy_overhead_bench_takes_policies_with_parameters():
+    """``--policies h2o:recent=8`` (the form setup() takes) was 'unknown policy 'h2o:recent=8'' once the model was built."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "policy_overhead.py"), "--model", "random", "--layers", "1", "--prompt", "64",
+         "--budget", "32", "--steps", "2", "--policies", "h2o:recent=8", "trimkv"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert [line.split()[0] for line in result.stdout.splitlines()[-2:]] == ["h2o:recent=8", "trimkv"]
 
 
 @pytest.mark.parametrize(
