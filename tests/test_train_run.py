@@ -971,6 +971,21 @@ def test_ship_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, monk
     assert sorted(tmp_path.rglob("*")) == before and not Path("/tmp/x").exists()
 
 
+def test_ship_refuses_an_arm_without_an_ab_run(tiny_dir, tmp_path, monkeypatch, capsys):
+    """--arm without --ab was ignored: the adapter shipped without the table the arm named."""
+    import train.ship as ship
+
+    monkeypatch.setattr(ship, "EMBEDDED_DIR", tmp_path / "embedded")
+    model, _ = kvgates.load_model(str(tiny_dir))
+    kvgates.RetentionGates.for_model(model, gate_hidden=8).save_pretrained(tmp_path / "adapter")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        ship.main([str(tmp_path / "adapter"), "tiny", "--arm", "trimkv"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.startswith("python -m train.ship: --arm labels the adapter's arm in an --ab run"), err
+    assert not (tmp_path / "embedded").exists()
+
+
 class _SdpaCalls(TorchFunctionMode):
     """Records the ``(q, k, v, masked)`` of every ``scaled_dot_product_attention`` call in its block."""
 
