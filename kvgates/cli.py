@@ -208,7 +208,10 @@ def _generate(argv: list[str]) -> int:
     # Libraries may print (DeepSpeed's accelerator notice, progress bars): nothing but the text goes to stdout.
     with contextlib.redirect_stdout(sys.stderr):
         model, tokenizer = load_model(args.model)
-        chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+        templated = bool(getattr(tokenizer, "chat_template", None))
+        if args.chat and not templated:
+            parser.error(f"--chat: the tokenizer of {args.model} has no chat template; leave out --chat to send the prompt as it is")
+        chat = args.chat if args.chat is not None else templated
         if chat:
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
         inputs = tokenizer(prompt, return_tensors="pt").to(model.device)

@@ -119,6 +119,8 @@ def bad_models(tmp_path_factory):
         (["--policy", "adakv", "--base", "trimkv-snap", "--budget", "8", "--prompt", "x"],
          "--policy trimkv-snap needs --base-params gates=..."),
         (["--policy", "adakv", "--budget", "8", "--base-params", "window", "--prompt", "x"], "--base-params: expected key=value"),
+        # transformers' "Cannot use chat template functions because tokenizer.chat_template is not set and ...".
+        (["--chat", "--prompt", "x"], "has no chat template; leave out --chat to send the prompt as it is"),
         (["--policy", "kvzip", "--budget", "8", "--repeat-ids", "5,x", "--prompt", "x"],
          "--repeat-ids: expected whole numbers separated by commas, got '5,x'"),
         (["--model", "EMPTY", "--prompt", "x"], "is not a model folder (no config.json there)"),
