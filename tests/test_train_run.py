@@ -362,6 +362,12 @@ def test_report_to_flyte_is_taken_where_flytekit_is_installed(tiny_dir, tmp_path
         # Found by transformers' TrainingArguments: the message did not name the config.
         ({"training": {"lr_scheduler_type": "cosin"}}, "training: cosin is not a valid SchedulerType"),
         ({"run_name": " "}, "run_name is empty; name the run"),  # was accepted
+        # Both ran: the first on rows with a one-token prompt, the second on 513-token rows at seq_len 96 (a 512-token
+        # continuation the model wrote after 1,000 prompt tokens, behind the last one of them).
+        ({"data": {"mix": [{"task": "essays", "completion_tokens": 96}]}},
+         "data.mix: data source 0 (essays): completion_tokens (96) must be smaller than seq_len (96), leaving a prompt"),
+        ({"data": {"mix": [{"task": "continuations"}]}},
+         "data source 0 (continuations): prompt_tokens (1000) + completion_tokens (512) must fit seq_len (96)"),
         # All three were "make_policy() got multiple values for keyword argument 'budget'" (or 'gates').
         ({"policy": {"budget": 64}}, "policy: budget is set by the run (its top-level budget); remove it from policy"),
         ({"teacher": {"policy": "h2o", "params": {"budget": 64}}}, "teacher.params: budget is set by the run (its top-level budget)"),

@@ -159,7 +159,7 @@ class TrainConfig:
         if self.data.train_examples < 1 or self.data.validation_examples < 1:
             raise ConfigError("data.train_examples and data.validation_examples must be at least 1")
         try:
-            check_mix(self.data.mix)
+            check_mix(self.data.mix, self.data.seq_len)
         except ValueError as err:
             raise ConfigError(f"data.mix: {err}") from None
         if self.loss.budget_ramp not in BUDGET_RAMPS:
