@@ -383,6 +383,8 @@ def _arm(entry: Any) -> ArmSpec:
         raise ConfigError(f"arm {policy!r}: label must name the arm in the report, got {label!r}")
     if str(label) == "full" and policy != "full":
         raise ConfigError(f"arm {policy!r} is labelled 'full', the full cache's label (every run's reference arm); give it another label")
+    if policy == "full" and str(label) != "full":  # it would run the reference's every example a second time
+        raise ConfigError(f"arm {str(label)!r} is the full cache, which every run has as its reference arm 'full'; remove it")
     budgets = tuple(_list(entry.get("budgets", []), f"arm {label!r}: budgets"))
     return ArmSpec(str(label), policy, params, None if gates is None else str(gates), budgets)
 

@@ -237,6 +237,8 @@ def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
         ({"arms": ["h2o", "h2o"]}, "two arms are labelled 'h2o'"),
         ({"arms": [{"policy": "h2o", "label": "full"}]}, "arm 'h2o' is labelled 'full', the full cache's label"),
         ({"arms": [{"policy": "h2o", "label": " "}]}, "arm 'h2o': label must name the arm in the report"),
+        # Was taken, and computed the full cache's every result a second time.
+        ({"arms": ["h2o", {"policy": "full", "label": "ref"}]}, "arm 'ref' is the full cache, which every run has as its reference arm"),
         ({"comparisons": [["h2o", "tova"]], "arms": ["h2o"]}, "names arm 'tova'"),
         ({"comparisons": 5}, "comparison 5 must be a pair of arm labels"),  # was a TypeError
         ({"comparisons": ["h2o", "tova"], "arms": ["h2o", "tova"]}, "comparison 'h2o' must be a pair of arm labels"),  # was ['h', '2', 'o']
