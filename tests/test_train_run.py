@@ -368,6 +368,9 @@ def test_report_to_flyte_is_taken_where_flytekit_is_installed(tiny_dir, tmp_path
          "data.mix: data source 0 (essays): completion_tokens (96) must be smaller than seq_len (96), leaving a prompt"),
         ({"data": {"mix": [{"task": "continuations"}]}},
          "data source 0 (continuations): prompt_tokens (1000) + completion_tokens (512) must fit seq_len (96)"),
+        # Both passed --check and the run trained with them (gates biased NaN, an infinite capacity weight).
+        ({"gates": {"init_bias": float("nan")}}, "gates.init_bias must be a finite number, got nan"),
+        ({"loss": {"lambda_cap": float("inf")}}, "loss.lambda_cap must be a finite number, got inf"),
         # All three were "make_policy() got multiple values for keyword argument 'budget'" (or 'gates').
         ({"policy": {"budget": 64}}, "policy: budget is set by the run (its top-level budget); remove it from policy"),
         ({"teacher": {"policy": "h2o", "params": {"budget": 64}}}, "teacher.params: budget is set by the run (its top-level budget)"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -271,6 +272,12 @@ _AT_LEAST = {
 
 
 def _check_ranges(config: TrainConfig) -> None:
+    for section in ("gates", "loss", "teacher"):  # NaN passes every comparison, infinity the lower bounds
+        values = getattr(config, section)
+        for f in dataclasses.fields(values) if values is not None else ():
+            value = getattr(values, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section}.{f.name} must be a finite number, got {value!r}")
     for (section, key), least in _AT_LEAST.items():
         value = getattr(getattr(config, section) or object(), key, None)
         if value is not None and value < least:
