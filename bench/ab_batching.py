@@ -9,9 +9,8 @@ once one prompt at a time (the causal path). Prints seconds and the ratio padded
 
 from __future__ import annotations
 
-from common import setup, timed
+from common import bench_policy, setup, timed
 
-import kvgates
 from data.tasks import make_example
 from eval.fidelity import greedy_generate
 
@@ -25,9 +24,9 @@ def main() -> None:
     print(f"prompt lengths {[len(p) for p in prompts]}")
     print("| policy | padded batch s | one at a time s | padded / one at a time |\n|---|---:|---:|---:|")
     for name in args.policies:
-        policy = kvgates.make_policy(name, budget=args.budget)
-        padded = timed(lambda: greedy_generate(model, tok, policy, prompts, 12), args.device)
-        single = timed(lambda: [greedy_generate(model, tok, policy, [p], 12) for p in prompts], args.device)
+        with bench_policy(model, name, args.budget).attach(model) as policy:
+            padded = timed(lambda: greedy_generate(model, tok, policy, prompts, 12), args.device)
+            single = timed(lambda: [greedy_generate(model, tok, policy, [p], 12) for p in prompts], args.device)
         print(f"| {name} | {padded:.1f} | {single:.1f} | {padded / single:.2f}x |", flush=True)
 
 

@@ -20,7 +20,7 @@ from kvgates.cli import OneLineParser  # noqa: E402
 from kvgates.gates import GATE_KINDS  # noqa: E402
 from kvgates.models import tokenizer_source  # noqa: E402
 from kvgates.policies.learned import LearnedPolicy  # noqa: E402
-from kvgates.policies.wrappers import parse_params  # noqa: E402
+from kvgates.policies.wrappers import learned_policy, parse_params  # noqa: E402
 
 
 def setup(
@@ -37,7 +37,8 @@ def setup(
     list default takes one or more values; ``None`` takes a string; ``False`` is a flag) with optional ``choices``. A
     number counts something, so it must be at least 1, or at least 0 where 0 means something: an option whose default
     is 0, or one named in ``zero_ok`` (``--slack 0``: no amortised rows). ``check`` is the script's own test of the
-    parsed options (a sentence saying what is wrong, or None), run before the model loads as these are. Returns
+    parsed options (a sentence saying what is wrong, or None), run before the model loads as these are, and as the
+    building of each ``--policies`` entry at ``--budget`` is (those that run without gates made for the model). Returns
     ``(args, model, tokenizer)``; the tokenizer is None for the random model.
     """
     parser = OneLineParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,6 +73,15 @@ def setup(
     unknown = [spec.partition(":")[0] for spec in getattr(args, "policies", None) or [] if spec.partition(":")[0] not in kvgates.POLICIES]
     if unknown:
         parser.error(f"--policies: unknown policy {unknown[0]!r}; available policies: {', '.join(sorted(kvgates.POLICIES))}")
+    budget = getattr(args, "budget", None)
+    for spec in getattr(args, "policies", None) or []:  # their parameters at --budget, unless gates made for the model join them
+        name, _, given = spec.partition(":")
+        try:
+            params = parse_params(given)
+            if learned_policy(name, params) is None and isinstance(budget, int):
+                kvgates.make_policy(name, **params, **({} if name == "full" else {"budget": budget}))
+        except ValueError as err:
+            parser.error(f"--policies {spec}: {err}")
     problem = None if check is None else check(args)
     if problem is not None:
         parser.error(problem)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from common import essay_ids, setup, sync, time_decode
+from common import attached, bench_policy, essay_ids, setup, sync, time_decode
 
 import kvgates
 
@@ -36,9 +36,9 @@ class Stopwatch:
         return timed
 
 
-def measure(model, policy_name: str, budget: int, ids, steps: int, device) -> tuple[float, float, float]:
-    """(ms per step, ms of policy work per step, ms in evictions per step)."""
-    cache = kvgates.BudgetCache(model.config, policy_name, budget=budget)
+def measure(model, spec: str, budget: int, ids, steps: int, device) -> tuple[float, float, float]:
+    """(ms per step, ms of policy work per step, ms in evictions per step) of the policy ``spec`` (``bench_policy``)."""
+    cache = kvgates.BudgetCache(model.config, bench_policy(model, spec, budget))
     step_clock, evict_clock = Stopwatch(device), Stopwatch(device)
 
     def instrument() -> None:  # after the prompt, so only decode steps are counted
@@ -46,7 +46,8 @@ def measure(model, policy_name: str, budget: int, ids, steps: int, device) -> tu
             layer.step = step_clock.wrap(layer.step)
             layer.evict = evict_clock.wrap(layer.evict)
 
-    total = time_decode(model, cache, ids, steps, device, instrument)
+    with attached(model, cache):
+        total = time_decode(model, cache, ids, steps, device, instrument)
     return 1e3 * total / steps, 1e3 * (step_clock.total - evict_clock.total) / steps, 1e3 * evict_clock.total / steps
 
 

@@ -58,6 +58,8 @@ _SOURCE_KEYS = {
     "text": {"path", "completion_tokens", "pack"},
     "jsonl": {"path", "text_field", "completion_tokens", "pack"},
 }
+#: A ``continuations`` source's window lengths when it does not set them.
+CONTINUATION_DEFAULTS = {"prompt_tokens": 1000, "completion_tokens": 512}
 #: What the values of a source's own keys must be: key -> (test, the words saying what it must be).
 _SOURCE_VALUES = {
     "path": (lambda v: isinstance(v, str) and bool(v.strip()), "a non-empty string"),
@@ -70,9 +72,11 @@ _SOURCE_VALUES = {
 }
 
 
-def check_mix(mix: list[dict[str, Any]]) -> None:
-    """Raise ``ValueError`` (one sentence) for an empty mix, an unknown source, a bad weight, an unknown key or a
-    value of the wrong type (``_SOURCE_VALUES``, a task's options: ``data.tasks.check_options``)."""
+def check_mix(mix: list[dict[str, Any]], seq_len: int | None = None) -> None:
+    """Raise ``ValueError`` (one sentence) for an empty mix, an unknown source, a bad weight, an unknown key, a
+    value of the wrong type (``_SOURCE_VALUES``, a task's options: ``data.tasks.check_options``) or, given the rows'
+    ``seq_len``, a completion that leaves no prompt in a row (a continuation's prompt and completion must fit it
+    whole: a row cut to ``seq_len`` would drop the start of the prompt the model continued)."""
     if not mix:
         raise ValueError("the data mix is empty; list at least one source (e.g. {task: essays})")
     for i, source in enumerate(mix):
@@ -102,6 +106,18 @@ def check_mix(mix: list[dict[str, Any]]) -> None:
             raise ValueError(f"data source {i} ({task}): {source['path']} does not exist")
         if task in ("text", "jsonl") and Path(source["path"]).is_dir():
             raise ValueError(f"data source {i} ({task}): {source['path']} is a folder; name a {task} file")
+        if seq_len is not None and task == "continuations":
+            prompt, new = (source.get(key, default) for key, default in CONTINUATION_DEFAULTS.items())
+            if prompt + new > seq_len:
+                raise ValueError(
+                    f"data source {i} (continuations): prompt_tokens ({prompt}) + completion_tokens ({new}) must fit seq_len "
+                    f"({seq_len}), or the rows would drop the start of the prompt the model continued; lower them or raise seq_len"
+                )
+        elif seq_len is not None and source.get("completion_tokens", 0) >= seq_len:
+            raise ValueError(
+                f"data source {i} ({task}): completion_tokens ({source['completion_tokens']}) must be smaller than seq_len ({seq_len}), "
+                "leaving a prompt in every row"
+            )
 
 
 def check_readable(mix: list[dict[str, Any]]) -> None:
@@ -320,8 +336,8 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
         if task == "essays":
             prompt_ids, completion_ids = _window(split_ids(tokenizer, split), seq_len, options.get("completion_tokens", 64), rng)
         elif task == "continuations":  # the prompt now; the model continues every such row at once, below
-            new = options.get("completion_tokens", 512)
-            prompt_ids, _ = _window(split_ids(tokenizer, split), options.get("prompt_tokens", 1000), 0, rng)
+            new = options.get("completion_tokens", CONTINUATION_DEFAULTS["completion_tokens"])
+            prompt_ids, _ = _window(split_ids(tokenizer, split), options.get("prompt_tokens", CONTINUATION_DEFAULTS["prompt_tokens"]), 0, rng)
             completion_ids = [0] * new  # a placeholder of the right length
             pending.setdefault(new, []).append(index)
         elif i in packed:
@@ -373,7 +389,7 @@ def build_dataset(
     regenerating it. Same arguments, same rows. A source that cannot be loaded or gives a row without text raises
     ``ValueError`` (one sentence naming its path; ``check_readable`` finds most of these before a run loads its model).
     """
-    check_mix(mix)
+    check_mix(mix, seq_len)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if fmt not in FORMATS:

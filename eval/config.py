@@ -53,7 +53,7 @@ from kvgates.config import ConfigError, build, merge, read_yaml, refuse_unknown
 from kvgates.gates.adapter import weights_digest
 from kvgates.gates.embedded import embedded_adapter_dir
 from kvgates.policies.learned import LearnedPolicy
-from kvgates.policies.wrappers import learned_policy
+from kvgates.policies.wrappers import learned_params, learned_policy
 
 #: Essay splits an A/B run may use; the training essays are never evaluated on.
 EVAL_SPLITS = ("test", "validation")
@@ -369,6 +369,12 @@ def _arm(entry: Any) -> ArmSpec:
         raise ConfigError(f"unknown policy {policy!r}; available policies: {', '.join(sorted(kvgates.POLICIES))}")
     if "budget" in params:
         raise ConfigError(f"arm {policy!r} sets a budget in its params; budgets come from the run's 'budgets' list")
+    try:
+        inner = learned_params(policy, params)  # a wrapper's base_params
+    except ValueError:
+        inner = {}  # malformed base_params: the policy says so when the arm is built (``_check_arm``)
+    if "gates" in inner:  # the arm's own 'gates' would replace them
+        raise ConfigError(f"arm {policy!r} names gates in its params; name the adapter in the arm's 'gates' key instead")
     label = entry.get("label")
     if label is None:
         extra = ",".join(f"{k}={v}" for k, v in sorted(params.items()))
@@ -377,6 +383,8 @@ def _arm(entry: Any) -> ArmSpec:
         raise ConfigError(f"arm {policy!r}: label must name the arm in the report, got {label!r}")
     if str(label) == "full" and policy != "full":
         raise ConfigError(f"arm {policy!r} is labelled 'full', the full cache's label (every run's reference arm); give it another label")
+    if policy == "full" and str(label) != "full":  # it would run the reference's every example a second time
+        raise ConfigError(f"arm {str(label)!r} is the full cache, which every run has as its reference arm 'full'; remove it")
     budgets = tuple(_list(entry.get("budgets", []), f"arm {label!r}: budgets"))
     return ArmSpec(str(label), policy, params, None if gates is None else str(gates), budgets)
 

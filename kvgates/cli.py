@@ -89,6 +89,14 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _int_list(text: str) -> list[int]:
+    """A list of whole numbers, comma-separated (``--repeat-ids 504,1234``)."""
+    try:
+        return [int(item) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, got {text!r}") from None
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -109,7 +117,7 @@ def _policy_options(parser: argparse.ArgumentParser, policy: str) -> list[str]:
         hint = hints.get(f.name)
         args = typing.get_args(hint)
         base = next((a for a in args if a is not type(None)), hint) if args else hint
-        kind = _bool if base is bool else base if base in (int, float, str) else str
+        kind = _bool if base is bool else base if base in (int, float, str) else _int_list if base == list[int] else str
         if f.name == "gates":  # a learned policy: without --gates, the shipped adapter (_shipped_gates)
             text = ("a gate adapter: folder, Hub id or shipped name (default on the embedded model: the adapter shipped "
                     "for this policy, trained nearest --budget)")
@@ -200,7 +208,10 @@ def _generate(argv: list[str]) -> int:
     # Libraries may print (DeepSpeed's accelerator notice, progress bars): nothing but the text goes to stdout.
     with contextlib.redirect_stdout(sys.stderr):
         model, tokenizer = load_model(args.model)
-        chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+        templated = bool(getattr(tokenizer, "chat_template", None))
+        if args.chat and not templated:
+            parser.error(f"--chat: the tokenizer of {args.model} has no chat template; leave out --chat to send the prompt as it is")
+        chat = args.chat if args.chat is not None else templated
         if chat:
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
         inputs = tokenizer(prompt, return_tensors="pt").to(model.device)

@@ -24,11 +24,11 @@ def test_every_bench_script_imports(script, monkeypatch):
 @pytest.mark.slow
 def test_ab_batching_bench_runs_on_the_embedded_model():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "ab_batching.py"), "--context", "120", "--rows", "2", "--budget", "32", "--policies", "h2o"],
+        [sys.executable, str(ROOT / "bench" / "ab_batching.py"), "--context", "120", "--rows", "2", "--budget", "32", "--policies", "h2o:recent=8"],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
-    assert "| h2o |" in result.stdout and "padded / one at a time" in result.stdout
+    assert "| h2o:recent=8 |" in result.stdout and "padded / one at a time" in result.stdout
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on CPU")
@@ -214,6 +214,35 @@ def test_a_bench_refuses_a_count_below_what_it_counts_in_one_sentence_before_its
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"decode_speed.py: {message}"), result.stderr
     assert "device:" not in result.stdout  # the header line printed once the model is loaded
+
+
+def test_policy_overhead_bench_takes_policies_with_parameters():
+    """``--policies h2o:recent=8`` (the form setup() takes) was 'unknown policy 'h2o:recent=8'' once the model was built."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "policy_overhead.py"), "--model", "random", "--layers", "1", "--prompt", "64",
+         "--budget", "32", "--steps", "2", "--policies", "h2o:recent=8", "trimkv"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert [line.split()[0] for line in result.stdout.splitlines()[-2:]] == ["h2o:recent=8", "trimkv"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--policies", "h2o", "snapkv", "--budget", "16"], "--policies snapkv: snapkv: budget 16 must be larger than the observation window (32)"),
+        (["--policies", "snapkv:windw=3"], "--policies snapkv:windw=3: policy 'snapkv' has no parameter windw"),
+    ],
+)
+def test_a_bench_refuses_bad_policy_parameters_in_one_sentence_before_its_model(args, message):
+    """Both were make_policy's ValueError traceback once the model was built (and the policies before measured)."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "launches.py"), "--model", "random", "--layers", "1", *args],
+        capture_output=True, text=True, timeout=600,
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"launches.py: {message}"), result.stderr
+    assert "device:" not in result.stdout
 
 
 @pytest.mark.parametrize(

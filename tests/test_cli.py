@@ -46,6 +46,14 @@ def test_generate_with_kvzip_in_prompt_chunks(checkpoint, capsys):
     assert "policy=kvzip" in capsys.readouterr().err
 
 
+def test_generate_with_kvzip_repeat_ids(checkpoint, capsys):
+    """--repeat-ids is listed for kvzip; every value was refused ("repeat_ids must be a list or null, got '5,6'")."""
+    code = main(["generate", "--model", checkpoint, "--policy", "kvzip", "--budget", "12", "--prompt", "hello there " * 5,
+                 "--repeat-ids", "5,6,7", "--max-new-tokens", "2"])
+    assert code == 0
+    assert "policy=kvzip" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def foreign_gates(tmp_path_factory):
     """A gate adapter made for another model of the same shapes."""
@@ -111,6 +119,10 @@ def bad_models(tmp_path_factory):
         (["--policy", "adakv", "--base", "trimkv-snap", "--budget", "8", "--prompt", "x"],
          "--policy trimkv-snap needs --base-params gates=..."),
         (["--policy", "adakv", "--budget", "8", "--base-params", "window", "--prompt", "x"], "--base-params: expected key=value"),
+        # transformers' "Cannot use chat template functions because tokenizer.chat_template is not set and ...".
+        (["--chat", "--prompt", "x"], "has no chat template; leave out --chat to send the prompt as it is"),
+        (["--policy", "kvzip", "--budget", "8", "--repeat-ids", "5,x", "--prompt", "x"],
+         "--repeat-ids: expected whole numbers separated by commas, got '5,x'"),
         (["--model", "EMPTY", "--prompt", "x"], "is not a model folder (no config.json there)"),
         (["--model", "", "--prompt", "x"], "the model name is empty; pass a model folder"),  # was " is not a model folder"
         # An adapter given as the model: 'not in the local Hugging Face cache and the Hub cannot be reached', and

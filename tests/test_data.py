@@ -155,11 +155,13 @@ def test_continuations_are_the_models_own_greedy_output(tok, tmp_path):
         ([{"task": "multikey", "keys": 25}], "keys 25 is more than the 20 keys the train and eval templates draw from"),
         ([{"task": "common_words", "distinct": 40}], "distinct 40 is more than the 34 words"),
         ([{"task": "common_words", "top": 5, "distinct": 5}], "top \\(5\\) must be smaller than distinct \\(5\\)"),
+        ([{"task": "text", "path": __file__, "pack": True, "completion_tokens": 64}], "completion_tokens \\(64\\) must be smaller than seq_len"),
+        ([{"task": "continuations", "prompt_tokens": 40}], "prompt_tokens \\(40\\) \\+ completion_tokens \\(512\\) must fit seq_len \\(64\\)"),
     ],
 )
 def test_bad_mixes_fail_with_one_sentence(mix, message):
     with pytest.raises(ValueError, match=message):
-        check_mix(mix)
+        check_mix(mix, seq_len=64)
 
 
 def test_local_jsonl_source(tok, tmp_path):

@@ -227,11 +227,18 @@ def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
         ({"arms": [{"policy": "adakv", "params": {"base_params": {"window": "x"}}}]}, "window must be an integer, got 'x'"),
         ({"arms": [{"policy": "snapkv", "params": {"window": 64}}], "budgets": [32]}, "at budget 32"),
         ({"arms": [{"policy": "trimkv"}]}, "needs 'gates'"),
+        # Said "needs 'gates'" without a 'gates' key, and was taken beside one, whose adapter silently replaced them.
+        ({"arms": [{"policy": "trimkv", "params": {"gates": "smollm2-135m-trimkv"}}]}, "arm 'trimkv' names gates in its params; name the"),
+        ({"arms": [{"policy": "trimkv", "gates": "untrained", "params": {"gates": "smollm2-135m-trimkv"}}]}, "names gates in its params"),
+        ({"arms": [{"policy": "adakv", "gates": "untrained", "params": {"base": "trimkv", "base_params": {"gates": "x"}}}]},
+         "arm 'adakv' names gates in its params"),
         ({"arms": [{"policy": "trimkv", "gates": "/nonexistent/adapter"}]}, "adapter /nonexistent/adapter is neither an existing folder"),
         ({"arms": [{"policy": "trimkv", "gates": "configs"}]}, "configs has no config.json"),
         ({"arms": ["h2o", "h2o"]}, "two arms are labelled 'h2o'"),
         ({"arms": [{"policy": "h2o", "label": "full"}]}, "arm 'h2o' is labelled 'full', the full cache's label"),
         ({"arms": [{"policy": "h2o", "label": " "}]}, "arm 'h2o': label must name the arm in the report"),
+        # Was taken, and computed the full cache's every result a second time.
+        ({"arms": ["h2o", {"policy": "full", "label": "ref"}]}, "arm 'ref' is the full cache, which every run has as its reference arm"),
         ({"comparisons": [["h2o", "tova"]], "arms": ["h2o"]}, "names arm 'tova'"),
         ({"comparisons": 5}, "comparison 5 must be a pair of arm labels"),  # was a TypeError
         ({"comparisons": ["h2o", "tova"], "arms": ["h2o", "tova"]}, "comparison 'h2o' must be a pair of arm labels"),  # was ['h', '2', 'o']

@@ -46,6 +46,21 @@ def test_fresh_gates_refuse_a_width_no_gate_has(tiny_pair, hidden):
     assert RetentionGates.for_model(tiny_pair[1], gate_hidden=3).config.gate_hidden == 3
 
 
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        # Saved an adapter load_gates refuses ("training_budget must be an integer or null, got 'x'; the file is corrupt").
+        ({"training_budget": "x"}, "training_budget must be a whole number of tokens per KV head, at least 1 (None: not trained yet), got 'x'"),
+        ({"training_budget": 0}, "training_budget must be a whole number of tokens per KV head, at least 1"),  # taken
+        ({"init_bias": float("nan")}, "init_bias must be a finite number, got nan"),  # gates scoring NaN
+        ({"init_bias": "x"}, "init_bias must be a finite number, got 'x'"),  # "could not convert string to float"
+    ],
+)
+def test_fresh_gates_refuse_a_training_budget_or_bias_no_gate_has(tiny_pair, params, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        RetentionGates.for_model(tiny_pair[1], **params)
+
+
 @pytest.mark.parametrize("cls", KINDS)
 def test_fresh_gates_match_the_model(tiny_pair, cls):
     _, model = tiny_pair
@@ -182,6 +197,15 @@ def test_trimkv_global_decisions_match_brute_force(seed, window, min_per_head):
         expected = brute.trimkv_global(heads, 30, window, min_per_head)
         got = [set(p[b, h][k[b, h]].tolist()) for p, k in zip(layers, keeps) for h in range(3)]
         assert got == expected
+
+
+def test_trimkv_global_refuses_more_tokens_per_head_than_the_budget(tiny_pair):
+    _, model = tiny_pair
+    gates = GlobalRetentionGates.for_model(model)
+    with pytest.raises(ValueError, match=r"window \(4\) \+ min_per_head \(6\) must fit the budget \(8\)"):
+        TrimKVGlobal(budget=8, gates=gates, window=4, min_per_head=6)
+    with pytest.raises(ValueError, match=r"window \(0\) \+ min_per_head \(20\) must fit the budget \(8\)"):
+        TrimKVGlobal(budget=8, gates=gates, min_per_head=20)  # was taken, and every head then held 20 tokens
 
 
 def test_trimkv_global_runs_within_the_global_budget(tiny_pair):

@@ -156,6 +156,11 @@ def test_phase_comes_from_what_the_cache_has_seen_not_from_the_query_length(tiny
         ("h2o", {"budget": 64, "group_reduce": "median"}, "group_reduce"),
         ("full", {"budget": 64}, "takes no budget"),
         ("snapkv", {}, "budget is required"),
+        ("adakv", {"budget": 64, "base_params": {"budget": 16}}, "base_params sets a budget; .* pass it as budget"),
+        ("merge", {"budget": 64, "base_params": "window=8,budget=16"}, "base_params sets a budget"),
+        ("d2o", {"budget": 64, "sinks": -1}, "sinks must be >= 0, got -1"),
+        ("dynamickv", {"budget": 64, "r_max": float("nan")}, "r_max must be a finite number, got nan"),
+        ("dynamickv", {"budget": 64, "r_max": float("inf")}, "r_max must be a finite number, got inf"),
     ],
 )
 def test_bad_policy_parameters(name, params, message):

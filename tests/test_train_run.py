@@ -362,6 +362,19 @@ def test_report_to_flyte_is_taken_where_flytekit_is_installed(tiny_dir, tmp_path
         # Found by transformers' TrainingArguments: the message did not name the config.
         ({"training": {"lr_scheduler_type": "cosin"}}, "training: cosin is not a valid SchedulerType"),
         ({"run_name": " "}, "run_name is empty; name the run"),  # was accepted
+        # Both ran: the first on rows with a one-token prompt, the second on 513-token rows at seq_len 96 (a 512-token
+        # continuation the model wrote after 1,000 prompt tokens, behind the last one of them).
+        ({"data": {"mix": [{"task": "essays", "completion_tokens": 96}]}},
+         "data.mix: data source 0 (essays): completion_tokens (96) must be smaller than seq_len (96), leaving a prompt"),
+        ({"data": {"mix": [{"task": "continuations"}]}},
+         "data source 0 (continuations): prompt_tokens (1000) + completion_tokens (512) must fit seq_len (96)"),
+        # Both passed --check and the run trained with them (gates biased NaN, an infinite capacity weight).
+        ({"gates": {"init_bias": float("nan")}}, "gates.init_bias must be a finite number, got nan"),
+        ({"loss": {"lambda_cap": float("inf")}}, "loss.lambda_cap must be a finite number, got inf"),
+        # All three were "make_policy() got multiple values for keyword argument 'budget'" (or 'gates').
+        ({"policy": {"budget": 64}}, "policy: budget is set by the run (its top-level budget); remove it from policy"),
+        ({"teacher": {"policy": "h2o", "params": {"budget": 64}}}, "teacher.params: budget is set by the run (its top-level budget)"),
+        ({"policy": {"gates": "smollm2-135m-trimkv"}}, "policy: gates is set by the run (the gates it trains); remove it from policy"),
     ],
 )
 def test_config_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, capsys, change, message):
@@ -965,6 +978,21 @@ def test_ship_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, monk
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and err.startswith("python -m train.ship: "), err
     assert sorted(tmp_path.rglob("*")) == before and not Path("/tmp/x").exists()
+
+
+def test_ship_refuses_an_arm_without_an_ab_run(tiny_dir, tmp_path, monkeypatch, capsys):
+    """--arm without --ab was ignored: the adapter shipped without the table the arm named."""
+    import train.ship as ship
+
+    monkeypatch.setattr(ship, "EMBEDDED_DIR", tmp_path / "embedded")
+    model, _ = kvgates.load_model(str(tiny_dir))
+    kvgates.RetentionGates.for_model(model, gate_hidden=8).save_pretrained(tmp_path / "adapter")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        ship.main([str(tmp_path / "adapter"), "tiny", "--arm", "trimkv"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.startswith("python -m train.ship: --arm labels the adapter's arm in an --ab run"), err
+    assert not (tmp_path / "embedded").exists()
 
 
 class _SdpaCalls(TorchFunctionMode):

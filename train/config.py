@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,7 +160,7 @@ class TrainConfig:
         if self.data.train_examples < 1 or self.data.validation_examples < 1:
             raise ConfigError("data.train_examples and data.validation_examples must be at least 1")
         try:
-            check_mix(self.data.mix)
+            check_mix(self.data.mix, self.data.seq_len)
         except ValueError as err:
             raise ConfigError(f"data.mix: {err}") from None
         if self.loss.budget_ramp not in BUDGET_RAMPS:
@@ -191,6 +192,8 @@ class TrainConfig:
                 raise ConfigError(f"unknown teacher policy {self.teacher.policy!r}; heuristic policies: {', '.join(heuristics)}")
             from kvgates import make_policy
 
+            if "budget" in self.teacher.params:
+                raise ConfigError("teacher.params: budget is set by the run (its top-level budget); remove it from teacher.params")
             try:
                 make_policy(self.teacher.policy, budget=self.budget, **self.teacher.params)
             except (ValueError, TypeError) as err:
@@ -269,6 +272,12 @@ _AT_LEAST = {
 
 
 def _check_ranges(config: TrainConfig) -> None:
+    for section in ("gates", "loss", "teacher"):  # NaN passes every comparison, infinity the lower bounds
+        values = getattr(config, section)
+        for f in dataclasses.fields(values) if values is not None else ():
+            value = getattr(values, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section}.{f.name} must be a finite number, got {value!r}")
     for (section, key), least in _AT_LEAST.items():
         value = getattr(getattr(config, section) or object(), key, None)
         if value is not None and value < least:
@@ -287,6 +296,9 @@ def _check_learned_policy(kind: str, budget: int, params: dict[str, Any]) -> Non
     from kvgates import make_policy
     from kvgates.gates import GateConfig
 
+    for key, what in (("budget", "its top-level budget"), ("gates", "the gates it trains")):
+        if key in params:
+            raise ConfigError(f"policy: {key} is set by the run ({what}); remove it from policy")
     method = METHODS[kind]
     placeholder = method.gate_set(
         GateConfig(kind=method.gate_set.kind, base_model="-", fingerprint="-", num_layers=1, layer_ids=[0], hidden_size=4,

@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--arm", help="the adapter's arm label in that run (default: the name)")
     args = parser.parse_args(argv)
+    if args.arm is not None and not args.ab:
+        parser.error("--arm labels the adapter's arm in an --ab run, and no --ab is given; add --ab DIR (the run's output folder)")
     try:
         folder = ship(args.source, args.name, args.ab, args.arm)
     except (ValueError, OSError) as err:  # a bad name, AdapterError, an A/B folder without results or that arm

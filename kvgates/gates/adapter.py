@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -198,9 +199,16 @@ class GateSet(nn.Module):
         init_bias: float = 18.0,
     ) -> GateSet:
         """Freshly initialised gates shaped for ``model`` (recording its id and fingerprint); ``gate_hidden`` units
-        (at least 1; None: the kind's default)."""
+        (at least 1; None: the kind's default), the ``training_budget`` they are for (at least 1; None: not trained
+        yet) and a finite ``init_bias``."""
         if gate_hidden is not None and (isinstance(gate_hidden, bool) or not isinstance(gate_hidden, int) or gate_hidden < 1):
             raise ValueError(f"gate_hidden must be a whole number of units, at least 1 (None: the default), got {gate_hidden!r}")
+        if training_budget is not None and (isinstance(training_budget, bool) or not isinstance(training_budget, int) or training_budget < 1):
+            raise ValueError(
+                f"training_budget must be a whole number of tokens per KV head, at least 1 (None: not trained yet), got {training_budget!r}"
+            )
+        if isinstance(init_bias, bool) or not isinstance(init_bias, (int, float)) or not math.isfinite(init_bias):
+            raise ValueError(f"init_bias must be a finite number, got {init_bias!r}")
         from kvgates.models import embedded_name_of, hub_id_of, model_fingerprint
         from kvgates.runtime.attention import input_device
 

@@ -25,6 +25,7 @@ in a typed ``LayerState`` (``state_type``, ``layer_state(layer)``). Selections a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -92,9 +93,11 @@ class Policy:
         return self.budget
 
     def _at_least(self, minimum: float, *names: str) -> None:
-        """Each named parameter must be at least ``minimum``."""
+        """Each named parameter must be at least ``minimum`` (and finite: NaN compares as neither)."""
         for field_name in names:
             value = getattr(self, field_name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{self.name}: {field_name} must be a finite number, got {value!r}")
             if value < minimum:
                 raise ValueError(f"{self.name}: {field_name} must be >= {minimum}, got {value!r}")
 

@@ -86,6 +86,7 @@ class D2O(CumulativeAttention, PerStepEviction):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._at_least(0, "sinks")
         self._require_budget(self.sinks, f"sinks={self.sinks}")
         if not 0.0 <= self.recent_share <= 1.0:
             raise ValueError(f"{self.name}: recent_share must be in [0, 1], got {self.recent_share}")

@@ -81,6 +81,10 @@ class TrimKVGlobal(TrimKV):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._at_least(0, "min_per_head")
+        if self.window + self.min_per_head > self.budget:  # every head would keep more than its share of the budget
+            raise ValueError(
+                f"{self.name}: window ({self.window}) + min_per_head ({self.min_per_head}) must fit the budget ({self.budget})"
+            )
 
     @property
     def schedule(self) -> Schedule:

@@ -62,6 +62,8 @@ class Wrapper(Policy):
         if self.base not in POLICIES:
             raise ValueError(f"{self.name}: unknown base policy {self.base!r}; available: {', '.join(sorted(POLICIES))}")
         params = parse_params(self.base_params)
+        if "budget" in params:  # the base runs at the wrapper's budget, which would replace this one
+            raise ValueError(f"{self.name}: base_params sets a budget; the base policy runs at {self.name}'s budget, so pass it as budget")
         if self.budget is not None:
             params["budget"] = self.budget
         self.inner = make_policy(self.base, **params)
