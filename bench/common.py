@@ -19,8 +19,7 @@ from data.corpus import paul_graham_essays  # noqa: E402
 from kvgates.cli import OneLineParser  # noqa: E402
 from kvgates.gates import GATE_KINDS  # noqa: E402
 from kvgates.models import tokenizer_source  # noqa: E402
-from kvgates.policies.learned import LearnedPolicy  # noqa: E402
-from kvgates.policies.wrappers import learned_policy, parse_params  # noqa: E402
+from kvgates.policies.wrappers import learned_policy, parse_params, with_gates  # noqa: E402
 
 
 def setup(
@@ -74,11 +73,11 @@ def setup(
     if unknown:
         parser.error(f"--policies: unknown policy {unknown[0]!r}; available policies: {', '.join(sorted(kvgates.POLICIES))}")
     budget = getattr(args, "budget", None)
-    for spec in getattr(args, "policies", None) or []:  # their parameters at --budget, unless gates made for the model join them
+    for spec in getattr(args, "policies", None) or []:  # their parameters at --budget (a learned one's on placeholder gates)
         name, _, given = spec.partition(":")
         try:
-            params = parse_params(given)
-            if learned_policy(name, params) is None and isinstance(budget, int):
+            params = _with_gates(name, parse_params(given), lambda kind: GATE_KINDS[kind].placeholder())
+            if isinstance(budget, int):
                 kvgates.make_policy(name, **params, **({} if name == "full" else {"budget": budget}))
         except ValueError as err:
             parser.error(f"--policies {spec}: {err}")
@@ -152,15 +151,19 @@ def bench_policy(model, spec: str, budget: int, **params: Any) -> kvgates.Policy
     ``adakv:ragged=false``) at ``budget`` (``full``: no budget) with ``params``. Learned policies get fresh gates of
     the model's shape (untrained gates cost what trained ones do). Run it under ``attached``."""
     name, _, given = spec.partition(":")
-    params = {**parse_params(given), **params}
+    params = _with_gates(name, {**parse_params(given), **params}, lambda kind: GATE_KINDS[kind].for_model(model, training_budget=budget))
     if name != "full":
         params["budget"] = budget
-    cls = kvgates.POLICIES.get(name)  # an unknown name is make_policy's error, which lists the policies
-    if cls is not None and issubclass(cls, LearnedPolicy):
-        params["gates"] = GATE_KINDS[cls.gate_kinds[0]].for_model(model, training_budget=budget)
     if name == "kvzip" and not tokenizer_source(model):  # random weights have no tokenizer; a 6-token repeat prompt
         params.setdefault("repeat_ids", [1, 2, 3, 4, 5, 6])
     return kvgates.make_policy(name, **params)
+
+
+def _with_gates(name: str, params: dict[str, Any], make: Callable[[str], Any]) -> dict[str, Any]:
+    """``params`` of policy ``name`` with gates ``make(gate kind)`` for the learned policy it runs, itself or a
+    wrapper's base (unchanged when it runs none, or ``name`` is unknown: make_policy's error lists the policies)."""
+    learned = learned_policy(name, params) if name in kvgates.POLICIES else None
+    return params if learned is None else with_gates(name, params, make(learned.gate_kinds[0]))
 
 
 @contextmanager

@@ -96,11 +96,12 @@ def test_decode_speed_bench_compiles_static_caches():
 def test_prefill_speed_bench_runs_on_a_small_random_model():
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "prefill_speed.py"), "--model", "random", "--layers", "2", "--context", "160",
-         "--budget", "64", "--rounds", "2", "--policies", "h2o", "d2o", "kvmerger", "trimkv", "kvzip"],
+         "--budget", "64", "--rounds", "2", "--policies", "h2o", "d2o", "kvmerger", "trimkv", "kvzip", "adakv:base=trimkv-snap"],
         capture_output=True, text=True, timeout=600,
     )
-    assert result.returncode == 0, result.stderr
-    for row in ("| DynamicCache + sdpa |", "| full (kvgates) |", "| h2o@64 |", "| d2o@64 |", "| kvmerger@64 |", "| trimkv@64 |", "| kvzip@64 |"):
+    assert result.returncode == 0, result.stderr  # a wrapper around a learned policy got no gates ('gates are required')
+    for row in ("| DynamicCache + sdpa |", "| full (kvgates) |", "| h2o@64 |", "| d2o@64 |", "| kvmerger@64 |", "| trimkv@64 |", "| kvzip@64 |",
+                "| adakv:base=trimkv-snap@64 |"):
         assert row in result.stdout, row
     assert "| DynamicCache + sdpa | " in result.stdout and " | 1.00x | 1.00-1.00x |" in result.stdout  # its own rounds
 
@@ -232,6 +233,11 @@ def test_policy_overhead_bench_takes_policies_with_parameters():
     [
         (["--policies", "h2o", "snapkv", "--budget", "16"], "--policies snapkv: snapkv: budget 16 must be larger than the observation window (32)"),
         (["--policies", "snapkv:windw=3"], "--policies snapkv:windw=3: policy 'snapkv' has no parameter windw"),
+        # Learned policies (and a wrapper's learned base) are checked on placeholder gates.
+        (["--policies", "trimkv:window=99", "--budget", "64"],
+         "--policies trimkv:window=99: trimkv: budget 64 must be larger than the recent window (99)"),
+        (["--policies", "adakv:base=trimkv-snap,base_params=window=99", "--budget", "64"],
+         "--policies adakv:base=trimkv-snap,base_params=window=99: trimkv-snap: budget 64 must be larger than the observation window (99)"),
     ],
 )
 def test_a_bench_refuses_bad_policy_parameters_in_one_sentence_before_its_model(args, message):

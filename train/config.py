@@ -294,18 +294,13 @@ def is_heuristic(policy: str) -> bool:
 def _check_learned_policy(kind: str, budget: int, params: dict[str, Any]) -> None:
     """Build the inference policy once on placeholder gates, so bad parameters fail before training, not after."""
     from kvgates import make_policy
-    from kvgates.gates import GateConfig
 
     for key, what in (("budget", "its top-level budget"), ("gates", "the gates it trains")):
         if key in params:
             raise ConfigError(f"policy: {key} is set by the run ({what}); remove it from policy")
     method = METHODS[kind]
-    placeholder = method.gate_set(
-        GateConfig(kind=method.gate_set.kind, base_model="-", fingerprint="-", num_layers=1, layer_ids=[0], hidden_size=4,
-                   num_attention_heads=1, num_kv_heads=1, head_dim=4, gate_hidden=1)
-    )
     try:
-        make_policy(method.policy, budget=budget, gates=placeholder, **params)
+        make_policy(method.policy, budget=budget, gates=method.gate_set.placeholder(), **params)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"policy: {err}") from None
 

@@ -191,6 +191,13 @@ class GateSet(nn.Module):
 
     # ------------------------------------------------------------------ building
     @classmethod
+    def placeholder(cls) -> GateSet:
+        """Untrained gates of this kind for no model, one layer of the smallest shapes: what checks a learned policy's
+        parameters before any model loads (``train.py --check``, the benches' ``--policies``)."""
+        return cls(GateConfig(kind=cls.kind, base_model="-", fingerprint="-", num_layers=1, layer_ids=[0], hidden_size=4,
+                              num_attention_heads=1, num_kv_heads=1, head_dim=4, gate_hidden=1))
+
+    @classmethod
     def for_model(
         cls,
         model: PreTrainedModel,
