@@ -161,6 +161,7 @@ def test_phase_comes_from_what_the_cache_has_seen_not_from_the_query_length(tiny
         ("d2o", {"budget": 64, "sinks": -1}, "sinks must be >= 0, got -1"),
         ("dynamickv", {"budget": 64, "r_max": float("nan")}, "r_max must be a finite number, got nan"),
         ("dynamickv", {"budget": 64, "r_max": float("inf")}, "r_max must be a finite number, got inf"),
+        ("kvzip", {"budget": 64, "repeat_ids": [5, -3]}, r"repeat_ids must be a non-empty list of token ids \(whole numbers >= 0\)"),
     ],
 )
 def test_bad_policy_parameters(name, params, message):

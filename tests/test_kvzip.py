@@ -100,6 +100,17 @@ def test_unattached_kvzip_says_what_to_do(tiny):
         model(torch.ones((1, 12), dtype=torch.long), past_key_values=cache)
 
 
+def test_repeat_ids_beyond_the_vocabulary_are_one_sentence(tiny):
+    """They were the embedding's IndexError in the first scoring forward."""
+    _, model = tiny
+    vocab = model.get_input_embeddings().num_embeddings
+    policy = make_policy("kvzip", budget=8, repeat_ids=[1, vocab])
+    with pytest.raises(ValueError, match=rf"^kvzip: repeat_ids holds {vocab}, not a token id of this model \(its vocabulary has {vocab}\)$"):
+        policy.attach(model)
+    with pytest.raises(ValueError, match="not a token id of this model"):
+        policy.scoring_reach(model, 16)
+
+
 def test_adakv_wraps_kvzip(tiny):
     _, model = tiny
     ids = torch.randint(8, 128, (1, 40), generator=torch.Generator().manual_seed(1))

@@ -83,9 +83,9 @@ class KVzip(Policy):
         self._require_budget(self.sinks, f"sinks={self.sinks}")
         if self.repeat_ids is not None and (
             not isinstance(self.repeat_ids, (list, tuple)) or not self.repeat_ids
-            or not all(isinstance(i, int) and not isinstance(i, bool) for i in self.repeat_ids)
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.repeat_ids)
         ):
-            raise ValueError(f"{self.name}: repeat_ids must be a non-empty list of token ids, got {self.repeat_ids!r}")
+            raise ValueError(f"{self.name}: repeat_ids must be a non-empty list of token ids (whole numbers >= 0), got {self.repeat_ids!r}")
         if not self.repeat_ids and not self.repeat_prompt:
             raise ValueError(f"{self.name}: the repeat prompt is empty; give a repeat_prompt or repeat_ids")
 
@@ -117,8 +117,15 @@ class KVzip(Policy):
         return len(self._repeat(model)) + min(self.chunk_size, prompt_tokens)
 
     def _repeat(self, model: Any) -> list[int]:
-        """The repeat prompt's token ids: ``repeat_ids``, else ``repeat_prompt`` in ``model``'s tokenizer."""
-        return self.repeat_ids if self.repeat_ids is not None else _encode(model, self.repeat_prompt)
+        """The repeat prompt's token ids: ``repeat_ids`` (each below ``model``'s vocabulary size, or a ValueError), else
+        ``repeat_prompt`` in ``model``'s tokenizer."""
+        if self.repeat_ids is None:
+            return _encode(model, self.repeat_prompt)
+        vocab = model.get_input_embeddings().num_embeddings
+        beyond = [i for i in self.repeat_ids if i >= vocab]
+        if beyond:  # the embedding's IndexError in the first scoring forward otherwise
+            raise ValueError(f"{self.name}: repeat_ids holds {beyond[0]}, not a token id of this model (its vocabulary has {vocab})")
+        return self.repeat_ids
 
     # -- what the runtime asks
     def stats_request(self, phase: Phase) -> StatsRequest:
