@@ -362,6 +362,8 @@ def test_report_to_flyte_is_taken_where_flytekit_is_installed(tiny_dir, tmp_path
         # Found by transformers' TrainingArguments: the message did not name the config.
         ({"training": {"lr_scheduler_type": "cosin"}}, "training: cosin is not a valid SchedulerType"),
         ({"run_name": " "}, "run_name is empty; name the run"),  # was accepted
+        ({"training": {"learning_rate": float("inf")}}, "training: learning_rate must be a finite number, got inf"),  # trained on NaN
+        ({"training": {"num_train_epochs": float("inf")}}, "training: num_train_epochs must be a finite number, got inf"),
         # Both ran: the first on rows with a one-token prompt, the second on 513-token rows at seq_len 96 (a 512-token
         # continuation the model wrote after 1,000 prompt tokens, behind the last one of them).
         ({"data": {"mix": [{"task": "essays", "completion_tokens": 96}]}},

@@ -345,3 +345,6 @@ def _check_training_args(training: dict[str, Any]) -> None:
     for name, (ok, words) in _TRAINING_RANGES.items():
         if name in training and not ok(training[name]):
             raise ConfigError(f"training: {name} must be {words}, got {training[name]!r}")
+        # Infinity passes every lower bound; only max_grad_norm takes it (no clipping).
+        if name != "max_grad_norm" and isinstance(training.get(name), float) and math.isinf(training[name]):
+            raise ConfigError(f"training: {name} must be a finite number, got {training[name]!r}")
