@@ -37,7 +37,7 @@ def setup(
     number counts something, so it must be at least 1, or at least 0 where 0 means something: an option whose default
     is 0, or one named in ``zero_ok`` (``--slack 0``: no amortised rows). ``check`` is the script's own test of the
     parsed options (a sentence saying what is wrong, or None), run before the model loads as these are, and as the
-    building of each ``--policies`` entry at ``--budget`` is (those that run without gates made for the model). Returns
+    building of each ``--policies`` entry at ``--budget`` is (a learned policy's on placeholder gates). Returns
     ``(args, model, tokenizer)``; the tokenizer is None for the random model.
     """
     parser = OneLineParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
