@@ -270,3 +270,29 @@ def test_an_eviction_keeping_nothing_of_a_dense_layer_frees_every_slot():
     layer.fill, layer.packed = [c] * hkv, True
     layer.evict(torch.zeros(b, hkv, c, dtype=torch.bool), slack=c, counts=KeptCounts([0] * hkv, [0] * hkv, [c] * hkv))
     assert not layer.valid.any() and layer.fill == [0] * hkv
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["kvmerger-fill-mask", "snapkv-static"])
+def test_masked_decode_attention_keeps_off_cudnn(tiny, monkeypatch, static):
+    """Every masked sdpa call of a decode step (KVMerger's fill mask, a static cache's validity mask) runs with
+    cuDNN's attention disabled: on an H100 it failed on KVMerger's fill mask ("misaligned address"), which the
+    memory-efficient kernel takes. Checked on the CPU by the backend flags sdpa sees when it is called."""
+    _, model = tiny
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    seen = []  # per masked call: whether cuDNN's attention was enabled
+
+    def recording(*args, **kwargs):
+        if kwargs.get("attn_mask") is not None:
+            seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    name = "snapkv" if static else "kvmerger"
+    ids = torch.randint(1, 128, (1, PROMPT + 4), generator=torch.Generator().manual_seed(4))
+    with policy_on(model, name, BUDGET) as policy, torch.no_grad():
+        cache = BudgetCache(model.config, policy, static=static, decode_slots=4 if static else 0)
+        model(ids[:, :PROMPT], past_key_values=cache)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+        for t in range(PROMPT, ids.shape[1]):
+            model(ids[:, t : t + 1], past_key_values=cache, position_ids=torch.tensor([[t]]))
+    assert len(seen) >= 4 and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after each call

@@ -5,11 +5,28 @@ attention over slots) and the statistics the policy asked for, in the prompt and
 from __future__ import annotations
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvgates import kernels
 from kvgates.runtime.rope import shift_rotary
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
 from kvgates.runtime.storage import POS_BIG
+
+#: sdpa's backends for a decode query under a mask: all but cuDNN's. On an H100 (torch 2.11, bf16) cuDNN's
+#: attention took KVMerger's fill mask (a slice of a ruler: any offset, any length) and failed with "misaligned
+#: address" / "mha_graph.execute(...).is_good()"; the memory-efficient kernel pads such a mask itself.
+MASKED_DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def masked_sdpa(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` of ``query`` over ``keys``/``values`` under ``mask``, GQA when the head
+    counts differ, on ``MASKED_DECODE_BACKENDS`` (set for this call only; compiles with ``fullgraph=True``)."""
+    with sdpa_kernel(MASKED_DECODE_BACKENDS):
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
+        )
 
 
 class AttentionDispatch:
@@ -188,10 +205,7 @@ class AttentionDispatch:
         stats = AttnStats(phase=Phase.DECODE, new_slots=slots, static_step=True)
         keys, values = self.keys.view(b, hkv, c, -1), self.values.view(b, hkv, c, -1)
         if request.empty:
-            mask = self.valid[:, :, None].repeat_interleave(h // hkv, dim=1)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query, keys, values, attn_mask=mask, scale=scale, enable_gqa=h != hkv
-            )
+            out = masked_sdpa(query, keys, values, self.valid[:, :, None].repeat_interleave(h // hkv, dim=1), scale)
         else:
             reduce = "none" if request.reduce == "max" else "sum"
             out, probs = kernels.decode_attention(query[:, :, 0], keys, values, self.pos, scale, reduce=reduce)
@@ -212,7 +226,7 @@ class AttentionDispatch:
         if self.uniform:
             c, m = self.max_slots, max(self.fill)
             keys, values = self.keys.view(b, hkv, c, -1)[:, :, :m], self.values.view(b, hkv, c, -1)[:, :, :m]
-            return sdpa(query, keys, values, attn_mask=self._fill_mask(h // hkv), scale=scale, enable_gqa=h != hkv)
+            return masked_sdpa(query, keys, values, self._fill_mask(h // hkv), scale)
         groups = query.split(h // hkv, dim=1)
         heads = zip(groups, self._head_views(), self.fill)
         return torch.cat([sdpa(q, k[:, :, :f], v[:, :, :f], scale=scale, enable_gqa=h != hkv) for q, (k, v), f in heads], dim=1)
