@@ -76,3 +76,18 @@ def test_the_readme_runtime_snippet_runs(checkpoint):
 def test_the_readme_runtime_snippet_runs_verbatim_on_the_embedded_model():
     done = subprocess.run([sys.executable, "-c", readme_snippet("## Using the runtime")], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_an_older_transformers_is_refused_in_one_sentence():
+    """A transformers older than pyproject.toml's lower bound is named with the fix (a GPU machine's own 5.17
+    imported kvgates and failed later, in BudgetCache, with 'no full-attention layer')."""
+    import tomllib
+
+    from kvgates.runtime import MIN_TRANSFORMERS, check_transformers
+
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"transformers>={MIN_TRANSFORMERS},<5.24" in dependencies
+    with pytest.raises(ImportError, match=r"needs transformers 5\.23 or newer.*imports transformers 5\.17\.0 from .*pip install"):
+        check_transformers("5.17.0")
+    check_transformers("5.23.0")
+    check_transformers("5.24.1")
