@@ -5,13 +5,15 @@
 #                                           #        prefill-rest kernels train train-dms tests
 #
 # A session has 15 minutes of device time (the machine's start and every idle wait included) and 10 minutes a
-# call: one full call, perhaps a short second one. `issue27` is that first call: the open issue's three GPU targets
-# in one command of at most 8.5 minutes, in order of value, each part killed at its own limit and printing as it
-# goes, so that a call cut short still leaves the figures before it:
+# call: one full call, perhaps a short second one. `issue27` is that first call: what the open issue's GPU targets
+# still lack after stop 43's H100 measurement (docs/results.md, "On an H100"), in one command of at most 8.5
+# minutes, in order of value, each part killed at its own limit and printing as it goes, so that a call cut short
+# still leaves the figures before it:
 #
-#   issue27         env; decode attention at batch 1 and 8, 16K, bf16, vs sdpa and HBM peak (80 s); every
-#                   policy's prefill vs plain sdpa, 8B shape, 16 layers, 8K, batch 1 and 8 (220 s); the tests the
-#                   issue saw fail there: kernels, the runtime on them, the device maps (170 s)
+#   issue27         env; every policy's prefill vs plain sdpa, 8B shape, 16 layers, 8K, batch 8 (stop 43 measured
+#                   ten of them; KVMerger's decode failed in cuDNN's sdpa then) (220 s); a profile of the batch-1
+#                   prefill's fixed cost a layer and of the slow first decode steps of AdaKV/PyramidKV (100 s); the tests the issue saw fail there: the runtime
+#                   on the kernels, the device maps, the kernels (170 s)
 #
 # The other stages measure the rest, one per later session (minutes are estimates on an H100 until measured):
 #
@@ -63,7 +65,8 @@ if [ "$SMOKE" = 1 ]; then
     CAPTURE="--contexts 160 --budget 64 --batch 2 --steps 2 --rounds 1 --slack 0 --peak-gbps 50"
     PREFILL="--contexts 160 --budget 64 --batch 1 --steps 2 --rounds 1"
     KERNELS="--smoke" TRAIN_SMALL="--lengths 160 256 --budget 64" TRAIN_BIG="--lengths 160 --budget 64"
-    KERNELS_FIRST="--smoke" PREFILL_FIRST="--contexts 160 --budget 64 --batch 1 2 --steps 1 --rounds 1 --slack 0"
+    PREFILL_FIRST="--contexts 160 --budget 64 --batch 2 --steps 1 --rounds 1 --slack 0"
+    PROFILE="--model random --layers 2 --context 160 --budget 64 --batch 1 --steps 2"
     export TRITON_INTERPRET=1
 else
     BIG="--model random:llama-3.1-8b --layers 32" DEEP="--model random:llama-3.1-8b --layers 16"
@@ -73,8 +76,8 @@ else
     PREFILL="--contexts 8192 16384 --budget 1024 --batch 1 8 --steps 4 --rounds 1"
     KERNELS="--budgets 4096 16384 32768 --batch 1 4 8 32 --head-dim 128 --dtype bf16"
     TRAIN_SMALL="--lengths 1024 4096 8192 16384 --budget 256" TRAIN_BIG="--lengths 8192 --budget 1024"
-    KERNELS_FIRST="--budgets 16384 --batch 1 8 --head-dim 128 --dtype bf16"
-    PREFILL_FIRST="--contexts 8192 --budget 1024 --batch 1 8 --steps 1 --rounds 1 --slack 0"
+    PREFILL_FIRST="--contexts 8192 --budget 1024 --batch 8 --steps 1 --rounds 1 --slack 0"
+    PROFILE="--model random:llama-3.1-8b --layers 4 --context 8192 --budget 1024 --batch 1 --steps 3"
 fi
 #: The tests issue 27 names as failing on a GPU machine: the runtime on the kernels, the device maps, the kernels; the
 #: fast two first, as with a cold Triton cache each kernel test compiles (about 1 s each on an H100, stop 43). The
@@ -111,9 +114,9 @@ for name in "$@"; do
         # the registry so that a new policy is measured without an edit here.
         ALL_POLICIES=$("$PY" -c "import kvgates; print(' '.join(p for p in kvgates.POLICIES if p not in ('full', 'merge')))")
         # shellcheck disable=SC2086
-        stage issue27-kernels 80 "$PY" bench/kernels.py $KERNELS_FIRST
-        # shellcheck disable=SC2086
         stage issue27-prefill 220 "$PY" bench/gpu_policies.py $DEEP $PREFILL_FIRST --policies $ALL_POLICIES
+        # shellcheck disable=SC2086
+        stage issue27-profile 100 "$PY" bench/policy_profile.py $PROFILE --policies streaming_llm h2o adakv pyramidkv
         # shellcheck disable=SC2086
         stage issue27-tests 170 "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/issue27-tests.xml" $GPU_TESTS
         ;;

@@ -169,7 +169,7 @@ def test_gpu_session_stages_run_at_toy_sizes(tmp_path):
     stages = ("decode", "captured", "captured-evict", "captured-merge", "prefill", "prefill-rest", "kernels", "train", "train-dms")
     result = _gpu_session(tmp_path, *stages, "issue27")
     assert result.returncode == 0, result.stderr
-    for stage in (*stages, "issue27-kernels", "issue27-prefill", "issue27-tests"):
+    for stage in (*stages, "issue27-prefill", "issue27-profile", "issue27-tests"):
         log = (tmp_path / f"{stage}.log").read_text()
         assert "exit status 0" in log and "exit status 1" not in log, log[-3000:]
 
@@ -198,6 +198,23 @@ def test_launch_count_bench_runs_on_a_small_random_model():
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ")}
     assert rows["DynamicCache + sdpa"][2] == "1.00x" and rows["h2o slack=4"][-1].strip(" |") == "0.00"
     assert "h2o, decode step per layer:" in result.stdout
+
+
+def test_policy_profile_bench_runs_on_a_small_random_model(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "policy_profile.py"), "--model", "random", "--layers", "2", "--context", "160",
+         "--budget", "64", "--steps", "2", "--policies", "h2o", "--top", "3", "--trace", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    tables = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row[0].strip("| ") for row in tables] == ["arm", "DynamicCache + sdpa", "h2o"] * 2
+    assert tables[1][2] == tables[4][2] == "1.00x"
+    for part in ("prefill", "decode step (2 profiled)"):
+        assert f"h2o, {part}: operators by own time over the reference's" in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "DynamicCache_plus_sdpa-decode.json", "DynamicCache_plus_sdpa-prefill.json", "h2o-decode.json", "h2o-prefill.json"
+    ]
 
 
 @pytest.mark.parametrize(
