@@ -9,8 +9,10 @@ The general path (``BudgetLayer._decode``: visibility from positions) is the ref
 import pytest
 import torch
 from helpers import make_layer, policy_on, random_positions, tiny_model
+from torch.nn.attention import sdpa_kernel
 
 from kvgates import BudgetCache, make_policy
+from kvgates.runtime import dispatch
 from kvgates.runtime.launches import Launches
 from kvgates.runtime.layer import BudgetLayer
 from kvgates.runtime.stats import NO_STATS
@@ -272,27 +274,39 @@ def test_an_eviction_keeping_nothing_of_a_dense_layer_frees_every_slot():
     assert not layer.valid.any() and layer.fill == [0] * hkv
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["kvmerger-fill-mask", "snapkv-static"])
-def test_masked_decode_attention_keeps_off_cudnn(tiny, monkeypatch, static):
-    """Every masked sdpa call of a decode step (KVMerger's fill mask, a static cache's validity mask) runs with
-    cuDNN's attention disabled: on an H100 it failed on KVMerger's fill mask ("misaligned address"), which the
-    memory-efficient kernel takes. Checked on the CPU by the backend flags sdpa sees when it is called."""
+def test_decode_attention_on_cuda_keeps_off_cudnn():
+    """On CUDA, decode attention's sdpa runs without cuDNN's backend (which builds a plan per new cache length, and
+    failed on KVMerger's fill mask on an H100); elsewhere sdpa picks as it does."""
+    with dispatch.decode_backends(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored
+    with dispatch.decode_backends(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.parametrize(
+    ("name", "static"),
+    [("full", False), ("kvmerger", False), ("adakv", False), ("snapkv", True)],
+    ids=["dense-slice", "uniform-fill-mask", "ragged-heads", "static-mask"],
+)
+def test_every_decode_sdpa_call_runs_within_the_decode_backends(tiny, monkeypatch, name, static):
+    """Each of the runtime's decode paths that calls sdpa (a slice of dense storage, packed heads at different fills
+    in uniform and in ragged storage, a static layer) calls it within ``decode_backends``: on the CPU, made to give
+    the CUDA context, every call sees cuDNN's backend off."""
     _, model = tiny
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    seen = []  # per masked call: whether cuDNN's attention was enabled
+    seen = []  # per sdpa call of a decode step: whether cuDNN's attention was enabled
 
     def recording(*args, **kwargs):
-        if kwargs.get("attn_mask") is not None:
-            seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
         return sdpa(*args, **kwargs)
 
-    name = "snapkv" if static else "kvmerger"
     ids = torch.randint(1, 128, (1, PROMPT + 4), generator=torch.Generator().manual_seed(4))
     with policy_on(model, name, BUDGET) as policy, torch.no_grad():
         cache = BudgetCache(model.config, policy, static=static, decode_slots=4 if static else 0)
         model(ids[:, :PROMPT], past_key_values=cache)
+        monkeypatch.setattr(dispatch, "decode_backends", lambda device: sdpa_kernel(dispatch.DECODE_BACKENDS))
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
         for t in range(PROMPT, ids.shape[1]):
             model(ids[:, t : t + 1], past_key_values=cache, position_ids=torch.tensor([[t]]))
     assert len(seen) >= 4 and not any(seen)
-    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after each call

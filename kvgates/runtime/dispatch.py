@@ -4,6 +4,8 @@ attention over slots) and the statistics the policy asked for, in the prompt and
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -12,18 +14,27 @@ from kvgates.runtime.rope import shift_rotary
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
 from kvgates.runtime.storage import POS_BIG
 
-#: sdpa's backends for a decode query under a mask: all but cuDNN's. On an H100 (torch 2.11, bf16) cuDNN's
-#: attention took KVMerger's fill mask (a slice of a ruler: any offset, any length) and failed with "misaligned
-#: address" / "mha_graph.execute(...).is_good()"; the memory-efficient kernel pads such a mask itself.
-MASKED_DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+#: sdpa's backends for decode attention on CUDA: all but cuDNN's, which sdpa prefers on an H100 for bf16. cuDNN's
+#: attention builds a plan per shape and stride, so a decode step at a cache length it has not seen builds one: on
+#: an H100 (torch 2.11) single decode steps of AdaKV, PyramidKV and DynamicKV (heads or layers at different lengths,
+#: each new every step) took 0.6-7 s (16 layers), where repeats at lengths seen before took about 20 ms; and it
+#: failed on KVMerger's fill mask (a slice of a ruler at any offset: "misaligned address"), which the
+#: memory-efficient kernel pads itself.
+DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def masked_sdpa(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+def decode_backends(device: torch.device) -> AbstractContextManager:
+    """Where decode attention's sdpa calls run: on CUDA within ``sdpa_kernel(DECODE_BACKENDS)`` (compiles with
+    ``fullgraph=True``), elsewhere as sdpa picks (the CPU has no cuDNN backend; entering the context costs ~13 us)."""
+    return sdpa_kernel(DECODE_BACKENDS) if device.type == "cuda" else nullcontext()
+
+
+def decode_sdpa(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``scaled_dot_product_attention`` of ``query`` over ``keys``/``values`` under ``mask``, GQA when the head
-    counts differ, on ``MASKED_DECODE_BACKENDS`` (set for this call only; compiles with ``fullgraph=True``)."""
-    with sdpa_kernel(MASKED_DECODE_BACKENDS):
+    """``scaled_dot_product_attention`` of a decode ``query`` over ``keys``/``values`` (under ``mask`` if given), GQA
+    when the head counts differ, within ``decode_backends``."""
+    with decode_backends(query.device):
         return torch.nn.functional.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
         )
@@ -76,9 +87,8 @@ class AttentionDispatch:
         if n == 1 and request.empty and shift is None and fill is not None:
             # Nothing to measure and every slot below fill holds a visible token: sdpa over a slice of storage.
             c = self.max_slots
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query, self.keys.view(b, self.num_kv_heads, c, -1)[:, :, :fill],
-                self.values.view(b, self.num_kv_heads, c, -1)[:, :, :fill], scale=scale, enable_gqa=h != self.num_kv_heads,
+            out = decode_sdpa(
+                query, self.keys.view(b, self.num_kv_heads, c, -1)[:, :, :fill], self.values.view(b, self.num_kv_heads, c, -1)[:, :, :fill], scale
             )
         elif n == 1 and request.empty and shift is None and self.packed:
             out = self._decode_packed_heads(query, scale)
@@ -205,7 +215,7 @@ class AttentionDispatch:
         stats = AttnStats(phase=Phase.DECODE, new_slots=slots, static_step=True)
         keys, values = self.keys.view(b, hkv, c, -1), self.values.view(b, hkv, c, -1)
         if request.empty:
-            out = masked_sdpa(query, keys, values, self.valid[:, :, None].repeat_interleave(h // hkv, dim=1), scale)
+            out = decode_sdpa(query, keys, values, scale, self.valid[:, :, None].repeat_interleave(h // hkv, dim=1))
         else:
             reduce = "none" if request.reduce == "max" else "sum"
             out, probs = kernels.decode_attention(query[:, :, 0], keys, values, self.pos, scale, reduce=reduce)
@@ -222,14 +232,12 @@ class AttentionDispatch:
         held slice. No search over positions, no host sync. Returns ``[B, H, 1, D]``."""
         b, h, _, d = query.shape
         hkv = self.num_kv_heads
-        sdpa = torch.nn.functional.scaled_dot_product_attention
         if self.uniform:
             c, m = self.max_slots, max(self.fill)
             keys, values = self.keys.view(b, hkv, c, -1)[:, :, :m], self.values.view(b, hkv, c, -1)[:, :, :m]
-            return masked_sdpa(query, keys, values, self._fill_mask(h // hkv), scale)
+            return decode_sdpa(query, keys, values, scale, self._fill_mask(h // hkv))
         groups = query.split(h // hkv, dim=1)
-        heads = zip(groups, self._head_views(), self.fill)
-        return torch.cat([sdpa(q, k[:, :, :f], v[:, :, :f], scale=scale, enable_gqa=h != hkv) for q, (k, v), f in heads], dim=1)
+        return torch.cat([decode_sdpa(q, k[:, :, :f], v[:, :, :f], scale) for q, (k, v), f in zip(groups, self._head_views(), self.fill)], dim=1)
 
     def _head_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``head_views``' keys and values of ragged storage, ``[B, 1, slots, D]`` per head, kept until storage
