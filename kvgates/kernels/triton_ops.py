@@ -36,7 +36,14 @@ _LOG2E = 1.4426950408889634
 
 
 def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(max(int(n), 1)))
+    """The least power of two at least ``n`` and ``lo``."""
+    return max(lo, 1 << (max(int(n), 1) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of host integers. (``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions:
+    from Python a call costs microseconds, and a decode step's launch computed nine of them.)"""
+    return -(-a // b)
 
 
 @lru_cache(maxsize=256)
@@ -194,9 +201,9 @@ def decode_attention_flat(
     q, keys, values, pos = q.contiguous(), keys.contiguous(), values.contiguous(), pos.contiguous()
     offs, caps_t = _layout(tuple(caps), str(dev))
     block_n = 64 if d <= 64 else 32
-    splits = max(1, min(triton.cdiv(cmax, block_n), triton.cdiv(_num_programs_target(dev), b * hkv)))
-    split = triton.cdiv(triton.cdiv(cmax, splits), block_n) * block_n
-    splits = triton.cdiv(cmax, split)
+    splits = max(1, min(_cdiv(cmax, block_n), _cdiv(_num_programs_target(dev), b * hkv)))
+    split = _cdiv(_cdiv(cmax, splits), block_n) * block_n
+    splits = _cdiv(cmax, split)
     logits = torch.empty((b, h, cmax), dtype=torch.float32, device=dev)
     m_part = torch.empty((b, h, splits), dtype=torch.float32, device=dev)
     l_part = torch.empty_like(m_part)
@@ -211,7 +218,7 @@ def decode_attention_flat(
         G_PAD=_pow2(g), BLOCK_N=block_n, BLOCK_D=block_d, PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype),
     )
     block = 128
-    _decode_finish[(b * hkv, triton.cdiv(cmax, block))](
+    _decode_finish[(b * hkv, _cdiv(cmax, block))](
         m_part, l_part, o_part, out, logits, caps_t, probs, h, g, splits, d, cmax,
         m_part.stride(0), m_part.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         out.stride(0), out.stride(1), logits.stride(0), logits.stride(1), probs.stride(0), probs.stride(1),
@@ -325,10 +332,10 @@ def window_scores_flat(
     block_r, block_n, block_d = 32, 64 if d <= 64 else 32, _pow2(d)
     # The slots split across programs so that a small batch still fills the device; the splits' row maxima and
     # normalisers are combined by torch (no sync).
-    row_blocks = triton.cdiv(g * w, block_r)
-    splits = max(1, min(triton.cdiv(cmax, block_n), triton.cdiv(_num_programs_target(dev), b * hkv * row_blocks)))
-    split = triton.cdiv(triton.cdiv(cmax, splits), block_n) * block_n
-    splits = triton.cdiv(cmax, split)
+    row_blocks = _cdiv(g * w, block_r)
+    splits = max(1, min(_cdiv(cmax, block_n), _cdiv(_num_programs_target(dev), b * hkv * row_blocks)))
+    split = _cdiv(_cdiv(cmax, splits), block_n) * block_n
+    splits = _cdiv(cmax, split)
     m_part = torch.empty((b, h, w, splits), dtype=torch.float32, device=dev)
     l_part = torch.empty_like(m_part)
     strides = (
@@ -346,7 +353,7 @@ def window_scores_flat(
         lsum = (l_part * torch.exp2(m_part - torch.where(m.isinf(), 0.0, m)[..., None])).sum(-1)
     m, lsum = m.contiguous(), lsum.contiguous()
     common = (*strides, m.stride(0), m.stride(1))
-    _window_columns[(b * hkv, triton.cdiv(cmax, block_n))](
+    _window_columns[(b * hkv, _cdiv(cmax, block_n))](
         q, keys, pos, offs, caps_t, q_pos, q_valid, m, lsum, out, scale * _LOG2E, h, g, w, d, cmax, *common,
         out.stride(0), out.stride(1),
         MEAN=reduce == "mean", BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype),
@@ -494,14 +501,14 @@ def causal_attention_stats(
     cfg = _prefill_config(d, q.dtype, dev)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     common = dict(BLOCK_D=_pow2(d), PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _prefill_forward[(triton.cdiv(n, block_m), b * h)](
+    _prefill_forward[(_cdiv(n, block_m), b * h)](
         q, k, v, out, lse, scale * _LOG2E, n, h, h // hkv, d,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=block_m, BLOCK_N=block_n, **common,
     )
     if sums is not None or win is not None:
-        _prefill_columns[(triton.cdiv(n, block_n), b * h)](
+        _prefill_columns[(_cdiv(n, block_n), b * h)](
             q, k, lse, lse if sums is None else sums, lse if win is None else win, scale * _LOG2E, n, h, h // hkv, d, w,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             COLS=sums is not None, WIN=win is not None, BLOCK_M=block_n, BLOCK_N=block_n, **common,
@@ -628,7 +635,7 @@ def _masked_stats(
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
     cfg = _prefill_config(d, q.dtype, q.device)
     common = dict(BLOCK_D=_pow2(d), PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _masked_forward[(triton.cdiv(n, cfg["BLOCK_M"]), b * h)](
+    _masked_forward[(_cdiv(n, cfg["BLOCK_M"]), b * h)](
         q, k, v, pos, qpos, out, lse, scale * _LOG2E, n, c, h, h // hkv, hkv, d,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
@@ -636,7 +643,7 @@ def _masked_stats(
     )
     rows = lse if row_weight is None else row_weight.float().contiguous()
     cols = lse if col_weight is None else col_weight.float().contiguous()
-    _masked_columns[(triton.cdiv(c, cfg["BLOCK_N"]), b * h)](
+    _masked_columns[(_cdiv(c, cfg["BLOCK_N"]), b * h)](
         q, k, pos, qpos, lse, rows, cols, result, scale * _LOG2E, n, c, h, h // hkv, hkv, d,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         WEIGHTED=row_weight is not None, COLS=col_weight is not None, SUM=total, BLOCK_M=cfg["BLOCK_N"], BLOCK_N=cfg["BLOCK_N"],
@@ -691,7 +698,7 @@ def pool_by_position(scores: torch.Tensor, slot_pos: torch.Tensor, kernel: int, 
     out = torch.empty_like(flat_scores)
     if c:
         block = 128
-        _pool_ordered[(flat_scores.shape[0], triton.cdiv(c, block))](
+        _pool_ordered[(flat_scores.shape[0], _cdiv(c, block))](
             flat_scores, order, flat_pos, out, c, KERNEL=kernel, MAX=mode == "max", BLOCK=block
         )
     return out.reshape(shape).to(scores.dtype)
@@ -768,7 +775,7 @@ def compact_slots(
         values = values.new_zeros((b, 1, values.shape[-1]))
         c_old = 1
     block_n = 64
-    _compact[(b * hkv, triton.cdiv(c_new, block_n))](
+    _compact[(b * hkv, _cdiv(c_new, block_n))](
         keys, values, pos, state, index, old_offs, old_caps_t, new_offs, new_caps_t, state_init.float().contiguous(),
         new_k, new_v, new_pos, new_state,
         hkv, keys.shape[-1], values.shape[-1], f, c_old, c_new,
@@ -801,7 +808,7 @@ def retention_scores(log_beta: torch.Tensor, slot_pos: torch.Tensor, t: torch.Te
     if n == 0:
         return out
     block = 256
-    _retention_scores[(b, triton.cdiv(n, block))](
+    _retention_scores[(b, _cdiv(n, block))](
         log_beta.float().contiguous(), slot_pos.contiguous(), t.to(torch.int64).contiguous(), out, n, BLOCK=block
     )
     return out
@@ -852,7 +859,7 @@ class _RetentionSum(torch.autograd.Function):
         out = torch.empty_like(flat)
         n, t = flat.shape
         if n and t:
-            _retention_sum_fwd[(n, triton.cdiv(t, 64))](flat, out, t, BLOCK_T=64, BLOCK_I=64)
+            _retention_sum_fwd[(n, _cdiv(t, 64))](flat, out, t, BLOCK_T=64, BLOCK_I=64)
         ctx.save_for_backward(flat)
         ctx.shape, ctx.dtype = shape, log_beta.dtype
         return out.reshape(shape).to(log_beta.dtype)
@@ -864,7 +871,7 @@ class _RetentionSum(torch.autograd.Function):
         out = torch.empty_like(flat)
         n, t = flat.shape
         if n and t:
-            _retention_sum_bwd[(n, triton.cdiv(t, 64))](flat, g, out, t, BLOCK_T=64, BLOCK_I=64)
+            _retention_sum_bwd[(n, _cdiv(t, 64))](flat, g, out, t, BLOCK_T=64, BLOCK_I=64)
         return out.reshape(ctx.shape).to(ctx.dtype)
 
 
