@@ -14,12 +14,12 @@ from kvgates.runtime.rope import shift_rotary
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
 from kvgates.runtime.storage import POS_BIG
 
-#: sdpa's backends for decode attention on CUDA: all but cuDNN's, which sdpa prefers on an H100 for bf16. cuDNN's
-#: attention builds a plan per shape and stride, so a decode step at a cache length it has not seen builds one: on
-#: an H100 (torch 2.11) single decode steps of AdaKV, PyramidKV and DynamicKV (heads or layers at different lengths,
-#: each new every step) took 0.6-7 s (16 layers), where repeats at lengths seen before took about 20 ms; and it
-#: failed on KVMerger's fill mask (a slice of a ruler at any offset: "misaligned address"), which the
-#: memory-efficient kernel pads itself.
+#: sdpa's backends for decode attention on CUDA: all but cuDNN's, which sdpa prefers on an H100 for bf16. On an H100
+#: (torch 2.11) cuDNN's attention failed on KVMerger's fill mask (a slice of a ruler at any offset: "misaligned
+#: address"), which the memory-efficient kernel pads itself; and it builds a plan per shape and stride (other
+#: projects found one built for every new decode length), the likely cause of single decode steps of AdaKV,
+#: PyramidKV and DynamicKV (heads or layers at different lengths, each new every step) taking 0.6-7 s there at 16
+#: layers (the issue's baseline saw PyramidKV's repeats at lengths seen before at 21 ms).
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
