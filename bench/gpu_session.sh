@@ -12,8 +12,8 @@
 #
 #   issue27         env; every policy's prefill vs plain sdpa, 8B shape, 16 layers, 8K, batch 8 (stop 43 measured
 #                   ten of them; KVMerger's decode failed in cuDNN's sdpa then) (220 s); a profile of the batch-1
-#                   prefill's fixed cost a layer and of the slow first decode steps of AdaKV/PyramidKV (100 s); the tests the issue saw fail there: the runtime
-#                   on the kernels, the device maps, the kernels (170 s)
+#                   prefill's fixed cost a layer and of the slow first decode steps of AdaKV/PyramidKV (100 s); the
+#                   tests the issue saw fail there: the runtime on the kernels, the device maps, the kernels (170 s)
 #
 # The other stages measure the rest, one per later session (minutes are estimates on an H100 until measured):
 #
