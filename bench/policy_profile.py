@@ -27,8 +27,9 @@ from transformers import DynamicCache
 
 import kvgates
 
-#: Profiler events that make the host wait for the device.
-SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize")
+#: Profiler events that make the host wait for the device (a read back, ``.item()``, is a copy and one of these: the
+#: copy alone, ``cudaMemcpyAsync``, is not counted, as host-to-device copies do not wait).
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 #: Profiler events that launch a kernel.
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
