@@ -11,7 +11,7 @@ counts both over one prefill of ``--context`` tokens and over one decode step (t
 third after the prompt, as caches are warm by then), per arm: a DynamicCache + sdpa (the reference) and a
 ``BudgetCache`` per policy at ``--budget`` (per-step evicting policies also with ``--slack``). It prints the counts
 per layer and their ratio to the reference, and with ``--ops N`` the N most frequent operators of each decode
-step. Counts do not depend on the device or on timing, so a CPU run predicts what changes on a GPU.
+step, and the operators behind each arm's host syncs. Counts do not depend on the device or on timing, so a CPU run predicts what changes on a GPU.
 """
 
 from __future__ import annotations
@@ -62,6 +62,11 @@ def main() -> None:
             f"| {prefill.syncs / layers:.1f} | {step.launches / layers:.1f} | {step.launches / base_step.launches:.2f}x "
             f"| {step.syncs / layers:.2f} |"
         )
+    for label, (prefill, step) in counts.items():
+        for phase, counted in (("prefill", prefill), ("decode step", step)):
+            if counted.syncs:
+                syncs = ", ".join(f"{name} {n / layers:.1f}" for name, n in counted.sync_ops.most_common())
+                print(f"{label}, {phase}: host syncs per layer by operator: {syncs}")
     if args.ops:
         for label, (_, step) in counts.items():
             top = ", ".join(f"{name} {n / layers:.1f}" for name, n in step.ops.most_common(args.ops))

@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from kvgates.kernels.host import on_device
+
 __all__ = [
     "GROUP_REDUCTIONS",
     "group_reduce",
@@ -601,11 +603,11 @@ def compact_slots(
     """
     b, hkv = pos.shape[:2]
     cnew = index.shape[-1]
-    old_caps_t = torch.tensor(old_caps, device=pos.device)[None, :, None]
-    new_exists = (torch.arange(cnew, device=pos.device)[None, :] < torch.tensor(new_caps, device=pos.device)[:, None])[None]
+    old_caps_t = on_device(old_caps, pos.device)[None, :, None]
+    new_exists = (torch.arange(cnew, device=pos.device)[None, :] < on_device(new_caps, pos.device)[:, None])[None]
     src_ok = (index < old_caps_t) & new_exists
     safe = torch.where(src_ok, index, torch.zeros_like(index)).clamp(max=max(pos.shape[-1] - 1, 0))
-    offsets = torch.tensor([sum(old_caps[:h]) for h in range(hkv)], device=pos.device)[None, :, None]
+    offsets = on_device([sum(old_caps[:h]) for h in range(hkv)], pos.device)[None, :, None]
     flat_src = torch.cat([(safe + offsets)[:, h, : new_caps[h]] for h in range(hkv)], dim=1)
     flat_ok = torch.cat([src_ok[:, h, : new_caps[h]] for h in range(hkv)], dim=1)[..., None]
     if keys.shape[1]:

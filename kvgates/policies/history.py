@@ -38,7 +38,7 @@ def load_rows(layer: BudgetLayer, name: str, history: History, rows: torch.Tenso
     r = rows.shape[2]
     buf.zero_()
     buf[..., :r] = rows.transpose(-1, -2)
-    history.newest = torch.tensor(r - 1, device=buf.device)
+    history.newest = torch.full((), r - 1, dtype=torch.long, device=buf.device)
 
 
 def push_rows(layer: BudgetLayer, name: str, history: History, rows: torch.Tensor) -> None:

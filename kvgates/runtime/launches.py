@@ -2,8 +2,10 @@
 
 On a GPU a decode step of a small model is bound by launches and syncs more than by bandwidth: every aten operator
 that is not a view launches at least one kernel, and reading a value back (``.item()``, ``bool()``, ``.tolist()``,
-``.cpu()``, ``nonzero``...) makes the host wait until the device has run everything queued before it. Both are
-visible without a GPU, so a policy can be checked on the CPU (``bench/launches.py``, ``tests/test_packed_decode.py``)::
+``.cpu()``, ``nonzero``...) makes the host wait until the device has run everything queued before it. So does
+a tensor made from host numbers on the device (``torch.tensor(values, device=...)``): it copies from pageable memory,
+and such a copy waits for the stream to drain (``kvgates.kernels.host.on_device`` copies from pinned memory instead, queued like a kernel).
+All are visible without a GPU, so a policy can be checked on the CPU (``bench/launches.py``, ``tests/test_packed_decode.py``)::
 
     with Launches() as counted:
         model(token, past_key_values=cache)
@@ -16,13 +18,17 @@ from collections import Counter
 from contextlib import ExitStack
 from typing import Any
 
+import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: aten operators whose result the host needs before it can go on.
 SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "equal", "masked_select", "is_nonzero", "unique", "_unique2"})
-#: Tensor methods that copy to the host without an aten operator the dispatcher sees.
-SYNC_METHODS = frozenset({"tolist", "cpu", "numpy"})
+#: Tensor methods that copy to the host without an aten operator the dispatcher sees, and ``upload``: a tensor made
+#: from host numbers straight on a device (``torch.tensor``/``torch.as_tensor`` with ``device=``), which on a GPU
+#: waits for the stream like a read back.
+SYNC_METHODS = frozenset({"tolist", "cpu", "numpy", "upload"})
+_FROM_HOST = frozenset({"tensor", "as_tensor"})
 
 
 class _Ops(TorchDispatchMode):
@@ -45,6 +51,8 @@ class _Methods(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in SYNC_METHODS:
             self.ops[name] += 1
+        elif name in _FROM_HOST and (kwargs or {}).get("device") is not None and not isinstance(args[0], torch.Tensor):
+            self.ops["upload"] += 1
         return func(*args, **(kwargs or {}))
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvgates.kernels.host import on_device
 from kvgates.runtime.dispatch import AttentionDispatch
 from kvgates.runtime.state import LayerState
 from kvgates.runtime.stats import AttnStats, Phase
@@ -122,7 +123,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             self._state_layout[name] = (offset, spec.shape)
             offset += spec.size
         init = [spec.init for spec in specs.values() for _ in range(spec.size)]
-        self.state_init = torch.tensor(init, dtype=torch.float32, device=self.device)
+        self.state_init = on_device(init, self.device, torch.float32)
         self.slot_data = torch.zeros((b, hkv, 0, offset), dtype=torch.float32, device=self.device)
         self._derived = {}
         self.is_initialized = True
@@ -221,7 +222,9 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
 
     def _quota_tensor(self, quota: int | torch.Tensor) -> torch.Tensor:
         """The policy's ``quota`` (an int, or per sequence and head) as ``[B, H_kv]`` int64 on the layer's device."""
-        return torch.as_tensor(quota, device=self.device).expand(self.batch_size, self.num_kv_heads).long()
+        if isinstance(quota, int):
+            return torch.full((self.batch_size, self.num_kv_heads), quota, dtype=torch.long, device=self.device)
+        return quota.to(self.device).expand(self.batch_size, self.num_kv_heads).long()
 
     def enforce(self, stats: AttnStats | None) -> None:
         """The one eviction path: bring every sequence holding more than the policy's ``quota`` (plus its

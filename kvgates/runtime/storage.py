@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from kvgates import kernels
+from kvgates.kernels.host import on_device
 from kvgates.runtime.state import StateViews
 
 #: A position past every token (sorts free slots last).
@@ -119,7 +120,7 @@ class SlotStorage:
         """``[H_kv, max_slots]`` padded slot indices that exist in each head's storage."""
         if "exists" not in self._derived:
             idx = torch.arange(self.max_slots, device=self.device)
-            self._derived["exists"] = idx[None, :] < torch.tensor(self.head_slots, device=self.device)[:, None]
+            self._derived["exists"] = idx[None, :] < on_device(self.head_slots, self.device)[:, None]
         return self._derived["exists"]
 
     def held(self) -> torch.Tensor:
@@ -142,7 +143,7 @@ class SlotStorage:
     def _flat_index(self, index: torch.Tensor) -> torch.Tensor:
         """Padded per-head slot indices ``[B, H_kv, n]`` -> flat storage indices ``[B, H_kv, n]``."""
         if "offsets" not in self._derived:
-            self._derived["offsets"] = torch.tensor(self.offsets, device=self.device)[None, :, None]
+            self._derived["offsets"] = on_device(self.offsets, self.device)[None, :, None]
         return index + self._derived["offsets"]
 
     def relayout(self, index: torch.Tensor, head_slots: list[int]) -> None:
@@ -200,7 +201,7 @@ class SlotStorage:
         steps = self.fill[0] - f0[0] if f0 is not None else -1
         if steps < 0 or any(f - g != steps for f, g in zip(self.fill, f0)):
             f0, steps = list(self.fill), 0
-            base = torch.tensor(f0, device=self.device)[None, :, None]
+            base = on_device(f0, self.device)[None, :, None]
             self._derived["fill_base"] = (f0, base)
         return base, steps
 
@@ -219,7 +220,7 @@ class SlotStorage:
         stale = f0 is None or ruler.shape[1] != self.num_kv_heads * groups
         if stale or not 0 <= steps <= span or any(f - g != steps for f, g in zip(self.fill, f0)):
             f0, steps, span = list(self.fill), 0, self.max_slots
-            limit = torch.tensor(f0, device=self.device)[:, None] + span
+            limit = on_device(f0, self.device)[:, None] + span
             visible = torch.arange(span + max(f0), device=self.device)[None, :] < limit
             ruler = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
             ruler = ruler.repeat_interleave(groups, dim=0)[None, :, None, :]
