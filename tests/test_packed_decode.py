@@ -168,6 +168,67 @@ def test_a_decode_step_reads_nothing_back_from_the_device(tiny, name):
         assert all(int(layer.held().max()) == int(layer.quota.max()) for layer in cache.budget_layers)
 
 
+def prompt_reads(model, name, ids):
+    """(the ``Launches`` of a prompt forward of ``ids``, the cache)."""
+    with policy_on(model, name, BUDGET) as policy:
+        cache = BudgetCache(model.config, policy)
+        with torch.no_grad(), Launches() as prompt:
+            model(ids, past_key_values=cache)
+    return prompt, cache
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["full", "snapkv", "pyramidkv", "streaming_llm", "h2o", "tova", "morphkv", "trimkv", "trimkv-snap", "trimkv-morph", "locret", "kvzap"],
+)
+def test_a_prompt_forward_reads_nothing_back_where_the_host_knows_what_each_head_keeps(tiny, name):
+    """A prompt forward of a batch (each layer evicts its prompt to the budget) never waits for the device where the
+    host knows what each head keeps, and makes no tensor from host numbers on the layer's device (on a GPU such a copy
+    waits for the stream like a read back). Before: every layer uploaded its quota and its slot states' initial values
+    (H2O's prefill on an H100 waited 2.5 times a layer, with launches after each no longer hidden); PyramidKV read its
+    prompt lengths and its budgets' range back."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(6))
+    prompt, cache = prompt_reads(model, name, ids)
+    assert prompt.sync_ops == {}
+    if name != "full":
+        assert all(bool((layer.held() <= layer.quota).all()) for layer in cache.budget_layers)
+
+
+def test_adakv_s_prompt_forward_reads_back_its_head_budgets_range_and_kept_counts_alone(tiny):
+    """Ada-KV's head budgets depend on the scores: a layer reads back their range and the kept counts (which size its
+    ragged storage), and nothing else (before, also whether any sequence was over and the largest room, per layer)."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(6))
+    prompt, cache = prompt_reads(model, "adakv", ids)
+    assert prompt.sync_ops == {"tolist": 2 * len(cache.budget_layers)}
+
+
+def test_d2o_s_prompt_forward_reads_every_layer_s_budget_range_at_once(tiny):
+    """D2O's layer budgets come from the prompt's attention variances: their range is read back once for every
+    layer after the last one (before: once a layer, each read waiting for the previous layer's eviction)."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(6))
+    prompt, cache = prompt_reads(model, "d2o", ids)
+    assert prompt.sync_ops == {"tolist": 1}
+    assert all(bool((layer.held() <= layer.quota).all()) for layer in cache.budget_layers)
+
+
+def test_dynamickv_s_prompt_forward_reads_back_once_a_reallocation(tiny):
+    """DynamicKV counts the global top scores per layer on the host, one read back (``cpu``) a reallocation; the
+    budgets it allocates there give each layer's quota range without another (the ``tolist`` reads the host's own
+    budgets) while the layer's sequences hold as many tokens per head (here the same prompt twice; sequences given
+    different budgets leave their layers unpacked, and a later reallocation reads those back). Before: two reads a
+    layer and one a sequence and reallocation."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, PROMPT), generator=torch.Generator().manual_seed(6)).repeat(2, 1)
+    prompt, cache = prompt_reads(model, "dynamickv", ids)
+    layers, every = len(cache.budget_layers), cache.policy.update_every
+    reallocations = sum((rank + 1) % every == 0 or rank == layers - 1 for rank in range(layers))
+    assert prompt.sync_ops == {"cpu": reallocations, "tolist": reallocations}
+    assert all(bool((layer.held() <= layer.quota).all()) for layer in cache.budget_layers)
+
+
 @pytest.mark.parametrize("moved", [1, 3])
 def test_evicting_from_a_full_dense_layer_moves_the_last_slots_into_the_holes(moved):
     """``evict`` on a dense layer whose every slot holds a token (a decode step's eviction: one slot per row, the

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgates.kernels.host import on_device
 from kvgates.policies.base import Policy, register_policy
 from kvgates.policies.wrappers import Wrapper
 from kvgates.runtime.state import LayerState
@@ -25,11 +26,11 @@ def adakv_head_budgets(
     forced = forced & valid
     cand = valid & ~forced
     n_forced = forced.sum(-1)
-    room = (torch.as_tensor(budget, device=scores.device) - n_forced).clamp(min=0)  # B, per head
+    room = (on_device(budget, scores.device) - n_forced).clamp(min=0)  # B, per head
     b, h, c = scores.shape
     total = room.sum(-1)  # [B]
     flat = scores.float().masked_fill(~cand, float("-inf")).reshape(b, h * c)
-    kmax = int(total.max())
+    kmax = h * budget if isinstance(budget, int) else int(total.max())  # (an int budget bounds it on the host: no read)
     counts = torch.zeros((b, h), dtype=torch.long, device=scores.device)
     if kmax:
         top = flat.topk(min(kmax, h * c), dim=-1)
@@ -95,13 +96,19 @@ class AdaKV(Wrapper):
     def quota(self, layer, stats: AttnStats | None) -> torch.Tensor:
         """Head budgets of the sequences that have them; the wrapped policy's budget for the others."""
         state = self.layer_state(layer)
-        layer_quota = torch.as_tensor(self.inner.quota(layer, stats), device=layer.device).expand_as(layer.held())
+        inner = self.inner.quota(layer, stats)
+        layer_quota = on_device(inner, layer.device).expand_as(layer.held())
         if state.head_quota is None:
             state.head_quota = torch.full_like(layer_quota, -1)
         prompt = stats is not None and stats.phase is Phase.PREFILL
         fresh = (layer.held() > layer_quota).any(-1) & ((state.head_quota < 0).any(-1) | prompt)
-        if bool(fresh.any()):
+        if prompt and layer.packed and isinstance(inner, int):  # every sequence holds fill[h]: the host knows, no read
+            anybody = any(f > inner for f in layer.fill)
+        else:
+            anybody = bool(fresh.any())
+        if anybody:
             scores, forced = self.inner.score(layer, stats)
-            computed = adakv_head_budgets(scores, forced, layer.valid, layer_quota[:, :1], self.alpha)
+            budget = inner if isinstance(inner, int) else layer_quota[:, :1]
+            computed = adakv_head_budgets(scores, forced, layer.valid, budget, self.alpha)
             state.head_quota = torch.where(fresh[:, None], computed, state.head_quota)
         return torch.where(state.head_quota >= 0, state.head_quota, layer_quota)

@@ -10,6 +10,7 @@ from kvgates.policies.base import PerStepEviction, Schedule, register_policy
 from kvgates.policies.h2o import CUMULATIVE, CumulativeAttention
 from kvgates.policies.merging import MERGE_RULES, MergeState, merge_evicted, start_threshold
 from kvgates.policies.selection import keep_forced_and_top, recent_mask, sink_mask
+from kvgates.runtime.state import KnownRange
 from kvgates.runtime.stats import AttnStats, Phase
 
 
@@ -34,10 +35,11 @@ def d2o_layer_ratios(variances: torch.Tensor, rho: torch.Tensor, min_ratio: floa
 @dataclass
 class D2OState(MergeState):
     """D2O's values on one layer: its prompt variance ``v_l`` ``[B]`` (from the first prompt forward) and each
-    sequence's layer budget ``[B, 1]`` (set at the end of every prompt forward)."""
+    sequence's layer budget ``[B, 1]`` (set at the end of every prompt forward), with its range on the host."""
 
     variance: torch.Tensor | None = None
     layer_budget: torch.Tensor | None = None
+    budget_range: KnownRange | None = None
 
 
 @register_policy
@@ -117,6 +119,11 @@ class D2O(CumulativeAttention, PerStepEviction):
         layer_budget = self.layer_state(layer).layer_budget
         return self.budget if layer_budget is None else layer_budget
 
+    def quota_range(self, layer, quota: torch.Tensor) -> tuple[list[int], list[int]] | None:
+        """The layer budgets' range, read once for every layer when they were allocated."""
+        known = self.layer_state(layer).budget_range
+        return None if known is None else known.of(quota)
+
     def select(self, layer, stats: AttnStats | None, quota: torch.Tensor) -> torch.Tensor:
         """Sinks + the recent share of ``quota`` + the top cumulative scores for the rest; evicted tokens merge."""
         forced = sink_mask(layer, self.sinks) | recent_mask(layer, self._recent(quota))
@@ -145,11 +152,17 @@ class D2O(CumulativeAttention, PerStepEviction):
         prompt = (layers[0].pos.amax(dim=(1, 2)) + 1).clamp(min=1).float()
         # Layers may sit on different devices (device_map="auto"): decide on the first layer's, apply on each's own.
         ratios = d2o_layer_ratios(torch.stack([state.variance.to(prompt.device) for state in states]), self.budget / prompt)
-        for rank, (layer, state) in enumerate(zip(layers, states)):
+        budgets = []
+        for rank in range(len(layers)):
             budget = torch.round(ratios[rank] * prompt).long().clamp(min=self.sinks + 1)
             # A prompt that fits the budget is not compressed; later tokens are evicted at the uniform budget.
             budget = torch.where(prompt <= self.budget, torch.full_like(budget, self.budget), budget)
             if self.protect_edge_layers and rank in (0, 1, len(layers) - 1):
                 budget = prompt.long()
+            budgets.append(budget)
+        # One read of every layer's budget range (the layers' evictions need it on the host), not one a layer.
+        ranges = torch.stack([torch.stack([budget.amin(), budget.amax()]) for budget in budgets]).tolist()
+        for layer, state, budget, (least, most) in zip(layers, states, budgets, ranges):
             state.layer_budget = budget[:, None].to(layer.device)
+            state.budget_range = KnownRange(state.layer_budget, [least] * layer.num_kv_heads, [most] * layer.num_kv_heads)
             layer.enforce(None)

@@ -9,7 +9,7 @@ import torch
 from kvgates.policies.base import register_policy
 from kvgates.policies.selection import recent_mask
 from kvgates.policies.snapkv import WindowScored
-from kvgates.runtime.state import LayerState, SlotState
+from kvgates.runtime.state import KnownRange, LayerState, SlotState
 from kvgates.runtime.stats import AttnStats, Phase
 
 _SCORE = "dynamickv_score"
@@ -31,11 +31,13 @@ def dynamickv_allocation(counts: torch.Tensor, room: int, num_layers: int, r_max
 
 @dataclass
 class DynamicKVState(LayerState):
-    """The prompt's observation window on this layer, and the quota ``[B, 1]`` of the latest reallocation (None
-    before this layer's first one: then the layer is cut to ``r_max * b``)."""
+    """The prompt's observation window on this layer, and the quota ``[B, H_kv]`` of the latest reallocation (None
+    before this layer's first one: then the layer is cut to ``r_max * b``); the range of the latest quota where
+    the host knows it."""
 
     window: int = 0
     quota: torch.Tensor | None = None
+    known: KnownRange | None = None
 
 
 @register_policy
@@ -88,8 +90,17 @@ class DynamicKV(WindowScored):
         state = self.layer_state(layer)
         if state.quota is not None:
             return state.quota
-        cap = (layer.held().amax(-1, keepdim=True) - state.window).clamp(max=int(self.r_max * (self.budget - self.window)))
-        return cap + state.window
+        most = int(self.r_max * (self.budget - self.window))
+        cap = (layer.held().amax(-1, keepdim=True) - state.window).clamp(max=most) + state.window
+        if layer.packed:  # every sequence holds fill[h] tokens in head h: the host knows the cap
+            n = [min(max(layer.fill) - state.window, most) + state.window] * layer.num_kv_heads
+            state.known = KnownRange(cap, n, n)
+        return cap
+
+    def quota_range(self, layer, quota: torch.Tensor) -> tuple[list[int], list[int]] | None:
+        """The quota's range, known on the host for a packed layer (the budgets are allocated on the host)."""
+        known = self.layer_state(layer).known
+        return None if known is None else known.of(quota)
 
     def after_layer(self, layer, stats: AttnStats) -> None:
         if stats.phase is Phase.PREFILL and ((layer.rank + 1) % self.update_every == 0 or layer.is_last):
@@ -109,12 +120,21 @@ class DynamicKV(WindowScored):
         owner = torch.cat([torch.full((layer.state[_SCORE][0].numel(),), i) for i, layer in enumerate(layers)])
         k = min(room * layers[0].num_kv_heads * len(layers), flat.shape[1])
         top = flat.topk(k, dim=-1)
+        hits = torch.where(torch.isfinite(top.values), top.indices, -1).cpu()  # the reallocation's one read back
         counts = torch.zeros((len(layers), b), dtype=torch.long)
         for row in range(b):
-            hits = owner[top.indices[row][torch.isfinite(top.values[row])].cpu()]
-            counts[:, row] = torch.bincount(hits, minlength=len(layers))
-        budgets = dynamickv_allocation(counts, room, num_layers, self.r_max)
-        for layer, cand, f in zip(layers, candidates, budgets):
+            counts[:, row] = torch.bincount(owner[hits[row][hits[row] >= 0]], minlength=len(layers))
+        budgets = dynamickv_allocation(counts, room, num_layers, self.r_max)  # (on the host)
+        for layer, cand, f, host in zip(layers, candidates, budgets, budgets.tolist()):
+            state = self.layer_state(layer)
             f = torch.minimum(f.to(cand.device)[:, None], cand.sum(-1))  # clamp to what the layer holds
-            self.layer_state(layer).quota = f + (layer.valid & ~cand).sum(-1)  # plus the window
+            state.quota = f + (layer.valid & ~cand).sum(-1)  # plus the window
+            state.known = None
+            if layer.packed:  # head h holds fill[h] tokens, the window's newest among them: the quota's range is known
+                window = [min(state.window, n) for n in layer.fill]
+                state.known = KnownRange(
+                    state.quota,
+                    [min(min(host), n - w) + w for n, w in zip(layer.fill, window)],
+                    [min(max(host), n - w) + w for n, w in zip(layer.fill, window)],
+                )
             layer.enforce(None)

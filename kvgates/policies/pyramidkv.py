@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgates.kernels.host import on_device
 from kvgates.policies.base import register_policy
 from kvgates.policies.history import History
 from kvgates.policies.snapkv import SnapKV
+from kvgates.runtime.state import KnownRange
 from kvgates.runtime.stats import AttnStats, Phase
 
 
@@ -35,9 +37,10 @@ def pyramid_budgets(budget: int, window: int, prompt_len: int, num_layers: int, 
 @dataclass
 class PyramidState(History):
     """SnapKV's decode history, and each sequence's budget on this layer ``[B, 1]``, set at the end of the prompt
-    (decode evictions reuse it)."""
+    (decode evictions reuse it), with its range on the host."""
 
     layer_budget: torch.Tensor | None = None
+    budget_range: KnownRange | None = None
 
 
 @register_policy
@@ -68,10 +71,19 @@ class PyramidKV(SnapKV):
         """``[B, 1]``: this layer's pyramid budget for each sequence's own prompt length."""
         state = self.layer_state(layer)
         if (stats is not None and stats.phase is Phase.PREFILL) or state.layer_budget is None:
-            lengths = layer.held().amax(-1).tolist()
+            # (a packed layer's sequences hold fill[h] tokens in head h: the host knows the lengths without a read)
+            lengths = [max(layer.fill)] * layer.batch_size if layer.packed else layer.held().amax(-1).tolist()
             per_length = {
                 n: pyramid_budgets(self.budget, self.window, n, layer.cache.num_budget_layers, self.beta)[layer.rank]
                 for n in set(lengths)
             }
-            state.layer_budget = torch.tensor([[per_length[n]] for n in lengths], device=layer.device)
+            budgets = [per_length[n] for n in lengths]
+            state.layer_budget = on_device([[n] for n in budgets], layer.device)
+            heads = layer.num_kv_heads
+            state.budget_range = KnownRange(state.layer_budget, [min(budgets)] * heads, [max(budgets)] * heads)
         return state.layer_budget
+
+    def quota_range(self, layer, quota: torch.Tensor) -> tuple[list[int], list[int]] | None:
+        """The budgets' range, known on the host where they were computed: no read back."""
+        known = self.layer_state(layer).budget_range
+        return None if known is None else known.of(quota)

@@ -43,6 +43,22 @@ class LayerState:
                 setattr(self, f.name, fn(value))
 
 
+@dataclass(frozen=True)
+class KnownRange:
+    """A quota tensor a policy made, with its least and largest entry over the batch per head, which the policy
+    knows on the host: ``Policy.quota_range`` answers from it without a read back. Kept in a ``LayerState`` it is
+    not a tensor field, so a batch selection leaves it behind with the old tensor, and ``of`` then answers None (the
+    layer reads the new quota's range)."""
+
+    quota: torch.Tensor
+    least: list[int]
+    most: list[int]
+
+    def of(self, quota: torch.Tensor) -> tuple[list[int], list[int]] | None:
+        """``quota_range``'s answer for ``quota``: the range per head if ``quota`` is this one, else None."""
+        return (self.least, self.most) if quota is self.quota else None
+
+
 class StateViews(dict):
     """Named views into a layer's packed per-slot state. Assigning to a name writes into the storage
     (so ``layer.state["score"] += x`` updates the layer, as with a plain tensor attribute)."""
