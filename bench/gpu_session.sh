@@ -6,14 +6,15 @@
 #
 # A session has 15 minutes of device time (the machine's start and every idle wait included) and 10 minutes a
 # call: one full call, perhaps a short second one. `issue27` is that first call: what the open issue's GPU targets
-# still lack after stop 43's H100 measurement (docs/results.md, "On an H100"), in one command of at most 8.5
+# still lack after stop 44's H200 measurement (docs/results.md, "On an H200"), in one command of at most 7.5
 # minutes, in order of value, each part killed at its own limit and printing as it goes, so that a call cut short
 # still leaves the figures before it:
 #
-#   issue27         env; every policy's prefill vs plain sdpa, 8B shape, 16 layers, 8K, batch 8 (stop 43 measured
-#                   ten of them; KVMerger's decode failed in cuDNN's sdpa then) (220 s); a profile of the batch-1
-#                   prefill's fixed cost a layer and of the slow first decode steps of AdaKV/PyramidKV (100 s); the
-#                   tests the issue saw fail there: the runtime on the kernels, the device maps, the kernels (170 s)
+#   issue27         env; the GPU's own check that a pageable host-to-device copy syncs and `on_device` does not
+#                   (20 s); a profile of the batch-1 prefill of eight policies, 4 layers (stop 44 found a host sync
+#                   a layer from uploads in every policy's prefill; 100 s); every policy's batch-1 prefill vs plain
+#                   sdpa, 8B shape, 16 layers, 8K, two interleaved rounds (150 s); the batch-8 prefill of the
+#                   policies over or on the 1.3x line then (90 s); the decode-attention kernel at batch 1 (60 s)
 #
 # The other stages measure the rest, one per later session (minutes are estimates on an H100 until measured):
 #
@@ -67,6 +68,7 @@ if [ "$SMOKE" = 1 ]; then
     KERNELS="--smoke" TRAIN_SMALL="--lengths 160 256 --budget 64" TRAIN_BIG="--lengths 160 --budget 64"
     PREFILL_FIRST="--contexts 160 --budget 64 --batch 2 --steps 1 --rounds 1 --slack 0"
     PROFILE="--model random --layers 2 --context 160 --budget 64 --batch 1 --steps 2"
+    PREFILL_ONE="--contexts 160 --budget 64 --batch 1 --steps 1 --rounds 1 --slack 0" KERNELS_ONE="--smoke"
     export TRITON_INTERPRET=1
 else
     BIG="--model random:llama-3.1-8b --layers 32" DEEP="--model random:llama-3.1-8b --layers 16"
@@ -78,12 +80,9 @@ else
     TRAIN_SMALL="--lengths 1024 4096 8192 16384 --budget 256" TRAIN_BIG="--lengths 8192 --budget 1024"
     PREFILL_FIRST="--contexts 8192 --budget 1024 --batch 8 --steps 1 --rounds 1 --slack 0"
     PROFILE="--model random:llama-3.1-8b --layers 4 --context 8192 --budget 1024 --batch 1 --steps 3"
+    PREFILL_ONE="--contexts 8192 --budget 1024 --batch 1 --steps 1 --rounds 2 --slack 0"
+    KERNELS_ONE="--budgets 4096 16384 32768 --batch 1 --head-dim 128 --dtype bf16"
 fi
-#: The tests issue 27 names as failing on a GPU machine: the runtime on the kernels, the device maps, the kernels; the
-#: fast two first, as with a cold Triton cache each kernel test compiles (about 1 s each on an H100, stop 43). The
-#: smoke run takes the kernels alone: under the interpreter the three take minutes.
-GPU_TESTS="tests/test_runtime_on_kernels.py tests/test_cli.py tests/test_kernels.py"
-[ "$SMOKE" = 1 ] && GPU_TESTS="tests/test_kernels.py"
 
 # stage NAME SECONDS COMMAND...: run COMMAND with a time limit (then 20 s of grace), its output to the terminal and
 # $OUT/NAME.log; a failure or a timeout (status 124) makes the script's exit status 1.
@@ -113,12 +112,16 @@ for name in "$@"; do
         # Every registered policy but full (the runtime's own row) and merge (a wrapper that needs a base), read from
         # the registry so that a new policy is measured without an edit here.
         ALL_POLICIES=$("$PY" -c "import kvgates; print(' '.join(p for p in kvgates.POLICIES if p not in ('full', 'merge')))")
+        stage issue27-copies 20 "$PY" -m pytest -q -p no:cacheprovider tests/test_host_copies.py
         # shellcheck disable=SC2086
-        stage issue27-prefill 220 "$PY" bench/gpu_policies.py $DEEP $PREFILL_FIRST --policies $ALL_POLICIES
+        stage issue27-profile 100 "$PY" bench/policy_profile.py $PROFILE \
+            --policies streaming_llm h2o snapkv adakv pyramidkv dynamickv d2o locret
         # shellcheck disable=SC2086
-        stage issue27-profile 100 "$PY" bench/policy_profile.py $PROFILE --policies streaming_llm h2o adakv pyramidkv
+        stage issue27-prefill 150 "$PY" bench/gpu_policies.py $DEEP $PREFILL_ONE --policies $ALL_POLICIES
         # shellcheck disable=SC2086
-        stage issue27-tests 170 "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/issue27-tests.xml" $GPU_TESTS
+        stage issue27-prefill8 90 "$PY" bench/gpu_policies.py $DEEP $PREFILL_FIRST --policies h2o d2o dynamickv locret kvmerger
+        # shellcheck disable=SC2086
+        stage issue27-kernels 60 "$PY" bench/kernels.py $KERNELS_ONE
         ;;
     env)
         env_stage
