@@ -138,7 +138,7 @@ def main() -> None:
 def _crop(cache, tokens: int | None) -> None:
     """Cut a DynamicCache back to ``tokens`` (its prompt); budgeted caches stay as they are."""
     if tokens is not None and isinstance(cache, DynamicCache) and cache.get_seq_length() > tokens:
-        cache.crop(tokens)
+        cache.crop(tokens - cache.get_seq_length())  # (transformers 5.23: a negative count of tokens to remove)
 
 
 if __name__ == "__main__":
