@@ -18,8 +18,6 @@ def on_device(values: Any, device: torch.device | str, dtype: torch.dtype | None
     """
     device = torch.device(device)
     if isinstance(values, torch.Tensor):
-        if values.device.type == "cpu" and device.type == "cuda":  # (a host tensor too: through pinned memory)
-            return values.to(dtype=dtype).pin_memory().to(device, non_blocking=True)
         return values.to(device, dtype)
     return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 

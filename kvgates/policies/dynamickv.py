@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.kernels.host import on_device
 from kvgates.policies.base import register_policy
 from kvgates.policies.selection import recent_mask
 from kvgates.policies.snapkv import WindowScored
@@ -128,7 +127,7 @@ class DynamicKV(WindowScored):
         budgets = dynamickv_allocation(counts, room, num_layers, self.r_max)  # (on the host)
         for layer, cand, f, host in zip(layers, candidates, budgets, budgets.tolist()):
             state = self.layer_state(layer)
-            f = torch.minimum(on_device(f, cand.device)[:, None], cand.sum(-1))  # clamp to what the layer holds
+            f = torch.minimum(f.to(cand.device)[:, None], cand.sum(-1))  # clamp to what the layer holds
             state.quota = f + (layer.valid & ~cand).sum(-1)  # plus the window
             state.known = None
             if layer.packed:  # head h holds fill[h] tokens, the window's newest among them: the quota's range is known
