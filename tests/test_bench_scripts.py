@@ -170,7 +170,7 @@ def test_gpu_session_stages_run_at_toy_sizes(tmp_path):
     stages = ("decode", "captured", "captured-evict", "captured-merge", "prefill", "prefill-rest", "kernels", "train", "train-dms")
     result = _gpu_session(tmp_path, *stages, "issue27")
     assert result.returncode == 0, result.stderr
-    for stage in (*stages, "issue27-copies", "issue27-profile", "issue27-prefill", "issue27-prefill8", "issue27-kernels"):
+    for stage in (*stages, "issue27-copies", "issue27-profile", "issue27-prefill", "issue27-prefill8"):
         log = (tmp_path / f"{stage}.log").read_text()
         assert "exit status 0" in log and "exit status 1" not in log, log[-3000:]
 
