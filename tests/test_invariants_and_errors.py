@@ -203,8 +203,9 @@ def test_policy_params_table_covers_registry():
 
 
 #: Policies overriding ``select`` that still keep exactly ``min(held, quota)`` (D2O where its forced slots fit its
-#: smallest layer budget, merging over such a base, global TRIM-KV whose quota is what its selection keeps).
-EXACT_OVERRIDES = ("d2o", "merge", "trimkv-global")
+#: smallest layer budget, merging and Ada-KV over such a base: an Ada-KV head budget is never below its forced
+#: tokens; global TRIM-KV whose quota is what its selection keeps).
+EXACT_OVERRIDES = ("d2o", "merge", "adakv", "trimkv-global")
 
 
 @pytest.mark.parametrize("name", sorted(set(POLICIES) - set(EXACT_OVERRIDES)))
@@ -216,7 +217,7 @@ def test_exact_quota_only_where_select_is_the_base_selection(name):
 
     policy = object.__new__(POLICIES[name])  # the class's property without its parameters (learned ones need gates)
     assert policy.exact_quota == (type(policy).select is Policy.select)
-    if name in ("kvmerger", "adakv"):
+    if name == "kvmerger":
         assert not policy.exact_quota
     if name in ("h2o", "tova", "streaming_llm", "snapkv", "trimkv"):
         assert policy.exact_quota
@@ -227,7 +228,7 @@ def test_overrides_claim_an_exact_quota_only_where_they_keep_it():
     assert not make_policy("d2o", budget=16, protect_edge_layers=True).exact_quota  # an edge layer keeps its prompt
     assert not make_policy("d2o", budget=16, recent_share=0.5).exact_quota  # 4 sinks + round(5 * 0.5) > 5
     assert make_policy("merge", budget=16, base="h2o").exact_quota
-    assert not make_policy("merge", budget=64, base="adakv").exact_quota
+    assert make_policy("adakv", budget=64).exact_quota and make_policy("merge", budget=64, base="adakv").exact_quota
     assert POLICIES["trimkv-global"].exact_quota
 
 

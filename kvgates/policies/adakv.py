@@ -93,6 +93,12 @@ class AdaKV(Wrapper):
         by design)."""
         return not self.ragged_heads and not self.schedule.decode_every and self.inner.sync_free_decode
 
+    @property
+    def exact_quota(self) -> bool:
+        """The wrapped policy's: a head budget is its forced tokens plus a share of the room (never fewer than they), so
+        the base selection keeps exactly ``min(held, quota)`` under head budgets as under its own."""
+        return self.inner.exact_quota
+
     def quota(self, layer, stats: AttnStats | None) -> torch.Tensor:
         """Head budgets of the sequences that have them; the wrapped policy's budget for the others."""
         state = self.layer_state(layer)
