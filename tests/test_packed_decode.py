@@ -218,17 +218,17 @@ def test_d2o_s_prompt_forward_reads_every_layer_s_budget_range_at_once(tiny):
 
 
 def test_dynamickv_s_prompt_forward_reads_back_once_a_reallocation(tiny):
-    """DynamicKV counts the global top scores per layer on the host, one read back (``cpu``) a reallocation; the
-    budgets it allocates there give each layer's quota range without another (the ``tolist`` reads the host's own
-    budgets) while the layer's sequences hold as many tokens per head (here the same prompt twice; sequences given
-    different budgets leave their layers unpacked, and a later reallocation reads those back). Before: two reads a
-    layer and one a sequence and reallocation."""
+    """DynamicKV counts the global top scores per layer and allocates the budgets on the device, and reads their
+    range back once a reallocation, which gives each layer's quota range while the layer's sequences hold as many
+    tokens per head (here the same prompt twice; sequences given different budgets leave their layers unpacked, and
+    a later reallocation reads those back). Before: two reads a layer, one a sequence and reallocation, and a
+    host-to-device copy of each layer's budgets."""
     _, model = tiny
     ids = torch.randint(1, 128, (1, PROMPT), generator=torch.Generator().manual_seed(6)).repeat(2, 1)
     prompt, cache = prompt_reads(model, "dynamickv", ids)
     layers, every = len(cache.budget_layers), cache.policy.update_every
     reallocations = sum((rank + 1) % every == 0 or rank == layers - 1 for rank in range(layers))
-    assert prompt.sync_ops == {"cpu": reallocations, "tolist": reallocations}
+    assert prompt.sync_ops == {"tolist": reallocations}
     assert all(bool((layer.held() <= layer.quota).all()) for layer in cache.budget_layers)
 
 

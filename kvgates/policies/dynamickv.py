@@ -117,24 +117,24 @@ class DynamicKV(WindowScored):
             ],
             dim=1,
         )
-        owner = torch.cat([torch.full((layer.state[_SCORE][0].numel(),), i) for i, layer in enumerate(layers)])
-        k = min(room * layers[0].num_kv_heads * len(layers), flat.shape[1])
+        n = len(layers)
+        owner = torch.cat([torch.full((layer.state[_SCORE][0].numel(),), i, device=device) for i, layer in enumerate(layers)])
+        k = min(room * layers[0].num_kv_heads * n, flat.shape[1])
         top = flat.topk(k, dim=-1)
-        hits = torch.where(torch.isfinite(top.values), top.indices, -1).cpu()  # the reallocation's one read back
-        counts = torch.zeros((len(layers), b), dtype=torch.long)
-        for row in range(b):
-            counts[:, row] = torch.bincount(owner[hits[row][hits[row] >= 0]], minlength=len(layers))
-        budgets = dynamickv_allocation(counts, room, num_layers, self.r_max)  # (on the host)
-        for layer, cand, f, host in zip(layers, candidates, budgets, budgets.tolist()):
+        hits = torch.where(torch.isfinite(top.values), owner[top.indices], n)  # [B, k]: each hit's layer (n: none)
+        counts = torch.zeros((b, n + 1), dtype=torch.long, device=device).scatter_add_(1, hits, torch.ones_like(hits))
+        budgets = dynamickv_allocation(counts[:, :n].T, room, num_layers, self.r_max)  # [n, B]
+        ranges = torch.stack([budgets.amin(-1), budgets.amax(-1)], -1).tolist()  # the reallocation's one read back
+        for layer, cand, f, (least, most) in zip(layers, candidates, budgets, ranges):
             state = self.layer_state(layer)
             f = torch.minimum(f.to(cand.device)[:, None], cand.sum(-1))  # clamp to what the layer holds
             state.quota = f + (layer.valid & ~cand).sum(-1)  # plus the window
             state.known = None
             if layer.packed:  # head h holds fill[h] tokens, the window's newest among them: the quota's range is known
-                window = [min(state.window, n) for n in layer.fill]
+                window = [min(state.window, held) for held in layer.fill]
                 state.known = KnownRange(
                     state.quota,
-                    [min(min(host), n - w) + w for n, w in zip(layer.fill, window)],
-                    [min(max(host), n - w) + w for n, w in zip(layer.fill, window)],
+                    [min(least, held - w) + w for held, w in zip(layer.fill, window)],
+                    [min(most, held - w) + w for held, w in zip(layer.fill, window)],
                 )
             layer.enforce(None)
