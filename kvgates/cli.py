@@ -166,12 +166,14 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--max-new-tokens", type=_positive_int, default=64, help="default: 64")
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=_positive_float, help=f"sampling temperature with --sample (default: {TEMPERATURE})")
-    parser.add_argument("--seed", type=_seed, default=0, help="default: 0")
+    parser.add_argument("--seed", type=_seed, help="the random seed of --sample (default: 0)")
     parser.add_argument("--prefill-chunk", type=_positive_int, help="feed the prompt in chunks of this many tokens")
     names = _policy_options(parser, known.policy)
     args = parser.parse_args(argv)
     if args.temperature is not None and not args.sample:
         parser.error("--temperature sets how --sample samples; add --sample (greedy decoding, the default, has no temperature)")
+    if args.seed is not None and not args.sample:
+        parser.error("--seed sets what --sample draws; add --sample (greedy decoding, the default, gives the same text every run)")
 
     params = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if args.budget is not None:
@@ -222,7 +224,7 @@ def _generate(argv: list[str]) -> int:
             strict = "add strict=false to --base-params" if wrapped else "pass --strict false"
             raise AdapterError(str(err).replace("pass strict=False", strict)) from None
         cache = BudgetCache(model.config, policy)
-        torch.manual_seed(args.seed)
+        torch.manual_seed(args.seed or 0)
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(

@@ -38,6 +38,16 @@ def test_generate_sampled_with_chunks(checkpoint, capsys):
     assert code == 0
 
 
+def test_a_sampled_generation_repeats_with_its_seed_and_defaults_to_seed_0(checkpoint, capsys):
+    texts = []
+    for seed in (["--seed", "5"], ["--seed", "5"], [], ["--seed", "0"]):
+        argv = ["generate", "--model", checkpoint, "--policy", "h2o", "--budget", "8", "--prompt", "hello there " * 5,
+                "--sample", "--max-new-tokens", "6", *seed]
+        assert main(argv) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[2] == texts[3]
+
+
 def test_generate_with_kvzip_in_prompt_chunks(checkpoint, capsys):
     """KVzip encodes its repeat prompt with the checkpoint's own tokenizer and scores every prompt chunk."""
     code = main(["generate", "--model", checkpoint, "--policy", "kvzip", "--budget", "12", "--prompt", "hello there " * 5,
@@ -106,6 +116,7 @@ def bad_models(tmp_path_factory):
         (["--sample", "--temperature", "0", "--prompt", "x"], "--temperature: must be a positive number, got '0' (greedy"),
         (["--sample", "--temperature", "nan", "--prompt", "x"], "--temperature: must be a positive number, got 'nan'"),
         (["--temperature", "1.2", "--prompt", "x"], "--temperature sets how --sample samples; add --sample"),  # was ignored
+        (["--seed", "3", "--prompt", "x"], "--seed sets what --sample draws; add --sample"),  # was ignored
         (["--max-new-tokens", "-1", "--prompt", "x"], "--max-new-tokens: must be a positive integer, got '-1'"),
         (["--prefill-chunk", "0", "--prompt", "x"], "--prefill-chunk: must be a positive integer, got '0'"),
         # Torch's "Overflow when unpacking long long" once the model had loaded.
