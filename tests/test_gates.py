@@ -292,10 +292,13 @@ def test_push_and_pull_through_a_local_hub(tiny_pair, tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(gates.state_dict().values(), pulled.state_dict().values()))
 
 
-def test_unreachable_hub_id_is_a_clear_error(tmp_path, monkeypatch):
+def test_unreachable_hub_id_is_a_clear_error_that_names_the_shipped_adapters(tmp_path, monkeypatch):
+    """A name that is no folder, no shipped adapter and not on the Hub (a mistyped shipped name, say) is refused in
+    one sentence that lists the names that load offline (before, it did not say they exist)."""
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    with FakeHub() as hub, pytest.raises(AdapterError, match="could not be fetched from the Hub"):
-        GateSet.from_pretrained("nobody/missing", endpoint=hub.url)
+    with FakeHub() as hub, pytest.raises(AdapterError, match="could not be fetched from the Hub") as err:
+        GateSet.from_pretrained("smollm2-135m-trimkvv", endpoint=hub.url)
+    assert "a shipped adapter's name (smollm2-135m-dms, " in str(err.value) and "smollm2-135m-trimkv," in str(err.value)
 
 
 def test_fingerprint_mismatch_is_refused(tiny_pair):

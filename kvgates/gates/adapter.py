@@ -396,6 +396,13 @@ out = model.generate(**tok("...", return_tensors="pt"), past_key_values=cache, m
 {report}{training}"""
 
 
+def _shipped_names() -> str:
+    """The shipped adapters' names, for an error that says what else loads offline."""
+    from kvgates.gates.embedded import embedded_adapters
+
+    return ", ".join(embedded_adapters()) or "none"
+
+
 def _download(repo_id: str, revision: str | None, endpoint: str | None, token: str | None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -405,7 +412,7 @@ def _download(repo_id: str, revision: str | None, endpoint: str | None, token: s
     except HFValidationError:
         raise AdapterError(
             f"{repo_id} is neither an adapter folder nor a Hub repository id; pass an existing adapter folder "
-            "(config.json, model.safetensors) or an id like 'user/name'"
+            f"(config.json, model.safetensors), a shipped adapter's name ({_shipped_names()}) or an id like 'user/name'"
         ) from None
     try:
         return Path(
@@ -420,7 +427,7 @@ def _download(repo_id: str, revision: str | None, endpoint: str | None, token: s
     except Exception as err:  # the Hub client raises many types (offline, 404, auth)
         raise AdapterError(
             f"no local folder {repo_id!r} and it could not be fetched from the Hub ({type(err).__name__}); "
-            "pass an existing adapter folder or a reachable Hub repository id"
+            f"pass an existing adapter folder, a shipped adapter's name ({_shipped_names()}) or a reachable Hub repository id"
         ) from err
 
 
