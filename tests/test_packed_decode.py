@@ -207,6 +207,19 @@ def test_adakv_s_prompt_forward_reads_back_its_head_budgets_range_alone(tiny):
     assert all(torch.equal(layer.held(), torch.minimum(layer.quota, torch.tensor(PROMPT))) for layer in cache.budget_layers)
 
 
+def test_a_wrapper_answers_its_base_s_quota_range(tiny):
+    """Merging over PyramidKV knows the pyramid budgets' range as PyramidKV does (``Wrapper.quota_range``; before,
+    each layer read it back)."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(6))
+    with policy_on(model, "merge", BUDGET, base="pyramidkv", base_params={"window": 4, "kernel": 3}) as policy:
+        cache = BudgetCache(model.config, policy)
+        with torch.no_grad(), Launches() as prompt:
+            model(ids, past_key_values=cache)
+    assert prompt.sync_ops == {}
+    assert all(bool((layer.held() <= layer.quota).all()) for layer in cache.budget_layers)
+
+
 def test_d2o_s_prompt_forward_reads_every_layer_s_budget_range_at_once(tiny):
     """D2O's layer budgets come from the prompt's attention variances: their range is read back once for every
     layer after the last one (before: once a layer, each read waiting for the previous layer's eviction)."""

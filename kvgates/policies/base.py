@@ -161,9 +161,11 @@ class Policy:
 
     def quota_range(self, layer: BudgetLayer, quota: torch.Tensor) -> tuple[list[int], list[int]] | None:
         """Per head, the least and the largest entry over the batch of the tensor ``quota`` just returned for
-        ``layer``, when the policy knows them on the host (one read for several layers); None: the layer reads them
-        back once."""
-        return None
+        ``layer``, when the policy knows them on the host: by default the ``KnownRange`` its layer state holds for
+        that tensor (``LayerState.known_quota``, set where the policy made it: no read back, or one for several
+        layers); None: the layer reads them back once."""
+        known = None if self.state_type is None else self.layer_state(layer).known_quota
+        return None if known is None else known.of(quota)
 
     def select(self, layer: BudgetLayer, stats: AttnStats | None, quota: torch.Tensor) -> torch.Tensor:
         """Keep mask ``[B, H_kv, C]``: the forced slots plus the best-scoring others, ``quota`` per head."""

@@ -35,11 +35,11 @@ def d2o_layer_ratios(variances: torch.Tensor, rho: torch.Tensor, min_ratio: floa
 @dataclass
 class D2OState(MergeState):
     """D2O's values on one layer: its prompt variance ``v_l`` ``[B]`` (from the first prompt forward) and each
-    sequence's layer budget ``[B, 1]`` (set at the end of every prompt forward), with its range on the host."""
+    sequence's layer budget ``[B, 1]`` (set at the end of every prompt forward), with its range on the host
+    (``known_quota``)."""
 
     variance: torch.Tensor | None = None
     layer_budget: torch.Tensor | None = None
-    budget_range: KnownRange | None = None
 
 
 @register_policy
@@ -119,11 +119,6 @@ class D2O(CumulativeAttention, PerStepEviction):
         layer_budget = self.layer_state(layer).layer_budget
         return self.budget if layer_budget is None else layer_budget
 
-    def quota_range(self, layer, quota: torch.Tensor) -> tuple[list[int], list[int]] | None:
-        """The layer budgets' range, read once for every layer when they were allocated."""
-        known = self.layer_state(layer).budget_range
-        return None if known is None else known.of(quota)
-
     def select(self, layer, stats: AttnStats | None, quota: torch.Tensor) -> torch.Tensor:
         """Sinks + the recent share of ``quota`` + the top cumulative scores for the rest; evicted tokens merge."""
         forced = sink_mask(layer, self.sinks) | recent_mask(layer, self._recent(quota))
@@ -164,5 +159,5 @@ class D2O(CumulativeAttention, PerStepEviction):
         ranges = torch.stack([torch.stack([budget.amin(), budget.amax()]) for budget in budgets]).tolist()
         for layer, state, budget, (least, most) in zip(layers, states, budgets, ranges):
             state.layer_budget = budget[:, None].to(layer.device)
-            state.budget_range = KnownRange(state.layer_budget, [least] * layer.num_kv_heads, [most] * layer.num_kv_heads)
+            state.known_quota = KnownRange(state.layer_budget, [least] * layer.num_kv_heads, [most] * layer.num_kv_heads)
             layer.enforce(None)

@@ -33,11 +33,10 @@ def dynamickv_allocation(counts: torch.Tensor, room: int, num_layers: int, r_max
 class DynamicKVState(LayerState):
     """The prompt's observation window on this layer, and the quota ``[B, H_kv]`` of the latest reallocation (None
     before this layer's first one: then the layer is cut to ``r_max * b``); the range of the latest quota where
-    the host knows it."""
+    the host knows it (``known_quota``)."""
 
     window: int = 0
     quota: torch.Tensor | None = None
-    known: KnownRange | None = None
 
 
 @register_policy
@@ -94,13 +93,8 @@ class DynamicKV(WindowScored):
         cap = (layer.held().amax(-1, keepdim=True) - state.window).clamp(max=most) + state.window
         if layer.packed:  # every sequence holds fill[h] tokens in head h: the host knows the cap
             n = [min(max(layer.fill) - state.window, most) + state.window] * layer.num_kv_heads
-            state.known = KnownRange(cap, n, n)
+            state.known_quota = KnownRange(cap, n, n)
         return cap
-
-    def quota_range(self, layer, quota: torch.Tensor) -> tuple[list[int], list[int]] | None:
-        """The quota's range, known on the host for a packed layer (the budgets are allocated on the host)."""
-        known = self.layer_state(layer).known
-        return None if known is None else known.of(quota)
 
     def after_layer(self, layer, stats: AttnStats) -> None:
         if stats.phase is Phase.PREFILL and ((layer.rank + 1) % self.update_every == 0 or layer.is_last):
@@ -129,10 +123,10 @@ class DynamicKV(WindowScored):
             state = self.layer_state(layer)
             f = torch.minimum(f.to(cand.device)[:, None], cand.sum(-1))  # clamp to what the layer holds
             state.quota = f + (layer.valid & ~cand).sum(-1)  # plus the window
-            state.known = None
+            state.known_quota = None
             if layer.packed:  # head h holds fill[h] tokens, the window's newest among them: the quota's range is known
                 window = [min(state.window, held) for held in layer.fill]
-                state.known = KnownRange(
+                state.known_quota = KnownRange(
                     state.quota,
                     [min(least, held - w) + w for held, w in zip(layer.fill, window)],
                     [min(most, held - w) + w for held, w in zip(layer.fill, window)],

@@ -37,10 +37,9 @@ def pyramid_budgets(budget: int, window: int, prompt_len: int, num_layers: int, 
 @dataclass
 class PyramidState(History):
     """SnapKV's decode history, and each sequence's budget on this layer ``[B, 1]``, set at the end of the prompt
-    (decode evictions reuse it), with its range on the host."""
+    (decode evictions reuse it), with its range on the host (``known_quota``)."""
 
     layer_budget: torch.Tensor | None = None
-    budget_range: KnownRange | None = None
 
 
 @register_policy
@@ -80,10 +79,5 @@ class PyramidKV(SnapKV):
             budgets = [per_length[n] for n in lengths]
             state.layer_budget = on_device([[n] for n in budgets], layer.device)
             heads = layer.num_kv_heads
-            state.budget_range = KnownRange(state.layer_budget, [min(budgets)] * heads, [max(budgets)] * heads)
+            state.known_quota = KnownRange(state.layer_budget, [min(budgets)] * heads, [max(budgets)] * heads)
         return state.layer_budget
-
-    def quota_range(self, layer, quota: torch.Tensor) -> tuple[list[int], list[int]] | None:
-        """The budgets' range, known on the host where they were computed: no read back."""
-        known = self.layer_state(layer).budget_range
-        return None if known is None else known.of(quota)

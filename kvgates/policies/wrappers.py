@@ -98,6 +98,9 @@ class Wrapper(Policy):
     def quota(self, layer, stats: AttnStats | None) -> int | torch.Tensor:
         return self.inner.quota(layer, stats)
 
+    def quota_range(self, layer, quota: torch.Tensor) -> tuple[list[int], list[int]] | None:
+        return self.inner.quota_range(layer, quota)  # (None for a quota of the wrapper's own: ``KnownRange.of``)
+
     def select(self, layer, stats: AttnStats | None, quota: torch.Tensor) -> torch.Tensor:
         return self.inner.select(layer, stats, quota)
 

@@ -27,22 +27,6 @@ class SlotState:
         return int(math.prod(self.shape))
 
 
-@dataclass
-class LayerState:
-    """Base of a policy's own values on one layer (thresholds, per-sequence budgets, ring pointers ...).
-
-    Subclass it as a dataclass with defaults and name it in the policy's ``state_type``; the layer creates one per
-    policy on first use (``Policy.layer_state``). Tensor fields of at least one dimension are per sequence (dim 0)
-    and follow beam reordering and batch selection; other fields (0-d tensors among them) are per layer.
-    """
-
-    def select_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor) and value.dim():
-                setattr(self, f.name, fn(value))
-
-
 @dataclass(frozen=True)
 class KnownRange:
     """A quota tensor a policy made, with its least and largest entry over the batch per head, which the policy
@@ -57,6 +41,25 @@ class KnownRange:
     def of(self, quota: torch.Tensor) -> tuple[list[int], list[int]] | None:
         """``quota_range``'s answer for ``quota``: the range per head if ``quota`` is this one, else None."""
         return (self.least, self.most) if quota is self.quota else None
+
+
+@dataclass
+class LayerState:
+    """Base of a policy's own values on one layer (thresholds, per-sequence budgets, ring pointers ...).
+
+    Subclass it as a dataclass with defaults and name it in the policy's ``state_type``; the layer creates one per
+    policy on first use (``Policy.layer_state``). Tensor fields of at least one dimension are per sequence (dim 0)
+    and follow beam reordering and batch selection; other fields (0-d tensors among them) are per layer.
+    ``known_quota``: the range of a quota tensor the policy made, where it knows it (``Policy.quota_range``).
+    """
+
+    known_quota: KnownRange | None = None
+
+    def select_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and value.dim():
+                setattr(self, f.name, fn(value))
 
 
 class StateViews(dict):
