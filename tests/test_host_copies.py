@@ -15,6 +15,13 @@ def test_launches_counts_a_tensor_made_from_host_numbers_on_a_device_as_a_sync()
     assert counted.sync_ops == {"upload": 2}
 
 
+def test_launches_counts_data_given_by_keyword():
+    with Launches() as counted:
+        torch.tensor(data=[1, 2], device="cpu")
+        torch.as_tensor(data=torch.ones(2), device="cpu")
+    assert counted.sync_ops == {"upload": 1}
+
+
 def test_launches_counts_neither_host_tensors_nor_moved_tensors_nor_on_device():
     t = torch.ones(2)
     with Launches() as counted:

@@ -229,6 +229,7 @@ def test_overrides_claim_an_exact_quota_only_where_they_keep_it():
     assert not make_policy("d2o", budget=16, recent_share=0.5).exact_quota  # 4 sinks + round(5 * 0.5) > 5
     assert make_policy("merge", budget=16, base="h2o").exact_quota
     assert make_policy("adakv", budget=64).exact_quota and make_policy("merge", budget=64, base="adakv").exact_quota
+    assert not make_policy("adakv", budget=64, base="merge", base_params={"base": "h2o"}).exact_quota  # (not the base selection)
     assert POLICIES["trimkv-global"].exact_quota
 
 

@@ -207,6 +207,33 @@ def test_adakv_s_prompt_forward_reads_back_its_head_budgets_range_alone(tiny):
     assert all(torch.equal(layer.held(), torch.minimum(layer.quota, torch.tensor(PROMPT))) for layer in cache.budget_layers)
 
 
+@pytest.mark.parametrize("ragged", [True, False])
+def test_adakv_over_a_base_keeping_its_own_mask_claims_no_exact_quota(tiny, ragged):
+    """Global TRIM-KV's ``select`` keeps its own selection across layers, not Ada-KV's head budgets: Ada-KV over it
+    must read its kept counts back (claiming an exact quota, it tripped the eviction's device check) and must not
+    take global TRIM-KV's range for its own quota."""
+    from kvgates.gates import GATE_KINDS
+
+    _, model = tiny
+    gates = GATE_KINDS["retention-global"].for_model(model, init_bias=2.0)
+    torch.manual_seed(3)
+    for p in gates.parameters():
+        torch.nn.init.normal_(p, std=1.0)
+    policy = make_policy("adakv", budget=BUDGET, base="trimkv-global", base_params={"gates": gates}, ragged=ragged)
+    assert not policy.exact_quota
+    ids = torch.randint(1, 128, (2, PROMPT + 4), generator=torch.Generator().manual_seed(1))
+    policy.attach(model)
+    try:
+        cache = BudgetCache(model.config, policy)
+        with torch.no_grad():
+            model(ids[:, :PROMPT], past_key_values=cache)
+            for t in range(PROMPT, PROMPT + 4):
+                model(ids[:, t : t + 1], past_key_values=cache)
+    finally:
+        policy.detach()
+    assert all(int(layer.held().min()) > 0 for layer in cache.budget_layers)  # (it ran: before, a RuntimeError)
+
+
 def test_a_wrapper_answers_its_base_s_quota_range(tiny):
     """Merging over PyramidKV knows the pyramid budgets' range as PyramidKV does (``Wrapper.quota_range``; before,
     each layer read it back)."""

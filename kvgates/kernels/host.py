@@ -19,7 +19,8 @@ def on_device(values: Any, device: torch.device | str, dtype: torch.dtype | None
     device = torch.device(device)
     if isinstance(values, torch.Tensor):
         return values.to(device, dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    pinned = device.type == "cuda"  # (elsewhere a non-blocking copy from a temporary is not safe: MPS)
+    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=pinned)
 
 
 __all__ = ["on_device"]

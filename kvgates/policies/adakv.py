@@ -95,9 +95,10 @@ class AdaKV(Wrapper):
 
     @property
     def exact_quota(self) -> bool:
-        """The wrapped policy's: a head budget is its forced tokens plus a share of the room (never fewer than they), so
-        the base selection keeps exactly ``min(held, quota)`` under head budgets as under its own."""
-        return self.inner.exact_quota
+        """Where the wrapped policy selects with the base selection: a head budget is its forced tokens plus a share of
+        the room (never fewer than they), so that selection keeps exactly ``min(held, quota)`` under head budgets as
+        under the base's own. (A base whose ``select`` keeps a mask of its own, as global TRIM-KV's does, is not.)"""
+        return type(self.inner).select is Policy.select and self.inner.exact_quota
 
     def quota(self, layer, stats: AttnStats | None) -> torch.Tensor:
         """Head budgets of the sequences that have them; the wrapped policy's budget for the others."""

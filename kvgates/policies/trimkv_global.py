@@ -94,7 +94,8 @@ class TrimKVGlobal(TrimKV):
         return self.layer_state(layer).kept
 
     def quota_range(self, layer, quota: torch.Tensor) -> tuple[list[int], list[int]] | None:
-        return self.layer_state(layer).kept_range
+        state = self.layer_state(layer)
+        return state.kept_range if quota is state.kept else None  # (a wrapper's own quota: not this range)
 
     def select(self, layer, stats: AttnStats | None, quota: torch.Tensor) -> torch.Tensor:
         return self.layer_state(layer).keep

@@ -2,10 +2,12 @@
 
 On a GPU a decode step of a small model is bound by launches and syncs more than by bandwidth: every aten operator
 that is not a view launches at least one kernel, and reading a value back (``.item()``, ``bool()``, ``.tolist()``,
-``.cpu()``, ``nonzero``...) makes the host wait until the device has run everything queued before it. So does
-a tensor made from host numbers on the device (``torch.tensor(values, device=...)``): it copies from pageable memory,
-and such a copy waits for the stream to drain (``kvgates.kernels.host.on_device`` copies from pinned memory instead, queued like a kernel).
-All are visible without a GPU, so a policy can be checked on the CPU (``bench/launches.py``, ``tests/test_packed_decode.py``)::
+``.cpu()``, ``nonzero``...) makes the host wait until the device has run everything queued before it. So does a
+tensor made from host numbers on the device (``torch.tensor(values, device=...)``): it copies from pageable memory,
+and such a copy waits for the stream to drain (``kvgates.kernels.host.on_device`` copies from pinned memory
+instead, queued like a kernel). All are visible without a GPU (but a host tensor moved with ``.to(device)``, which
+on the CPU looks like any move), so a policy can be checked on the CPU (``bench/launches.py``,
+``tests/test_packed_decode.py``)::
 
     with Launches() as counted:
         model(token, past_key_values=cache)
@@ -51,8 +53,9 @@ class _Methods(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in SYNC_METHODS:
             self.ops[name] += 1
-        elif name in _FROM_HOST and (kwargs or {}).get("device") is not None and not isinstance(args[0], torch.Tensor):
-            self.ops["upload"] += 1
+        elif name in _FROM_HOST and (kwargs or {}).get("device") is not None:
+            if not isinstance(args[0] if args else kwargs.get("data"), torch.Tensor):
+                self.ops["upload"] += 1
         return func(*args, **(kwargs or {}))
 
 
