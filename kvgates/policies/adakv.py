@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.kernels.host import on_device
 from kvgates.policies.base import Policy, register_policy
 from kvgates.policies.wrappers import Wrapper
 from kvgates.runtime.state import LayerState
@@ -26,7 +25,7 @@ def adakv_head_budgets(
     forced = forced & valid
     cand = valid & ~forced
     n_forced = forced.sum(-1)
-    room = (on_device(budget, scores.device) - n_forced).clamp(min=0)  # B, per head
+    room = (budget - n_forced).clamp(min=0)  # B, per head (an int budget needs no tensor of its own)
     b, h, c = scores.shape
     total = room.sum(-1)  # [B]
     flat = scores.float().masked_fill(~cand, float("-inf")).reshape(b, h * c)
@@ -104,7 +103,7 @@ class AdaKV(Wrapper):
         """Head budgets of the sequences that have them; the wrapped policy's budget for the others."""
         state = self.layer_state(layer)
         inner = self.inner.quota(layer, stats)
-        layer_quota = on_device(inner, layer.device).expand_as(layer.held())
+        layer_quota = layer.quota_tensor(inner)
         if state.head_quota is None:
             state.head_quota = torch.full_like(layer_quota, -1)
         prompt = stats is not None and stats.phase is Phase.PREFILL

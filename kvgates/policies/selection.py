@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvgates.kernels.host import on_device
 from kvgates.runtime.storage import POS_BIG
 
 if TYPE_CHECKING:
@@ -38,7 +37,7 @@ def topk_mask(
         if k == 0:
             return torch.zeros_like(candidates)
     else:
-        k_t = on_device(k, scores.device).expand(scores.shape[:-1]).clamp(0, n)
+        k_t = k.to(scores.device).expand(scores.shape[:-1]).clamp(0, n)
     s = scores.double() if not scores.is_floating_point() else scores
     if positions is not None and not sync_free:
         over = candidates.sum(-1) - k_t
@@ -118,7 +117,7 @@ def keep_forced_and_top(
     if excess is not None and excess <= 1 and not layer.static:
         return _drop_worst(layer, scores, budget, forced)
     forced = forced & layer.valid
-    room = on_device(budget, scores.device) - forced.sum(-1)
+    room = (budget.to(scores.device) if isinstance(budget, torch.Tensor) else budget) - forced.sum(-1)
     return forced | topk_mask(scores, room.clamp(min=0), layer.valid & ~forced, layer.pos, sync_free=layer.static, excess=excess)
 
 

@@ -220,7 +220,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         tolerance = self.cache.policy.schedule.tolerance
         return self.packed and isinstance(self._quota_source, int) and max(self.fill) <= self._least_quota + tolerance
 
-    def _quota_tensor(self, quota: int | torch.Tensor) -> torch.Tensor:
+    def quota_tensor(self, quota: int | torch.Tensor) -> torch.Tensor:
         """The policy's ``quota`` (an int, or per sequence and head) as ``[B, H_kv]`` int64 on the layer's device."""
         if isinstance(quota, int):
             return torch.full((self.batch_size, self.num_kv_heads), quota, dtype=torch.long, device=self.device)
@@ -237,7 +237,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         if not (quota is self._quota_source or (isinstance(quota, int) and quota == self._quota_source)):
             # A new quota: its range per head is read once (an int's is known, and a policy may know a tensor's),
             # then the host can tell who is over.
-            self.quota = self._quota_tensor(quota)
+            self.quota = self.quota_tensor(quota)
             if isinstance(quota, int):
                 known = ([quota] * self.num_kv_heads,) * 2
             else:
@@ -319,7 +319,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         policy = self.cache.policy
         schedule = policy.schedule
         quota = policy.quota(self, None)
-        self.quota = self._quota_tensor(quota)
+        self.quota = self.quota_tensor(quota)
         most, least = (quota, quota) if isinstance(quota, int) else (int(self.quota.max()), int(self.quota.min()))
         self.settle(most + (schedule.slack if schedule.decode_every else self.cache.decode_slots))
         self.static_evictions = self.max_slots - least
