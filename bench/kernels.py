@@ -2,6 +2,7 @@
 
     python bench/kernels.py                      # on a CUDA GPU: the full grid
     python bench/kernels.py --budgets 2048 8192 --batch 1 32 --head-dim 128 --dtype bf16
+    python bench/kernels.py --sweep-decode --budgets 4096 16384 32768 --batch 1 --head-dim 128 --dtype bf16
     TRITON_INTERPRET=1 python bench/kernels.py --smoke   # tiny grid on CPU: checks the script, not speed
 
 For each kernel and shape it prints the Triton time, the reference time, their ratio, the achieved memory
@@ -11,6 +12,10 @@ torch sdpa computing the same attention without per-slot probabilities (target: 
 bandwidth at batch 1, 16K). The fused scoring prefill (a prompt as long as the budget; column sums and window
 scores) is compute-bound: it prints TFLOP/s, their fraction of the GPU's bf16/fp16 peak (989 TFLOP/s on H100 SXM
 and H200) and its ratio to sdpa's causal attention without statistics.
+
+``--sweep-decode`` measures decode attention alone under every launch configuration of a small grid (slots a loop
+iteration loads, programs a multiprocessor, warps, pipeline stages) and prints the five fastest and the kernel's
+default (``triton_ops._decode_config``) for each shape: the evidence a new default is chosen on.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--peak-gbps", type=float)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (needs TRITON_INTERPRET=1)")
+    parser.add_argument("--sweep-decode", action="store_true", help="decode attention under every launch configuration of a grid")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
@@ -87,9 +93,12 @@ def main() -> None:
     peak = peak_gbps(device, args.peak_gbps)
     peak_tf = peak_tflops(device)
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'CPU (Triton interpreter)'}; peak {peak} GB/s")
-    print(f"{'kernel':16s} {'shape':34s} {'triton':>12s} {'reference':>13s} {'speedup':>8s} {'bandwidth':>13s} {'of peak':>6s}")
     h, g = args.heads, args.group
     hkv = h // g
+    if args.sweep_decode:
+        sweep_decode(args, h, hkv, device, peak)
+        return
+    print(f"{'kernel':16s} {'shape':34s} {'triton':>12s} {'reference':>13s} {'speedup':>8s} {'bandwidth':>13s} {'of peak':>6s}")
     for dname, d, b, cap in itertools.product(args.dtype, args.head_dim, args.batch, args.budgets):
         dtype = DTYPES[dname]
         keys, values, pos = layer(b, hkv, cap, d, dtype, device)
@@ -164,6 +173,41 @@ def main() -> None:
         t_tri = bench(lambda: fwd_bwd(triton_ops.retention_sum), device, args.reps)
         t_ref = bench(lambda: fwd_bwd(reference.retention_sum), device, args.reps)
         row("retention sum", f"T={t} rows={lb.shape[0]} fwd+bwd", t_tri, t_ref, lb.numel() * 12, None, "(compute-bound)")
+
+
+def sweep_decode(args: argparse.Namespace, h: int, hkv: int, device: str, peak: float | None) -> None:
+    """Decode attention under each launch configuration of a grid, per shape: the five fastest and the default."""
+    from kvgates.kernels import triton_ops
+
+    grid = {"BLOCK_N": [32, 64, 128], "programs_per_sm": [2, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
+    if args.smoke:
+        grid = {"BLOCK_N": [16, 32], "programs_per_sm": [1, 4], "num_warps": [4], "num_stages": [1]}
+    configs = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    for dname, d, b, cap in itertools.product(args.dtype, args.head_dim, args.batch, args.budgets):
+        dtype = DTYPES[dname]
+        keys, values, pos = layer(b, hkv, cap, d, dtype, device)
+        caps, scale = [cap] * hkv, d**-0.5
+        q = torch.randn(b, h, d, device=device, dtype=dtype)
+        nbytes = 2 * keys.numel() * keys.element_size() + pos.numel() * 8 + 2 * b * h * cap * 4 + b * hkv * cap * 4
+        k4, v4 = keys.view(b, hkv, cap, d), values.view(b, hkv, cap, d)
+        mask = (pos >= 0)[:, :, None, None, :].expand(b, hkv, h // hkv, 1, cap).reshape(b, h, 1, cap)
+        t_sdpa = bench(
+            lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k4, v4, attn_mask=mask, enable_gqa=True),
+            device,
+            args.reps,
+        )
+        default = triton_ops._decode_config(d, dtype, torch.device(device))
+        times = []
+        for cfg in configs:
+            times.append((bench(lambda c=cfg: triton_ops._decode(q, keys, values, pos, caps, scale, "sum", c), device, args.reps), cfg))
+        times.sort(key=lambda tc: tc[0])
+        shape = f"{dname} D={d} B={b} C={cap} H={h}/{hkv}"
+        print(f"decode sweep {shape}: sdpa (no probs) {t_sdpa * 1e6:.1f} us; {len(configs)} configurations")
+        for rank, (t, cfg) in enumerate(times):
+            if rank < 5 or cfg == default:
+                frac = f"{nbytes / t / 1e9 / peak:6.1%} of peak" if peak else ""
+                mark = " (default)" if cfg == default else ""
+                print(f"  #{rank + 1:<3d} {t * 1e6:8.1f} us {frac} vs sdpa {t / t_sdpa:5.2f}x  {cfg}{mark}")
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def compile_only(arch: int) -> Iterator[CompileOnlyDriver]:
     try:
         with (
             mock.patch.object(triton_ops, "_prefill_config", lambda d, dtype, device: config(d, dtype, gpu)),
-            mock.patch.object(triton_ops, "_num_programs_target", lambda device: 4 * ARCHS[arch]["multiprocessor_count"]),
+            mock.patch.object(triton_ops, "_multiprocessors", lambda device: ARCHS[arch]["multiprocessor_count"]),
         ):
             yield fake
     finally:

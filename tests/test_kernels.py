@@ -206,12 +206,26 @@ def test_masked_attention_stats_read_nothing_back(ops):
     assert best[..., : c // 2].eq(0).all() and best[..., c // 2 :].gt(0).any()
 
 
+@pytest.mark.parametrize("block_n,programs_per_sm", [(16, 1), (32, 8), (128, 2)])
+def test_decode_attention_under_every_swept_launch_configuration(ops, block_n, programs_per_sm):
+    """The launch configurations ``bench/kernels.py --sweep-decode`` tries (tiles wider than a head's capacity,
+    splits of one tile) compute the reference's attention and probabilities: a default chosen from the sweep is
+    correct whatever it is."""
+    keys, values, pos = flat_layer(1, [300, 90], 32, torch.float16, seed=7)
+    q = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(8)).to(torch.float16).to(DEVICE)
+    cfg = {"BLOCK_N": block_n, "programs_per_sm": programs_per_sm, "num_warps": 4, "num_stages": 2}
+    out, probs = ops._decode(q, keys, values, pos, [300, 90], 0.125, "sum", cfg)
+    ref_out, ref_probs = reference.decode_attention_flat(q, keys, values, pos, [300, 90], 0.125, "sum")
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(probs, ref_probs, atol=2e-3, rtol=1e-2)
+
+
 @pytest.mark.parametrize("reduce", ["sum", "none"])
 def test_split_over_the_sequence_at_batch_one(ops, monkeypatch, reduce):
     """One sequence over long ragged heads, its slots split across many programs (as on a GPU with many SMs):
     the splits' partial outputs and normalisers combine into the reference's output, probabilities and window
     scores, including a split past a short head's capacity and probabilities past the first block of slots."""
-    monkeypatch.setattr(ops, "_num_programs_target", lambda device: 64)
+    monkeypatch.setattr(ops, "_multiprocessors", lambda device: 16)
     keys, values, pos = flat_layer(1, [300, 90], 64, torch.float16, seed=5)
     g = torch.Generator().manual_seed(6)
     q = torch.randn(1, 4, 64, generator=g).to(torch.float16).to(DEVICE)

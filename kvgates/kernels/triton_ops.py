@@ -73,11 +73,12 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @lru_cache(maxsize=16)
-def _num_programs_target(device: torch.device) -> int:
-    """Programs that fill the device: four per streaming multiprocessor (4 under the CPU interpreter)."""
+def _multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (one under the CPU interpreter): launches that split work to fill
+    the device size their grids by it."""
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
 
 
 @triton.jit
@@ -177,6 +178,13 @@ def _decode_finish(
         tl.store(PROBS + b * spb + h * sph + n, acc, mask=inside)
 
 
+def _decode_config(d: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+    """Launch configuration of the decode kernels: the slots a loop iteration loads (``BLOCK_N``), the programs the
+    slots are split across (``programs_per_sm`` a multiprocessor, whatever the batch) and the partial pass's warps
+    and pipeline stages (``bench/kernels.py --sweep-decode`` measures the alternatives on a GPU)."""
+    return {"BLOCK_N": 64 if d <= 64 else 32, "programs_per_sm": 4, "num_warps": 4, "num_stages": 3}
+
+
 def decode_attention_flat(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -186,6 +194,20 @@ def decode_attention_flat(
     scale: float,
     reduce: str = "sum",
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _decode(q, keys, values, pos, caps, scale, reduce, _decode_config(q.shape[-1], q.dtype, q.device))
+
+
+def _decode(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    caps: list[int],
+    scale: float,
+    reduce: str,
+    cfg: dict[str, int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_attention_flat`` under launch configuration ``cfg`` (see ``_decode_config``)."""
     if reduce not in ("sum", "none"):
         raise ValueError(f"reduce must be 'sum' or 'none', got {reduce!r}")
     b, h, d = q.shape
@@ -200,8 +222,8 @@ def decode_attention_flat(
     probs = torch.empty((b, hkv if reduce == "sum" else h, cmax), dtype=torch.float32, device=dev)
     q, keys, values, pos = q.contiguous(), keys.contiguous(), values.contiguous(), pos.contiguous()
     offs, caps_t = _layout(tuple(caps), str(dev))
-    block_n = 64 if d <= 64 else 32
-    splits = max(1, min(_cdiv(cmax, block_n), _cdiv(_num_programs_target(dev), b * hkv)))
+    block_n = cfg["BLOCK_N"]
+    splits = max(1, min(_cdiv(cmax, block_n), _cdiv(_multiprocessors(dev) * cfg["programs_per_sm"], b * hkv)))
     split = _cdiv(_cdiv(cmax, splits), block_n) * block_n
     splits = _cdiv(cmax, split)
     logits = torch.empty((b, h, cmax), dtype=torch.float32, device=dev)
@@ -216,6 +238,7 @@ def decode_attention_flat(
         pos.stride(0), pos.stride(1), logits.stride(0), logits.stride(1), m_part.stride(0), m_part.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         G_PAD=_pow2(g), BLOCK_N=block_n, BLOCK_D=block_d, PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     block = 128
     _decode_finish[(b * hkv, _cdiv(cmax, block))](
@@ -333,7 +356,7 @@ def window_scores_flat(
     # The slots split across programs so that a small batch still fills the device; the splits' row maxima and
     # normalisers are combined by torch (no sync).
     row_blocks = _cdiv(g * w, block_r)
-    splits = max(1, min(_cdiv(cmax, block_n), _cdiv(_num_programs_target(dev), b * hkv * row_blocks)))
+    splits = max(1, min(_cdiv(cmax, block_n), _cdiv(4 * _multiprocessors(dev), b * hkv * row_blocks)))
     split = _cdiv(_cdiv(cmax, splits), block_n) * block_n
     splits = _cdiv(cmax, split)
     m_part = torch.empty((b, h, w, splits), dtype=torch.float32, device=dev)
