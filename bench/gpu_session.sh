@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # The GPU figures of issues 26-28 on a lent GPU machine, one stage (or a few) per device call:
 #
-#     bash bench/gpu_session.sh STAGE...    # STAGE: issue27 env decode captured captured-evict captured-merge prefill
-#                                           #        prefill-rest kernels train train-dms tests
+#     bash bench/gpu_session.sh STAGE...    # STAGE: issue27 env tests decode-sweep profile prefill-b1 decode captured
+#                                           #        captured-evict captured-merge prefill prefill-rest kernels train train-dms
 #
 # A session has 15 minutes of device time (the machine's start and every idle wait included) and 10 minutes a
 # call: one full call, perhaps a short second one. `issue27` is that first call: what the open issue's GPU targets
 # still lack after stop 44's H200 measurement (docs/results.md, "On an H200"), in one command of at most 7.5
-# minutes, in order of value, each part killed at its own limit and printing as it goes, so that a call cut short
-# still leaves the figures before it:
+# minutes, each part killed at its own limit and printing as it goes, so that a call cut short still leaves the
+# figures before it:
 #
-#   issue27         env; the GPU's own check that a pageable host-to-device copy syncs and `on_device` does not
-#                   (20 s); a profile (with Chrome traces) of the batch-1 prefill of the policies still over 1.3x
-#                   there, 4 layers (100 s); every policy's batch-1 prefill vs plain sdpa, 8B shape, 16 layers, 8K,
-#                   three interleaved rounds (the same code moved D2O 1.70x -> 2.04x between two one-round runs;
-#                   200 s); the batch-8 prefill of the policies over or on the 1.3x line (90 s)
+#   issue27         env; the default test suite, never run whole on a GPU (`tests`, 300 s); decode attention's
+#                   launch configurations at batch 1, 4K-32K, head dim 128, bf16 (`decode-sweep`, 120 s)
+#   tests           the default test suite on the GPU machine, in parallel processes where pytest-xdist travelled
+#                   with the wheels (whole files to a process: a module's fixtures are built once)
+#   decode-sweep    decode attention under each launch configuration of a grid (bench/kernels.py --sweep-decode)
+#   profile         the GPU's own check that a pageable host-to-device copy syncs and `on_device` does not (20 s); a
+#                   profile (with Chrome traces) of the batch-1 prefill of the policies over 1.3x at stop 44 (100 s)
+#   prefill-b1      every policy's batch-1 prefill vs plain sdpa, 8B shape, 16 layers, 8K, three interleaved rounds
+#                   (the same code moved D2O 1.70x -> 2.04x between two one-round runs; 200 s); the batch-8 prefill
+#                   of the policies over or on the 1.3x line at stop 44 (90 s)
 #
 # The other stages measure the rest, one per later session (minutes are estimates on an H100 until measured):
 #
@@ -29,7 +34,6 @@
 #   kernels         (~2 min) issue 27: decode attention at batch 1-32 and 4K-32K vs sdpa and HBM peak
 #   train           (~8 min) issue 28: gate-training step vs a teacher forward, 135M at 1K-16K, 8B at 8K
 #   train-dms       (~8 min) issue 28: the same for DMS (dms_attention_fused), the DMS recipe's memory
-#   tests           (~8 min) issue 27: the default test suite on the GPU machine
 #
 # The machine has no network: the packages kvgates needs beyond what it has travel as wheels in the checkout's
 # git-ignored .whl/ (`make gpu-wheels` downloads them; ../shared/GPU.md) and are installed once per machine into
@@ -65,7 +69,7 @@ if [ "$SMOKE" = 1 ]; then
     DECODE="--configs 160:64 --batch 2 --steps 2 --rounds 1 --slack 4"
     CAPTURE="--contexts 160 --budget 64 --batch 2 --steps 2 --rounds 1 --slack 0 --peak-gbps 50"
     PREFILL="--contexts 160 --budget 64 --batch 1 --steps 2 --rounds 1"
-    KERNELS="--smoke" TRAIN_SMALL="--lengths 160 256 --budget 64" TRAIN_BIG="--lengths 160 --budget 64"
+    KERNELS="--smoke" SWEEP="--smoke" TESTS="tests/test_host_copies.py" TRAIN_SMALL="--lengths 160 256 --budget 64" TRAIN_BIG="--lengths 160 --budget 64"
     PREFILL_FIRST="--contexts 160 --budget 64 --batch 2 --steps 1 --rounds 1 --slack 0"
     PROFILE="--model random --layers 2 --context 160 --budget 64 --batch 1 --steps 2"
     PREFILL_ONE="--contexts 160 --budget 64 --batch 1 --steps 1 --rounds 1 --slack 0"
@@ -77,6 +81,7 @@ else
     CAPTURE="--contexts 16384 --budget 1024 --batch 8 --steps 16 --rounds 2 --slack 0"
     PREFILL="--contexts 8192 16384 --budget 1024 --batch 1 8 --steps 4 --rounds 1"
     KERNELS="--budgets 4096 16384 32768 --batch 1 4 8 32 --head-dim 128 --dtype bf16"
+    SWEEP="--budgets 16384 4096 32768 --batch 1 --head-dim 128 --dtype bf16" TESTS=""
     TRAIN_SMALL="--lengths 1024 4096 8192 16384 --budget 256" TRAIN_BIG="--lengths 8192 --budget 1024"
     PREFILL_FIRST="--contexts 8192 --budget 1024 --batch 8 --steps 1 --rounds 1 --slack 0"
     PROFILE="--model random:llama-3.1-8b --layers 4 --context 8192 --budget 1024 --batch 1 --steps 3"
@@ -104,22 +109,50 @@ print('torch', torch.__version__, '| cuda', torch.version.cuda, '| transformers'
 print('device', torch.cuda.get_device_name() if device == 'cuda' else 'cpu', '| kernels', k.backend(torch.empty(0, device=device)))"
 }
 
+# The default test suite, with the GPU (no TRITON_INTERPRET: the kernels compile for it), in eight processes where
+# pytest-xdist is installed (16 cores; whole files to a process), in one where it is not.
+tests_stage() {
+    local parallel=()
+    if "$PY" -c "import xdist" 2> /dev/null; then
+        parallel=(-n "${GPU_SESSION_WORKERS:-8}" --dist loadfile)
+    fi
+    # shellcheck disable=SC2086
+    stage tests "$1" "$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" --junitxml "$OUT/tests.xml" $TESTS
+}
+
+decode_sweep_stage() {
+    # shellcheck disable=SC2086
+    stage decode-sweep "$1" "$PY" bench/kernels.py $SWEEP --sweep-decode
+}
+
 for name in "$@"; do
     case $name in
     issue27)
         env_stage
+        tests_stage 300
+        decode_sweep_stage 120
+        ;;
+    tests)
+        tests_stage 520
+        ;;
+    decode-sweep)
+        decode_sweep_stage 240
+        ;;
+    profile)
+        stage copies 20 "$PY" -m pytest -q -p no:cacheprovider tests/test_host_copies.py
+        # shellcheck disable=SC2086
+        stage profile 100 "$PY" bench/policy_profile.py $PROFILE --trace "$OUT/traces" \
+            --policies h2o d2o dynamickv adakv locret kvmerger
+        ;;
+    prefill-b1)
         # Every registered policy but full (the runtime's own row) and merge (a wrapper that needs a base), read from
         # the registry so that a new policy is measured without an edit here.
         ALL_POLICIES=$("$PY" -c "import kvgates; print(' '.join(p for p in kvgates.POLICIES if p not in ('full', 'merge')))")
-        stage issue27-copies 20 "$PY" -m pytest -q -p no:cacheprovider tests/test_host_copies.py
         # shellcheck disable=SC2086
-        stage issue27-profile 100 "$PY" bench/policy_profile.py $PROFILE --trace "$OUT/traces" \
-            --policies h2o d2o dynamickv adakv locret kvmerger
-        # shellcheck disable=SC2086
-        stage issue27-prefill 200 "$PY" bench/gpu_policies.py $DEEP $PREFILL_ONE --policies $ALL_POLICIES \
+        stage prefill-b1 200 "$PY" bench/gpu_policies.py $DEEP $PREFILL_ONE --policies $ALL_POLICIES \
             locret:gate_dtype=bfloat16
         # shellcheck disable=SC2086
-        stage issue27-prefill8 90 "$PY" bench/gpu_policies.py $DEEP $PREFILL_FIRST --policies d2o dynamickv adakv locret kvmerger
+        stage prefill-b8 90 "$PY" bench/gpu_policies.py $DEEP $PREFILL_FIRST --policies d2o dynamickv adakv locret kvmerger
         ;;
     env)
         env_stage
@@ -172,11 +205,8 @@ for name in "$@"; do
         # shellcheck disable=SC2086
         stage train-dms 250 "$PY" bench/train_step.py $BIG $TRAIN_BIG --kinds dms --checkpoint-layers --dtype bfloat16
         ;;
-    tests)
-        stage tests 520 "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/tests.xml"
-        ;;
     *)
-        echo "unknown stage '$name': choose from issue27 env decode captured captured-evict captured-merge prefill prefill-rest kernels train train-dms tests" >&2
+        echo "unknown stage '$name': choose from issue27 env tests decode-sweep profile prefill-b1 decode captured captured-evict captured-merge prefill prefill-rest kernels train train-dms" >&2
         exit 2
         ;;
     esac
