@@ -199,6 +199,24 @@ def test_evicted_attention_masks_only_the_rows_after_the_prompt(monkeypatch, tem
     torch.testing.assert_close(out[:, :, :8], plain, atol=1e-12, rtol=1e-12)
 
 
+def test_grouped_masked_attention_takes_sdpas_output_in_any_memory_layout(monkeypatch):
+    """CUDA's sdpa kernels return their output in ``[B, n, H, D]`` memory (a transposed view): regrouping the KV
+    heads' batch entries into query heads must not assume the contiguous layout the CPU returns (on an H100, a
+    ``view`` there failed every relaxed TRIM-KV step)."""
+    q, k, v, _ = _inputs()
+    mask = torch.rand(2, 2, 9, 9, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[..., 0] = True
+    expected = gated.grouped_masked_attention(q, k, v, mask, 0.5)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def transposed_sdpa(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # the same values in [B, n, H, D] memory
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", transposed_sdpa)
+    torch.testing.assert_close(gated.grouped_masked_attention(q, k, v, mask, 0.5), expected, rtol=0, atol=0)
+
+
 def test_evicted_attention_has_the_hard_value_and_the_soft_gradient():
     q, k, v, lb = _inputs(dtype=torch.float32)
     starts = torch.tensor([3, 5])
