@@ -65,6 +65,13 @@ def tiny_config(model_dir, out, **sections) -> dict:
     return cfg
 
 
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a script it starts, the checkout first on the import path (before what
+    PYTHONPATH held: on a lent GPU machine, the wheels' folder, without which the script finds no transformers)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def write(cfg: dict, path: Path) -> Path:
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -587,7 +594,7 @@ def test_a_config_error_under_accelerate_launch_ends_with_the_sentence(tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--quiet", "--num_processes", "1", "--num_machines", "1",
          "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "train.py"), "--config", str(bad)],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300,
     )
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
@@ -647,7 +654,7 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_dir, tmp_path)
 
     cut = tmp_path / "cut"
     path = write(tiny_config(tiny_dir, cut, training=steps), tmp_path / "k.yaml")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = subprocess_env(OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "--config", str(path)], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -700,7 +707,7 @@ def test_two_cpu_processes_give_the_gates_of_one_with_the_same_global_batch(tiny
         pytest.importorskip("deepspeed")  # not on a lent GPU machine (../shared/GPU.md)
     steps = {"max_steps": 3, "eval_steps": 3, "save_steps": 3, "lr_scheduler_type": "constant"}
     # Both runs on the CPU on any machine (on a GPU machine the runs would take its one GPU, or bfloat16 weights).
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    env = subprocess_env(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
     one = tmp_path / "one"
     cfg_one = tiny_config(tiny_dir, one, training={**steps, "gradient_accumulation_steps": 2})
     alone = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(write(cfg_one, tmp_path / "one.yaml"))],
@@ -726,7 +733,7 @@ def test_two_cpu_processes_give_the_gates_of_one_with_the_same_global_batch(tiny
 def test_dms_lora_trains_under_two_cpu_processes(tiny_dir, tmp_path):
     """DMS with its peft LoRA beside the decision heads (trainable modules inside the wrapped model) under DDP over
     gloo: the run ends, and its adapter carries a trained LoRA and heads that moved from their initial bias."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = subprocess_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     out = tmp_path / "dms"
     cfg = tiny_config(tiny_dir, out, kind="dms-lora", method={"window": 4, "lora_rank": 2}, policy={"window": 4},
                       training={"max_steps": 2, "eval_steps": 2, "save_steps": 2})
@@ -781,8 +788,8 @@ def test_deepspeed_trains_float32_gates_on_a_bfloat16_model(tiny_dir, tmp_path):
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "RANK": "0",
-           "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = subprocess_env(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=str(port))
     done = subprocess.run([sys.executable, "-c", _DEEPSPEED_STEP, json.dumps(cfg)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
