@@ -100,9 +100,18 @@ class FakeHub:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     def __enter__(self) -> FakeHub:
+        import huggingface_hub.constants
+
+        # A machine set offline (HF_HUB_OFFLINE=1, as bench/gpu_session.sh sets on a lent GPU) still reaches this
+        # local server: the Hub client refuses every request while the flag is up.
+        self._offline = huggingface_hub.constants.HF_HUB_OFFLINE
+        huggingface_hub.constants.HF_HUB_OFFLINE = False
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        import huggingface_hub.constants
+
+        huggingface_hub.constants.HF_HUB_OFFLINE = self._offline
         self._server.shutdown()
         self._server.server_close()

@@ -279,9 +279,14 @@ def test_saving_the_same_weights_again_leaves_the_weights_file_as_it_is(tiny_pai
     assert torch.equal(load_file(weights)["gates.0.bias"], gates.gates[0].bias)
 
 
-def test_push_and_pull_through_a_local_hub(tiny_pair, tmp_path, monkeypatch):
+@pytest.mark.parametrize("offline", [False, True])
+def test_push_and_pull_through_a_local_hub(tiny_pair, tmp_path, monkeypatch, offline):
+    """Through the local Hub of the tests, also on a machine set offline (HF_HUB_OFFLINE=1 failed both ways)."""
+    import huggingface_hub.constants
+
     _, model = tiny_pair
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
     gates = RetentionGates.for_model(model)
     with FakeHub() as hub:
         url = gates.push_to_hub("team/tiny-trimkv", endpoint=hub.url, token="hf_test")
