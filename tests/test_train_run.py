@@ -811,6 +811,8 @@ def test_mixed_precision_from_any_source_is_refused_before_the_model_loads(tiny_
                                                                           overrides, env, source):
     """Each way of turning on mixed precision, which would cast the gates (DeepSpeed) or compute them (autocast,
     FSDP) in half precision, stops the run with one sentence naming it."""
+    if overrides and "deepspeed" in overrides[0]:
+        pytest.importorskip("deepspeed")  # not on a lent GPU machine (../shared/GPU.md)
     ds = json.loads((REPO / "configs/deepspeed/zero2.json").read_text())
     (tmp_path / "bf16.json").write_text(json.dumps({**ds, "bf16": {"enabled": True}}))
     for name, value in env.items():
@@ -822,6 +824,20 @@ def test_mixed_precision_from_any_source_is_refused_before_the_model_loads(tiny_
     where = "" if env else f"{path}: "  # accelerate launch's setting is not the config's
     assert err.startswith(f"train.py: {where}{source} would train the gates in half precision") and len(err.splitlines()) == 1, err
     assert "leave mixed precision off" in err and not (tmp_path / "run").exists()
+
+
+def test_a_deepspeed_config_without_deepspeed_installed_is_one_sentence(tiny_dir, tmp_path, monkeypatch, capsys):
+    """``training.deepspeed`` where DeepSpeed is not installed is refused in one sentence before anything is written
+    (TrainingArguments raised a PackageNotFoundError, and every later model load in the process failed on the
+    DeepSpeed config it left half built: 62 tests on a GPU machine without DeepSpeed)."""
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # what importlib finds where it is not installed
+    path = write(tiny_config(tiny_dir, tmp_path / "run"), tmp_path / "c.yaml")
+    assert main(["--config", str(path), f"training.deepspeed={REPO / 'configs/deepspeed/zero2.json'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"train.py: {path}: training.deepspeed: DeepSpeed is not installed here; install it (pip install 'kvgates[train]'), "
+                   "or leave training.deepspeed out to train without it"), err
+    assert not (tmp_path / "run").exists()
+    kvgates.load_model(str(tiny_dir))  # the process is unharmed
 
 
 #: The architecture (transformers ``model_type``) of the model of every committed training recipe: the accelerate

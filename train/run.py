@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import platform
@@ -150,6 +151,13 @@ def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
         use_cpu=not torch.cuda.is_available(),
     )
     args = {**defaults, **config.training}
+    if args.get("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        # TrainingArguments would raise a PackageNotFoundError, and leave transformers' global DeepSpeed config half
+        # built: every later model load in the process then failed on it.
+        raise ConfigError(
+            "training.deepspeed: DeepSpeed is not installed here; install it (pip install 'kvgates[train]'), or leave "
+            "training.deepspeed out to train without it"
+        )
     # Checkpointing recomputes the student's decoder layers in the backward (the teacher runs in eval mode, without
     # gradients, and is never checkpointed); the gates need the non-reentrant form. gradient_* is the deprecated alias.
     for flag in ("activation_checkpointing", "gradient_checkpointing"):
