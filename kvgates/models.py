@@ -411,11 +411,15 @@ def _own_parameter_names(model: PreTrainedModel) -> dict[str, str]:
 
 
 def model_fingerprint(model: PreTrainedModel) -> str:
-    """A short hash of a model's architecture and weights, stable across processes and devices.
+    """A short hash of a model's architecture and weights, stable across processes, devices and a checkpoint's float32
+    and bfloat16 loads.
 
     It covers the attention geometry (what a gate adapter's shapes depend on) and a fixed sample of the
     weights of the embedding, the first and last decoder layers and the final norm (so a fine-tune or a
-    different quantisation of the same architecture gets another fingerprint).
+    different quantisation of the same architecture gets another fingerprint). The sample is hashed rounded to
+    bfloat16, the values a bfloat16 load of a float32 checkpoint holds: gates trained on a GPU's bfloat16 weights
+    attach to the float32 model a CPU loads, and shipped gates to a GPU's bfloat16 one. (A float16 load rounds
+    differently and gets its own fingerprint.)
     """
     import hashlib
 
@@ -434,5 +438,5 @@ def model_fingerprint(model: PreTrainedModel) -> str:
         steps = min(4096, flat.numel())
         idx = (torch.arange(steps, dtype=torch.int64) * (flat.numel() - 1) // max(steps - 1, 1)).to(flat.device)
         digest.update(name.encode())
-        digest.update(flat[idx].float().cpu().numpy().tobytes())
+        digest.update(flat[idx].to(torch.bfloat16).float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]

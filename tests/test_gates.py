@@ -318,6 +318,22 @@ def test_fingerprint_mismatch_is_refused(tiny_pair):
         TrimKV(budget=8, gates=gates, strict=False).attach(wider)
 
 
+def test_gates_trained_on_bfloat16_weights_attach_to_the_float32_model_and_back(tiny_pair):
+    """Training on CUDA loads the frozen model in bfloat16 (model_dtype auto), ``kvgates generate`` in float32: the
+    fingerprint is the same for both loads of one checkpoint (gates trained on a GPU were refused by the CLI there),
+    while a float16 load, which rounds otherwise, and other weights are still told apart."""
+    import copy
+
+    _, model = tiny_pair
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    assert kvgates.model_fingerprint(half) == kvgates.model_fingerprint(model)
+    RetentionGates.for_model(half).check_model(model)
+    RetentionGates.for_model(model).check_model(half)
+    assert kvgates.model_fingerprint(copy.deepcopy(model).to(torch.float16)) != kvgates.model_fingerprint(model)
+    _, other = tiny_model("llama", seed=1)
+    assert kvgates.model_fingerprint(other.to(torch.bfloat16)) != kvgates.model_fingerprint(model)
+
+
 def test_wrong_kind_for_policy(tiny_pair):
     _, model = tiny_pair
     with pytest.raises(ValueError, match="locret needs retaining-head gates"):
