@@ -15,7 +15,9 @@ and H200) and its ratio to sdpa's causal attention without statistics.
 
 ``--sweep-decode`` measures decode attention alone under every launch configuration of a small grid (slots a loop
 iteration loads, programs a multiprocessor, warps, pipeline stages) and prints the five fastest and the kernel's
-default (``triton_ops._decode_config``) for each shape: the evidence a new default is chosen on.
+default (``triton_ops._decode_config``) for each shape: the evidence a new default is chosen on. On a GPU it then
+measures the fastest and the default, and sdpa, inside a CUDA graph over buffers the L2 cache cannot hold: the GPU
+time a captured decode step spends (the eager figures include what the host's launches leave idle).
 """
 
 from __future__ import annotations
@@ -51,6 +53,31 @@ def bench(fn, device: str, reps: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def captured(make, nbytes: int, reps: int = 20) -> float:
+    """Seconds a call of the GPU work ``make(i)()`` takes inside a CUDA graph (no host launch cost, as in a captured
+    decode step), over enough distinct buffers ``i`` (each ``nbytes``) that the L2 cache holds none of them."""
+    count = max(2, -(-4 * torch.cuda.get_device_properties(0).L2_cache_size // nbytes))
+    fns = [make(i) for i in range(count)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()  # compiles and caches layouts outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / (reps * count)
 
 
 def layer(b: int, hkv: int, cap: int, d: int, dtype: torch.dtype, device: str):
@@ -208,6 +235,26 @@ def sweep_decode(args: argparse.Namespace, h: int, hkv: int, device: str, peak: 
                 frac = f"{nbytes / t / 1e9 / peak:6.1%} of peak" if peak else ""
                 mark = " (default)" if cfg == default else ""
                 print(f"  #{rank + 1:<3d} {t * 1e6:8.1f} us {frac} vs sdpa {t / t_sdpa:5.2f}x  {cfg}{mark}")
+        if device.startswith("cuda"):  # the same, captured: GPU time alone, the L2 cache cold
+
+            def kv(i: int) -> tuple[torch.Tensor, ...]:
+                return (keys, values, pos) if i == 0 else layer(b, hkv, cap, d, dtype, device)
+
+            def ours(i: int, cfg: dict):
+                k, v, p = kv(i)
+                return lambda: triton_ops._decode(q, k, v, p, caps, scale, "sum", cfg)
+
+            def theirs(i: int):
+                k, v, p = kv(i)
+                k4, v4 = k.view(b, hkv, cap, d), v.view(b, hkv, cap, d)
+                m = (p >= 0)[:, :, None, None, :].expand(b, hkv, h // hkv, 1, cap).reshape(b, h, 1, cap)
+                return lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k4, v4, attn_mask=m, enable_gqa=True)
+
+            t_graph_sdpa = captured(theirs, nbytes)
+            for label, cfg in (("fastest", times[0][1]), ("default", default)):
+                t = captured(lambda i, c=cfg: ours(i, c), nbytes)
+                frac = f"{nbytes / t / 1e9 / peak:6.1%} of peak" if peak else ""
+                print(f"  captured {label}: {t * 1e6:8.1f} us {frac} vs sdpa captured ({t_graph_sdpa * 1e6:.1f} us) {t / t_graph_sdpa:5.2f}x  {cfg}")
 
 
 if __name__ == "__main__":
