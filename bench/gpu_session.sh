@@ -12,7 +12,7 @@
 #
 #   issue27         env; the default test suite (`tests`, 270 s: stop 45's H100 run found 84 failures, ran past
 #                   300 s in files to a process, and was fixed); decode attention's launch configurations at batch 1,
-#                   4K-32K, head dim 128, bf16, eager and captured (`decode-sweep`, 120 s)
+#                   4K-32K, head dim 128, bf16, eager and captured (`decode-sweep`, 100 s)
 #   tests           the default test suite on the GPU machine, in parallel processes where pytest-xdist travelled
 #                   with the wheels
 #   decode-sweep    decode attention under each launch configuration of a grid (bench/kernels.py --sweep-decode)
@@ -132,7 +132,7 @@ for name in "$@"; do
     issue27)
         env_stage
         tests_stage 270
-        decode_sweep_stage 120
+        decode_sweep_stage 100
         ;;
     tests)
         tests_stage 520
