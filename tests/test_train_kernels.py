@@ -217,6 +217,24 @@ def test_grouped_masked_attention_takes_sdpas_output_in_any_memory_layout(monkey
     torch.testing.assert_close(gated.grouped_masked_attention(q, k, v, mask, 0.5), expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("n", [5, 8])
+def test_grouped_masked_attention_gives_the_gradient_of_a_mask_over_a_frozen_model(n):
+    """Only the mask (the gates' bias) takes a gradient, as when training gates on a frozen model: on CUDA (run there
+    when present) the memory-efficient kernel's backward failed for want of the log-sum-exp it keeps only for q, k or
+    v; the gradient is the math formula's, and the frozen inputs get none."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, hh, tt, 8, generator=g).to(device) for hh, tt in ((4, n), (2, 11), (2, 11)))
+    bias = (torch.randn(2, 2, n, 11, generator=g) * 0.5).to(device).requires_grad_()
+    gated.grouped_masked_attention(q, k, v, bias, 0.3).pow(2).sum().backward()
+    ref_bias = bias.detach().clone().requires_grad_()
+    logits = torch.einsum("bkgnd,bktd->bkgnt", q.view(2, 2, 2, n, 8), k) * 0.3 + ref_bias[:, :, None]
+    ref = torch.einsum("bkgnt,bktd->bkgnd", logits.softmax(-1), v).reshape(2, 4, n, 8)
+    ref.pow(2).sum().backward()
+    torch.testing.assert_close(bias.grad, ref_bias.grad, atol=1e-5, rtol=1e-4)
+    assert q.grad is None and k.grad is None and v.grad is None
+
+
 def test_evicted_attention_has_the_hard_value_and_the_soft_gradient():
     q, k, v, lb = _inputs(dtype=torch.float32)
     starts = torch.tensor([3, 5])

@@ -407,6 +407,11 @@ def grouped_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     b, h, n, d = q.shape
     hkv, t = k.shape[1], k.shape[2]
     g = h // hkv
+    if q.is_cuda and torch.is_grad_enabled() and mask.requires_grad and not (q.requires_grad or k.requires_grad or v.requires_grad):
+        # CUDA's memory-efficient kernel keeps the log-sum-exp its backward needs only where q, k or v takes a
+        # gradient: the gates' mask alone (a frozen model) failed every relaxed step on an H200 ("LSE is not correctly
+        # aligned"). A query that asks for one, discarded, keeps it; the values and the mask's gradient are the same.
+        q = q.detach().requires_grad_()
     out = F.scaled_dot_product_attention(
         q.reshape(b * hkv, g, n, d),
         k.reshape(b * hkv, 1, t, d).repeat(1, g, 1, 1),
