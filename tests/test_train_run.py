@@ -182,7 +182,7 @@ def test_a_run_can_continue_from_a_trained_adapter(tiny_dir, tmp_path, capsys):
     assert all(p.dtype == torch.float32 for p in trainer.gates.parameters())
     loaded = kvgates.load_gates(tmp_path / "start")
     for (name, a), b in zip(trainer.gates.state_dict().items(), loaded.state_dict().values()):
-        assert torch.equal(a, b.float()), name
+        assert torch.equal(a.cpu(), b.float()), name  # the run's gates sit on its device (CUDA where there is one)
     # A run of another kind refuses it with one sentence and writes nothing.
     locret = tiny_config(tiny_dir, tmp_path / "run2", kind="locret", policy={"stabilizers": 4, "local": 4},
                          gates={"init_from": str(tmp_path / "start")})
@@ -1401,7 +1401,8 @@ def test_half_precision_frozen_model_trains_float32_gates(tiny_dir, tmp_path):
     assert {p.dtype for p in trainer.gates.parameters()} == {torch.float32}
     from train.trainer import gate_loss
 
-    loss, _ = gate_loss(model, model.lm_head, trainer.gated, cfg, gate_batch(padded=False, length=96), 24.0, 0.0)
+    batch = {k: v.to(model.device) for k, v in gate_batch(padded=False, length=96).items()}  # the Trainer's move
+    loss, _ = gate_loss(model, model.lm_head, trainer.gated, cfg, batch, 24.0, 0.0)
     loss.backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trainer.gates.parameters())
     trainer.gated.close()
