@@ -410,7 +410,12 @@ def _own_parameter_names(model: PreTrainedModel) -> dict[str, str]:
     return own
 
 
-def model_fingerprint(model: PreTrainedModel) -> str:
+#: The dtype a fingerprint rounds its weight sample to, per adapter format version (``GateConfig.version``): version 1
+#: hashed the weights as loaded, so only a load in the training run's dtype matched.
+FINGERPRINT_DTYPES = {1: torch.float32, 2: torch.bfloat16}
+
+
+def model_fingerprint(model: PreTrainedModel, version: int = max(FINGERPRINT_DTYPES)) -> str:
     """A short hash of a model's architecture and weights, stable across processes, devices and a checkpoint's float32
     and bfloat16 loads.
 
@@ -419,7 +424,8 @@ def model_fingerprint(model: PreTrainedModel) -> str:
     different quantisation of the same architecture gets another fingerprint). The sample is hashed rounded to
     bfloat16, the values a bfloat16 load of a float32 checkpoint holds: gates trained on a GPU's bfloat16 weights
     attach to the float32 model a CPU loads, and shipped gates to a GPU's bfloat16 one. (A float16 load rounds
-    differently and gets its own fingerprint.)
+    differently and gets its own fingerprint.) ``version``: the adapter format whose fingerprint to compute (an
+    adapter of version 1 recorded the sample as loaded: a float32 model's values are their own float32 rounding).
     """
     import hashlib
 
@@ -438,5 +444,5 @@ def model_fingerprint(model: PreTrainedModel) -> str:
         steps = min(4096, flat.numel())
         idx = (torch.arange(steps, dtype=torch.int64) * (flat.numel() - 1) // max(steps - 1, 1)).to(flat.device)
         digest.update(name.encode())
-        digest.update(flat[idx].to(torch.bfloat16).float().cpu().numpy().tobytes())
+        digest.update(flat[idx].to(FINGERPRINT_DTYPES[version]).float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]

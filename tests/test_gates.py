@@ -334,6 +334,23 @@ def test_gates_trained_on_bfloat16_weights_attach_to_the_float32_model_and_back(
     assert kvgates.model_fingerprint(other.to(torch.bfloat16)) != kvgates.model_fingerprint(model)
 
 
+def test_an_adapter_of_format_version_1_checks_its_fingerprint_as_it_was_taken(tiny_pair, tmp_path):
+    """Adapters written before the bfloat16-rounded fingerprint (format version 1) recorded the weights as loaded:
+    they still attach to that model (a float32 one), and to no other weights."""
+    import dataclasses
+
+    _, model = tiny_pair
+    gates = RetentionGates.for_model(model)
+    gates.config = dataclasses.replace(gates.config, version=1, fingerprint=kvgates.model_fingerprint(model, 1))
+    gates.save_pretrained(tmp_path / "v1")
+    old = kvgates.load_gates(tmp_path / "v1")
+    assert old.config.version == 1 and old.config.fingerprint != kvgates.model_fingerprint(model)
+    old.check_model(model)
+    _, other = tiny_model("llama", seed=1)
+    with pytest.raises(AdapterError, match="trained for .* not for this model"):
+        old.check_model(other)
+
+
 def test_wrong_kind_for_policy(tiny_pair):
     _, model = tiny_pair
     with pytest.raises(ValueError, match="locret needs retaining-head gates"):
@@ -371,6 +388,7 @@ def _edit(**fields):
         (_edit(layer_ids=[0, 7]), "layer_ids must list distinct layers from 0 to num_layers - 1"),
         (_edit(activation="swishy"), "unknown activation 'swishy'"),
         (_edit(version="1"), "version must be an integer"),
+        (_edit(version=0), "format version 0, which no kvgates wrote"),
         (_edit(kind=["retention"]), "kind must be a string"),
     ],
 )

@@ -32,7 +32,9 @@ from kvgates.errors import AdapterError, HubPushError
 from kvgates.gates.modules import GlobalRetentionTrunk, RetainingHead, RetentionGate, SharedRetentionHead
 from kvgates.typecheck import field_problems
 
-ADAPTER_VERSION = 1
+#: Version 2: the model fingerprint is the same for a float32 and a bfloat16 load (``kvgates.models.model_fingerprint``);
+#: adapters of version 1 are checked against version 1's fingerprint.
+ADAPTER_VERSION = 2
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CARD_FILE = "README.md"
@@ -92,6 +94,10 @@ class GateConfig:
             raise AdapterError(f"{source}: {wrong[0]}; the file is corrupt or was edited by hand")
         if data.get("version", ADAPTER_VERSION) > ADAPTER_VERSION:
             raise AdapterError(f"{source} is adapter format version {data['version']}; this kvgates reads up to {ADAPTER_VERSION}")
+        if data.get("version", ADAPTER_VERSION) < 1:
+            raise AdapterError(
+                f"{source} is adapter format version {data['version']}, which no kvgates wrote; the file is corrupt or was edited by hand"
+            )
         import kvgates.methods  # noqa: F401  (every learned method's gate kind registers on import)
 
         if data["kind"] not in GATE_KINDS:
@@ -252,7 +258,7 @@ class GateSet(nn.Module):
         mine = {k: getattr(self.config, k) for k in geometry}
         if geometry != mine:
             diff = ", ".join(f"{k} {mine[k]} vs {geometry[k]}" for k in geometry if geometry[k] != mine[k])
-            if model_fingerprint(model) == self.config.fingerprint:  # the very model: the config's shapes were edited
+            if model_fingerprint(model, self.config.version) == self.config.fingerprint:  # the very model: shapes edited
                 raise AdapterError(
                     f"these gates name {self.config.base_model} as their model but their config does not fit it ({diff}); "
                     "the adapter's config.json is corrupt or was edited by hand"
@@ -260,7 +266,7 @@ class GateSet(nn.Module):
             raise AdapterError(
                 f"these gates were trained for {self.config.base_model} and do not fit {hub_id_of(model)} ({diff})"
             )
-        fingerprint = model_fingerprint(model)
+        fingerprint = model_fingerprint(model, self.config.version)
         if strict and fingerprint != self.config.fingerprint:
             raise AdapterError(
                 f"these gates were trained for {self.config.base_model} (fingerprint {self.config.fingerprint}), not for "
