@@ -226,7 +226,7 @@ def sweep_decode(args: argparse.Namespace, h: int, hkv: int, device: str, peak: 
         default = triton_ops._decode_config(d, dtype, torch.device(device))
         times = []
         for cfg in configs:
-            times.append((bench(lambda c=cfg: triton_ops._decode(q, keys, values, pos, caps, scale, "sum", c), device, args.reps), cfg))
+            times.append((bench(lambda c=cfg: triton_ops.decode_attention_flat(q, keys, values, pos, caps, scale, "sum", c), device, args.reps), cfg))
         times.sort(key=lambda tc: tc[0])
         shape = f"{dname} D={d} B={b} C={cap} H={h}/{hkv}"
         print(f"decode sweep {shape}: sdpa (no probs) {t_sdpa * 1e6:.1f} us; {len(configs)} configurations")
@@ -242,7 +242,7 @@ def sweep_decode(args: argparse.Namespace, h: int, hkv: int, device: str, peak: 
 
             def ours(i: int, cfg: dict):
                 k, v, p = kv(i)
-                return lambda: triton_ops._decode(q, k, v, p, caps, scale, "sum", cfg)
+                return lambda: triton_ops.decode_attention_flat(q, k, v, p, caps, scale, "sum", cfg)
 
             def theirs(i: int):
                 k, v, p = kv(i)

@@ -214,7 +214,7 @@ def test_decode_attention_under_every_swept_launch_configuration(ops, block_n, p
     keys, values, pos = flat_layer(1, [300, 90], 32, torch.float16, seed=7)
     q = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(8)).to(torch.float16).to(DEVICE)
     cfg = {"BLOCK_N": block_n, "programs_per_sm": programs_per_sm, "num_warps": 4, "num_stages": 2}
-    out, probs = ops._decode(q, keys, values, pos, [300, 90], 0.125, "sum", cfg)
+    out, probs = ops.decode_attention_flat(q, keys, values, pos, [300, 90], 0.125, "sum", cfg)
     ref_out, ref_probs = reference.decode_attention_flat(q, keys, values, pos, [300, 90], 0.125, "sum")
     torch.testing.assert_close(out.float(), ref_out.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(probs, ref_probs, atol=2e-3, rtol=1e-2)

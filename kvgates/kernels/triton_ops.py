@@ -1,5 +1,6 @@
 """Triton kernels of the cache runtime. Each function has the signature and semantics of its namesake in
-``kvgates.kernels.reference`` (the tests hold them to it, on CPU under ``TRITON_INTERPRET=1``).
+``kvgates.kernels.reference`` (the tests hold them to it, on CPU under ``TRITON_INTERPRET=1``); ``decode_attention_flat``
+also takes a launch configuration.
 
 * ``decode_attention_flat`` — flash decoding over flat (ragged) storage: the slots are split across programs
   (about two per SM whatever the batch, so batch 1 fills the GPU too), each writing a partial output, max and
@@ -195,21 +196,10 @@ def decode_attention_flat(
     caps: list[int],
     scale: float,
     reduce: str = "sum",
+    cfg: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _decode(q, keys, values, pos, caps, scale, reduce, _decode_config(q.shape[-1], q.dtype, q.device))
-
-
-def _decode(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    pos: torch.Tensor,
-    caps: list[int],
-    scale: float,
-    reduce: str,
-    cfg: dict[str, int],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``decode_attention_flat`` under launch configuration ``cfg`` (see ``_decode_config``)."""
+    """The reference's ``decode_attention_flat``; ``cfg``: a launch configuration other than ``_decode_config``'s (the
+    sweep in ``bench/kernels.py`` passes each one it measures)."""
     if reduce not in ("sum", "none"):
         raise ValueError(f"reduce must be 'sum' or 'none', got {reduce!r}")
     b, h, d = q.shape
@@ -224,6 +214,7 @@ def _decode(
     probs = torch.empty((b, hkv if reduce == "sum" else h, cmax), dtype=torch.float32, device=dev)
     q, keys, values, pos = q.contiguous(), keys.contiguous(), values.contiguous(), pos.contiguous()
     offs, caps_t = _layout(tuple(caps), str(dev))
+    cfg = cfg or _decode_config(d, q.dtype, dev)
     block_n = cfg["BLOCK_N"]
     splits = max(1, min(_cdiv(cmax, block_n), _cdiv(_multiprocessors(dev) * cfg["programs_per_sm"], b * hkv)))
     split = _cdiv(_cdiv(cmax, splits), block_n) * block_n
