@@ -80,6 +80,16 @@ def captured(make, nbytes: int, reps: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / (reps * count)
 
 
+def sdpa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor):
+    """A call of torch sdpa computing decode attention over a flat layer of equal heads (its evicted slots masked),
+    without per-slot probabilities: the baseline decode attention is held to."""
+    b, h, d = q.shape
+    hkv, cap = pos.shape[1], pos.shape[2]
+    k4, v4 = keys.view(b, hkv, cap, d), values.view(b, hkv, cap, d)
+    mask = (pos >= 0)[:, :, None, None, :].expand(b, hkv, h // hkv, 1, cap).reshape(b, h, 1, cap)
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k4, v4, attn_mask=mask, enable_gqa=True)
+
+
 def layer(b: int, hkv: int, cap: int, d: int, dtype: torch.dtype, device: str):
     keys = torch.randn(b, hkv * cap, d, device=device, dtype=dtype)
     values = torch.randn(b, hkv * cap, d, device=device, dtype=dtype)
@@ -139,14 +149,7 @@ def main() -> None:
         q = torch.randn(b, h, d, device=device, dtype=dtype)
         t_tri = bench(lambda: triton_ops.decode_attention_flat(q, keys, values, pos, caps, scale), device, args.reps)
         t_ref = bench(lambda: reference.decode_attention_flat(q, keys, values, pos, caps, scale), device, args.reps)
-        k4, v4 = keys.view(b, hkv, cap, d), values.view(b, hkv, cap, d)
-        q4 = q[:, :, None]
-        mask = (pos >= 0)[:, :, None, None, :].expand(b, hkv, g, 1, cap).reshape(b, h, 1, cap)
-        t_sdpa = bench(
-            lambda: torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True),
-            device,
-            args.reps,
-        )
+        t_sdpa = bench(sdpa_decode(q, keys, values, pos), device, args.reps)
         extra_bytes = 2 * b * h * cap * 4 + b * hkv * cap * 4  # logits written + read, probabilities written
         row("decode+probs", shape, t_tri, t_ref, kv_bytes + extra_bytes, peak, f"vs sdpa (no probs) {t_tri / t_sdpa:.2f}x")
 
@@ -216,13 +219,7 @@ def sweep_decode(args: argparse.Namespace, h: int, hkv: int, device: str, peak: 
         caps, scale = [cap] * hkv, d**-0.5
         q = torch.randn(b, h, d, device=device, dtype=dtype)
         nbytes = 2 * keys.numel() * keys.element_size() + pos.numel() * 8 + 2 * b * h * cap * 4 + b * hkv * cap * 4
-        k4, v4 = keys.view(b, hkv, cap, d), values.view(b, hkv, cap, d)
-        mask = (pos >= 0)[:, :, None, None, :].expand(b, hkv, h // hkv, 1, cap).reshape(b, h, 1, cap)
-        t_sdpa = bench(
-            lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k4, v4, attn_mask=mask, enable_gqa=True),
-            device,
-            args.reps,
-        )
+        t_sdpa = bench(sdpa_decode(q, keys, values, pos), device, args.reps)
         default = triton_ops._decode_config(d, dtype, torch.device(device))
         times = []
         for cfg in configs:
@@ -244,13 +241,7 @@ def sweep_decode(args: argparse.Namespace, h: int, hkv: int, device: str, peak: 
                 k, v, p = kv(i)
                 return lambda: triton_ops.decode_attention_flat(q, k, v, p, caps, scale, "sum", cfg)
 
-            def theirs(i: int):
-                k, v, p = kv(i)
-                k4, v4 = k.view(b, hkv, cap, d), v.view(b, hkv, cap, d)
-                m = (p >= 0)[:, :, None, None, :].expand(b, hkv, h // hkv, 1, cap).reshape(b, h, 1, cap)
-                return lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k4, v4, attn_mask=m, enable_gqa=True)
-
-            t_graph_sdpa = captured(theirs, nbytes)
+            t_graph_sdpa = captured(lambda i: sdpa_decode(q, *kv(i)), nbytes)
             for label, cfg in (("fastest", times[0][1]), ("default", default)):
                 t = captured(lambda i, c=cfg: ours(i, c), nbytes)
                 frac = f"{nbytes / t / 1e9 / peak:6.1%} of peak" if peak else ""
