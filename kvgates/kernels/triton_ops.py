@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvgates.kernels.host import on_device
+
 _LOG2E = 1.4426950408889634
 
 
@@ -49,12 +51,10 @@ def _cdiv(a: int, b: int) -> int:
 
 @lru_cache(maxsize=256)
 def _layout(caps: tuple[int, ...], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(offsets, caps) of a flat layout as int32 device tensors, cached per layout."""
+    """(offsets, caps) of a flat layout as int32 device tensors, cached per layout (copied without a host sync: a
+    ragged policy's new layouts come mid-prefill)."""
     offsets = [sum(caps[:h]) for h in range(len(caps))]
-    return (
-        torch.tensor(offsets, dtype=torch.int32, device=device),
-        torch.tensor(caps, dtype=torch.int32, device=device),
-    )
+    return on_device(offsets, device, torch.int32), on_device(list(caps), device, torch.int32)
 
 
 def _precision(dtype: torch.dtype) -> str:
