@@ -57,6 +57,9 @@ GROUP_REDUCTIONS = ("sum", "mean", "max")
 #: (linearly), never their product for every head (16 MiB of float32 scores; on the CPU, tiles four times this
 #: size were slower, as they fall out of its caches).
 TILE_ELEMENTS = 1 << 22
+#: ``TILE_ELEMENTS`` on a GPU (256 MiB of float32), where a tile costs its launches rather than cache misses: D2O's
+#: match of 7K evicted keys against 1K kept ones of 8 KV heads (an 8K prompt at batch 1) is one tile, not 14.
+GPU_TILE_ELEMENTS = 1 << 26
 
 
 #: Query rows per tile of ``causal_attention_stats`` (per head; CPU, SmolLM2's 9 heads at 2K-8K: 64-128 rows
@@ -65,9 +68,11 @@ FUSED_TILE_ROWS = 64
 FUSED_TILE_ELEMENTS = 1 << 23
 
 
-def row_tile(batch: int, heads: int, slots: int) -> int:
-    """Query rows per tile so that ``batch x heads x rows x slots`` stays within ``TILE_ELEMENTS``."""
-    return max(1, TILE_ELEMENTS // max(1, batch * heads * slots))
+def row_tile(batch: int, heads: int, slots: int, device: torch.device | None = None) -> int:
+    """Query rows per tile so that ``batch x heads x rows x slots`` stays within ``TILE_ELEMENTS`` (on a CUDA
+    ``device``, ``GPU_TILE_ELEMENTS``)."""
+    elements = GPU_TILE_ELEMENTS if device is not None and device.type == "cuda" else TILE_ELEMENTS
+    return max(1, elements // max(1, batch * heads * slots))
 
 
 def group_reduce(x: torch.Tensor, num_kv_heads: int, mode: str) -> torch.Tensor:

@@ -68,10 +68,11 @@ def best_matches(
     ke = torch.nn.functional.normalize(_gather_slots(keys, idx).float(), dim=-1)
     kk = torch.nn.functional.normalize(_gather_slots(keys, kept_idx).float(), dim=-1).transpose(-1, -2)
     b, h, e = idx.shape
-    tile = row_tile(b, h, kept_idx.shape[-1])
+    tile = row_tile(b, h, kept_idx.shape[-1], keys.device)
     best, target = [], []
+    not_kept = ~kept_real[:, :, None, :]
     for start in range(0, e, tile):
-        sim = torch.matmul(ke[:, :, start : start + tile], kk).masked_fill_(~kept_real[:, :, None, :], float("-inf"))
+        sim = torch.matmul(ke[:, :, start : start + tile], kk).masked_fill_(not_kept, float("-inf"))
         top = sim.max(-1)
         best.append(top.values)
         target.append(top.indices)
