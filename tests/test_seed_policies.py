@@ -264,15 +264,17 @@ def test_kvmerger_sets(eps):
     assert starts.nonzero().flatten().tolist() == [s[0] for s in sets]
 
 
+@pytest.mark.parametrize("launch_bound", [False, True])
 @pytest.mark.parametrize("window", [1, 3, 8, 16])
-def test_kvmerger_sets_longer_than_the_scan_window_match_brute_force(window):
+def test_kvmerger_sets_longer_than_the_scan_window_match_brute_force(window, launch_bound):
     # Correlated keys make sets far longer than the window, so the scan's walk measures them one at a time: several
-    # thresholds, sequences and heads at once, each row as the token-by-token scan gives it.
+    # thresholds, sequences and heads at once, each row as the token-by-token scan gives it; the GPU's way
+    # (``launch_bound``: one block, every doubling, four walk steps a read) finds the same sets.
     g = torch.Generator().manual_seed(window)
     keys = torch.randn(2, 3, 90, 4, generator=g).cumsum(2)
     mergeable = torch.rand(2, 3, 90, generator=g) > 0.05
     eps = torch.tensor([[0.99, 0.9], [0.7, 0.5], [0.0, -0.5]])  # [E, B]
-    starts = merging_set_starts(keys, mergeable, eps, window=window)
+    starts = merging_set_starts(keys, mergeable, eps, window=window, launch_bound=launch_bound)
     longest = 0
     for e in range(3):
         for b in range(2):
@@ -281,6 +283,41 @@ def test_kvmerger_sets_longer_than_the_scan_window_match_brute_force(window):
                 assert starts[e, b, h].nonzero().flatten().tolist() == [s[0] for s in sets]
                 longest = max(longest, *map(len, sets))
     assert longest > window + 1
+
+
+def test_kvmerger_launch_bound_scan_launches_and_reads_back_less():
+    # On a GPU each of the scan's blocks costs launches and each read makes the host wait: the launch-bound scan
+    # builds its band in one block, never reads to stop the doublings, and reads once per four walk steps.
+    from kvgates.policies.kvmerger import GPU_WALK_STEPS, SCAN_BLOCK, MergingScan
+
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 2, 5 * SCAN_BLOCK, 4, generator=g).cumsum(2)
+    mergeable = torch.rand(1, 2, 5 * SCAN_BLOCK, generator=g) > 0.02
+    eps = torch.tensor([[0.9], [0.5]])
+    counted = {}
+    for launch_bound in (False, True):
+        with Launches() as counted[launch_bound]:
+            starts = MergingScan(keys, mergeable, window=8, launch_bound=launch_bound).starts(eps)
+        assert torch.equal(starts, merging_set_starts(keys, mergeable, eps, window=8))
+    cpu, gpu = counted[False], counted[True]
+    walk = cpu.sync_ops["_local_scalar_dense"]
+    assert cpu.sync_ops["equal"] > 0 and walk > 2 * GPU_WALK_STEPS  # long sets: a walk of several steps
+    assert gpu.sync_ops == {"_local_scalar_dense": -(-walk // GPU_WALK_STEPS)}
+    assert (cpu.ops["cummax"], gpu.ops["cummax"]) == (5, 1)
+
+
+def test_kvmerger_launch_bound_scan_widens_its_window_as_memory_allows(monkeypatch):
+    # Every set longer than the window is a step of the walk: on a GPU the window is as wide as the band's memory
+    # allows, between SCAN_WINDOW and GPU_SCAN_WINDOW; on the CPU it is SCAN_WINDOW.
+    import kvgates.policies.kvmerger as kvmerger
+
+    keys, mergeable = torch.randn(2, 3, 2000, 4), torch.ones(2, 3, 2000, dtype=torch.bool)
+    assert kvmerger.MergingScan(keys, mergeable, launch_bound=False).w == kvmerger.SCAN_WINDOW
+    assert kvmerger.MergingScan(keys, mergeable, launch_bound=True).w == kvmerger.GPU_SCAN_WINDOW
+    monkeypatch.setattr(kvmerger, "GPU_BAND_ELEMENTS", 6 * 2000 * 300)
+    assert kvmerger.MergingScan(keys, mergeable, launch_bound=True).w == 300
+    monkeypatch.setattr(kvmerger, "GPU_BAND_ELEMENTS", 6 * 2000 * 10)
+    assert kvmerger.MergingScan(keys, mergeable, launch_bound=True).w == kvmerger.SCAN_WINDOW
 
 
 @pytest.mark.parametrize("sigma,scale", [(None, False), (0.7, True)])
@@ -311,12 +348,12 @@ def test_kvmerger_merge_matches_brute_force(sigma, scale):
     assert kept(layer, keep, 0, 0) == expected_keep
 
 
-@pytest.mark.parametrize("group", [4, 16])
+@pytest.mark.parametrize("group,launch_bound", [(4, False), (16, False), (4, True)])
 @pytest.mark.parametrize("seed", range(4))
-def test_kvmerger_calibration_takes_the_largest_feasible_grid_value(seed, group, monkeypatch):
+def test_kvmerger_calibration_takes_the_largest_feasible_grid_value(seed, group, launch_bound, monkeypatch):
     # The calibration scans each grid from its largest thresholds down, a group at a time, and stops early (groups of
-    # 4 on the CPU; the whole grid at once on a GPU): it must choose what evaluating every grid value does (per
-    # sequence, with long sets from correlated keys).
+    # 4 on the CPU; the whole grid at once on a GPU, ``launch_bound``): it must choose what evaluating every grid
+    # value does (per sequence, with long sets from correlated keys).
     import kvgates.policies.kvmerger as kvmerger
 
     monkeypatch.setattr(kvmerger, "FEASIBLE_GROUP", group)
@@ -326,7 +363,7 @@ def test_kvmerger_calibration_takes_the_largest_feasible_grid_value(seed, group,
     fixed = (~mergeable).sum(-1)
     budget = fixed + torch.randint(2, 60, (3, 2), generator=g)
     policy = KVMerger(budget=64)
-    eps, starts = policy.calibrate(keys, mergeable, fixed, budget)
+    eps, starts = policy.calibrate(keys, mergeable, fixed, budget, launch_bound=launch_bound)
     hi, lo, rows = torch.full((3,), 1.0001), torch.full((3,), -1.0001), torch.arange(3)
     for _ in range(2):
         grid = lo[None] + torch.linspace(0.0, 1.0, policy.grid)[:, None] * (hi - lo)[None]

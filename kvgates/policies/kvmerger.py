@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +21,26 @@ from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
 FEASIBLE_GROUP = 4
 
 #: Tokens after each anchor whose similarities ``MergingScan`` computes for every anchor at once; a set longer than
-#: this is measured on its own in the scan's walk. On SmolLM2-135M's 4K prefill 192 took the least time of 128-320
+#: this is measured on its own in the scan's walk. On SmolLM2-135M's 4K prefill on the CPU 192 took the least time of 128-320
 #: (a wider window costs its band, a narrower one more walk steps); the sets found do not depend on it.
 SCAN_WINDOW = 192
+
+#: ``SCAN_WINDOW`` on a GPU, where the band (``[B, H, L, window]`` float32) fits ``GPU_BAND_ELEMENTS`` (1 GiB; else the
+#: largest window that fits, at least ``SCAN_WINDOW``): each set longer than the window costs a step of the scan's
+#: walk, about 15 launches (on SmolLM2-135M's 4K prefill at budget 256, 14.0 steps a layer at 192, 4.9 at 384, 0.7 at
+#: 768), where a wider band costs a GPU little.
+GPU_SCAN_WINDOW = 1024
+GPU_BAND_ELEMENTS = 1 << 28
+
+#: Anchors per block of ``MergingScan``'s similarity band on the CPU (each block's product stays cache-sized). On a GPU,
+#: where every block costs its launches and not its arithmetic, a block holds up to ``GPU_SCAN_ELEMENTS`` similarities
+#: (128 MiB in float32: at 8K tokens, 8 KV heads, batch 1 and a window of 1,024, 1,600 anchors, where 128 made 64 blocks).
+SCAN_BLOCK = 128
+GPU_SCAN_ELEMENTS = 1 << 25
+
+#: Steps of ``MergingScan``'s walk between two reads of whether it is done, on a GPU (one on the CPU): a read makes
+#: the host wait for the device, and a step past the end changes nothing.
+GPU_WALK_STEPS = 4
 
 
 class MergingScan:
@@ -37,10 +56,19 @@ class MergingScan:
     for every token at once from its similarities with the ``window`` tokens after it (computed once, for every
     threshold), and the chain is walked by pointer doubling. Only a set longer than ``window`` needs more: its
     anchor's similarities with every token, once per such set on the chain.
+
+    ``launch_bound`` (default: on a GPU) trades arithmetic and memory for fewer launches and host reads, with the
+    same sets: a wider window by default (``GPU_SCAN_WINDOW``), larger blocks of the band (``GPU_SCAN_ELEMENTS``),
+    every doubling computed rather than a read to stop early, ``GPU_WALK_STEPS`` walk steps per read.
     """
 
-    def __init__(self, keys: torch.Tensor, mergeable: torch.Tensor, window: int = SCAN_WINDOW):
+    def __init__(self, keys: torch.Tensor, mergeable: torch.Tensor, window: int | None = None, launch_bound: bool | None = None):
         b, h, n, _ = keys.shape
+        self.launch_bound = keys.is_cuda if launch_bound is None else launch_bound
+        if window is None:
+            window = SCAN_WINDOW
+            if self.launch_bound:
+                window = max(SCAN_WINDOW, min(GPU_SCAN_WINDOW, GPU_BAND_ELEMENTS // (b * h * max(1, n))))
         self.kn = torch.nn.functional.normalize(keys.float(), dim=-1)
         self.n = n
         self.idx = torch.arange(n + 1, device=keys.device)
@@ -58,7 +86,9 @@ class MergingScan:
         # (entries past ``room`` or the end are not read as such: ``starts`` caps the sets at ``room``).
         self.w = w = max(0, min(window, n - 1))
         self.drops = self.kn.new_empty((b, h, n, w))
-        block = 128  # anchors per matmul, and per prefix maximum (cache-sized)
+        block = SCAN_BLOCK  # anchors per matmul, and per prefix maximum
+        if self.launch_bound:  # the largest block within GPU_SCAN_ELEMENTS: block * (block + w) per head
+            block = max(SCAN_BLOCK, int((math.sqrt(w * w + 4 * GPU_SCAN_ELEMENTS / (b * h)) - w) / 2))
         neg = -self.kn
         order = torch.empty((b, h, block, w), dtype=torch.long, device=keys.device)  # cummax's indices, unused
         for start in range(0, n, block):
@@ -87,18 +117,18 @@ class MergingScan:
         jumps = [nxt]  # jumps[k] = next applied 2^k times (chains only move forward)
         while (1 << (len(jumps) - 1)) <= n:
             doubled = jumps[-1].gather(-1, jumps[-1])
-            if torch.equal(doubled, jumps[-1]):  # every chain has reached its end: the last table is the limit
+            if not self.launch_bound and torch.equal(doubled, jumps[-1]):  # every chain has reached its end
                 break
             jumps.append(doubled)
         # Walk: from each segment's first anchor the table jumps to the next unresolved anchor (or the end); that
         # set is measured directly and the walk resumes at the anchor after it. A finished row stays at the end (n).
         sources = torch.zeros((e, b, h, n + 1), dtype=torch.int32, device=nxt.device)
         at = first_from[..., :1].expand(e, -1, -1, -1)  # [E, B, H, 1]
-        last = jumps[-1]
-        while True:
+        last, steps = jumps[-1], GPU_WALK_STEPS if self.launch_bound else 1
+        for step in itertools.count(1):
             sources.scatter_(-1, at, 1)
             stuck = last.gather(-1, at)
-            if not bool((stuck < n).any()):  # the loop's host sync
+            if step % steps == 0 and not bool((stuck < n).any()):  # the loop's host sync (a finished row stays at n)
                 break
             sources.scatter_(-1, stuck, 1)
             at = first_from.expand(e, -1, -1, -1).gather(-1, self._set_end(eps, stuck))
@@ -119,10 +149,12 @@ class MergingScan:
         return torch.where(stops, self.idx[:n], n).amin(-1).permute(2, 0, 1)[..., None]
 
 
-def merging_set_starts(keys: torch.Tensor, mergeable: torch.Tensor, eps: torch.Tensor, window: int = SCAN_WINDOW) -> torch.Tensor:
+def merging_set_starts(
+    keys: torch.Tensor, mergeable: torch.Tensor, eps: torch.Tensor, window: int | None = None, launch_bound: bool | None = None
+) -> torch.Tensor:
     """Which tokens open a new merging set, ``[E, B, H, L]``, for each threshold in ``eps`` (``[E, B]``) (see
     ``MergingScan``)."""
-    return MergingScan(keys, mergeable, window).starts(eps)
+    return MergingScan(keys, mergeable, window, launch_bound).starts(eps)
 
 
 @dataclass
@@ -196,15 +228,16 @@ class KVMerger(CumulativeAttention):
         return window | topk_mask(layer.state[CUMULATIVE], self.heavy, layer.valid & ~window, layer.pos)
 
     def calibrate(
-        self, keys: torch.Tensor, mergeable: torch.Tensor, fixed: torch.Tensor, budget: torch.Tensor
+        self, keys: torch.Tensor, mergeable: torch.Tensor, fixed: torch.Tensor, budget: torch.Tensor, launch_bound: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per sequence ``[B]``: the largest threshold (up to ``epsilon``) keeping every head within ``budget``
         (``[B, H_kv]``),
-        and the merging-set starts ``[B, H, L]`` it gives (from the scan that chose it)."""
+        and the merging-set starts ``[B, H, L]`` it gives (from the scan that chose it). ``launch_bound``: the
+        scan's (``MergingScan``)."""
         b = keys.shape[0]
         hi = torch.full((b,), 1.0001 if self.epsilon is None else self.epsilon, device=keys.device)
         lo = torch.full((b,), -1.0001, device=keys.device)  # merges every run: always feasible
-        scan = MergingScan(keys, mergeable)
+        scan = MergingScan(keys, mergeable, launch_bound=launch_bound)
         for _ in range(2):  # a grid, then a finer grid between the best feasible value and the next one
             frac = torch.linspace(0.0, 1.0, self.grid, device=keys.device)[:, None]
             eps = lo[None] + frac * (hi - lo)[None]  # [E, B]
@@ -221,9 +254,9 @@ class KVMerger(CumulativeAttention):
         ``budget`` (index 0 counts as feasible), and its merging-set starts ``[B, H, L]``. On the CPU the grid is
         scanned from its largest thresholds down, ``FEASIBLE_GROUP`` at a time, until every sequence has found one:
         the thresholds below are never scanned (low thresholds make long sets, the scan's slowest). On a GPU it is
-        scanned at once."""
+        scanned at once (``MergingScan.launch_bound``)."""
         e, b = eps.shape
-        group = e if eps.is_cuda else FEASIBLE_GROUP
+        group = e if scan.launch_bound else FEASIBLE_GROUP
         rows = torch.arange(b, device=eps.device)
         best = torch.zeros(b, dtype=torch.long, device=eps.device)
         found = torch.zeros(b, dtype=torch.bool, device=eps.device)
@@ -239,7 +272,7 @@ class KVMerger(CumulativeAttention):
             picked = starts[last.clamp(min=0), rows]
             chosen = picked if chosen is None else torch.where(new[:, None, None], picked, chosen)
             found |= new
-            if bool(found.all()):
+            if low > 0 and bool(found.all()):  # (the last group needs no read: index 0 is feasible)
                 break
         return best, chosen
 
@@ -263,7 +296,7 @@ class KVMerger(CumulativeAttention):
         self.layer_state(layer).epsilon = eps
         # Set ids over mergeable tokens; sets are runs, so a scatter per set gives pivots and weights.
         set_id = torch.where(mergeable, starts.long().cumsum(-1) - 1, torch.zeros_like(starts, dtype=torch.long))
-        n_sets = int(starts.sum(-1).max()) if bool(starts.any()) else 0
+        n_sets = int(starts.sum(-1).max())
         shape = (*set_id.shape[:2], max(n_sets, 1))
         masked_score = torch.where(mergeable, score, torch.full_like(score, float("-inf")))
         best = torch.full(shape, float("-inf"), device=k.device).scatter_reduce(2, set_id, masked_score, "amax")
