@@ -166,6 +166,28 @@ def test_d2o_layer_budgets_follow_variance(tiny):
     assert cache.held_tokens()[:, 0, 0].tolist() == expected
 
 
+def test_d2o_layer_variances_are_computed_at_each_layers_end_of_prompt(tiny, monkeypatch):
+    # D2O's prompt evictions wait for the last layer (the allocation needs every layer's variance), and on a GPU what
+    # runs then is not hidden behind any layer's work: each layer's variance is computed when that layer is done.
+    _, model = tiny
+    cache = BudgetCache(model.config, "d2o", budget=10, sinks=2)
+    allocate, seen = type(cache.policy)._allocate, []
+
+    def checked(policy, layers):
+        states = [policy.layer_state(layer) for layer in layers]
+        seen.append([state.variance is not None for state in states])
+        for layer, state in zip(layers, states):
+            assert torch.equal(state.variance, layer_variance(layer.state[CUMULATIVE], layer.valid))
+        with Launches() as counted:
+            allocate(policy, layers)
+        assert counted.ops["pow"] == 0  # (layer_variance's square)
+
+    monkeypatch.setattr(type(cache.policy), "_allocate", checked)
+    with torch.no_grad():
+        model(torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(2)), past_key_values=cache)
+    assert seen == [[True] * len(cache.budget_layers)]
+
+
 def test_d2o_later_prompt_chunks_use_the_prompt_length_seen_so_far():
     """The layer variances come from the first chunk; each later chunk's layer budgets are ``r_l`` times the
     prompt length seen so far, not the tokens held after the previous compression. The length shows through

@@ -133,16 +133,17 @@ class D2O(CumulativeAttention, PerStepEviction):
     def after_layer(self, layer, stats: AttnStats) -> None:
         if stats.phase is not Phase.PREFILL:
             return
-        start_threshold(layer, self.layer_state(layer))
+        state = self.layer_state(layer)
+        if state.variance is None:  # here, not after the last layer: on a GPU its launches hide behind later layers'
+            state.variance = layer_variance(layer.state[CUMULATIVE], layer.valid)
+        start_threshold(layer, state)
         if layer.is_last:
             self._allocate(layer.cache.budget_layers)
 
     def _allocate(self, layers) -> None:
-        """Give every layer its budget from the prompt variances and compress it."""
+        """Give every layer its budget from the prompt variances (each layer's, from the end of its first prompt
+        forward) and compress it."""
         states = [self.layer_state(layer) for layer in layers]
-        for layer, state in zip(layers, states):
-            if state.variance is None:
-                state.variance = layer_variance(layer.state[CUMULATIVE], layer.valid)
         # Prompt length seen so far, per sequence: its newest position + 1 (positions never shift).
         prompt = (layers[0].pos.amax(dim=(1, 2)) + 1).clamp(min=1).float()
         # Layers may sit on different devices (device_map="auto"): decide on the first layer's, apply on each's own.
