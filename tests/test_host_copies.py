@@ -1,10 +1,11 @@
-"""Host numbers reach the device without a host sync (``kernels.host.on_device``), and ``Launches`` counts the
-copies that would wait (``torch.tensor``/``torch.as_tensor`` of host numbers with ``device=``) on any device."""
+"""Host numbers reach the device without a host sync (``kernels.host.on_device``), device values are read back
+later without draining the stream (``HostRead``), and ``Launches`` counts the copies that would wait
+(``torch.tensor``/``torch.as_tensor`` of host numbers with ``device=``) on any device."""
 
 import pytest
 import torch
 
-from kvgates.kernels.host import on_device
+from kvgates.kernels.host import HostRead, on_device
 from kvgates.runtime.launches import Launches
 
 
@@ -52,3 +53,21 @@ def test_on_cuda_a_pageable_copy_syncs_and_on_device_does_not():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert values.device.type == "cuda" and values.tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_host_read_gives_the_values_when_asked(device):
+    values = torch.arange(6, device=device).reshape(2, 3)
+    later = HostRead(values * 2)
+    values.zero_()  # (work queued after the read's copy does not change what it reads)
+    assert later.tolist() == [[0, 2, 4], [6, 8, 10]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_cuda_a_host_read_queues_its_copy_without_a_sync():
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        later = HostRead(torch.arange(4, device="cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert later.tolist() == [0, 1, 2, 3]

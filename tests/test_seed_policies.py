@@ -233,7 +233,7 @@ def test_dynamickv_reallocation_matches_brute_force(tiny):
 
     def spy(layers, room, num_layers):
         snapshots["before"] = [(ly.pos.clone(), ly.state["dynamickv_score"].clone(), policy.layer_state(ly).window) for ly in layers]
-        original(layers, room, num_layers)
+        return original(layers, room, num_layers)
 
     policy._reallocate = spy
     with torch.no_grad():
@@ -259,6 +259,40 @@ def test_dynamickv_reallocation_matches_brute_force(tiny):
         for h, (sc, window) in enumerate(per_layer[i]):
             f = min(budgets[i], len(sc))
             assert set(layer.pos[0, h][layer.pos[0, h] >= 0].tolist()) == window | brute.top_by_score(sc, f, set())
+
+
+def test_dynamickv_truncates_at_the_next_layers_end_what_an_immediate_truncation_keeps():
+    # A reallocation before the last layer is read back and applied at the end of the next layer (on a GPU the next
+    # layer's work then runs while the host truncates); the layers end exactly as with the truncation right away.
+    _, model = tiny_model("llama", num_hidden_layers=5)
+
+    class Immediate(DynamicKV):
+        def after_layer(self, layer, stats):
+            if stats.phase is Phase.PREFILL and ((layer.rank + 1) % self.update_every == 0 or layer.is_last):
+                self._truncate(self._reallocate(layer.cache.budget_layers[: layer.rank + 1], self.budget - self.window, 5))
+
+    params = {"budget": 12, "window": 4, "kernel": 3, "update_every": 2}
+    deferred, now = BudgetCache(model.config, DynamicKV(**params)), BudgetCache(model.config, Immediate(**params))
+    events, after_layer, truncate = [], DynamicKV.after_layer, DynamicKV._truncate
+
+    def logged_after_layer(policy, layer, stats):
+        events.append(f"layer {layer.rank}")
+        after_layer(policy, layer, stats)
+
+    def logged_truncate(policy, done):
+        events.append(f"truncate {len(done.layers)}")
+        truncate(policy, done)
+
+    ids = torch.randint(1, 128, (2, 70), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        model(ids, past_key_values=now)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(DynamicKV, "after_layer", logged_after_layer)
+            patch.setattr(DynamicKV, "_truncate", logged_truncate)
+            model(ids, past_key_values=deferred)
+    assert events == ["layer 0", "layer 1", "layer 2", "truncate 2", "layer 3", "layer 4", "truncate 4", "truncate 5"]
+    for a, b in zip(deferred.budget_layers, now.budget_layers):
+        assert torch.equal(a.pos, b.pos) and torch.equal(a.keys, b.keys)
 
 
 def scores_of_pos(pos, score, h):

@@ -23,4 +23,30 @@ def on_device(values: Any, device: torch.device | str, dtype: torch.dtype | None
     return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=pinned)
 
 
-__all__ = ["on_device"]
+class HostRead:
+    """A device tensor's values, read back to the host later: the copy is queued now, and ``tolist`` waits for it
+    alone, not for whatever the host has queued since.
+
+    ``tensor.tolist()`` makes the host wait until the device has run everything queued before it, and then the
+    device waits for the host's next launches. Read later (a layer on, say), the values are long there, and the
+    device still has the work queued in between to run while the host goes on. On the CPU this is ``tolist``.
+    """
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self._done: torch.cuda.Event | None = None
+        if values.is_cuda:
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(values.device))
+        else:
+            self._host = values
+
+    def tolist(self) -> Any:
+        """The values as nested lists (waiting for their copy, on a GPU)."""
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host.tolist()
+
+
+__all__ = ["HostRead", "on_device"]

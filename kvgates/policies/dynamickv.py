@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgates.kernels.host import HostRead
 from kvgates.policies.base import register_policy
 from kvgates.policies.selection import recent_mask
 from kvgates.policies.snapkv import WindowScored
@@ -30,13 +31,26 @@ def dynamickv_allocation(counts: torch.Tensor, room: int, num_layers: int, r_max
 
 
 @dataclass
+class Reallocation:
+    """Budgets ``[n, B]`` for the first ``n`` layers, with each layer's candidate slots (outside the window) and the
+    budgets' range per layer, read back to the host when the layers are truncated (``HostRead``)."""
+
+    layers: list
+    candidates: list[torch.Tensor]
+    budgets: torch.Tensor
+    ranges: HostRead
+
+
+@dataclass
 class DynamicKVState(LayerState):
     """The prompt's observation window on this layer, and the quota ``[B, H_kv]`` of the latest reallocation (None
     before this layer's first one: then the layer is cut to ``r_max * b``); the range of the latest quota where
-    the host knows it (``known_quota``)."""
+    the host knows it (``known_quota``); a reallocation this layer made whose truncation waits for the next layer
+    (``pending``)."""
 
     window: int = 0
     quota: torch.Tensor | None = None
+    pending: Reallocation | None = None
 
 
 @register_policy
@@ -50,7 +64,9 @@ class DynamicKV(WindowScored):
     last), the global top ``b * H_kv * n`` scores over the ``n`` processed layers are counted per layer and turned
     into budgets with ``dynamickv_allocation`` (they share ``b * N_layers``); each processed layer is truncated
     to the window plus its top ``f_i``. ``f_i`` is clamped to what the layer holds: the official code can select
-    window tokens twice there (the clamp fix).
+    window tokens twice there (the clamp fix). The truncation of a reallocation before the last layer runs at the
+    end of the next layer, with the same result: the budgets' range it reads back is ready by then, and on a GPU
+    the next layer's work is still queued behind the truncation's launches instead of the device waiting for them.
 
     Args:
         budget: average tokens per KV head per layer (window included).
@@ -97,11 +113,22 @@ class DynamicKV(WindowScored):
         return cap
 
     def after_layer(self, layer, stats: AttnStats) -> None:
-        if stats.phase is Phase.PREFILL and ((layer.rank + 1) % self.update_every == 0 or layer.is_last):
-            self._reallocate(layer.cache.budget_layers[: layer.rank + 1], self.budget - self.window, layer.cache.num_budget_layers)
+        if stats.phase is not Phase.PREFILL:
+            return
+        if layer.rank > 0:  # the previous layer's reallocation, if it made one
+            previous = self.layer_state(layer.cache.budget_layers[layer.rank - 1])
+            if previous.pending is not None:
+                self._truncate(previous.pending)
+                previous.pending = None
+        if (layer.rank + 1) % self.update_every == 0 or layer.is_last:
+            done = self._reallocate(layer.cache.budget_layers[: layer.rank + 1], self.budget - self.window, layer.cache.num_budget_layers)
+            if layer.is_last:
+                self._truncate(done)
+            else:
+                self.layer_state(layer).pending = done
 
-    def _reallocate(self, layers, room: int, num_layers: int) -> None:
-        """Re-split ``room * num_layers`` tokens among the processed ``layers`` and truncate them."""
+    def _reallocate(self, layers, room: int, num_layers: int) -> Reallocation:
+        """Re-split ``room * num_layers`` tokens among the processed ``layers`` (for ``_truncate``)."""
         b, device = layers[0].batch_size, layers[0].device  # layers may sit on different devices (device_map)
         candidates = [layer.valid & ~self.score(layer, None)[1] for layer in layers]
         flat = torch.cat(
@@ -118,8 +145,11 @@ class DynamicKV(WindowScored):
         hits = torch.where(torch.isfinite(top.values), owner[top.indices], n)  # [B, k]: each hit's layer (n: none)
         counts = torch.zeros((b, n + 1), dtype=torch.long, device=device).scatter_add_(1, hits, torch.ones_like(hits))
         budgets = dynamickv_allocation(counts[:, :n].T, room, num_layers, self.r_max)  # [n, B]
-        ranges = torch.stack([budgets.amin(-1), budgets.amax(-1)], -1).tolist()  # the reallocation's one read back
-        for layer, cand, f, (least, most) in zip(layers, candidates, budgets, ranges):
+        return Reallocation(layers, candidates, budgets, HostRead(torch.stack([budgets.amin(-1), budgets.amax(-1)], -1)))
+
+    def _truncate(self, done: Reallocation) -> None:
+        """Give each layer of ``done`` its budget and truncate it (the reallocation's one read back)."""
+        for layer, cand, f, (least, most) in zip(done.layers, done.candidates, done.budgets, done.ranges.tolist()):
             state = self.layer_state(layer)
             f = torch.minimum(f.to(cand.device)[:, None], cand.sum(-1))  # clamp to what the layer holds
             state.quota = f + (layer.valid & ~cand).sum(-1)  # plus the window
