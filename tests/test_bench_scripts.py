@@ -177,11 +177,11 @@ def test_gpu_session_env_stage_logs_versions_and_an_unknown_stage_is_refused(tmp
 def test_gpu_session_stages_run_at_toy_sizes(tmp_path):
     """Every measuring stage of the GPU session script runs at toy sizes (GPU_SESSION_SMOKE=1), so that a lent GPU's
     few minutes are not spent on a broken script."""
-    stages = ("profile", "prefill-b1", "decode", "captured", "captured-evict", "captured-merge", "prefill", "prefill-rest", "kernels",
+    stages = ("decode-sweep", "profile", "prefill-b1", "decode", "captured", "captured-evict", "captured-merge", "prefill", "prefill-rest", "kernels",
               "train", "train-dms")
     result = _gpu_session(tmp_path, *stages, "issue27")
     assert result.returncode == 0, result.stderr
-    for stage in (*stages, "copies", "prefill-b8", "tests", "decode-sweep"):
+    for stage in (*stages, "copies", "prefill-b8", "tests", "prefill-changed"):
         log = (tmp_path / f"{stage}.log").read_text()
         assert "exit status 0" in log and "exit status 1" not in log, log[-3000:]
 
