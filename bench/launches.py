@@ -11,10 +11,16 @@ counts both over one prefill of ``--context`` tokens and over one decode step (t
 third after the prompt, as caches are warm by then), per arm: a DynamicCache + sdpa (the reference) and a
 ``BudgetCache`` per policy at ``--budget`` (per-step evicting policies also with ``--slack``). It prints the counts
 per layer and their ratio to the reference, and with ``--ops N`` the N most frequent operators of each decode
-step, and the operators behind each arm's host syncs. Counts do not depend on the device or on timing, so a CPU run predicts what changes on a GPU.
+step, and the operators behind each arm's host syncs. Counts do not depend on timing, so a CPU run predicts what
+changes on a GPU, with two differences: on the CPU a prefill's attention and statistics are the torch reference's,
+tile by tile (one Triton launch or a few on a GPU), and a few policies take other paths on a GPU, where launches
+and reads cost more than arithmetic (``kvgates.kernels.host.launch_bound``: D2O's merge tiles, KVMerger's scan):
+``--launch-bound`` counts those paths on the CPU.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from common import attached, bench_policy, essay_ids, setup
@@ -22,6 +28,7 @@ from decode_speed import AMORTISED, make_policy
 from transformers import DynamicCache
 
 import kvgates
+from kvgates.kernels.host import LAUNCH_BOUND_ENV
 from kvgates.runtime.launches import Launches
 
 POLICIES = ["full", "snapkv", "pyramidkv", "adakv", "streaming_llm", "h2o", "tova", "morphkv", "trimkv", "d2o", "kvmerger"]
@@ -41,7 +48,11 @@ def count(model, make_cache, ids: torch.Tensor) -> tuple[Launches, Launches]:
 
 
 def main() -> None:
-    args, model, tokenizer = setup(__doc__, zero_ok=("slack",), context=1024, budget=256, batch=1, slack=32, ops=0, policies=POLICIES)
+    args, model, tokenizer = setup(
+        __doc__, zero_ok=("slack",), context=1024, budget=256, batch=1, slack=32, ops=0, policies=POLICIES, launch_bound=False
+    )
+    if args.launch_bound:
+        os.environ[LAUNCH_BOUND_ENV] = "1"
     layers = model.config.num_hidden_layers
     arms = {"DynamicCache + sdpa": lambda: DynamicCache(config=model.config)}
     for name in args.policies:

@@ -212,6 +212,22 @@ def test_launch_count_bench_runs_on_a_small_random_model():
     assert "h2o, decode step per layer:" in result.stdout
 
 
+def test_launch_count_bench_counts_the_gpus_paths_on_the_cpu():
+    # --launch-bound: KVMerger's scan as a GPU runs it (no read to stop its doublings early, one read per four walk
+    # steps), counted on the CPU: fewer host reads in its prefill than the CPU's own path.
+    syncs = {}
+    for flag in ([], ["--launch-bound"]):
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "launches.py"), "--model", "random", "--layers", "1", "--context", "600",
+             "--budget", "64", "--slack", "0", "--policies", "kvmerger", *flag],
+            capture_output=True, text=True, timeout=600,
+        )
+        assert result.returncode == 0, result.stderr
+        row = next(line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| kvmerger "))
+        syncs[bool(flag)] = float(row[3])
+    assert syncs[True] < syncs[False]
+
+
 def test_policy_profile_bench_runs_on_a_small_random_model(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "policy_profile.py"), "--model", "random", "--layers", "2", "--context", "160",

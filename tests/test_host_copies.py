@@ -5,7 +5,7 @@ later without draining the stream (``HostRead``), and ``Launches`` counts the co
 import pytest
 import torch
 
-from kvgates.kernels.host import HostRead, on_device
+from kvgates.kernels.host import LAUNCH_BOUND_ENV, HostRead, launch_bound, on_device
 from kvgates.runtime.launches import Launches
 
 
@@ -71,3 +71,10 @@ def test_on_cuda_a_host_read_queues_its_copy_without_a_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert later.tolist() == [0, 1, 2, 3]
+
+
+def test_a_gpu_is_launch_bound_and_the_cpu_is_when_told(monkeypatch):
+    monkeypatch.delenv(LAUNCH_BOUND_ENV, raising=False)
+    assert launch_bound(torch.device("cuda")) and not launch_bound(torch.device("cpu"))
+    monkeypatch.setenv(LAUNCH_BOUND_ENV, "1")
+    assert launch_bound(torch.device("cpu"))

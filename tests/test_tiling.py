@@ -7,6 +7,7 @@ from helpers import policy_on
 
 from kvgates import BudgetCache
 from kvgates.kernels import reference
+from kvgates.kernels.host import LAUNCH_BOUND_ENV
 
 
 def padded_chunked(model, name: str, chunk: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -41,9 +42,12 @@ def test_tiles_of_a_few_rows_give_the_same_results(tiny, monkeypatch, name, chun
     assert all(torch.equal(a, b) for a, b in zip(tiled_kept, kept))
 
 
-def test_tiles_on_a_gpu_hold_more_rows():
+def test_tiles_on_a_gpu_hold_more_rows(monkeypatch):
     # On a GPU a tile costs its launches (D2O's merge after the last layer: five a tile, serial), not cache misses: an
     # 8K prompt at batch 1 with 8 KV heads matches its 7K evicted keys against 1K kept ones in one tile, not 14.
+    monkeypatch.delenv(LAUNCH_BOUND_ENV, raising=False)
     rows = reference.row_tile(1, 8, 1024)
     assert rows == 512 and reference.row_tile(1, 8, 1024, torch.device("cpu")) == rows
     assert reference.row_tile(1, 8, 1024, torch.device("cuda")) >= 7 * 1024
+    monkeypatch.setenv(LAUNCH_BOUND_ENV, "1")  # (the GPU's tiles on the CPU, to count their launches)
+    assert reference.row_tile(1, 8, 1024, torch.device("cpu")) >= 7 * 1024

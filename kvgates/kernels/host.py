@@ -1,7 +1,9 @@
-"""Host numbers onto a device without making the host wait (the runtime's and the kernels' small index tensors)."""
+"""Host numbers onto a device without making the host wait (the runtime's and the kernels' small index tensors),
+device values back without draining the stream, and which devices are bound by launches and host reads."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -21,6 +23,18 @@ def on_device(values: Any, device: torch.device | str, dtype: torch.dtype | None
         return values.to(device, dtype)
     pinned = device.type == "cuda"  # (elsewhere a non-blocking copy from a temporary is not safe: MPS)
     return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=pinned)
+
+
+#: Set to 1, every device takes the paths of a launch-bound one (``launch_bound``): their launches and host reads can
+#: then be counted on the CPU (``bench/launches.py --launch-bound``).
+LAUNCH_BOUND_ENV = "KVGATES_LAUNCH_BOUND"
+
+
+def launch_bound(device: torch.device) -> bool:
+    """Whether work on ``device`` is bound by kernel launches and host reads rather than by arithmetic and caches:
+    on a GPU (or anywhere with ``KVGATES_LAUNCH_BOUND=1``). Such work takes fewer, larger tiles and reads back less
+    (D2O's merge tiles, KVMerger's scan)."""
+    return device.type == "cuda" or os.environ.get(LAUNCH_BOUND_ENV) == "1"
 
 
 class HostRead:
@@ -49,4 +63,4 @@ class HostRead:
         return self._host.tolist()
 
 
-__all__ = ["HostRead", "on_device"]
+__all__ = ["HostRead", "LAUNCH_BOUND_ENV", "launch_bound", "on_device"]

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from kvgates.kernels.host import on_device
+from kvgates.kernels.host import launch_bound, on_device
 
 __all__ = [
     "GROUP_REDUCTIONS",
@@ -69,9 +69,9 @@ FUSED_TILE_ELEMENTS = 1 << 23
 
 
 def row_tile(batch: int, heads: int, slots: int, device: torch.device | None = None) -> int:
-    """Query rows per tile so that ``batch x heads x rows x slots`` stays within ``TILE_ELEMENTS`` (on a CUDA
-    ``device``, ``GPU_TILE_ELEMENTS``)."""
-    elements = GPU_TILE_ELEMENTS if device is not None and device.type == "cuda" else TILE_ELEMENTS
+    """Query rows per tile so that ``batch x heads x rows x slots`` stays within ``TILE_ELEMENTS`` (on a launch-bound
+    ``device``, ``host.launch_bound``: a GPU, ``GPU_TILE_ELEMENTS``)."""
+    elements = GPU_TILE_ELEMENTS if device is not None and launch_bound(device) else TILE_ELEMENTS
     return max(1, elements // max(1, batch * heads * slots))
 
 

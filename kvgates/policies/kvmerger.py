@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgates.kernels.host import launch_bound as kernels_launch_bound
 from kvgates.policies.base import register_policy
 from kvgates.policies.h2o import CUMULATIVE, CumulativeAttention
 from kvgates.policies.selection import recent_mask, topk_mask
@@ -57,14 +58,15 @@ class MergingScan:
     threshold), and the chain is walked by pointer doubling. Only a set longer than ``window`` needs more: its
     anchor's similarities with every token, once per such set on the chain.
 
-    ``launch_bound`` (default: on a GPU) trades arithmetic and memory for fewer launches and host reads, with the
-    same sets: a wider window by default (``GPU_SCAN_WINDOW``), larger blocks of the band (``GPU_SCAN_ELEMENTS``),
-    every doubling computed rather than a read to stop early, ``GPU_WALK_STEPS`` walk steps per read.
+    ``launch_bound`` (default: on a GPU, ``kvgates.kernels.host.launch_bound``) trades arithmetic and memory for
+    fewer launches and host reads, with the same sets: a wider window by default (``GPU_SCAN_WINDOW``), larger blocks
+    of the band (``GPU_SCAN_ELEMENTS``), every doubling computed rather than a read to stop early,
+    ``GPU_WALK_STEPS`` walk steps per read.
     """
 
     def __init__(self, keys: torch.Tensor, mergeable: torch.Tensor, window: int | None = None, launch_bound: bool | None = None):
         b, h, n, _ = keys.shape
-        self.launch_bound = keys.is_cuda if launch_bound is None else launch_bound
+        self.launch_bound = kernels_launch_bound(keys.device) if launch_bound is None else launch_bound
         if window is None:
             window = SCAN_WINDOW
             if self.launch_bound:
