@@ -414,3 +414,23 @@ def test_every_decode_sdpa_call_runs_within_the_decode_backends(tiny, monkeypatc
         for t in range(PROMPT, ids.shape[1]):
             model(ids[:, t : t + 1], past_key_values=cache, position_ids=torch.tensor([[t]]))
     assert len(seen) >= 4 and not any(seen)
+
+
+
+def test_a_padded_prompt_forward_reads_back_once_whether_every_token_is_real():
+    """With padding, a forward's 4-D mask says which new tokens are real; whether all are is read back once a forward,
+    since every layer gets the same mask: a model twice as deep reads as often (before: once a layer more, each read
+    draining a GPU's queue, in every padded batch and in each of KVzip's scoring forwards, whose mask always covers
+    the prompt)."""
+    ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    reads = []
+    for layers in (2, 6):
+        _, model = tiny_model("llama", num_hidden_layers=layers)
+        cache = BudgetCache(model.config, "full")
+        with torch.no_grad(), Launches() as prompt:
+            out = model(ids, attention_mask=mask, past_key_values=cache).logits
+        reads.append(prompt.syncs)
+        assert out.isfinite().all() and [int(n) for n in cache.budget_layers[-1].held()[:, 0]] == [PROMPT, PROMPT - 5]
+    assert reads[0] == reads[1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -87,6 +89,7 @@ class BudgetCache(Cache):
         self.policy = policy
         self.config = text_config
         self._pending_layer: int | None = None
+        self._real: tuple[Any, ...] | None = None  # ``real_queries``' last answer and what it was for
         super().__init__(layers=layers)
 
     # ------------------------------------------------------------------ bookkeeping used by BudgetLayer
@@ -102,6 +105,21 @@ class BudgetCache(Cache):
     def release_pending(self) -> None:
         """The staged tokens were consumed by their attention call."""
         self._pending_layer = None
+
+    def real_queries(
+        self, attention_mask: torch.Tensor, where: tuple[Any, ...], read: Callable[[], tuple[torch.Tensor, bool]]
+    ) -> tuple[torch.Tensor, bool]:
+        """``read()``: which of a forward's new tokens are real under ``attention_mask`` and whether all are (a read
+        back), computed once for the layers of a forward that get the same mask object, unchanged, at the same
+        ``where`` (tokens seen before, batch, new tokens, device); ``read()`` again otherwise. (A forward's 4-D mask
+        is one object every layer of an attention type gets; ``device_map`` moves it, a copy, to a layer on another
+        device.)"""
+        key = (*where, attention_mask._version)
+        if self._real is not None and self._real[0]() is attention_mask and self._real[1] == key:
+            return self._real[2]
+        answer = read()
+        self._real = (weakref.ref(attention_mask), key, answer)
+        return answer
 
     # ------------------------------------------------------------------ views for policies and reports
     @property

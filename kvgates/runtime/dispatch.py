@@ -62,9 +62,9 @@ class AttentionDispatch:
                 return self._attend_static(query, key_states, value_states, scale, position_ids)
             self._fold_decoded()  # several tokens: the general path, with the counters back on the host
         phase = self.phase(n)
-        q_pos, q_real = self._query_positions(b, n, attention_mask, position_ids, query.device)
+        q_pos = self._query_positions(b, n, position_ids, query.device)
+        q_real, all_real = self._real_queries(b, n, attention_mask, query.device)
         was_empty = n > 1 and (self.max_slots == 0 or (self.packed and max(self.fill) == 0))
-        all_real = q_real is None or bool(q_real.all())
         slots = self.insert(
             key_states, value_states, q_pos if all_real else torch.where(q_real, q_pos, torch.full_like(q_pos, -1)), all_real
         )
@@ -121,29 +121,29 @@ class AttentionDispatch:
         self.step(stats)
         return out.transpose(1, 2).contiguous()
 
-    def _query_positions(
-        self,
-        b: int,
-        n: int,
-        attention_mask: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-        device: torch.device,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Positions ``[B, n]`` of the new tokens and whether each is real (not padding; None without a mask: every
-        token is, and a decode step needs no tensor saying so)."""
+    def _query_positions(self, b: int, n: int, position_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """Positions ``[B, n]`` of the new tokens."""
         if position_ids is not None:
-            q_pos = position_ids.to(device=device, dtype=torch.int64).reshape(-1, n).expand(b, n)
-        else:
-            q_pos = (torch.arange(n, device=device) + self.seen).expand(b, n)
+            return position_ids.to(device=device, dtype=torch.int64).reshape(-1, n).expand(b, n).contiguous()
+        return (torch.arange(n, device=device) + self.seen).expand(b, n).contiguous()
+
+    def _real_queries(self, b: int, n: int, attention_mask: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor | None, bool]:
+        """Whether each new token is real (not padding) ``[B, n]``, and whether all are: None and True without a mask
+        (a decode step needs no tensor saying so). Whether all are is read back once a forward: its layers share one
+        mask (``BudgetCache.real_queries``), and a read a layer made the host wait for the device at every layer."""
         if attention_mask is None:
-            return q_pos.contiguous(), None
+            return None, True
         if attention_mask.dim() != 4:
             raise ValueError(f"expected a 4-D attention mask from the 'kvgates' mask function, got {attention_mask.dim()}-D")
-        # Token i of this forward sits in mask column seen + i; its own column is masked iff it is padding.
-        cols = torch.arange(n, device=device) + self.seen
-        diag = attention_mask[:, 0, torch.arange(n, device=device), cols]
-        q_real = diag if diag.dtype == torch.bool else diag > torch.finfo(diag.dtype).min / 2
-        return q_pos.contiguous(), q_real.expand(b, n).contiguous()
+
+        def read() -> tuple[torch.Tensor, bool]:
+            # Token i of this forward sits in mask column seen + i; its own column is masked iff it is padding.
+            cols = torch.arange(n, device=device) + self.seen
+            diag = attention_mask[:, 0, torch.arange(n, device=device), cols]
+            q_real = (diag if diag.dtype == torch.bool else diag > torch.finfo(diag.dtype).min / 2).expand(b, n).contiguous()
+            return q_real, bool(q_real.all())
+
+        return self.cache.real_queries(attention_mask, (self.seen, b, n, device), read)
 
     def _decode(self, query: torch.Tensor, keys: torch.Tensor, scale: float, request: StatsRequest, stats: AttnStats) -> torch.Tensor:
         b, h, _, _ = query.shape
