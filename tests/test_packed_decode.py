@@ -15,6 +15,7 @@ from kvgates import BudgetCache, make_policy
 from kvgates.runtime import dispatch
 from kvgates.runtime.launches import Launches
 from kvgates.runtime.layer import BudgetLayer
+from kvgates.runtime.scoring import discarded_forward
 from kvgates.runtime.stats import NO_STATS
 from kvgates.runtime.storage import KeptCounts
 
@@ -433,4 +434,29 @@ def test_a_padded_prompt_forward_reads_back_once_whether_every_token_is_real():
             out = model(ids, attention_mask=mask, past_key_values=cache).logits
         reads.append(prompt.syncs)
         assert out.isfinite().all() and [int(n) for n in cache.budget_layers[-1].held()[:, 0]] == [PROMPT, PROMPT - 5]
+    assert reads[0] == reads[1]
+
+
+def test_a_scoring_forward_drops_its_tokens_without_reading_back_what_each_layer_keeps():
+    """A scoring forward (KVzip's reconstruction) drops the tokens it added; every layer keeps what it held before,
+    which the host knows where each head holds as many tokens: a model twice as deep reads as often (before: one read
+    a layer and forward, each draining a GPU's queue), and the cache holds exactly what it held."""
+    ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(6))
+    extra = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(7))
+    extra_mask = torch.ones_like(extra)
+    extra_mask[0, 6:] = 0  # a shorter row, as KVzip pads its last chunk
+    reads = []
+    for layers in (2, 6):
+        _, model = tiny_model("llama", num_hidden_layers=layers)
+        cache = BudgetCache(model.config, "full")
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+            before = [(layer.pos.clone(), layer.keys.clone()) for layer in cache.budget_layers]
+            with Launches() as scoring:
+                discarded_forward(model, cache, torch.ones_like(ids), extra, extra_mask)
+        reads.append(scoring.syncs)
+        for layer, (pos, keys) in zip(cache.budget_layers, before):
+            held = layer.valid
+            assert torch.equal(layer.pos[held].view(2, -1, PROMPT), pos.view(2, -1, PROMPT)) and layer.seen == PROMPT
+            assert torch.equal(layer.keys.view(*layer.pos.shape, -1)[held], keys.view(*pos.shape, -1).flatten(0, 2))
     assert reads[0] == reads[1]

@@ -22,6 +22,7 @@ import torch
 from kvgates.errors import UnsupportedModelError
 from kvgates.runtime.cache import BudgetCache
 from kvgates.runtime.stats import AttnStats, Phase
+from kvgates.runtime.storage import KeptCounts
 
 #: ``run(model, cache, ids, mask)``: a policy's scoring forwards over the prompt ``ids`` ``[B, T]`` (``mask``: 1 for
 #: real tokens) that the cache holds.
@@ -61,6 +62,9 @@ def discarded_forward(model: torch.nn.Module, cache: BudgetCache, context_mask: 
         )
     layers = cache.budget_layers
     seen = [layer.seen for layer in layers]
+    # What each layer keeps is what it holds now: where every head of every sequence holds as many tokens, the host
+    # knows it, and dropping the forward's tokens reads nothing back (a read a layer and forward drained a GPU's queue).
+    kept = [layer.fill[0] if layer.packed and len(set(layer.fill)) == 1 else None for layer in layers]
     context_mask = context_mask.to(ids.device).long()
     start = context_mask.sum(1, keepdim=True)  # each row's next position
     positions = start + (mask.long().cumsum(1) - 1).clamp(min=0)
@@ -73,8 +77,9 @@ def discarded_forward(model: torch.nn.Module, cache: BudgetCache, context_mask: 
         logits_to_keep=1,
     )
     slack = cache.policy.schedule.slack
-    for layer, before in zip(layers, seen):
-        layer.evict(layer.valid & (layer.pos < start[:, :, None].to(layer.device)), slack=slack)
+    for layer, before, held in zip(layers, seen, kept):
+        counts = None if held is None else KeptCounts([held] * layer.num_kv_heads, [held] * layer.num_kv_heads, [ids.shape[1]] * layer.num_kv_heads)
+        layer.evict(layer.valid & (layer.pos < start[:, :, None].to(layer.device)), slack=slack, counts=counts)
         layer.seen = before
 
 
