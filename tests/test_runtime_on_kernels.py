@@ -10,6 +10,7 @@ import torch
 from helpers import policy_on, teacher_forced_logits
 
 from kvgates import BudgetCache
+from kvgates.runtime.launches import Launches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -83,3 +84,23 @@ def test_column_sums_of_a_chunked_prompt_alike_on_both_backends(model, name, mon
     torch.testing.assert_close(tri_logits, ref_logits, atol=1e-4, rtol=1e-4)
     for a, b in zip(ref_cache.budget_layers, tri_cache.budget_layers):
         assert torch.equal(torch.sort(a.pos, -1).values, torch.sort(b.pos, -1).values)
+
+
+@pytest.mark.parametrize("name", ["full", "h2o", "snapkv", "tova", "trimkv", "locret", "d2o", "kvzip"])
+def test_a_prompt_forward_on_the_kernels_reads_back_as_often_at_any_depth(name, monkeypatch):
+    """On the kernels (the GPU's path: the torch reference's tiles read back where the kernels do not), a prompt
+    forward of these policies reads back as often at 6 layers as at 2: nothing a layer, where each read drains a GPU's
+    queue and leaves the next launches unhidden. KVzip read twice a layer and scoring forward (whether its queries
+    were all real; what each layer kept when its tokens were dropped)."""
+    from helpers import tiny_model
+
+    monkeypatch.setenv("KVGATES_KERNELS", "triton")
+    ids = torch.randint(1, 128, (2, 34), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    reads = {}
+    for layers in (2, 6):
+        model = tiny_model("llama", num_hidden_layers=layers)[1].to(DEVICE)
+        torch.manual_seed(0)
+        with policy_on(model, name, 12, **PARAMS.get(name, {})) as policy, torch.no_grad(), Launches() as prompt:
+            model(ids, past_key_values=BudgetCache(model.config, policy))
+        reads[layers] = prompt.sync_ops
+    assert reads[2] == reads[6]
