@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from kvgates.gates.capture import GateCapture, attention_modules
+from kvgates.kernels.host import on_device
 from kvgates.policies.base import NEVER, Policy, register_policy
 from kvgates.policies.selection import sink_mask
 from kvgates.runtime.scoring import PromptScoring, discarded_forward
@@ -173,7 +174,7 @@ class KVzip(Policy):
         rows = [row[m.bool()] for row, m in zip(ids, mask.to(ids.device))]
         longest = max(len(r) for r in rows)
         prompt = self._prompt.to(ids.device)
-        lengths = torch.tensor([len(r) for r in rows])
+        lengths = [len(r) for r in rows]
         try:
             for lo in range(0, longest, self.chunk_size):
                 parts = [torch.cat([prompt, r[lo : lo + self.chunk_size]]) if lo < len(r) else r[:0] for r in rows]
@@ -182,7 +183,10 @@ class KVzip(Policy):
                 chunk_mask = torch.zeros_like(chunk_ids)
                 for i, part in enumerate(parts):
                     chunk_ids[i, : len(part)], chunk_mask[i, : len(part)] = part, 1
-                self._chunk = (torch.full_like(lengths, lo), lengths.clamp(max=lo + self.chunk_size))
+                # The chunk's bounds, on the device once a forward (moved from the host a layer, each copy from pageable
+                # memory made a GPU's host wait for the stream).
+                bounds = on_device([[lo] * len(rows), [min(n, lo + self.chunk_size) for n in lengths]], ids.device)
+                self._chunk = (bounds[0], bounds[1])
                 discarded_forward(model, cache, mask, chunk_ids, chunk_mask)
         finally:
             self._chunk = None
