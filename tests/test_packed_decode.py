@@ -460,3 +460,29 @@ def test_a_scoring_forward_drops_its_tokens_without_reading_back_what_each_layer
             assert torch.equal(layer.pos[held].view(2, -1, PROMPT), pos.view(2, -1, PROMPT)) and layer.seen == PROMPT
             assert torch.equal(layer.keys.view(*layer.pos.shape, -1)[held], keys.view(*pos.shape, -1).flatten(0, 2))
     assert reads[0] == reads[1]
+
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_adakv_evicts_each_layer_but_the_last_at_the_next_layers_end_what_it_would_keep_right_away(batch):
+    """Ada-KV's head budgets have a range the host does not know: a layer's prompt eviction waits for the end of the
+    next layer's step, the range's copy queued by then (``BudgetLayer._defer``; on a GPU the read no longer drains the
+    queue, and the next layer's work runs while the host evicts); the last layer evicts right away. The layers end
+    exactly as evicted right away (as a policy deciding across layers is, here forced)."""
+    _, model = tiny_model("llama", num_hidden_layers=4)
+    ids = torch.randint(1, 128, (batch, PROMPT), generator=torch.Generator().manual_seed(6))
+    caches, orders = {}, {}
+    enforce = BudgetLayer.enforce
+    for cross in (False, True):
+        order = orders[cross] = []
+        policy = make_policy("adakv", budget=BUDGET, base_params={"window": 4, "kernel": 3})
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(type(policy), "cross_layer", property(lambda self, cross=cross: cross))
+            patch.setattr(BudgetLayer, "enforce", lambda layer, *args: order.append(layer.rank) or enforce(layer, *args))
+            caches[cross] = BudgetCache(model.config, policy)
+            with torch.no_grad():
+                model(ids, past_key_values=caches[cross])
+    assert orders == {False: [0, 1, 3, 2], True: [0, 1, 2, 3]}
+    for a, b in zip(caches[False].budget_layers, caches[True].budget_layers):
+        assert torch.equal(a.pos, b.pos) and torch.equal(a.keys, b.keys) and a.head_slots == b.head_slots
+        assert a._deferred is None and int(a.held().max()) < PROMPT

@@ -176,6 +176,13 @@ class Policy:
         """Called after each budgeted layer's own step (cross-layer decisions; ``layer.is_last`` ends a forward)."""
 
     @property
+    def cross_layer(self) -> bool:
+        """Whether the policy decides across layers (it has an ``after_layer``): otherwise a prompt forward's layer
+        whose new quota has a range the host does not know is evicted at the end of the next layer's step, its range
+        read back by then (``BudgetLayer._defer``)."""
+        return type(self).after_layer is not Policy.after_layer
+
+    @property
     def position_window(self) -> int | None:
         """Where attention runs at positions within the cache (``position_shift``, StreamingLLM's ``rerotate``): the
         most tokens a head holds before a forward, so that a forward of n tokens attends below position

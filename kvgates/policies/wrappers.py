@@ -108,6 +108,11 @@ class Wrapper(Policy):
         self.inner.after_layer(layer, stats)
 
     @property
+    def cross_layer(self) -> bool:
+        """The wrapped policy's, unless the wrapper has an ``after_layer`` of its own."""
+        return self.inner.cross_layer or type(self).after_layer is not Wrapper.after_layer
+
+    @property
     def position_window(self) -> int | None:
         return self.inner.position_window
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvgates.kernels.host import on_device
+from kvgates.kernels.host import HostRead, on_device
 from kvgates.runtime.dispatch import AttentionDispatch
 from kvgates.runtime.state import LayerState
 from kvgates.runtime.stats import AttnStats, Phase
@@ -73,6 +73,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.held_over_quota: int | None = None  # every head of every sequence holds its quota plus this, on the host
         self._policy_states: dict[int, LayerState] = {}
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._deferred: tuple[AttnStats, torch.Tensor, HostRead] | None = None  # an eviction for the next layer's end (``_defer``)
         self.is_compileable = cache.static  # decode steps compile once the prompt is stored (``static``)
         self.decoded: torch.Tensor | None = None  # static layout: decode steps not yet counted in ``seen`` (0-d)
         self.static_evictions = 0  # static layout: the most tokens a head may evict in one step (slots over its quota)
@@ -226,22 +227,25 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             return torch.full((self.batch_size, self.num_kv_heads), quota, dtype=torch.long, device=self.device)
         return quota.to(self.device).expand(self.batch_size, self.num_kv_heads).long()
 
-    def enforce(self, stats: AttnStats | None) -> None:
+    def enforce(
+        self, stats: AttnStats | None, quota: int | torch.Tensor | None = None, known: tuple[list[int], list[int]] | None = None
+    ) -> None:
         """The one eviction path: bring every sequence holding more than the policy's ``quota`` (plus its
         schedule's tolerance) back to it, with the policy's ``select``. Sequences within their quota are never
         touched, so a sequence gets the same result alone and in a batch. ``stats`` is None when a cross-layer
-        decision enforces a layer other than the one that just attended."""
+        decision enforces a layer other than the one that just attended. ``quota``: the policy's, already asked
+        for (``_defer``), with its range per head ``known`` (else the range is read back)."""
         policy = self.cache.policy
         schedule = policy.schedule
-        quota = policy.quota(self, stats)
-        if not (quota is self._quota_source or (isinstance(quota, int) and quota == self._quota_source)):
+        quota = policy.quota(self, stats) if quota is None else quota
+        if not self._is_quota(quota):
             # A new quota: its range per head is read once (an int's is known, and a policy may know a tensor's),
             # then the host can tell who is over.
             self.quota = self.quota_tensor(quota)
             if isinstance(quota, int):
                 known = ([quota] * self.num_kv_heads,) * 2
             else:
-                known = policy.quota_range(self, quota) or torch.stack([self.quota.amin(0), self.quota.amax(0)]).tolist()
+                known = known or policy.quota_range(self, quota) or torch.stack([self.quota.amin(0), self.quota.amax(0)]).tolist()
             self._quota_source, self._quota_range = quota, tuple(known)
             self.held_over_quota = None  # it was counted against the previous quota
         if self.held_over_quota is not None:  # every head holds its quota plus as many: everybody is over, or nobody
@@ -266,6 +270,34 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             keep = policy.select(self, stats, torch.where(over[:, None], self.quota, torch.maximum(held, self.quota)))
             self.evict(torch.where(over[:, None, None], keep, self.valid), slack=schedule.slack)
         self.held_over_quota = 0 if full and (policy.exact_quota or not anybody) else None
+
+    def _is_quota(self, quota: int | torch.Tensor) -> bool:
+        """Whether ``quota`` is the one the layer's ``quota`` was built from (its range is on the host)."""
+        return quota is self._quota_source or (isinstance(quota, int) and quota == self._quota_source)
+
+    def _defer(self, stats: AttnStats) -> None:
+        """``enforce(stats)`` for a prompt forward's layer before the last, where the host does not know the range of
+        the policy's new quota: the range's copy to the host is queued now (``HostRead``), and the eviction runs at
+        the end of the next layer's step (``end_deferred``), when the copy is long done. Reading it now made the host
+        wait for the device to run everything queued, then the device wait for the eviction's launches; at the next
+        layer's end the device still has that layer's work to run while the host evicts. Each layer is evicted as
+        right away: its quota is asked for now and nothing else touches it in between (``Policy.cross_layer`` is
+        False). Where the range is known, it evicts now."""
+        policy = self.cache.policy
+        quota = policy.quota(self, stats)
+        if isinstance(quota, int) or self._is_quota(quota) or policy.quota_range(self, quota) is not None:
+            self.enforce(stats, quota)
+            return
+        tensor = self.quota_tensor(quota)
+        self._deferred = (stats, quota, HostRead(torch.stack([tensor.amin(0), tensor.amax(0)])))
+
+    def end_deferred(self) -> None:
+        """Run the eviction ``_defer`` left for later, if any."""
+        if self._deferred is not None:
+            stats, quota, ranges = self._deferred
+            self._deferred = None
+            least, most = ranges.tolist()
+            self.enforce(stats, quota, (least, most))
 
     def _evict_everyone(self, stats: AttnStats | None) -> None:
         """Evict every sequence (the host knows that each is over its quota) to the policy's selection; an exact one
@@ -302,9 +334,13 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         else:
             self.decode_steps += 1
             due = schedule.decode_every > 0 and self.decode_steps % schedule.decode_every == 0
-        if due:
+        if due and stats.phase is Phase.PREFILL and not self.is_last and not policy.cross_layer:
+            self._defer(stats)
+        elif due:
             self.enforce(stats)
         policy.after_layer(self, stats)
+        if stats.phase is Phase.PREFILL and self.rank:  # (the last layer's own eviction ran already: the forward ends evicted)
+            self.cache.budget_layers[self.rank - 1].end_deferred()
         if self.cache.static and self.is_last and (schedule.prefill or schedule.decode_every or stats.phase is Phase.DECODE):
             # Every layer settles once the forward's last evictions are made (cross-layer budgets are decided after
             # the last layer). After a prompt forward, a policy that evicts neither then nor while decoding (KVzip:

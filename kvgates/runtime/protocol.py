@@ -58,6 +58,7 @@ class CachePolicy(Protocol):
     state_type: ClassVar[type | None]
     sync_free_decode: bool
     exact_quota: bool
+    cross_layer: bool
     schedule: Schedule
 
     def stats_request(self, phase: Phase) -> StatsRequest: ...
