@@ -486,3 +486,27 @@ def test_adakv_evicts_each_layer_but_the_last_at_the_next_layers_end_what_it_wou
     for a, b in zip(caches[False].budget_layers, caches[True].budget_layers):
         assert torch.equal(a.pos, b.pos) and torch.equal(a.keys, b.keys) and a.head_slots == b.head_slots
         assert a._deferred is None and int(a.held().max()) < PROMPT
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_kvmerger_s_prompt_eviction_on_a_gpu_s_path_reads_back_less_and_merges_alike(batch, monkeypatch):
+    """On a GPU's path (``launch_bound``) KVMerger's selection reads back neither whether the slots are in position
+    order nor how many sets there are, and no selection lists its pivots or reads the heavy hitters' excess (the
+    host knows the layer): 7 reads a layer before, at most 3 now (the scan's walk, the eviction's counts; the CPU path
+    reads more, its scan stopping early). The layers end with the same tokens and the same merged keys and values."""
+    from kvgates.kernels.host import LAUNCH_BOUND_ENV
+
+    _, model = tiny_model("llama", num_hidden_layers=3)
+    ids = torch.randint(1, 128, (batch, 96), generator=torch.Generator().manual_seed(2))
+    caches, reads = {}, {}
+    for bound in (False, True):
+        if bound:
+            monkeypatch.setenv(LAUNCH_BOUND_ENV, "1")
+        caches[bound] = BudgetCache(model.config, "kvmerger", budget=24, window=4, heavy=2)
+        with torch.no_grad(), Launches() as prompt:
+            model(ids, past_key_values=caches[bound])
+        reads[bound] = prompt.syncs / 3
+    assert reads[True] <= 3, reads
+    for a, b in zip(caches[False].budget_layers, caches[True].budget_layers):
+        assert torch.equal(a.pos, b.pos) and int(a.held().max()) <= 24
+        torch.testing.assert_close(a.keys, b.keys) and torch.testing.assert_close(a.values, b.values)

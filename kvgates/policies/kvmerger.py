@@ -11,7 +11,7 @@ import torch
 from kvgates.kernels.host import launch_bound as kernels_launch_bound
 from kvgates.policies.base import register_policy
 from kvgates.policies.h2o import CUMULATIVE, CumulativeAttention
-from kvgates.policies.selection import recent_mask, topk_mask
+from kvgates.policies.selection import recent_mask, top_held
 from kvgates.runtime.state import LayerState
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
 
@@ -227,7 +227,7 @@ class KVMerger(CumulativeAttention):
     def protected(self, layer) -> torch.Tensor:
         """Slots never merged: the recent window and the heavy hitters among the others."""
         window = recent_mask(layer, self.window)
-        return window | topk_mask(layer.state[CUMULATIVE], self.heavy, layer.valid & ~window, layer.pos)
+        return window | top_held(layer, layer.state[CUMULATIVE], self.heavy, layer.valid & ~window)
 
     def calibrate(
         self, keys: torch.Tensor, mergeable: torch.Tensor, fixed: torch.Tensor, budget: torch.Tensor, launch_bound: bool | None = None
@@ -283,8 +283,10 @@ class KVMerger(CumulativeAttention):
         (_, k, v, pos), = layer.head_views()
         protected = self.protected(layer) & layer.valid
         order = torch.argsort(torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max), dim=-1, stable=True)
-        # After a prompt forward into empty storage the slots already hold positions in order: nothing to permute.
-        in_order = bool((order == torch.arange(order.shape[-1], device=order.device)).all())
+        # After a prompt forward into empty storage the slots already hold positions in order: nothing to permute. (On a
+        # GPU, permuting costs less than reading that back: launch_bound. Nor are the sets counted there: see n_sets.)
+        fewer_reads = kernels_launch_bound(k.device)
+        in_order = not fewer_reads and bool((order == torch.arange(order.shape[-1], device=order.device)).all())
 
         def gather(t: torch.Tensor) -> torch.Tensor:  # slot order -> position order
             if in_order:
@@ -298,7 +300,7 @@ class KVMerger(CumulativeAttention):
         self.layer_state(layer).epsilon = eps
         # Set ids over mergeable tokens; sets are runs, so a scatter per set gives pivots and weights.
         set_id = torch.where(mergeable, starts.long().cumsum(-1) - 1, torch.zeros_like(starts, dtype=torch.long))
-        n_sets = int(starts.sum(-1).max())
+        n_sets = starts.shape[-1] if fewer_reads else int(starts.sum(-1).max())  # (at most one set a token)
         shape = (*set_id.shape[:2], max(n_sets, 1))
         masked_score = torch.where(mergeable, score, torch.full_like(score, float("-inf")))
         best = torch.full(shape, float("-inf"), device=k.device).scatter_reduce(2, set_id, masked_score, "amax")
@@ -324,11 +326,12 @@ class KVMerger(CumulativeAttention):
         new_v = torch.zeros((*shape, vs.shape[-1]), device=k.device).scatter_add_(2, set_id[..., None].expand_as(vs), vs * wv[..., None])
         is_pivot = mergeable & (idx == pivot_of)
         # Each set's merge is written to its pivot's slot (through the permutation ``order``); other slots keep theirs.
-        rows, heads, sets = (pivot < big).nonzero(as_tuple=True)
-        slot = pivot[rows, heads, sets]
-        if not in_order:
-            slot = order[rows, heads, slot]
-        for store, merged in ((k, new_k), (v, new_v)):
-            store[rows, heads, slot] = merged[rows, heads, sets].to(store.dtype)
+        # Every slot is written, so that nothing is read back to list the pivots.
+        for store, merged, own in ((k, new_k, ks), (v, new_v, vs)):
+            written = torch.where(is_pivot[..., None], torch.gather(merged, 2, set_id[..., None].expand_as(own)), own).to(store.dtype)
+            if in_order:
+                store.copy_(written)
+            else:
+                store.scatter_(2, order[..., None].expand_as(written), written)
         keep_sorted = gather(protected[..., None])[..., 0] | is_pivot
         return keep_sorted if in_order else torch.zeros_like(layer.valid).scatter(2, order, keep_sorted)
