@@ -491,9 +491,10 @@ def test_adakv_evicts_each_layer_but_the_last_at_the_next_layers_end_what_it_wou
 @pytest.mark.parametrize("batch", [1, 2])
 def test_kvmerger_s_prompt_eviction_on_a_gpu_s_path_reads_back_less_and_merges_alike(batch, monkeypatch):
     """On a GPU's path (``launch_bound``) KVMerger's selection reads back neither whether the slots are in position
-    order nor how many sets there are, and no selection lists its pivots or reads the heavy hitters' excess (the
-    host knows the layer): 7 reads a layer before, at most 3 now (the scan's walk, the eviction's counts; the CPU path
-    reads more, its scan stopping early). The layers end with the same tokens and the same merged keys and values."""
+    order, nor how many sets there are, nor where the pivots are (it writes every slot); on any device the heavy
+    hitters' excess is not read (the host knows the layer): 7 reads a layer before, at most 3 now (the scan's walk,
+    the eviction's counts; the CPU path reads more, its scan stopping early). The layers end with the same tokens and
+    the same merged keys and values."""
     from kvgates.kernels.host import LAUNCH_BOUND_ENV
 
     _, model = tiny_model("llama", num_hidden_layers=3)

@@ -326,12 +326,15 @@ class KVMerger(CumulativeAttention):
         new_v = torch.zeros((*shape, vs.shape[-1]), device=k.device).scatter_add_(2, set_id[..., None].expand_as(vs), vs * wv[..., None])
         is_pivot = mergeable & (idx == pivot_of)
         # Each set's merge is written to its pivot's slot (through the permutation ``order``); other slots keep theirs.
-        # Every slot is written, so that nothing is read back to list the pivots.
-        for store, merged, own in ((k, new_k, ks), (v, new_v, vs)):
-            written = torch.where(is_pivot[..., None], torch.gather(merged, 2, set_id[..., None].expand_as(own)), own).to(store.dtype)
-            if in_order:
-                store.copy_(written)
-            else:
-                store.scatter_(2, order[..., None].expand_as(written), written)
+        # On a GPU every slot is written, so that nothing is read back to list the pivots (on the CPU, the pivots alone).
+        if fewer_reads:
+            for store, merged, own in ((k, new_k, ks), (v, new_v, vs)):
+                written = torch.where(is_pivot[..., None], torch.gather(merged, 2, set_id[..., None].expand_as(own)), own)
+                store.scatter_(2, order[..., None].expand_as(written), written.to(store.dtype))
+        else:
+            rows, heads, sets = (pivot < big).nonzero(as_tuple=True)
+            slot = pivot[rows, heads, sets] if in_order else order[rows, heads, pivot[rows, heads, sets]]
+            for store, merged in ((k, new_k), (v, new_v)):
+                store[rows, heads, slot] = merged[rows, heads, sets].to(store.dtype)
         keep_sorted = gather(protected[..., None])[..., 0] | is_pivot
         return keep_sorted if in_order else torch.zeros_like(layer.valid).scatter(2, order, keep_sorted)
