@@ -180,12 +180,21 @@ def attached(model, cache) -> Iterator[None]:
             policy.detach()
 
 
-def essay_ids(tokenizer, n: int, device: str | torch.device) -> torch.Tensor:
-    """``[1, n]`` token ids of the Paul Graham essays (random ids when there is no tokenizer)."""
+#: Tokens between the starts of two rows of ``essay_ids``.
+ROW_STRIDE = 4099
+
+
+def essay_ids(tokenizer, n: int, device: str | torch.device, batch: int = 1) -> torch.Tensor:
+    """``[batch, n]`` token ids of the Paul Graham essays (random ids when there is no tokenizer): row ``i`` starts
+    ``i * ROW_STRIDE`` tokens in (the essays repeated past their end), so a batch's rows differ as a real batch's
+    prompts do. (Where every row was the same prompt, every sequence kept as many tokens in every head, which the
+    host then knows: policies whose budgets depend on the scores read back less than they do for real batches.)"""
     if tokenizer is None:
-        return torch.randint(100, 40000, (1, n), generator=torch.Generator().manual_seed(0)).to(device)
-    ids = tokenizer(paul_graham_essays(), add_special_tokens=False)["input_ids"][:n]
-    return torch.tensor([ids], device=device)
+        return torch.randint(100, 40000, (batch, n), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = tokenizer(paul_graham_essays(), add_special_tokens=False)["input_ids"]
+    need = (batch - 1) * ROW_STRIDE + n
+    ids = ids * -(-need // len(ids))
+    return torch.tensor([ids[i * ROW_STRIDE : i * ROW_STRIDE + n] for i in range(batch)], device=device)
 
 
 def time_prefill(model, make_cache, ids: torch.Tensor, device: str | torch.device) -> tuple[float, Any]:

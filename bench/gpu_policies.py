@@ -4,16 +4,16 @@ DynamicCache at the budget, at the full context and against the step's HBM roofl
     python bench/gpu_policies.py --model random:llama-3.1-8b --layers 16 --contexts 8192 16384 --budget 1024 --batch 1 8
     python bench/gpu_policies.py --model random --layers 2 --contexts 160 --budget 64 --steps 2 --rounds 1   # CPU check
 
-For each context and batch the prompt (essay tokens, or random ids for a random model; the same prompt in every
-row) is prefilled by every arm once per round for ``--rounds`` interleaved rounds (after one warm-up round): a
-DynamicCache + sdpa (the reference, 1.00x) and a ``BudgetCache`` per policy at ``--budget`` (its prompt scoring
-and compression included). Then each arm's cache, and a DynamicCache of ``--budget`` tokens (what a cache of
-that size costs), decode ``--steps`` greedy steps once per round, interleaved; DynamicCaches are cropped back to
-their prompt before each round. Per-step evicting policies also run with amortised eviction over ``--slack + 1``
-steps. The decode table gives the median ms/step, its ratio to both DynamicCaches, and the step's HBM roofline:
-the bytes a step must read (every weight but the input embedding table, of which it reads one row per sequence,
-plus the key/value bytes the cache holds) over the device's peak bandwidth (``hardware.PEAK_GBPS`` by GPU name,
-or ``--peak-gbps``; ``-`` on CPU). Learned policies run with fresh gates of the model's shape.
+For each context and batch the prompt (essay tokens, or random ids for a random model; a different passage in every
+row, ``common.essay_ids``) is prefilled by every arm once per round for ``--rounds`` interleaved rounds (after one
+warm-up round): a DynamicCache + sdpa (the reference, 1.00x) and a ``BudgetCache`` per policy at ``--budget`` (its
+prompt scoring and compression included). Then each arm's cache, and a DynamicCache of ``--budget`` tokens (what a
+cache of that size costs), decode ``--steps`` greedy steps once per round, interleaved; DynamicCaches are cropped
+back to their prompt before each round. Per-step evicting policies also run with amortised eviction over
+``--slack + 1`` steps. The decode table gives the median ms/step, its ratio to both DynamicCaches, and the step's HBM
+roofline: the bytes a step must read (every weight but the input embedding table, of which it reads one row per
+sequence, plus the key/value bytes the cache holds) over the device's peak bandwidth (``hardware.PEAK_GBPS`` by GPU
+name, or ``--peak-gbps``; ``-`` on CPU). Learned policies run with fresh gates of the model's shape.
 
 ``--compile inductor --compile-mode reduce-overhead`` adds captured decode rows to the same table: the forward
 compiled once (``fullgraph``, a CUDA graph per cache kind on a GPU) over a transformers ``StaticCache`` holding the
@@ -82,7 +82,7 @@ def main() -> None:
         arms.update(static_arms(model, list(arms)[1:], budget, decoded, CAPTURED))
     for context in args.contexts:
         for batch in args.batch:
-            ids = essay_ids(tokenizer, context, args.device).expand(batch, -1).contiguous()
+            ids = essay_ids(tokenizer, context, args.device, batch)
             prefill: dict[str, list[float]] = {label: [] for label in arms}
             caches = {}
             for r in range(args.rounds + 1):  # round 0 warms up; the last round's caches go on to decode

@@ -61,7 +61,7 @@ def main() -> None:
             arms[f"{name} slack={args.slack}"] = lambda name=name: kvgates.BudgetCache(
                 model.config, make_policy(model, name, args.budget, args.slack)
             )
-    ids = essay_ids(tokenizer, args.context, args.device).expand(args.batch, -1).contiguous()
+    ids = essay_ids(tokenizer, args.context, args.device, args.batch)
     counts = {label: count(model, make, ids) for label, make in arms.items()}
     base_prefill, base_step = counts["DynamicCache + sdpa"]
     print(f"\nper layer ({layers} layers), context {args.context}, budget {args.budget}, batch {args.batch}")

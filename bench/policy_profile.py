@@ -108,7 +108,7 @@ def main() -> None:
         __doc__, context=8192, budget=1024, batch=1, steps=3, top=8, trace=None, policies=["streaming_llm", "h2o", "adakv"]
     )
     layers = model.config.num_hidden_layers
-    ids = essay_ids(tokenizer, args.context, args.device).expand(args.batch, -1).contiguous()
+    ids = essay_ids(tokenizer, args.context, args.device, args.batch)
     arms = {"DynamicCache + sdpa": lambda: DynamicCache(config=model.config)}
     for name in args.policies:
         arms[name] = lambda name=name: kvgates.BudgetCache(model.config, bench_policy(model, name, args.budget))

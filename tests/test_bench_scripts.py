@@ -313,3 +313,22 @@ def test_kv_memory_bench_refuses_options_it_cannot_honour_before_its_model(args,
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"kv_memory.py: {message}"), result.stderr
     assert "device:" not in result.stdout
+
+
+def test_a_bench_batch_holds_a_different_passage_in_every_row(monkeypatch):
+    """A batch of one prompt repeated let every sequence keep as many tokens in every head, which the host then knows:
+    policies whose budgets follow the scores read back less than for a real batch. Rows now start ``ROW_STRIDE``
+    tokens apart, the essays repeated past their end."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import common
+
+    class Tokenizer:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": list(range(5000))}
+
+    ids = common.essay_ids(Tokenizer(), 300, "cpu", batch=3)
+    assert ids.shape == (3, 300) and ids[0].tolist() == list(range(300))
+    assert ids[1, 0] == common.ROW_STRIDE and ids[2].tolist() == [(2 * common.ROW_STRIDE + i) % 5000 for i in range(300)]
+    random = common.essay_ids(None, 50, "cpu", batch=2)
+    assert random.shape == (2, 50) and not torch.equal(random[0], random[1])
+    assert torch.equal(common.essay_ids(None, 50, "cpu")[0], random[0])
