@@ -6,14 +6,15 @@
 #
 # A session has 15 minutes of device time (the machine's start and every idle wait included) and 10 minutes a
 # call: one full call, perhaps a short second one. `issue27` is that first call: what the open issue's GPU targets
-# still lack after stop 45's two GPUs (docs/results.md), in one command of at most 7 minutes, each part killed at
+# still lack after stop 45's two GPUs (docs/results.md), in one command of at most 8 minutes, each part killed at
 # its own limit and printing as it goes, so that a call cut short still leaves the figures before it:
 #
 #   issue27         env; the default test suite (`tests`, 270 s: stop 45's H200 run had 4 failures, fixed on the CPU
 #                   only, and 44 tests skipped for the tokenizer that now travels); the batch-1 prefill of the
-#                   policies over 1.3x at stop 44 that stop 46 changed for the GPU (D2O's merge tiles and variances,
-#                   KVMerger's scan, DynamicKV's deferred truncation) with h2o as a control, 8B shape, 16 layers, 8K,
-#                   three interleaved rounds (`prefill-changed`, 120 s)
+#                   policies over 1.3x at stop 44 that stops 46-47 changed for the GPU (D2O's merge tiles and
+#                   variances, KVMerger's scan and reads, DynamicKV's deferred truncation, Ada-KV's deferred eviction,
+#                   Locret's gates in the model's dtype, KVzip's reads and copies) with h2o as a control, 8B shape,
+#                   16 layers, 8K, three interleaved rounds (`prefill-changed`, 150 s)
 #   tests           the default test suite on the GPU machine, in parallel processes where pytest-xdist travelled
 #                   with the wheels
 #   decode-sweep    decode attention under each launch configuration of a grid (bench/kernels.py --sweep-decode)
@@ -133,7 +134,7 @@ for name in "$@"; do
         env_stage
         tests_stage 270
         # shellcheck disable=SC2086
-        stage prefill-changed 120 "$PY" bench/gpu_policies.py $DEEP $PREFILL_ONE --policies h2o d2o kvmerger dynamickv
+        stage prefill-changed 150 "$PY" bench/gpu_policies.py $DEEP $PREFILL_ONE --policies h2o d2o kvmerger dynamickv adakv locret kvzip
         ;;
     tests)
         tests_stage 520
