@@ -172,6 +172,11 @@ class Policy:
         scores, forced = self.score(layer, stats)
         return keep_forced_and_top(layer, scores, quota, forced)
 
+    def select_layers(self, layers: list[BudgetLayer]) -> list[torch.Tensor]:
+        """``select(layer, None, layer.quota)`` for each of ``layers`` (``runtime.layer.enforce_layers``: a decision
+        across layers, every sequence of each over its quota); a policy may make them at once."""
+        return [self.select(layer, None, layer.quota) for layer in layers]
+
     def after_layer(self, layer: BudgetLayer, stats: AttnStats) -> None:
         """Called after each budgeted layer's own step (cross-layer decisions; ``layer.is_last`` ends a forward)."""
 

@@ -6,10 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgates.kernels.host import launch_bound
 from kvgates.policies.base import PerStepEviction, Schedule, register_policy
 from kvgates.policies.h2o import CUMULATIVE, CumulativeAttention
 from kvgates.policies.merging import MERGE_RULES, MergeState, merge_evicted, start_threshold
 from kvgates.policies.selection import keep_forced_and_top, recent_mask, sink_mask
+from kvgates.runtime.layer import enforce_layers
+from kvgates.runtime.stack import LayerStack, stack_groups
 from kvgates.runtime.state import KnownRange
 from kvgates.runtime.stats import AttnStats, Phase
 
@@ -130,6 +133,19 @@ class D2O(CumulativeAttention, PerStepEviction):
             )
         return keep
 
+    def select_layers(self, layers) -> list[torch.Tensor]:
+        """The prompt eviction's selections (and merges) of every layer: on a GPU (``launch_bound``), where the layers
+        are alike, a few layers at once (``LayerStack``), each group in one set of launches; else one layer at a time."""
+        groups = stack_groups(layers) if launch_bound(layers[0].device) else None
+        if groups is None:
+            return super().select_layers(layers)
+        keeps = []
+        for group in groups:
+            stack = LayerStack(group)
+            keeps.extend(self.select(stack, None, stack.quota).chunk(len(group)))
+            stack.finish()
+        return keeps
+
     def after_layer(self, layer, stats: AttnStats) -> None:
         if stats.phase is not Phase.PREFILL:
             return
@@ -161,4 +177,4 @@ class D2O(CumulativeAttention, PerStepEviction):
         for layer, state, budget, (least, most) in zip(layers, states, budgets, ranges):
             state.layer_budget = budget[:, None].to(layer.device)
             state.known_quota = KnownRange(state.layer_budget, [least] * layer.num_kv_heads, [most] * layer.num_kv_heads)
-            layer.enforce(None)
+        enforce_layers(layers)

@@ -235,6 +235,14 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         touched, so a sequence gets the same result alone and in a batch. ``stats`` is None when a cross-layer
         decision enforces a layer other than the one that just attended. ``quota``: the policy's, already asked
         for (``_defer``), with its range per head ``known`` (else the range is read back)."""
+        if self._everyone_over(stats, quota, known):
+            self._evict_everyone(stats)
+
+    def _everyone_over(
+        self, stats: AttnStats | None, quota: int | torch.Tensor | None = None, known: tuple[list[int], list[int]] | None = None
+    ) -> bool:
+        """``enforce`` up to its selection where the host knows that every sequence is over its quota: True when it
+        is (``_evict_everyone`` is then due), else the eviction done, if any (False)."""
         policy = self.cache.policy
         schedule = policy.schedule
         quota = policy.quota(self, stats) if quota is None else quota
@@ -249,16 +257,13 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             self._quota_source, self._quota_range = quota, tuple(known)
             self.held_over_quota = None  # it was counted against the previous quota
         if self.held_over_quota is not None:  # every head holds its quota plus as many: everybody is over, or nobody
-            if self.held_over_quota > schedule.tolerance:
-                self._evict_everyone(stats)
-            return
+            return self.held_over_quota > schedule.tolerance
         if self.packed:  # every sequence holds fill[h] tokens in head h: the host decides, without a sync
             least, most = self._quota_range
             if all(f <= q + schedule.tolerance for f, q in zip(self.fill, least)):  # nobody is over
-                return
+                return False
             if any(f > q + schedule.tolerance for f, q in zip(self.fill, most)):  # every sequence is over in a head
-                self._evict_everyone(stats)
-                return
+                return True
         held = self.held()
         over = (held > self.quota + schedule.tolerance).any(-1)  # [B]
         # One read: whether anybody is over, and whether every head ends at its quota (an exact selection's over ones).
@@ -270,6 +275,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             keep = policy.select(self, stats, torch.where(over[:, None], self.quota, torch.maximum(held, self.quota)))
             self.evict(torch.where(over[:, None, None], keep, self.valid), slack=schedule.slack)
         self.held_over_quota = 0 if full and (policy.exact_quota or not anybody) else None
+        return False
 
     def _is_quota(self, quota: int | torch.Tensor) -> bool:
         """Whether ``quota`` is the one the layer's ``quota`` was built from (its range is on the host)."""
@@ -299,13 +305,14 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             least, most = ranges.tolist()
             self.enforce(stats, quota, (least, most))
 
-    def _evict_everyone(self, stats: AttnStats | None) -> None:
-        """Evict every sequence (the host knows that each is over its quota) to the policy's selection; an exact one
-        evicts with counts known on the host, and one that leaves every head at its quota starts the count of
-        ``held_over_quota``."""
+    def _evict_everyone(self, stats: AttnStats | None, keep: torch.Tensor | None = None) -> None:
+        """Evict every sequence (the host knows that each is over its quota) to the policy's selection (``keep``, when
+        made already: ``enforce_layers``); an exact one evicts with counts known on the host, and one that leaves every
+        head at its quota starts the count of ``held_over_quota``."""
         policy = self.cache.policy
         counts = self.exact_counts() if policy.exact_quota else None
-        self.evict(policy.select(self, stats, self.quota), slack=policy.schedule.slack, counts=counts)
+        keep = policy.select(self, stats, self.quota) if keep is None else keep
+        self.evict(keep, slack=policy.schedule.slack, counts=counts)
         full = counts is not None and (counts.least, counts.most) == self._quota_range
         self.held_over_quota = 0 if full else None
 
@@ -402,3 +409,13 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             return Phase.DECODE
         return Phase.PREFILL
 
+
+def enforce_layers(layers: list[BudgetLayer]) -> None:
+    """``layer.enforce(None)`` for each of ``layers`` (a decision across layers), with the selections of the layers
+    whose every sequence is over made at once (``Policy.select_layers``: D2O's, in a few launches on a GPU, where one
+    layer's after another's waited for the host). Each layer ends as enforced alone: its decision and eviction are
+    its own, and a selection reads only its own layer."""
+    over = [layer for layer in layers if layer._everyone_over(None)]
+    if over:
+        for layer, keep in zip(over, over[0].cache.policy.select_layers(over)):
+            layer._evict_everyone(None, keep)
