@@ -31,8 +31,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from kvgates.kernels.host import launch_bound
 from kvgates.policies.selection import keep_forced_and_top
 from kvgates.runtime.protocol import EVERY_STEP, NEVER, POLICIES, PROMPT, Schedule, make_policy, register_policy
+from kvgates.runtime.stack import LayerStack, stack_groups
 from kvgates.runtime.state import LayerState, SlotState
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
 
@@ -64,6 +66,9 @@ class Policy:
     #: layer (``layer.static``) without host syncs, data-dependent Python branches or changes of storage shapes, so
     #: that ``BudgetCache(..., static=True)`` can compile it (a property where it depends on parameters).
     sync_free_decode: ClassVar[bool] = False
+    #: Whether ``select`` with ``stats=None`` reads of a layer only what a ``runtime.stack.LayerStack`` answers, and of
+    #: its ``layer_state`` only tensors of its sequences and numbers every layer shares (``select_layers``).
+    stackable: ClassVar[bool] = False
 
     budget: int | None = None
 
@@ -174,8 +179,18 @@ class Policy:
 
     def select_layers(self, layers: list[BudgetLayer]) -> list[torch.Tensor]:
         """``select(layer, None, layer.quota)`` for each of ``layers`` (``runtime.layer.enforce_layers``: a decision
-        across layers, every sequence of each over its quota); a policy may make them at once."""
-        return [self.select(layer, None, layer.quota) for layer in layers]
+        across layers, every sequence of each over its quota). A ``stackable`` policy's on a GPU (``launch_bound``),
+        where the layers are alike, a few layers at once (``runtime.stack.LayerStack``), each group in one set of
+        launches; else one layer at a time."""
+        groups = stack_groups(layers) if self.stackable and launch_bound(layers[0].device) else None
+        if groups is None:
+            return [self.select(layer, None, layer.quota) for layer in layers]
+        keeps = []
+        for group in groups:
+            stack = LayerStack(group)
+            keeps.extend(stack.split(self.select(stack, None, stack.quota)))
+            stack.finish()
+        return keeps
 
     def after_layer(self, layer: BudgetLayer, stats: AttnStats) -> None:
         """Called after each budgeted layer's own step (cross-layer decisions; ``layer.is_last`` ends a forward)."""

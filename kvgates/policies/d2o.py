@@ -6,13 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.kernels.host import launch_bound
 from kvgates.policies.base import PerStepEviction, Schedule, register_policy
 from kvgates.policies.h2o import CUMULATIVE, CumulativeAttention
 from kvgates.policies.merging import MERGE_RULES, MergeState, merge_evicted, start_threshold
 from kvgates.policies.selection import keep_forced_and_top, recent_mask, sink_mask
 from kvgates.runtime.layer import enforce_layers
-from kvgates.runtime.stack import LayerStack, stack_groups
 from kvgates.runtime.state import KnownRange
 from kvgates.runtime.stats import AttnStats, Phase
 
@@ -81,6 +79,7 @@ class D2O(CumulativeAttention, PerStepEviction):
     name = "d2o"
     state_type = D2OState
     sync_free_decode = True  # its merges read nothing back in a static decode step (``merge_evicted``)
+    stackable = True  # the prompt eviction after the last layer selects and merges alike layers at once on a GPU
 
     sinks: int = 4
     recent_share: float = 0.25
@@ -132,19 +131,6 @@ class D2O(CumulativeAttention, PerStepEviction):
                 static_step=stats is not None and stats.static_step,
             )
         return keep
-
-    def select_layers(self, layers) -> list[torch.Tensor]:
-        """The prompt eviction's selections (and merges) of every layer: on a GPU (``launch_bound``), where the layers
-        are alike, a few layers at once (``LayerStack``), each group in one set of launches; else one layer at a time."""
-        groups = stack_groups(layers) if launch_bound(layers[0].device) else None
-        if groups is None:
-            return super().select_layers(layers)
-        keeps = []
-        for group in groups:
-            stack = LayerStack(group)
-            keeps.extend(self.select(stack, None, stack.quota).chunk(len(group)))
-            stack.finish()
-        return keeps
 
     def after_layer(self, layer, stats: AttnStats) -> None:
         if stats.phase is not Phase.PREFILL:

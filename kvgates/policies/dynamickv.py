@@ -10,6 +10,7 @@ from kvgates.kernels.host import HostRead
 from kvgates.policies.base import register_policy
 from kvgates.policies.selection import recent_mask
 from kvgates.policies.snapkv import WindowScored
+from kvgates.runtime.layer import enforce_layers
 from kvgates.runtime.state import KnownRange, LayerState, SlotState
 from kvgates.runtime.stats import AttnStats, Phase
 
@@ -80,6 +81,7 @@ class DynamicKV(WindowScored):
     name = "dynamickv"
     state_type = DynamicKVState
     sync_free_decode = True  # decode appends: the layers' budgets are the prompt's, set before a static layout settles
+    stackable = True  # a reallocation's truncations select alike layers at once on a GPU
 
     window: int = 8
     r_max: float = 10.0
@@ -161,4 +163,4 @@ class DynamicKV(WindowScored):
                     [min(least, held - w) + w for held, w in zip(layer.fill, window)],
                     [min(most, held - w) + w for held, w in zip(layer.fill, window)],
                 )
-            layer.enforce(None)
+        enforce_layers(done.layers)
