@@ -437,6 +437,42 @@ def test_a_padded_prompt_forward_reads_back_once_whether_every_token_is_real():
     assert reads[0] == reads[1]
 
 
+
+@pytest.mark.parametrize("name", ["h2o", "kvzip"])
+def test_a_masked_forward_runs_under_inference_mode(tiny, name):
+    """A tensor made under ``torch.inference_mode`` has no version counter: keying the mask's read on it raised in
+    every padded batch and every KVzip prompt (whose scoring forwards always pass a mask). Same tokens as under
+    ``no_grad``."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    held = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        with policy_on(model, name, BUDGET, **({"repeat_ids": [5, 6, 7]} if name == "kvzip" else {})) as policy:
+            cache = BudgetCache(model.config, policy)
+            with mode():
+                model(ids, attention_mask=mask, past_key_values=cache)
+        held.append([torch.sort(layer.pos, -1).values.clone() for layer in cache.budget_layers])
+    assert all(torch.equal(a, b) for a, b in zip(*held))
+
+
+def test_a_reset_cache_drops_an_eviction_left_for_the_next_layer(tiny):
+    """A prompt forward stopped between two layers leaves the first one's deferred eviction (``_defer``); a reset
+    cache must not run it on its next prompt (old statistics and quota over new storage)."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(6))
+    with policy_on(model, "adakv", BUDGET) as policy:
+        cache = BudgetCache(model.config, policy)
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+            first = cache.budget_layers[0]
+            first._deferred = ("stale", None, None)
+            cache.reset()
+            assert first._deferred is None
+            model(ids, past_key_values=cache)
+    assert all(int(layer.held().max()) < PROMPT for layer in cache.budget_layers)
+
 def test_a_scoring_forward_drops_its_tokens_without_reading_back_what_each_layer_keeps():
     """A scoring forward (KVzip's reconstruction) drops the tokens it added; every layer keeps what it held before,
     which the host knows where each head holds as many tokens: a model twice as deep reads as often (before: one read
@@ -510,7 +546,8 @@ def test_kvmerger_s_prompt_eviction_on_a_gpu_s_path_reads_back_less_and_merges_a
     assert reads[True] <= 3, reads
     for a, b in zip(caches[False].budget_layers, caches[True].budget_layers):
         assert torch.equal(a.pos, b.pos) and int(a.held().max()) <= 24
-        torch.testing.assert_close(a.keys, b.keys) and torch.testing.assert_close(a.values, b.values)
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
 
 
 @pytest.mark.parametrize("elements", [1 << 27, 1])

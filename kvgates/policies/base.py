@@ -187,6 +187,9 @@ class Policy:
             return [self.select(layer, None, layer.quota) for layer in layers]
         keeps = []
         for group in groups:
+            if len(group) == 1:  # (a stack of one would only copy the layer)
+                keeps.append(self.select(group[0], None, group[0].quota))
+                continue
             stack = LayerStack(group)
             keeps.extend(stack.split(self.select(stack, None, stack.quota)))
             stack.finish()

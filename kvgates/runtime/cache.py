@@ -114,7 +114,7 @@ class BudgetCache(Cache):
         ``where`` (tokens seen before, batch, new tokens, device); ``read()`` again otherwise. (A forward's 4-D mask
         is one object every layer of an attention type gets; ``device_map`` moves it, a copy, to a layer on another
         device.)"""
-        key = (*where, attention_mask._version)
+        key = (*where, None if attention_mask.is_inference() else attention_mask._version)  # (no counter in inference mode)
         if self._real is not None and self._real[0]() is attention_mask and self._real[1] == key:
             return self._real[2]
         answer = read()

@@ -162,6 +162,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.fill, self.packed, self._quota_source, self.free_floor = [], False, None, 0
         self._quota_range, self.held_over_quota = ([], []), None
         self.seen, self.decoding, self.decode_steps, self._pending, self.decoded = 0, False, 0, None, None
+        self._deferred = None
         self._derived = {}
         self.is_initialized = False
 
@@ -288,7 +289,8 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         wait for the device to run everything queued, then the device wait for the eviction's launches; at the next
         layer's end the device still has that layer's work to run while the host evicts. Each layer is evicted as
         right away: its quota is asked for now and nothing else touches it in between (``Policy.cross_layer`` is
-        False). Where the range is known, it evicts now."""
+        False). Where the range is known, it evicts now. (The layer holds its whole prompt a layer longer: at the peak,
+        one layer's prompt keys and values more.)"""
         policy = self.cache.policy
         quota = policy.quota(self, stats)
         if isinstance(quota, int) or self._is_quota(quota) or policy.quota_range(self, quota) is not None:

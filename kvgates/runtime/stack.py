@@ -37,6 +37,7 @@ def stack_groups(layers: list[BudgetLayer]) -> list[list[BudgetLayer]] | None:
     if any(
         layer.device != first.device or layer.batch_size != first.batch_size or layer.keys.dtype != first.keys.dtype
         or layer.num_kv_heads != first.num_kv_heads or not layer.uniform or layer.static
+        or layer.keys.shape[-1] != first.keys.shape[-1] or layer.values.shape[-1] != first.values.shape[-1]
         for layer in layers
     ):
         return None
