@@ -183,10 +183,8 @@ class Policy:
         where the layers are alike, a few layers at once (``runtime.stack.LayerStack``), each group in one set of
         launches; else one layer at a time."""
         groups = stack_groups(layers) if self.stackable and launch_bound(layers[0].device) else None
-        if groups is None:
-            return [self.select(layer, None, layer.quota) for layer in layers]
         keeps = []
-        for group in groups:
+        for group in groups or [[layer] for layer in layers]:
             if len(group) == 1:  # (a stack of one would only copy the layer)
                 keeps.append(self.select(group[0], None, group[0].quota))
                 continue

@@ -254,7 +254,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             if isinstance(quota, int):
                 known = ([quota] * self.num_kv_heads,) * 2
             else:
-                known = known or policy.quota_range(self, quota) or torch.stack([self.quota.amin(0), self.quota.amax(0)]).tolist()
+                known = known or policy.quota_range(self, quota) or _range(self.quota).tolist()
             self._quota_source, self._quota_range = quota, tuple(known)
             self.held_over_quota = None  # it was counted against the previous quota
         if self.held_over_quota is not None:  # every head holds its quota plus as many: everybody is over, or nobody
@@ -296,8 +296,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         if isinstance(quota, int) or self._is_quota(quota) or policy.quota_range(self, quota) is not None:
             self.enforce(stats, quota)
             return
-        tensor = self.quota_tensor(quota)
-        self._deferred = (stats, quota, HostRead(torch.stack([tensor.amin(0), tensor.amax(0)])))
+        self._deferred = (stats, quota, HostRead(_range(self.quota_tensor(quota))))
 
     def end_deferred(self) -> None:
         """Run the eviction ``_defer`` left for later, if any."""
@@ -410,6 +409,11 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             self.decoding = True
             return Phase.DECODE
         return Phase.PREFILL
+
+
+def _range(quota: torch.Tensor) -> torch.Tensor:
+    """``[2, H_kv]``: a ``[B, H_kv]`` quota's least and largest entry over the batch, per head."""
+    return torch.stack([quota.amin(0), quota.amax(0)])
 
 
 def enforce_layers(layers: list[BudgetLayer]) -> None:
