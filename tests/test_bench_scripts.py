@@ -214,12 +214,13 @@ def test_launch_count_bench_runs_on_a_small_random_model():
 
 def test_launch_count_bench_counts_the_gpus_paths_on_the_cpu():
     # --launch-bound: KVMerger's scan as a GPU runs it (no read to stop its doublings early, one read per four walk
-    # steps), counted on the CPU: fewer host reads in its prefill than the CPU's own path.
+    # steps), counted on the CPU: fewer host reads in its prefill than the CPU's own path. ``--device cpu``: on a GPU
+    # machine the bench would take the GPU, where both runs take the launch-bound path (stop 48's H100 run).
     syncs = {}
     for flag in ([], ["--launch-bound"]):
         result = subprocess.run(
             [sys.executable, str(ROOT / "bench" / "launches.py"), "--model", "random", "--layers", "1", "--context", "600",
-             "--budget", "64", "--slack", "0", "--policies", "kvmerger", *flag],
+             "--budget", "64", "--slack", "0", "--policies", "kvmerger", "--device", "cpu", *flag],
             capture_output=True, text=True, timeout=600,
         )
         assert result.returncode == 0, result.stderr
