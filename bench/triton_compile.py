@@ -144,6 +144,10 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
         state, init = torch.zeros(2, hkv, 300, 2), torch.zeros(2)
         index = torch.arange(200).expand(2, hkv, 200).contiguous()
         yield "compact_slots", lambda k=keys, v=values, p=pos, s=state, i=index, n=hkv: ops.compact_slots(k, v, p, s, i, [300] * n, [200] * n, init)
+    for _, hkv, d in HEADS:  # KVMerger's keys are float32 whatever the model's dtype
+        kn, stop = torch.zeros(2, hkv, 300, d), torch.full((2, hkv, 300), 300)
+        for e in (16, 5):  # KVMerger's grid on a GPU, and a group of it
+            yield "merging_set_ends", lambda kn=kn, s=stop, e=e: ops.merging_set_ends(kn, s, torch.zeros(e, 2))
     scores, pos = torch.zeros(2, 3, 300), torch.arange(300).expand(2, 3, 300).contiguous()
     for mode in ("max", "avg"):
         yield "pool_by_position", lambda m=mode: ops.pool_by_position(scores, pos, 7, m)

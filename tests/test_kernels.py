@@ -271,6 +271,24 @@ def test_compact_slots(ops, old_caps, new_caps, f):
         torch.testing.assert_close(a, r, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("b,h,n,d,e", [(1, 1, 5, 4, 1), (2, 3, 150, 8, 5), (1, 2, 200, 64, 16)])
+def test_merging_set_ends_are_the_first_dissimilar_or_stopping_token(ops, b, h, n, d, e):
+    """KVMerger's set ends: for each anchor and threshold, the first later token at most that similar, or the anchor's
+    stop, whichever comes first, against every pair's similarity at once. Correlated keys make long sets (several
+    blocks of later tokens per anchor block); a few unmergeable tokens cut them."""
+    g = torch.Generator().manual_seed(n)
+    kn = torch.nn.functional.normalize(torch.randn(b, h, n, d, generator=g).cumsum(2), dim=-1)
+    mergeable = torch.rand(b, h, n, generator=g) > 0.05
+    j = torch.arange(n)
+    stop = torch.where(~mergeable[..., None, :] & (j > j[:, None]), j, n).amin(-1)  # [B, H, L]
+    eps = torch.rand(e, b, generator=g) * 1.6 - 0.6
+    got = ops.merging_set_ends(kn.to(DEVICE), stop.to(DEVICE), eps.to(DEVICE)).cpu()
+    sim = kn @ kn.transpose(-1, -2)  # [B, H, L, L]
+    first = torch.where((j > j[:, None]) & (sim <= eps[:, :, None, None, None]), j, n).amin(-1)
+    assert torch.equal(got, torch.minimum(first, stop))
+    assert (got - j > 64).any() or n < 100  # sets past a block of later tokens
+
+
 def test_retention_scores(ops):
     g = torch.Generator().manual_seed(6)
     log_beta = -torch.rand(2, 3, 50, generator=g).to(DEVICE)

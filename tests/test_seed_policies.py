@@ -1,5 +1,7 @@
 """MorphKV, D2O, DynamicKV, KVMerger and Ada-KV against literal re-implementations of the spec."""
 
+import os
+
 import brute
 import pytest
 import torch
@@ -320,17 +322,27 @@ def test_kvmerger_sets(eps):
     assert starts.nonzero().flatten().tolist() == [s[0] for s in sets]
 
 
-@pytest.mark.parametrize("launch_bound", [False, True])
+TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.parametrize(
+    "launch_bound,fused",
+    [(False, False), (True, False), pytest.param(True, True, marks=pytest.mark.skipif(not TRITON, reason="needs Triton"))],
+)
 @pytest.mark.parametrize("window", [1, 3, 8, 16])
-def test_kvmerger_sets_longer_than_the_scan_window_match_brute_force(window, launch_bound):
+def test_kvmerger_sets_longer_than_the_scan_window_match_brute_force(window, launch_bound, fused):
     # Correlated keys make sets far longer than the window, so the scan's walk measures them one at a time: several
     # thresholds, sequences and heads at once, each row as the token-by-token scan gives it; the GPU's way
-    # (``launch_bound``: one block, every doubling, four walk steps a read) finds the same sets.
+    # (``launch_bound``: one block, every doubling, four walk steps a read) finds the same sets, and so does the
+    # Triton kernel that measures every set whole (``fused``: no window, no walk).
     g = torch.Generator().manual_seed(window)
     keys = torch.randn(2, 3, 90, 4, generator=g).cumsum(2)
     mergeable = torch.rand(2, 3, 90, generator=g) > 0.05
     eps = torch.tensor([[0.99, 0.9], [0.7, 0.5], [0.0, -0.5]])  # [E, B]
-    starts = merging_set_starts(keys, mergeable, eps, window=window, launch_bound=launch_bound)
+    device = "cuda" if fused and torch.cuda.is_available() else "cpu"
+    keys, mergeable, eps = keys.to(device), mergeable.to(device), eps.to(device)
+    starts = merging_set_starts(keys, mergeable, eps, window=window, launch_bound=launch_bound, fused=fused).cpu()
+    keys, mergeable, eps = keys.cpu(), mergeable.cpu(), eps.cpu()
     longest = 0
     for e in range(3):
         for b in range(2):
@@ -353,7 +365,7 @@ def test_kvmerger_launch_bound_scan_launches_and_reads_back_less():
     counted = {}
     for launch_bound in (False, True):
         with Launches() as counted[launch_bound]:
-            starts = MergingScan(keys, mergeable, window=8, launch_bound=launch_bound).starts(eps)
+            starts = MergingScan(keys, mergeable, window=8, launch_bound=launch_bound, fused=False).starts(eps)
         assert torch.equal(starts, merging_set_starts(keys, mergeable, eps, window=8))
     cpu, gpu = counted[False], counted[True]
     walk = cpu.sync_ops["_local_scalar_dense"]
@@ -362,18 +374,40 @@ def test_kvmerger_launch_bound_scan_launches_and_reads_back_less():
     assert (cpu.ops["cummax"], gpu.ops["cummax"]) == (5, 1)
 
 
+@pytest.mark.skipif(not TRITON, reason="needs Triton (a GPU or TRITON_INTERPRET=1)")
+def test_kvmerger_fused_scan_reads_nothing_back_and_builds_no_band():
+    # Where the kernels run Triton the sets are measured whole by ``merging_set_ends``: no band (its matmuls and
+    # prefix maxima), no walk, and on a GPU's path no host read at all; the sets are the band's and walk's.
+    from kvgates.policies.kvmerger import SCAN_BLOCK, MergingScan
+
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 2, 5 * SCAN_BLOCK, 4, generator=g).cumsum(2)
+    mergeable = torch.rand(1, 2, 5 * SCAN_BLOCK, generator=g) > 0.02
+    eps = torch.tensor([[0.9], [0.5]])
+    counted = {}
+    for fused in (False, True):
+        with Launches() as counted[fused]:
+            starts = MergingScan(keys, mergeable, window=8, launch_bound=True, fused=fused).starts(eps)
+        assert torch.equal(starts, merging_set_starts(keys, mergeable, eps, window=8, fused=False))
+    assert counted[False].sync_ops and counted[False].ops["cummax"] == 1  # the band, and the walk's reads
+    assert counted[True].sync_ops == {} and "cummax" not in counted[True].ops and "bmm" not in counted[True].ops
+
+
 def test_kvmerger_launch_bound_scan_widens_its_window_as_memory_allows(monkeypatch):
     # Every set longer than the window is a step of the walk: on a GPU the window is as wide as the band's memory
     # allows, between SCAN_WINDOW and GPU_SCAN_WINDOW; on the CPU it is SCAN_WINDOW.
     import kvgates.policies.kvmerger as kvmerger
 
     keys, mergeable = torch.randn(2, 3, 2000, 4), torch.ones(2, 3, 2000, dtype=torch.bool)
-    assert kvmerger.MergingScan(keys, mergeable, launch_bound=False).w == kvmerger.SCAN_WINDOW
-    assert kvmerger.MergingScan(keys, mergeable, launch_bound=True).w == kvmerger.GPU_SCAN_WINDOW
+    def width(launch_bound: bool) -> int:
+        return kvmerger.MergingScan(keys, mergeable, launch_bound=launch_bound, fused=False).w
+
+    assert width(False) == kvmerger.SCAN_WINDOW
+    assert width(True) == kvmerger.GPU_SCAN_WINDOW
     monkeypatch.setattr(kvmerger, "GPU_BAND_ELEMENTS", 6 * 2000 * 300)
-    assert kvmerger.MergingScan(keys, mergeable, launch_bound=True).w == 300
+    assert width(True) == 300
     monkeypatch.setattr(kvmerger, "GPU_BAND_ELEMENTS", 6 * 2000 * 10)
-    assert kvmerger.MergingScan(keys, mergeable, launch_bound=True).w == kvmerger.SCAN_WINDOW
+    assert width(True) == kvmerger.SCAN_WINDOW
 
 
 @pytest.mark.parametrize("sigma,scale", [(None, False), (0.7, True)])

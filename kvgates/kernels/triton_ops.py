@@ -20,6 +20,8 @@ also takes a launch configuration.
   from the slots' and rows' positions.
 * ``pool_by_position`` — 1-D pooling along token order through a slot permutation.
 * ``compact_slots`` — keys, values, positions and per-slot state of a layer rebuilt in one launch.
+* ``merging_set_ends`` — where KVMerger's merging sets end, for every anchor and threshold, from similarities
+  computed a tile at a time and never stored (no torch namesake: ``MergingScan`` computes the same ends on the CPU).
 * ``retention_scores`` / ``retention_sum`` — TRIM-KV decayed scores, and the capacity-loss retention mass with
   its backward, tiled so no ``T x T`` matrix is formed.
 """
@@ -803,6 +805,68 @@ def compact_slots(
     return new_k, new_v, new_pos, new_state
 
 
+# ---------------------------------------------------------------------------------------------- KVMerger's sets
+#: Thresholds past the caller's in ``merging_set_ends``'s padded block: below every cosine similarity, never a stop.
+_NO_THRESHOLD = -3.0
+
+
+@triton.jit
+def _merging_set_ends(
+    KN, STOP, EPS, END, H, N, D, E,
+    BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
+):
+    """One block of anchors of one (sequence, KV head): for each threshold, the first later token whose similarity
+    with the anchor is at most the threshold, at most the anchor's ``STOP``. Blocks of later tokens are compared
+    until every anchor's every threshold has its end (a long set costs its length, and nothing is stored)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
+    d = tl.arange(0, BLOCK_D)
+    e = tl.arange(0, BLOCK_E)
+    rows = KN + bh * N * D
+    anchors = tl.load(rows + i[:, None] * D + d[None, :], mask=(i[:, None] < N) & (d[None, :] < D), other=0.0)
+    stop = tl.load(STOP + bh * N + i, mask=i < N, other=0).to(tl.int32)
+    end = tl.zeros((BLOCK_I, BLOCK_E), dtype=tl.int32) + stop[:, None]
+    j0 = pid * BLOCK_I + 1
+    while j0 < tl.max(tl.max(end, 1), 0):
+        j = j0 + tl.arange(0, BLOCK_J)
+        keys = tl.load(rows + j[:, None] * D + d[None, :], mask=(j[:, None] < N) & (d[None, :] < D), other=0.0)
+        sim = tl.dot(anchors, tl.trans(keys), input_precision=PREC)  # [BLOCK_I, BLOCK_J]
+        later = (j[None, :] > i[:, None]) & (j[None, :] < N)
+        for k in tl.static_range(BLOCK_E):
+            eps = tl.load(EPS + b * BLOCK_E + k)
+            first = tl.min(tl.where(later & (sim <= eps), j[None, :], N), 1)
+            end = tl.where(e[None, :] == k, tl.minimum(end, first[:, None]), end)
+        j0 += BLOCK_J
+    out = END + e[None, :].to(tl.int64) * tl.num_programs(1) * N + bh * N + i[:, None]
+    tl.store(out, end.to(tl.int64), mask=(i[:, None] < N) & (e[None, :] < E))
+
+
+def merging_set_ends(kn: torch.Tensor, stop: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """Where KVMerger's merging set anchored at each token ends, for every threshold, with no limit on its length.
+
+    ``kn`` ``[B, H, L, D]``: the keys in position order, unit length (float32); ``stop`` ``[B, H, L]``: the first token
+    after each one that is not mergeable (``L`` if none); ``eps`` ``[E, B]``: thresholds. Returns ``[E, B, H, L]``
+    (int64): for anchor ``i``, the least ``j > i`` with ``cos(k_i, k_j) <= eps`` or ``j = stop[i]``, whichever comes
+    first. The similarities are computed a tile at a time and never stored (``MergingScan`` computes the same ends
+    on the CPU from a band of them, and walks the sets longer than the band). Float32 products use three TF32 passes
+    (``tf32x3``) on a GPU: near-float32 similarities at tensor-core speed."""
+    b, h, n, d = kn.shape
+    e = eps.shape[0]
+    out = torch.empty((e, b, h, n), dtype=torch.int64, device=kn.device)
+    if not (e and b and h and n):
+        return out
+    block_e = _pow2(e, 1)
+    thresholds = torch.nn.functional.pad(eps.T.float(), (0, block_e - e), value=_NO_THRESHOLD).contiguous()
+    block = 64
+    _merging_set_ends[(_cdiv(n, block), b * h)](
+        kn.float().contiguous(), stop.contiguous(), thresholds, out, h, n, d, e,
+        BLOCK_I=block, BLOCK_J=block, BLOCK_D=_pow2(d), BLOCK_E=block_e, PREC="tf32x3",
+    )
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- retention
 @triton.jit
 def _retention_scores(LB, POS, T, OUT, N, BLOCK: tl.constexpr):
@@ -899,6 +963,7 @@ __all__ = [
     "causal_attention_stats",
     "compact_slots",
     "decode_attention_flat",
+    "merging_set_ends",
     "pool_by_position",
     "retention_scores",
     "retention_sum",

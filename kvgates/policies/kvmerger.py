@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgates import kernels
 from kvgates.kernels.host import launch_bound as kernels_launch_bound
 from kvgates.policies.base import register_policy
 from kvgates.policies.h2o import CUMULATIVE, CumulativeAttention
@@ -62,15 +63,19 @@ class MergingScan:
     fewer launches and host reads, with the same sets: a wider window by default (``GPU_SCAN_WINDOW``), larger blocks
     of the band (``GPU_SCAN_ELEMENTS``), every doubling computed rather than a read to stop early,
     ``GPU_WALK_STEPS`` walk steps per read.
+
+    ``fused`` (default: where the kernels run Triton, ``kvgates.kernels.backend``) finds ``next`` with no window:
+    ``kernels.triton_ops.merging_set_ends`` measures every set whole from similarities it never stores, so there is
+    no band (1 GiB on a GPU) and no walk (nor its host reads).
     """
 
-    def __init__(self, keys: torch.Tensor, mergeable: torch.Tensor, window: int | None = None, launch_bound: bool | None = None):
+    def __init__(
+        self, keys: torch.Tensor, mergeable: torch.Tensor, window: int | None = None, launch_bound: bool | None = None,
+        fused: bool | None = None,
+    ):
         b, h, n, _ = keys.shape
         self.launch_bound = kernels_launch_bound(keys.device) if launch_bound is None else launch_bound
-        if window is None:
-            window = SCAN_WINDOW
-            if self.launch_bound:
-                window = max(SCAN_WINDOW, min(GPU_SCAN_WINDOW, GPU_BAND_ELEMENTS // (b * h * max(1, n))))
+        self.fused = kernels.backend(keys) == "triton" if fused is None else fused
         self.kn = torch.nn.functional.normalize(keys.float(), dim=-1)
         self.n = n
         self.idx = torch.arange(n + 1, device=keys.device)
@@ -80,12 +85,18 @@ class MergingScan:
         # first_from[j]: the first mergeable token at or after j (n: none), j = 0 .. n.
         open_at = torch.cat([mergeable, mergeable.new_ones((b, h, 1))], -1)
         self.first_from = torch.where(open_at, self.idx, n).flip(-1).cummin(-1).values.flip(-1)
-        # room[b, h, i]: the mergeable tokens right after token i, up to the next one that is not (or the end):
-        # no set anchored at i reaches past them.
+        # stop[b, h, i]: the first token after i that is not mergeable (n: none); no set anchored at i reaches it.
         stop_at = torch.cat([~mergeable, mergeable.new_ones((b, h, 1))], -1)
-        self.room = torch.where(stop_at, self.idx, n).flip(-1).cummin(-1).values.flip(-1)[..., 1:] - self.idx[1:]
+        self.stop = torch.where(stop_at, self.idx, n).flip(-1).cummin(-1).values.flip(-1)[..., 1:]
+        if self.fused:  # every set measured whole by the kernel: no band, no walk
+            self.w = n
+            return
+        if window is None:
+            window = SCAN_WINDOW
+            if self.launch_bound:
+                window = max(SCAN_WINDOW, min(GPU_SCAN_WINDOW, GPU_BAND_ELEMENTS // (b * h * max(1, n))))
         # drops[b, h, i, o]: minus the least similarity to anchor i among tokens i+1 .. i+1+o, non-decreasing in o
-        # (entries past ``room`` or the end are not read as such: ``starts`` caps the sets at ``room``).
+        # (entries past ``stop`` or the end are not read as such: ``_ends`` caps the sets at ``stop``).
         self.w = w = max(0, min(window, n - 1))
         self.drops = self.kn.new_empty((b, h, n, w))
         block = SCAN_BLOCK  # anchors per matmul, and per prefix maximum
@@ -96,26 +107,37 @@ class MergingScan:
         for start in range(0, n, block):
             r = min(block, n - start)
             near = torch.matmul(neg[:, :, start : start + r], self.kn[:, :, start : start + r + w].transpose(-1, -2))
-            if start + r + w > n:  # the last blocks: columns past the end (never read as such: ``room``)
+            if start + r + w > n:  # the last blocks: columns past the end (never read as such: ``stop``)
                 near = torch.nn.functional.pad(near, (0, start + r + w - n))
             # near[.., i, i + 1 + o]: minus anchor i's similarity with the o-th token after it, a strided view.
             band = near.as_strided((b, h, r, w), (h * r * (r + w), r * (r + w), r + w + 1, 1), near.storage_offset() + 1)
             torch.cummax(band, -1, out=(self.drops[:, :, start : start + r], order[:, :, :r]))
+
+    def _ends(self, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[E, B, H, L + 1]``: where the set anchored at each token (and at the end, ``L``) stops for each threshold of
+        ``eps`` ``[E, B]``, and which of them are known: all (None) from the kernel, else those within the window."""
+        n, idx = self.n, self.idx
+        if self.fused:
+            from kvgates.kernels import triton_ops
+
+            return torch.nn.functional.pad(triton_ops.merging_set_ends(self.kn, self.stop, eps), (0, 1), value=n), None
+        b, h = self.stop.shape[:2]
+        thresh = (-eps).T[:, None, None, :].expand(-1, h, n, -1).contiguous()  # [B, H, L, E], minus eps
+        # How many of the tokens after each anchor join its set within the window, per threshold.
+        joined = torch.searchsorted(self.drops, thresh).permute(3, 0, 1, 2)  # [E, B, H, L]
+        end = torch.nn.functional.pad(torch.minimum(joined + idx[1:], self.stop), (0, 1), value=n)
+        return end, (end - idx <= self.w) | (end >= n)
 
     def starts(self, eps: torch.Tensor) -> torch.Tensor:
         """Which tokens open a new merging set, ``[E, B, H, L]``, for each threshold in ``eps`` (``[E, B]``)."""
         e = eps.shape[0]
         n, idx, first_from = self.n, self.idx, self.first_from
         b, h = first_from.shape[:2]
-        thresh = (-eps).T[:, None, None, :].expand(-1, h, n, -1).contiguous()  # [B, H, L, E], minus eps
-        # How many of the tokens after each anchor join its set within the window, per threshold; the end (n)
-        # joins nothing.
-        joined = torch.minimum(torch.searchsorted(self.drops, thresh).permute(3, 0, 1, 2), self.room)  # [E, B, H, L]
-        joined = torch.nn.functional.pad(joined, (0, 1))
-        end = joined + (idx + 1)  # where the set anchored there stops, when within the window
+        end, resolved = self._ends(eps)
         # Unresolved anchors (sets longer than the window) point to themselves, and so does the end (n).
-        resolved = (joined < self.w) | (end >= n)
-        nxt = torch.where(resolved, first_from.expand(e, -1, -1, -1).gather(-1, end.clamp_(max=n)), idx)
+        nxt = first_from.expand(e, -1, -1, -1).gather(-1, end)
+        if resolved is not None:
+            nxt = torch.where(resolved, nxt, idx)
         jumps = [nxt]  # jumps[k] = next applied 2^k times (chains only move forward)
         while (1 << (len(jumps) - 1)) <= n:
             doubled = jumps[-1].gather(-1, jumps[-1])
@@ -126,14 +148,15 @@ class MergingScan:
         # set is measured directly and the walk resumes at the anchor after it. A finished row stays at the end (n).
         sources = torch.zeros((e, b, h, n + 1), dtype=torch.int32, device=nxt.device)
         at = first_from[..., :1].expand(e, -1, -1, -1)  # [E, B, H, 1]
+        sources.scatter_(-1, at, 1)
         last, steps = jumps[-1], GPU_WALK_STEPS if self.launch_bound else 1
-        for step in itertools.count(1):
-            sources.scatter_(-1, at, 1)
+        for step in itertools.count(1) if resolved is not None else ():  # (every set resolved: no walk)
             stuck = last.gather(-1, at)
             if step % steps == 0 and not bool((stuck < n).any()):  # the loop's host sync (a finished row stays at n)
                 break
             sources.scatter_(-1, stuck, 1)
             at = first_from.expand(e, -1, -1, -1).gather(-1, self._set_end(eps, stuck))
+            sources.scatter_(-1, at, 1)
         # Every anchor reached from a source: T_k = T_{k+1} + jumps[k](T_{k+1}), from the longest jump down.
         marked = sources
         for jump in reversed(jumps[:-1]):
@@ -152,11 +175,12 @@ class MergingScan:
 
 
 def merging_set_starts(
-    keys: torch.Tensor, mergeable: torch.Tensor, eps: torch.Tensor, window: int | None = None, launch_bound: bool | None = None
+    keys: torch.Tensor, mergeable: torch.Tensor, eps: torch.Tensor, window: int | None = None, launch_bound: bool | None = None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """Which tokens open a new merging set, ``[E, B, H, L]``, for each threshold in ``eps`` (``[E, B]``) (see
     ``MergingScan``)."""
-    return MergingScan(keys, mergeable, window, launch_bound).starts(eps)
+    return MergingScan(keys, mergeable, window, launch_bound, fused).starts(eps)
 
 
 @dataclass
