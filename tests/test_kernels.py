@@ -289,6 +289,25 @@ def test_merging_set_ends_are_the_first_dissimilar_or_stopping_token(ops, b, h, 
     assert (got - j > 64).any() or n < 100  # sets past a block of later tokens
 
 
+def test_merging_chain_marks_each_row_from_its_first_anchor_up_to_its_cap(ops):
+    """KVMerger's chain of anchors, followed per row and cut after ``cap + 1`` marks (a negative cap marks nothing)."""
+    g = torch.Generator().manual_seed(11)
+    e, b, h, n = 3, 2, 2, 70
+    nxt = torch.minimum(torch.arange(n) + torch.randint(1, 9, (e, b, h, n), generator=g), torch.tensor(n))
+    first = torch.randint(0, 5, (b, h), generator=g)
+    cap = torch.randint(-1, 14, (e, b, h), generator=g)
+    cap[0], cap[1, 0, 0] = n, -1
+    got = ops.merging_chain(nxt.to(DEVICE), first.to(DEVICE), cap.to(DEVICE)).cpu()
+    for r in range(e * b * h):
+        k, i, j = r // (b * h), r // h % b, r % h
+        chain, at = [], int(first[i, j])
+        while at < n and len(chain) <= int(cap[k, i, j]):
+            chain.append(at)
+            at = int(nxt[k, i, j, at])
+        assert got[k, i, j].nonzero().flatten().tolist() == chain
+    assert got.dtype == torch.bool and got[0].sum(-1).min() > 5 and (got[1:].sum(-1) == 0).any()
+
+
 def test_retention_scores(ops):
     g = torch.Generator().manual_seed(6)
     log_beta = -torch.rand(2, 3, 50, generator=g).to(DEVICE)

@@ -376,8 +376,9 @@ def test_kvmerger_launch_bound_scan_launches_and_reads_back_less():
 
 @pytest.mark.skipif(not TRITON, reason="needs Triton (a GPU or TRITON_INTERPRET=1)")
 def test_kvmerger_fused_scan_reads_nothing_back_and_builds_no_band():
-    # Where the kernels run Triton the sets are measured whole by ``merging_set_ends``: no band (its matmuls and
-    # prefix maxima), no walk, and on a GPU's path no host read at all; the sets are the band's and walk's.
+    # Where the kernels run Triton the sets are measured whole by ``merging_set_ends`` and chained by ``merging_chain``:
+    # no band (its matmuls and prefix maxima), no walk, no doubling, and no host read at all; the sets are the band's
+    # and walk's.
     from kvgates.policies.kvmerger import SCAN_BLOCK, MergingScan
 
     g = torch.Generator().manual_seed(3)
@@ -391,6 +392,7 @@ def test_kvmerger_fused_scan_reads_nothing_back_and_builds_no_band():
         assert torch.equal(starts, merging_set_starts(keys, mergeable, eps, window=8, fused=False))
     assert counted[False].sync_ops and counted[False].ops["cummax"] == 1  # the band, and the walk's reads
     assert counted[True].sync_ops == {} and "cummax" not in counted[True].ops and "bmm" not in counted[True].ops
+    assert "scatter_reduce" not in counted[True].ops  # no pointer doubling: the chain kernel follows each row
 
 
 def test_kvmerger_launch_bound_scan_widens_its_window_as_memory_allows(monkeypatch):
@@ -438,12 +440,28 @@ def test_kvmerger_merge_matches_brute_force(sigma, scale):
     assert kept(layer, keep, 0, 0) == expected_keep
 
 
-@pytest.mark.parametrize("group,launch_bound", [(4, False), (16, False), (4, True)])
+@pytest.mark.parametrize(
+    "group,launch_bound,fused",
+    [(4, False, False), (16, False, False), (4, True, False),
+     pytest.param(4, True, True, marks=pytest.mark.skipif(not TRITON, reason="needs Triton"))],
+)
 @pytest.mark.parametrize("seed", range(4))
-def test_kvmerger_calibration_takes_the_largest_feasible_grid_value(seed, group, launch_bound, monkeypatch):
+def test_kvmerger_calibration_takes_the_largest_feasible_grid_value(seed, group, launch_bound, fused, monkeypatch):
+    check_calibration(seed, group, launch_bound, fused, monkeypatch)
+
+
+def test_kvmerger_calibration_is_tested_over_budget(monkeypatch):
+    # The seeds above include a sequence whose lowest threshold is chosen over its budget (the kernels' scan lists
+    # that row whole, not to its budget).
+    assert any(check_calibration(seed, 4, False, False, monkeypatch) for seed in range(4))
+
+
+def check_calibration(seed: int, group: int, launch_bound: bool, fused: bool, monkeypatch) -> bool:
+    """Whether some head ends over its budget (at the grid's lowest value) after checking the calibration."""
     # The calibration scans each grid from its largest thresholds down, a group at a time, and stops early (groups of
     # 4 on the CPU; the whole grid at once on a GPU, ``launch_bound``): it must choose what evaluating every grid
-    # value does (per sequence, with long sets from correlated keys).
+    # value does (per sequence, with long sets from correlated keys). The kernels' scan (``fused``) lists a head's
+    # sets only up to its budget, except at the grid's lowest value, chosen even over budget (small budgets here).
     import kvgates.policies.kvmerger as kvmerger
 
     monkeypatch.setattr(kvmerger, "FEASIBLE_GROUP", group)
@@ -453,7 +471,7 @@ def test_kvmerger_calibration_takes_the_largest_feasible_grid_value(seed, group,
     fixed = (~mergeable).sum(-1)
     budget = fixed + torch.randint(2, 60, (3, 2), generator=g)
     policy = KVMerger(budget=64)
-    eps, starts = policy.calibrate(keys, mergeable, fixed, budget, launch_bound=launch_bound)
+    eps, starts = policy.calibrate(keys, mergeable, fixed, budget, launch_bound=launch_bound, fused=fused)
     hi, lo, rows = torch.full((3,), 1.0001), torch.full((3,), -1.0001), torch.arange(3)
     for _ in range(2):
         grid = lo[None] + torch.linspace(0.0, 1.0, policy.grid)[:, None] * (hi - lo)[None]
@@ -466,6 +484,7 @@ def test_kvmerger_calibration_takes_the_largest_feasible_grid_value(seed, group,
         hi = torch.where(best < policy.grid - 1, lo + step, lo)
     assert torch.equal(eps, lo)
     assert torch.equal(starts, every[best, rows])
+    return bool((every[best, rows].sum(-1) + fixed > budget).any())
 
 
 def test_kvmerger_calibrates_to_budget(tiny):

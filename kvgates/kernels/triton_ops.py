@@ -20,8 +20,9 @@ also takes a launch configuration.
   from the slots' and rows' positions.
 * ``pool_by_position`` — 1-D pooling along token order through a slot permutation.
 * ``compact_slots`` — keys, values, positions and per-slot state of a layer rebuilt in one launch.
-* ``merging_set_ends`` — where KVMerger's merging sets end, for every anchor and threshold, from similarities
-  computed a tile at a time and never stored (no torch namesake: ``MergingScan`` computes the same ends on the CPU).
+* ``merging_set_ends`` / ``merging_chain`` — where KVMerger's merging sets end, for every anchor and threshold, from
+  similarities computed a tile at a time and never stored, and the chain of anchors from the first (no torch
+  namesakes: ``MergingScan`` computes the same sets on the CPU from a band of similarities and pointer doubling).
 * ``retention_scores`` / ``retention_sum`` — TRIM-KV decayed scores, and the capacity-loss retention mass with
   its backward, tiled so no ``T x T`` matrix is formed.
 """
@@ -867,6 +868,35 @@ def merging_set_ends(kn: torch.Tensor, stop: torch.Tensor, eps: torch.Tensor) ->
     return out
 
 
+
+@triton.jit
+def _merging_chain(NXT, FIRST, CAP, MARK, BH, N):
+    """One row (threshold, sequence, head): follow the anchors from the first one, marking each, until the end or past
+    the row's cap."""
+    r = tl.program_id(0).to(tl.int64)
+    bh = r % BH
+    at = tl.load(FIRST + bh)
+    cap = tl.load(CAP + r)
+    count = 0
+    while (at < N) & (count <= cap):
+        tl.store(MARK + r * N + at, 1)
+        count += 1
+        at = tl.load(NXT + r * N + at)
+
+
+def merging_chain(nxt: torch.Tensor, first: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+    """Which tokens open a merging set, ``[E, B, H, L]`` (bool), from each anchor's next anchor ``nxt`` ``[E, B, H, L]``
+    (``L``: none) and each head's first anchor ``first`` ``[B, H]``: the chain ``first, nxt[first], ...``, followed in
+    one program a row and marked up to its ``cap + 1``-th anchor (``cap`` ``[E, B, H]``, the most sets of a row that
+    matter: a longer chain is marked ``cap + 1`` times). One launch, where pointer doubling takes two a level over
+    ``[E, B, H, L]`` tables."""
+    e, b, h, n = nxt.shape
+    mark = torch.zeros((e, b, h, n), dtype=torch.int8, device=nxt.device)
+    if mark.numel():
+        _merging_chain[(e * b * h,)](nxt.contiguous(), first.contiguous(), cap.to(torch.int64).contiguous(), mark, b * h, n)
+    return mark.view(torch.bool)
+
+
 # ---------------------------------------------------------------------------------------------- retention
 @triton.jit
 def _retention_scores(LB, POS, T, OUT, N, BLOCK: tl.constexpr):
@@ -963,6 +993,7 @@ __all__ = [
     "causal_attention_stats",
     "compact_slots",
     "decode_attention_flat",
+    "merging_chain",
     "merging_set_ends",
     "pool_by_position",
     "retention_scores",

@@ -66,7 +66,8 @@ class MergingScan:
 
     ``fused`` (default: where the kernels run Triton, ``kvgates.kernels.backend``) finds ``next`` with no window:
     ``kernels.triton_ops.merging_set_ends`` measures every set whole from similarities it never stores, so there is
-    no band (1 GiB on a GPU) and no walk (nor its host reads).
+    no band (1 GiB on a GPU) and no walk (nor its host reads); ``kernels.triton_ops.merging_chain`` then follows each
+    chain in one launch instead of pointer doubling's two launches a level over ``[E, B, H, L]`` tables.
     """
 
     def __init__(
@@ -114,30 +115,39 @@ class MergingScan:
             torch.cummax(band, -1, out=(self.drops[:, :, start : start + r], order[:, :, :r]))
 
     def _ends(self, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[E, B, H, L + 1]``: where the set anchored at each token (and at the end, ``L``) stops for each threshold of
-        ``eps`` ``[E, B]``, and which of them are known: all (None) from the kernel, else those within the window."""
-        n, idx = self.n, self.idx
+        """``[E, B, H, L]``: where the set anchored at each token stops for each threshold of ``eps`` ``[E, B]``, and
+        which of them are known: all (None) from the kernel, else those within the window."""
         if self.fused:
             from kvgates.kernels import triton_ops
 
-            return torch.nn.functional.pad(triton_ops.merging_set_ends(self.kn, self.stop, eps), (0, 1), value=n), None
+            return triton_ops.merging_set_ends(self.kn, self.stop, eps), None
+        n, idx = self.n, self.idx
         b, h = self.stop.shape[:2]
         thresh = (-eps).T[:, None, None, :].expand(-1, h, n, -1).contiguous()  # [B, H, L, E], minus eps
         # How many of the tokens after each anchor join its set within the window, per threshold.
         joined = torch.searchsorted(self.drops, thresh).permute(3, 0, 1, 2)  # [E, B, H, L]
-        end = torch.nn.functional.pad(torch.minimum(joined + idx[1:], self.stop), (0, 1), value=n)
-        return end, (end - idx <= self.w) | (end >= n)
+        end = torch.minimum(joined + idx[1:], self.stop)
+        return end, (end - idx[:n] <= self.w) | (end >= n)
 
-    def starts(self, eps: torch.Tensor) -> torch.Tensor:
-        """Which tokens open a new merging set, ``[E, B, H, L]``, for each threshold in ``eps`` (``[E, B]``)."""
+    def starts(self, eps: torch.Tensor, cap: torch.Tensor | None = None) -> torch.Tensor:
+        """Which tokens open a new merging set, ``[E, B, H, L]``, for each threshold in ``eps`` (``[E, B]``).
+
+        ``cap`` ``[E, B, H]``: the most sets of a head that matter, per threshold. Where the kernel follows the chains
+        (``fused``), a head with more is marked at its first ``cap + 1`` sets only; elsewhere every set is marked."""
         e = eps.shape[0]
         n, idx, first_from = self.n, self.idx, self.first_from
         b, h = first_from.shape[:2]
         end, resolved = self._ends(eps)
+        if resolved is None:  # every set measured whole: the kernel follows each chain
+            from kvgates.kernels import triton_ops
+
+            nxt = first_from.expand(e, -1, -1, -1).gather(-1, end)
+            cap = torch.full((e, b, h), n, device=nxt.device) if cap is None else cap
+            return triton_ops.merging_chain(nxt, first_from[..., 0], cap)
         # Unresolved anchors (sets longer than the window) point to themselves, and so does the end (n).
-        nxt = first_from.expand(e, -1, -1, -1).gather(-1, end)
-        if resolved is not None:
-            nxt = torch.where(resolved, nxt, idx)
+        end = torch.nn.functional.pad(end, (0, 1), value=n)
+        resolved = torch.nn.functional.pad(resolved, (0, 1), value=True)
+        nxt = torch.where(resolved, first_from.expand(e, -1, -1, -1).gather(-1, end), idx)
         jumps = [nxt]  # jumps[k] = next applied 2^k times (chains only move forward)
         while (1 << (len(jumps) - 1)) <= n:
             doubled = jumps[-1].gather(-1, jumps[-1])
@@ -148,15 +158,14 @@ class MergingScan:
         # set is measured directly and the walk resumes at the anchor after it. A finished row stays at the end (n).
         sources = torch.zeros((e, b, h, n + 1), dtype=torch.int32, device=nxt.device)
         at = first_from[..., :1].expand(e, -1, -1, -1)  # [E, B, H, 1]
-        sources.scatter_(-1, at, 1)
         last, steps = jumps[-1], GPU_WALK_STEPS if self.launch_bound else 1
-        for step in itertools.count(1) if resolved is not None else ():  # (every set resolved: no walk)
+        for step in itertools.count(1):
+            sources.scatter_(-1, at, 1)
             stuck = last.gather(-1, at)
             if step % steps == 0 and not bool((stuck < n).any()):  # the loop's host sync (a finished row stays at n)
                 break
             sources.scatter_(-1, stuck, 1)
             at = first_from.expand(e, -1, -1, -1).gather(-1, self._set_end(eps, stuck))
-            sources.scatter_(-1, at, 1)
         # Every anchor reached from a source: T_k = T_{k+1} + jumps[k](T_{k+1}), from the longest jump down.
         marked = sources
         for jump in reversed(jumps[:-1]):
@@ -254,16 +263,17 @@ class KVMerger(CumulativeAttention):
         return window | top_held(layer, layer.state[CUMULATIVE], self.heavy, layer.valid & ~window)
 
     def calibrate(
-        self, keys: torch.Tensor, mergeable: torch.Tensor, fixed: torch.Tensor, budget: torch.Tensor, launch_bound: bool | None = None
+        self, keys: torch.Tensor, mergeable: torch.Tensor, fixed: torch.Tensor, budget: torch.Tensor, launch_bound: bool | None = None,
+        fused: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per sequence ``[B]``: the largest threshold (up to ``epsilon``) keeping every head within ``budget``
         (``[B, H_kv]``),
-        and the merging-set starts ``[B, H, L]`` it gives (from the scan that chose it). ``launch_bound``: the
-        scan's (``MergingScan``)."""
+        and the merging-set starts ``[B, H, L]`` it gives (from the scan that chose it). ``launch_bound``, ``fused``:
+        the scan's (``MergingScan``)."""
         b = keys.shape[0]
         hi = torch.full((b,), 1.0001 if self.epsilon is None else self.epsilon, device=keys.device)
         lo = torch.full((b,), -1.0001, device=keys.device)  # merges every run: always feasible
-        scan = MergingScan(keys, mergeable, launch_bound=launch_bound)
+        scan = MergingScan(keys, mergeable, launch_bound=launch_bound, fused=fused)
         for _ in range(2):  # a grid, then a finer grid between the best feasible value and the next one
             frac = torch.linspace(0.0, 1.0, self.grid, device=keys.device)[:, None]
             eps = lo[None] + frac * (hi - lo)[None]  # [E, B]
@@ -289,7 +299,11 @@ class KVMerger(CumulativeAttention):
         chosen = None
         for top in range(e, 0, -group):
             low = max(0, top - group)
-            starts = scan.starts(eps[low:top])  # [e, B, H, L]
+            # Past its budget a head's sets need not be listed; index 0's are, since it may be chosen over its budget.
+            cap = (budget - fixed).expand(top - low, -1, -1).clone()
+            if low == 0:
+                cap[0] = scan.n
+            starts = scan.starts(eps[low:top], cap)  # [e, B, H, L]
             ok = (starts.sum(-1) + fixed[None] <= budget).all(-1)  # [e, B]
             ok[0] |= low == 0
             last = (ok * torch.arange(1, top - low + 1, device=eps.device)[:, None]).amax(0) - 1  # [B], -1: none
