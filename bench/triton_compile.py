@@ -148,6 +148,8 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
         kn, stop = torch.zeros(2, hkv, 300, d), torch.full((2, hkv, 300), 300)
         for e in (16, 5):  # KVMerger's grid on a GPU, and a group of it
             yield "merging_set_ends", lambda kn=kn, s=stop, e=e: ops.merging_set_ends(kn, s, torch.zeros(e, 2))
+        rows, cols = torch.zeros(2, hkv, 300, d), torch.zeros(2, hkv, 100, d)
+        yield "max_similarity", lambda r=rows, c=cols: ops.max_similarity(r, c, torch.ones(c.shape[:3], dtype=torch.bool))
     nxt, first = torch.full((16, 2, 8, 300), 300), torch.zeros(2, 8, dtype=torch.long)
     yield "merging_chain", lambda: ops.merging_chain(nxt, first, torch.zeros(16, 2, 8, dtype=torch.long))
     scores, pos = torch.zeros(2, 3, 300), torch.arange(300).expand(2, 3, 300).contiguous()

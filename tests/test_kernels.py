@@ -289,6 +289,23 @@ def test_merging_set_ends_are_the_first_dissimilar_or_stopping_token(ops, b, h, 
     assert (got - j > 64).any() or n < 100  # sets past a block of later tokens
 
 
+@pytest.mark.parametrize("b,h,e,k,d", [(1, 1, 1, 1, 4), (2, 3, 70, 130, 8), (1, 2, 200, 65, 64), (1, 1, 0, 5, 4)])
+def test_max_similarity(ops, b, h, e, k, d):
+    """D2O's matches: each row's largest product with the valid columns and the first column reaching it; a head with
+    no valid column gives -inf. Repeated columns make ties (the first wins)."""
+    g = torch.Generator().manual_seed(e + k)
+    rows = torch.nn.functional.normalize(torch.randn(b, h, e, d, generator=g), dim=-1)
+    cols = torch.nn.functional.normalize(torch.randn(b, h, k, d, generator=g), dim=-1)
+    cols[..., k // 2 :, :] = cols[..., : k - k // 2, :].clone()  # every column of the second half repeats one of the first
+    valid = torch.rand(b, h, k, generator=g) > 0.3
+    valid[0, 0] = False  # a head with nothing to match
+    got = ops.max_similarity(*(t.to(DEVICE) for t in (rows, cols, valid)))
+    ref = reference.max_similarity(rows, cols, valid)
+    torch.testing.assert_close(got[0].cpu(), ref[0], atol=1e-5, rtol=0)
+    assert torch.equal(got[1].cpu(), ref[1])
+    assert e == 0 or got[0][0, 0].eq(float("-inf")).all()
+
+
 def test_merging_chain_marks_each_row_from_its_first_anchor_up_to_its_cap(ops):
     """KVMerger's chain of anchors, followed per row and cut after ``cap + 1`` marks (a negative cap marks nothing)."""
     g = torch.Generator().manual_seed(11)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import make_layer, random_positions, teacher_forced_logits, tiny_model
 
-from kvgates import BudgetCache
+from kvgates import BudgetCache, kernels
 from kvgates.policies import D2O, AdaKV, DynamicKV, KVMerger, Merge, MorphKV
 from kvgates.policies.adakv import adakv_head_budgets
 from kvgates.policies.d2o import d2o_layer_ratios, layer_variance
@@ -579,14 +579,17 @@ def test_merging_one_evicted_token_per_head_matches_the_general_merge(rule, seed
     one, general, untouched = stored(), stored(), stored()
     one.exact_counts = lambda: KeptCounts([8] * hkv, [11] * hkv, [1] * hkv)  # what the host knows of a decode step
     states = MergeState(), MergeState()
+    # Bit for bit, except where the general path's similarities come from the Triton kernel (``max_similarity``: its
+    # own order of summation), which leaves last-bit differences.
+    exact = {} if kernels.backend(one.keys) == "triton" else {"atol": 0, "rtol": 0}
     for keep_now, dropped in ((keep, evicted), (keep & ~evicted_again, evicted_again)):
         with Launches() as fast:
             merge_evicted(one, keep_now, states[0], rule=rule, exact=True)
         merge_evicted(general, keep_now, states[1], rule=rule)
         assert fast.syncs == 0 and "sort" not in fast.ops
-        torch.testing.assert_close(states[0].tau, states[1].tau, atol=0, rtol=0, equal_nan=True)
-        torch.testing.assert_close(one.keys, general.keys, atol=0, rtol=0)
-        torch.testing.assert_close(one.values, general.values, atol=0, rtol=0)
+        torch.testing.assert_close(states[0].tau, states[1].tau, equal_nan=True, **exact)
+        torch.testing.assert_close(one.keys, general.keys, **exact)
+        torch.testing.assert_close(one.values, general.values, **exact)
         for made in (one, general):  # the eviction that follows the merge
             made.pos.masked_fill_(dropped, -1)
     assert not torch.equal(one.keys, untouched.keys) and not torch.equal(one.values, untouched.values)

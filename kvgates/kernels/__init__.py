@@ -2,7 +2,7 @@
 
 Call these functions, not the implementations. Each of ``causal_attention_stats``, ``masked_attention_colmax``,
 ``masked_attention_colsum``, ``decode_attention_flat``, ``window_scores_flat``, ``pool_by_position``,
-``compact_slots``, ``retention_scores`` and ``retention_sum`` runs its Triton kernel (``kvgates.kernels.triton_ops``)
+``compact_slots``, ``max_similarity``, ``retention_scores`` and ``retention_sum`` runs its Triton kernel (``kvgates.kernels.triton_ops``)
 when its inputs are CUDA tensors and the torch reference (``kvgates.kernels.reference``) otherwise.
 ``KVGATES_KERNELS=reference`` forces the reference everywhere;
 ``KVGATES_KERNELS=triton`` forces Triton, which on CPU needs ``TRITON_INTERPRET=1`` (how CI runs the runtime
@@ -142,6 +142,12 @@ def compact_slots(
     return _impl(pos).compact_slots(keys, values, pos, state, index, old_caps, new_caps, state_init)
 
 
+def max_similarity(rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's largest product with the valid columns, and the first column reaching it (see
+    ``reference.max_similarity``)."""
+    return _impl(rows).max_similarity(rows, cols, valid)
+
+
 def retention_scores(log_beta: torch.Tensor, slot_pos: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """TRIM-KV decayed retention scores (see ``reference.retention_scores``)."""
     return _impl(log_beta).retention_scores(log_beta, slot_pos, t)
@@ -174,6 +180,7 @@ __all__ = [
     "masked_attention",
     "masked_attention_colmax",
     "masked_attention_colsum",
+    "max_similarity",
     "pool_by_position",
     "retention_scores",
     "retention_sum",

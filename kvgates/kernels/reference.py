@@ -639,6 +639,26 @@ def scatter_flat(tensors: list[torch.Tensor], index: torch.Tensor, updates: list
         t.scatter_(1, index[..., None].expand(*index.shape, t.shape[-1]), u)
 
 
+def max_similarity(rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row ``[B, H, E, D]``, its largest dot product with the ``valid`` (``[B, H, K]``) columns ``[B, H, K,
+    D]`` and the first column that reaches it: ``(best [B, H, E] float32, target [B, H, E] int64)``; ``-inf`` (and
+    column 0) where a head has no valid column. One tile of rows at a time (``row_tile``): ``E x K`` products are
+    never held at once. D2O's match of each evicted key with its most similar kept key (unit keys: cosine
+    similarities)."""
+    b, h, e, _ = rows.shape
+    cols_t = cols.transpose(-1, -2)
+    tile = row_tile(b, h, cols.shape[2], rows.device)
+    invalid = ~valid[:, :, None, :]
+    best, target = [], []
+    for start in range(0, e, tile):
+        top = torch.matmul(rows[:, :, start : start + tile], cols_t).masked_fill_(invalid, float("-inf")).max(-1)
+        best.append(top.values)
+        target.append(top.indices)
+    if not best:
+        return rows.new_zeros((b, h, 0)), torch.zeros((b, h, 0), dtype=torch.long, device=rows.device)
+    return torch.cat(best, -1), torch.cat(target, -1)
+
+
 def retention_scores(log_beta: torch.Tensor, slot_pos: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """TRIM-KV decayed retention ``(t - pos) * log_beta`` per slot; empty slots get ``-inf``.
 

@@ -20,6 +20,8 @@ also takes a launch configuration.
   from the slots' and rows' positions.
 * ``pool_by_position`` — 1-D pooling along token order through a slot permutation.
 * ``compact_slots`` — keys, values, positions and per-slot state of a layer rebuilt in one launch.
+* ``max_similarity`` — D2O's most similar kept key for each evicted one: the running maximum over tiles of products,
+  none stored (float32 in three TF32 passes on a GPU).
 * ``merging_set_ends`` / ``merging_chain`` — where KVMerger's merging sets end, for every anchor and threshold, from
   similarities computed a tile at a time and never stored, and the chain of anchors from the first (no torch
   namesakes: ``MergingScan`` computes the same sets on the CPU from a band of similarities and pointer doubling).
@@ -897,6 +899,50 @@ def merging_chain(nxt: torch.Tensor, first: torch.Tensor, cap: torch.Tensor) -> 
     return mark.view(torch.bool)
 
 
+# ---------------------------------------------------------------------------------------------- D2O's matches
+@triton.jit
+def _max_similarity(
+    ROWS, COLS, VALID, BEST, TARGET, E, K, D,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+):
+    """One block of rows of one (sequence, head): the running largest product over blocks of columns, and where."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    r = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    d = tl.arange(0, BLOCK_D)
+    rows = tl.load(ROWS + bh * E * D + r[:, None] * D + d[None, :], mask=(r[:, None] < E) & (d[None, :] < D), other=0.0)
+    best = tl.full((BLOCK_E,), float("-inf"), tl.float32)
+    target = tl.zeros((BLOCK_E,), tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        cols = tl.load(COLS + bh * K * D + k[:, None] * D + d[None, :], mask=(k[:, None] < K) & (d[None, :] < D), other=0.0)
+        ok = tl.load(VALID + bh * K + k, mask=k < K, other=0) != 0
+        sim = tl.where(ok[None, :], tl.dot(rows, tl.trans(cols), input_precision=PREC), float("-inf"))
+        top, at = tl.max(sim, 1, return_indices=True, return_indices_tie_break_left=True)
+        better = top > best  # (strictly: the first column of equal maxima stays)
+        target = tl.where(better, k0 + at, target)
+        best = tl.where(better, top, best)
+    tl.store(BEST + bh * E + r, best, mask=r < E)
+    tl.store(TARGET + bh * E + r, target.to(tl.int64), mask=r < E)
+
+
+def max_similarity(rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b, h, e, d = rows.shape
+    k = cols.shape[2]
+    best = torch.empty((b, h, e), dtype=torch.float32, device=rows.device)
+    target = torch.empty((b, h, e), dtype=torch.long, device=rows.device)
+    if not (b and h and e):
+        return best, target
+    if k == 0:
+        return best.fill_(float("-inf")), target.zero_()
+    block = 64
+    _max_similarity[(_cdiv(e, block), b * h)](
+        rows.float().contiguous(), cols.float().contiguous(), valid.to(torch.int8).contiguous(), best, target, e, k, d,
+        BLOCK_E=block, BLOCK_K=block // 2, BLOCK_D=_pow2(d), PREC="tf32x3", num_stages=2,
+    )
+    return best, target
+
+
 # ---------------------------------------------------------------------------------------------- retention
 @triton.jit
 def _retention_scores(LB, POS, T, OUT, N, BLOCK: tl.constexpr):
@@ -993,6 +1039,7 @@ __all__ = [
     "causal_attention_stats",
     "compact_slots",
     "decode_attention_flat",
+    "max_similarity",
     "merging_chain",
     "merging_set_ends",
     "pool_by_position",

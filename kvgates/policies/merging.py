@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgates.kernels.reference import row_tile
+from kvgates import kernels
 from kvgates.policies.base import register_policy
 from kvgates.policies.wrappers import Wrapper
 from kvgates.runtime.layer import BudgetLayer
@@ -58,26 +58,16 @@ def best_matches(
 
     Returns ``(evicted slot indices [B, H, E], real [B, H, E], best similarity, kept slot indices [B, H, K],
     target [B, H, E])``: evicted token ``i`` matches kept slot ``kept[..., target[..., i]]``. Evicted keys are
-    compared with the kept ones only, one tile of evicted tokens at a time (``row_tile``), so memory follows
-    ``E x K`` tiles rather than every slot against every slot. ``most``: the most evicted and kept slots a head
-    has, when the host knows them.
+    compared with the kept ones only (``kernels.max_similarity``: tiles of evicted tokens on the CPU, a kernel that
+    stores no product on a GPU), so memory follows ``E x K`` tiles rather than every slot against every slot.
+    ``most``: the most evicted and kept slots a head has, when the host knows them.
     """
     most_evicted, most_kept = (None, None) if most is None else most
     idx, real = _slots_of(evicted, most=most_evicted)
     kept_idx, kept_real = _slots_of(kept, at_least=1, most=most_kept)
     ke = torch.nn.functional.normalize(_gather_slots(keys, idx).float(), dim=-1)
-    kk = torch.nn.functional.normalize(_gather_slots(keys, kept_idx).float(), dim=-1).transpose(-1, -2)
-    b, h, e = idx.shape
-    tile = row_tile(b, h, kept_idx.shape[-1], keys.device)
-    best, target = [], []
-    not_kept = ~kept_real[:, :, None, :]
-    for start in range(0, e, tile):
-        sim = torch.matmul(ke[:, :, start : start + tile], kk).masked_fill_(not_kept, float("-inf"))
-        top = sim.max(-1)
-        best.append(top.values)
-        target.append(top.indices)
-    best_t = torch.cat(best, -1) if best else ke.new_zeros((b, h, 0))
-    target_t = torch.cat(target, -1) if target else idx
+    kk = torch.nn.functional.normalize(_gather_slots(keys, kept_idx).float(), dim=-1)
+    best_t, target_t = kernels.max_similarity(ke, kk, kept_real)
     return (idx, *_matched(real, best_t), kept_idx, target_t)
 
 
