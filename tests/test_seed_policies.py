@@ -323,6 +323,8 @@ def test_kvmerger_sets(eps):
 
 
 TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+#: Where the fused (Triton) scan's tests put their tensors: the GPU where there is one (not the interpreter's CPU).
+FUSED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize(
@@ -339,7 +341,7 @@ def test_kvmerger_sets_longer_than_the_scan_window_match_brute_force(window, lau
     keys = torch.randn(2, 3, 90, 4, generator=g).cumsum(2)
     mergeable = torch.rand(2, 3, 90, generator=g) > 0.05
     eps = torch.tensor([[0.99, 0.9], [0.7, 0.5], [0.0, -0.5]])  # [E, B]
-    device = "cuda" if fused and torch.cuda.is_available() else "cpu"
+    device = FUSED_DEVICE if fused else "cpu"
     keys, mergeable, eps = keys.to(device), mergeable.to(device), eps.to(device)
     starts = merging_set_starts(keys, mergeable, eps, window=window, launch_bound=launch_bound, fused=fused).cpu()
     keys, mergeable, eps = keys.cpu(), mergeable.cpu(), eps.cpu()
@@ -387,9 +389,12 @@ def test_kvmerger_fused_scan_reads_nothing_back_and_builds_no_band():
     eps = torch.tensor([[0.9], [0.5]])
     counted = {}
     for fused in (False, True):
+        device = FUSED_DEVICE if fused else "cpu"
+        inputs = keys.to(device), mergeable.to(device)
+        thresholds = eps.to(device)
         with Launches() as counted[fused]:
-            starts = MergingScan(keys, mergeable, window=8, launch_bound=True, fused=fused).starts(eps)
-        assert torch.equal(starts, merging_set_starts(keys, mergeable, eps, window=8, fused=False))
+            starts = MergingScan(*inputs, window=8, launch_bound=True, fused=fused).starts(thresholds)
+        assert torch.equal(starts.cpu(), merging_set_starts(keys, mergeable, eps, window=8, fused=False))
     assert counted[False].sync_ops and counted[False].ops["cummax"] == 1  # the band, and the walk's reads
     assert counted[True].sync_ops == {} and "cummax" not in counted[True].ops and "bmm" not in counted[True].ops
     assert "scatter_reduce" not in counted[True].ops  # no pointer doubling: the chain kernel follows each row
@@ -471,7 +476,9 @@ def check_calibration(seed: int, group: int, launch_bound: bool, fused: bool, mo
     fixed = (~mergeable).sum(-1)
     budget = fixed + torch.randint(2, 60, (3, 2), generator=g)
     policy = KVMerger(budget=64)
-    eps, starts = policy.calibrate(keys, mergeable, fixed, budget, launch_bound=launch_bound, fused=fused)
+    device = FUSED_DEVICE if fused else "cpu"
+    eps, starts = policy.calibrate(*(t.to(device) for t in (keys, mergeable, fixed, budget)), launch_bound=launch_bound, fused=fused)
+    eps, starts = eps.cpu(), starts.cpu()
     hi, lo, rows = torch.full((3,), 1.0001), torch.full((3,), -1.0001), torch.arange(3)
     for _ in range(2):
         grid = lo[None] + torch.linspace(0.0, 1.0, policy.grid)[:, None] * (hi - lo)[None]
