@@ -146,12 +146,14 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
         yield "compact_slots", lambda k=keys, v=values, p=pos, s=state, i=index, n=hkv: ops.compact_slots(k, v, p, s, i, [300] * n, [200] * n, init)
     for _, hkv, d in HEADS:  # KVMerger's keys are float32 whatever the model's dtype
         kn, stop = torch.zeros(2, hkv, 300, d), torch.full((2, hkv, 300), 300)
+        first, ends = torch.zeros(2, hkv, 301, dtype=torch.long), torch.full((16, 2, hkv, 300), 300)
         for e in (16, 5):  # KVMerger's grid on a GPU, and a group of it
-            yield "merging_set_ends", lambda kn=kn, s=stop, e=e: ops.merging_set_ends(kn, s, torch.zeros(e, 2))
+            yield "merging_set_ends", lambda kn=kn, s=stop, e=e: ops.merging_set_ends(kn, s, torch.zeros(e, 2), 256)
+        yield "merging_chain", lambda kn=kn, s=stop, f=first, x=ends, n=hkv: (
+            ops.merging_chain(kn, s, f, x, torch.zeros(16, 2), torch.zeros(16, 2, n, dtype=torch.long), 256)
+        )
         rows, cols = torch.zeros(2, hkv, 300, d), torch.zeros(2, hkv, 100, d)
         yield "max_similarity", lambda r=rows, c=cols: ops.max_similarity(r, c, torch.ones(c.shape[:3], dtype=torch.bool))
-    nxt, first = torch.full((16, 2, 8, 300), 300), torch.zeros(2, 8, dtype=torch.long)
-    yield "merging_chain", lambda: ops.merging_chain(nxt, first, torch.zeros(16, 2, 8, dtype=torch.long))
     scores, pos = torch.zeros(2, 3, 300), torch.arange(300).expand(2, 3, 300).contiguous()
     for mode in ("max", "avg"):
         yield "pool_by_position", lambda m=mode: ops.pool_by_position(scores, pos, 7, m)

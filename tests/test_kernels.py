@@ -271,58 +271,57 @@ def test_compact_slots(ops, old_caps, new_caps, f):
         torch.testing.assert_close(a, r, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("b,h,n,d,e", [(1, 1, 5, 4, 1), (2, 3, 150, 8, 5), (1, 2, 200, 64, 16)])
-def test_merging_set_ends_are_the_first_dissimilar_or_stopping_token(ops, b, h, n, d, e):
-    """KVMerger's set ends: for each anchor and threshold, the first later token at most that similar, or the anchor's
-    stop, whichever comes first, against every pair's similarity at once. Correlated keys make long sets (several
-    blocks of later tokens per anchor block); a few unmergeable tokens cut them."""
-    g = torch.Generator().manual_seed(n)
+def _merging_inputs(b, h, n, d, seed):
+    """Unit keys (correlated: long sets), which tokens are mergeable, each token's stop (the first later one that is
+    not, ``n`` if none) and ``first_from`` (the first mergeable one at or after each position)."""
+    g = torch.Generator().manual_seed(seed)
     kn = torch.nn.functional.normalize(torch.randn(b, h, n, d, generator=g).cumsum(2), dim=-1)
     mergeable = torch.rand(b, h, n, generator=g) > 0.05
     j = torch.arange(n)
     stop = torch.where(~mergeable[..., None, :] & (j > j[:, None]), j, n).amin(-1)  # [B, H, L]
+    first_from = torch.where(torch.cat([mergeable, torch.ones(b, h, 1, dtype=torch.bool)], -1), torch.arange(n + 1), n)
+    first_from = first_from.flip(-1).cummin(-1).values.flip(-1)
+    return kn, stop, first_from, g
+
+
+@pytest.mark.parametrize("b,h,n,d,e,window", [(1, 1, 5, 4, 1, 9), (2, 3, 150, 8, 5, 150), (2, 3, 150, 8, 5, 7), (1, 2, 200, 64, 16, 100)])
+def test_merging_set_ends_are_the_first_dissimilar_or_stopping_token_in_the_window(ops, b, h, n, d, e, window):
+    """KVMerger's set ends within a window: for each anchor and threshold, the first later token at most that similar,
+    or the anchor's stop, or the window's end, whichever comes first, against every pair's similarity at once."""
+    kn, stop, _, g = _merging_inputs(b, h, n, d, n + window)
     eps = torch.rand(e, b, generator=g) * 1.6 - 0.6
-    got = ops.merging_set_ends(kn.to(DEVICE), stop.to(DEVICE), eps.to(DEVICE)).cpu()
+    got = ops.merging_set_ends(kn.to(DEVICE), stop.to(DEVICE), eps.to(DEVICE), window).cpu()
+    j = torch.arange(n)
     sim = kn @ kn.transpose(-1, -2)  # [B, H, L, L]
     first = torch.where((j > j[:, None]) & (sim <= eps[:, :, None, None, None]), j, n).amin(-1)
-    assert torch.equal(got, torch.minimum(first, stop))
-    assert (got - j > 64).any() or n < 100  # sets past a block of later tokens
+    assert torch.equal(got, torch.minimum(torch.minimum(first, stop), j + 1 + window))
+    assert n < 100 or window < 64 or (got - j > 64).any()  # sets past a block of later tokens
 
 
-@pytest.mark.parametrize("b,h,e,k,d", [(1, 1, 1, 1, 4), (2, 3, 70, 130, 8), (1, 2, 200, 65, 64), (1, 1, 0, 5, 4)])
-def test_max_similarity(ops, b, h, e, k, d):
-    """D2O's matches: each row's largest product with the valid columns and the first column reaching it; a head with
-    no valid column gives -inf. Repeated columns make ties (the first wins)."""
-    g = torch.Generator().manual_seed(e + k)
-    rows = torch.nn.functional.normalize(torch.randn(b, h, e, d, generator=g), dim=-1)
-    cols = torch.nn.functional.normalize(torch.randn(b, h, k, d, generator=g), dim=-1)
-    cols[..., k // 2 :, :] = cols[..., : k - k // 2, :].clone()  # every column of the second half repeats one of the first
-    valid = torch.rand(b, h, k, generator=g) > 0.3
-    valid[0, 0] = False  # a head with nothing to match
-    got = ops.max_similarity(*(t.to(DEVICE) for t in (rows, cols, valid)))
-    ref = reference.max_similarity(rows, cols, valid)
-    torch.testing.assert_close(got[0].cpu(), ref[0], atol=1e-5, rtol=0)
-    assert torch.equal(got[1].cpu(), ref[1])
-    assert e == 0 or got[0][0, 0].eq(float("-inf")).all()
+@pytest.mark.parametrize("window", [1, 5, 64, 400])
+def test_merging_chain_follows_each_row_from_its_first_anchor_up_to_its_cap(ops, window):
+    """KVMerger's chain of anchors from the window's ends, each set the window did not end measured on: the sets the
+    token-by-token scan finds, each row cut after ``cap + 1`` anchors (a negative cap marks nothing)."""
+    import brute
 
-
-def test_merging_chain_marks_each_row_from_its_first_anchor_up_to_its_cap(ops):
-    """KVMerger's chain of anchors, followed per row and cut after ``cap + 1`` marks (a negative cap marks nothing)."""
-    g = torch.Generator().manual_seed(11)
-    e, b, h, n = 3, 2, 2, 70
-    nxt = torch.minimum(torch.arange(n) + torch.randint(1, 9, (e, b, h, n), generator=g), torch.tensor(n))
-    first = torch.randint(0, 5, (b, h), generator=g)
+    e, b, h, n, d = 3, 2, 2, 150, 8
+    kn, stop, first_from, g = _merging_inputs(b, h, n, d, window)
+    eps = torch.tensor([[-1.1, -1.1], [0.9, 0.5], [0.97, 0.95]])
     cap = torch.randint(-1, 14, (e, b, h), generator=g)
     cap[0], cap[1, 0, 0] = n, -1
-    got = ops.merging_chain(nxt.to(DEVICE), first.to(DEVICE), cap.to(DEVICE)).cpu()
-    for r in range(e * b * h):
-        k, i, j = r // (b * h), r // h % b, r % h
-        chain, at = [], int(first[i, j])
-        while at < n and len(chain) <= int(cap[k, i, j]):
-            chain.append(at)
-            at = int(nxt[k, i, j, at])
-        assert got[k, i, j].nonzero().flatten().tolist() == chain
-    assert got.dtype == torch.bool and got[0].sum(-1).min() > 5 and (got[1:].sum(-1) == 0).any()
+    ends = ops.merging_set_ends(kn.to(DEVICE), stop.to(DEVICE), eps.to(DEVICE), window)
+    got = ops.merging_chain(*(t.to(DEVICE) for t in (kn, stop, first_from, ends, eps, cap)), window).cpu()
+    assert got.dtype == torch.bool
+    long_sets = 0
+    for k in range(e):
+        for i in range(b):
+            for j in range(h):
+                free = [bool(first_from[i, j, t] == t) for t in range(n)]  # mergeable tokens: their own first
+                sets = brute.kvmerger_sets(kn[i, j].tolist(), free, float(eps[k, i]))
+                expected = [s[0] for s in sets][: max(0, int(cap[k, i, j]) + 1)]
+                assert got[k, i, j].nonzero().flatten().tolist() == expected
+                long_sets += sum(len(s) > window + 1 for s in sets)
+    assert long_sets or window >= 64  # sets the window did not end
 
 
 def test_retention_scores(ops):

@@ -22,9 +22,10 @@ also takes a launch configuration.
 * ``compact_slots`` — keys, values, positions and per-slot state of a layer rebuilt in one launch.
 * ``max_similarity`` — D2O's most similar kept key for each evicted one: the running maximum over tiles of products,
   none stored (float32 in three TF32 passes on a GPU).
-* ``merging_set_ends`` / ``merging_chain`` — where KVMerger's merging sets end, for every anchor and threshold, from
-  similarities computed a tile at a time and never stored, and the chain of anchors from the first (no torch
-  namesakes: ``MergingScan`` computes the same sets on the CPU from a band of similarities and pointer doubling).
+* ``merging_set_ends`` / ``merging_chain`` — where KVMerger's merging sets end within a window, for every anchor and
+  threshold, from similarities computed a tile at a time and never stored; then the chain of anchors from the first,
+  one program a row, measuring on the sets the window did not end (no torch namesakes: ``MergingScan`` computes the
+  same sets on the CPU from a band of similarities, a walk and pointer doubling).
 * ``retention_scores`` / ``retention_sum`` — TRIM-KV decayed scores, and the capacity-loss retention mass with
   its backward, tiled so no ``T x T`` matrix is formed.
 """
@@ -815,12 +816,12 @@ _NO_THRESHOLD = -3.0
 
 @triton.jit
 def _merging_set_ends(
-    KN, STOP, EPS, END, H, N, D, E,
+    KN, STOP, EPS, END, H, N, D, E, W,
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One block of anchors of one (sequence, KV head): for each threshold, the first later token whose similarity
-    with the anchor is at most the threshold, at most the anchor's ``STOP``. Blocks of later tokens are compared
-    until every anchor's every threshold has its end (a long set costs its length, and nothing is stored)."""
+    """One block of anchors of one (sequence, KV head): for each threshold, the first later token within the window
+    whose similarity with the anchor is at most the threshold, else the window's end or the anchor's ``STOP``,
+    whichever comes first. Blocks of later tokens are compared until every anchor's every threshold has its end."""
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -830,7 +831,8 @@ def _merging_set_ends(
     rows = KN + bh * N * D
     anchors = tl.load(rows + i[:, None] * D + d[None, :], mask=(i[:, None] < N) & (d[None, :] < D), other=0.0)
     stop = tl.load(STOP + bh * N + i, mask=i < N, other=0).to(tl.int32)
-    end = tl.zeros((BLOCK_I, BLOCK_E), dtype=tl.int32) + stop[:, None]
+    bound = tl.minimum(stop, i + 1 + W)
+    end = tl.where(e[None, :] < E, bound[:, None], i[:, None] + 1)  # (padded thresholds: nothing to compare)
     j0 = pid * BLOCK_I + 1
     while j0 < tl.max(tl.max(end, 1), 0):
         j = j0 + tl.arange(0, BLOCK_J)
@@ -846,15 +848,15 @@ def _merging_set_ends(
     tl.store(out, end.to(tl.int64), mask=(i[:, None] < N) & (e[None, :] < E))
 
 
-def merging_set_ends(kn: torch.Tensor, stop: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """Where KVMerger's merging set anchored at each token ends, for every threshold, with no limit on its length.
+def merging_set_ends(kn: torch.Tensor, stop: torch.Tensor, eps: torch.Tensor, window: int) -> torch.Tensor:
+    """Where KVMerger's merging set anchored at each token ends, for every threshold, within a window.
 
     ``kn`` ``[B, H, L, D]``: the keys in position order, unit length (float32); ``stop`` ``[B, H, L]``: the first token
     after each one that is not mergeable (``L`` if none); ``eps`` ``[E, B]``: thresholds. Returns ``[E, B, H, L]``
-    (int64): for anchor ``i``, the least ``j > i`` with ``cos(k_i, k_j) <= eps`` or ``j = stop[i]``, whichever comes
-    first. The similarities are computed a tile at a time and never stored (``MergingScan`` computes the same ends
-    on the CPU from a band of them, and walks the sets longer than the band). Float32 products use three TF32 passes
-    (``tf32x3``) on a GPU: near-float32 similarities at tensor-core speed."""
+    (int64): for anchor ``i``, the least ``j`` in ``i + 1 .. i + window`` with ``cos(k_i, k_j) <= eps``, else
+    ``min(stop[i], i + 1 + window)``, whichever comes first. An end of ``i + 1 + window`` below ``stop[i]`` is a set
+    the window did not end (``merging_chain`` measures it on). The similarities are computed a tile at a time and never
+    stored; float32 products use three TF32 passes (``tf32x3``) on a GPU: near-float32 at tensor-core speed."""
     b, h, n, d = kn.shape
     e = eps.shape[0]
     out = torch.empty((e, b, h, n), dtype=torch.int64, device=kn.device)
@@ -864,38 +866,62 @@ def merging_set_ends(kn: torch.Tensor, stop: torch.Tensor, eps: torch.Tensor) ->
     thresholds = torch.nn.functional.pad(eps.T.float(), (0, block_e - e), value=_NO_THRESHOLD).contiguous()
     block = 64
     _merging_set_ends[(_cdiv(n, block), b * h)](
-        kn.float().contiguous(), stop.contiguous(), thresholds, out, h, n, d, e,
+        kn.float().contiguous(), stop.contiguous(), thresholds, out, h, n, d, e, min(window, n),
         BLOCK_I=block, BLOCK_J=block, BLOCK_D=_pow2(d), BLOCK_E=block_e, PREC="tf32x3",
     )
     return out
 
 
-
 @triton.jit
-def _merging_chain(NXT, FIRST, CAP, MARK, BH, N):
+def _merging_chain(
+    KN, STOP, FIRST, ENDS, EPS, CAP, MARK, B, H, N, D, W, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+):
     """One row (threshold, sequence, head): follow the anchors from the first one, marking each, until the end or past
-    the row's cap."""
+    the row's cap; a set the window did not end is measured on from the window's end, a block of tokens at a time."""
     r = tl.program_id(0).to(tl.int64)
-    bh = r % BH
-    at = tl.load(FIRST + bh)
+    bh = r % (B * H)
+    b = bh // H
+    eps = tl.load(EPS + (r // (B * H)) * B + b)
     cap = tl.load(CAP + r)
+    d = tl.arange(0, BLOCK_D)
+    rows = KN + bh * N * D
+    at = tl.load(FIRST + bh * (N + 1))
     count = 0
     while (at < N) & (count <= cap):
         tl.store(MARK + r * N + at, 1)
         count += 1
-        at = tl.load(NXT + r * N + at)
+        end = tl.load(ENDS + r * N + at)
+        stop = tl.load(STOP + bh * N + at)
+        limit = tl.where((end == at + 1 + W) & (end < stop), stop, end)  # (resolved: nothing to measure)
+        anchor = tl.load(rows + at * D + d, mask=d < D, other=0.0)
+        j0 = end
+        while j0 < limit:
+            j = j0 + tl.arange(0, BLOCK_J)
+            keys = tl.load(rows + j[:, None] * D + d[None, :], mask=(j[:, None] < limit) & (d[None, :] < D), other=0.0)
+            sim = tl.sum(keys * anchor[None, :], 1)
+            limit = tl.minimum(limit, tl.min(tl.where((j < limit) & (sim <= eps), j, N), 0))
+            j0 += BLOCK_J
+        at = tl.load(FIRST + bh * (N + 1) + limit)
 
 
-def merging_chain(nxt: torch.Tensor, first: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
-    """Which tokens open a merging set, ``[E, B, H, L]`` (bool), from each anchor's next anchor ``nxt`` ``[E, B, H, L]``
-    (``L``: none) and each head's first anchor ``first`` ``[B, H]``: the chain ``first, nxt[first], ...``, followed in
-    one program a row and marked up to its ``cap + 1``-th anchor (``cap`` ``[E, B, H]``, the most sets of a row that
-    matter: a longer chain is marked ``cap + 1`` times). One launch, where pointer doubling takes two a level over
-    ``[E, B, H, L]`` tables."""
-    e, b, h, n = nxt.shape
-    mark = torch.zeros((e, b, h, n), dtype=torch.int8, device=nxt.device)
+def merging_chain(
+    kn: torch.Tensor, stop: torch.Tensor, first_from: torch.Tensor, ends: torch.Tensor, eps: torch.Tensor,
+    cap: torch.Tensor, window: int,
+) -> torch.Tensor:
+    """Which tokens open a merging set, ``[E, B, H, L]`` (bool): the chain of anchors from each head's first mergeable
+    token, ``first_from[end(anchor)]`` after each (``first_from`` ``[B, H, L + 1]``: the first mergeable token at or
+    after each position, ``L`` if none), where ``end`` is ``merging_set_ends(kn, stop, eps, window)`` (``ends``) or,
+    for a set that window did not end, measured on here. One program a row follows its chain and marks it up to its
+    ``cap + 1``-th anchor (``cap`` ``[E, B, H]``, the most sets of a row that matter: a longer chain is marked ``cap + 1``
+    times), so each token of a long set is compared once, with its own set's anchor. One launch."""
+    e, b, h, n = ends.shape
+    mark = torch.zeros((e, b, h, n), dtype=torch.int8, device=ends.device)
     if mark.numel():
-        _merging_chain[(e * b * h,)](nxt.contiguous(), first.contiguous(), cap.to(torch.int64).contiguous(), mark, b * h, n)
+        _merging_chain[(e * b * h,)](
+            kn.float().contiguous(), stop.contiguous(), first_from.contiguous(), ends.contiguous(), eps.float().contiguous(),
+            cap.to(torch.int64).contiguous(), mark, b, h, n, kn.shape[-1], min(window, n),
+            BLOCK_J=64, BLOCK_D=_pow2(kn.shape[-1]),
+        )
     return mark.view(torch.bool)
 
 

@@ -34,6 +34,12 @@ SCAN_WINDOW = 192
 GPU_SCAN_WINDOW = 1024
 GPU_BAND_ELEMENTS = 1 << 28
 
+#: Tokens after each anchor that ``kernels.triton_ops.merging_set_ends`` compares for every anchor at once where the
+#: kernels run Triton (``MergingScan.fused``); ``merging_chain`` measures a set on chain that is longer one token
+#: block at a time. Without a window, every anchor of a long run of mergeable tokens (a prompt whose heavy hitters
+#: cluster at its start) would be compared with the whole run: quadratic in the run's length.
+FUSED_WINDOW = 256
+
 #: Anchors per block of ``MergingScan``'s similarity band on the CPU (each block's product stays cache-sized). On a GPU,
 #: where every block costs its launches and not its arithmetic, a block holds up to ``GPU_SCAN_ELEMENTS`` similarities
 #: (128 MiB in float32: at 8K tokens, 8 KV heads, batch 1 and a window of 1,024, 1,600 anchors, where 128 made 64 blocks).
@@ -64,10 +70,11 @@ class MergingScan:
     of the band (``GPU_SCAN_ELEMENTS``), every doubling computed rather than a read to stop early,
     ``GPU_WALK_STEPS`` walk steps per read.
 
-    ``fused`` (default: where the kernels run Triton, ``kvgates.kernels.backend``) finds ``next`` with no window:
-    ``kernels.triton_ops.merging_set_ends`` measures every set whole from similarities it never stores, so there is
-    no band (1 GiB on a GPU) and no walk (nor its host reads); ``kernels.triton_ops.merging_chain`` then follows each
-    chain in one launch instead of pointer doubling's two launches a level over ``[E, B, H, L]`` tables.
+    ``fused`` (default: where the kernels run Triton, ``kvgates.kernels.backend``) takes two kernels instead:
+    ``kernels.triton_ops.merging_set_ends`` ends every anchor's set within the window (``FUSED_WINDOW`` by default)
+    from similarities it never stores, and ``kernels.triton_ops.merging_chain`` follows each chain in one program a
+    row, measuring on the sets the window did not end: no band (1 GiB on a GPU), no walk nor its host reads, no
+    pointer doubling (two launches a level over ``[E, B, H, L]`` tables).
     """
 
     def __init__(
@@ -89,8 +96,8 @@ class MergingScan:
         # stop[b, h, i]: the first token after i that is not mergeable (n: none); no set anchored at i reaches it.
         stop_at = torch.cat([~mergeable, mergeable.new_ones((b, h, 1))], -1)
         self.stop = torch.where(stop_at, self.idx, n).flip(-1).cummin(-1).values.flip(-1)[..., 1:]
-        if self.fused:  # every set measured whole by the kernel: no band, no walk
-            self.w = n
+        if self.fused:  # the kernels measure every set: no band, no walk
+            self.w = FUSED_WINDOW if window is None else window
             return
         if window is None:
             window = SCAN_WINDOW
@@ -120,7 +127,7 @@ class MergingScan:
         if self.fused:
             from kvgates.kernels import triton_ops
 
-            return triton_ops.merging_set_ends(self.kn, self.stop, eps), None
+            return triton_ops.merging_set_ends(self.kn, self.stop, eps, self.w), None
         n, idx = self.n, self.idx
         b, h = self.stop.shape[:2]
         thresh = (-eps).T[:, None, None, :].expand(-1, h, n, -1).contiguous()  # [B, H, L, E], minus eps
@@ -138,12 +145,11 @@ class MergingScan:
         n, idx, first_from = self.n, self.idx, self.first_from
         b, h = first_from.shape[:2]
         end, resolved = self._ends(eps)
-        if resolved is None:  # every set measured whole: the kernel follows each chain
+        if resolved is None:  # the kernel follows each chain, measuring on the sets longer than the window
             from kvgates.kernels import triton_ops
 
-            nxt = first_from.expand(e, -1, -1, -1).gather(-1, end)
-            cap = torch.full((e, b, h), n, device=nxt.device) if cap is None else cap
-            return triton_ops.merging_chain(nxt, first_from[..., 0], cap)
+            cap = torch.full((e, b, h), n, device=end.device) if cap is None else cap
+            return triton_ops.merging_chain(self.kn, self.stop, first_from, end, eps, cap, self.w)
         # Unresolved anchors (sets longer than the window) point to themselves, and so does the end (n).
         end = torch.nn.functional.pad(end, (0, 1), value=n)
         resolved = torch.nn.functional.pad(resolved, (0, 1), value=True)
