@@ -298,7 +298,24 @@ def test_merging_set_ends_are_the_first_dissimilar_or_stopping_token_in_the_wind
     assert n < 100 or window < 64 or (got - j > 64).any()  # sets past a block of later tokens
 
 
-@pytest.mark.parametrize("window", [1, 5, 64, 400])
+@pytest.mark.parametrize("b,h,e,k,d", [(1, 1, 1, 1, 4), (2, 3, 70, 130, 8), (1, 2, 200, 65, 64), (1, 1, 0, 5, 4)])
+def test_max_similarity(ops, b, h, e, k, d):
+    """D2O's matches: each row's largest product with the valid columns and the first column reaching it; a head with
+    no valid column gives -inf. Repeated columns make ties (the first wins)."""
+    g = torch.Generator().manual_seed(e + k)
+    rows = torch.nn.functional.normalize(torch.randn(b, h, e, d, generator=g), dim=-1)
+    cols = torch.nn.functional.normalize(torch.randn(b, h, k, d, generator=g), dim=-1)
+    cols[..., k // 2 :, :] = cols[..., : k - k // 2, :].clone()  # every column of the second half repeats one of the first
+    valid = torch.rand(b, h, k, generator=g) > 0.3
+    valid[0, 0] = False  # a head with nothing to match
+    got = ops.max_similarity(*(t.to(DEVICE) for t in (rows, cols, valid)))
+    ref = reference.max_similarity(rows, cols, valid)
+    torch.testing.assert_close(got[0].cpu(), ref[0], atol=1e-5, rtol=0)
+    assert torch.equal(got[1].cpu(), ref[1])
+    assert e == 0 or got[0][0, 0].eq(float("-inf")).all()
+
+
+@pytest.mark.parametrize("window", [0, 1, 5, 64, 400])
 def test_merging_chain_follows_each_row_from_its_first_anchor_up_to_its_cap(ops, window):
     """KVMerger's chain of anchors from the window's ends, each set the window did not end measured on: the sets the
     token-by-token scan finds, each row cut after ``cap + 1`` anchors (a negative cap marks nothing)."""
@@ -322,6 +339,17 @@ def test_merging_chain_follows_each_row_from_its_first_anchor_up_to_its_cap(ops,
                 assert got[k, i, j].nonzero().flatten().tolist() == expected
                 long_sets += sum(len(s) > window + 1 for s in sets)
     assert long_sets or window >= 64  # sets the window did not end
+
+
+def test_merging_kernels_refuse_a_negative_window(ops):
+    """A window is a number of tokens: a negative one would end every set before its anchor."""
+    kn, stop, first_from, _ = _merging_inputs(1, 1, 10, 4, 0)
+    eps, cap = torch.zeros(1, 1), torch.full((1, 1, 1), 10)
+    ends = torch.zeros(1, 1, 1, 10, dtype=torch.long)
+    with pytest.raises(ValueError, match="at least 0"):
+        ops.merging_set_ends(kn, stop, eps, -1)
+    with pytest.raises(ValueError, match="at least 0"):
+        ops.merging_chain(kn, stop, first_from, ends, eps, cap, -1)
 
 
 def test_retention_scores(ops):

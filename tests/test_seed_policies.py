@@ -336,7 +336,7 @@ def test_kvmerger_sets_longer_than_the_scan_window_match_brute_force(window, lau
     # Correlated keys make sets far longer than the window, so the scan's walk measures them one at a time: several
     # thresholds, sequences and heads at once, each row as the token-by-token scan gives it; the GPU's way
     # (``launch_bound``: one block, every doubling, four walk steps a read) finds the same sets, and so does the
-    # Triton kernel that measures every set whole (``fused``: no window, no walk).
+    # Triton kernels (``fused``: set ends within the window, the chain measuring on the longer sets, no walk).
     g = torch.Generator().manual_seed(window)
     keys = torch.randn(2, 3, 90, 4, generator=g).cumsum(2)
     mergeable = torch.rand(2, 3, 90, generator=g) > 0.05
@@ -355,21 +355,29 @@ def test_kvmerger_sets_longer_than_the_scan_window_match_brute_force(window, lau
     assert longest > window + 1
 
 
-def test_kvmerger_launch_bound_scan_launches_and_reads_back_less():
-    # On a GPU each of the scan's blocks costs launches and each read makes the host wait: the launch-bound scan
-    # builds its band in one block, never reads to stop the doublings, and reads once per four walk steps.
-    from kvgates.policies.kvmerger import GPU_WALK_STEPS, SCAN_BLOCK, MergingScan
+def counted_scan(launch_bound: bool, fused: bool) -> Launches:
+    """The launches and reads of one scan over correlated keys (sets far longer than its window of 8), after checking
+    that it finds the CPU band path's sets (on the GPU where the scan is ``fused`` and there is one)."""
+    from kvgates.policies.kvmerger import SCAN_BLOCK, MergingScan
 
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(1, 2, 5 * SCAN_BLOCK, 4, generator=g).cumsum(2)
     mergeable = torch.rand(1, 2, 5 * SCAN_BLOCK, generator=g) > 0.02
     eps = torch.tensor([[0.9], [0.5]])
-    counted = {}
-    for launch_bound in (False, True):
-        with Launches() as counted[launch_bound]:
-            starts = MergingScan(keys, mergeable, window=8, launch_bound=launch_bound, fused=False).starts(eps)
-        assert torch.equal(starts, merging_set_starts(keys, mergeable, eps, window=8))
-    cpu, gpu = counted[False], counted[True]
+    device = FUSED_DEVICE if fused else "cpu"
+    inputs, thresholds = (keys.to(device), mergeable.to(device)), eps.to(device)
+    with Launches() as counted:
+        starts = MergingScan(*inputs, window=8, launch_bound=launch_bound, fused=fused).starts(thresholds)
+    assert torch.equal(starts.cpu(), merging_set_starts(keys, mergeable, eps, window=8, fused=False))
+    return counted
+
+
+def test_kvmerger_launch_bound_scan_launches_and_reads_back_less():
+    # On a GPU each of the scan's blocks costs launches and each read makes the host wait: the launch-bound scan
+    # builds its band in one block, never reads to stop the doublings, and reads once per four walk steps.
+    from kvgates.policies.kvmerger import GPU_WALK_STEPS
+
+    cpu, gpu = counted_scan(launch_bound=False, fused=False), counted_scan(launch_bound=True, fused=False)
     walk = cpu.sync_ops["_local_scalar_dense"]
     assert cpu.sync_ops["equal"] > 0 and walk > 2 * GPU_WALK_STEPS  # long sets: a walk of several steps
     assert gpu.sync_ops == {"_local_scalar_dense": -(-walk // GPU_WALK_STEPS)}
@@ -378,26 +386,13 @@ def test_kvmerger_launch_bound_scan_launches_and_reads_back_less():
 
 @pytest.mark.skipif(not TRITON, reason="needs Triton (a GPU or TRITON_INTERPRET=1)")
 def test_kvmerger_fused_scan_reads_nothing_back_and_builds_no_band():
-    # Where the kernels run Triton the sets are measured whole by ``merging_set_ends`` and chained by ``merging_chain``:
-    # no band (its matmuls and prefix maxima), no walk, no doubling, and no host read at all; the sets are the band's
-    # and walk's.
-    from kvgates.policies.kvmerger import SCAN_BLOCK, MergingScan
-
-    g = torch.Generator().manual_seed(3)
-    keys = torch.randn(1, 2, 5 * SCAN_BLOCK, 4, generator=g).cumsum(2)
-    mergeable = torch.rand(1, 2, 5 * SCAN_BLOCK, generator=g) > 0.02
-    eps = torch.tensor([[0.9], [0.5]])
-    counted = {}
-    for fused in (False, True):
-        device = FUSED_DEVICE if fused else "cpu"
-        inputs = keys.to(device), mergeable.to(device)
-        thresholds = eps.to(device)
-        with Launches() as counted[fused]:
-            starts = MergingScan(*inputs, window=8, launch_bound=True, fused=fused).starts(thresholds)
-        assert torch.equal(starts.cpu(), merging_set_starts(keys, mergeable, eps, window=8, fused=False))
-    assert counted[False].sync_ops and counted[False].ops["cummax"] == 1  # the band, and the walk's reads
-    assert counted[True].sync_ops == {} and "cummax" not in counted[True].ops and "bmm" not in counted[True].ops
-    assert "scatter_reduce" not in counted[True].ops  # no pointer doubling: the chain kernel follows each row
+    # Where the kernels run Triton the sets are ended within a window by ``merging_set_ends`` and chained by
+    # ``merging_chain``, which measures on the longer ones: no band (its matmuls and prefix maxima), no walk, no
+    # doubling, and no host read at all; the sets are the band's and walk's.
+    band, fused = counted_scan(launch_bound=True, fused=False), counted_scan(launch_bound=True, fused=True)
+    assert band.sync_ops and band.ops["cummax"] == 1  # the band, and the walk's reads
+    assert fused.sync_ops == {} and "cummax" not in fused.ops and "bmm" not in fused.ops
+    assert "scatter_reduce" not in fused.ops  # no pointer doubling: the chain kernel follows each row
 
 
 def test_kvmerger_launch_bound_scan_widens_its_window_as_memory_allows(monkeypatch):
@@ -470,6 +465,7 @@ def check_calibration(seed: int, group: int, launch_bound: bool, fused: bool, mo
     import kvgates.policies.kvmerger as kvmerger
 
     monkeypatch.setattr(kvmerger, "FEASIBLE_GROUP", group)
+    monkeypatch.setattr(kvmerger, "FUSED_WINDOW", 8)  # the kernels' window: sets longer than it, measured on by the chain
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(3, 2, 150, 6, generator=g).cumsum(2)
     mergeable = torch.rand(3, 2, 150, generator=g) > 0.1

@@ -857,6 +857,8 @@ def merging_set_ends(kn: torch.Tensor, stop: torch.Tensor, eps: torch.Tensor, wi
     ``min(stop[i], i + 1 + window)``, whichever comes first. An end of ``i + 1 + window`` below ``stop[i]`` is a set
     the window did not end (``merging_chain`` measures it on). The similarities are computed a tile at a time and never
     stored; float32 products use three TF32 passes (``tf32x3``) on a GPU: near-float32 at tensor-core speed."""
+    if window < 0:
+        raise ValueError(f"merging_set_ends: the window is a number of tokens, at least 0 (got {window})")
     b, h, n, d = kn.shape
     e = eps.shape[0]
     out = torch.empty((e, b, h, n), dtype=torch.int64, device=kn.device)
@@ -914,6 +916,8 @@ def merging_chain(
     for a set that window did not end, measured on here. One program a row follows its chain and marks it up to its
     ``cap + 1``-th anchor (``cap`` ``[E, B, H]``, the most sets of a row that matter: a longer chain is marked ``cap + 1``
     times), so each token of a long set is compared once, with its own set's anchor. One launch."""
+    if window < 0:
+        raise ValueError(f"merging_chain: the window is a number of tokens, at least 0 (got {window})")
     e, b, h, n = ends.shape
     mark = torch.zeros((e, b, h, n), dtype=torch.int8, device=ends.device)
     if mark.numel():

@@ -95,9 +95,9 @@ class MergingScan:
         self.first_from = torch.where(open_at, self.idx, n).flip(-1).cummin(-1).values.flip(-1)
         # stop[b, h, i]: the first token after i that is not mergeable (n: none); no set anchored at i reaches it.
         stop_at = torch.cat([~mergeable, mergeable.new_ones((b, h, 1))], -1)
-        self.stop = torch.where(stop_at, self.idx, n).flip(-1).cummin(-1).values.flip(-1)[..., 1:]
+        self.stop = torch.where(stop_at, self.idx, n).flip(-1).cummin(-1).values.flip(-1)[..., 1:].contiguous()
         if self.fused:  # the kernels measure every set: no band, no walk
-            self.w = FUSED_WINDOW if window is None else window
+            self.w = max(0, FUSED_WINDOW if window is None else window)
             return
         if window is None:
             window = SCAN_WINDOW
@@ -123,7 +123,8 @@ class MergingScan:
 
     def _ends(self, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[E, B, H, L]``: where the set anchored at each token stops for each threshold of ``eps`` ``[E, B]``, and
-        which of them are known: all (None) from the kernel, else those within the window."""
+        which of them are known: those within the window. From the kernel (``fused``) the second is None: its ends
+        are capped at the window's end, and ``merging_chain`` measures on the sets it did not end."""
         if self.fused:
             from kvgates.kernels import triton_ops
 
