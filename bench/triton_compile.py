@@ -147,11 +147,12 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
     for _, hkv, d in HEADS:  # KVMerger's keys are float32 whatever the model's dtype
         kn, stop = torch.zeros(2, hkv, 300, d), torch.full((2, hkv, 300), 300)
         first, ends = torch.zeros(2, hkv, 301, dtype=torch.long), torch.full((16, 2, hkv, 300), 300)
-        for e in (16, 5):  # KVMerger's grid on a GPU, and a group of it
-            yield "merging_set_ends", lambda kn=kn, s=stop, e=e: ops.merging_set_ends(kn, s, torch.zeros(e, 2), 256)
-        yield "merging_chain", lambda kn=kn, s=stop, f=first, x=ends, n=hkv: (
-            ops.merging_chain(kn, s, f, x, torch.zeros(16, 2), torch.zeros(16, 2, n, dtype=torch.long), 256)
-        )
+        for e, window in ((16, 256), (5, 256), (16, 1)):  # KVMerger's grid on a GPU, a group of it; a window of 1
+            yield "merging_set_ends", lambda kn=kn, s=stop, e=e, w=window: ops.merging_set_ends(kn, s, torch.zeros(e, 2), w)
+        for window in (256, 1):  # (Triton compiles an integer argument equal to 1 apart)
+            yield "merging_chain", lambda kn=kn, s=stop, f=first, x=ends, n=hkv, w=window: (
+                ops.merging_chain(kn, s, f, x, torch.zeros(16, 2), torch.zeros(16, 2, n, dtype=torch.long), w)
+            )
         rows, cols = torch.zeros(2, hkv, 300, d), torch.zeros(2, hkv, 100, d)
         yield "max_similarity", lambda r=rows, c=cols: ops.max_similarity(r, c, torch.ones(c.shape[:3], dtype=torch.bool))
     scores, pos = torch.zeros(2, 3, 300), torch.arange(300).expand(2, 3, 300).contiguous()
