@@ -352,6 +352,33 @@ def test_merging_kernels_refuse_a_negative_window(ops):
         ops.merging_chain(kn, stop, first_from, ends, eps, cap, -1)
 
 
+@pytest.mark.parametrize("sigma,scale,dtype", [(None, False, torch.float32), (0.7, True, torch.float32), (None, True, torch.bfloat16)])
+def test_merge_sets(ops, sigma, scale, dtype):
+    """KVMerger's merges: each set's pivot (the first of equal scores) and its weighted key and value, over sets of one
+    token, sets longer than a block of tokens (64) and a head with nothing mergeable; every other token unchanged."""
+    g = torch.Generator().manual_seed(2)
+    b, h, n, d, dv = 2, 3, 300, 8, 12
+    keys = torch.randn(b, h, n, d, generator=g).cumsum(2).to(dtype)
+    values = torch.randn(b, h, n, dv, generator=g).to(dtype)
+    mergeable = torch.rand(b, h, n, generator=g) > 0.1
+    mergeable[0, 1] = False
+    mergeable[1, 2, 50:200] = True
+    after_gap = mergeable & ~torch.nn.functional.pad(mergeable, (1, 0))[..., :-1]  # (these must open a set)
+    starts = after_gap | (mergeable & (torch.rand(b, h, n, generator=g) > 0.9))
+    starts[1, 2, 50:201], mergeable[1, 2, 200] = False, True
+    starts[1, 2, 50], starts[1, 2, 200] = True, True  # one set of 150 tokens
+    score = torch.rand(b, h, n, generator=g).round(decimals=1)  # ties
+    inputs = (keys, values, starts, mergeable, score)
+    got = ops.merge_sets(*(t.to(DEVICE) for t in inputs), sigma, scale)
+    ref = reference.merge_sets(*inputs, sigma, scale)
+    assert torch.equal(got[2].cpu(), ref[2]) and ref[2][1, 2, 50:200].sum() == 1 and not ref[2][0, 1].any()
+    for a, r in zip(got[:2], ref[:2]):
+        assert a.dtype == r.dtype == dtype
+        torch.testing.assert_close(a.cpu(), r, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(got[0].cpu()[~ref[2]], keys[~ref[2]]) and torch.equal(got[1].cpu()[~ref[2]], values[~ref[2]])
+    assert (ref[0][ref[2]] != keys[ref[2]]).any()  # merges that moved keys
+
+
 def test_retention_scores(ops):
     g = torch.Generator().manual_seed(6)
     log_beta = -torch.rand(2, 3, 50, generator=g).to(DEVICE)

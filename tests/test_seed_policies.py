@@ -412,8 +412,12 @@ def test_kvmerger_launch_bound_scan_widens_its_window_as_memory_allows(monkeypat
     assert width(True) == kvmerger.SCAN_WINDOW
 
 
+@pytest.mark.parametrize(
+    "backend", ["reference", pytest.param("triton", marks=pytest.mark.skipif(not TRITON, reason="needs Triton"))]
+)
 @pytest.mark.parametrize("sigma,scale", [(None, False), (0.7, True)])
-def test_kvmerger_merge_matches_brute_force(sigma, scale):
+def test_kvmerger_merge_matches_brute_force(sigma, scale, backend, monkeypatch):
+    monkeypatch.setenv("KVGATES_KERNELS", backend)  # the scan and the merges: the torch reference's, or the kernels'
     policy = KVMerger(budget=14, window=3, heavy=2, epsilon=0.0, sigma=sigma, scale_values=scale)
     pos = random_positions(1, 1, C, held=20, seed=7)
     layer = make_layer(policy, pos, head_dim=4, seed=7)

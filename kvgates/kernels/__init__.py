@@ -148,6 +148,14 @@ def max_similarity(rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor) 
     return _impl(rows).max_similarity(rows, cols, valid)
 
 
+def merge_sets(
+    keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor, mergeable: torch.Tensor, score: torch.Tensor,
+    sigma: float | None = None, scale_values: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KVMerger's merge of each merging set into its pivot (see ``reference.merge_sets``)."""
+    return _impl(keys).merge_sets(keys, values, starts, mergeable, score, sigma, scale_values)
+
+
 def retention_scores(log_beta: torch.Tensor, slot_pos: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """TRIM-KV decayed retention scores (see ``reference.retention_scores``)."""
     return _impl(log_beta).retention_scores(log_beta, slot_pos, t)
@@ -181,6 +189,7 @@ __all__ = [
     "masked_attention_colmax",
     "masked_attention_colsum",
     "max_similarity",
+    "merge_sets",
     "pool_by_position",
     "retention_scores",
     "retention_sum",

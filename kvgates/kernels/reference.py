@@ -46,6 +46,8 @@ __all__ = [
     "window_scores_flat",
     "compact_slots",
     "scatter_flat",
+    "max_similarity",
+    "merge_sets",
     "retention_scores",
     "retention_sum",
 ]
@@ -657,6 +659,52 @@ def max_similarity(rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor) 
     if not best:
         return rows.new_zeros((b, h, 0)), torch.zeros((b, h, 0), dtype=torch.long, device=rows.device)
     return torch.cat(best, -1), torch.cat(target, -1)
+
+
+def merge_sets(
+    keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor, mergeable: torch.Tensor, score: torch.Tensor,
+    sigma: float | None = None, scale_values: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KVMerger's merge of each merging set into its pivot, for keys ``[B, H, L, D]`` and values ``[B, H, L, Dv]`` in
+    position order.
+
+    A set opens at each mergeable token of ``starts`` (``[B, H, L]``, bool) and runs over the mergeable tokens
+    (``mergeable``) after it up to the next start or unmergeable token; the first mergeable token after an unmergeable
+    one must open a set (as ``MergingScan``'s starts do). The pivot is the set's first token of largest ``score``
+    (``[B, H, L]``). With ``d_i = ||k_i - k_p||``, ``sigma`` (None: the mean ``d_i`` of the set's other tokens, at
+    least 1e-6), ``g_i = exp(-d_i^2 / (2 sigma^2))`` and ``w_i = g_i / sum g``, the pivot's key becomes ``sum w_i k_i``
+    and its value ``sum w_i v_i`` (times the set's size with ``scale_values``). Returns ``(keys, values, is_pivot
+    [B, H, L])``: every token but the pivots keeps its own key and value; computed in float32, returned in the
+    inputs' dtypes."""
+    kf, vf = keys.float(), values.float()
+    n = keys.shape[2]
+    set_id = torch.where(mergeable, starts.long().cumsum(-1) - 1, 0)  # sets are runs: a scatter per set
+    shape = (*set_id.shape[:2], max(n, 1))  # (at most one set a token: nothing is read back to count them)
+    masked_score = torch.where(mergeable, score.float(), float("-inf"))
+    best = torch.full(shape, float("-inf"), device=keys.device).scatter_reduce(2, set_id, masked_score, "amax")
+    idx = torch.arange(n, device=keys.device).expand_as(set_id)
+    is_best = mergeable & (masked_score == torch.gather(best, 2, set_id))
+    pivot = torch.full(shape, n, device=keys.device).scatter_reduce(2, set_id, torch.where(is_best, idx, n), "amin")
+    pivot_of = torch.gather(pivot, 2, set_id).clamp(max=n - 1)  # each token's set's pivot
+    dist = (kf - torch.gather(kf, 2, pivot_of[..., None].expand_as(kf))).norm(dim=-1)
+    member = mergeable.float()
+    size = torch.zeros(shape, device=keys.device).scatter_add_(2, set_id, member)
+    if sigma is None:
+        spread = torch.zeros(shape, device=keys.device).scatter_add_(2, set_id, dist * member) / (size - 1).clamp(min=1)
+        width = torch.gather(spread, 2, set_id).clamp(min=1e-6)
+    else:
+        width = torch.full_like(dist, sigma)
+    g = torch.exp(-(dist**2) / (2 * width**2)) * member
+    norm = torch.zeros(shape, device=keys.device).scatter_add_(2, set_id, g)
+    w = g / torch.gather(norm, 2, set_id).clamp(min=1e-30)
+    wv = w * torch.gather(size, 2, set_id) if scale_values else w
+    is_pivot = mergeable & (idx == pivot_of)
+    merged = []
+    for own, weight in ((kf, w), (vf, wv)):
+        ids = set_id[..., None].expand_as(own)
+        total = torch.zeros((*shape, own.shape[-1]), device=keys.device).scatter_add_(2, ids, own * weight[..., None])
+        merged.append(torch.where(is_pivot[..., None], torch.gather(total, 2, ids), own))
+    return merged[0].to(keys.dtype), merged[1].to(values.dtype), is_pivot
 
 
 def retention_scores(log_beta: torch.Tensor, slot_pos: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

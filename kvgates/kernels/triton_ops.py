@@ -26,6 +26,9 @@ also takes a launch configuration.
   threshold, from similarities computed a tile at a time and never stored; then the chain of anchors from the first,
   one program a row, measuring on the sets the window did not end (no torch namesakes: ``MergingScan`` computes the
   same sets on the CPU from a band of similarities, a walk and pointer doubling).
+* ``merge_sets`` — KVMerger's merges: each set found from its anchor, its pivot, spread and weighted sums, one block of
+  anchors a program, written to the pivot (the torch reference's scatters over ``[B, H, L, D]`` float32 tensors in
+  one launch).
 * ``retention_scores`` / ``retention_sum`` — TRIM-KV decayed scores, and the capacity-loss retention mass with
   its backward, tiled so no ``T x T`` matrix is formed.
 """
@@ -927,6 +930,88 @@ def merging_chain(
             BLOCK_J=64, BLOCK_D=_pow2(kn.shape[-1]),
         )
     return mark.view(torch.bool)
+
+
+# ---------------------------------------------------------------------------------------------- KVMerger's merges
+@triton.jit
+def _merge_sets(
+    K, V, STARTS, MERGEABLE, SCORE, KOUT, VOUT, PIVOT, N, D, DV, SIGMA,
+    FIXED_SIGMA: tl.constexpr, SCALE: tl.constexpr, ANCHORS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One block of anchors of one (sequence, KV head): each set opening there is walked three times, a block of tokens
+    at a time: for its end and pivot, for its mean distance to the pivot (``sigma``), and for the weighted sums written
+    to the pivot's key and value."""
+    bh = tl.program_id(1).to(tl.int64)
+    keys, values, flags = K + bh * N * D, V + bh * N * DV, bh * N
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    for a in range(ANCHORS):
+        i = tl.program_id(0) * ANCHORS + a
+        opens = tl.load(STARTS + flags + i, mask=i < N, other=0) & tl.load(MERGEABLE + flags + i, mask=i < N, other=0)
+        if opens != 0:
+            end = N
+            best = tl.full((), float("-inf"), tl.float32)
+            pivot = i
+            j0 = i
+            while j0 < end:  # the set's end (the next start or unmergeable token) and its first token of largest score
+                j = j0 + tl.arange(0, BLOCK_N)
+                later = tl.load(STARTS + flags + j, mask=j < N, other=0) != 0
+                free = tl.load(MERGEABLE + flags + j, mask=j < N, other=0) != 0
+                end = tl.minimum(end, tl.min(tl.where((later & (j > i)) | ~free, j, N), 0))
+                score = tl.load(SCORE + flags + j, mask=j < end, other=float("-inf"))
+                top, at = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
+                pivot = tl.where(top > best, j0 + at, pivot)  # (strictly: the first of equal scores stays)
+                best = tl.maximum(top, best)
+                j0 += BLOCK_N
+            anchor = tl.load(keys + pivot * D + d, mask=d < D, other=0.0).to(tl.float32)
+            if FIXED_SIGMA:
+                sigma = SIGMA
+            else:
+                spread = tl.zeros((), tl.float32)
+                for s0 in range(i, end, BLOCK_N):
+                    j = s0 + tl.arange(0, BLOCK_N)
+                    k = tl.load(keys + j[:, None] * D + d[None, :], mask=(j[:, None] < end) & (d[None, :] < D), other=0.0)
+                    diff = k.to(tl.float32) - anchor[None, :]
+                    spread += tl.sum(tl.where(j < end, tl.sqrt(tl.sum(diff * diff, 1)), 0.0), 0)
+                sigma = tl.maximum(spread / tl.maximum(end - i - 1, 1), 1e-6)
+            total = tl.zeros((), tl.float32)
+            acc_k = tl.zeros((BLOCK_D,), tl.float32)
+            acc_v = tl.zeros((BLOCK_DV,), tl.float32)
+            for s0 in range(i, end, BLOCK_N):
+                j = s0 + tl.arange(0, BLOCK_N)
+                k = tl.load(keys + j[:, None] * D + d[None, :], mask=(j[:, None] < end) & (d[None, :] < D), other=0.0)
+                v = tl.load(values + j[:, None] * DV + dv[None, :], mask=(j[:, None] < end) & (dv[None, :] < DV), other=0.0)
+                k = k.to(tl.float32)
+                diff = k - anchor[None, :]
+                g = tl.where(j < end, tl.exp(-tl.sum(diff * diff, 1) / (2 * sigma * sigma)), 0.0)
+                total += tl.sum(g, 0)
+                acc_k += tl.sum(g[:, None] * k, 0)
+                acc_v += tl.sum(g[:, None] * v.to(tl.float32), 0)
+            scale = 1.0 / tl.maximum(total, 1e-30)
+            tl.store(KOUT + bh * N * D + pivot * D + d, (acc_k * scale).to(KOUT.dtype.element_ty), mask=d < D)
+            if SCALE:
+                scale = scale * (end - i)
+            tl.store(VOUT + bh * N * DV + pivot * DV + dv, (acc_v * scale).to(VOUT.dtype.element_ty), mask=dv < DV)
+            tl.store(PIVOT + flags + pivot, 1)
+
+
+def merge_sets(
+    keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor, mergeable: torch.Tensor, score: torch.Tensor,
+    sigma: float | None = None, scale_values: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, h, n, d = keys.shape
+    merged_k, merged_v = keys.clone(memory_format=torch.contiguous_format), values.clone(memory_format=torch.contiguous_format)
+    pivot = torch.zeros((b, h, n), dtype=torch.int8, device=keys.device)
+    if pivot.numel():
+        anchors = 16
+        _merge_sets[(_cdiv(n, anchors), b * h)](
+            keys.contiguous(), values.contiguous(), starts.to(torch.int8).contiguous(), mergeable.to(torch.int8).contiguous(),
+            score.float().contiguous(), merged_k, merged_v, pivot, n, d, values.shape[-1], 0.0 if sigma is None else float(sigma),
+            FIXED_SIGMA=sigma is not None, SCALE=scale_values, ANCHORS=anchors, BLOCK_N=64, BLOCK_D=_pow2(d),
+            BLOCK_DV=_pow2(values.shape[-1]),
+        )
+    return merged_k, merged_v, pivot.view(torch.bool)
 
 
 # ---------------------------------------------------------------------------------------------- D2O's matches

@@ -329,7 +329,7 @@ class KVMerger(CumulativeAttention):
         protected = self.protected(layer) & layer.valid
         order = torch.argsort(torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max), dim=-1, stable=True)
         # After a prompt forward into empty storage the slots already hold positions in order: nothing to permute. (On a
-        # GPU, permuting costs less than reading that back: launch_bound. Nor are the sets counted there: see n_sets.)
+        # GPU, permuting costs less than reading that back: launch_bound.)
         fewer_reads = kernels_launch_bound(k.device)
         in_order = not fewer_reads and bool((order == torch.arange(order.shape[-1], device=order.device)).all())
 
@@ -338,48 +338,21 @@ class KVMerger(CumulativeAttention):
                 return t
             return torch.gather(t, 2, order.reshape(*order.shape, *[1] * (t.dim() - 3)).expand(*order.shape, *t.shape[3:]))
 
-        ks, vs = gather(k.float()), gather(v.float())
+        ks = gather(k.float())
         mergeable = gather((layer.valid & ~protected)[..., None])[..., 0]
         score = gather(layer.state[CUMULATIVE][..., None])[..., 0]
         eps, starts = self.calibrate(ks, mergeable, protected.sum(-1), quota)  # starts: [B, H, L]
         self.layer_state(layer).epsilon = eps
-        # Set ids over mergeable tokens; sets are runs, so a scatter per set gives pivots and weights.
-        set_id = torch.where(mergeable, starts.long().cumsum(-1) - 1, torch.zeros_like(starts, dtype=torch.long))
-        n_sets = starts.shape[-1] if fewer_reads else int(starts.sum(-1).max())  # (at most one set a token)
-        shape = (*set_id.shape[:2], max(n_sets, 1))
-        masked_score = torch.where(mergeable, score, torch.full_like(score, float("-inf")))
-        best = torch.full(shape, float("-inf"), device=k.device).scatter_reduce(2, set_id, masked_score, "amax")
-        idx = torch.arange(set_id.shape[-1], device=k.device).expand_as(set_id)
-        is_best = mergeable & (masked_score == torch.gather(best, 2, set_id))
-        big = set_id.shape[-1]
-        pivot = torch.full(shape, big, device=k.device).scatter_reduce(2, set_id, torch.where(is_best, idx, big), "amin")
-        pivot_of = torch.gather(pivot, 2, set_id).clamp(max=big - 1)  # [B, H, L] pivot index of each token's set
-        k_pivot = torch.gather(ks, 2, pivot_of[..., None].expand_as(ks))
-        dist = (ks - k_pivot).norm(dim=-1)
-        member = mergeable.float()
-        size = torch.zeros(shape, device=k.device).scatter_add_(2, set_id, member)
-        if self.sigma is None:
-            sigma = torch.zeros(shape, device=k.device).scatter_add_(2, set_id, dist * member) / (size - 1).clamp(min=1)
-            sigma = torch.gather(sigma, 2, set_id).clamp(min=1e-6)
-        else:
-            sigma = torch.full_like(dist, self.sigma)
-        g = torch.exp(-(dist**2) / (2 * sigma**2)) * member
-        norm = torch.zeros(shape, device=k.device).scatter_add_(2, set_id, g)
-        w = g / torch.gather(norm, 2, set_id).clamp(min=1e-30)
-        wv = w * torch.gather(size, 2, set_id) if self.scale_values else w
-        new_k = torch.zeros((*shape, ks.shape[-1]), device=k.device).scatter_add_(2, set_id[..., None].expand_as(ks), ks * w[..., None])
-        new_v = torch.zeros((*shape, vs.shape[-1]), device=k.device).scatter_add_(2, set_id[..., None].expand_as(vs), vs * wv[..., None])
-        is_pivot = mergeable & (idx == pivot_of)
+        merged_k, merged_v, is_pivot = kernels.merge_sets(ks, gather(v), starts, mergeable, score, self.sigma, self.scale_values)
         # Each set's merge is written to its pivot's slot (through the permutation ``order``); other slots keep theirs.
         # On a GPU every slot is written, so that nothing is read back to list the pivots (on the CPU, the pivots alone).
         if fewer_reads:
-            for store, merged, own in ((k, new_k, ks), (v, new_v, vs)):
-                written = torch.where(is_pivot[..., None], torch.gather(merged, 2, set_id[..., None].expand_as(own)), own)
-                store.scatter_(2, order[..., None].expand_as(written), written.to(store.dtype))
+            for store, merged in ((k, merged_k), (v, merged_v)):
+                store.scatter_(2, order[..., None].expand_as(merged), merged.to(store.dtype))
         else:
-            rows, heads, sets = (pivot < big).nonzero(as_tuple=True)
-            slot = pivot[rows, heads, sets] if in_order else order[rows, heads, pivot[rows, heads, sets]]
-            for store, merged in ((k, new_k), (v, new_v)):
-                store[rows, heads, slot] = merged[rows, heads, sets].to(store.dtype)
+            rows, heads, tokens = is_pivot.nonzero(as_tuple=True)
+            slot = tokens if in_order else order[rows, heads, tokens]
+            for store, merged in ((k, merged_k), (v, merged_v)):
+                store[rows, heads, slot] = merged[rows, heads, tokens].to(store.dtype)
         keep_sorted = gather(protected[..., None])[..., 0] | is_pivot
         return keep_sorted if in_order else torch.zeros_like(layer.valid).scatter(2, order, keep_sorted)
