@@ -298,10 +298,10 @@ def test_merging_set_ends_are_the_first_dissimilar_or_stopping_token_in_the_wind
     assert n < 100 or window < 64 or (got - j > 64).any()  # sets past a block of later tokens
 
 
-@pytest.mark.parametrize("b,h,e,k,d", [(1, 1, 1, 1, 4), (2, 3, 70, 130, 8), (1, 2, 200, 65, 64), (1, 1, 0, 5, 4)])
+@pytest.mark.parametrize("b,h,e,k,d", [(1, 1, 1, 1, 4), (2, 3, 70, 130, 8), (1, 2, 200, 65, 64), (1, 1, 0, 5, 4), (1, 2, 3, 0, 4)])
 def test_max_similarity(ops, b, h, e, k, d):
     """D2O's matches: each row's largest product with the valid columns and the first column reaching it; a head with
-    no valid column gives -inf. Repeated columns make ties (the first wins)."""
+    no valid column, or no column at all, gives -inf. Repeated columns make ties (the first wins)."""
     g = torch.Generator().manual_seed(e + k)
     rows = torch.nn.functional.normalize(torch.randn(b, h, e, d, generator=g), dim=-1)
     cols = torch.nn.functional.normalize(torch.randn(b, h, k, d, generator=g), dim=-1)

@@ -648,6 +648,8 @@ def max_similarity(rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor) 
     never held at once. D2O's match of each evicted key with its most similar kept key (unit keys: cosine
     similarities)."""
     b, h, e, _ = rows.shape
+    if cols.shape[2] == 0:  # nothing to match (a max over no column would raise)
+        return rows.new_full((b, h, e), float("-inf"), dtype=torch.float32), torch.zeros((b, h, e), dtype=torch.long, device=rows.device)
     cols_t = cols.transpose(-1, -2)
     tile = row_tile(b, h, cols.shape[2], rows.device)
     invalid = ~valid[:, :, None, :]
