@@ -206,6 +206,20 @@ def test_masked_attention_stats_read_nothing_back(ops):
     assert best[..., : c // 2].eq(0).all() and best[..., c // 2 :].gt(0).any()
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="counts the interpreter's launches (a GPU's Triton launch is no aten operator)")
+def test_launches_count_an_interpreted_kernel_call_once_and_not_its_argument_copies(ops):
+    """Under the interpreter a kernel call is one launch, named after its kernel, twice for two calls; the copies the
+    interpreter makes of its arguments (``set_``, ``new_empty``, ``copy_``), which a GPU does not run, are not counted."""
+    from kvgates.runtime.launches import Launches
+
+    rows, cols, valid = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 7, 4), torch.ones(1, 2, 7, dtype=torch.int8)
+    with Launches() as counted:
+        ops.max_similarity(rows, cols, valid)
+        ops.max_similarity(rows, cols, valid)
+    assert counted.ops["triton:_max_similarity"] == 2
+    assert not {"set_", "new_empty", "copy_"} & set(counted.ops), counted.ops
+
+
 @pytest.mark.parametrize("block_n,programs_per_sm", [(16, 1), (32, 8), (128, 2)])
 def test_decode_attention_under_every_swept_launch_configuration(ops, block_n, programs_per_sm):
     """The launch configurations ``bench/kernels.py --sweep-decode`` tries (tiles wider than a head's capacity,

@@ -12,10 +12,15 @@ on the CPU looks like any move), so a policy can be checked on the CPU (``bench/
     with Launches() as counted:
         model(token, past_key_values=cache)
     counted.launches, counted.syncs, counted.ops.most_common(5)
+
+Under the Triton interpreter (``TRITON_INTERPRET=1``, how the CPU runs the GPU's path) each kernel call counts as
+one launch, ``triton:<kernel>``, and the interpreter's copies of its arguments count for nothing. On a GPU a Triton
+launch is not an aten operator: it is not counted.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from contextlib import ExitStack
 from typing import Any
@@ -33,14 +38,32 @@ SYNC_METHODS = frozenset({"tolist", "cpu", "numpy", "upload"})
 _FROM_HOST = frozenset({"tensor", "as_tensor"})
 
 
+def _interpreted_launch() -> Any:
+    """The frame of the Triton interpreter's kernel call (``TRITON_INTERPRET=1``) the current operator runs under, if
+    any: the interpreter copies a kernel's arguments with aten operators that a GPU's launch does not run."""
+    interpreter = sys.modules.get("triton.runtime.interpreter")
+    if interpreter is None:
+        return None
+    code, frame = interpreter.GridExecutor.__call__.__code__, sys._getframe(2)
+    while frame is not None and frame.f_code is not code:  # (the whole stack: counting modes may nest)
+        frame = frame.f_back
+    return frame
+
+
 class _Ops(TorchDispatchMode):
     def __init__(self, ops: Counter[str]) -> None:
         super().__init__()
         self.ops = ops
+        self.launch = None  # the interpreter's latest kernel call (kept: a new call's frame may reuse a freed one's id)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not func.is_view:
-            self.ops[func.overloadpacket.__name__] += 1
+            launch = _interpreted_launch()
+            if launch is None:
+                self.ops[func.overloadpacket.__name__] += 1
+            elif launch is not self.launch:  # one launch a kernel call, named after its kernel; its copies are not
+                self.launch = launch
+                self.ops[f"triton:{launch.f_locals['self'].fn.__name__}"] += 1
         return func(*args, **(kwargs or {}))
 
 
