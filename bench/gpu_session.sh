@@ -9,9 +9,10 @@
 # still lack after stop 48's H100 (docs/results.md), in one command of at most 8 minutes, each part killed at
 # its own limit and printing as it goes, so that a call cut short still leaves the figures before it:
 #
-#   issue27         env; the tests of the kernels and of KVMerger (`tests` over three files, 150 s: stop 48's two KVMerger
-#                   kernels never ran on a GPU); the batch-1 prefill of h2o (control), d2o, kvmerger and dynamickv,
-#                   8B shape, 16 layers, 8K, three interleaved rounds (`prefill-changed`, 120 s), their batch-8 prefill
+#   issue27         env; the tests of the kernels and of KVMerger (`tests` over three files, 150 s: KVMerger's windowed
+#                   scan kernels and its merge kernel, stops 49-50, never ran on a GPU); the batch-1 prefill of h2o
+#                   (control), d2o, kvmerger and dynamickv, 8B shape, 16 layers, 8K, three interleaved rounds
+#                   (`prefill-changed`, 120 s), their batch-8 prefill
 #                   (`prefill-b8`, 90 s), and a profile with Chrome traces of d2o's and kvmerger's (`profile`, 100 s):
 #                   the two policies over 1.3x on stop 48's H100, where the time goes
 #   tests           the default test suite on the GPU machine, in parallel processes where pytest-xdist travelled
