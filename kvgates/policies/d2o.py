@@ -150,16 +150,15 @@ class D2O(CumulativeAttention, PerStepEviction):
         prompt = (layers[0].pos.amax(dim=(1, 2)) + 1).clamp(min=1).float()
         # Layers may sit on different devices (device_map="auto"): decide on the first layer's, apply on each's own.
         ratios = d2o_layer_ratios(torch.stack([state.variance.to(prompt.device) for state in states]), self.budget / prompt)
-        budgets = []
-        for rank in range(len(layers)):
-            budget = torch.round(ratios[rank] * prompt).long().clamp(min=self.sinks + 1)
-            # A prompt that fits the budget is not compressed; later tokens are evicted at the uniform budget.
-            budget = torch.where(prompt <= self.budget, torch.full_like(budget, self.budget), budget)
-            if self.protect_edge_layers and rank in (0, 1, len(layers) - 1):
-                budget = prompt.long()
-            budgets.append(budget)
+        # Every layer's budgets at once ([N, B]): a launch each, not one a layer.
+        budgets = torch.round(ratios * prompt).long().clamp(min=self.sinks + 1)
+        # A prompt that fits the budget is not compressed; later tokens are evicted at the uniform budget.
+        budgets = torch.where(prompt <= self.budget, self.budget, budgets)
+        if self.protect_edge_layers:
+            edges = sorted({0, 1, len(layers) - 1} & set(range(len(layers))))
+            budgets[edges] = prompt.long()
         # One read of every layer's budget range (the layers' evictions need it on the host), not one a layer.
-        ranges = torch.stack([torch.stack([budget.amin(), budget.amax()]) for budget in budgets]).tolist()
+        ranges = torch.stack([budgets.amin(-1), budgets.amax(-1)], -1).tolist()
         for layer, state, budget, (least, most) in zip(layers, states, budgets, ranges):
             state.layer_budget = budget[:, None].to(layer.device)
             state.known_quota = KnownRange(state.layer_budget, [least] * layer.num_kv_heads, [most] * layer.num_kv_heads)
