@@ -153,9 +153,10 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
             yield "merging_chain", lambda kn=kn, s=stop, f=first, x=ends, n=hkv, w=window: (
                 ops.merging_chain(kn, s, f, x, torch.zeros(16, 2), torch.zeros(16, 2, n, dtype=torch.long), w)
             )
-        for (dtype, sigma, scale) in ((torch.float32, None, False), (torch.bfloat16, 0.5, True)):  # keys float32, values the model's
-            values, flags = torch.zeros(2, hkv, 300, d, dtype=dtype), torch.zeros(2, hkv, 300, dtype=torch.bool)
-            yield "merge_sets", lambda kn=kn, v=values, f=flags, s=sigma, c=scale: ops.merge_sets(kn, v, f, f, torch.zeros(f.shape), s, c)
+        for n, dtype, sigma, scale in ((300, torch.float32, None, False), (300, torch.bfloat16, 0.5, True), (1, torch.float32, None, False)):
+            keys, values = torch.zeros(2, hkv, n, d), torch.zeros(2, hkv, n, d, dtype=dtype)  # keys float32, values the model's
+            flags = torch.zeros(2, hkv, n, dtype=torch.bool)  # (one token: a length of 1, compiled apart)
+            yield "merge_sets", lambda k=keys, v=values, f=flags, s=sigma, c=scale: ops.merge_sets(k, v, f, f, torch.zeros(f.shape), s, c)
         rows, cols = torch.zeros(2, hkv, 300, d), torch.zeros(2, hkv, 100, d)
         yield "max_similarity", lambda r=rows, c=cols: ops.max_similarity(r, c, torch.ones(c.shape[:3], dtype=torch.bool))
     scores, pos = torch.zeros(2, 3, 300), torch.arange(300).expand(2, 3, 300).contiguous()

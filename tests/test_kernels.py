@@ -206,6 +206,16 @@ def test_masked_attention_stats_read_nothing_back(ops):
     assert best[..., : c // 2].eq(0).all() and best[..., c // 2 :].gt(0).any()
 
 
+def test_merge_sets_of_one_token_keep_it(ops):
+    """A head of one token (a length Triton compiles apart): its set of one is its own pivot, key and value unchanged."""
+    keys, values = torch.randn(2, 1, 1, 4).to(DEVICE), torch.randn(2, 1, 1, 3).to(DEVICE)
+    flags = torch.tensor([True, False]).view(2, 1, 1).to(DEVICE)
+    merged_k, merged_v, pivot = ops.merge_sets(keys, values, flags, flags, torch.ones(2, 1, 1).to(DEVICE))
+    assert pivot.flatten().tolist() == [True, False]
+    torch.testing.assert_close(merged_k, keys)
+    torch.testing.assert_close(merged_v, values)
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="counts the interpreter's launches (a GPU's Triton launch is no aten operator)")
 def test_launches_count_an_interpreted_kernel_call_once_and_not_its_argument_copies(ops):
     """Under the interpreter a kernel call is one launch, named after its kernel, twice for two calls; the copies the

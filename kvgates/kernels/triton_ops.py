@@ -950,7 +950,7 @@ def _merge_sets(
         i = tl.program_id(0) * ANCHORS + a
         opens = tl.load(STARTS + flags + i, mask=i < N, other=0) & tl.load(MERGEABLE + flags + i, mask=i < N, other=0)
         if opens != 0:
-            end = N
+            end = N + tl.zeros((), tl.int32)  # (a tensor even where Triton passes N == 1 as a constant)
             best = tl.full((), float("-inf"), tl.float32)
             pivot = i
             j0 = i
