@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU figures of issues 26-28 on a lent GPU machine, one stage (or a few) per device call:
 #
-#     bash bench/gpu_session.sh STAGE...    # STAGE: issue27 env tests decode-sweep profile prefill-b1 decode captured
-#                                           #        captured-evict captured-merge prefill prefill-rest kernels train train-dms
+#     bash bench/gpu_session.sh STAGE...    # STAGE: issue27 env tests decode-sweep prefill-sweep profile prefill-b1 decode
+#                                           #        captured captured-evict captured-merge prefill prefill-rest kernels train
+#                                           #        train-dms
 #
-# A session has 15 minutes of device time (the machine's start and every idle wait included) and 10 minutes a
-# call: one full call, perhaps a short second one. `issue27` is that first call: what the open issue's GPU targets
+# A session has 30 minutes of device time (the machine's start and every idle wait included) and 10 minutes a
+# call: about three full calls, `issue27`, then `prefill-sweep`, then `prefill-b1`. `issue27` is the first: what the open issue's GPU targets
 # still lack after stop 48's H100 (docs/results.md), in one command of at most 8 minutes, each part killed at
 # its own limit and printing as it goes, so that a call cut short still leaves the figures before it:
 #
@@ -18,6 +19,10 @@
 #   tests           the default test suite on the GPU machine, in parallel processes where pytest-xdist travelled
 #                   with the wheels
 #   decode-sweep    decode attention under each launch configuration of a grid (bench/kernels.py --sweep-decode)
+#   prefill-sweep   (~4 min, the second call) the scoring prefill's two passes under each launch configuration of a
+#                   grid, bf16, head dim 128, batch 1, 8K (bench/kernels.py --sweep-prefill): the pass H2O, D2O and
+#                   KVMerger pay for their column sums cost 2.8x sdpa's attention on stop 43's H100, most of their
+#                   prefill's excess; this finds which pass and which blocks
 #   profile         the GPU's own check that a pageable host-to-device copy syncs and `on_device` does not (20 s); a
 #                   profile (with Chrome traces) of the batch-1 prefill of the policies over 1.3x at stop 44 (100 s)
 #   prefill-b1      every policy's batch-1 prefill vs plain sdpa, 8B shape, 16 layers, 8K, three interleaved rounds
@@ -76,7 +81,7 @@ if [ "$SMOKE" = 1 ]; then
     DECODE="--configs 160:64 --batch 2 --steps 2 --rounds 1 --slack 4"
     CAPTURE="--contexts 160 --budget 64 --batch 2 --steps 2 --rounds 1 --slack 0 --peak-gbps 50"
     PREFILL="--contexts 160 --budget 64 --batch 1 --steps 2 --rounds 1"
-    KERNELS="--smoke" SWEEP="--smoke" TESTS="tests/test_host_copies.py" KERNEL_TESTS="$TESTS" TRAIN_SMALL="--lengths 160 256 --budget 64" TRAIN_BIG="--lengths 160 --budget 64"
+    KERNELS="--smoke" SWEEP="--smoke" SWEEP_PREFILL="--smoke" TESTS="tests/test_host_copies.py" KERNEL_TESTS="$TESTS" TRAIN_SMALL="--lengths 160 256 --budget 64" TRAIN_BIG="--lengths 160 --budget 64"
     PREFILL_FIRST="--contexts 160 --budget 64 --batch 2 --steps 1 --rounds 1 --slack 0"
     PROFILE="--model random --layers 2 --context 160 --budget 64 --batch 1 --steps 2"
     PREFILL_ONE="--contexts 160 --budget 64 --batch 1 --steps 1 --rounds 1 --slack 0"
@@ -89,6 +94,7 @@ else
     PREFILL="--contexts 8192 16384 --budget 1024 --batch 1 8 --steps 4 --rounds 1"
     KERNELS="--budgets 4096 16384 32768 --batch 1 4 8 32 --head-dim 128 --dtype bf16"
     SWEEP="--budgets 16384 4096 32768 --batch 1 --head-dim 128 --dtype bf16" TESTS=""
+    SWEEP_PREFILL="--budgets 8192 --batch 1 --head-dim 128 --dtype bf16"
     KERNEL_TESTS="tests/test_kernels.py tests/test_seed_policies.py tests/test_runtime_on_kernels.py"
     TRAIN_SMALL="--lengths 1024 4096 8192 16384 --budget 256" TRAIN_BIG="--lengths 8192 --budget 1024"
     PREFILL_FIRST="--contexts 8192 --budget 1024 --batch 8 --steps 1 --rounds 1 --slack 0"
@@ -147,6 +153,10 @@ for name in "$@"; do
     decode-sweep)
         # shellcheck disable=SC2086
         stage decode-sweep 240 "$PY" bench/kernels.py $SWEEP --sweep-decode
+        ;;
+    prefill-sweep)
+        # shellcheck disable=SC2086
+        stage prefill-sweep 300 "$PY" bench/kernels.py $SWEEP_PREFILL --sweep-prefill
         ;;
     profile)
         stage copies 20 "$PY" -m pytest -q -p no:cacheprovider tests/test_host_copies.py
@@ -216,7 +226,7 @@ for name in "$@"; do
         stage train-dms 250 "$PY" bench/train_step.py $BIG $TRAIN_BIG --kinds dms --checkpoint-layers --dtype bfloat16
         ;;
     *)
-        echo "unknown stage '$name': choose from issue27 env tests decode-sweep profile prefill-b1 decode captured captured-evict captured-merge prefill prefill-rest kernels train train-dms" >&2
+        echo "unknown stage '$name': choose from issue27 env tests decode-sweep prefill-sweep profile prefill-b1 decode captured captured-evict captured-merge prefill prefill-rest kernels train train-dms" >&2
         exit 2
         ;;
     esac

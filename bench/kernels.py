@@ -3,6 +3,7 @@
     python bench/kernels.py                      # on a CUDA GPU: the full grid
     python bench/kernels.py --budgets 2048 8192 --batch 1 32 --head-dim 128 --dtype bf16
     python bench/kernels.py --sweep-decode --budgets 4096 16384 32768 --batch 1 --head-dim 128 --dtype bf16
+    python bench/kernels.py --sweep-prefill --budgets 8192 --batch 1 --head-dim 128 --dtype bf16
     TRITON_INTERPRET=1 python bench/kernels.py --smoke   # tiny grid on CPU: checks the script, not speed
 
 For each kernel and shape it prints the Triton time, the reference time, their ratio, the achieved memory
@@ -18,6 +19,11 @@ iteration loads, programs a multiprocessor, warps, pipeline stages) and prints t
 default (``triton_ops._decode_config``) for each shape: the evidence a new default is chosen on. On a GPU it then
 measures the fastest and the default, and sdpa, inside a CUDA graph over buffers the L2 cache cannot hold: the GPU
 time a captured decode step spends (the eager figures include what the host's launches leave idle).
+
+``--sweep-prefill`` does the same for the fused scoring prefill (``--budgets`` as prompt lengths): its forward
+(attention and each row's logsumexp) and its column pass (the recomputed probabilities summed per key) under each
+configuration of their grids, the column pass's time as the whole call's less the default forward's. Where the
+prefill's ratio to sdpa goes (2.8-3.2x on an H100 at stop 43) and which blocks bring it down.
 """
 
 from __future__ import annotations
@@ -117,6 +123,7 @@ def main() -> None:
     parser.add_argument("--peak-gbps", type=float)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (needs TRITON_INTERPRET=1)")
     parser.add_argument("--sweep-decode", action="store_true", help="decode attention under every launch configuration of a grid")
+    parser.add_argument("--sweep-prefill", action="store_true", help="the scoring prefill under every launch configuration of a grid")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
@@ -134,6 +141,9 @@ def main() -> None:
     hkv = h // g
     if args.sweep_decode:
         sweep_decode(args, h, hkv, device, peak)
+        return
+    if args.sweep_prefill:
+        sweep_prefill(args, h, hkv, device)
         return
     print(f"{'kernel':16s} {'shape':34s} {'triton':>12s} {'reference':>13s} {'speedup':>8s} {'bandwidth':>13s} {'of peak':>6s}")
     for dname, d, b, cap in itertools.product(args.dtype, args.head_dim, args.batch, args.budgets):
@@ -205,6 +215,33 @@ def main() -> None:
         row("retention sum", f"T={t} rows={lb.shape[0]} fwd+bwd", t_tri, t_ref, lb.numel() * 12, None, "(compute-bound)")
 
 
+def configurations(grid: dict[str, list[int]]) -> list[dict[str, int]]:
+    """Every launch configuration of a grid of launch parameters."""
+    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
+def ranked(configs: list[dict[str, int]], seconds) -> list[tuple[float, dict[str, int]]]:
+    """(``seconds(config)``, config) of each configuration, fastest first. One that this GPU cannot run (its tiles
+    need more shared memory than a multiprocessor has) is named and left out."""
+    from triton.runtime.errors import OutOfResources
+
+    times = []
+    for cfg in configs:
+        try:
+            times.append((seconds(cfg), cfg))
+        except OutOfResources as err:
+            print(f"  left out {cfg}: {err}")
+    return sorted(times, key=lambda tc: tc[0])
+
+
+def print_ranked(times: list[tuple[float, dict[str, int]]], default: dict[str, int], describe) -> None:
+    """The five fastest configurations and the default, each with ``describe(seconds)``."""
+    for rank, (t, cfg) in enumerate(times):
+        if rank < 5 or cfg == default:
+            mark = " (default)" if cfg == default else ""
+            print(f"  #{rank + 1:<3d} {t * 1e6:8.1f} us {describe(t)}  {cfg}{mark}")
+
+
 def sweep_decode(args: argparse.Namespace, h: int, hkv: int, device: str, peak: float | None) -> None:
     """Decode attention under each launch configuration of a grid, per shape: the five fastest and the default."""
     from kvgates.kernels import triton_ops
@@ -212,7 +249,7 @@ def sweep_decode(args: argparse.Namespace, h: int, hkv: int, device: str, peak: 
     grid = {"BLOCK_N": [32, 64, 128], "programs_per_sm": [2, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
     if args.smoke:
         grid = {"BLOCK_N": [16, 32], "programs_per_sm": [1, 4], "num_warps": [4], "num_stages": [1]}
-    configs = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    configs = configurations(grid)
     for dname, d, b, cap in itertools.product(args.dtype, args.head_dim, args.batch, args.budgets):
         dtype = DTYPES[dname]
         keys, values, pos = layer(b, hkv, cap, d, dtype, device)
@@ -221,17 +258,14 @@ def sweep_decode(args: argparse.Namespace, h: int, hkv: int, device: str, peak: 
         nbytes = 2 * keys.numel() * keys.element_size() + pos.numel() * 8 + 2 * b * h * cap * 4 + b * hkv * cap * 4
         t_sdpa = bench(sdpa_decode(q, keys, values, pos), device, args.reps)
         default = triton_ops._decode_config(d, dtype, torch.device(device))
-        times = []
-        for cfg in configs:
-            times.append((bench(lambda c=cfg: triton_ops.decode_attention_flat(q, keys, values, pos, caps, scale, "sum", c), device, args.reps), cfg))
-        times.sort(key=lambda tc: tc[0])
+        times = ranked(
+            configs,
+            lambda cfg: bench(lambda: triton_ops.decode_attention_flat(q, keys, values, pos, caps, scale, "sum", cfg), device, args.reps),
+        )
         shape = f"{dname} D={d} B={b} C={cap} H={h}/{hkv}"
         print(f"decode sweep {shape}: sdpa (no probs) {t_sdpa * 1e6:.1f} us; {len(configs)} configurations")
-        for rank, (t, cfg) in enumerate(times):
-            if rank < 5 or cfg == default:
-                frac = f"{nbytes / t / 1e9 / peak:6.1%} of peak" if peak else ""
-                mark = " (default)" if cfg == default else ""
-                print(f"  #{rank + 1:<3d} {t * 1e6:8.1f} us {frac} vs sdpa {t / t_sdpa:5.2f}x  {cfg}{mark}")
+        of_peak = (lambda t: f"{nbytes / t / 1e9 / peak:6.1%} of peak") if peak else (lambda t: "")
+        print_ranked(times, default, lambda t: f"{of_peak(t)} vs sdpa {t / t_sdpa:5.2f}x")
         if device.startswith("cuda"):  # the same, captured: GPU time alone, the L2 cache cold
 
             def kv(i: int) -> tuple[torch.Tensor, ...]:
@@ -244,8 +278,51 @@ def sweep_decode(args: argparse.Namespace, h: int, hkv: int, device: str, peak: 
             t_graph_sdpa = captured(lambda i: sdpa_decode(q, *kv(i)), nbytes)
             for label, cfg in (("fastest", times[0][1]), ("default", default)):
                 t = captured(lambda i, c=cfg: ours(i, c), nbytes)
-                frac = f"{nbytes / t / 1e9 / peak:6.1%} of peak" if peak else ""
-                print(f"  captured {label}: {t * 1e6:8.1f} us {frac} vs sdpa captured ({t_graph_sdpa * 1e6:.1f} us) {t / t_graph_sdpa:5.2f}x  {cfg}")
+                vs = f"vs sdpa captured ({t_graph_sdpa * 1e6:.1f} us) {t / t_graph_sdpa:5.2f}x"
+                print(f"  captured {label}: {t * 1e6:8.1f} us {of_peak(t)} {vs}  {cfg}")
+
+
+def sweep_prefill(args: argparse.Namespace, h: int, hkv: int, device: str) -> None:
+    """The fused scoring prefill (a prompt as long as the budget) under each launch configuration of its two passes,
+    per shape, against sdpa's causal attention without statistics: the forward alone (attention and each row's
+    logsumexp) under each forward configuration, then the whole call (column sums and window scores) under each
+    column-pass configuration with the default forward, whose time less the default forward's is the column pass's;
+    the five fastest and the default of each, then the fastest pair against the default pair."""
+    from kvgates.kernels import triton_ops
+
+    forward_grid = {"BLOCK_M": [64, 128], "BLOCK_N": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
+    column_grid = {"BLOCK_N": [32, 64, 128], "BLOCK_M": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
+    if args.smoke:
+        forward_grid = {"BLOCK_M": [32], "BLOCK_N": [16, 32], "num_warps": [4], "num_stages": [1]}
+        column_grid = {"BLOCK_N": [16, 32], "BLOCK_M": [16], "num_warps": [4], "num_stages": [1]}
+    forwards = [c for c in configurations(forward_grid) if c["BLOCK_M"] % c["BLOCK_N"] == 0]
+    columns = configurations(column_grid)
+    for dname, d, b, n in itertools.product(args.dtype, args.head_dim, args.batch, args.budgets):
+        dtype = DTYPES[dname]
+        q = torch.randn(b, n, h, d, device=device, dtype=dtype).transpose(1, 2)  # the runtime's [B, H, n, D] view
+        k, v = (torch.randn(b, hkv, n, d, device=device, dtype=dtype) for _ in range(2))
+        scale = d**-0.5
+        default = triton_ops._prefill_config(d, dtype, torch.device(device))
+
+        def run(forward: dict[str, int], column: dict[str, int], stats: bool) -> float:
+            cfg = {"forward": forward, "columns": column}
+            window = args.window if stats else 0
+            return bench(lambda: triton_ops.causal_attention_stats(q, k, v, scale, stats, window, cfg), device, args.reps)
+
+        t_sdpa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), device, args.reps)
+        shape = f"{dname} D={d} B={b} N={n} H={h}/{hkv}"
+        print(f"prefill sweep {shape}: sdpa (causal, no statistics) {t_sdpa * 1e6:.1f} us")
+        print(f" forward alone (attention and logsumexp), {len(forwards)} configurations:")
+        times = ranked(forwards, lambda c: run(c, default["columns"], False))
+        print_ranked(times, default["forward"], lambda t: f"vs sdpa {t / t_sdpa:5.2f}x")
+        best_forward = times[0][1]
+        t_forward = run(default["forward"], default["columns"], False)
+        print(f" forward and column pass (column sums, window {args.window}), {len(columns)} column configurations, the default forward:")
+        times = ranked(columns, lambda c: run(default["forward"], c, True))
+        print_ranked(times, default["columns"], lambda t: f"vs sdpa {t / t_sdpa:5.2f}x, column pass {(t - t_forward) * 1e6:8.1f} us")
+        best = run(best_forward, times[0][1], True)
+        ours = run(default["forward"], default["columns"], True)
+        print(f" fastest pair {best * 1e6:.1f} us, vs sdpa {best / t_sdpa:.2f}x; default pair {ours * 1e6:.1f} us, vs sdpa {ours / t_sdpa:.2f}x")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,18 @@ def test_decode_sweep_smoke_ranks_the_configurations():
     assert "#1 " in result.stdout and "#4 " in result.stdout
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on CPU")
+def test_prefill_sweep_smoke_ranks_both_passes():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "kernels.py"), "--smoke", "--sweep-prefill"], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr
+    assert "prefill sweep fp32 D=16 B=1 N=64" in result.stdout
+    assert "forward alone (attention and logsumexp), 2 configurations" in result.stdout
+    assert "2 column configurations" in result.stdout and "column pass" in result.stdout
+    assert result.stdout.count("(default)") == 2 and "fastest pair" in result.stdout
+
+
 def test_train_step_bench_runs_on_a_small_random_model():
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "train_step.py"), "--model", "random", "--layers", "2", "--lengths", "160",
@@ -167,7 +179,7 @@ def test_gpu_session_env_stage_logs_versions_and_an_unknown_stage_is_refused(tmp
     result = _gpu_session(tmp_path, "decoder")
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "unknown stage 'decoder': choose from issue27 env tests decode-sweep profile prefill-b1 decode captured captured-evict "
+        "unknown stage 'decoder': choose from issue27 env tests decode-sweep prefill-sweep profile prefill-b1 decode captured captured-evict "
         "captured-merge prefill prefill-rest kernels train train-dms"
     )
 
@@ -177,8 +189,8 @@ def test_gpu_session_env_stage_logs_versions_and_an_unknown_stage_is_refused(tmp
 def test_gpu_session_stages_run_at_toy_sizes(tmp_path):
     """Every measuring stage of the GPU session script runs at toy sizes (GPU_SESSION_SMOKE=1), so that a lent GPU's
     few minutes are not spent on a broken script."""
-    stages = ("decode-sweep", "profile", "prefill-b1", "decode", "captured", "captured-evict", "captured-merge", "prefill", "prefill-rest", "kernels",
-              "train", "train-dms")
+    stages = ("decode-sweep", "prefill-sweep", "profile", "prefill-b1", "decode", "captured", "captured-evict", "captured-merge", "prefill",
+              "prefill-rest", "kernels", "train", "train-dms")
     result = _gpu_session(tmp_path, *stages, "issue27")
     assert result.returncode == 0, result.stderr
     for stage in (*stages, "copies", "prefill-b8", "tests", "prefill-changed"):

@@ -131,6 +131,43 @@ def test_causal_attention_stats(ops, dtype, shape, colsum, window):
     assert out.transpose(1, 2).is_contiguous()  # written where the model reads it: no copy on the way back
 
 
+PREFILL_CONFIGS = [  # (forward BLOCK_M, BLOCK_N), (column pass BLOCK_N keys a program, BLOCK_M rows a step)
+    ((32, 16), (16, 16)),  # the CPU default
+    ((16, 16), (32, 16)),  # several row steps on each block's diagonal
+    ((64, 16), (16, 64)),  # one row step past a block's diagonal; one forward block covers the prompt's first 64
+    ((32, 32), (16, 32)),
+]
+
+
+@pytest.mark.parametrize("forward,columns", PREFILL_CONFIGS)
+@pytest.mark.parametrize("colsum,window", [(True, 20), (True, 0), (False, 20), (False, 70), (True, 3)])
+def test_causal_attention_stats_under_other_launch_configs(ops, forward, columns, colsum, window):
+    """What the prefill sweep (``bench/kernels.py --sweep-prefill``) measures is the same attention and statistics:
+    column steps on and past the causal diagonal, windows that start inside a row step or cover the prompt."""
+    b, h, hkv, n, d = 2, 4, 2, 70, 32
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(b, n, h, d, generator=g).to(DEVICE).transpose(1, 2)
+    k, v = (torch.randn(b, hkv, n, d, generator=g).to(DEVICE) for _ in range(2))
+    cfg = {
+        "forward": {"BLOCK_M": forward[0], "BLOCK_N": forward[1], "num_warps": 4, "num_stages": 1},
+        "columns": {"BLOCK_N": columns[0], "BLOCK_M": columns[1], "num_warps": 4, "num_stages": 1},
+    }
+    got = ops.causal_attention_stats(q, k, v, d**-0.5, colsum, window, cfg)
+    ref = reference.causal_attention_stats(q, k, v, d**-0.5, colsum, window)
+    for a, r in zip(got, ref):
+        assert (a is None) == (r is None)
+        if a is not None:
+            torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4)
+
+
+def test_causal_attention_stats_refuses_a_forward_block_off_its_steps(ops):
+    q = torch.zeros(1, 2, 8, 16, device=DEVICE)
+    cfg = ops._prefill_config(16, torch.float32, torch.device(DEVICE))
+    cfg["forward"] = {**cfg["forward"], "BLOCK_M": 16, "BLOCK_N": 32}
+    with pytest.raises(ValueError, match="BLOCK_M must be a multiple of its BLOCK_N"):
+        ops.causal_attention_stats(q, q, q, 0.25, True, 0, cfg)
+
+
 COLMAX_CASES = [  # (batch, query heads, KV heads, held slots, query rows, head_dim, layout)
     (1, 4, 2, 20, 20, 16, "chunk"),  # a prompt: no older token
     (2, 9, 3, 58, 21, 64, "chunk"),  # KVzip's reconstruction: 37 older tokens, then the chunk's own

@@ -457,6 +457,32 @@ def _prefill_forward(
 
 
 @triton.jit
+def _column_step(
+    q_base, lse_base, k, r0, n, col, win, N, W, sqn, d, dm, scale_log2,
+    DIAGONAL: tl.constexpr, COLS: tl.constexpr, WIN: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Add the probabilities of query rows ``r0..r0 + BLOCK_M`` over keys ``n`` to the keys' column sums (every row)
+    and window scores (rows of the last ``W``). A row past the prompt reads its logsumexp as ``+inf``, so its
+    probabilities are 0 without a mask; only ``DIAGONAL`` steps, where a row may precede a key, mask the causal
+    triangle, and only steps that straddle the window's first row mask rows for it."""
+    r = r0 + tl.arange(0, BLOCK_M)
+    rm = r < N
+    q = tl.load(q_base + r[:, None] * sqn + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+    lse = tl.load(lse_base + r, mask=rm, other=float("inf"))
+    p = tl.exp2(_dot(q, tl.trans(k), PREC, UPCAST) * scale_log2 - lse[:, None])
+    if DIAGONAL:
+        p = tl.where(r[:, None] >= n[None, :], p, 0.0)
+    if COLS:
+        col += tl.sum(p, 0)
+        if WIN:
+            if r0 + BLOCK_M > N - W:
+                win += tl.sum(tl.where((r >= N - W)[:, None], p, 0.0), 0)
+    elif WIN:  # the rows start inside the window
+        win += tl.sum(p, 0)
+    return col, win
+
+
+@triton.jit
 def _prefill_columns(
     Q, K, LSE, COLSUM, WINDOW,
     scale_log2, N, H, G, D, W,
@@ -464,8 +490,9 @@ def _prefill_columns(
     COLS: tl.constexpr, WIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Column pass of one block of keys of one query head: recompute the logits of every query row that sees
-    them (or of the last ``W`` rows only), normalise them by the rows' logsumexp and sum them per key. Each
+    """Column pass of one block of ``BLOCK_N`` keys of one query head: recompute the logits of every query row that
+    sees them (or of the last ``W`` rows only), ``BLOCK_M`` rows a step, normalise them by the rows' logsumexp and
+    sum them per key. Rows up to the block's last key are masked by the causal triangle, the rest are not. Each
     program owns its keys' sums: no atomics."""
     b, qh, kh, n0, n, nm, d, dm = _prefill_program(H, G, N, D, BLOCK_N, BLOCK_D)
     k = tl.load(K + b * skb + kh * skh + n[:, None] * skn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
@@ -477,42 +504,58 @@ def _prefill_columns(
         start = n0
     else:
         start = tl.maximum(n0, N - W)
-    for r0 in range(start, N, BLOCK_M):
-        r = r0 + tl.arange(0, BLOCK_M)
-        rm = r < N
-        q = tl.load(q_base + r[:, None] * sqn + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
-        lse = tl.load(lse_base + r, mask=rm, other=float("inf"))
-        s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
-        p = tl.where((r[:, None] >= n[None, :]) & rm[:, None], tl.exp2(s - lse[:, None]), 0.0)
-        if COLS:
-            col += tl.sum(p, 0)
-        if WIN:
-            win += tl.sum(tl.where((r >= N - W)[:, None], p, 0.0), 0)
+    for r0 in range(start, n0 + BLOCK_N, BLOCK_M):  # steps with a row before one of the keys
+        col, win = _column_step(
+            q_base, lse_base, k, r0, n, col, win, N, W, sqn, d, dm, scale_log2, True, COLS, WIN, BLOCK_M, PREC, UPCAST
+        )
+    below = start + tl.cdiv(tl.maximum(n0 + BLOCK_N - start, 0), BLOCK_M) * BLOCK_M
+    for r0 in range(below, N, BLOCK_M):  # every row sees every key
+        col, win = _column_step(
+            q_base, lse_base, k, r0, n, col, win, N, W, sqn, d, dm, scale_log2, False, COLS, WIN, BLOCK_M, PREC, UPCAST
+        )
     if COLS:
         tl.store(COLSUM + (b * H + qh) * N + n, col, mask=nm)
     if WIN:
         tl.store(WINDOW + (b * H + qh) * N + n, win, mask=nm)
 
 
-def _prefill_config(d: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
-    """Block sizes of the prefill kernels (``BLOCK_M`` a multiple of ``BLOCK_N``). Small blocks under the CPU
-    interpreter, so that short test prompts span several of them. Rows wider than 256 bytes (float32 at head dim
-    128) get half the tiles and two stages: the large ones need 225 KiB of shared memory, more than an A100 has
-    (``bench/triton_compile.py``)."""
+def _prefill_config(d: int, dtype: torch.dtype, device: torch.device) -> dict[str, dict[str, int]]:
+    """Launch configurations of the prefill kernels: the forward's (``BLOCK_M`` query rows a program, ``BLOCK_N``
+    keys a step; ``BLOCK_M`` a multiple of ``BLOCK_N``) and the column pass's (``BLOCK_N`` keys a program,
+    ``BLOCK_M`` query rows a step), each with its warps and pipeline stages (``bench/kernels.py --sweep-prefill``
+    measures the alternatives on a GPU); the masked kernels' two passes take the same. Small blocks under the CPU interpreter, so that short test prompts span
+    several of them. Rows wider than 256 bytes (float32 at head dim 128) get half the tiles and two stages: the large
+    ones need 225 KiB of shared memory, more than an A100 has (``bench/triton_compile.py``)."""
     if device.type != "cuda":
-        return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    if d * dtype.itemsize > 256:
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8 if d > 64 else 4, "num_stages": 3}
+        forward, columns = (32, 16, 4, 1), (16, 16, 4, 1)
+    elif d * dtype.itemsize > 256:
+        forward, columns = (64, 32, 4, 2), (32, 32, 4, 2)
+    else:
+        warps = 8 if d > 64 else 4
+        forward, columns = (128, 64, warps, 3), (64, 64, warps, 3)
+    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+    return {"forward": dict(zip(keys, forward)), "columns": dict(zip(keys, columns))}
 
 
 def causal_attention_stats(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, colsum: bool = True, window: int = 0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    colsum: bool = True,
+    window: int = 0,
+    cfg: dict[str, dict[str, int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The reference's ``causal_attention_stats``; ``cfg``: launch configurations other than ``_prefill_config``'s
+    (the sweep in ``bench/kernels.py`` passes each one it measures)."""
     b, h, n, d = q.shape
     hkv = k.shape[1]
     if v.shape[-1] != d:
         raise ValueError(f"the fused prefill kernel needs values as wide as keys, got {v.shape[-1]} and {d}")
+    cfg = cfg or _prefill_config(d, q.dtype, q.device)
+    fwd, cols = cfg["forward"], cfg["columns"]
+    if fwd["BLOCK_M"] % fwd["BLOCK_N"]:
+        raise ValueError(f"the prefill forward's BLOCK_M must be a multiple of its BLOCK_N, got {fwd['BLOCK_M']} and {fwd['BLOCK_N']}")
     w = min(window, n)
     dev = q.device
     # Written in [B, n, H, D] memory, the layout attention returns to the model in: transposing it back is free.
@@ -523,20 +566,18 @@ def causal_attention_stats(
         return out, sums, win
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     lse = torch.empty((b, h, n), dtype=torch.float32, device=dev)
-    cfg = _prefill_config(d, q.dtype, dev)
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    common = dict(BLOCK_D=_pow2(d), PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _prefill_forward[(_cdiv(n, block_m), b * h)](
+    common = dict(BLOCK_D=_pow2(d), PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype))
+    _prefill_forward[(_cdiv(n, fwd["BLOCK_M"]), b * h)](
         q, k, v, out, lse, scale * _LOG2E, n, h, h // hkv, d,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=block_m, BLOCK_N=block_n, **common,
+        **fwd, **common,
     )
     if sums is not None or win is not None:
-        _prefill_columns[(_cdiv(n, block_n), b * h)](
+        _prefill_columns[(_cdiv(n, cols["BLOCK_N"]), b * h)](
             q, k, lse, lse if sums is None else sums, lse if win is None else win, scale * _LOG2E, n, h, h // hkv, d, w,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            COLS=sums is not None, WIN=win is not None, BLOCK_M=block_n, BLOCK_N=block_n, **common,
+            COLS=sums is not None, WIN=win is not None, **cols, **common,
         )
     return out, sums, win
 
@@ -659,20 +700,20 @@ def _masked_stats(
     qpos = torch.where(q_valid, q_pos, -1)
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
     cfg = _prefill_config(d, q.dtype, q.device)
-    common = dict(BLOCK_D=_pow2(d), PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _masked_forward[(_cdiv(n, cfg["BLOCK_M"]), b * h)](
+    fwd, cols = cfg["forward"], cfg["columns"]
+    common = dict(BLOCK_D=_pow2(d), PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype))
+    _masked_forward[(_cdiv(n, fwd["BLOCK_M"]), b * h)](
         q, k, v, pos, qpos, out, lse, scale * _LOG2E, n, c, h, h // hkv, hkv, d,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **common,
+        **fwd, **common,
     )
     rows = lse if row_weight is None else row_weight.float().contiguous()
-    cols = lse if col_weight is None else col_weight.float().contiguous()
-    _masked_columns[(_cdiv(c, cfg["BLOCK_N"]), b * h)](
-        q, k, pos, qpos, lse, rows, cols, result, scale * _LOG2E, n, c, h, h // hkv, hkv, d,
+    slots = lse if col_weight is None else col_weight.float().contiguous()
+    _masked_columns[(_cdiv(c, cols["BLOCK_N"]), b * h)](
+        q, k, pos, qpos, lse, rows, slots, result, scale * _LOG2E, n, c, h, h // hkv, hkv, d,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        WEIGHTED=row_weight is not None, COLS=col_weight is not None, SUM=total, BLOCK_M=cfg["BLOCK_N"], BLOCK_N=cfg["BLOCK_N"],
-        **common,
+        WEIGHTED=row_weight is not None, COLS=col_weight is not None, SUM=total, **cols, **common,
     )
     return out, result
 
