@@ -462,9 +462,11 @@ def _column_step(
     DIAGONAL: tl.constexpr, COLS: tl.constexpr, WIN: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Add the probabilities of query rows ``r0..r0 + BLOCK_M`` over keys ``n`` to the keys' column sums (every row)
-    and window scores (rows of the last ``W``). A row past the prompt reads its logsumexp as ``+inf``, so its
-    probabilities are 0 without a mask; only ``DIAGONAL`` steps, where a row may precede a key, mask the causal
-    triangle, and only steps that straddle the window's first row mask rows for it."""
+    and window scores (rows of the last ``W``), both kept per row of the step (``[BLOCK_M, BLOCK_N]``, summed over
+    rows once, after the last step: a sum across rows spans warps, a reduction through shared memory at every step).
+    A row past the prompt reads its logsumexp as ``+inf``, so its probabilities are 0 without a mask; only
+    ``DIAGONAL`` steps, where a row may precede a key, mask the causal triangle, and only steps that straddle the
+    window's first row mask rows for it."""
     r = r0 + tl.arange(0, BLOCK_M)
     rm = r < N
     q = tl.load(q_base + r[:, None] * sqn + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
@@ -473,12 +475,12 @@ def _column_step(
     if DIAGONAL:
         p = tl.where(r[:, None] >= n[None, :], p, 0.0)
     if COLS:
-        col += tl.sum(p, 0)
+        col += p
         if WIN:
             if r0 + BLOCK_M > N - W:
-                win += tl.sum(tl.where((r >= N - W)[:, None], p, 0.0), 0)
+                win += tl.where((r >= N - W)[:, None], p, 0.0)
     elif WIN:  # the rows start inside the window
-        win += tl.sum(p, 0)
+        win += p
     return col, win
 
 
@@ -498,8 +500,8 @@ def _prefill_columns(
     k = tl.load(K + b * skb + kh * skh + n[:, None] * skn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
     q_base = Q + b * sqb + qh * sqh
     lse_base = LSE + (b * H + qh) * N
-    col = tl.zeros([BLOCK_N], tl.float32)
-    win = tl.zeros([BLOCK_N], tl.float32)
+    col = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    win = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if COLS:
         start = n0
     else:
@@ -514,18 +516,19 @@ def _prefill_columns(
             q_base, lse_base, k, r0, n, col, win, N, W, sqn, d, dm, scale_log2, False, COLS, WIN, BLOCK_M, PREC, UPCAST
         )
     if COLS:
-        tl.store(COLSUM + (b * H + qh) * N + n, col, mask=nm)
+        tl.store(COLSUM + (b * H + qh) * N + n, tl.sum(col, 0), mask=nm)
     if WIN:
-        tl.store(WINDOW + (b * H + qh) * N + n, win, mask=nm)
+        tl.store(WINDOW + (b * H + qh) * N + n, tl.sum(win, 0), mask=nm)
 
 
 def _prefill_config(d: int, dtype: torch.dtype, device: torch.device) -> dict[str, dict[str, int]]:
     """Launch configurations of the prefill kernels: the forward's (``BLOCK_M`` query rows a program, ``BLOCK_N``
     keys a step; ``BLOCK_M`` a multiple of ``BLOCK_N``) and the column pass's (``BLOCK_N`` keys a program,
     ``BLOCK_M`` query rows a step), each with its warps and pipeline stages (``bench/kernels.py --sweep-prefill``
-    measures the alternatives on a GPU); the masked kernels' two passes take the same. Small blocks under the CPU interpreter, so that short test prompts span
-    several of them. Rows wider than 256 bytes (float32 at head dim 128) get half the tiles and two stages: the large
-    ones need 225 KiB of shared memory, more than an A100 has (``bench/triton_compile.py``)."""
+    measures the alternatives on a GPU); the masked kernels' two passes take the same. Small blocks under the CPU
+    interpreter, so that short test prompts span several of them. Rows wider than 256 bytes (float32 at head dim 128)
+    get half the tiles and two stages: the large ones need 225 KiB of shared memory, more than an A100 has
+    (``bench/triton_compile.py``)."""
     if device.type != "cuda":
         forward, columns = (32, 16, 4, 1), (16, 16, 4, 1)
     elif d * dtype.itemsize > 256:
@@ -632,14 +635,15 @@ def _masked_columns(
     visible ones by the rows' logsumexp, weigh them by the rows' ``WEIGHT`` (``WEIGHTED``) and keep each slot's
     largest (or, with ``SUM``, their sum), times the slot's ``COLW`` (``COLS``). A block whose slots all weigh 0 for
     this head skips the rows, and no key of a slot weighing 0 is read (KVzip scores the chunk being reconstructed
-    only). Each program owns its slots' results: no atomics, no host sync."""
+    only). Results are kept per row of the step and reduced over rows once, after the last step (as
+    ``_column_step``'s). Each program owns its slots' results: no atomics, no host sync."""
     b, qh, kh, n0, n, nm, d, dm = _prefill_program(H, G, C, D, BLOCK_N, BLOCK_D)
     rows, live = N, nm
     if COLS:
         cw = tl.load(COLW + (b * H + qh) * C + n, mask=nm, other=0.0)
         rows, live = tl.where(tl.max(cw, 0) > 0, N, 0), cw > 0
     k = tl.load(K + b * skb + kh * skh + n[:, None] * skn + d[None, :], mask=live[:, None] & dm[None, :], other=0.0)
-    result = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for r0 in range(0, rows, BLOCK_M):
         r = r0 + tl.arange(0, BLOCK_M)
         rm = r < N
@@ -650,9 +654,13 @@ def _masked_columns(
         if WEIGHTED:
             p = p * tl.load(WEIGHT + b * N + r, mask=rm, other=0.0)[:, None]
         if SUM:
-            result += tl.sum(p, 0)
+            acc += p
         else:
-            result = tl.maximum(result, tl.max(p, 0))
+            acc = tl.maximum(acc, p)
+    if SUM:
+        result = tl.sum(acc, 0)
+    else:
+        result = tl.max(acc, 0)
     if COLS:
         result = result * cw
     tl.store(OUT + (b * H + qh) * C + n, result, mask=nm)
