@@ -308,7 +308,7 @@ def _window_columns(
     dm = d < D
     p = tl.load(POS + b * spb + h * sph + n, mask=nm, other=-1)
     k = tl.load(K + b * skb + (off + n)[:, None] * sks + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
-    col = tl.zeros([BLOCK_N], tl.float32)
+    col = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)  # per row of a step, summed over rows once (as _column_step's)
     for r0 in range(0, G * W, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         rm = r < G * W
@@ -323,7 +323,8 @@ def _window_columns(
         s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
         vis = (rm & (qv != 0) & (lsum > 0))[:, None] & nm[None, :] & (p[None, :] >= 0) & (p[None, :] <= qp[:, None])
         prob = tl.where(vis, tl.exp2(s - m[:, None]) / tl.where(lsum > 0, lsum, 1.0)[:, None], 0.0)
-        col += tl.sum(prob, 0)
+        col += prob
+    col = tl.sum(col, 0)
     if MEAN:
         col = col / G
     tl.store(OUT + b * sob + h * soh + n, col, mask=n < C_MAX)
