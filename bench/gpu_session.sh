@@ -6,12 +6,15 @@
 #                                           #        train-dms
 #
 # A session has 30 minutes of device time (the machine's start and every idle wait included) and 10 minutes a
-# call: about three full calls, `issue27`, then `prefill-sweep`, then `prefill-b1`. `issue27` is the first: what the open issue's GPU targets
-# still lack after stop 48's H100 (docs/results.md), in one command of at most 8 minutes, each part killed at
-# its own limit and printing as it goes, so that a call cut short still leaves the figures before it:
+# call: about three full calls, `issue27`, then `prefill-sweep`, then `prefill-b1`. `issue27` is the first: what
+# the open issue's GPU targets still lack after stop 48's H100 (docs/results.md), in one command of at most 9
+# minutes, each part killed at its own limit and printing as it goes, so that a call cut short still leaves the
+# figures before it:
 #
 #   issue27         env; the tests of the kernels and of KVMerger (`tests` over three files, 150 s: KVMerger's windowed
-#                   scan kernels and its merge kernel, stops 49-50, never ran on a GPU); the batch-1 prefill of h2o
+#                   scan kernels and its merge kernel, stops 49-50, and stop 51's column kernels never ran on a GPU);
+#                   the kernels at one shape (`kernels-8k`, 45 s: bf16, head dim 128, batch 1, 8K; the scoring
+#                   prefill vs sdpa's attention was 2.8x at stop 43, before stop 51); the batch-1 prefill of h2o
 #                   (control), d2o, kvmerger and dynamickv, 8B shape, 16 layers, 8K, three interleaved rounds
 #                   (`prefill-changed`, 120 s), their batch-8 prefill
 #                   (`prefill-b8`, 90 s), and a profile with Chrome traces of d2o's and kvmerger's (`profile`, 100 s):
@@ -81,7 +84,7 @@ if [ "$SMOKE" = 1 ]; then
     DECODE="--configs 160:64 --batch 2 --steps 2 --rounds 1 --slack 4"
     CAPTURE="--contexts 160 --budget 64 --batch 2 --steps 2 --rounds 1 --slack 0 --peak-gbps 50"
     PREFILL="--contexts 160 --budget 64 --batch 1 --steps 2 --rounds 1"
-    KERNELS="--smoke" SWEEP="--smoke" SWEEP_PREFILL="--smoke" TESTS="tests/test_host_copies.py" KERNEL_TESTS="$TESTS" TRAIN_SMALL="--lengths 160 256 --budget 64" TRAIN_BIG="--lengths 160 --budget 64"
+    KERNELS="--smoke" KERNELS_8K="--smoke" SWEEP="--smoke" SWEEP_PREFILL="--smoke" TESTS="tests/test_host_copies.py" KERNEL_TESTS="$TESTS" TRAIN_SMALL="--lengths 160 256 --budget 64" TRAIN_BIG="--lengths 160 --budget 64"
     PREFILL_FIRST="--contexts 160 --budget 64 --batch 2 --steps 1 --rounds 1 --slack 0"
     PROFILE="--model random --layers 2 --context 160 --budget 64 --batch 1 --steps 2"
     PREFILL_ONE="--contexts 160 --budget 64 --batch 1 --steps 1 --rounds 1 --slack 0"
@@ -94,7 +97,7 @@ else
     PREFILL="--contexts 8192 16384 --budget 1024 --batch 1 8 --steps 4 --rounds 1"
     KERNELS="--budgets 4096 16384 32768 --batch 1 4 8 32 --head-dim 128 --dtype bf16"
     SWEEP="--budgets 16384 4096 32768 --batch 1 --head-dim 128 --dtype bf16" TESTS=""
-    SWEEP_PREFILL="--budgets 8192 --batch 1 --head-dim 128 --dtype bf16"
+    SWEEP_PREFILL="--budgets 8192 --batch 1 --head-dim 128 --dtype bf16" KERNELS_8K="$SWEEP_PREFILL"
     KERNEL_TESTS="tests/test_kernels.py tests/test_seed_policies.py tests/test_runtime_on_kernels.py"
     TRAIN_SMALL="--lengths 1024 4096 8192 16384 --budget 256" TRAIN_BIG="--lengths 8192 --budget 1024"
     PREFILL_FIRST="--contexts 8192 --budget 1024 --batch 8 --steps 1 --rounds 1 --slack 0"
@@ -140,6 +143,8 @@ for name in "$@"; do
     issue27)
         env_stage
         TESTS=$KERNEL_TESTS tests_stage 150
+        # shellcheck disable=SC2086
+        stage kernels-8k 45 "$PY" bench/kernels.py $KERNELS_8K
         # shellcheck disable=SC2086
         stage prefill-changed 120 "$PY" bench/gpu_policies.py $DEEP $PREFILL_ONE --policies h2o d2o kvmerger dynamickv
         # shellcheck disable=SC2086

@@ -193,7 +193,7 @@ def test_gpu_session_stages_run_at_toy_sizes(tmp_path):
               "prefill-rest", "kernels", "train", "train-dms")
     result = _gpu_session(tmp_path, *stages, "issue27")
     assert result.returncode == 0, result.stderr
-    for stage in (*stages, "copies", "prefill-b8", "tests", "prefill-changed"):
+    for stage in (*stages, "copies", "prefill-b8", "tests", "prefill-changed", "kernels-8k"):
         log = (tmp_path / f"{stage}.log").read_text()
         assert "exit status 0" in log and "exit status 1" not in log, log[-3000:]
 
