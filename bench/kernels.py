@@ -315,12 +315,12 @@ def sweep_prefill(args: argparse.Namespace, h: int, hkv: int, device: str) -> No
         print(f" forward alone (attention and logsumexp), {len(forwards)} configurations:")
         times = ranked(forwards, lambda c: run(c, default["columns"], False))
         print_ranked(times, default["forward"], lambda t: f"vs sdpa {t / t_sdpa:5.2f}x")
-        best_forward = times[0][1]
+        best_forward = times[0][1] if times else default["forward"]
         t_forward = run(default["forward"], default["columns"], False)
         print(f" forward and column pass (column sums, window {args.window}), {len(columns)} column configurations, the default forward:")
         times = ranked(columns, lambda c: run(default["forward"], c, True))
         print_ranked(times, default["columns"], lambda t: f"vs sdpa {t / t_sdpa:5.2f}x, column pass {(t - t_forward) * 1e6:8.1f} us")
-        best = run(best_forward, times[0][1], True)
+        best = run(best_forward, times[0][1] if times else default["columns"], True)
         ours = run(default["forward"], default["columns"], True)
         print(f" fastest pair {best * 1e6:.1f} us, vs sdpa {best / t_sdpa:.2f}x; default pair {ours * 1e6:.1f} us, vs sdpa {ours / t_sdpa:.2f}x")
 

@@ -1,6 +1,6 @@
 """Triton kernels of the cache runtime. Each function has the signature and semantics of its namesake in
 ``kvgates.kernels.reference`` (the tests hold them to it, on CPU under ``TRITON_INTERPRET=1``); ``decode_attention_flat``
-also takes a launch configuration.
+and ``causal_attention_stats`` also take a launch configuration (``bench/kernels.py``'s sweeps pass each one).
 
 * ``decode_attention_flat`` — flash decoding over flat (ragged) storage: the slots are split across programs
   (about two per SM whatever the batch, so batch 1 fills the GPU too), each writing a partial output, max and
@@ -466,8 +466,8 @@ def _column_step(
     and window scores (rows of the last ``W``), both kept per row of the step (``[BLOCK_M, BLOCK_N]``, summed over
     rows once, after the last step: a sum across rows spans warps, a reduction through shared memory at every step).
     A row past the prompt reads its logsumexp as ``+inf``, so its probabilities are 0 without a mask; only
-    ``DIAGONAL`` steps, where a row may precede a key, mask the causal triangle, and only steps that straddle the
-    window's first row mask rows for it."""
+    ``DIAGONAL`` steps, where a row may precede a key, mask the causal triangle, and only steps that reach the
+    window mask rows for it (steps before it add nothing to the window)."""
     r = r0 + tl.arange(0, BLOCK_M)
     rm = r < N
     q = tl.load(q_base + r[:, None] * sqn + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
@@ -495,8 +495,8 @@ def _prefill_columns(
 ):
     """Column pass of one block of ``BLOCK_N`` keys of one query head: recompute the logits of every query row that
     sees them (or of the last ``W`` rows only), ``BLOCK_M`` rows a step, normalise them by the rows' logsumexp and
-    sum them per key. Rows up to the block's last key are masked by the causal triangle, the rest are not. Each
-    program owns its keys' sums: no atomics."""
+    sum them per key. Steps that start before the block's last key (and before the prompt's end) are masked by the
+    causal triangle, the later ones are not. Each program owns its keys' sums: no atomics."""
     b, qh, kh, n0, n, nm, d, dm = _prefill_program(H, G, N, D, BLOCK_N, BLOCK_D)
     k = tl.load(K + b * skb + kh * skh + n[:, None] * skn + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
     q_base = Q + b * sqb + qh * sqh
@@ -507,11 +507,12 @@ def _prefill_columns(
         start = n0
     else:
         start = tl.maximum(n0, N - W)
-    for r0 in range(start, n0 + BLOCK_N, BLOCK_M):  # steps with a row before one of the keys
+    diagonal = tl.minimum(n0 + BLOCK_N, N)
+    for r0 in range(start, diagonal, BLOCK_M):  # steps with a row before one of the keys
         col, win = _column_step(
             q_base, lse_base, k, r0, n, col, win, N, W, sqn, d, dm, scale_log2, True, COLS, WIN, BLOCK_M, PREC, UPCAST
         )
-    below = start + tl.cdiv(tl.maximum(n0 + BLOCK_N - start, 0), BLOCK_M) * BLOCK_M
+    below = start + tl.cdiv(tl.maximum(diagonal - start, 0), BLOCK_M) * BLOCK_M
     for r0 in range(below, N, BLOCK_M):  # every row sees every key
         col, win = _column_step(
             q_base, lse_base, k, r0, n, col, win, N, W, sqn, d, dm, scale_log2, False, COLS, WIN, BLOCK_M, PREC, UPCAST
