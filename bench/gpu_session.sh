@@ -5,11 +5,13 @@
 #                                           #        captured captured-evict captured-merge prefill prefill-rest kernels train
 #                                           #        train-dms
 #
-# A session has 30 minutes of device time (the machine's start and every idle wait included) and 10 minutes a
-# call: about three full calls, `issue27`, then `prefill-sweep`, then `prefill-b1`. `issue27` is the first: what
-# the open issue's GPU targets still lack after stop 48's H100 (docs/results.md), in one command of at most 9
-# minutes, each part killed at its own limit and printing as it goes, so that a call cut short still leaves the
-# figures before it:
+# A session has 15 minutes of device time (the machine's start, a minute or two, and every idle wait included),
+# 10 minutes a call, and at most 8 files come back from $OUT: two calls, `issue27` (at most 9 minutes), then at
+# once, while the machine is warm (it goes back after 30 s idle), `prefill-sweep` (at most 4 minutes). Every stage of
+# a call logs to one file, `$OUT/session.log`, the tests' report is `$OUT/tests.xml` and the profiles' Chrome
+# traces one archive, `$OUT/traces.tar.gz`: three files, whatever the stages. `issue27` is the first: what
+# the open issue's GPU targets still lack after stop 48's H100 (docs/results.md), each part killed at its own limit
+# and printing as it goes, so that a call cut short still leaves the figures before it:
 #
 #   issue27         env; the tests of the kernels and of KVMerger (`tests` over three files, 150 s: KVMerger's windowed
 #                   scan kernels and its merge kernel, stops 49-50, and stop 51's column kernels never ran on a GPU);
@@ -22,10 +24,11 @@
 #   tests           the default test suite on the GPU machine, in parallel processes where pytest-xdist travelled
 #                   with the wheels
 #   decode-sweep    decode attention under each launch configuration of a grid (bench/kernels.py --sweep-decode)
-#   prefill-sweep   (~4 min, the second call) the scoring prefill's two passes under each launch configuration of a
-#                   grid, bf16, head dim 128, batch 1, 8K (bench/kernels.py --sweep-prefill): the pass H2O, D2O and
-#                   KVMerger pay for their column sums cost 2.8x sdpa's attention on stop 43's H100, most of their
-#                   prefill's excess; this finds which pass and which blocks
+#   prefill-sweep   (at most 4 min, the second call) the scoring prefill's two passes under each launch configuration
+#                   of a grid, bf16, head dim 128, batch 1, 8K (bench/kernels.py --sweep-prefill, each configuration
+#                   printed as it is measured): the pass H2O, D2O and KVMerger pay for their column sums cost 2.8x
+#                   sdpa's attention on stop 43's H100, most of their prefill's excess; this finds which pass and
+#                   which blocks
 #   profile         the GPU's own check that a pageable host-to-device copy syncs and `on_device` does not (20 s); a
 #                   profile (with Chrome traces) of the batch-1 prefill of the policies over 1.3x at stop 44 (100 s)
 #   prefill-b1      every policy's batch-1 prefill vs plain sdpa, 8B shape, 16 layers, 8K, three interleaved rounds
@@ -52,6 +55,14 @@
 # GPU_SESSION_SMOKE=1 runs every stage at toy sizes (on the CPU too): it checks this script, not speed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Every stage named is checked before any runs: a misspelt one is refused before a GPU's minutes go to the others.
+STAGES="issue27 env tests decode-sweep prefill-sweep profile prefill-b1 decode captured captured-evict captured-merge prefill prefill-rest kernels train train-dms"
+for name in "$@"; do
+    if [[ " $STAGES " != *" $name "* ]]; then
+        echo "unknown stage '$name': choose from $STAGES" >&2
+        exit 2
+    fi
+done
 OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
 SMOKE=${GPU_SESSION_SMOKE:-0}
@@ -106,16 +117,34 @@ else
 fi
 
 # stage NAME SECONDS COMMAND...: run COMMAND with a time limit (then 20 s of grace), its output to the terminal and
-# $OUT/NAME.log; a failure or a timeout (status 124) makes the script's exit status 1.
+# $OUT/session.log between a header and a footer that name the stage; a failure or a timeout (status 124) makes the
+# script's exit status 1. The footers are summed up at the end.
 FAILED=0
+LOG="$OUT/session.log"
+SUMMARY=()
 stage() {
-    local name=$1 limit=$2
+    local name=$1 limit=$2 began=$SECONDS
     shift 2
-    echo "=== $name ($(date -u +%H:%M:%S), limit ${limit} s): $*" | tee -a "$OUT/$name.log"
+    echo "=== $name ($(date -u +%H:%M:%S), limit ${limit} s): $*" | tee -a "$LOG"
     local status=0
-    timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log" || status=$?
-    echo "=== $name done, exit status $status ($(date -u +%H:%M:%S))" | tee -a "$OUT/$name.log"
+    timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$LOG" || status=$?
+    echo "=== $name done, exit status $status ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+    SUMMARY+=("$name: exit status $status, $((SECONDS - began)) s")
     [ "$status" = 0 ] || FAILED=1
+}
+
+# profile_stage SECONDS POLICY...: the batch-1 prefill and decode of each policy profiled, its Chrome traces in a
+# folder of their own under $TRACES, which the script packs into one archive at its end ($OUT/traces.tar.gz: a
+# device call brings back 8 files at most).
+TRACES=$(mktemp -d)
+trap 'rm -rf "$TRACES"' EXIT
+profile_stage() {
+    local limit=$1
+    shift
+    local dir
+    dir=$(mktemp -d "$TRACES/profile-XXXX")
+    # shellcheck disable=SC2086
+    stage profile "$limit" "$PY" bench/policy_profile.py $PROFILE --trace "$dir" --policies "$@"
 }
 
 # The versions and the kernel backend this machine runs.
@@ -149,8 +178,7 @@ for name in "$@"; do
         stage prefill-changed 120 "$PY" bench/gpu_policies.py $DEEP $PREFILL_ONE --policies h2o d2o kvmerger dynamickv
         # shellcheck disable=SC2086
         stage prefill-b8 90 "$PY" bench/gpu_policies.py $DEEP $PREFILL_FIRST --policies h2o d2o kvmerger
-        # shellcheck disable=SC2086
-        stage profile 100 "$PY" bench/policy_profile.py $PROFILE --trace "$OUT/traces" --policies d2o kvmerger
+        profile_stage 100 d2o kvmerger
         ;;
     tests)
         tests_stage 520
@@ -161,13 +189,11 @@ for name in "$@"; do
         ;;
     prefill-sweep)
         # shellcheck disable=SC2086
-        stage prefill-sweep 300 "$PY" bench/kernels.py $SWEEP_PREFILL --sweep-prefill
+        stage prefill-sweep 220 "$PY" bench/kernels.py $SWEEP_PREFILL --sweep-prefill
         ;;
     profile)
         stage copies 20 "$PY" -m pytest -q -p no:cacheprovider tests/test_host_copies.py
-        # shellcheck disable=SC2086
-        stage profile 100 "$PY" bench/policy_profile.py $PROFILE --trace "$OUT/traces" \
-            --policies h2o d2o dynamickv adakv locret kvmerger
+        profile_stage 100 h2o d2o dynamickv adakv locret kvmerger
         ;;
     prefill-b1)
         # Every registered policy but full (the runtime's own row) and merge (a wrapper that needs a base), read from
@@ -230,10 +256,10 @@ for name in "$@"; do
         # shellcheck disable=SC2086
         stage train-dms 250 "$PY" bench/train_step.py $BIG $TRAIN_BIG --kinds dms --checkpoint-layers --dtype bfloat16
         ;;
-    *)
-        echo "unknown stage '$name': choose from issue27 env tests decode-sweep prefill-sweep profile prefill-b1 decode captured captured-evict captured-merge prefill prefill-rest kernels train train-dms" >&2
-        exit 2
-        ;;
     esac
 done
+if [ -n "$(ls -A "$TRACES")" ]; then
+    tar -czf "$OUT/traces.tar.gz" -C "$TRACES" .
+fi
+printf '%s\n' "=== summary" "${SUMMARY[@]}" | tee -a "$LOG"
 exit "$FAILED"

@@ -4,6 +4,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,10 @@ def test_decode_sweep_smoke_ranks_the_configurations():
     assert result.returncode == 0, result.stderr
     assert "decode sweep fp32 D=16 B=1 C=64" in result.stdout and "4 configurations" in result.stdout
     assert "#1 " in result.stdout and "#4 " in result.stdout
+    # Each configuration is printed as it is measured, after its shape's header: a sweep cut short leaves them.
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("decode sweep "))
+    assert [line.split("]")[0].strip() for line in lines[header + 1 : header + 5]] == ["[1/4", "[2/4", "[3/4", "[4/4"]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on CPU")
@@ -174,28 +179,42 @@ def _gpu_session(tmp_path: Path, *stages: str) -> subprocess.CompletedProcess:
 def test_gpu_session_env_stage_logs_versions_and_an_unknown_stage_is_refused(tmp_path):
     result = _gpu_session(tmp_path, "env")
     assert result.returncode == 0, result.stderr
-    log = (tmp_path / "env.log").read_text()
-    assert "torch" in log and "kernels" in log and "exit status 0" in log
-    result = _gpu_session(tmp_path, "decoder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["session.log"]  # no profile: no traces' archive
+    log = (tmp_path / "session.log").read_text()
+    assert "torch" in log and "kernels" in log and "=== env done, exit status 0" in log
+    assert "=== summary\nenv: exit status 0, " in log
+    # A misspelt stage is refused before any stage runs (a lent GPU's minutes are not spent on the ones before it).
+    (tmp_path / "session.log").unlink()
+    result = _gpu_session(tmp_path, "env", "decoder")
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "unknown stage 'decoder': choose from issue27 env tests decode-sweep prefill-sweep profile prefill-b1 decode captured captured-evict "
         "captured-merge prefill prefill-rest kernels train train-dms"
     )
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on CPU")
 def test_gpu_session_stages_run_at_toy_sizes(tmp_path):
     """Every measuring stage of the GPU session script runs at toy sizes (GPU_SESSION_SMOKE=1), so that a lent GPU's
-    few minutes are not spent on a broken script."""
+    few minutes are not spent on a broken script; whatever the stages, a call leaves three files, within the 8 a
+    device call brings back."""
     stages = ("decode-sweep", "prefill-sweep", "profile", "prefill-b1", "decode", "captured", "captured-evict", "captured-merge", "prefill",
               "prefill-rest", "kernels", "train", "train-dms")
     result = _gpu_session(tmp_path, *stages, "issue27")
     assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["session.log", "tests.xml", "traces.tar.gz"]
+    log = (tmp_path / "session.log").read_text()
+    summary = log[log.rindex("=== summary") :].splitlines()[1:]
     for stage in (*stages, "copies", "prefill-b8", "tests", "prefill-changed", "kernels-8k"):
-        log = (tmp_path / f"{stage}.log").read_text()
-        assert "exit status 0" in log and "exit status 1" not in log, log[-3000:]
+        assert f"=== {stage} done, exit status 0" in log, stage
+        assert any(line.startswith(f"{stage}: exit status 0, ") for line in summary), stage
+    assert "exit status 1" not in log and "exit status 124" not in log, log[-3000:]
+    with tarfile.open(tmp_path / "traces.tar.gz") as archive:  # both profiles' traces, neither over the other
+        traces = [name for name in archive.getnames() if name.endswith(".json")]
+    # a prefill and a decode trace of each arm: DynamicCache's and six policies', then DynamicCache's and two
+    assert len(traces) == 2 * (1 + 6) + 2 * (1 + 2) and len({name.rpartition("/")[0] for name in traces}) == 2
 
 
 def test_the_fused_prefill_kernel_compiles_for_an_a100_and_an_h100():
