@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ import kvgates  # noqa: E402
 from data.corpus import paul_graham_essays  # noqa: E402
 from kvgates.cli import OneLineParser  # noqa: E402
 from kvgates.gates import GATE_KINDS  # noqa: E402
+from kvgates.kernels.host import PREFILL_CONFIG_ENV  # noqa: E402
 from kvgates.models import tokenizer_source  # noqa: E402
 from kvgates.policies.wrappers import learned_policy, parse_params, with_gates  # noqa: E402
 
@@ -84,8 +86,18 @@ def setup(
     problem = None if check is None else check(args)
     if problem is not None:
         parser.error(problem)
+    launch = os.environ.get(PREFILL_CONFIG_ENV)  # the prefill kernels' blocks, where a sweep set them (bench/kernels.py)
+    if launch:
+        from kvgates.kernels.triton_ops import _prefill_override
+
+        try:
+            _prefill_override(launch)
+        except ValueError as err:
+            parser.error(str(err))
     model, tokenizer = _load(args)
     facts = "; ".join(f"{name} {getattr(args, name)}" for name, default in options.items() if not isinstance(default, list))
+    if launch:
+        facts += f"; {PREFILL_CONFIG_ENV}={launch}"
     print(f"device: {device_name(args.device)}; model: {args.model} ({model.config.num_hidden_layers} layers); {facts}")
     return args, model, tokenizer
 

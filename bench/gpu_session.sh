@@ -9,7 +9,8 @@
 # 10 minutes a call, and at most 8 files come back from $OUT: two calls, `issue27` (at most 9 minutes), then at
 # once, while the machine is warm (it goes back after 30 s idle), `prefill-sweep` (at most 4 minutes). Every stage of
 # a call logs to one file, `$OUT/session.log`, the tests' report is `$OUT/tests.xml` and the profiles' Chrome
-# traces one archive, `$OUT/traces.tar.gz`: three files, whatever the stages. `issue27` is the first: what
+# traces one archive, `$OUT/traces.tar.gz` (and the prefill sweep's fastest pair `$OUT/prefill-best.json`): at
+# most four files, whatever the stages. `issue27` is the first: what
 # the open issue's GPU targets still lack after stop 48's H100 (docs/results.md), each part killed at its own limit
 # and printing as it goes, so that a call cut short still leaves the figures before it:
 #
@@ -26,9 +27,11 @@
 #   decode-sweep    decode attention under each launch configuration of a grid (bench/kernels.py --sweep-decode)
 #   prefill-sweep   (at most 4 min, the second call) the scoring prefill's two passes under each launch configuration
 #                   of a grid, bf16, head dim 128, batch 1, 8K (bench/kernels.py --sweep-prefill, each configuration
-#                   printed as it is measured): the pass H2O, D2O and KVMerger pay for their column sums cost 2.8x
-#                   sdpa's attention on stop 43's H100, most of their prefill's excess; this finds which pass and
-#                   which blocks
+#                   printed as it is measured, 170 s): the pass H2O, D2O and KVMerger pay for their column sums cost
+#                   2.8x sdpa's attention on stop 43's H100, most of their prefill's excess; this finds which pass and
+#                   which blocks. Then the batch-1 prefill of h2o, d2o and kvmerger (16 layers, 8K, two rounds) under
+#                   the fastest pair (`prefill-tuned`, 75 s; KVGATES_PREFILL_CONFIG from $OUT/prefill-best.json): what
+#                   the sweep's blocks do to a whole prefill, against `prefill-changed`'s defaults in the first call
 #   profile         the GPU's own check that a pageable host-to-device copy syncs and `on_device` does not (20 s); a
 #                   profile (with Chrome traces) of the batch-1 prefill of the policies over 1.3x at stop 44 (100 s)
 #   prefill-b1      every policy's batch-1 prefill vs plain sdpa, 8B shape, 16 layers, 8K, three interleaved rounds
@@ -98,7 +101,7 @@ if [ "$SMOKE" = 1 ]; then
     KERNELS="--smoke" KERNELS_8K="--smoke" SWEEP="--smoke" SWEEP_PREFILL="--smoke" TESTS="tests/test_host_copies.py" KERNEL_TESTS="$TESTS" TRAIN_SMALL="--lengths 160 256 --budget 64" TRAIN_BIG="--lengths 160 --budget 64"
     PREFILL_FIRST="--contexts 160 --budget 64 --batch 2 --steps 1 --rounds 1 --slack 0"
     PROFILE="--model random --layers 2 --context 160 --budget 64 --batch 1 --steps 2"
-    PREFILL_ONE="--contexts 160 --budget 64 --batch 1 --steps 1 --rounds 1 --slack 0"
+    PREFILL_ONE="--contexts 160 --budget 64 --batch 1 --steps 1 --rounds 1 --slack 0" PREFILL_TUNED="$PREFILL_ONE"
     export TRITON_INTERPRET=1
 else
     BIG="--model random:llama-3.1-8b --layers 32" DEEP="--model random:llama-3.1-8b --layers 16"
@@ -114,6 +117,7 @@ else
     PREFILL_FIRST="--contexts 8192 --budget 1024 --batch 8 --steps 1 --rounds 1 --slack 0"
     PROFILE="--model random:llama-3.1-8b --layers 4 --context 8192 --budget 1024 --batch 1 --steps 3"
     PREFILL_ONE="--contexts 8192 --budget 1024 --batch 1 --steps 1 --rounds 3 --slack 0"
+    PREFILL_TUNED="--contexts 8192 --budget 1024 --batch 1 --steps 1 --rounds 2 --slack 0"
 fi
 
 # stage NAME SECONDS COMMAND...: run COMMAND with a time limit (then 20 s of grace), its output to the terminal and
@@ -189,7 +193,12 @@ for name in "$@"; do
         ;;
     prefill-sweep)
         # shellcheck disable=SC2086
-        stage prefill-sweep 220 "$PY" bench/kernels.py $SWEEP_PREFILL --sweep-prefill
+        stage prefill-sweep 170 "$PY" bench/kernels.py $SWEEP_PREFILL --sweep-prefill --best-json "$OUT/prefill-best.json"
+        if [ -s "$OUT/prefill-best.json" ]; then  # the fastest pair (or the forward's, if cut short) in whole prefills
+            # shellcheck disable=SC2086
+            stage prefill-tuned 75 env "KVGATES_PREFILL_CONFIG=$(cat "$OUT/prefill-best.json")" \
+                "$PY" bench/gpu_policies.py $DEEP $PREFILL_TUNED --policies h2o d2o kvmerger
+        fi
         ;;
     profile)
         stage copies 20 "$PY" -m pytest -q -p no:cacheprovider tests/test_host_copies.py

@@ -3,7 +3,7 @@
     python bench/kernels.py                      # on a CUDA GPU: the full grid
     python bench/kernels.py --budgets 2048 8192 --batch 1 32 --head-dim 128 --dtype bf16
     python bench/kernels.py --sweep-decode --budgets 4096 16384 32768 --batch 1 --head-dim 128 --dtype bf16
-    python bench/kernels.py --sweep-prefill --budgets 8192 --batch 1 --head-dim 128 --dtype bf16
+    python bench/kernels.py --sweep-prefill --budgets 8192 --batch 1 --head-dim 128 --dtype bf16 --best-json best.json
     TRITON_INTERPRET=1 python bench/kernels.py --smoke   # tiny grid on CPU: checks the script, not speed
 
 For each kernel and shape it prints the Triton time, the reference time, their ratio, the achieved memory
@@ -23,13 +23,16 @@ time a captured decode step spends (the eager figures include what the host's la
 ``--sweep-prefill`` does the same for the fused scoring prefill (``--budgets`` as prompt lengths): its forward
 (attention and each row's logsumexp) and its column pass (the recomputed probabilities summed per key) under each
 configuration of their grids, the column pass's time as the whole call's less the default forward's. Where the
-prefill's ratio to sdpa goes (2.8-3.2x on an H100 at stop 43) and which blocks bring it down.
+prefill's ratio to sdpa goes (2.8-3.2x on an H100 at stop 43) and which blocks bring it down. ``--best-json PATH``
+writes the fastest pair there (after each pass, so a sweep cut short leaves the forward's) in the form
+``KVGATES_PREFILL_CONFIG`` takes: a whole model's prefill can then run under it without a code edit.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 import time
@@ -124,7 +127,13 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (needs TRITON_INTERPRET=1)")
     parser.add_argument("--sweep-decode", action="store_true", help="decode attention under every launch configuration of a grid")
     parser.add_argument("--sweep-prefill", action="store_true", help="the scoring prefill under every launch configuration of a grid")
+    parser.add_argument(
+        "--best-json", metavar="PATH",
+        help="with --sweep-prefill: write the fastest pair of the last shape there, as KVGATES_PREFILL_CONFIG takes it",
+    )
     args = parser.parse_args()
+    if args.best_json and not args.sweep_prefill:
+        parser.error("--best-json is the prefill sweep's: add --sweep-prefill")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         args.budgets, args.batch, args.head_dim, args.dtype, args.heads, args.reps = [64], [1], [16], ["fp32"], 4, 10
@@ -285,6 +294,13 @@ def sweep_decode(args: argparse.Namespace, h: int, hkv: int, device: str, peak: 
                 print(f"  captured {label}: {t * 1e6:8.1f} us {of_peak(t)} {vs}  {cfg}")
 
 
+def write_best(path: str | None, forward: dict[str, int], columns: dict[str, int]) -> None:
+    """The prefill sweep's fastest pair so far, as ``KVGATES_PREFILL_CONFIG`` takes it, to ``path`` (if given)."""
+    if path:
+        Path(path).write_text(json.dumps({"forward": forward, "columns": columns}) + "\n")
+        print(f" fastest so far written to {path}", flush=True)
+
+
 def sweep_prefill(args: argparse.Namespace, h: int, hkv: int, device: str) -> None:
     """The fused scoring prefill (a prompt as long as the budget) under each launch configuration of its two passes,
     per shape, against sdpa's causal attention without statistics: the forward alone (attention and each row's
@@ -321,11 +337,14 @@ def sweep_prefill(args: argparse.Namespace, h: int, hkv: int, device: str) -> No
         times = ranked(forwards, lambda c: run(c, default["columns"], False))
         print_ranked(times, default["forward"], lambda t: f"vs sdpa {t / t_sdpa:5.2f}x")
         best_forward = times[0][1] if times else default["forward"]
+        write_best(args.best_json, best_forward, default["columns"])  # a sweep cut short still leaves the forward's
         t_forward = run(default["forward"], default["columns"], False)
         print(f" forward and column pass (column sums, window {args.window}), {len(columns)} column configurations, the default forward:")
         times = ranked(columns, lambda c: run(default["forward"], c, True))
         print_ranked(times, default["columns"], lambda t: f"vs sdpa {t / t_sdpa:5.2f}x, column pass {(t - t_forward) * 1e6:8.1f} us")
-        best = run(best_forward, times[0][1] if times else default["columns"], True)
+        best_columns = times[0][1] if times else default["columns"]
+        write_best(args.best_json, best_forward, best_columns)
+        best = run(best_forward, best_columns, True)
         ours = run(default["forward"], default["columns"], True)
         print(f" fastest pair {best * 1e6:.1f} us, vs sdpa {best / t_sdpa:.2f}x; default pair {ours * 1e6:.1f} us, vs sdpa {ours / t_sdpa:.2f}x")
 

@@ -1,5 +1,6 @@
 """The GPU benchmark script stays runnable: its --smoke mode under the Triton interpreter."""
 
+import ast
 import importlib.util
 import os
 import subprocess
@@ -57,15 +58,41 @@ def test_decode_sweep_smoke_ranks_the_configurations():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on CPU")
-def test_prefill_sweep_smoke_ranks_both_passes():
+def test_prefill_sweep_smoke_ranks_both_passes(tmp_path):
+    best = tmp_path / "best.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "kernels.py"), "--smoke", "--sweep-prefill"], capture_output=True, text=True, timeout=600
+        [sys.executable, str(ROOT / "bench" / "kernels.py"), "--smoke", "--sweep-prefill", "--best-json", str(best)],
+        capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
     assert "prefill sweep fp32 D=16 B=1 N=64" in result.stdout
     assert "forward alone (attention and logsumexp), 2 configurations" in result.stdout
     assert "2 column configurations" in result.stdout and "column pass" in result.stdout
     assert result.stdout.count("(default)") == 2 and "fastest pair" in result.stdout
+    # The fastest pair, written as KVGATES_PREFILL_CONFIG takes it (once after each pass), and the ranking's first.
+    assert result.stdout.count(f"fastest so far written to {best}") == 2
+    from kvgates.kernels.triton_ops import _prefill_override
+
+    fastest = _prefill_override(best.read_text())
+    ranks = [line for line in result.stdout.splitlines() if line.lstrip().startswith("#1 ")]
+    assert [ast.literal_eval(line[line.index("{") : line.rindex("}") + 1]) for line in ranks] == [fastest["forward"], fastest["columns"]]
+
+
+def test_best_json_is_the_prefill_sweeps_and_a_bad_prefill_config_is_one_sentence(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "kernels.py"), "--smoke", "--best-json", str(tmp_path / "best.json")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 2 and "--best-json is the prefill sweep's: add --sweep-prefill" in result.stderr
+    env = {**os.environ, "KVGATES_PREFILL_CONFIG": '{"columns": {"BLOCK_N": 48}}'}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "prefill_speed.py"), "--model", "random", "--layers", "1", "--context", "64",
+         "--budget", "32", "--policies", "h2o"], capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == (
+        "prefill_speed.py: KVGATES_PREFILL_CONFIG's columns.BLOCK_N must be a power of two, got 48 (see prefill_speed.py --help)"
+    )
 
 
 def test_train_step_bench_runs_on_a_small_random_model():
@@ -204,10 +231,11 @@ def test_gpu_session_stages_run_at_toy_sizes(tmp_path):
               "prefill-rest", "kernels", "train", "train-dms")
     result = _gpu_session(tmp_path, *stages, "issue27")
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["session.log", "tests.xml", "traces.tar.gz"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prefill-best.json", "session.log", "tests.xml", "traces.tar.gz"]
     log = (tmp_path / "session.log").read_text()
     summary = log[log.rindex("=== summary") :].splitlines()[1:]
-    for stage in (*stages, "copies", "prefill-b8", "tests", "prefill-changed", "kernels-8k"):
+    assert f"KVGATES_PREFILL_CONFIG={(tmp_path / 'prefill-best.json').read_text().strip()}" in log  # prefill-tuned ran under it
+    for stage in (*stages, "copies", "prefill-b8", "tests", "prefill-changed", "kernels-8k", "prefill-tuned"):
         assert f"=== {stage} done, exit status 0" in log, stage
         assert any(line.startswith(f"{stage}: exit status 0, ") for line in summary), stage
     assert "exit status 1" not in log and "exit status 124" not in log, log[-3000:]

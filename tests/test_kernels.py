@@ -5,6 +5,7 @@ Tolerances: float32 tight (1e-5), float16/bfloat16 as stated per test (inputs ro
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -166,6 +167,39 @@ def test_causal_attention_stats_refuses_a_forward_block_off_its_steps(ops):
     cfg["forward"] = {**cfg["forward"], "BLOCK_M": 16, "BLOCK_N": 32}
     with pytest.raises(ValueError, match="BLOCK_M must be a multiple of its BLOCK_N"):
         ops.causal_attention_stats(q, q, q, 0.25, True, 0, cfg)
+
+
+def test_prefill_config_override_from_the_environment(ops, monkeypatch):
+    """``KVGATES_PREFILL_CONFIG`` overrides what it names of the prefill kernels' launch configurations (the sweep's
+    fastest pair, measured end to end without a code edit); the prefill and the masked kernels run under it."""
+    default = ops._prefill_config(32, torch.float32, torch.device(DEVICE))
+    monkeypatch.setenv(ops.PREFILL_CONFIG_ENV, '{"forward": {"BLOCK_M": 64}, "columns": {"BLOCK_N": 32, "num_warps": 2}}')
+    cfg = ops._prefill_config(32, torch.float32, torch.device(DEVICE))
+    assert cfg == {"forward": {**default["forward"], "BLOCK_M": 64}, "columns": {**default["columns"], "BLOCK_N": 32, "num_warps": 2}}
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 70, 4, 32, generator=g).to(DEVICE).transpose(1, 2)
+    k, v = (torch.randn(1, 2, 70, 32, generator=g).to(DEVICE) for _ in range(2))
+    for a, r in zip(ops.causal_attention_stats(q, k, v, 0.2, True, 20), reference.causal_attention_stats(q, k, v, 0.2, True, 20)):
+        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4)
+    pos, rows = torch.arange(70, device=DEVICE).expand(1, 2, 70), torch.arange(50, 70, device=DEVICE)[None]
+    valid = torch.ones(1, 20, dtype=torch.bool, device=DEVICE)
+    got = ops.masked_attention_colsum(q[:, :, 50:], k, v, pos, rows, valid, 0.2)
+    ref = reference.masked_attention_colsum(q[:, :, 50:], k, v, pos, rows, valid, 0.2)
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("value,message", [
+    ("{forward: 1}", "is not JSON"),
+    ('{"backward": {}}', 'must be an object with "forward" and/or "columns"'),
+    ('{"columns": {"BLOCK_K": 32}}', "'columns' must be an object of BLOCK_M, BLOCK_N, num_warps, num_stages"),
+    ('{"forward": {"num_warps": 6}}', "forward.num_warps must be a power of two, got 6"),
+    ('{"forward": {"BLOCK_N": true}}', "forward.BLOCK_N must be a power of two, got True"),
+])
+def test_prefill_config_override_refuses_what_it_cannot_launch(ops, monkeypatch, value, message):
+    monkeypatch.setenv(ops.PREFILL_CONFIG_ENV, value)
+    with pytest.raises(ValueError, match=f"^KVGATES_PREFILL_CONFIG.*{re.escape(message)}"):
+        ops._prefill_config(32, torch.float32, torch.device(DEVICE))
 
 
 COLMAX_CASES = [  # (batch, query heads, KV heads, held slots, query rows, head_dim, layout)

@@ -30,6 +30,14 @@ def on_device(values: Any, device: torch.device | str, dtype: torch.dtype | None
 LAUNCH_BOUND_ENV = "KVGATES_LAUNCH_BOUND"
 
 
+#: A JSON object that overrides the prefill kernels' launch configurations (``triton_ops._prefill_config``) on any
+#: device: ``{"forward": {...}, "columns": {...}}``, either or both, each with any of ``BLOCK_M``, ``BLOCK_N``,
+#: ``num_warps`` and ``num_stages`` (powers of two; the rest stay the defaults). The defaults were chosen on an H100 and
+#: an H200; ``bench/kernels.py --sweep-prefill --best-json`` writes the fastest pair of another GPU in this form, and
+#: ``bench/gpu_session.sh prefill-sweep`` measures the policies' prefill under it in the same call.
+PREFILL_CONFIG_ENV = "KVGATES_PREFILL_CONFIG"
+
+
 def launch_bound(device: torch.device) -> bool:
     """Whether work on ``device`` is bound by kernel launches and host reads rather than by arithmetic and caches:
     on a GPU (or anywhere with ``KVGATES_LAUNCH_BOUND=1``). Such work takes fewer, larger tiles and reads back less

@@ -35,6 +35,7 @@ and ``causal_attention_stats`` also take a launch configuration (``bench/kernels
 
 from __future__ import annotations
 
+import json
 import os
 from functools import lru_cache
 
@@ -42,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvgates.kernels.host import on_device
+from kvgates.kernels.host import PREFILL_CONFIG_ENV, on_device
 
 _LOG2E = 1.4426950408889634
 
@@ -523,6 +524,27 @@ def _prefill_columns(
         tl.store(WINDOW + (b * H + qh) * N + n, tl.sum(win, 0), mask=nm)
 
 
+_LAUNCH_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+
+@lru_cache(maxsize=8)
+def _prefill_override(text: str) -> dict[str, dict[str, int]]:
+    """``KVGATES_PREFILL_CONFIG``'s value, parsed and checked once (each prefill call looks it up here)."""
+    try:
+        override = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{PREFILL_CONFIG_ENV} is not JSON ({err}): {text!r}") from None
+    if not isinstance(override, dict) or not set(override) <= {"forward", "columns"}:
+        raise ValueError(f'{PREFILL_CONFIG_ENV} must be an object with "forward" and/or "columns", got {text!r}')
+    for name, launch in override.items():
+        if not isinstance(launch, dict) or not set(launch) <= set(_LAUNCH_KEYS):
+            raise ValueError(f"{PREFILL_CONFIG_ENV}'s {name!r} must be an object of {', '.join(_LAUNCH_KEYS)}, got {launch!r}")
+        for key, value in launch.items():
+            if type(value) is not int or value < 1 or value & (value - 1):
+                raise ValueError(f"{PREFILL_CONFIG_ENV}'s {name}.{key} must be a power of two, got {value!r}")
+    return override
+
+
 def _prefill_config(d: int, dtype: torch.dtype, device: torch.device) -> dict[str, dict[str, int]]:
     """Launch configurations of the prefill kernels: the forward's (``BLOCK_M`` query rows a program, ``BLOCK_N``
     keys a step; ``BLOCK_M`` a multiple of ``BLOCK_N``) and the column pass's (``BLOCK_N`` keys a program,
@@ -530,7 +552,7 @@ def _prefill_config(d: int, dtype: torch.dtype, device: torch.device) -> dict[st
     measures the alternatives on a GPU); the masked kernels' two passes take the same. Small blocks under the CPU
     interpreter, so that short test prompts span several of them. Rows wider than 256 bytes (float32 at head dim 128)
     get half the tiles and two stages: the large ones need 225 KiB of shared memory, more than an A100 has
-    (``bench/triton_compile.py``)."""
+    (``bench/triton_compile.py``). ``KVGATES_PREFILL_CONFIG`` (``PREFILL_CONFIG_ENV``) overrides any of them."""
     if device.type != "cuda":
         forward, columns = (32, 16, 4, 1), (16, 16, 4, 1)
     elif d * dtype.itemsize > 256:
@@ -538,8 +560,12 @@ def _prefill_config(d: int, dtype: torch.dtype, device: torch.device) -> dict[st
     else:
         warps = 8 if d > 64 else 4
         forward, columns = (128, 64, warps, 3), (64, 64, warps, 3)
-    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
-    return {"forward": dict(zip(keys, forward)), "columns": dict(zip(keys, columns))}
+    cfg = {"forward": dict(zip(_LAUNCH_KEYS, forward)), "columns": dict(zip(_LAUNCH_KEYS, columns))}
+    override = os.environ.get(PREFILL_CONFIG_ENV)
+    if override:
+        for name, launch in _prefill_override(override).items():
+            cfg[name].update(launch)
+    return cfg
 
 
 def causal_attention_stats(
