@@ -6,11 +6,14 @@
 #                                           #        train-dms
 #
 # A session has 15 minutes of device time (the machine's start, a minute or two, and every idle wait included),
-# 10 minutes a call, and at most 8 files come back from $OUT: two calls, `issue27` (at most 9 minutes), then at
-# once, while the machine is warm (it goes back after 30 s idle), `prefill-sweep` (at most 4 minutes). Every stage of
-# a call logs to one file, `$OUT/session.log`, the tests' report is `$OUT/tests.xml` and the profiles' Chrome
-# traces one archive, `$OUT/traces.tar.gz` (and the prefill sweep's fastest pair `$OUT/prefill-best.json`): at
-# most four files, whatever the stages. `issue27` is the first: what
+# 10 minutes a call, and at most 8 files come back from $OUT: two calls, `issue27` (its stages' limits add up to
+# 535 s), then at once, while the machine is warm (it goes back after 30 s idle), `prefill-sweep` (245 s), with
+# GPU_SESSION_SECONDS set to the seconds the session has left less a margin: every stage ends within that many
+# seconds of the call's start (570 by default), a stage that would run past it gets what is left, and one with
+# under 10 s left is skipped. Every stage of a call logs to one file, `$OUT/session.log`, which ends with each
+# stage's exit status and seconds; the tests' report is `$OUT/tests.xml`, the profiles' Chrome traces one archive,
+# `$OUT/traces.tar.gz`, and the prefill sweep's fastest pair `$OUT/prefill-best.json`: at most four files, whatever
+# the stages. `issue27` is the first: what
 # the open issue's GPU targets still lack after stop 48's H100 (docs/results.md), each part killed at its own limit
 # and printing as it goes, so that a call cut short still leaves the figures before it:
 #
@@ -25,7 +28,7 @@
 #   tests           the default test suite on the GPU machine, in parallel processes where pytest-xdist travelled
 #                   with the wheels
 #   decode-sweep    decode attention under each launch configuration of a grid (bench/kernels.py --sweep-decode)
-#   prefill-sweep   (at most 4 min, the second call) the scoring prefill's two passes under each launch configuration
+#   prefill-sweep   (245 s, the second call) the scoring prefill's two passes under each launch configuration
 #                   of a grid, bf16, head dim 128, batch 1, 8K (bench/kernels.py --sweep-prefill, each configuration
 #                   printed as it is measured, 170 s): the pass H2O, D2O and KVMerger pay for their column sums cost
 #                   2.8x sdpa's attention on stop 43's H100, most of their prefill's excess; this finds which pass and
@@ -59,10 +62,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Every stage named is checked before any runs: a misspelt one is refused before a GPU's minutes go to the others.
-STAGES="issue27 env tests decode-sweep prefill-sweep profile prefill-b1 decode captured captured-evict captured-merge prefill prefill-rest kernels train train-dms"
+STAGES=(issue27 env tests decode-sweep prefill-sweep profile prefill-b1 decode captured captured-evict captured-merge prefill
+    prefill-rest kernels train train-dms)
 for name in "$@"; do
-    if [[ " $STAGES " != *" $name "* ]]; then
-        echo "unknown stage '$name': choose from $STAGES" >&2
+    known=0
+    for stage_name in "${STAGES[@]}"; do
+        [ "$name" = "$stage_name" ] && known=1
+    done
+    if [ "$known" = 0 ]; then
+        echo "unknown stage '$name': choose from ${STAGES[*]}" >&2
         exit 2
     fi
 done
@@ -122,13 +130,23 @@ fi
 
 # stage NAME SECONDS COMMAND...: run COMMAND with a time limit (then 20 s of grace), its output to the terminal and
 # $OUT/session.log between a header and a footer that name the stage; a failure or a timeout (status 124) makes the
-# script's exit status 1. The footers are summed up at the end.
+# script's exit status 1. The footers are summed up at the end. The call's stages end within GPU_SESSION_SECONDS of
+# its start (570 by default, the wheels' install included; a device call is cut at 600): a stage gets at most what
+# is left, and one with less than 10 s left is skipped (a failure too).
 FAILED=0
 LOG="$OUT/session.log"
 SUMMARY=()
+DEADLINE=${GPU_SESSION_SECONDS:-570}
 stage() {
-    local name=$1 limit=$2 began=$SECONDS
+    local name=$1 limit=$2 began=$SECONDS left=$((DEADLINE - SECONDS))
     shift 2
+    if [ "$left" -lt 10 ]; then
+        echo "=== $name skipped: ${left} s left of the call's ${DEADLINE} s" | tee -a "$LOG"
+        SUMMARY+=("$name: skipped, ${left} s left")
+        FAILED=1
+        return
+    fi
+    [ "$limit" -le "$left" ] || limit=$left
     echo "=== $name ($(date -u +%H:%M:%S), limit ${limit} s): $*" | tee -a "$LOG"
     local status=0
     timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$LOG" || status=$?
@@ -138,8 +156,8 @@ stage() {
 }
 
 # profile_stage SECONDS POLICY...: the batch-1 prefill and decode of each policy profiled, its Chrome traces in a
-# folder of their own under $TRACES, which the script packs into one archive at its end ($OUT/traces.tar.gz: a
-# device call brings back 8 files at most).
+# folder of their own under $TRACES, all packed into one archive after each profile ($OUT/traces.tar.gz: a device
+# call brings back 8 files at most, and a call cut short keeps the traces of the profiles before).
 TRACES=$(mktemp -d)
 trap 'rm -rf "$TRACES"' EXIT
 profile_stage() {
@@ -149,11 +167,14 @@ profile_stage() {
     dir=$(mktemp -d "$TRACES/profile-XXXX")
     # shellcheck disable=SC2086
     stage profile "$limit" "$PY" bench/policy_profile.py $PROFILE --trace "$dir" --policies "$@"
+    if [ -n "$(ls -A "$dir")" ]; then
+        tar -czf "$OUT/traces.tar.gz" -C "$TRACES" .
+    fi
 }
 
 # The versions and the kernel backend this machine runs.
 env_stage() {
-    stage env 60 "$PY" -c "import torch, transformers, kvgates, kvgates.kernels as k; \
+    stage env 30 "$PY" -c "import torch, transformers, kvgates, kvgates.kernels as k; \
 device = 'cuda' if torch.cuda.is_available() else 'cpu'; \
 print('torch', torch.__version__, '| cuda', torch.version.cuda, '| transformers', transformers.__version__); \
 print('device', torch.cuda.get_device_name() if device == 'cuda' else 'cpu', '| kernels', k.backend(torch.empty(0, device=device)))"
@@ -192,6 +213,7 @@ for name in "$@"; do
         stage decode-sweep 240 "$PY" bench/kernels.py $SWEEP --sweep-decode
         ;;
     prefill-sweep)
+        rm -f "$OUT/prefill-best.json"  # (an earlier call's, where $OUT persists)
         # shellcheck disable=SC2086
         stage prefill-sweep 170 "$PY" bench/kernels.py $SWEEP_PREFILL --sweep-prefill --best-json "$OUT/prefill-best.json"
         if [ -s "$OUT/prefill-best.json" ]; then  # the fastest pair (or the forward's, if cut short) in whole prefills
@@ -267,8 +289,5 @@ for name in "$@"; do
         ;;
     esac
 done
-if [ -n "$(ls -A "$TRACES")" ]; then
-    tar -czf "$OUT/traces.tar.gz" -C "$TRACES" .
-fi
-printf '%s\n' "=== summary" "${SUMMARY[@]}" | tee -a "$LOG"
+printf '%s\n' "=== summary" ${SUMMARY[@]+"${SUMMARY[@]}"} | tee -a "$LOG"
 exit "$FAILED"

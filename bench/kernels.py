@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hardware import peak_gbps, peak_tflops  # noqa: E402
 
 from kvgates.kernels import reference  # noqa: E402
+from kvgates.kernels.host import PREFILL_CONFIG_ENV  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -294,10 +295,24 @@ def sweep_decode(args: argparse.Namespace, h: int, hkv: int, device: str, peak: 
                 print(f"  captured {label}: {t * 1e6:8.1f} us {of_peak(t)} {vs}  {cfg}")
 
 
+#: The prefill sweep's grids: 18 forward and 36 column configurations (the forward's ``BLOCK_M`` a multiple of its
+#: ``BLOCK_N``), about 2.5 s each on a GPU (mostly compiling, an estimate): within the 170 s ``bench/gpu_session.sh
+#: prefill-sweep`` gives the sweep (a forward's 32 keys a step and a column pass's 4 stages left out).
+PREFILL_FORWARD_GRID = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
+PREFILL_COLUMN_GRID = {"BLOCK_N": [32, 64, 128], "BLOCK_M": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
+
+
 def write_best(path: str | None, forward: dict[str, int], columns: dict[str, int]) -> None:
-    """The prefill sweep's fastest pair so far, as ``KVGATES_PREFILL_CONFIG`` takes it, to ``path`` (if given)."""
+    """The prefill sweep's fastest pair so far, as ``KVGATES_PREFILL_CONFIG`` takes it (checked by its parser), to
+    ``path`` if given: written beside it and moved over it, so a sweep killed at its limit leaves a whole file."""
     if path:
-        Path(path).write_text(json.dumps({"forward": forward, "columns": columns}) + "\n")
+        from kvgates.kernels.triton_ops import _prefill_override
+
+        text = json.dumps({"forward": forward, "columns": columns})
+        _prefill_override(text)
+        partial = Path(f"{path}.partial")
+        partial.write_text(text + "\n")
+        os.replace(partial, path)
         print(f" fastest so far written to {path}", flush=True)
 
 
@@ -309,10 +324,9 @@ def sweep_prefill(args: argparse.Namespace, h: int, hkv: int, device: str) -> No
     the five fastest and the default of each, then the fastest pair against the default pair."""
     from kvgates.kernels import triton_ops
 
-    # 18 forward and 36 column configurations, about 2.5 s each on a GPU (mostly compiling): within the 4 minutes
-    # a session's second device call has (a forward's 32 keys a step and a column pass's 4 stages left out).
-    forward_grid = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
-    column_grid = {"BLOCK_N": [32, 64, 128], "BLOCK_M": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
+    forward_grid, column_grid = PREFILL_FORWARD_GRID, PREFILL_COLUMN_GRID
+    if os.environ.get(PREFILL_CONFIG_ENV):
+        print(f" {PREFILL_CONFIG_ENV} is set: the rows marked (default) are its configuration, not the built-in one")
     if args.smoke:
         forward_grid = {"BLOCK_M": [32], "BLOCK_N": [16, 32], "num_warps": [4], "num_stages": [1]}
         column_grid = {"BLOCK_N": [16, 32], "BLOCK_M": [16], "num_warps": [4], "num_stages": [1]}

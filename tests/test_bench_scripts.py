@@ -2,6 +2,7 @@
 
 import ast
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -78,6 +79,24 @@ def test_prefill_sweep_smoke_ranks_both_passes(tmp_path):
     assert [ast.literal_eval(line[line.index("{") : line.rindex("}") + 1]) for line in ranks] == [fastest["forward"], fastest["columns"]]
 
 
+def test_every_configuration_the_prefill_sweep_measures_is_one_the_override_takes(monkeypatch):
+    """``bench/kernels.py --sweep-prefill --best-json`` writes its fastest pair for KVGATES_PREFILL_CONFIG: any
+    configuration of its grids (on a GPU, not the smoke run's) must parse there, or ``prefill-tuned`` measures
+    nothing."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_kernels_grids", ROOT / "bench" / "kernels.py")
+    kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels)
+    from kvgates.kernels.triton_ops import _prefill_override
+
+    forwards = [c for c in kernels.configurations(kernels.PREFILL_FORWARD_GRID) if c["BLOCK_M"] % c["BLOCK_N"] == 0]
+    columns = kernels.configurations(kernels.PREFILL_COLUMN_GRID)
+    assert (len(forwards), len(columns)) == (18, 36)
+    for forward in forwards:
+        for column in columns:
+            _prefill_override(json.dumps({"forward": forward, "columns": column}))
+
+
 def test_best_json_is_the_prefill_sweeps_and_a_bad_prefill_config_is_one_sentence(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "kernels.py"), "--smoke", "--best-json", str(tmp_path / "best.json")],
@@ -91,7 +110,7 @@ def test_best_json_is_the_prefill_sweeps_and_a_bad_prefill_config_is_one_sentenc
     )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip() == (
-        "prefill_speed.py: KVGATES_PREFILL_CONFIG's columns.BLOCK_N must be a power of two, got 48 (see prefill_speed.py --help)"
+        "prefill_speed.py: KVGATES_PREFILL_CONFIG's columns.BLOCK_N must be a power of two from 16, got 48 (see prefill_speed.py --help)"
     )
 
 
@@ -196,8 +215,8 @@ def test_gpu_policies_bench_adds_captured_decode_rows():
     assert result.stdout.count("| h2o captured | ") == 2  # a prefill row and a decode row
 
 
-def _gpu_session(tmp_path: Path, *stages: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OUT": str(tmp_path), "GPU_SESSION_SMOKE": "1", "PYTHON": sys.executable}
+def _gpu_session(tmp_path: Path, *stages: str, seconds: str = "1500") -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_SESSION_SMOKE": "1", "PYTHON": sys.executable, "GPU_SESSION_SECONDS": seconds}
     return subprocess.run(
         ["bash", str(ROOT / "bench" / "gpu_session.sh"), *stages], capture_output=True, text=True, timeout=1800, env=env
     )
@@ -219,6 +238,11 @@ def test_gpu_session_env_stage_logs_versions_and_an_unknown_stage_is_refused(tmp
         "captured-merge prefill prefill-rest kernels train train-dms"
     )
     assert list(tmp_path.iterdir()) == []
+    # A call's stages end within GPU_SESSION_SECONDS of its start: one with under 10 s left is skipped, a failure.
+    result = _gpu_session(tmp_path, "env", seconds="5")
+    assert result.returncode == 1
+    log = (tmp_path / "session.log").read_text()
+    assert log.startswith("=== env skipped: ") and "of the call's 5 s" in log and "\n=== summary\nenv: skipped, " in log
 
 
 @pytest.mark.slow
@@ -234,7 +258,8 @@ def test_gpu_session_stages_run_at_toy_sizes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prefill-best.json", "session.log", "tests.xml", "traces.tar.gz"]
     log = (tmp_path / "session.log").read_text()
     summary = log[log.rindex("=== summary") :].splitlines()[1:]
-    assert f"KVGATES_PREFILL_CONFIG={(tmp_path / 'prefill-best.json').read_text().strip()}" in log  # prefill-tuned ran under it
+    # prefill-tuned ran under the sweep's fastest pair (as the bench prints it, not the stage's header)
+    assert f"; KVGATES_PREFILL_CONFIG={(tmp_path / 'prefill-best.json').read_text().strip()}\n" in log
     for stage in (*stages, "copies", "prefill-b8", "tests", "prefill-changed", "kernels-8k", "prefill-tuned"):
         assert f"=== {stage} done, exit status 0" in log, stage
         assert any(line.startswith(f"{stage}: exit status 0, ") for line in summary), stage

@@ -4,6 +4,7 @@ On CPU this needs TRITON_INTERPRET=1 (set by `make test`); on a CUDA machine it 
 Tolerances: float32 tight (1e-5), float16/bfloat16 as stated per test (inputs rounded, fp32 accumulation).
 """
 
+import json
 import os
 import re
 
@@ -193,13 +194,28 @@ def test_prefill_config_override_from_the_environment(ops, monkeypatch):
     ("{forward: 1}", "is not JSON"),
     ('{"backward": {}}', 'must be an object with "forward" and/or "columns"'),
     ('{"columns": {"BLOCK_K": 32}}', "'columns' must be an object of BLOCK_M, BLOCK_N, num_warps, num_stages"),
-    ('{"forward": {"num_warps": 6}}', "forward.num_warps must be a power of two, got 6"),
-    ('{"forward": {"BLOCK_N": true}}', "forward.BLOCK_N must be a power of two, got True"),
+    ('{"forward": {"num_warps": 6}}', "forward.num_warps must be a power of two up to 32, got 6"),
+    ('{"columns": {"num_warps": 64}}', "columns.num_warps must be a power of two up to 32, got 64"),
+    ('{"forward": {"BLOCK_N": true}}', "forward.BLOCK_N must be a power of two from 16, got True"),
+    ('{"columns": {"BLOCK_M": 8}}', "columns.BLOCK_M must be a power of two from 16, got 8"),
+    ('{"columns": {"num_stages": 0}}', "columns.num_stages must be a whole number from 1, got 0"),
+    # the CPU's forward default is 32 x 16: 128 keys a step is not a whole number of them
+    ('{"forward": {"BLOCK_N": 64}}', "gives the prefill forward BLOCK_M 32 and BLOCK_N 64 here"),
 ])
 def test_prefill_config_override_refuses_what_it_cannot_launch(ops, monkeypatch, value, message):
     monkeypatch.setenv(ops.PREFILL_CONFIG_ENV, value)
     with pytest.raises(ValueError, match=f"^KVGATES_PREFILL_CONFIG.*{re.escape(message)}"):
-        ops._prefill_config(32, torch.float32, torch.device(DEVICE))
+        ops._prefill_config(32, torch.float32, torch.device("cpu"))
+
+
+def test_prefill_config_override_takes_every_default(ops, monkeypatch):
+    """Every built-in configuration is a value the override takes (three pipeline stages included: a GPU's default,
+    which a sweep's fastest pair often keeps)."""
+    for d, dtype, device in [(64, torch.float16, "cuda"), (128, torch.bfloat16, "cuda"), (128, torch.float32, "cuda"), (32, torch.float32, "cpu")]:
+        cfg = ops._prefill_config(d, dtype, torch.device(device))
+        monkeypatch.setenv(ops.PREFILL_CONFIG_ENV, json.dumps(cfg))
+        assert ops._prefill_config(d, dtype, torch.device(device)) == cfg
+        monkeypatch.delenv(ops.PREFILL_CONFIG_ENV)
 
 
 COLMAX_CASES = [  # (batch, query heads, KV heads, held slots, query rows, head_dim, layout)

@@ -31,8 +31,9 @@ LAUNCH_BOUND_ENV = "KVGATES_LAUNCH_BOUND"
 
 
 #: A JSON object that overrides the prefill kernels' launch configurations (``triton_ops._prefill_config``) on any
-#: device: ``{"forward": {...}, "columns": {...}}``, either or both, each with any of ``BLOCK_M``, ``BLOCK_N``,
-#: ``num_warps`` and ``num_stages`` (powers of two; the rest stay the defaults). The defaults were chosen on an H100 and
+#: device: ``{"forward": {...}, "columns": {...}}``, either or both, each with any of ``BLOCK_M``, ``BLOCK_N`` (powers of
+#: two from 16), ``num_warps`` (powers of two up to 32) and ``num_stages``; the rest stay the defaults, and the forward's
+#: ``BLOCK_M`` must be a multiple of its ``BLOCK_N``. The defaults were chosen on an H100 and
 #: an H200; ``bench/kernels.py --sweep-prefill --best-json`` writes the fastest pair of another GPU in this form, and
 #: ``bench/gpu_session.sh prefill-sweep`` measures the policies' prefill under it in the same call.
 PREFILL_CONFIG_ENV = "KVGATES_PREFILL_CONFIG"

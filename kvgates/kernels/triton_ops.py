@@ -529,7 +529,9 @@ _LAUNCH_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
 @lru_cache(maxsize=8)
 def _prefill_override(text: str) -> dict[str, dict[str, int]]:
-    """``KVGATES_PREFILL_CONFIG``'s value, parsed and checked once (each prefill call looks it up here)."""
+    """``KVGATES_PREFILL_CONFIG``'s value, parsed and checked once (each prefill call looks it up here; the dicts
+    returned are shared, not to be modified): blocks powers of two from 16 (``tl.dot``'s least), warps powers of two
+    up to 32, stages from 1."""
     try:
         override = json.loads(text)
     except json.JSONDecodeError as err:
@@ -540,8 +542,13 @@ def _prefill_override(text: str) -> dict[str, dict[str, int]]:
         if not isinstance(launch, dict) or not set(launch) <= set(_LAUNCH_KEYS):
             raise ValueError(f"{PREFILL_CONFIG_ENV}'s {name!r} must be an object of {', '.join(_LAUNCH_KEYS)}, got {launch!r}")
         for key, value in launch.items():
-            if type(value) is not int or value < 1 or value & (value - 1):
-                raise ValueError(f"{PREFILL_CONFIG_ENV}'s {name}.{key} must be a power of two, got {value!r}")
+            number = type(value) is int
+            if key.startswith("BLOCK") and not (number and value >= 16 and not value & (value - 1)):
+                raise ValueError(f"{PREFILL_CONFIG_ENV}'s {name}.{key} must be a power of two from 16, got {value!r}")
+            if key == "num_warps" and not (number and 1 <= value <= 32 and not value & (value - 1)):
+                raise ValueError(f"{PREFILL_CONFIG_ENV}'s {name}.num_warps must be a power of two up to 32, got {value!r}")
+            if key == "num_stages" and not (number and value >= 1):
+                raise ValueError(f"{PREFILL_CONFIG_ENV}'s {name}.num_stages must be a whole number from 1, got {value!r}")
     return override
 
 
@@ -565,6 +572,12 @@ def _prefill_config(d: int, dtype: torch.dtype, device: torch.device) -> dict[st
     if override:
         for name, launch in _prefill_override(override).items():
             cfg[name].update(launch)
+        fwd = cfg["forward"]
+        if fwd["BLOCK_M"] % fwd["BLOCK_N"]:
+            raise ValueError(
+                f"{PREFILL_CONFIG_ENV} gives the prefill forward BLOCK_M {fwd['BLOCK_M']} and BLOCK_N {fwd['BLOCK_N']} here (with "
+                "the defaults it leaves): BLOCK_M must be a multiple of BLOCK_N"
+            )
     return cfg
 
 
