@@ -296,8 +296,9 @@ def sweep_decode(args: argparse.Namespace, h: int, hkv: int, device: str, peak: 
 
 
 #: The prefill sweep's grids: 18 forward and 36 column configurations (the forward's ``BLOCK_M`` a multiple of its
-#: ``BLOCK_N``), about 2.5 s each on a GPU (mostly compiling, an estimate): within the 170 s ``bench/gpu_session.sh
-#: prefill-sweep`` gives the sweep (a forward's 32 keys a step and a column pass's 4 stages left out).
+#: ``BLOCK_N``; a forward's 32 keys a step and a column pass's 4 stages left out). Compiling them for sm_90 took 62 s
+#: on a 2-core CPU (1.65 s a forward, 0.9 s a column pass; ``bench/triton_compile.py``'s driver), and each is timed
+#: for about 0.1 s: within the 170 s ``bench/gpu_session.sh prefill-sweep`` gives the sweep.
 PREFILL_FORWARD_GRID = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
 PREFILL_COLUMN_GRID = {"BLOCK_N": [32, 64, 128], "BLOCK_M": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
 
