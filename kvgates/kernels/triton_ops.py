@@ -390,12 +390,16 @@ def window_scores_flat(
 
 # ---------------------------------------------------------------------------------------------- prefill with scores
 @triton.jit
-def _prefill_program(H, G, N, D, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+def _prefill_program(H, G, N, D, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, LAST_FIRST: tl.constexpr = False):
     """(batch, query head, its KV head, first index, indices, their mask, feature indices, their mask) of a prefill
-    program: axis 1 is the (sequence, query head), axis 0 the block of rows (or keys) it owns."""
+    program: axis 1 is the (sequence, query head), axis 0 the block of rows (or keys) it owns, the last block first
+    with ``LAST_FIRST``. A GPU starts programs in the order of their ids, axis 0 fastest: the causal forward's last
+    row blocks, which see the most keys, go first, so that the launch does not end on them (flash attention's order);
+    the column pass's first key blocks, seen by the most rows, come first as they are."""
     bh = tl.program_id(1)
     qh = bh % H
-    start = tl.program_id(0) * BLOCK
+    block = tl.num_programs(0) - 1 - tl.program_id(0) if LAST_FIRST else tl.program_id(0)
+    start = block * BLOCK
     idx = start + tl.arange(0, BLOCK)
     d = tl.arange(0, BLOCK_D)
     return (bh // H).to(tl.int64), qh, qh // G, start, idx, idx < N, d, d < D
@@ -438,7 +442,7 @@ def _prefill_forward(
 ):
     """Flash-attention forward of one block of query rows of one head under the causal mask; also stores each
     row's base-2 logsumexp of its scaled logits (the normaliser the column pass needs)."""
-    b, qh, kh, m0, m, mm, d, dm = _prefill_program(H, G, N, D, BLOCK_M, BLOCK_D)
+    b, qh, kh, m0, m, mm, d, dm = _prefill_program(H, G, N, D, BLOCK_M, BLOCK_D, True)
     q = tl.load(Q + b * sqb + qh * sqh + m[:, None] * sqn + d[None, :], mask=mm[:, None] & dm[None, :], other=0.0)
     k_base = K + b * skb + kh * skh
     v_base = V + b * svb + kh * svh
