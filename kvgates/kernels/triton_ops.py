@@ -546,10 +546,11 @@ def _prefill_override(text: str) -> dict[str, dict[str, int]]:
         if not isinstance(launch, dict) or not set(launch) <= set(_LAUNCH_KEYS):
             raise ValueError(f"{PREFILL_CONFIG_ENV}'s {name!r} must be an object of {', '.join(_LAUNCH_KEYS)}, got {launch!r}")
         for key, value in launch.items():
-            number = type(value) is int
-            if key.startswith("BLOCK") and not (number and value >= 16 and not value & (value - 1)):
+            number = type(value) is int  # (not bool)
+            power = number and value > 0 and not value & (value - 1)
+            if key.startswith("BLOCK") and not (power and value >= 16):
                 raise ValueError(f"{PREFILL_CONFIG_ENV}'s {name}.{key} must be a power of two from 16, got {value!r}")
-            if key == "num_warps" and not (number and 1 <= value <= 32 and not value & (value - 1)):
+            if key == "num_warps" and not (power and value <= 32):
                 raise ValueError(f"{PREFILL_CONFIG_ENV}'s {name}.num_warps must be a power of two up to 32, got {value!r}")
             if key == "num_stages" and not (number and value >= 1):
                 raise ValueError(f"{PREFILL_CONFIG_ENV}'s {name}.num_stages must be a whole number from 1, got {value!r}")
