@@ -317,6 +317,28 @@ def test_launches_count_an_interpreted_kernel_call_once_and_not_its_argument_cop
     assert not {"set_", "new_empty", "copy_"} & set(counted.ops), counted.ops
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="counts the interpreter's launches (a GPU's Triton launch is no aten operator)")
+def test_window_scores_of_a_sliced_window_launch_two_kernels_and_nothing_else(ops, monkeypatch):
+    """As the runtime calls it (the last rows of a longer query, their positions and flags sliced off, each with its
+    own strides), the slots split across programs: the reference's scores from two kernel launches, with no fill, no
+    copy and no combine of the splits by torch (a small batch's scoring is bound by launches)."""
+    from kvgates.runtime.launches import Launches
+
+    monkeypatch.setattr(ops, "_multiprocessors", lambda device: 16)
+    keys, values, pos = flat_layer(2, [300, 90], 64, torch.float16, seed=9)
+    g = torch.Generator().manual_seed(10)
+    n, w = 20, 6
+    query = torch.randn(2, n, 4, 64, generator=g).to(torch.float16).to(DEVICE).transpose(1, 2)  # [B, n, H, D] memory
+    q_pos = torch.arange(880, 900).expand(2, n).contiguous().to(DEVICE)
+    real = (torch.rand(2, n + 3, generator=g) > 0.2).to(DEVICE)[:, 3:]  # strides other than the positions'
+    args = (query[:, :, n - w :], keys, values, pos, [300, 90], q_pos[:, n - w :], real[:, n - w :], 0.125)
+    with Launches() as counted:
+        got = ops.window_scores_flat(*args)
+    assert set(counted.ops) == {"empty", "triton:_window_row_stats", "triton:_window_columns"}, counted.ops
+    assert counted.ops["empty"] == 2  # the scores and the splits' statistics
+    torch.testing.assert_close(got, reference.window_scores_flat(*args), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("block_n,programs_per_sm", [(16, 1), (32, 8), (128, 2)])
 def test_decode_attention_under_every_swept_launch_configuration(ops, block_n, programs_per_sm):
     """The launch configurations ``bench/kernels.py --sweep-decode`` tries (tiles wider than a head's capacity,

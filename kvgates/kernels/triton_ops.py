@@ -9,7 +9,7 @@ and ``causal_attention_stats`` also take a launch configuration (``bench/kernels
   over the group), so policies need no second pass over the keys.
 * ``window_scores_flat`` — observation-window scoring: a row-statistics pass (the slots split across programs,
   as in decoding) and a column pass over the keys, one ``BLOCK_R x BLOCK_N`` tile at a time (the ``w x C``
-  probabilities never exist).
+  probabilities never exist), which combines the splits' row statistics itself: two launches a call.
 * ``causal_attention_stats`` — prefill attention (flash-attention forward, storing each row's logsumexp) and,
   in a second key-block-major pass that recomputes the logits, the column sums and window scores of its
   probabilities: each program owns a block of keys and loops over the query rows that see them (no atomics,
@@ -51,6 +51,11 @@ _LOG2E = 1.4426950408889634
 def _pow2(n: int, lo: int = 16) -> int:
     """The least power of two at least ``n`` and ``lo``."""
     return max(lo, 1 << (max(int(n), 1) - 1).bit_length())
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """``x``, copied only if its last axis is not contiguous (the kernels take every other stride)."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -145,6 +150,15 @@ def _decode_partial(
 
 
 @triton.jit
+def _split_weights(m, AXIS: tl.constexpr):
+    """The global max of partial maxima ``m`` along their splits' axis ``AXIS`` (0 where every split's is ``-inf``:
+    nothing visible) and each split's weight ``exp2(m - max)`` (0 for an empty split)."""
+    top = tl.max(m, AXIS)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    return top, tl.exp2(m - tl.expand_dims(top, AXIS))
+
+
+@triton.jit
 def _decode_finish(
     M_PART, L_PART, O_PART, OUT, LOGITS, CAPS, PROBS, H, G, NS, D, C_MAX,
     smb, smh, sob, soh, sos, sb, sh, slb, slh, spb, sph,
@@ -170,9 +184,7 @@ def _decode_finish(
         qh = h * G + gi
         m = tl.load(M_PART + b * smb + qh * smh + s, mask=sm, other=float("-inf"))
         lsum = tl.load(L_PART + b * smb + qh * smh + s, mask=sm, other=0.0)
-        top = tl.max(m, 0)
-        top = tl.where(top == float("-inf"), 0.0, top)  # a head with no valid slot: every logit is -inf
-        w = tl.exp2(m - top)
+        top, w = _split_weights(m, 0)
         total = tl.sum(w * lsum, 0)
         norm = tl.where(total > 0, total, 1.0)
         if blk == 0:
@@ -256,13 +268,13 @@ def decode_attention_flat(
 # ---------------------------------------------------------------------------------------------- window scores
 @triton.jit
 def _window_row_stats(
-    Q, K, POS, OFFS, CAPS, QPOS, M_OUT, L_OUT,
+    Q, K, POS, OFFS, CAPS, QPOS, PART,
     scale_log2, H, G, W, D, SPLIT,
-    sqb, sqh, sqw, skb, sks, spb, sph, sqpb, smb, smh, smw,
+    sqb, sqh, sqw, skb, sks, spb, sph, sqpb, sxp, sxb, sxh, sxw,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Max and normaliser of a block of window rows over one split of a head's slots (combined on the host side
-    of the launch, by torch, without a sync)."""
+    """Max and normaliser of a block of window rows over one split of a head's slots, stored in planes 0 and 1 of
+    ``PART`` (the column pass combines the splits)."""
     b, h, off, cap = _program_head(tl.program_id(0), H, G, OFFS, CAPS)
     rb = tl.program_id(1)
     split = tl.program_id(2)
@@ -290,16 +302,18 @@ def _window_row_stats(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
         m_i = m_new
-    tl.store(M_OUT + b * smb + qh * smh + wi * smw + split, m_i, mask=rm)
-    tl.store(L_OUT + b * smb + qh * smh + wi * smw + split, l_i, mask=rm)
+    part = PART + b * sxb + qh * sxh + wi * sxw + split
+    tl.store(part, m_i, mask=rm)
+    tl.store(part + sxp, l_i, mask=rm)
 
 
 @triton.jit
 def _window_columns(
-    Q, K, POS, OFFS, CAPS, QPOS, QVALID, M, L, OUT,
-    scale_log2, H, G, W, D, C_MAX,
-    sqb, sqh, sqw, skb, sks, spb, sph, sqpb, smb, smh, sob, soh,
-    MEAN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    Q, K, POS, OFFS, CAPS, QPOS, QVALID, PART, OUT,
+    scale_log2, H, G, W, D, C_MAX, NS,
+    sqb, sqh, sqw, skb, sks, spb, sph, sqpb, sxp, sxb, sxh, sxw, svb, sob, soh,
+    MEAN: tl.constexpr, NS_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     b, h, off, cap = _program_head(tl.program_id(0), H, G, OFFS, CAPS)
     nb = tl.program_id(1)
@@ -309,6 +323,7 @@ def _window_columns(
     dm = d < D
     p = tl.load(POS + b * spb + h * sph + n, mask=nm, other=-1)
     k = tl.load(K + b * skb + (off + n)[:, None] * sks + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+    sp = tl.arange(0, NS_PAD)
     col = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)  # per row of a step, summed over rows once (as _column_step's)
     for r0 in range(0, G * W, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
@@ -318,9 +333,12 @@ def _window_columns(
         qh = h * G + gi
         q = tl.load(Q + b * sqb + qh[:, None] * sqh + wi[:, None] * sqw + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
         qp = tl.load(QPOS + b * sqpb + wi, mask=rm, other=-1)
-        qv = tl.load(QVALID + b * sqpb + wi, mask=rm, other=0)
-        m = tl.load(M + b * smb + qh * smh + wi, mask=rm, other=0.0)
-        lsum = tl.load(L + b * smb + qh * smh + wi, mask=rm, other=0.0)
+        qv = tl.load(QVALID + b * svb + wi, mask=rm, other=0)
+        # the rows' global max and normaliser, from the row-statistics pass's splits
+        part = PART + b * sxb + qh[:, None] * sxh + wi[:, None] * sxw + sp[None, :]
+        pm = rm[:, None] & (sp[None, :] < NS)
+        m, weight = _split_weights(tl.load(part, mask=pm, other=float("-inf")), 1)
+        lsum = tl.sum(weight * tl.load(part + sxp, mask=pm, other=0.0), 1)
         s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
         vis = (rm & (qv != 0) & (lsum > 0))[:, None] & nm[None, :] & (p[None, :] >= 0) & (p[None, :] <= qp[:, None])
         prob = tl.where(vis, tl.exp2(s - m[:, None]) / tl.where(lsum > 0, lsum, 1.0)[:, None], 0.0)
@@ -349,41 +367,33 @@ def window_scores_flat(
     g = h // hkv
     cmax = pos.shape[-1]
     dev = q.device
-    out = torch.zeros((b, hkv, cmax), dtype=torch.float32, device=dev)
-    if cmax == 0 or w == 0:
-        return out
-    q, keys, pos = q.contiguous(), keys.contiguous(), pos.contiguous()
-    q_pos = q_pos.to(torch.int64).contiguous()
-    q_valid = q_valid.to(torch.int8).contiguous()
+    if cmax == 0 or w == 0 or b == 0:
+        return torch.zeros((b, hkv, cmax), dtype=torch.float32, device=dev)
+    # Two launches and no fill, whatever the batch (a small batch's scoring is bound by launches): the column pass
+    # writes every slot of ``out`` and combines the row-statistics pass's splits itself. Inputs are copied only where
+    # their last axis is not contiguous (a window sliced off the queries is not, as a whole, and needs no copy).
+    q, keys, pos, q_pos = (_unit_last(x) for x in (q, keys, pos, q_pos))
+    q_valid = _unit_last(q_valid.view(torch.int8) if q_valid.dtype == torch.bool else q_valid.to(torch.int8))
+    out = torch.empty((b, hkv, cmax), dtype=torch.float32, device=dev)
     offs, caps_t = _layout(tuple(caps), str(dev))
     block_r, block_n, block_d = 32, 64 if d <= 64 else 32, _pow2(d)
-    # The slots split across programs so that a small batch still fills the device; the splits' row maxima and
-    # normalisers are combined by torch (no sync).
+    # The slots split across programs so that a small batch still fills the device.
     row_blocks = _cdiv(g * w, block_r)
     splits = max(1, min(_cdiv(cmax, block_n), _cdiv(4 * _multiprocessors(dev), b * hkv * row_blocks)))
     split = _cdiv(_cdiv(cmax, splits), block_n) * block_n
     splits = _cdiv(cmax, split)
-    m_part = torch.empty((b, h, w, splits), dtype=torch.float32, device=dev)
-    l_part = torch.empty_like(m_part)
+    part = torch.empty((2, b, h, w, splits), dtype=torch.float32, device=dev)  # each row's max and normaliser a split
     strides = (
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), pos.stride(0), pos.stride(1), q_pos.stride(0)
     )
+    part_strides = (part.stride(0), part.stride(1), part.stride(2), part.stride(3))
+    meta = {"BLOCK_R": block_r, "BLOCK_N": block_n, "BLOCK_D": block_d, "PREC": _precision(q.dtype), "UPCAST": _upcast(q.dtype)}
     _window_row_stats[(b * hkv, row_blocks, splits)](
-        q, keys, pos, offs, caps_t, q_pos, m_part, l_part, scale * _LOG2E, h, g, w, d, split, *strides,
-        m_part.stride(0), m_part.stride(1), m_part.stride(2),
-        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype),
+        q, keys, pos, offs, caps_t, q_pos, part, scale * _LOG2E, h, g, w, d, split, *strides, *part_strides, **meta
     )
-    if splits == 1:
-        m, lsum = m_part[..., 0], l_part[..., 0]
-    else:
-        m = m_part.amax(-1)
-        lsum = (l_part * torch.exp2(m_part - torch.where(m.isinf(), 0.0, m)[..., None])).sum(-1)
-    m, lsum = m.contiguous(), lsum.contiguous()
-    common = (*strides, m.stride(0), m.stride(1))
     _window_columns[(b * hkv, _cdiv(cmax, block_n))](
-        q, keys, pos, offs, caps_t, q_pos, q_valid, m, lsum, out, scale * _LOG2E, h, g, w, d, cmax, *common,
-        out.stride(0), out.stride(1),
-        MEAN=reduce == "mean", BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype),
+        q, keys, pos, offs, caps_t, q_pos, q_valid, part, out, scale * _LOG2E, h, g, w, d, cmax, splits, *strides,
+        *part_strides, q_valid.stride(0), out.stride(0), out.stride(1), MEAN=reduce == "mean", NS_PAD=_pow2(splits, 2), **meta,
     )
     return out
 
