@@ -10,8 +10,8 @@ operator that is not a view is at least one kernel launch on a GPU, and a read b
 counts both over one prefill of ``--context`` tokens and over one decode step (the
 third after the prompt, as caches are warm by then), per arm: a DynamicCache + sdpa (the reference) and a
 ``BudgetCache`` per policy at ``--budget`` (per-step evicting policies also with ``--slack``). It prints the counts
-per layer and their ratio to the reference, and with ``--ops N`` the N most frequent operators of each decode
-step, and the operators behind each arm's host syncs. Counts do not depend on timing, so a CPU run predicts what
+per layer and their ratio to the reference, and with ``--ops N`` the N most frequent operators of each prefill
+and decode step, and the operators behind each arm's host syncs. Counts do not depend on timing, so a CPU run predicts what
 changes on a GPU, with two differences: on the CPU a prefill's attention and statistics are the torch reference's,
 tile by tile (one Triton launch or a few on a GPU), and a few policies take other paths on a GPU, where launches
 and reads cost more than arithmetic (``kvgates.kernels.host.launch_bound``: D2O's merge tiles, KVMerger's scan):
@@ -79,9 +79,10 @@ def main() -> None:
                 syncs = ", ".join(f"{name} {n / layers:.1f}" for name, n in counted.sync_ops.most_common())
                 print(f"{label}, {phase}: host syncs per layer by operator: {syncs}")
     if args.ops:
-        for label, (_, step) in counts.items():
-            top = ", ".join(f"{name} {n / layers:.1f}" for name, n in step.ops.most_common(args.ops))
-            print(f"\n{label}, decode step per layer: {top}")
+        for label, (prefill, step) in counts.items():
+            for phase, counted in (("prefill", prefill), ("decode step", step)):
+                top = ", ".join(f"{name} {n / layers:.1f}" for name, n in counted.ops.most_common(args.ops))
+                print(f"\n{label}, {phase} per layer: {top}")
 
 
 if __name__ == "__main__":
