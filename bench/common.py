@@ -87,14 +87,13 @@ def setup(
     if problem is not None:
         parser.error(problem)
     launch = os.environ.get(PREFILL_CONFIG_ENV)  # the prefill kernels' blocks, where a sweep set them (bench/kernels.py)
-    if launch:
-        from kvgates.kernels.triton_ops import _prefill_override
-
-        try:
-            _prefill_override(launch)
-        except ValueError as err:
-            parser.error(str(err))
+    shape = random_shape(args.model)
+    if launch:  # checked with the defaults it leaves, for this run's head dim, dtype and device (a real model's: once loaded)
+        _check_launch(parser, args, RANDOM_SHAPES[shape]["head_dim"] if shape else None)
     model, tokenizer = _load(args)
+    if launch and not shape:
+        config = model.config
+        _check_launch(parser, args, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     facts = "; ".join(f"{name} {getattr(args, name)}" for name, default in options.items() if not isinstance(default, list))
     if launch:
         facts += f"; {PREFILL_CONFIG_ENV}={launch}"
@@ -148,10 +147,28 @@ def random_model(shape: str, layers: int | None, device: str | torch.device, dty
     return model.eval()
 
 
+def _dtype(args: argparse.Namespace) -> torch.dtype:
+    """The run's dtype: ``--dtype``, else bfloat16 on a GPU and float32 on the CPU."""
+    return getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+
+
+def _check_launch(parser: argparse.ArgumentParser, args: argparse.Namespace, head_dim: int | None) -> None:
+    """Refuse ``KVGATES_PREFILL_CONFIG`` in one sentence if it is malformed, or (``head_dim`` known) if the prefill
+    configuration it makes with the defaults it leaves is (``_prefill_config``), rather than at the first prefill."""
+    from kvgates.kernels.triton_ops import _prefill_config, _prefill_override
+
+    try:
+        _prefill_override(os.environ[PREFILL_CONFIG_ENV])
+        if head_dim is not None:
+            _prefill_config(head_dim, _dtype(args), torch.device(args.device))
+    except ValueError as err:
+        parser.error(str(err))
+
+
 def _load(args: argparse.Namespace):
     """(model, tokenizer or None) on the requested device; ``random[:NAME]`` builds a model of that shape with random
     weights (``--layers`` of them)."""
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    dtype = _dtype(args)
     shape = random_shape(args.model)
     if shape is not None:
         return kvgates.prepare_model(random_model(shape, args.layers, args.device, dtype)), None
