@@ -318,10 +318,11 @@ def test_launches_count_an_interpreted_kernel_call_once_and_not_its_argument_cop
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="counts the interpreter's launches (a GPU's Triton launch is no aten operator)")
-def test_window_scores_of_a_sliced_window_launch_two_kernels_and_nothing_else(ops, monkeypatch):
+def test_window_scores_of_a_sliced_window_launch_three_kernels_and_nothing_else(ops, monkeypatch):
     """As the runtime calls it (the last rows of a longer query, their positions and flags sliced off, each with its
-    own strides), the slots split across programs: the reference's scores from two kernel launches, with no fill, no
-    copy and no combine of the splits by torch (a small batch's scoring is bound by launches)."""
+    own strides), the slots split across programs: the reference's scores from three kernel launches (row statistics,
+    their splits' combine, columns), with no fill, no copy and no torch operator (a small batch's scoring is bound by
+    launches)."""
     from kvgates.runtime.launches import Launches
 
     monkeypatch.setattr(ops, "_multiprocessors", lambda device: 16)
@@ -334,7 +335,8 @@ def test_window_scores_of_a_sliced_window_launch_two_kernels_and_nothing_else(op
     args = (query[:, :, n - w :], keys, values, pos, [300, 90], q_pos[:, n - w :], real[:, n - w :], 0.125)
     with Launches() as counted:
         got = ops.window_scores_flat(*args)
-    assert set(counted.ops) == {"empty", "triton:_window_row_stats", "triton:_window_columns"}, counted.ops
+    kernels = {"triton:_window_row_stats", "triton:_window_combine", "triton:_window_columns"}
+    assert set(counted.ops) == {"empty", *kernels} and all(counted.ops[k] == 1 for k in kernels), counted.ops
     assert counted.ops["empty"] == 2  # the scores and the splits' statistics
     torch.testing.assert_close(got, reference.window_scores_flat(*args), atol=2e-2, rtol=2e-2)
 

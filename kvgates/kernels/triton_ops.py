@@ -9,7 +9,8 @@ and ``causal_attention_stats`` also take a launch configuration (``bench/kernels
   over the group), so policies need no second pass over the keys.
 * ``window_scores_flat`` — observation-window scoring: a row-statistics pass (the slots split across programs,
   as in decoding) and a column pass over the keys, one ``BLOCK_R x BLOCK_N`` tile at a time (the ``w x C``
-  probabilities never exist), which combines the splits' row statistics itself: two launches a call.
+  probabilities never exist); a small kernel combines the splits' row statistics in between (three launches a call,
+  two with one split).
 * ``causal_attention_stats`` — prefill attention (flash-attention forward, storing each row's logsumexp) and,
   in a second key-block-major pass that recomputes the logits, the column sums and window scores of its
   probabilities: each program owns a block of keys and loops over the query rows that see them (no atomics,
@@ -150,15 +151,6 @@ def _decode_partial(
 
 
 @triton.jit
-def _split_weights(m, AXIS: tl.constexpr):
-    """The global max of partial maxima ``m`` along their splits' axis ``AXIS`` (0 where every split's is ``-inf``:
-    nothing visible) and each split's weight ``exp2(m - max)`` (0 for an empty split)."""
-    top = tl.max(m, AXIS)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    return top, tl.exp2(m - tl.expand_dims(top, AXIS))
-
-
-@triton.jit
 def _decode_finish(
     M_PART, L_PART, O_PART, OUT, LOGITS, CAPS, PROBS, H, G, NS, D, C_MAX,
     smb, smh, sob, soh, sos, sb, sh, slb, slh, spb, sph,
@@ -184,7 +176,9 @@ def _decode_finish(
         qh = h * G + gi
         m = tl.load(M_PART + b * smb + qh * smh + s, mask=sm, other=float("-inf"))
         lsum = tl.load(L_PART + b * smb + qh * smh + s, mask=sm, other=0.0)
-        top, w = _split_weights(m, 0)
+        top = tl.max(m, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)  # a head with no valid slot: every logit is -inf
+        w = tl.exp2(m - top)
         total = tl.sum(w * lsum, 0)
         norm = tl.where(total > 0, total, 1.0)
         if blk == 0:
@@ -274,7 +268,7 @@ def _window_row_stats(
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Max and normaliser of a block of window rows over one split of a head's slots, stored in planes 0 and 1 of
-    ``PART`` (the column pass combines the splits)."""
+    ``PART`` (``_window_combine`` combines the splits)."""
     b, h, off, cap = _program_head(tl.program_id(0), H, G, OFFS, CAPS)
     rb = tl.program_id(1)
     split = tl.program_id(2)
@@ -308,12 +302,33 @@ def _window_row_stats(
 
 
 @triton.jit
+def _window_combine(PART, ROWS, NS, SXP, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Combine each window row's splits (``NS`` of them, ``CHUNK`` at a time) into its global max and normaliser,
+    written over its first split's (a program owns its rows: nothing else reads them meanwhile)."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rm = r < ROWS
+    row = PART + r.to(tl.int64) * NS
+    m_run = tl.full([BLOCK], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK], tl.float32)
+    for s0 in range(0, NS, CHUNK):
+        sp = s0 + tl.arange(0, CHUNK)
+        mask = rm[:, None] & (sp[None, :] < NS)
+        m_s = tl.load(row[:, None] + sp[None, :], mask=mask, other=float("-inf"))
+        l_s = tl.load(row[:, None] + SXP + sp[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m_s, 1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no slot: -inf and 0, as one split's
+        l_run = l_run * tl.exp2(m_run - shift) + tl.sum(l_s * tl.exp2(m_s - shift[:, None]), 1)
+        m_run = m_new
+    tl.store(row, m_run, mask=rm)
+    tl.store(row + SXP, l_run, mask=rm)
+
+
+@triton.jit
 def _window_columns(
     Q, K, POS, OFFS, CAPS, QPOS, QVALID, PART, OUT,
-    scale_log2, H, G, W, D, C_MAX, NS,
+    scale_log2, H, G, W, D, C_MAX,
     sqb, sqh, sqw, skb, sks, spb, sph, sqpb, sxp, sxb, sxh, sxw, svb, sob, soh,
-    MEAN: tl.constexpr, NS_PAD: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    MEAN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     b, h, off, cap = _program_head(tl.program_id(0), H, G, OFFS, CAPS)
     nb = tl.program_id(1)
@@ -323,7 +338,6 @@ def _window_columns(
     dm = d < D
     p = tl.load(POS + b * spb + h * sph + n, mask=nm, other=-1)
     k = tl.load(K + b * skb + (off + n)[:, None] * sks + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
-    sp = tl.arange(0, NS_PAD)
     col = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)  # per row of a step, summed over rows once (as _column_step's)
     for r0 in range(0, G * W, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
@@ -334,11 +348,9 @@ def _window_columns(
         q = tl.load(Q + b * sqb + qh[:, None] * sqh + wi[:, None] * sqw + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
         qp = tl.load(QPOS + b * sqpb + wi, mask=rm, other=-1)
         qv = tl.load(QVALID + b * svb + wi, mask=rm, other=0)
-        # the rows' global max and normaliser, from the row-statistics pass's splits
-        part = PART + b * sxb + qh[:, None] * sxh + wi[:, None] * sxw + sp[None, :]
-        pm = rm[:, None] & (sp[None, :] < NS)
-        m, weight = _split_weights(tl.load(part, mask=pm, other=float("-inf")), 1)
-        lsum = tl.sum(weight * tl.load(part + sxp, mask=pm, other=0.0), 1)
+        stats = PART + b * sxb + qh * sxh + wi * sxw  # the rows' global max and normaliser (the first split's)
+        m = tl.load(stats, mask=rm, other=0.0)
+        lsum = tl.load(stats + sxp, mask=rm, other=0.0)
         s = _dot(q, tl.trans(k), PREC, UPCAST) * scale_log2
         vis = (rm & (qv != 0) & (lsum > 0))[:, None] & nm[None, :] & (p[None, :] >= 0) & (p[None, :] <= qp[:, None])
         prob = tl.where(vis, tl.exp2(s - m[:, None]) / tl.where(lsum > 0, lsum, 1.0)[:, None], 0.0)
@@ -369,9 +381,9 @@ def window_scores_flat(
     dev = q.device
     if cmax == 0 or w == 0 or b == 0:
         return torch.zeros((b, hkv, cmax), dtype=torch.float32, device=dev)
-    # Two launches and no fill, whatever the batch (a small batch's scoring is bound by launches): the column pass
-    # writes every slot of ``out`` and combines the row-statistics pass's splits itself. Inputs are copied only where
-    # their last axis is not contiguous (a window sliced off the queries is not, as a whole, and needs no copy).
+    # Three launches at most and no fill (a small batch's scoring is bound by launches): row statistics, their
+    # splits' combine (where there are several), and the column pass, which writes every slot of ``out``. Inputs are
+    # copied only where their last axis is not contiguous (a window sliced off the queries is not, as a whole).
     q, keys, pos, q_pos = (_unit_last(x) for x in (q, keys, pos, q_pos))
     q_valid = _unit_last(q_valid.view(torch.int8) if q_valid.dtype == torch.bool else q_valid.to(torch.int8))
     out = torch.empty((b, hkv, cmax), dtype=torch.float32, device=dev)
@@ -391,9 +403,12 @@ def window_scores_flat(
     _window_row_stats[(b * hkv, row_blocks, splits)](
         q, keys, pos, offs, caps_t, q_pos, part, scale * _LOG2E, h, g, w, d, split, *strides, *part_strides, **meta
     )
+    if splits > 1:  # once for every row (each column program would otherwise combine them again, in registers)
+        block = 64
+        _window_combine[(_cdiv(b * h * w, block),)](part, b * h * w, splits, part.stride(0), BLOCK=block, CHUNK=16)
     _window_columns[(b * hkv, _cdiv(cmax, block_n))](
-        q, keys, pos, offs, caps_t, q_pos, q_valid, part, out, scale * _LOG2E, h, g, w, d, cmax, splits, *strides,
-        *part_strides, q_valid.stride(0), out.stride(0), out.stride(1), MEAN=reduce == "mean", NS_PAD=_pow2(splits, 2), **meta,
+        q, keys, pos, offs, caps_t, q_pos, q_valid, part, out, scale * _LOG2E, h, g, w, d, cmax, *strides,
+        *part_strides, q_valid.stride(0), out.stride(0), out.stride(1), MEAN=reduce == "mean", **meta,
     )
     return out
 
