@@ -341,6 +341,19 @@ def test_window_scores_of_a_sliced_window_launch_three_kernels_and_nothing_else(
     torch.testing.assert_close(got, reference.window_scores_flat(*args), atol=2e-2, rtol=2e-2)
 
 
+def test_window_scores_read_flags_of_any_dtype_as_nonzero(ops):
+    """``q_valid`` is a mask: as 0/1 integers or floats it gives what it gives as bools."""
+    keys, values, pos = flat_layer(1, [40, 25], 32, torch.float32, seed=11)
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(1, 4, 5, 32, generator=g).to(DEVICE)
+    q_pos = torch.arange(60, 65).expand(1, 5).to(DEVICE)
+    flags = torch.tensor([[True, False, True, True, False]], device=DEVICE)
+    want = ops.window_scores_flat(q, keys, values, pos, [40, 25], q_pos, flags, 0.2)
+    torch.testing.assert_close(want, reference.window_scores_flat(q, keys, values, pos, [40, 25], q_pos, flags, 0.2))
+    for other in (flags.long(), flags.float(), flags.to(torch.uint8)):
+        torch.testing.assert_close(ops.window_scores_flat(q, keys, values, pos, [40, 25], q_pos, other, 0.2), want, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("block_n,programs_per_sm", [(16, 1), (32, 8), (128, 2)])
 def test_decode_attention_under_every_swept_launch_configuration(ops, block_n, programs_per_sm):
     """The launch configurations ``bench/kernels.py --sweep-decode`` tries (tiles wider than a head's capacity,

@@ -560,8 +560,9 @@ def window_scores(
     scale: float,
     reduce: str = "sum",
 ) -> torch.Tensor:
-    """Observation-window score ``[B, H_kv, C]``: attention probabilities of the (valid) window rows ``q``
-    ``[B, H, w, D]`` summed over rows, then over (``sum``) or averaged across (``mean``) each GQA group."""
+    """Observation-window score ``[B, H_kv, C]``: attention probabilities of the window rows ``q`` ``[B, H, w, D]``
+    that ``q_valid`` (``[B, w]``, bool: a padding row is not) marks, summed over rows, then over (``sum``) or averaged
+    across (``mean``) each GQA group."""
     probs = attention_probs(q, k, slot_pos, q_pos, scale) * q_valid[:, None, :, None]
     return group_reduce(probs.sum(2), k.shape[1], reduce)
 

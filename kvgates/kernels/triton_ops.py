@@ -385,7 +385,7 @@ def window_scores_flat(
     # splits' combine (where there are several), and the column pass, which writes every slot of ``out``. Inputs are
     # copied only where their last axis is not contiguous (a window sliced off the queries is not, as a whole).
     q, keys, pos, q_pos = (_unit_last(x) for x in (q, keys, pos, q_pos))
-    q_valid = _unit_last(q_valid.view(torch.int8) if q_valid.dtype == torch.bool else q_valid.to(torch.int8))
+    q_valid = _unit_last((q_valid if q_valid.dtype == torch.bool else q_valid != 0).view(torch.int8))
     out = torch.empty((b, hkv, cmax), dtype=torch.float32, device=dev)
     offs, caps_t = _layout(tuple(caps), str(dev))
     block_r, block_n, block_d = 32, 64 if d <= 64 else 32, _pow2(d)
