@@ -771,9 +771,9 @@ def _masked_stats(
         raise ValueError(f"the fused prefill kernel needs values as wide as keys, got {v.shape[-1]} and {d}")
     # Written in [B, q, H, D] memory, the layout attention returns to the model in: transposing it back is free.
     out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
-    result = torch.zeros((b, h, c), dtype=torch.float32, device=q.device)
     if n == 0 or b == 0 or c == 0:
-        return out.zero_(), result
+        return out.zero_(), torch.zeros((b, h, c), dtype=torch.float32, device=q.device)
+    result = torch.empty((b, h, c), dtype=torch.float32, device=q.device)  # the column pass writes every slot's
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     pos = slot_pos.contiguous()
     qpos = torch.where(q_valid, q_pos, -1)
