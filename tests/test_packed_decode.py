@@ -467,7 +467,7 @@ def test_a_reset_cache_drops_an_eviction_left_for_the_next_layer(tiny):
         with torch.no_grad():
             model(ids, past_key_values=cache)
             first = cache.budget_layers[0]
-            first._deferred = ("stale", None, None)
+            first._deferred = lambda: pytest.fail("a reset cache ran an eviction left from before it")
             cache.reset()
             assert first._deferred is None
             model(ids, past_key_values=cache)
@@ -514,7 +514,7 @@ def test_adakv_evicts_each_layer_but_the_last_at_the_next_layers_end_what_it_wou
         policy = make_policy("adakv", budget=BUDGET, base_params={"window": 4, "kernel": 3})
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(type(policy), "cross_layer", property(lambda self, cross=cross: cross))
-            patch.setattr(BudgetLayer, "enforce", lambda layer, *args: order.append(layer.rank) or enforce(layer, *args))
+            patch.setattr(BudgetLayer, "enforce", lambda layer, *args, **kw: order.append(layer.rank) or enforce(layer, *args, **kw))
             caches[cross] = BudgetCache(model.config, policy)
             with torch.no_grad():
                 model(ids, past_key_values=caches[cross])
@@ -522,6 +522,35 @@ def test_adakv_evicts_each_layer_but_the_last_at_the_next_layers_end_what_it_wou
     for a, b in zip(caches[False].budget_layers, caches[True].budget_layers):
         assert torch.equal(a.pos, b.pos) and torch.equal(a.keys, b.keys) and a.head_slots == b.head_slots
         assert a._deferred is None and int(a.held().max()) < PROMPT
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_kvmerger_compacts_each_layer_but_the_last_at_the_next_layers_end_what_it_would_keep_right_away(batch):
+    """What KVMerger keeps depends on the data (its pivots), so the host reads it back before compacting: a layer's
+    selection and merges run at its own step, the kept range's copy is queued, and the compaction waits for the end
+    of the next layer's step (``BudgetLayer._evict_everyone(later=True)``; on a GPU the read no longer drains the
+    queue there, and the selection's launches hide behind the next layer's work); the last layer compacts right away.
+    The layers end exactly as compacted right away (as a policy deciding across layers is, here forced)."""
+    from kvgates.runtime.storage import SlotStorage
+
+    _, model = tiny_model("llama", num_hidden_layers=4)
+    ids = torch.randint(1, 128, (batch, 96), generator=torch.Generator().manual_seed(3))
+    caches, orders = {}, {}
+    evict = SlotStorage.evict
+    for cross in (False, True):
+        order = orders[cross] = []
+        policy = make_policy("kvmerger", budget=32)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(type(policy), "cross_layer", property(lambda self, cross=cross: cross))
+            patch.setattr(SlotStorage, "evict", lambda layer, *args, **kw: order.append(layer.rank) or evict(layer, *args, **kw))
+            caches[cross] = BudgetCache(model.config, policy)
+            with torch.no_grad():
+                model(ids, past_key_values=caches[cross])
+    assert orders == {False: [0, 1, 3, 2], True: [0, 1, 2, 3]}
+    for a, b in zip(caches[False].budget_layers, caches[True].budget_layers):
+        assert torch.equal(a.pos, b.pos) and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert a.head_slots == b.head_slots and a.fill == b.fill and a.packed == b.packed
+        assert a._deferred is None and int(a.held().max()) < 96
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -17,6 +17,7 @@ hooks, with the eviction applied as a mask on every step (see ``BudgetCache``'s 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +27,7 @@ from kvgates.kernels.host import HostRead, on_device
 from kvgates.runtime.dispatch import AttentionDispatch
 from kvgates.runtime.state import LayerState
 from kvgates.runtime.stats import AttnStats, Phase
-from kvgates.runtime.storage import KeptCounts, SlotStorage
+from kvgates.runtime.storage import KeptCounts, SlotStorage, head_range
 
 if TYPE_CHECKING:
     from kvgates.runtime.cache import BudgetCache
@@ -73,7 +74,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.held_over_quota: int | None = None  # every head of every sequence holds its quota plus this, on the host
         self._policy_states: dict[int, LayerState] = {}
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._deferred: tuple[AttnStats, torch.Tensor, HostRead] | None = None  # an eviction for the next layer's end (``_defer``)
+        self._deferred: Callable[[], None] | None = None  # an eviction, or its compaction, for the next layer's end (``_defer``)
         self.is_compileable = cache.static  # decode steps compile once the prompt is stored (``static``)
         self.decoded: torch.Tensor | None = None  # static layout: decode steps not yet counted in ``seen`` (0-d)
         self.static_evictions = 0  # static layout: the most tokens a head may evict in one step (slots over its quota)
@@ -229,15 +230,17 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         return quota.to(self.device).expand(self.batch_size, self.num_kv_heads).long()
 
     def enforce(
-        self, stats: AttnStats | None, quota: int | torch.Tensor | None = None, known: tuple[list[int], list[int]] | None = None
+        self, stats: AttnStats | None, quota: int | torch.Tensor | None = None, known: tuple[list[int], list[int]] | None = None,
+        later: bool = False,
     ) -> None:
         """The one eviction path: bring every sequence holding more than the policy's ``quota`` (plus its
         schedule's tolerance) back to it, with the policy's ``select``. Sequences within their quota are never
         touched, so a sequence gets the same result alone and in a batch. ``stats`` is None when a cross-layer
         decision enforces a layer other than the one that just attended. ``quota``: the policy's, already asked
-        for (``_defer``), with its range per head ``known`` (else the range is read back)."""
+        for (``_defer``), with its range per head ``known`` (else the range is read back). ``later``: a compaction
+        that must read back what the selection keeps may wait for the next layer's end (``_defer``)."""
         if self._everyone_over(stats, quota, known):
-            self._evict_everyone(stats)
+            self._evict_everyone(stats, later=later)
 
     def _everyone_over(
         self, stats: AttnStats | None, quota: int | torch.Tensor | None = None, known: tuple[list[int], list[int]] | None = None
@@ -254,7 +257,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             if isinstance(quota, int):
                 known = ([quota] * self.num_kv_heads,) * 2
             else:
-                known = known or policy.quota_range(self, quota) or _range(self.quota).tolist()
+                known = known or policy.quota_range(self, quota) or head_range(self.quota).tolist()
             self._quota_source, self._quota_range = quota, tuple(known)
             self.held_over_quota = None  # it was counted against the previous quota
         if self.held_over_quota is not None:  # every head holds its quota plus as many: everybody is over, or nobody
@@ -294,25 +297,42 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         policy = self.cache.policy
         quota = policy.quota(self, stats)
         if isinstance(quota, int) or self._is_quota(quota) or policy.quota_range(self, quota) is not None:
-            self.enforce(stats, quota)
+            self.enforce(stats, quota, later=True)
             return
-        self._deferred = (stats, quota, HostRead(_range(self.quota_tensor(quota))))
+        ranges = HostRead(head_range(self.quota_tensor(quota)))
 
-    def end_deferred(self) -> None:
-        """Run the eviction ``_defer`` left for later, if any."""
-        if self._deferred is not None:
-            stats, quota, ranges = self._deferred
-            self._deferred = None
+        def evict() -> None:
             least, most = ranges.tolist()
             self.enforce(stats, quota, (least, most))
 
-    def _evict_everyone(self, stats: AttnStats | None, keep: torch.Tensor | None = None) -> None:
+        self._deferred = evict
+
+    def end_deferred(self) -> None:
+        """Run the eviction (or the compaction) ``_defer`` left for later, if any."""
+        if self._deferred is not None:
+            finish, self._deferred = self._deferred, None
+            finish()
+
+    def _evict_everyone(self, stats: AttnStats | None, keep: torch.Tensor | None = None, later: bool = False) -> None:
         """Evict every sequence (the host knows that each is over its quota) to the policy's selection (``keep``, when
         made already: ``enforce_layers``); an exact one evicts with counts known on the host, and one that leaves every
-        head at its quota starts the count of ``held_over_quota``."""
+        head at its quota starts the count of ``held_over_quota``. ``later``: where the host does not know what the
+        selection keeps (KVMerger's pivots depend on the data), its range's copy to the host is queued now and the
+        compaction, which needs it, runs at the next layer's end (``_defer``): the selection's launches then hide
+        behind the next layer's work instead of the host waiting for them here."""
         policy = self.cache.policy
         counts = self.exact_counts() if policy.exact_quota else None
         keep = policy.select(self, stats, self.quota) if keep is None else keep
+        if later and counts is None:
+            keep = keep & self.valid
+            kept = HostRead(head_range(keep.sum(-1)))
+
+            def compact() -> None:
+                least, most = kept.tolist()
+                self.evict(keep, slack=policy.schedule.slack, kept_range=(least, most))
+
+            self._deferred, self.held_over_quota = compact, None
+            return
         self.evict(keep, slack=policy.schedule.slack, counts=counts)
         full = counts is not None and (counts.least, counts.most) == self._quota_range
         self.held_over_quota = 0 if full else None
@@ -409,11 +429,6 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             self.decoding = True
             return Phase.DECODE
         return Phase.PREFILL
-
-
-def _range(quota: torch.Tensor) -> torch.Tensor:
-    """``[2, H_kv]``: a ``[B, H_kv]`` quota's least and largest entry over the batch, per head."""
-    return torch.stack([quota.amin(0), quota.amax(0)])
 
 
 def enforce_layers(layers: list[BudgetLayer]) -> None:

@@ -52,6 +52,11 @@ class KeptCounts(NamedTuple):
     evicted: list[int]
 
 
+def head_range(values: torch.Tensor) -> torch.Tensor:
+    """``[2, H_kv]``: a ``[B, H_kv]`` tensor's least and largest entry over the batch, per head."""
+    return torch.stack([values.amin(0), values.amax(0)])
+
+
 class SlotStorage:
     """Keys, values, positions and per-slot state of one layer, and the operations that write and evict them.
 
@@ -288,7 +293,10 @@ class SlotStorage:
         self.free_floor = min(c - f for c, f in zip(self.head_slots, self.fill)) if packed else self.free_floor - n
         return slots
 
-    def evict(self, keep: torch.Tensor, slack: int = 1, counts: KeptCounts | None = None) -> None:
+    def evict(
+        self, keep: torch.Tensor, slack: int = 1, counts: KeptCounts | None = None,
+        kept_range: tuple[list[int], list[int]] | None = None,
+    ) -> None:
         """Drop every valid slot not in ``keep`` (``[B, H_kv, max_slots]`` bool) and compact each head's kept
         tokens to its first slots.
 
@@ -299,6 +307,8 @@ class SlotStorage:
         ``counts``: what each head keeps, when the host knows it because ``keep`` holds ``min(held, quota)`` tokens
         in every head of every sequence (``BudgetLayer.exact_counts``);
         that is checked on the device instead of the counts being read back, and the eviction then waits for nothing.
+        ``kept_range``: else, the least and the most tokens each head keeps over the batch, read back already
+        (``head_range`` of ``(keep & valid).sum(-1)``; ``BudgetLayer`` reads it while the device is busy).
         """
         fill = self.dense_fill
         valid = self.valid
@@ -306,12 +316,15 @@ class SlotStorage:
         if counts is not None:  # what each head of each sequence keeps, min(held, quota): one number where all keep as many
             uniform = counts.least == counts.most and len(set(counts.most)) == 1
             expected = counts.most[0] if uniform else torch.minimum(valid.sum(-1), self.quota)
-        kept = keep.sum(-1)  # [B, H_kv]
-        if counts is None:
-            least, most = torch.stack([kept.amin(0), kept.amax(0)]).tolist()  # the eviction's one host sync
-        else:
-            torch._assert_async((kept == expected).all(), f"layer {self.layer_idx}: the policy kept other than min(held, quota) tokens")
+        if counts is not None:
+            torch._assert_async(
+                (keep.sum(-1) == expected).all(), f"layer {self.layer_idx}: the policy kept other than min(held, quota) tokens"
+            )
             least, most = counts.least, counts.most
+        elif kept_range is not None:
+            least, most = kept_range
+        else:
+            least, most = head_range(keep.sum(-1)).tolist()  # the eviction's one host sync
         need = [n + slack for n in most] if self.ragged else [max(most) + slack] * len(most)
         if fill is not None and least == most and len(set(most)) == 1 and need[0] >= self.max_slots:
             self._fill_holes(keep, fill, most[0])  # (it writes over every evicted slot's position)
