@@ -535,22 +535,30 @@ def test_kvmerger_compacts_each_layer_but_the_last_at_the_next_layers_end_what_i
 
     _, model = tiny_model("llama", num_hidden_layers=4)
     ids = torch.randint(1, 128, (batch, 96), generator=torch.Generator().manual_seed(3))
-    caches, orders = {}, {}
+    caches, orders, logits = {}, {}, {}
     evict = SlotStorage.evict
     for cross in (False, True):
-        order = orders[cross] = []
+        order = orders[cross] = []  # (layer, whether its kept range was read back before the compaction)
         policy = make_policy("kvmerger", budget=32)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(type(policy), "cross_layer", property(lambda self, cross=cross: cross))
-            patch.setattr(SlotStorage, "evict", lambda layer, *args, **kw: order.append(layer.rank) or evict(layer, *args, **kw))
+            patch.setattr(
+                SlotStorage, "evict",
+                lambda layer, *args, **kw: order.append((layer.rank, kw.get("kept_range") is not None)) or evict(layer, *args, **kw),
+            )
             caches[cross] = BudgetCache(model.config, policy)
             with torch.no_grad():
                 model(ids, past_key_values=caches[cross])
-    assert orders == {False: [0, 1, 3, 2], True: [0, 1, 2, 3]}
+                logits[cross] = model(ids[:, -1:], past_key_values=caches[cross]).logits  # a decode step after it
+    prompt = {cross: order[:4] for cross, order in orders.items()}
+    assert prompt == {False: [(0, True), (1, True), (3, False), (2, True)], True: [(r, False) for r in range(4)]}
+    torch.testing.assert_close(logits[False], logits[True], atol=0, rtol=0)
     for a, b in zip(caches[False].budget_layers, caches[True].budget_layers):
-        assert torch.equal(a.pos, b.pos) and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-        assert a.head_slots == b.head_slots and a.fill == b.fill and a.packed == b.packed
-        assert a._deferred is None and int(a.held().max()) < 96
+        for name in ("pos", "keys", "values", "slot_data", "quota"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        for name in ("head_slots", "fill", "packed", "free_floor", "held_over_quota"):
+            assert getattr(a, name) == getattr(b, name), name
+        assert a._deferred is None and int(a.held().max()) < 97
 
 
 @pytest.mark.parametrize("batch", [1, 2])
