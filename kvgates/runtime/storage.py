@@ -316,7 +316,6 @@ class SlotStorage:
         if counts is not None:  # what each head of each sequence keeps, min(held, quota): one number where all keep as many
             uniform = counts.least == counts.most and len(set(counts.most)) == 1
             expected = counts.most[0] if uniform else torch.minimum(valid.sum(-1), self.quota)
-        if counts is not None:
             torch._assert_async(
                 (keep.sum(-1) == expected).all(), f"layer {self.layer_idx}: the policy kept other than min(held, quota) tokens"
             )
