@@ -182,6 +182,53 @@ def test_attention_not_switched_is_caught(tiny):
         ref(torch.randint(1, 128, (1, 8)), past_key_values=BudgetCache(ref.config, "h2o", budget=4))
 
 
+
+class Interrupted(Exception):
+    """What a test raises inside a model's forward: an out-of-memory error or a Ctrl-C, as a user meets them."""
+
+
+def _raise(*args, **kwargs):
+    raise Interrupted
+
+
+@pytest.mark.parametrize("name", ["h2o", "kvmerger", "adakv", "snapkv"])
+def test_a_forward_that_stopped_part_way_is_refused_until_reset(tiny, name, monkeypatch):
+    """A forward that raised at layer 1's MLP left layers 0-1 with the prompt and layer 2 without (and, for KVMerger and
+    Ada-KV, layer 0's compaction or eviction deferred to layer 1's end undone): a second forward appended to layers that
+    disagreed on what they had seen and gave wrong logits without an error. It is refused, and after ``reset()``
+    the cache gives what a fresh one does."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    with policy_on(model, name, 12) as policy, torch.no_grad():
+        expected = model(ids, past_key_values=BudgetCache(model.config, policy)).logits
+        cache = BudgetCache(model.config, policy)
+        with monkeypatch.context() as patch:
+            patch.setattr(model.model.layers[1].mlp, "forward", _raise)
+            with pytest.raises(Interrupted):
+                model(ids, past_key_values=cache)
+        with pytest.raises(RuntimeError, match=r"stopped part-way \(layer 1 was the last of budgeted layers 0-2 it finished\).*reset\(\)"):
+            model(ids, past_key_values=cache)
+        cache.reset()
+        torch.testing.assert_close(model(ids, past_key_values=cache).logits, expected)
+
+
+def test_a_forward_that_stopped_between_a_layers_update_and_its_attention_is_refused_until_reset(tiny, monkeypatch):
+    """Stopped after layer 0 staged its keys: the next forward said the model's attention was not 'kvgates', and
+    ``reset()`` did not clear the staged layer, so that message came back after it too."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+    cache = BudgetCache(model.config, "h2o", budget=8)
+    with torch.no_grad():
+        with monkeypatch.context() as patch:
+            patch.setattr(cache.layers[0], "attend", _raise)
+            with pytest.raises(Interrupted):
+                model(ids, past_key_values=cache)
+        with pytest.raises(RuntimeError, match="stopped part-way \\(layer 0 stored its keys and its attention did not run"):
+            model(ids, past_key_values=cache)
+        cache.reset()
+        torch.testing.assert_close(model(ids, past_key_values=cache).logits, model(ids, past_key_values=BudgetCache(model.config, "h2o", budget=8)).logits)
+
+
 def test_model_without_attention_interface_is_refused():
     from transformers import BloomConfig, BloomForCausalLM
 

@@ -89,10 +89,40 @@ class BudgetCache(Cache):
         self.policy = policy
         self.config = text_config
         self._pending_layer: int | None = None
+        self._forward_at: int | None = None  # the budgeted layer (rank) a forward has stepped last, until it ends
         self._real: tuple[Any, ...] | None = None  # ``real_queries``' last answer and what it was for
         super().__init__(layers=layers)
 
     # ------------------------------------------------------------------ bookkeeping used by BudgetLayer
+    def begin_forward(self) -> None:
+        """Refuse a forward (its first budgeted layer's update) while the previous one stopped part-way: an exception
+        or an interrupt inside the model left some layers with its tokens and the others without (and a layer's
+        eviction deferred to the next layer, ``BudgetLayer._defer``, undone). Until ``reset()`` a forward would
+        append to layers that disagree on what they have seen, and give wrong outputs without an error."""
+        if self._pending_layer is None and self._forward_at is None:
+            return
+        if self._pending_layer is not None:
+            where = (
+                f"layer {self._pending_layer} stored its keys and its attention did not run (if no forward raised, the "
+                "model's attention is not 'kvgates': call model.set_attn_implementation('kvgates'))"
+            )
+        else:
+            ids = self.budget_layer_ids
+            where = f"layer {ids[self._forward_at]} was the last of budgeted layers {ids[0]}-{ids[-1]} it finished"
+        raise RuntimeError(
+            f"the previous forward through this BudgetCache stopped part-way ({where}), so its layers hold different "
+            "tokens; call cache.reset() (or make a new BudgetCache) and give the prompt again"
+        )
+
+    def layer_stepped(self, rank: int) -> None:
+        """Record that budgeted layer ``rank`` ended its step in a forward (``begin_forward``'s evidence)."""
+        self._forward_at = None if rank == self.num_budget_layers - 1 else rank
+
+    def reset(self) -> None:
+        """Empty every layer, and forget a forward that stopped part-way (``begin_forward``)."""
+        super().reset()
+        self._pending_layer = self._forward_at = self._real = None
+
     def claim_pending(self, layer_idx: int) -> None:
         """Record that ``layer_idx`` staged tokens; a previous layer's unconsumed tokens mean a wrong attention."""
         if self._pending_layer is not None:
