@@ -242,11 +242,7 @@ def _generate(argv: list[str]) -> int:
     new = out[0, inputs["input_ids"].shape[1] :]
     print(tokenizer.decode(new, skip_special_tokens=True))
     seen = cache.get_seq_length()
-    layers = cache.num_budget_layers
-    config = model.config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    full = 2 * layers * config.num_key_value_heads * head_dim * model.dtype.itemsize * seen
-    held, allocated = cache.held_bytes(), cache.kv_bytes()
+    held, allocated, full = cache.held_bytes(), cache.kv_bytes(), cache.full_bytes()
     gates = learned_params(args.policy, params).get("gates") if learned is not None else None
     adapter = f" gates={gates}" if gates is not None else ""
     print(

@@ -32,6 +32,15 @@ def test_generate_prints_text_and_memory(checkpoint, tmp_path, capsys):
     assert "policy=snapkv" in err and "KV held" in err and "vs full cache" in err
 
 
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_full_policy_holds_all_of_a_full_cache(family, tmp_path, capsys):
+    """The report's full cache counted the budgeted layers alone, and held bytes every layer: on Gemma 3, whose
+    sliding-window layers kvgates leaves to transformers, the full policy held 107.8% of a full cache."""
+    folder = save_tiny_checkpoint(tmp_path / family, family)
+    assert main(["generate", "--model", str(folder), "--policy", "full", "--prompt", "the quick brown fox " * 4, "--max-new-tokens", "4"]) == 0
+    assert re.search(r"KV held ([\d.]+) MiB vs full cache \1 MiB \(100\.0%\)", capsys.readouterr().err)
+
 def test_generate_sampled_with_chunks(checkpoint, capsys):
     code = main(["generate", "--model", checkpoint, "--policy", "h2o", "--budget", "8", "--prompt", "hello there " * 5,
                  "--sample", "--prefill-chunk", "16", "--max-new-tokens", "4"])

@@ -103,6 +103,21 @@ def test_a_full_cache_holds_what_dynamic_cache_does_and_reports_held_bytes(tiny)
     assert full.kv_bytes() == (40 + 16 + 16) * slot  # the prompt exactly, then two decode growths of 16 slots
     assert snap.held_bytes() == int(snap.held_tokens().sum()) * 2 * 16 * 4 < snap.kv_bytes()  # K+V, head_dim, fp32
 
+    snap.reset()
+    assert snap.held_bytes() == snap.kv_bytes() == 0
+
+
+def test_an_empty_cache_holds_no_tokens_of_no_sequence(tiny):
+    """Before the first forward (and after ``reset()``) ``held_tokens()`` raised an AttributeError where
+    ``held_bytes()`` and ``kv_bytes()`` said 0."""
+    _, model = tiny
+    cache = BudgetCache(model.config, "snapkv", budget=8, window=4)
+    assert cache.held_tokens().shape == (3, 0, 2)
+    with torch.no_grad():
+        model(torch.randint(1, 128, (2, 12)), past_key_values=cache)
+    assert cache.held_tokens().shape == (3, 2, 2)
+    cache.reset()
+    assert cache.held_tokens().shape == (3, 0, 2)
 
 def test_prefill_chunks_bound_peak_memory(tiny):
     _, model = tiny
@@ -158,6 +173,11 @@ def test_phase_comes_from_what_the_cache_has_seen_not_from_the_query_length(tiny
         ("snapkv", {}, "budget is required"),
         ("adakv", {"budget": 64, "base_params": {"budget": 16}}, "base_params sets a budget; .* pass it as budget"),
         ("merge", {"budget": 64, "base_params": "window=8,budget=16"}, "base_params sets a budget"),
+        # A wrapper's base said its own sentence as if it were the wrapper's (adakv at budget 8: "snapkv: budget 8 must be
+        # larger than the observation window", with no window among adakv's parameters; around full: "takes no budget").
+        ("adakv", {"budget": 8}, r"^adakv's base snapkv: budget 8 must be larger than the observation window .*base_params\)$"),
+        ("adakv", {"budget": 64, "base": "full"}, "base 'full' evicts nothing, so there is nothing to wrap"),
+        ("merge", {"budget": 64, "base": "full"}, "base 'full' evicts nothing"),
         ("d2o", {"budget": 64, "sinks": -1}, "sinks must be >= 0, got -1"),
         ("dynamickv", {"budget": 64, "r_max": float("nan")}, "r_max must be a finite number, got nan"),
         ("dynamickv", {"budget": 64, "r_max": float("inf")}, "r_max must be a finite number, got inf"),
@@ -192,21 +212,23 @@ def _raise(*args, **kwargs):
 
 
 @pytest.mark.parametrize("name", ["h2o", "kvmerger", "adakv", "snapkv"])
-def test_a_forward_that_stopped_part_way_is_refused_until_reset(tiny, name, monkeypatch):
+@pytest.mark.parametrize(("where", "said"), [("mlp", "after layer 1"), ("step", "in layer 0")])
+def test_a_forward_that_stopped_part_way_is_refused_until_reset(tiny, name, where, said, monkeypatch):
     """A forward that raised at layer 1's MLP left layers 0-1 with the prompt and layer 2 without (and, for KVMerger and
     Ada-KV, layer 0's compaction or eviction deferred to layer 1's end undone): a second forward appended to layers that
-    disagreed on what they had seen and gave wrong logits without an error. It is refused, and after ``reset()``
-    the cache gives what a fresh one does."""
+    disagreed on what they had seen and gave wrong logits without an error. So did one that raised in layer 0's
+    attention after storing its tokens (its policy step here). It is refused, and after ``reset()`` the cache gives
+    what a fresh one does."""
     _, model = tiny
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(0))
     with policy_on(model, name, 12) as policy, torch.no_grad():
         expected = model(ids, past_key_values=BudgetCache(model.config, policy)).logits
         cache = BudgetCache(model.config, policy)
         with monkeypatch.context() as patch:
-            patch.setattr(model.model.layers[1].mlp, "forward", _raise)
+            patch.setattr(*((model.model.layers[1].mlp, "forward") if where == "mlp" else (cache.layers[0], "step")), _raise)
             with pytest.raises(Interrupted):
                 model(ids, past_key_values=cache)
-        with pytest.raises(RuntimeError, match=r"stopped part-way \(layer 1 was the last of budgeted layers 0-2 it finished\).*reset\(\)"):
+        with pytest.raises(RuntimeError, match=rf"stopped part-way \({said} of budgeted layers 0-2;.*reset\(\)"):
             model(ids, past_key_values=cache)
         cache.reset()
         torch.testing.assert_close(model(ids, past_key_values=cache).logits, expected)
@@ -223,11 +245,23 @@ def test_a_forward_that_stopped_between_a_layers_update_and_its_attention_is_ref
             patch.setattr(cache.layers[0], "attend", _raise)
             with pytest.raises(Interrupted):
                 model(ids, past_key_values=cache)
-        with pytest.raises(RuntimeError, match="stopped part-way \\(layer 0 stored its keys and its attention did not run"):
+        said = "layer 0 stored keys in this BudgetCache and its attention did not run: either .* or the previous forward stopped there"
+        with pytest.raises(RuntimeError, match=said):
             model(ids, past_key_values=cache)
         cache.reset()
-        torch.testing.assert_close(model(ids, past_key_values=cache).logits, model(ids, past_key_values=BudgetCache(model.config, "h2o", budget=8)).logits)
+        fresh = BudgetCache(model.config, "h2o", budget=8)
+        torch.testing.assert_close(model(ids, past_key_values=cache).logits, model(ids, past_key_values=fresh).logits)
 
+
+
+def test_generate_with_prompt_lookup_is_refused_in_one_sentence(tiny):
+    """generate()'s speculative decoding crops the cache after rejected drafts; the README said its multi-token steps
+    worked."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, 16), generator=torch.Generator().manual_seed(0)).repeat(1, 2)
+    with pytest.raises(NotImplementedError, match="cannot be cropped.*assisted decoding and prompt lookup"):
+        model.generate(ids, past_key_values=BudgetCache(model.config, "h2o", budget=64), max_new_tokens=8, do_sample=False,
+                       prompt_lookup_num_tokens=3)
 
 def test_model_without_attention_interface_is_refused():
     from transformers import BloomConfig, BloomForCausalLM

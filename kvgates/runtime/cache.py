@@ -102,20 +102,23 @@ class BudgetCache(Cache):
         if self._pending_layer is None and self._forward_at is None:
             return
         if self._pending_layer is not None:
-            where = (
-                f"layer {self._pending_layer} stored its keys and its attention did not run (if no forward raised, the "
-                "model's attention is not 'kvgates': call model.set_attn_implementation('kvgates'))"
+            raise RuntimeError(
+                f"layer {self._pending_layer} stored keys in this BudgetCache and its attention did not run: either the "
+                "model's attention is not 'kvgates' (call model.set_attn_implementation('kvgates'); kvgates.load_model "
+                "does it for you), or the previous forward stopped there (an exception or an interrupt: call "
+                "cache.reset(), or make a new BudgetCache)"
             )
-        else:
-            ids = self.budget_layer_ids
-            where = f"layer {ids[self._forward_at]} was the last of budgeted layers {ids[0]}-{ids[-1]} it finished"
+        ids = self.budget_layer_ids
+        where = f"in layer {ids[0]}" if self._forward_at < 0 else f"after layer {ids[self._forward_at]}"
         raise RuntimeError(
-            f"the previous forward through this BudgetCache stopped part-way ({where}), so its layers hold different "
-            "tokens; call cache.reset() (or make a new BudgetCache) and give the prompt again"
+            f"the previous forward through this BudgetCache stopped part-way ({where} of budgeted layers {ids[0]}-{ids[-1]}; "
+            "an exception or an interrupt inside the model), so its layers hold different tokens; call cache.reset() "
+            "(or make a new BudgetCache) and give the prompt again"
         )
 
     def layer_stepped(self, rank: int) -> None:
-        """Record that budgeted layer ``rank`` ended its step in a forward (``begin_forward``'s evidence)."""
+        """Record that budgeted layer ``rank`` ended its step in a forward (-1: the first began its attention), the
+        evidence ``begin_forward`` reads."""
         self._forward_at = None if rank == self.num_budget_layers - 1 else rank
 
     def reset(self) -> None:
@@ -183,11 +186,30 @@ class BudgetCache(Cache):
                 total += layer.keys.numel() * layer.keys.element_size() * 2
         return total
 
+    def full_bytes(self) -> int:
+        """Bytes of key/value storage a cache that evicts nothing would hold after what this one has seen: every token
+        seen (padding included) in each budgeted layer and KV head, plus the passthrough layers' own tokens (a
+        sliding-window layer holds the same either way). ``held_bytes() / full_bytes()`` is the share of a full
+        cache's memory held."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, BudgetLayer):
+                if layer.is_initialized:
+                    per_token = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+                    total += layer.batch_size * layer.num_kv_heads * layer.get_seq_length() * per_token
+            elif getattr(layer, "is_initialized", False) and layer.keys is not None:
+                total += layer.keys.numel() * layer.keys.element_size() * 2
+        return total
+
     def held_tokens(self) -> torch.Tensor:
         """``[num_budget_layers, B, H_kv]`` tokens currently held by each budgeted layer and head (on the first
-        budgeted layer's device, when ``device_map`` spread the layers over several)."""
-        layers = self.budget_layers
-        return torch.stack([layer.held().to(layers[0].device) for layer in layers])
+        budgeted layer's device, when ``device_map`` spread the layers over several); ``B`` is 0 before the first
+        forward (and after ``reset()``)."""
+        layers = [layer for layer in self.budget_layers if layer.is_initialized]
+        if not layers:
+            return torch.zeros((self.num_budget_layers, 0, self.config.num_key_value_heads), dtype=torch.long)
+        none = torch.zeros_like(layers[0].held())  # a layer the forward has not reached (it stopped part-way) holds nothing
+        return torch.stack([layer.held().to(none.device) if layer.is_initialized else none for layer in self.budget_layers])
 
     def __repr__(self) -> str:
         return f"BudgetCache(policy={self.policy!r}, layers={len(self.layers)})"

@@ -40,6 +40,15 @@ def decode_sdpa(
         )
 
 
+def real_tokens(attention_mask: torch.Tensor, seen: int, n: int) -> torch.Tensor:
+    """Which of a forward's ``n`` new tokens are real (not padding), ``[B or 1, n]`` bool, from its 4-D attention mask
+    ``[B or 1, 1, n, >= seen + n]`` (bool, or additive float) after ``seen`` tokens: token ``i`` sits in column
+    ``seen + i``, and its own column is masked iff it is padding."""
+    rows = torch.arange(n, device=attention_mask.device)
+    diag = attention_mask[:, 0, rows, rows + seen]
+    return diag if diag.dtype == torch.bool else diag > torch.finfo(diag.dtype).min / 2
+
+
 class AttentionDispatch:
     """The attention paths of ``BudgetLayer`` (a base of it; storage comes from ``SlotStorage``)."""
 
@@ -61,6 +70,8 @@ class AttentionDispatch:
             if n == 1 and self.phase(n) is Phase.DECODE:
                 return self._attend_static(query, key_states, value_states, scale, position_ids)
             self._fold_decoded()  # several tokens: the general path, with the counters back on the host
+        if self.rank == 0:
+            self.cache.layer_stepped(-1)  # the forward has begun (``BudgetCache.begin_forward``)
         phase = self.phase(n)
         q_pos = self._query_positions(b, n, position_ids, query.device)
         q_real, all_real = self._real_queries(b, n, attention_mask, query.device)
@@ -137,10 +148,7 @@ class AttentionDispatch:
             raise ValueError(f"expected a 4-D attention mask from the 'kvgates' mask function, got {attention_mask.dim()}-D")
 
         def read() -> tuple[torch.Tensor, bool]:
-            # Token i of this forward sits in mask column seen + i; its own column is masked iff it is padding.
-            cols = torch.arange(n, device=device) + self.seen
-            diag = attention_mask[:, 0, torch.arange(n, device=device), cols]
-            q_real = (diag if diag.dtype == torch.bool else diag > torch.finfo(diag.dtype).min / 2).expand(b, n).contiguous()
+            q_real = real_tokens(attention_mask, self.seen, n).to(device).expand(b, n).contiguous()
             return q_real, bool(q_real.all())
 
         return self.cache.real_queries(attention_mask, (self.seen, b, n, device), read)

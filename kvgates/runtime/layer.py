@@ -196,7 +196,10 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self._select_batch(lambda t: t[indices.to(t.device)])
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a BudgetCache cannot be cropped: evicted tokens cannot be restored")
+        raise NotImplementedError(
+            "a BudgetCache cannot be cropped: evicted tokens cannot be restored (generate()'s assisted decoding and "
+            "prompt lookup crop the cache after rejected draft tokens; run them with a cache that keeps every token)"
+        )
 
     # ------------------------------------------------------------------ policy step
     @property
@@ -425,8 +428,8 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         """The phase of a call bringing ``n`` tokens, from what this layer has seen, not from ``n`` alone.
 
         The first call is the prompt (a one-token prompt too); later calls continue the prompt in chunks until
-        the first single-token call, the first decode step; from then on every call is a decode step
-        (speculative decoding and assisted generation verify several tokens in one).
+        the first single-token call, the first decode step; from then on every call is a decode step (a call
+        verifying several draft tokens too; generate()'s own assisted decoding crops the cache, which ``crop`` refuses).
         """
         if self.seen and (n == 1 or self.decoding):
             self.decoding = True
