@@ -134,6 +134,27 @@ def test_generate_compiles_the_static_cache_decode_steps(tiny):
     assert torch.equal(out[True], out[False])
 
 
+@pytest.mark.parametrize("name", ["kvzip", "snapkv", "kvmerger", "h2o"])
+def test_a_left_padded_batch_through_generate_on_a_static_cache_gives_what_the_eager_cache_gives(tiny, name):
+    """generate() gives a compileable cache's prompt forward a 4-D mask, where it gives an eager one the 2-D mask:
+    KVzip's scoring read the 4-D one as 2-D and raised an IndexError on a left-padded batch (a static cache, eager
+    decode steps here, as generate() runs them on the CPU)."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    out = {}
+    with policy_on(model, name, 12 if name == "kvmerger" else BUDGET) as policy:
+        for static in (False, True):
+            cache = BudgetCache(model.config, policy, static=static, decode_slots=_decode_slots(policy) if static else 0)
+            out[static] = model.generate(
+                ids.masked_fill(mask == 0, 0), attention_mask=mask, past_key_values=cache, max_new_tokens=STEPS, do_sample=False,
+                pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+            )
+    assert torch.equal(out[True].sequences, out[False].sequences)
+    torch.testing.assert_close(torch.stack(out[True].scores), torch.stack(out[False].scores), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["d2o", "merge"])
 def test_merging_static_caches_take_prompt_chunks_and_multi_token_calls_as_the_eager_cache(tiny, name):
     """A prompt in two forwards, decode steps, a multi-token call after them, more decode steps: the calls other

@@ -93,12 +93,44 @@ def test_the_cache_holds_only_the_compressed_prompt_and_generation_continues(tin
         assert held.shape[-1] == 16 and bool((held[..., -4:] == torch.arange(40, 44)).all())  # 12 + 4 decode steps
 
 
+
+def test_a_reset_cache_scores_only_its_new_prompt(tiny):
+    """The scoring pass reconstructs the prompt a cache has seen: after ``reset()`` it reconstructed the old prompt and
+    the new one (the cache object was the same), keeping other tokens than a fresh cache and giving other logits."""
+    _, model = tiny
+    first, second = (torch.randint(8, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in (30, 24))
+    policy = make_policy("kvzip", budget=10, chunk_size=16, repeat_ids=PROMPT_IDS).attach(model)
+    try:
+        with torch.no_grad():
+            cache = BudgetCache(model.config, policy)
+            model(first, past_key_values=cache)
+            cache.reset()
+            reused = model(second, past_key_values=cache).logits
+            fresh = BudgetCache(model.config, policy)
+            expected = model(second, past_key_values=fresh).logits
+    finally:
+        policy.detach()
+    torch.testing.assert_close(reused, expected)
+    assert all(torch.equal(a.pos, b.pos) for a, b in zip(cache.budget_layers, fresh.budget_layers))
+
 def test_unattached_kvzip_says_what_to_do(tiny):
     _, model = tiny
     cache = BudgetCache(model.config, make_policy("kvzip", budget=8, repeat_ids=PROMPT_IDS))
     with pytest.raises(ValueError, match="attach"), torch.no_grad():
         model(torch.ones((1, 12), dtype=torch.long), past_key_values=cache)
 
+
+
+def test_a_model_with_sliding_window_layers_is_refused_when_kvzip_attaches():
+    """Its scoring forwards cannot drop what they add to transformers' own sliding-window layers: it was refused after
+    the prompt forward had filled the cache, now before any forward."""
+    from kvgates import UnsupportedModelError
+
+    _, model = tiny_model("gemma3")
+    policy = make_policy("kvzip", budget=8, repeat_ids=PROMPT_IDS)
+    with pytest.raises(UnsupportedModelError, match="^kvzip: scoring forwards need every cache layer to be budgeted"):
+        policy.attach(model)
+    assert not model._forward_pre_hooks
 
 def test_repeat_ids_beyond_the_vocabulary_are_one_sentence(tiny):
     """They were the embedding's IndexError in the first scoring forward."""

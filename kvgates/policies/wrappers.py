@@ -61,12 +61,17 @@ class Wrapper(Policy):
         super().__post_init__()
         if self.base not in POLICIES:
             raise ValueError(f"{self.name}: unknown base policy {self.base!r}; available: {', '.join(sorted(POLICIES))}")
+        if self.base == "full":
+            raise ValueError(f"{self.name}: base 'full' evicts nothing, so there is nothing to wrap; pick a policy that evicts")
         params = parse_params(self.base_params)
         if "budget" in params:  # the base runs at the wrapper's budget, which would replace this one
             raise ValueError(f"{self.name}: base_params sets a budget; the base policy runs at {self.name}'s budget, so pass it as budget")
         if self.budget is not None:
             params["budget"] = self.budget
-        self.inner = make_policy(self.base, **params)
+        try:
+            self.inner = make_policy(self.base, **params)
+        except ValueError as err:  # the base's own sentence, said to be the base's (its parameters are base_params)
+            raise ValueError(f"{self.name}'s base {err} (the base's parameters go in base_params)") from None
         self.ragged_heads = type(self).ragged_heads or self.inner.ragged_heads
 
     @property

@@ -18,9 +18,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from kvgates.errors import UnsupportedModelError
-from kvgates.runtime.cache import BudgetCache
+from kvgates.runtime.cache import BUDGETED_LAYER_TYPES, BudgetCache
+from kvgates.runtime.dispatch import real_tokens
 from kvgates.runtime.stats import AttnStats, Phase
 from kvgates.runtime.storage import KeptCounts
 
@@ -45,6 +47,12 @@ def runs_policy(cache: Any, policy: Any) -> bool:
     return False
 
 
+SCORING_NEEDS_BUDGETED_LAYERS = (
+    "scoring forwards need every cache layer to be budgeted: they would change the model's sliding-window layers, "
+    "which cannot drop tokens again"
+)
+
+
 def discarded_forward(model: torch.nn.Module, cache: BudgetCache, context_mask: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> None:
     """Run ``ids`` ``[B, n]`` (``mask``: 1 for real tokens, padding anywhere) after what ``cache`` holds, then drop
     every token they added, so that the cache holds exactly what it held before, statistics recorded by the policy
@@ -56,10 +64,7 @@ def discarded_forward(model: torch.nn.Module, cache: BudgetCache, context_mask: 
     """
     _check_unsettled(cache)
     if len(cache.budget_layer_ids) != len(cache.layers):
-        raise UnsupportedModelError(
-            "scoring forwards need every cache layer to be budgeted: they would change the model's sliding-window "
-            "layers, which cannot drop tokens again"
-        )
+        raise UnsupportedModelError(SCORING_NEEDS_BUDGETED_LAYERS)
     layers = cache.budget_layers
     seen = [layer.seen for layer in layers]
     # What each layer keeps is what it holds now: where every head of every sequence holds as many tokens, the host
@@ -108,6 +113,11 @@ class PromptScoring:
     """
 
     def __init__(self, model: torch.nn.Module, policy: Any, run: ScoringRun):
+        """Refuses a model with layers kvgates leaves to transformers (``discarded_forward`` could not drop their
+        tokens) before any forward."""
+        layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+        if any(kind not in BUDGETED_LAYER_TYPES for kind in layer_types):
+            raise UnsupportedModelError(f"{policy.name}: {SCORING_NEEDS_BUDGETED_LAYERS}")
         self.model, self.policy, self.run = model, policy, run
         self._prompts: weakref.WeakKeyDictionary[BudgetCache, tuple[torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
         self._current: BudgetCache | None = None
@@ -136,7 +146,14 @@ class PromptScoring:
         _check_unsettled(cache)  # before the prompt forward writes anything
         n = ids.shape[1]
         mask = kwargs.get("attention_mask")
-        mask = torch.ones_like(ids) if mask is None else mask[:, -n:].to(ids.device).long()
+        if mask is None:
+            mask = torch.ones_like(ids)
+        elif mask.dim() == 4:  # what generate() gives a compileable (static) cache
+            mask = real_tokens(mask, layer.seen, n).to(ids.device).expand(ids.shape[0], n).long()
+        else:
+            mask = mask[:, -n:].to(ids.device).long()
+        if not layer.seen:  # a new prompt (a fresh or reset cache): what an earlier one gave is not part of it
+            self._prompts.pop(cache, None)
         seen_ids, seen_mask = self._prompts.get(cache, (ids[:, :0], mask[:, :0]))
         self._prompts[cache] = (torch.cat([seen_ids, ids], 1), torch.cat([seen_mask, mask], 1))
         self._current = cache
