@@ -45,7 +45,7 @@ def tiny_config(model_dir, out, **sections) -> dict:
         "budget": 24,
         "gates": {"hidden": 8, "init_bias": 4.0},
         "data": {
-            "seq_len": 96,
+            "seq_len": 256,
             "train_examples": 12,
             "validation_examples": 2,
             "mix": [{"task": "essays", "completion_tokens": 8}, {"task": "passkey"}],
@@ -373,10 +373,10 @@ def test_report_to_flyte_is_taken_where_flytekit_is_installed(tiny_dir, tmp_path
         ({"training": {"num_train_epochs": float("inf")}}, "training: num_train_epochs must be a finite number, got inf"),
         # Both ran: the first on rows with a one-token prompt, the second on 513-token rows at seq_len 96 (a 512-token
         # continuation the model wrote after 1,000 prompt tokens, behind the last one of them).
-        ({"data": {"mix": [{"task": "essays", "completion_tokens": 96}]}},
-         "data.mix: data source 0 (essays): completion_tokens (96) must be smaller than seq_len (96), leaving a prompt"),
+        ({"data": {"mix": [{"task": "essays", "completion_tokens": 256}]}},
+         "data.mix: data source 0 (essays): completion_tokens (256) must be smaller than seq_len (256), leaving a prompt"),
         ({"data": {"mix": [{"task": "continuations"}]}},
-         "data source 0 (continuations): prompt_tokens (1000) + completion_tokens (512) must fit seq_len (96)"),
+         "data source 0 (continuations): prompt_tokens (1000) + completion_tokens (512) must fit seq_len (256)"),
         # Both passed --check and the run trained with them (gates biased NaN, an infinite capacity weight).
         ({"gates": {"init_bias": float("nan")}}, "gates.init_bias must be a finite number, got nan"),
         ({"loss": {"lambda_cap": float("inf")}}, "loss.lambda_cap must be a finite number, got inf"),
@@ -688,6 +688,24 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_dir, tmp_path)
     runtimes = [json.loads(line).get("train_runtime", 0.0) for line in (cut / "metrics.jsonl").read_text().splitlines()]
     assert kvgates.load_gates(cut / "adapter").config.training["training_seconds"] == round(sum(runtimes))
 
+
+
+def test_a_run_counted_in_epochs_resumes_to_its_end(tiny_dir, tmp_path):
+    """Without ``max_steps`` (epochs decide, Trainer's -1) every checkpoint read as a run trained to its end: --resume
+    trained no further step and wrote the adapter of the checkpoint it resumed from, with exit status 0."""
+    steps = {"max_steps": -1, "num_train_epochs": 1, "per_device_train_batch_size": 2, "eval_steps": 2, "save_steps": 2}
+    out = tmp_path / "run"
+    path = write(tiny_config(tiny_dir, out, training=steps), tmp_path / "e.yaml")
+    assert main(["--config", str(path)]) == 0
+    whole = kvgates.load_gates(out / "adapter").config.training["steps"]
+    assert whole == 6  # 12 rows, 2 a step, one epoch
+    for checkpoint in out.glob("checkpoint-*"):  # a run killed after its step 2
+        if int(checkpoint.name.split("-")[1]) > 2:
+            shutil.rmtree(checkpoint)
+    shutil.rmtree(out / "adapter")
+    assert main(["--config", str(path), "--resume"]) == 0
+    assert kvgates.load_gates(out / "adapter").config.training["steps"] == whole
+    assert sorted(_losses(out)) == list(range(1, whole + 1))
 
 LAUNCHERS = {
     # accelerate starts several CPU processes with --multi_gpu (torchrun); --cpu --num_processes 2 needs MPI.

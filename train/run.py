@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer, start = build_trainer(config, out)
         finished = TrainerState.load_from_json(str(Path(resume) / TRAINER_STATE_NAME)) if resume else None
-        if finished is not None and finished.global_step >= trainer.args.max_steps:
+        if finished is not None and finished.global_step >= finished.max_steps > 0:
             # The run trained to the end and stopped before its adapter (Trainer would take one more step).
             trainer.state = finished
             trainer._load_from_checkpoint(finished.best_model_checkpoint or resume)
