@@ -354,9 +354,17 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
             else:  # then every row has a prompt and a completion (_check_rows)
                 prompt_ids, completion_ids = _encode(tokenizer, row["prompt"], row["completion"], fmt)
         else:
-            ex = make_example(task, tokenizer, split, seq_len, seed=seed * 1_000_003 + index, template_set=template_set, **options)
+            context = seq_len
+            while True:  # a chat template's tokens, and those at the pieces' joins, are counted once encoded
+                ex = make_example(
+                    task, tokenizer, split, context, seed=seed * 1_000_003 + index, template_set=template_set, fit_completion=True, **options
+                )
+                prompt_ids, completion_ids = _encode(tokenizer, ex["prompt"], ex["completion"], fmt)
+                over = len(prompt_ids) + len(completion_ids) - seq_len
+                if over <= 0:  # (else the cut below would take the prompt's start, where statements may sit)
+                    break
+                context -= over // 2 + 1  # (a haystack may re-encode longer than its tokens); make_example says when nothing fits
             template = ex["template"]
-            prompt_ids, completion_ids = _encode(tokenizer, ex["prompt"], ex["completion"], fmt)
         prompt_ids = prompt_ids[-max(1, seq_len - len(completion_ids)) :]  # the prompt gives way to the completion
         built.append({"input_ids": prompt_ids, "completion": completion_ids, "task": task, "template": template})
     for new, indices in pending.items():

@@ -263,6 +263,10 @@ def _statements(task: str, template: Template, rng: random.Random, keys: tuple[s
     raise ValueError(f"unknown task {task!r}")
 
 
+#: The fewest haystack tokens an example's statements go into (``make_example``).
+MIN_HAYSTACK = 16
+
+
 def make_example(
     task: str,
     tokenizer: PreTrainedTokenizerBase,
@@ -272,9 +276,14 @@ def make_example(
     template_set: str = "train",
     template: str | None = None,
     depth: float | None = None,
+    fit_completion: bool = False,
     **options,
 ) -> dict:
     """One example of ``task``: ``{task, template, prompt, completion, answers, context_tokens, depth, split, seed}``.
+
+    The prompt takes about ``context_tokens`` tokens, or with ``fit_completion`` the prompt and its completion
+    together (a training row, whose sequence length holds both). A ``ValueError`` says when the statements and the
+    question leave no room for a haystack of ``MIN_HAYSTACK`` tokens in it (common words: for 4 x ``top`` words).
 
     ``answers`` lists what a correct completion contains (``data.tasks.score`` checks them). ``depth`` (0..1)
     places the first statement (random if None); later statements of the same example go at random depths after
@@ -295,11 +304,15 @@ def make_example(
     if chosen.set != template_set:
         raise ValueError(f"template {chosen.name!r} of task {task!r} is a {chosen.set} template, not {template_set}")
     if task == "common_words":
-        return _common_words(tokenizer, chosen, rng, context_tokens, seed, split, options)
+        return _common_words(tokenizer, chosen, rng, context_tokens, seed, split, options, fit_completion)
     statements, answers, fmt = _statements(task, chosen, rng, _KEYS[template_set], options)
     tail = ANSWER_FORMAT.format(question=chosen.question.format(**fmt), answer=chosen.answer.format(**fmt))
+    completion = " " + _join(answers) + "."
     overhead = n_tokens(tokenizer, " ".join(statements) + tail) + 2 * len(statements)
-    hay = haystack(tokenizer, split, max(16, context_tokens - overhead), rng)
+    overhead += n_tokens(tokenizer, completion) + 2 if fit_completion else 0
+    what = f"its statements, question{', answer' if fit_completion else ''} and a haystack of {MIN_HAYSTACK}"
+    _check_room(task, context_tokens, overhead + MIN_HAYSTACK, what, options)
+    hay = haystack(tokenizer, split, context_tokens - overhead, rng)
     first = rng.random() if depth is None else depth
     depths = [first] + sorted(rng.uniform(first, 1.0) for _ in statements[1:])
     for d, s in sorted(zip(depths, statements), key=lambda x: -x[0]):  # deepest first keeps earlier offsets valid
@@ -308,7 +321,7 @@ def make_example(
         "task": task,
         "template": chosen.name,
         "prompt": hay + tail,
-        "completion": " " + _join(answers) + ".",
+        "completion": completion,
         "answers": answers,
         "context_tokens": context_tokens,
         "depth": first,
@@ -317,13 +330,32 @@ def make_example(
     }
 
 
-def _common_words(tokenizer, template: Template, rng: random.Random, context_tokens: int, seed: int, split: str, options: dict) -> dict:
+def _check_room(task: str, context_tokens: int, needed: int, what: str, options: dict) -> None:
+    """``ValueError`` unless the ``needed`` tokens of ``what`` fit ``context_tokens``. A longer example was cut from the
+    left: a training row lost the statements its question asks about, and an A/B run's prompts were longer than the
+    context its report states."""
+    if needed <= context_tokens:
+        return
+    given = ", ".join(f"{k}={v}" for k, v in options.items())
+    raise ValueError(
+        f"{task}: {what} take {needed} tokens, more than its {context_tokens} tokens of context; give it more context "
+        f"or lower its options ({given})"
+    )
+
+
+def _common_words(
+    tokenizer, template: Template, rng: random.Random, context_tokens: int, seed: int, split: str, options: dict, fit_completion: bool
+) -> dict:
     top = options["top"]
     vocab = rng.sample(_WORDS, options["distinct"])
     frequent, rest = vocab[:top], vocab[top:]
     tail = ANSWER_FORMAT.format(question=template.question.format(n=top), answer=template.answer.format(n=top))
+    completion = " " + _join(frequent) + "."
     per_item = n_tokens(tokenizer, template.statement.format(index=99, word="garden")) + 1
-    items = max(4 * top, (context_tokens - n_tokens(tokenizer, tail)) // per_item)
+    room = context_tokens - n_tokens(tokenizer, tail) - (n_tokens(tokenizer, completion) + 2 if fit_completion else 0)
+    what = f"its question{', answer' if fit_completion else ''} and a list of {4 * top} words (4 x top)"
+    _check_room("common_words", context_tokens, context_tokens - room + 4 * top * per_item, what, options)
+    items = room // per_item
     words = [frequent[i % top] for i in range(items // 4)]  # each frequent word: ~items / (4 top) times
     words += [rng.choice(rest) for _ in range(items - len(words))]
     rng.shuffle(words)
@@ -332,7 +364,7 @@ def _common_words(tokenizer, template: Template, rng: random.Random, context_tok
         "task": "common_words",
         "template": template.name,
         "prompt": "\n".join(lines) + tail,
-        "completion": " " + _join(frequent) + ".",
+        "completion": completion,
         "answers": frequent,
         "context_tokens": context_tokens,
         "depth": -1.0,

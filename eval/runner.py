@@ -124,10 +124,13 @@ def run_ab(
     """
     start = time.perf_counter()
     work = compute and (not resume or missing_results(config) > 0)
-    if work:  # a task past the model's context is refused before the folder is made or anything adopted into it
+    if work:  # a task past the model's context, an arm's adapter for another model and an example that cannot be made
+        # are refused before the folder is made, anything adopted into it or a journal --fresh discards is deleted
         if model is None:
             model, tokenizer = kvgates.load_model(config.model)
         check_context(config, model)
+        gates = prepare_arms(config, model)
+        examples = {task.name: _examples(task, tokenizer, config) for task in config.tasks}
     recorded = _recorded_seconds(config) if resume else None
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -142,7 +145,7 @@ def run_ab(
     if resume and config.reuse:
         _adopt(config, keys, done, journal)
     if work:
-        _compute(config, model, tokenizer, done, journal)
+        _compute(config, model, tokenizer, done, journal, gates, examples)
     rows = [done[key] for key in keys if key in done]
     seconds = sum(r["seconds"] for r in rows)
     wall = (recorded or 0.0) + time.perf_counter() - start if compute else recorded
@@ -218,10 +221,20 @@ def check_context(config: ABConfig, model: PreTrainedModel) -> None:
                 )
 
 
-def _compute(config: ABConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, done: dict[str, dict], journal: Path) -> None:
-    """Run and journal every result missing from ``done`` (updated in place), batch by batch."""
-    gates = prepare_arms(config, model)
-    examples = {task.name: build_examples(task, tokenizer, config.seed, config.split) for task in config.tasks}
+def _examples(task: TaskSpec, tokenizer: PreTrainedTokenizerBase, config: ABConfig) -> list[Example]:
+    """``task``'s examples; one that cannot be made (statements longer than its context) is the config's error."""
+    try:
+        return build_examples(task, tokenizer, config.seed, config.split)
+    except ValueError as err:
+        raise ConfigError(f"task {task.name!r}: {err}") from None
+
+
+def _compute(
+    config: ABConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, done: dict[str, dict], journal: Path,
+    gates: dict[str, kvgates.GateSet | None], examples: dict[str, list[Example]],
+) -> None:
+    """Run and journal every result missing from ``done`` (updated in place), batch by batch, with the arms' gates
+    (``prepare_arms``) and each task's examples."""
     full_arm = config.all_arms[0]
     units = [
         (task, ex, _key(config, task, ex.index, arm, budget))

@@ -88,16 +88,16 @@ def test_template_set_mismatch_and_unknowns_are_refused(tok):
 def test_options_a_task_cannot_draw_are_one_sentence(tok, task, options, message):
     with pytest.raises(ValueError, match=message):
         make_example(task, tok, "test", 300, seed=0, template_set="eval", **options)
-    make_example("multikey", tok, "test", 300, seed=0, template_set="eval", keys=20)  # every key of the eval list
+    make_example("multikey", tok, "test", 600, seed=0, template_set="eval", keys=20)  # every key of the eval list
 
 
 def test_build_dataset_cached_deterministic_completion_only(tok, tmp_path):
     mix = [{"task": "essays", "completion_tokens": 16}, {"task": "needle"}, {"task": "kv", "pairs": 3}]
-    a = build_dataset(tok, mix, "train", 6, 128, seed=1, cache_dir=str(tmp_path))
-    b = build_dataset(tok, mix, "train", 6, 128, seed=1, cache_dir=str(tmp_path))
+    a = build_dataset(tok, mix, "train", 6, 192, seed=1, cache_dir=str(tmp_path))
+    b = build_dataset(tok, mix, "train", 6, 192, seed=1, cache_dir=str(tmp_path))
     assert len(a) == 6 and a["input_ids"] == b["input_ids"]
     for row in a:
-        assert len(row["input_ids"]) == len(row["labels"]) <= 128
+        assert len(row["input_ids"]) == len(row["labels"]) <= 192
         first = next(i for i, y in enumerate(row["labels"]) if y != -100)
         assert all(y == -100 for y in row["labels"][:first])
         assert row["labels"][first:] == row["input_ids"][first:]
@@ -105,6 +105,34 @@ def test_build_dataset_cached_deterministic_completion_only(tok, tmp_path):
     chat = build_dataset(tok, [{"task": "needle"}], "train", 1, 256, fmt="chat", cache_dir=str(tmp_path))
     assert "<|im_start|>assistant" in tok.decode(chat[0]["input_ids"])
 
+
+
+@pytest.mark.parametrize("fmt", ["raw", "chat"])
+def test_every_synthetic_row_keeps_the_statements_its_question_asks_about(tok, tmp_path, fmt):
+    """Rows were made at ``seq_len`` and then cut from the left for their completion (and a chat template's tokens):
+    a chat row lost its template's start, a statement at the haystack's start was cut, and with kv's 32 pairs at 512
+    tokens (617 needed; now one sentence) 2 rows of 8 asked about a pair their prompt no longer held."""
+    import re
+
+    mix = [{"task": "kv", "pairs": 32}, {"task": "needle"}, {"task": "variable_tracking"}]
+    rows = build_dataset(tok, mix, "train", 8, 768, seed=0, fmt=fmt, cache_dir=str(tmp_path))
+    for row in rows:
+        prompt = [t for t, y in zip(row["input_ids"], row["labels"]) if y == -100]
+        text, completion = tok.decode(prompt), tok.decode(row["input_ids"][len(prompt) :])
+        assert len(row["input_ids"]) <= 768 and text.startswith("<|im_start|>" if fmt == "chat" else text[:1])
+        values = re.findall(r"\b(?:[0-9a-f]{8}|[0-9]{5}|[A-Z]{5})\b", completion)
+        assert values and all(value in text for value in values), (row["task"], completion)
+
+
+def test_an_example_whose_statements_do_not_fit_its_context_is_one_sentence(tok):
+    """It was cut from the left in training, and in an A/B run its prompts were longer than the context stated."""
+    with pytest.raises(ValueError, match=r"^kv: its statements, question and a haystack of 16 take \d+ tokens, more than its 512 tokens of context; .*\(pairs=64\)$"):
+        make_example("kv", tok, "test", 512, seed=0, template_set="eval", pairs=64)
+    with pytest.raises(ValueError, match=r"^common_words: its question, answer and a list of 40 words \(4 x top\) take"):
+        make_example("common_words", tok, "test", 128, seed=0, top=10, fit_completion=True)
+    for task in ("kv", "common_words"):
+        ex = make_example(task, tok, "test", 512, seed=0, fit_completion=True)
+        assert len(tok(ex["prompt"] + ex["completion"])["input_ids"]) <= 512
 
 def test_continuations_are_the_models_own_greedy_output(tok, tmp_path):
     import torch

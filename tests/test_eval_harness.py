@@ -279,6 +279,30 @@ def test_adapter_for_another_model_fails_before_any_example(tmp_path, model):
         prepare_arms(ABConfig.from_dict({"arms": [{"policy": "locret", "gates": str(tmp_path / "mine")}], "tasks": ["needle"]}), model)
 
 
+
+def test_a_fresh_run_whose_arm_cannot_run_keeps_the_journal(tmp_path, tok, model):
+    """``--fresh`` deleted the journal, then found an arm's adapter made for another model: the run stopped in one
+    sentence, with every result journalled before it gone."""
+    config = small_config(tmp_path, budgets=[16], tasks=[{"task": "needle", "context_tokens": 200, "examples": 1}])
+    run_ab(config, model, tok)
+    journal = tmp_path / "out" / "results.jsonl"
+    rows = journal.read_text()
+    _, other = tiny_model("llama", seed=1, vocab_size=model.config.vocab_size, max_position_embeddings=2048)
+    kvgates.RetentionGates.for_model(other).save_pretrained(tmp_path / "adapter")
+    broken = small_config(tmp_path, budgets=[16], tasks=[{"task": "needle", "context_tokens": 200, "examples": 1}],
+                          arms=["h2o", {"policy": "trimkv", "gates": str(tmp_path / "adapter")}])
+    with pytest.raises(ConfigError, match="trained for .* not for this model"):
+        run_ab(broken, model, tok, resume=False)
+    assert journal.read_text() == rows
+
+
+def test_a_task_whose_statements_do_not_fit_its_context_fails_before_any_example(tmp_path, tok, model):
+    """Its prompts were made anyway, 1,143-1,156 tokens for 64 pairs at 512, and reported as prompts of 512 tokens."""
+    config = small_config(tmp_path, tasks=[{"task": "kv", "pairs": 64, "context_tokens": 512, "examples": 1}])
+    with pytest.raises(ConfigError, match=r"^task 'kv': kv: its statements, question and a haystack of 16 take \d+ tokens, more than its 512"):
+        run_ab(config, model, tok)
+    assert not (tmp_path / "out").exists()
+
 @pytest.mark.parametrize(
     "task, message",
     [
