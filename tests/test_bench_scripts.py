@@ -376,7 +376,8 @@ def test_policy_overhead_bench_takes_policies_with_parameters():
         (["--policies", "trimkv:window=99", "--budget", "64"],
          "--policies trimkv:window=99: trimkv: budget 64 must be larger than the recent window (99)"),
         (["--policies", "adakv:base=trimkv-snap,base_params=window=99", "--budget", "64"],
-         "--policies adakv:base=trimkv-snap,base_params=window=99: adakv's base trimkv-snap: budget 64 must be larger than the observation window (99)"),
+         "--policies adakv:base=trimkv-snap,base_params=window=99: adakv's base trimkv-snap: budget 64 must be larger than the "
+         "observation window (99)"),
     ],
 )
 def test_a_bench_refuses_bad_policy_parameters_in_one_sentence_before_its_model(args, message):

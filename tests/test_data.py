@@ -126,7 +126,8 @@ def test_every_synthetic_row_keeps_the_statements_its_question_asks_about(tok, t
 
 def test_an_example_whose_statements_do_not_fit_its_context_is_one_sentence(tok):
     """It was cut from the left in training, and in an A/B run its prompts were longer than the context stated."""
-    with pytest.raises(ValueError, match=r"^kv: its statements, question and a haystack of 16 take \d+ tokens, more than its 512 tokens of context; .*\(pairs=64\)$"):
+    said = r"^kv: its statements, question and a haystack of 16 take \d+ tokens, more than its 512 tokens of context; .*\(pairs=64\)$"
+    with pytest.raises(ValueError, match=said):
         make_example("kv", tok, "test", 512, seed=0, template_set="eval", pairs=64)
     with pytest.raises(ValueError, match=r"^common_words: its question, answer and a list of 40 words \(4 x top\) take"):
         make_example("common_words", tok, "test", 128, seed=0, top=10, fit_completion=True)
