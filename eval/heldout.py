@@ -107,8 +107,6 @@ def markdown_table(results: dict[str, dict[str, float]]) -> str:
     ]
     for name, r in results.items():
         n = int(r["needles"])
-        lines.append(
-            f"| {name} | {r['kl']:.4f} | {r['top1']:.1%} | {round(r['needle_exact'] * n)}/{n} | "
-            f"{r['needle_recall']:.0%} | {r['kv_mib']:.2f} |"
-        )
+        needles = f"{round(r['needle_exact'] * n)}/{n} | {r['needle_recall']:.0%}" if n else "— | —"  # (none asked for)
+        lines.append(f"| {name} | {r['kl']:.4f} | {r['top1']:.1%} | {needles} | {r['kv_mib']:.2f} |")
     return "\n".join(lines)

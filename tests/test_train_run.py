@@ -128,6 +128,14 @@ def test_tiny_run_trains_exports_and_reports(tiny_dir, tmp_path, capsys, variant
     assert code == 0
 
 
+
+def test_a_report_without_needles_has_no_needle_figures(tiny_dir, tmp_path, capsys):
+    """``report.needles: 0`` passed the config's check and the run ended in a traceback (``round(nan * 0)``) after its
+    adapter, without its report."""
+    out = tmp_path / "run"
+    assert main(["--config", str(write(tiny_config(tiny_dir, out, report={"needles": 0}), tmp_path / "c.yaml"))]) == 0
+    assert "| full | 0.0000 | 100.0% | — | — |" in (out / "report.md").read_text()
+
 def test_a_run_stopped_during_its_held_out_table_keeps_its_adapter(tiny_dir, tmp_path, monkeypatch):
     # The table can take longer than the training (it ran 6 arms x 11 min on a 1,536-token recipe): a run stopped
     # there must not lose the trained gates.
@@ -943,6 +951,7 @@ def test_a_config_builds_on_its_base(tmp_path):
 def test_shipping_an_adapter_makes_it_loadable_by_name(tiny_dir, tmp_path, monkeypatch):
     import kvgates.gates.embedded as embedded
     import train.ship as ship
+    from eval.config import ArmSpec
 
     monkeypatch.setattr(embedded, "EMBEDDED_DIR", tmp_path / "embedded")
     monkeypatch.setattr(ship, "EMBEDDED_DIR", tmp_path / "embedded")
@@ -960,14 +969,17 @@ def test_shipping_an_adapter_makes_it_loadable_by_name(tiny_dir, tmp_path, monke
         for i in range(2)
     ]
     comparison = {"a": "trimkv", "b": "h2o", "sentence": "trimkv beats h2o at 64 on needle by 1 recall."}
-    (ab / "results.json").write_text(json.dumps({
-        "model": "tiny", "seed": 0, "budgets": [64], "tasks": [needle], "rows": rows, "comparisons": [comparison],
-        "arms": [{"label": "full", "policy": "full", "params": {}, "gates": None}, {"label": "h2o", "policy": "h2o", "params": {}, "gates": None},
-                 {"label": "snapkv", "policy": "snapkv", "params": {}, "gates": None},
-                 {"label": "trimkv", "policy": "trimkv", "params": {}, "gates": "x"}],
-    }))
     trained.config.report = "Held-out table of train.py"
     trained.save_pretrained(tmp_path / "adapter")
+    arms = [{"label": "full", "policy": "full", "params": {}, "gates": None}, {"label": "h2o", "policy": "h2o", "params": {}, "gates": None},
+            {"label": "snapkv", "policy": "snapkv", "params": {}, "gates": None},
+            {"label": "trimkv", "policy": "trimkv", "params": {}, "gates": str(tmp_path / "adapter")}]
+    for row in rows:  # the journal key's arm identity: the digest of the weights the arm ran
+        spec = ArmSpec(**next(a for a in arms if a["label"] == row["arm"]))
+        row["key"] = json.dumps([row["task"], "task", row["example"], row["arm"], spec.identity(), row["budget"]])
+    (ab / "results.json").write_text(json.dumps({
+        "model": "tiny", "seed": 0, "budgets": [64], "tasks": [needle], "rows": rows, "comparisons": [comparison], "arms": arms,
+    }))
     ship.main([str(tmp_path / "adapter"), "tiny-trimkv", "--ab", str(ab), "--arm", "trimkv"])
     assert embedded.embedded_adapters() == ["tiny-trimkv"]
     loaded = kvgates.load_gates("tiny-trimkv")  # by name, offline
@@ -988,6 +1000,17 @@ def test_shipping_an_adapter_makes_it_loadable_by_name(tiny_dir, tmp_path, monke
     assert kvgates.load_gates("tiny-trimkv").config.report.count("A/B evaluation on") == 1
     with pytest.raises(ValueError, match="has no arm 'nope'"):
         ship.ship(tmp_path / "adapter", "other", ab, "nope")
+    # Another adapter with that arm's results: they went into its card (a helper's review).
+    torch.manual_seed(1)
+    kvgates.RetentionGates.for_model(model, gate_hidden=8, training_budget=24).save_pretrained(tmp_path / "another")
+    with pytest.raises(ValueError, match=f"arm 'trimkv' of {ab} ran another adapter .* than this one"):
+        ship.ship(tmp_path / "another", "another", ab, "trimkv")
+    with pytest.raises(ValueError, match="arm 'h2o' of .* ran no trained adapter"):
+        ship.ship(tmp_path / "adapter", "other", ab, "h2o")
+    (tmp_path / "adapter" / "model.safetensors").write_bytes((tmp_path / "another" / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="is not there as it ran"):
+        ship.ship("tiny-trimkv", "tiny-trimkv", ab, "trimkv")
+    assert not (tmp_path / "embedded" / "another").exists() and not (tmp_path / "embedded" / "other").exists()
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "embedded" / "tiny-trimkv" / "model.safetensors"), "pt") as f:

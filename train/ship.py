@@ -17,6 +17,7 @@ arm) is one sentence and exit status 2, with nothing written.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections.abc import Sequence
@@ -25,7 +26,9 @@ from pathlib import Path
 import torch
 
 import kvgates
-from eval.report import AB_SECTION, arm_section
+from eval.arms import UNTRAINED, load_adapter
+from eval.report import AB_SECTION, arm_section, load_config
+from eval.runner import RECORD
 from kvgates.cli import OneLineParser, usage_error
 from kvgates.gates.embedded import EMBEDDED_DIR
 
@@ -51,9 +54,30 @@ def ship(source: str | Path, name: str, ab: str | Path | Sequence[str | Path] = 
     runs = [ab] if isinstance(ab, (str, Path)) else list(ab)
     if runs:
         sections = [arm_section(run, arm or name) for run in runs]  # every run checked before the card changes
+        for run in runs:
+            check_arm_ran(gates, run, arm or name)
         held_out = gates.config.report.split(AB_SECTION)[0].strip()  # earlier A/B sections are replaced
         gates.config.report = "\n\n".join([held_out, *sections]).strip()
     return gates.to(torch.float16).save_pretrained(EMBEDDED_DIR / name)
+
+
+def check_arm_ran(gates: kvgates.GateSet, run: str | Path, label: str) -> None:
+    """``ValueError`` unless arm ``label`` of the A/B run folder ``run`` ran ``gates`` (their weights, in float16 as
+    they ship): the adapter the run recorded for the arm, unchanged since (the weights' digest in its results'
+    journal keys), holds them. Without it a card took the results of whatever adapter that arm had run."""
+    results = json.loads((Path(run) / RECORD).read_text())
+    arm = load_config(results).arm(label)
+    if not arm.learned or arm.gates in (None, UNTRAINED):
+        raise ValueError(f"arm {label!r} of {run} ran no trained adapter (policy {arm.policy}); pass the arm that ran this one as --arm")
+    ran = {json.loads(row["key"])[4] for row in results["rows"] if row["arm"] == label and "key" in row}
+    if ran != {arm.identity()}:
+        raise ValueError(
+            f"the adapter arm {label!r} of {run} ran ({arm.gates}) is not there as it ran (its weights changed or it is gone), "
+            "so its results cannot be matched to this adapter; run the A/B again"
+        )
+    theirs, mine = load_adapter(arm, {}).state_dict(), gates.state_dict()
+    if theirs.keys() != mine.keys() or any(not torch.equal(theirs[k].half(), mine[k].half()) for k in mine):
+        raise ValueError(f"arm {label!r} of {run} ran another adapter ({arm.gates}) than this one; pass the adapter it ran, or its arm")
 
 
 def main(argv: list[str] | None = None) -> int:
