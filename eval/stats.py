@@ -125,7 +125,8 @@ class Comparison:
             ci, wins, losses = (-self.ci_high, -self.ci_low), self.losses, self.wins
         else:
             why = "no clear difference" if self.n >= MIN_PAIRS else f"too few examples ({self.n} < {MIN_PAIRS}) to decide"
-            head = f"{why} between {self.a} and {self.b} {where} ({self.a} {self.improvement:+.3g} {self.metric})"
+            lead = f"{self.a} ahead by {self.improvement:.3g}" if self.improvement >= 0 else f"{self.a} behind by {-self.improvement:.3g}"
+            head = f"{why} between {self.a} and {self.b} {where} ({lead} {self.metric})"
             ci, wins, losses = (self.ci_low, self.ci_high), self.wins, self.losses
         text = f"{head}, 95% CI {ci[0]:.3g} to {ci[1]:.3g}, {wins} wins {losses} losses"
         if self.ties:

@@ -60,4 +60,7 @@ def test_win_tie_loss_and_the_verdict_sentence():
     assert tie.sentence().startswith("no clear difference between x and y at 128 on needle")
     assert tie.sentence().endswith("exact answers 4 vs 3 of 6, McNemar p = 1.")
     few = compare([1.0] * 4, [0.0] * 4, task="t", budget=1, a="x", b="y", metric="recall", higher_is_better=True)
-    assert not few.decided and few.sentence().startswith("too few examples (4 < 5) to decide between x and y")
+    assert not few.decided and few.sentence().startswith("too few examples (4 < 5) to decide between x and y at 1 on t (x ahead by 1 recall)")
+    # A metric where lower is better: the undecided sentence said "(x -0.0005 KL)" of an x whose KL was 0.0005 higher.
+    behind = compare([0.0015] * 4, [0.001] * 4, task="t", budget=1, a="x", b="y", metric="KL", higher_is_better=False)
+    assert "(x behind by 0.0005 KL)" in behind.sentence()

@@ -24,7 +24,7 @@ from kvgates.gates import GATE_KINDS
 from kvgates.gates.training import ATTENTIONS, GateTraining
 from kvgates.methods import METHODS
 from train.config import ConfigError, TrainConfig
-from train.run import build_trainer, check_context, main, prepare_output_dir, training_arguments
+from train.run import build_trainer, check_context, main, parse_args, prepare_output_dir, training_arguments
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -616,6 +616,9 @@ def test_overrides_and_missing_config(tmp_path, tiny_dir):
         TrainConfig.load(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="key=value"):
         TrainConfig.load(tmp_path / "c.yaml", ["budget"])
+    # Overrides on both sides of an option: "unrecognized arguments: training.max_steps=3".
+    args = parse_args(["--config", str(tmp_path / "c.yaml"), "budget=16", "--check", "training.max_steps=3"])
+    assert args.check and args.overrides == ["budget=16", "training.max_steps=3"]
 
 
 def test_rerun_and_resume_refusals_leave_the_run_untouched(tiny_dir, tmp_path, capsys):
@@ -633,6 +636,19 @@ def test_rerun_and_resume_refusals_leave_the_run_untouched(tiny_dir, tmp_path, c
     assert "no complete checkpoint" in capsys.readouterr().err
     assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
 
+
+
+def test_a_run_folder_moved_or_spelled_otherwise_resumes(tiny_dir, tmp_path):
+    """Its recorded output_dir was compared as a string: a run moved, copied, or named as ``dir//run``, was refused as
+    "trained with another config (differs in output_dir)"."""
+    first = tmp_path / "first"
+    assert main(["--config", str(write(tiny_config(tiny_dir, first), tmp_path / "a.yaml"))]) == 0
+    moved = tmp_path / "moved"
+    first.rename(moved)
+    shutil.rmtree(moved / "adapter")
+    for out in (moved, f"{tmp_path}//moved"):
+        assert main(["--config", str(write(tiny_config(tiny_dir, out), tmp_path / "b.yaml")), "--resume"]) == 0
+    assert json.loads((moved / "run_config.json").read_text())["output_dir"] == f"{tmp_path}//moved"
 
 def test_a_run_made_before_a_config_key_existed_still_resumes(tiny_dir, tmp_path):
     out = tmp_path / "run"

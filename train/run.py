@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="check the config, the model, the data sources, gates.init_from and output_dir without loading the model or writing output",
     )
     parser.add_argument("overrides", nargs="*", help="single-key overrides, e.g. training.max_steps=20 budget=128")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides on either side of an option
 
 
 def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) -> tuple[Path, str | None]:
@@ -97,7 +97,8 @@ def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) ->
         # Both through TrainConfig, so a key added to it since the run started (at its default) is no difference.
         before = json.loads(TrainConfig.from_dict(record, str(recorded)).to_json())
         now = json.loads(config.to_json())
-        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        # Where the run is kept is no part of its recipe: a folder copied, moved or spelled otherwise resumes.
+        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k != "output_dir")
         if changed:
             raise ConfigError(f"--resume: {out} was trained with another config (differs in {', '.join(changed)})")
     elif out.is_dir() and any(out.glob("checkpoint-*")):
@@ -105,15 +106,30 @@ def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) ->
     if write:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(recorded, lambda p: Path(p).write_text(config.to_json()))  # a resumed run rewrites it
+        if checkpoint is not None:
+            relocate_best(Path(checkpoint), out)
     return out, checkpoint
 
 
 def last_complete_checkpoint(out: Path) -> str:
     """The newest ``checkpoint-N`` whose trainer state was written (a run killed while saving leaves a partial one)."""
-    done = [p for p in out.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
+    done = [p for p in out.glob("checkpoint-*") if (p / TRAINER_STATE_NAME).is_file()]
     if not done:
         raise ConfigError(f"--resume: {out} holds no complete checkpoint to resume from")
     return str(max(done, key=lambda p: int(p.name.split("-")[-1])))
+
+
+def relocate_best(checkpoint: Path, out: Path) -> None:
+    """Point the best checkpoint a trainer state records (a path in the folder the run was saved in) at the same
+    checkpoint in ``out``, where the run now is: Trainer dropped a path that no longer existed, and a run moved or
+    copied before it resumed ended on its last checkpoint instead of its best."""
+    path = checkpoint / TRAINER_STATE_NAME
+    state = json.loads(path.read_text())
+    best = state.get("best_model_checkpoint")
+    if not best or not (out / Path(best).name).is_dir() or Path(best) == out / Path(best).name:
+        return
+    state["best_model_checkpoint"] = str(out / Path(best).name)
+    atomic_write(path, lambda p: Path(p).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n"))
 
 
 def training_seconds(out: Path) -> float:
