@@ -46,6 +46,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data.splits import SPLITS
 from data.tasks import OPTIONS, TASKS, check_options, make_example, split_ids
+from kvgates.errors import ConfigError
 
 SOURCES = ("essays", "continuations", "hf", "text", "jsonl") + TASKS + ("multikey",)
 FORMATS = ("raw", "chat")
@@ -402,6 +403,8 @@ def build_dataset(
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("data.format: chat wraps rows in the tokenizer's chat template, and this model's tokenizer has none; use raw")
     if num_examples < 1 or seq_len < 64:
         raise ValueError(f"need num_examples >= 1 and seq_len >= 64, got {num_examples} and {seq_len}")
     if model is None and any(source["task"] == "continuations" for source in mix):

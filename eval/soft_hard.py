@@ -111,7 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     if past is not None:
         parser.error(f"--prompt-tokens {args.prompt_tokens} and --new-tokens {args.new_tokens} {past}")
     for gates in adapters.values():
-        gates.check_model(model)
+        try:
+            gates.check_model(model)
+        except kvgates.AdapterError as err:  # (it offers strict=False, an option this command does not have)
+            raise kvgates.AdapterError(str(err).replace("; pass strict=False to attach them anyway", "")) from None
     texts = windows(tokenizer, args.windows, args.prompt_tokens + args.new_tokens)
     print("| gates | budget | soft KL (training) | hard KL (inference) | per window (soft / hard) |\n|---|---|---|---|---|")
     for name, gates in adapters.items():

@@ -443,6 +443,18 @@ def test_softhard_prints_a_row_per_gate_set_and_shows_its_progress(tmp_path, cap
     assert "0/2 [" in err and "window" in err, err  # the bar over 2 windows (leave=False: cleared when done)
 
 
+
+def test_softhard_with_gates_for_another_model_offers_no_option_it_lacks(tmp_path, capsys):
+    """It said "pass strict=False to attach them anyway", an option softhard does not have."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "model")
+    _, other = tiny_model("llama", seed=1)
+    kvgates.RetentionGates.for_model(other).save_pretrained(tmp_path / "gates")
+    argv = ["softhard", "--gates", str(tmp_path / "gates"), "--model", str(checkpoint), "--budget", "8", "--windows", "1",
+            "--prompt-tokens", "24", "--new-tokens", "6"]
+    assert _exit_status(lambda: main(argv)) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m eval softhard: these gates were trained for") and "strict" not in err
+
 def test_a_task_can_run_at_some_of_the_budgets(tmp_path):
     tasks = [{"task": "needle", "context_tokens": 120, "examples": 2}, {**TASKS[3], "budgets": [16]}]
     config = small_config(tmp_path, tasks=tasks)

@@ -502,6 +502,17 @@ def test_a_data_error_found_once_the_model_is_loaded_is_one_sentence_and_leaves_
     assert "Traceback" not in err and not out.exists()
 
 
+
+def test_chat_rows_for_a_tokenizer_without_a_chat_template_are_refused_naming_data_format(tiny_dir, tmp_path, capsys):
+    """The tiny checkpoint's tokenizer has no chat template: the error named data.mix (a source), not data.format."""
+    out = tmp_path / "run"
+    assert main(["--config", str(write(tiny_config(tiny_dir, out, data={"format": "chat"}), tmp_path / "c.yaml"))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines()[-1] == (
+        "train.py: data.format: chat wraps rows in the tokenizer's chat template, and this model's tokenizer has none; use raw"
+    )
+    assert not out.exists()
+
 def test_invalid_yaml_is_one_line(tmp_path, capsys):
     """The YAML parser's own message spans lines; train.py prints it as one."""
     path = tmp_path / "bad.yaml"

@@ -353,6 +353,8 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
             tokenizer, data.mix, "train", data.train_examples, data.seq_len, data.seed, data.format, model=config.model
         )
         validator = Validator.build(config, tokenizer)
+    except ConfigError:  # (data.format: it names its option itself)
+        raise
     except ValueError as err:  # a row past what check_sources reads (a packed or Hub source's)
         raise ConfigError(f"data.mix: {err}") from None
 
