@@ -545,6 +545,10 @@ def test_an_adapter_for_another_model_stops_the_run_and_leaves_no_folder(tiny_di
     assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 2
     err = capsys.readouterr().err.strip()  # after the model's loading bar
     assert "were trained for" in err.splitlines()[-1] and "Traceback" not in err and not out.exists()
+    # A folder that was there, empty, is left empty (it kept the run's run_config.json).
+    out.mkdir()
+    assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 2
+    assert out.is_dir() and not any(out.iterdir())
 
 
 def test_rows_past_the_models_context_stop_the_run_and_leave_no_folder(tiny_dir, tmp_path, capsys):

@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         note = cpu_threads_note(torch.get_num_threads(), cores, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         if note is not None:
             print(f"train.py: {note}", file=sys.stderr)
-    fresh_folder = not out.exists()
+    before = set(out.iterdir()) if out.is_dir() else None  # what the folder held (None: the run makes it)
     prepare_output_dir(config, args.resume)
     started = time.time()
     try:
@@ -429,8 +429,9 @@ def main(argv: list[str] | None = None) -> int:
             trainer.train(resume_from_checkpoint=resume)
         validation = trainer.evaluate()  # the best checkpoint, loaded at the end of training
     except USER_ERRORS as err:  # found once the model is loaded (gates.init_from made for another model)
-        if fresh_folder and not any(out.glob("checkpoint-*")):
-            shutil.rmtree(out)  # nothing of this run is worth keeping: leave no half-made folder
+        if not any(out.glob("checkpoint-*")):  # nothing of this run is worth keeping: leave the folder as it was
+            for made in [out] if before is None else set(out.iterdir()) - before:
+                shutil.rmtree(made) if made.is_dir() else made.unlink()
         return usage_error("train.py", err)
     trainer.gated.close()
     config.learned_method.teardown(trainer.model, trainer.gates)  # e.g. DMS-LoRA's adapter leaves the model
