@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:  # AdapterError, UnsupportedModelError, a bad option or window
             return usage_error("python -m eval softhard", err)
         return 0
+    args.overrides += [r for r in rest if not r.startswith("-")]  # overrides after an option (argparse leaves them)
+    rest = [r for r in rest if r.startswith("-")]
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 

@@ -348,6 +348,11 @@ def test_cli_exits_non_zero_with_one_sentence_before_loading_a_model(tmp_path, c
     assert err.startswith("python -m eval ab: ") and "budget 0" in err and len(err.splitlines()) == 1
     assert main(["ab", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert main(["ab", "--config", "configs/eval/demo.yaml", "--quick"]) == 2  # the demo has no quick section
+    # An override after an option is an override ("unrecognized arguments" before): here the one that is wrong.
+    path.write_text("arms: [snapkv]\nbudgets: [16]\ntasks: [needle]\n")
+    capsys.readouterr()
+    assert main(["ab", "--config", str(path), "arms=[h2o]", "--fresh", "budgets=[0]"]) == 2
+    assert "budget 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
