@@ -30,6 +30,7 @@ answer prefix and answer to the assistant turn); ``raw`` keeps plain text, as th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
 import logging
@@ -45,7 +46,7 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from transformers import PreTrainedTokenizerBase
 
 from data.splits import SPLITS
-from data.tasks import OPTIONS, TASKS, check_options, make_example, split_ids
+from data.tasks import MIN_HAYSTACK, OPTIONS, TASKS, check_options, make_example, split_ids
 from kvgates.errors import ConfigError
 
 SOURCES = ("essays", "continuations", "hf", "text", "jsonl") + TASKS + ("multikey",)
@@ -318,7 +319,18 @@ def _continue(model_id: str, prompts: list[list[int]], new_tokens: int, batch_si
     return out
 
 
-def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, template_set, model):
+def code_digest() -> str:
+    """A digest of the code and files that make rows (this package's modules and the essay split): part of a built
+    dataset's cache key. ``datasets`` keys its cache by the generator's arguments and the generator by its name, so
+    rows built before a change to how rows are made were loaded again after it."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")) + [Path(__file__).parent / "essay_split.json"]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, template_set, model, code):
+    del code  # (in the cache key only: ``code_digest``)
     mix = json.loads(mix_json)
     rng = random.Random(f"mix:{split}:{seed}")
     weights = [s.get("weight", 1.0) for s in mix]
@@ -357,9 +369,20 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
         else:
             context = seq_len
             while True:  # a chat template's tokens, and those at the pieces' joins, are counted once encoded
-                ex = make_example(
-                    task, tokenizer, split, context, seed=seed * 1_000_003 + index, template_set=template_set, fit_completion=True, **options
-                )
+                try:
+                    ex = make_example(
+                        task, tokenizer, split, context, seed=seed * 1_000_003 + index, template_set=template_set, fit_completion=True,
+                        **options,
+                    )
+                except ValueError:
+                    if context == seq_len:  # (its own sentence: the statements alone do not fit)
+                        raise
+                    given = ", ".join(f"{k}={v}" for k, v in options.items()) or "defaults"
+                    raise ValueError(
+                        f"{task}: a row ({'the chat template, ' if fmt == 'chat' else ''}statements, question, answer and a "
+                        f"haystack of {MIN_HAYSTACK}) takes more than seq_len {seq_len} tokens; raise it or lower the task's "
+                        f"options ({given})"
+                    ) from None
                 prompt_ids, completion_ids = _encode(tokenizer, ex["prompt"], ex["completion"], fmt)
                 over = len(prompt_ids) + len(completion_ids) - seq_len
                 if over <= 0:  # (else the cut below would take the prompt's start, where statements may sit)
@@ -394,9 +417,10 @@ def build_dataset(
     ``kvgates.load_model`` takes) writes the ``continuations`` rows; the mix needs it only for them.
 
     Built with ``datasets.Dataset.from_generator``: the result is cached on disk (under ``cache_dir``, default the
-    🤗 datasets cache) keyed by every argument, so a second run with the same config loads it instead of
-    regenerating it. Same arguments, same rows. A source that cannot be loaded or gives a row without text raises
-    ``ValueError`` (one sentence naming its path; ``check_readable`` finds most of these before a run loads its model).
+    🤗 datasets cache) keyed by every argument and by the code that makes rows (``code_digest``), so a second run with
+    the same config loads it instead of regenerating it, and a run after a change to that code does not. Same
+    arguments, same rows. A source that cannot be loaded or gives a row without text raises ``ValueError`` (one
+    sentence naming its path; ``check_readable`` finds most of these before a run loads its model).
     """
     check_mix(mix, seq_len)
     if split not in SPLITS:
@@ -416,6 +440,7 @@ def build_dataset(
                 # A list-valued keyword would be split into shards by ``from_generator``: the mix travels as JSON.
                 "tokenizer": tokenizer, "mix_json": json.dumps(mix, sort_keys=True), "split": split, "num_examples": num_examples,
                 "seq_len": seq_len, "seed": seed, "fmt": fmt, "template_set": template_set, "model": model,
+                "code": code_digest(),
             },
             cache_dir=cache_dir,
         )

@@ -109,6 +109,8 @@ def tiny_model(family: str = "llama", seed: int = 0, **overrides):
     config = config_cls(**kwargs)
     if family == "gemma3" and layer_types is None:
         config.layer_types = ["sliding_attention", "full_attention"] * (config.num_hidden_layers // 2)
+    elif isinstance(layer_types, list):
+        config.layer_types = layer_types
     torch.manual_seed(seed)
     ref = model_cls(config).eval()
     ref.set_attn_implementation("sdpa")

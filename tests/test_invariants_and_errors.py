@@ -228,11 +228,33 @@ def test_a_forward_that_stopped_part_way_is_refused_until_reset(tiny, name, wher
             patch.setattr(*((model.model.layers[1].mlp, "forward") if where == "mlp" else (cache.layers[0], "step")), _raise)
             with pytest.raises(Interrupted):
                 model(ids, past_key_values=cache)
-        with pytest.raises(RuntimeError, match=rf"stopped part-way \({said} of budgeted layers 0-2;.*reset\(\)"):
+        with pytest.raises(RuntimeError, match=rf"stopped part-way \({said} of layers 0-2;.*reset\(\)"):
             model(ids, past_key_values=cache)
         cache.reset()
         torch.testing.assert_close(model(ids, past_key_values=cache).logits, expected)
 
+
+
+@pytest.mark.parametrize("stopped", [0, 2])
+def test_a_forward_that_stopped_in_a_sliding_window_layer_is_refused_until_reset(stopped, monkeypatch):
+    """Gemma 3's sliding-window layers keep transformers' cache, and the check followed the budgeted layers only: a
+    forward stopped in a sliding layer before the first budgeted one (0) or after the last (2, of sliding, full,
+    sliding, sliding) was not refused, and the next one failed on shapes or gave wrong logits."""
+    from helpers import tiny_model
+
+    _, model = tiny_model("gemma3", layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"])
+    ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids, past_key_values=BudgetCache(model.config, "h2o", budget=8)).logits
+        cache = BudgetCache(model.config, "h2o", budget=8)
+        with monkeypatch.context() as patch:
+            patch.setattr(model.model.layers[stopped].mlp, "forward", _raise)
+            with pytest.raises(Interrupted):
+                model(ids, past_key_values=cache)
+        with pytest.raises(RuntimeError, match=rf"stopped part-way \(after layer {stopped} of layers 0-3;"):
+            model(ids, past_key_values=cache)
+        cache.reset()
+        torch.testing.assert_close(model(ids, past_key_values=cache).logits, expected)
 
 def test_a_forward_that_stopped_between_a_layers_update_and_its_attention_is_refused_until_reset(tiny, monkeypatch):
     """Stopped after layer 0 staged its keys: the next forward said the model's attention was not 'kvgates', and

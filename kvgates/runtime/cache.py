@@ -89,16 +89,37 @@ class BudgetCache(Cache):
         self.policy = policy
         self.config = text_config
         self._pending_layer: int | None = None
-        self._forward_at: int | None = None  # the budgeted layer (rank) a forward has stepped last, until it ends
+        self._forward_at: int | None = None  # the last layer a forward has done (-1: none yet), until it ends
         self._real: tuple[Any, ...] | None = None  # ``real_queries``' last answer and what it was for
         super().__init__(layers=layers)
 
+    # ------------------------------------------------------------------ the transformers Cache API
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Cache.update``, with the forward's progress over every layer recorded (``check_forward``): it begins at
+        layer 0's update, a passthrough layer holds its tokens once its update returns, a budgeted one once its step
+        ends (``layer_done``). A static cache's compiled decode steps are not recorded (nor are they checked)."""
+        tracked = not self._static_step(key_states)
+        if layer_idx == 0:
+            self.check_forward()
+            if tracked:
+                self._forward_at = -1
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if tracked and not isinstance(self.layers[layer_idx], BudgetLayer):
+            self.layer_done(layer_idx)
+        return out
+
+    def _static_step(self, key_states: torch.Tensor) -> bool:
+        """Whether a forward bringing ``key_states`` is a static layout's decode step (``BudgetLayer._attend_static``)."""
+        return key_states.shape[-2] == 1 and self.layers[self.budget_layer_ids[0]].static
+
     # ------------------------------------------------------------------ bookkeeping used by BudgetLayer
-    def begin_forward(self) -> None:
-        """Refuse a forward (its first budgeted layer's update) while the previous one stopped part-way: an exception
-        or an interrupt inside the model left some layers with its tokens and the others without (and a layer's
-        eviction deferred to the next layer, ``BudgetLayer._defer``, undone). Until ``reset()`` a forward would
-        append to layers that disagree on what they have seen, and give wrong outputs without an error."""
+    def check_forward(self) -> None:
+        """Refuse a forward (at layer 0's update) while the previous one stopped part-way: an exception or an
+        interrupt inside the model left some layers with its tokens and the others without (and a layer's eviction
+        deferred to the next layer, ``BudgetLayer._defer``, undone). Until ``reset()`` a forward would append to
+        layers that disagree on what they have seen, and give wrong outputs without an error (or fail on shapes)."""
         if self._pending_layer is None and self._forward_at is None:
             return
         if self._pending_layer is not None:
@@ -108,21 +129,20 @@ class BudgetCache(Cache):
                 "does it for you), or the previous forward stopped there (an exception or an interrupt: call "
                 "cache.reset(), or make a new BudgetCache)"
             )
-        ids = self.budget_layer_ids
-        where = f"in layer {ids[0]}" if self._forward_at < 0 else f"after layer {ids[self._forward_at]}"
+        where = "in layer 0" if self._forward_at < 0 else f"after layer {self._forward_at}"
         raise RuntimeError(
-            f"the previous forward through this BudgetCache stopped part-way ({where} of budgeted layers {ids[0]}-{ids[-1]}; "
+            f"the previous forward through this BudgetCache stopped part-way ({where} of layers 0-{len(self.layers) - 1}; "
             "an exception or an interrupt inside the model), so its layers hold different tokens; call cache.reset() "
             "(or make a new BudgetCache) and give the prompt again"
         )
 
-    def layer_stepped(self, rank: int) -> None:
-        """Record that budgeted layer ``rank`` ended its step in a forward (-1: the first began its attention), the
-        evidence ``begin_forward`` reads."""
-        self._forward_at = None if rank == self.num_budget_layers - 1 else rank
+    def layer_done(self, layer_idx: int) -> None:
+        """Record that layer ``layer_idx`` holds the forward's tokens (``check_forward``'s evidence): the forward has
+        ended at the last layer."""
+        self._forward_at = None if layer_idx == len(self.layers) - 1 else layer_idx
 
     def reset(self) -> None:
-        """Empty every layer, and forget a forward that stopped part-way (``begin_forward``)."""
+        """Empty every layer, and forget a forward that stopped part-way (``check_forward``)."""
         super().reset()
         self._pending_layer = self._forward_at = self._real = None
 

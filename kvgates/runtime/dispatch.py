@@ -70,8 +70,6 @@ class AttentionDispatch:
             if n == 1 and self.phase(n) is Phase.DECODE:
                 return self._attend_static(query, key_states, value_states, scale, position_ids)
             self._fold_decoded()  # several tokens: the general path, with the counters back on the host
-        if self.rank == 0:
-            self.cache.layer_stepped(-1)  # the forward has begun (``BudgetCache.begin_forward``)
         phase = self.phase(n)
         q_pos = self._query_positions(b, n, position_ids, query.device)
         q_real, all_real = self._real_queries(b, n, attention_mask, query.device)

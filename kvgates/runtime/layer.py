@@ -136,8 +136,6 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         """Stage the new keys/values; the ``"kvgates"`` attention call that follows stores and attends them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.rank == 0:
-            self.cache.begin_forward()
         self.cache.claim_pending(self.layer_idx)
         self._pending = (key_states, value_states)
         HANDOFF.layer = self
@@ -380,7 +378,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             # its scoring pass evicts the prompt) is settled by what evicts for it (``runtime.scoring``).
             for layer in self.cache.budget_layers:
                 layer.settle_static()
-        self.cache.layer_stepped(self.rank)
+        self.cache.layer_done(self.layer_idx)
 
     # ------------------------------------------------------------------ static layout
     def settle_static(self) -> None:
