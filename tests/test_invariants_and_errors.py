@@ -211,6 +211,23 @@ def _raise(*args, **kwargs):
     raise Interrupted
 
 
+def _refused_until_reset(model, make_cache, ids: torch.Tensor, stop, said: str, monkeypatch) -> None:
+    """A forward through ``make_cache()`` stopped by ``Interrupted`` where ``stop(cache)`` says (an object, and the name
+    of its method that raises) leaves the next forward refused with ``said``, and after ``reset()`` the cache gives the
+    logits of a fresh one."""
+    with torch.no_grad():
+        expected = model(ids, past_key_values=make_cache()).logits
+        cache = make_cache()
+        with monkeypatch.context() as patch:
+            patch.setattr(*stop(cache), _raise)
+            with pytest.raises(Interrupted):
+                model(ids, past_key_values=cache)
+        with pytest.raises(RuntimeError, match=said):
+            model(ids, past_key_values=cache)
+        cache.reset()
+        torch.testing.assert_close(model(ids, past_key_values=cache).logits, expected)
+
+
 @pytest.mark.parametrize("name", ["h2o", "kvmerger", "adakv", "snapkv"])
 @pytest.mark.parametrize(("where", "said"), [("mlp", "after layer 1"), ("step", "in layer 0")])
 def test_a_forward_that_stopped_part_way_is_refused_until_reset(tiny, name, where, said, monkeypatch):
@@ -221,18 +238,11 @@ def test_a_forward_that_stopped_part_way_is_refused_until_reset(tiny, name, wher
     what a fresh one does."""
     _, model = tiny
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(0))
-    with policy_on(model, name, 12) as policy, torch.no_grad():
-        expected = model(ids, past_key_values=BudgetCache(model.config, policy)).logits
-        cache = BudgetCache(model.config, policy)
-        with monkeypatch.context() as patch:
-            patch.setattr(*((model.model.layers[1].mlp, "forward") if where == "mlp" else (cache.layers[0], "step")), _raise)
-            with pytest.raises(Interrupted):
-                model(ids, past_key_values=cache)
-        with pytest.raises(RuntimeError, match=rf"stopped part-way \({said} of layers 0-2;.*reset\(\)"):
-            model(ids, past_key_values=cache)
-        cache.reset()
-        torch.testing.assert_close(model(ids, past_key_values=cache).logits, expected)
-
+    with policy_on(model, name, 12) as policy:
+        stop = (lambda cache: (model.model.layers[1].mlp, "forward")) if where == "mlp" else (lambda cache: (cache.layers[0], "step"))
+        _refused_until_reset(
+            model, lambda: BudgetCache(model.config, policy), ids, stop, rf"stopped part-way \({said} of layers 0-2;.*reset\(\)", monkeypatch
+        )
 
 
 @pytest.mark.parametrize("stopped", [0, 2])
@@ -244,17 +254,11 @@ def test_a_forward_that_stopped_in_a_sliding_window_layer_is_refused_until_reset
 
     _, model = tiny_model("gemma3", layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"])
     ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = model(ids, past_key_values=BudgetCache(model.config, "h2o", budget=8)).logits
-        cache = BudgetCache(model.config, "h2o", budget=8)
-        with monkeypatch.context() as patch:
-            patch.setattr(model.model.layers[stopped].mlp, "forward", _raise)
-            with pytest.raises(Interrupted):
-                model(ids, past_key_values=cache)
-        with pytest.raises(RuntimeError, match=rf"stopped part-way \(after layer {stopped} of layers 0-3;"):
-            model(ids, past_key_values=cache)
-        cache.reset()
-        torch.testing.assert_close(model(ids, past_key_values=cache).logits, expected)
+    _refused_until_reset(
+        model, lambda: BudgetCache(model.config, "h2o", budget=8), ids, lambda cache: (model.model.layers[stopped].mlp, "forward"),
+        rf"stopped part-way \(after layer {stopped} of layers 0-3;", monkeypatch,
+    )
+
 
 def test_a_forward_that_stopped_between_a_layers_update_and_its_attention_is_refused_until_reset(tiny, monkeypatch):
     """Stopped after layer 0 staged its keys: the next forward said the model's attention was not 'kvgates', and
