@@ -46,7 +46,7 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from transformers import PreTrainedTokenizerBase
 
 from data.splits import SPLITS
-from data.tasks import MIN_HAYSTACK, OPTIONS, TASKS, check_options, make_example, split_ids
+from data.tasks import MIN_HAYSTACK, OPTIONS, TASKS, check_options, describe_options, make_example, split_ids
 from kvgates.errors import ConfigError
 
 SOURCES = ("essays", "continuations", "hf", "text", "jsonl") + TASKS + ("multikey",)
@@ -377,11 +377,10 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
                 except ValueError:
                     if context == seq_len:  # (its own sentence: the statements alone do not fit)
                         raise
-                    given = ", ".join(f"{k}={v}" for k, v in options.items()) or "defaults"
                     raise ValueError(
                         f"{task}: a row ({'the chat template, ' if fmt == 'chat' else ''}statements, question, answer and a "
                         f"haystack of {MIN_HAYSTACK}) takes more than seq_len {seq_len} tokens; raise it or lower the task's "
-                        f"options ({given})"
+                        f"options ({describe_options(options)})"
                     ) from None
                 prompt_ids, completion_ids = _encode(tokenizer, ex["prompt"], ex["completion"], fmt)
                 over = len(prompt_ids) + len(completion_ids) - seq_len

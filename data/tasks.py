@@ -336,11 +336,15 @@ def _check_room(task: str, context_tokens: int, needed: int, what: str, options:
     context its report states."""
     if needed <= context_tokens:
         return
-    given = ", ".join(f"{k}={v}" for k, v in options.items())
     raise ValueError(
         f"{task}: {what} take {needed} tokens, more than its {context_tokens} tokens of context; give it more context "
-        f"or lower its options ({given})"
+        f"or lower its options ({describe_options(options)})"
     )
+
+
+def describe_options(options: dict) -> str:
+    """A task's options as an error names them (``pairs=32, digits=5``; ``defaults`` for none)."""
+    return ", ".join(f"{k}={v}" for k, v in options.items()) or "defaults"
 
 
 def _common_words(

@@ -190,8 +190,8 @@ class BudgetCache(Cache):
         for layer in self.layers:
             if isinstance(layer, BudgetLayer):
                 total += layer.kv_bytes()
-            elif getattr(layer, "is_initialized", False) and layer.keys is not None:
-                total += layer.keys.numel() * layer.keys.element_size() * 2
+            else:
+                total += _passthrough_bytes(layer)
         return total
 
     def held_bytes(self) -> int:
@@ -202,8 +202,8 @@ class BudgetCache(Cache):
                 if layer.is_initialized:
                     per_slot = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
                     total += int(layer.held().sum()) * per_slot
-            elif getattr(layer, "is_initialized", False) and layer.keys is not None:
-                total += layer.keys.numel() * layer.keys.element_size() * 2
+            else:
+                total += _passthrough_bytes(layer)
         return total
 
     def full_bytes(self) -> int:
@@ -217,8 +217,8 @@ class BudgetCache(Cache):
                 if layer.is_initialized:
                     per_token = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
                     total += layer.batch_size * layer.num_kv_heads * layer.get_seq_length() * per_token
-            elif getattr(layer, "is_initialized", False) and layer.keys is not None:
-                total += layer.keys.numel() * layer.keys.element_size() * 2
+            else:
+                total += _passthrough_bytes(layer)
         return total
 
     def held_tokens(self) -> torch.Tensor:
@@ -234,6 +234,13 @@ class BudgetCache(Cache):
     def __repr__(self) -> str:
         return f"BudgetCache(policy={self.policy!r}, layers={len(self.layers)})"
 
+
+
+def _passthrough_bytes(layer: Any) -> int:
+    """Key and value bytes a layer kvgates leaves to transformers (a sliding-window layer) holds: all it allocates."""
+    if getattr(layer, "is_initialized", False) and layer.keys is not None:
+        return layer.keys.numel() * layer.keys.element_size() * 2
+    return 0
 
 def check_static(policy: CachePolicy, decode_slots: int) -> None:
     """Raise when ``policy`` cannot run in a static cache with ``decode_slots`` (one sentence saying why)."""
