@@ -9,16 +9,23 @@ once one prompt at a time (the causal path). Prints seconds and the ratio padded
 
 from __future__ import annotations
 
-from common import bench_policy, setup, timed
+from common import bench_policy, random_shape, setup, timed
 
 from data.tasks import make_example
 from eval.fidelity import greedy_generate
 
 
+def check(args) -> str | None:
+    """What this bench cannot run, in one sentence before the model loads (else None)."""
+    if random_shape(args.model) is not None:
+        return f"--model {args.model}: the prompts are text, so this bench needs a model with a tokenizer, not random weights"
+    if args.context < 64:
+        return f"--context {args.context}: a needle prompt needs at least 64 tokens"
+    return None
+
+
 def main() -> None:
-    args, model, tok = setup(__doc__, context=2000, rows=4, budget=256, policies=["snapkv", "h2o"])
-    if tok is None:
-        raise SystemExit("ab_batching.py: needs a model with a tokenizer (the prompts are text), not --model random")
+    args, model, tok = setup(__doc__, check=check, context=2000, rows=4, budget=256, policies=["snapkv", "h2o"])
     examples = [make_example("needle", tok, "test", args.context, seed=i, template_set="eval", depth=i / 3) for i in range(args.rows)]
     prompts = [tok(ex["prompt"], return_tensors="pt")["input_ids"][0] for ex in examples]
     print(f"prompt lengths {[len(p) for p in prompts]}")

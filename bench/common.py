@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the workbench packages (data/) from a checkout
 
@@ -69,6 +70,8 @@ def setup(
                 parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {number}")
     if random_shape(args.model) not in (None, *RANDOM_SHAPES):
         parser.error(f"--model {args.model}: unknown random model shape; known: {', '.join(f'random:{n}' for n in RANDOM_SHAPES)}")
+    if args.layers is not None and random_shape(args.model) is None:
+        parser.error(f"--layers applies to --model random[:SHAPE] only; {args.model} runs with its own layers")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this torch sees no CUDA device; pass --device cpu")
     unknown = [spec.partition(":")[0] for spec in getattr(args, "policies", None) or [] if spec.partition(":")[0] not in kvgates.POLICIES]
@@ -236,6 +239,13 @@ def time_prefill(model, make_cache, ids: torch.Tensor, device: str | torch.devic
         model(ids, past_key_values=cache, logits_to_keep=1)
         sync(device)
         return time.perf_counter() - start, cache
+
+
+def crop_to(cache, tokens: int | None) -> None:
+    """Cut a DynamicCache back to ``tokens`` (its prompt) between rounds; budgeted caches (and ``tokens`` None) stay as
+    they are."""
+    if tokens is not None and isinstance(cache, DynamicCache) and cache.get_seq_length() > tokens:
+        cache.crop(tokens - cache.get_seq_length())  # (transformers 5.x: a negative count of tokens to remove)
 
 
 def sync(device: str | torch.device) -> None:

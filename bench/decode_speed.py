@@ -7,7 +7,7 @@ kvpress user pays after prefill-only compression). For each ``context:budget`` p
 ``context`` essay tokens once per cache at batch 1: a DynamicCache of ``budget`` tokens (the physical reference,
 1.00x), a DynamicCache of the full context, and a ``BudgetCache`` per policy (per-step evicting policies also
 with amortised eviction over ``--slack + 1`` steps). Batch > 1 repeats every prefilled cache
-(``batch_repeat_interleave``).
+(``batch_repeat_interleave``), in place, so each ``--batch`` is a multiple of the one before it (``--batch 1 8 32``).
 Every cache then decodes ``--steps`` greedy steps once per round, for ``--rounds`` interleaved rounds, so that
 drifts of a shared machine hit all caches alike; the table gives the median ms/step and its ratio to both
 DynamicCaches. The DynamicCaches are cropped back to their prompt before every round, so they keep their size;
@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from common import attached, bench_policy, essay_ids, setup, sync, time_decode
+from common import attached, bench_policy, crop_to, essay_ids, setup, sync, time_decode
 from transformers import DynamicCache, StaticCache
 
 import kvgates
@@ -115,16 +115,47 @@ def prefilled(model, make_cache, ids: torch.Tensor):
     return cache, token
 
 
+def context_budget(config: str) -> tuple[int, int]:
+    """``(context, budget)`` of a ``--configs`` entry ``CONTEXT:BUDGET``; ``ValueError`` in one sentence for any other."""
+    context, sep, budget = config.partition(":")
+    try:
+        pair = int(context), int(budget)
+    except ValueError:
+        pair = None
+    if not sep or pair is None or min(pair) < 1:
+        raise ValueError(f"--configs {config}: each entry is CONTEXT:BUDGET, two whole numbers of at least 1 (e.g. 4096:256)")
+    if pair[1] > pair[0]:
+        raise ValueError(f"--configs {config}: the budget is more than the context, so nothing is evicted; give a budget of at most {pair[0]}")
+    return pair
+
+
+def check(args) -> str | None:
+    """What is wrong with ``--configs`` or ``--batch``, in one sentence, before the model loads (else None)."""
+    for config in args.configs:
+        try:
+            context_budget(config)
+        except ValueError as err:
+            return str(err)
+    # The caches are prefilled at batch 1 and repeated in place from one batch to the next, never shrunk back.
+    for before, batch in zip([1, *args.batch], args.batch):
+        if batch % before:
+            return (
+                f"--batch {' '.join(map(str, args.batch))}: each batch must be a multiple of the one before it (the caches are "
+                f"repeated in place from one to the next), and {batch} is not a multiple of {before}"
+            )
+    return None
+
+
 def main() -> None:
     args, model, tokenizer = setup(
-        __doc__, {"compile": ["inductor", "aot_eager"], "compile_mode": COMPILE_MODES}, zero_ok=("slack",),
+        __doc__, {"compile": ["inductor", "aot_eager"], "compile_mode": COMPILE_MODES}, zero_ok=("slack",), check=check,
         configs=["4096:256", "8192:512"], batch=[1, 8], steps=16, rounds=3, slack=32, policies=POLICIES, compile=None,
         compile_mode="default",
     )
     compiled = compiled_forward(model, args.compile, args.compile_mode) if args.compile else None
     decoded = len(args.batch) * args.rounds * (args.steps + 2)  # tokens a cache decodes in the run (static ones hold them)
     for config in args.configs:
-        context, budget = (int(x) for x in config.split(":"))
+        context, budget = context_budget(config)
         ids = essay_ids(tokenizer, context, args.device)
         runs = {
             f"DynamicCache {budget}": lambda: DynamicCache(config=model.config),
@@ -155,8 +186,8 @@ def main() -> None:
             times: dict[str, list[float]] = {label: [] for label in caches}
             for r in range(args.rounds):
                 for label, (cache, token) in caches.items():
-                    if isinstance(cache, DynamicCache):
-                        cache.crop(-(cache.get_seq_length() - (budget if label == f"DynamicCache {budget}" else context)))
+                    if label.startswith("DynamicCache"):
+                        crop_to(cache, budget if label == f"DynamicCache {budget}" else context)
                     with attached(model, cache):
                         if label.endswith("compiled"):
                             seconds = time_compiled(compiled, cache, token, args.steps, args.device)

@@ -15,17 +15,33 @@ from common import essay_ids, setup, time_decode
 from policy_overhead import Stopwatch
 
 import kvgates
+from kvgates.policies.learned import AUTO, GATE_DTYPES
 
 KINDS = {"trimkv": kvgates.RetentionGates, "trimkv-global": kvgates.GlobalRetentionGates, "locret": kvgates.RetainingHeads}
+#: Locret's own parameters in this bench (its stabilisers and local window).
+LOCRET = {"stabilizers": 32, "local": 32}
+
+
+def check(args) -> str | None:
+    """A budget some kind refuses, in one sentence before the model loads (else None): each is built at ``--budget``
+    on placeholder gates."""
+    for name, kind in KINDS.items():
+        try:
+            kvgates.make_policy(name, budget=args.budget, gates=kind.placeholder(), **(LOCRET if name == "locret" else {}))
+        except ValueError as err:
+            return f"--budget {args.budget}: {err}"
+    return None
 
 
 def main() -> None:
-    args, model, tokenizer = setup(__doc__, prompt=1024, budget=256, steps=64, gate_dtypes=["float32", "float16"])
+    args, model, tokenizer = setup(
+        __doc__, {"gate_dtypes": [AUTO, *GATE_DTYPES]}, check=check, prompt=1024, budget=256, steps=64, gate_dtypes=["float32", "float16"]
+    )
     ids = essay_ids(tokenizer, args.prompt, args.device)
     print(f"{'policy':14s} {'gate dtype':>10s} {'gate params':>11s} {'step ms':>8s} {'gates ms':>9s} {'overhead':>9s}")
     for (name, kind), gate_dtype in itertools.product(KINDS.items(), args.gate_dtypes):
         gates = kind.for_model(model, training_budget=args.budget)
-        extra = {"stabilizers": 32, "local": 32} if name == "locret" else {}
+        extra = LOCRET if name == "locret" else {}
         policy = kvgates.make_policy(name, budget=args.budget, gates=gates, gate_dtype=gate_dtype, **extra).attach(model)
         cache = kvgates.BudgetCache(model.config, policy)
         clock = Stopwatch(args.device)

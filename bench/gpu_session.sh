@@ -64,6 +64,16 @@ cd "$(dirname "$0")/.."
 # Every stage named is checked before any runs: a misspelt one is refused before a GPU's minutes go to the others.
 STAGES=(issue27 env tests decode-sweep prefill-sweep profile prefill-b1 decode captured captured-evict captured-merge prefill
     prefill-rest kernels train train-dms)
+USAGE="usage: bash bench/gpu_session.sh STAGE... (stages: ${STAGES[*]}; what each does: the comments at the top of this script)"
+if [ "$#" = 0 ]; then
+    echo "$USAGE" >&2
+    exit 2
+fi
+case "$1" in -h | --help)
+    echo "$USAGE"
+    exit 0
+    ;;
+esac
 for name in "$@"; do
     known=0
     for stage_name in "${STAGES[@]}"; do
@@ -98,6 +108,17 @@ if [ -n "$TRANSFORMERS_WHEEL" ] && { [ -f /tmp/site/.kvgates-wheels ] \
     export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+# Stages other than env and tests measure a GPU: without one (and not a smoke run) the call ends here, before an 8B
+# random model is built on the host (32 GB in float32 for the decode stage).
+MEASURING=()
+for name in "$@"; do
+    [ "$name" != env ] && [ "$name" != tests ] && MEASURING+=("$name")
+done
+if [ "$SMOKE" != 1 ] && [ "${#MEASURING[@]}" != 0 ] && ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    echo "no CUDA device here, and these stages measure a GPU: ${MEASURING[*]} (GPU_SESSION_SMOKE=1 runs every stage at toy sizes, to check this script)" >&2
+    exit 2
 fi
 
 # Sizes: the issues' shapes, or toy ones for the smoke run.

@@ -114,6 +114,31 @@ def row(name: str, shape: str, t_tri: float, t_ref: float, nbytes: int, peak: fl
     print(f"{name:16s} {shape:34s} {t_tri * 1e6:9.1f} us {t_ref * 1e6:10.1f} us {t_ref / t_tri:7.2f}x {gbps:8.0f} GB/s {frac} {extra}")
 
 
+def check(args: argparse.Namespace, device: str) -> str | None:
+    """What is wrong with the options, in one sentence, before anything is measured (else None): a count below 1, query
+    heads that the GQA group does not divide, a ``--best-json`` folder that does not exist (found only after the whole
+    sweep), a ``KVGATES_PREFILL_CONFIG`` that is malformed or makes no configuration for a head dim and dtype measured."""
+    for name in ("budgets", "batch", "head_dim", "heads", "group", "window", "reps"):
+        values = getattr(args, name)
+        for value in values if isinstance(values, list) else [values]:
+            if value < 1:
+                return f"--{name.replace('_', '-')} must be at least 1, got {value}"
+    if args.heads % args.group:
+        return f"--heads {args.heads} is not a multiple of --group {args.group} (KV heads = heads / group)"
+    if args.best_json and not Path(args.best_json).resolve().parent.is_dir():
+        return f"--best-json {args.best_json}: its folder does not exist"
+    if os.environ.get(PREFILL_CONFIG_ENV):
+        from kvgates.kernels.triton_ops import _prefill_config, _prefill_override
+
+        try:
+            _prefill_override(os.environ[PREFILL_CONFIG_ENV])
+            for d, dname in itertools.product(args.head_dim, args.dtype):
+                _prefill_config(d, DTYPES[dname], torch.device(device))
+        except ValueError as err:
+            return str(err)
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192])
@@ -125,7 +150,10 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--peak-gbps", type=float)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (needs TRITON_INTERPRET=1)")
+    parser.add_argument(
+        "--smoke", action="store_true",
+        help="tiny shapes on CPU, in place of --budgets, --batch, --head-dim, --dtype, --heads and --reps (needs TRITON_INTERPRET=1)",
+    )
     parser.add_argument("--sweep-decode", action="store_true", help="decode attention under every launch configuration of a grid")
     parser.add_argument("--sweep-prefill", action="store_true", help="the scoring prefill under every launch configuration of a grid")
     parser.add_argument(
@@ -140,6 +168,9 @@ def main() -> None:
         args.budgets, args.batch, args.head_dim, args.dtype, args.heads, args.reps = [64], [1], [16], ["fp32"], 4, 10
     elif device == "cpu":
         sys.exit("bench/kernels.py measures GPU kernels: no CUDA device here (use --smoke with TRITON_INTERPRET=1 to check it)")
+    problem = check(args, device)
+    if problem:
+        parser.error(problem)
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("on CPU the Triton kernels need TRITON_INTERPRET=1")
     from kvgates.kernels import triton_ops

@@ -3,7 +3,9 @@
     python bench/kv_memory.py --tokens 2000 --budget 128 --every 250
 
 Generates ``--tokens`` tokens greedily after a short essay prompt and prints the key/value bytes each cache
-holds every ``--every`` tokens, plus the ratio to DynamicCache at the end.
+allocates every ``--every`` tokens (a budgeted cache's slots, held or free; DynamicCache's tokens), plus the ratio to
+DynamicCache at the end and whether that stayed flat. A policy may carry parameters, ``name:key=value,...``;
+learned policies run with fresh gates of the model's shape.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from common import essay_ids, setup
+from common import attached, bench_policy, essay_ids, setup
 from transformers import DynamicCache
 
 import kvgates
@@ -21,7 +23,7 @@ from kvgates import dynamic_cache_bytes
 def trace(model, cache, ids, tokens: int, every: int, size) -> tuple[list[int], set[int]]:
     """KV bytes every ``every`` tokens, and the distinct per-head token counts seen after every step."""
     sizes, held = [], set()
-    with torch.no_grad():
+    with attached(model, cache), torch.no_grad():
         token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
         for step in range(1, tokens + 1):
             token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
@@ -42,7 +44,7 @@ def plot(columns: dict[str, list[int]], every: int, path: str) -> None:
     styles = ["-", "--", ":", "-."]
     for i, (name, sizes) in enumerate(columns.items()):  # budgeted caches overlap exactly: vary the line style
         ax.plot([(j + 1) * every for j in range(len(sizes))], [s / 2**20 for s in sizes], marker="os^v"[i % 4],
-                linestyle=styles[i % 4], markersize=7 - i, label=name)
+                linestyle=styles[i % 4], markersize=max(3, 7 - i), label=name)
     ax.set_xlabel("generated tokens")
     ax.set_ylabel("KV cache (MiB)")
     ax.set_title("KV memory during generation")
@@ -75,11 +77,11 @@ def main() -> None:
     columns, held = {}, {}
     columns["DynamicCache"], _ = trace(model, DynamicCache(config=model.config), ids, args.tokens, args.every, dynamic_cache_bytes)
     for policy in args.policies:
-        cache = kvgates.BudgetCache(model.config, policy, budget=args.budget)
-        label = f"{policy}@{args.budget}"
+        cache = kvgates.BudgetCache(model.config, bench_policy(model, policy, args.budget))
+        label = policy if policy.partition(":")[0] == "full" else f"{policy}@{args.budget}"
         columns[label], held[label] = trace(model, cache, ids, args.tokens, args.every, lambda c: c.kv_bytes())
     names = list(columns)
-    print("generated  " + "  ".join(f"{n:>18s}" for n in names) + "   (KV MiB)")
+    print("generated  " + "  ".join(f"{n:>18s}" for n in names) + "   (KV MiB allocated)")
     for i in range(len(columns[names[0]])):
         row = "  ".join(f"{columns[n][i] / 2**20:18.2f}" for n in names)
         print(f"{(i + 1) * args.every:9d}  {row}")
@@ -88,7 +90,8 @@ def main() -> None:
         print(f"plot: {args.plot}")
     base = columns["DynamicCache"][-1]
     for n in names[1:]:
-        flat = "flat" if len(set(columns[n])) == 1 else "NOT flat"
+        # One sample shows no trend either way.
+        flat = "one sample: no trend" if len(columns[n]) < 2 else "flat" if len(set(columns[n])) == 1 else "NOT flat"
         counts = sorted(held[n])
         print(f"{n}: {columns[n][-1] / base:.3f}x DynamicCache at the end, {flat}; tokens per head after every step: "
               f"{counts[0]}..{counts[-1]}")

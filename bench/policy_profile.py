@@ -103,9 +103,16 @@ def profile_arm(model, make_cache, ids: torch.Tensor, steps: int, device: str, t
         return first, run_profiled(lambda: decode(steps), device, None if trace is None else trace / f"{name}-decode.json")
 
 
+def check(args) -> str | None:
+    """A ``--trace`` that names a file, in one sentence before the model loads (else None)."""
+    if args.trace is not None and Path(args.trace).exists() and not Path(args.trace).is_dir():
+        return f"--trace {args.trace} is a file; name the folder to write the traces in"
+    return None
+
+
 def main() -> None:
     args, model, tokenizer = setup(
-        __doc__, context=8192, budget=1024, batch=1, steps=3, top=8, trace=None, policies=["streaming_llm", "h2o", "adakv"]
+        __doc__, check=check, context=8192, budget=1024, batch=1, steps=3, top=8, trace=None, policies=["streaming_llm", "h2o", "adakv"]
     )
     layers = model.config.num_hidden_layers
     ids = essay_ids(tokenizer, args.context, args.device, args.batch)

@@ -27,7 +27,10 @@ def main() -> None:
         __doc__, context=[2048, 4096], budget=256, rounds=3, policies=["snapkv", "pyramidkv", "h2o", "d2o", "kvmerger", "kvzip"]
     )
     arms = [("DynamicCache + sdpa", lambda: DynamicCache(config=model.config)), ("full (kvgates)", lambda: kvgates.BudgetCache(model.config, "full"))]
-    arms += [(f"{p}@{args.budget}", lambda p=p: kvgates.BudgetCache(model.config, bench_policy(model, p, args.budget))) for p in args.policies]
+    arms += [
+        (f"{p}@{args.budget}", lambda p=p: kvgates.BudgetCache(model.config, bench_policy(model, p, args.budget)))
+        for p in args.policies if p != "full"  # (always an arm: "full (kvgates)")
+    ]
     for n in args.context:
         ids = essay_ids(tokenizer, n, args.device)
 

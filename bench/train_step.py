@@ -59,6 +59,30 @@ def peak_bytes(run, device: str) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
+def run_config(kind: str, eviction: str, length: int, budget: int) -> TrainConfig:
+    """The training config a row runs: ``kind`` at ``budget``, sequences of ``length``, ``eviction``'s loss section."""
+    return TrainConfig.from_dict({"kind": kind, "budget": budget, "data": {"seq_len": length}, "loss": EVICTION[eviction]})
+
+
+def rows(args) -> list[tuple[str, str]]:
+    """``(kind, eviction)`` of each row (TRIM-KV kinds once per ``--eviction``; the others train soft only)."""
+    return [(kind, eviction) for kind in args.kinds for eviction in (args.eviction if kind.startswith("trimkv") else ["soft"])]
+
+
+def check(args) -> str | None:
+    """What a row's config refuses (a budget that does not fit a kind or a length), or a ``--completion`` longer
+    than a sequence, in one sentence before the model loads; else None."""
+    if args.completion >= min(args.lengths):
+        return f"--completion {args.completion} must be less than every length (--lengths {min(args.lengths)})"
+    for kind, eviction in rows(args):
+        for length in args.lengths:
+            try:
+                run_config(kind, eviction, length, args.budget)
+            except ValueError as err:
+                return f"--kinds {kind}, --lengths {length}, --budget {args.budget}: {err}"
+    return None
+
+
 def main() -> None:
     args, model, tokenizer = setup(
         __doc__, choices={
@@ -66,7 +90,7 @@ def main() -> None:
             "eviction": list(EVICTION),
         },
         lengths=[1024, 4096, 8192], kinds=["trimkv", "locret"], budget=256, gate_hidden=64, completion=64, repeats=3,
-        attention="auto", checkpoint_layers=False, eviction=["soft"],
+        attention="auto", checkpoint_layers=False, eviction=["soft"], check=check,
     )
     model.requires_grad_(False)
     if args.checkpoint_layers:
@@ -78,13 +102,10 @@ def main() -> None:
         f"| step {memory} peak (MiB) | step {memory} peak per token (KiB) |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    runs = [(kind, eviction) for kind in args.kinds for eviction in (args.eviction if kind.startswith("trimkv") else ["soft"])]
-    for kind, eviction in runs:
+    for kind, eviction in rows(args):
         label = kind if eviction == "soft" else f"{kind} ({eviction})"
         for length in args.lengths:
-            config = TrainConfig.from_dict(
-                {"kind": kind, "budget": args.budget, "data": {"seq_len": length}, "loss": EVICTION[eviction]}
-            )
+            config = run_config(kind, eviction, length, args.budget)
             gates = GATE_KINDS[config.gate_kind].for_model(model, gate_hidden=args.gate_hidden, init_bias=8.0)
             optimizer = torch.optim.AdamW(gates.parameters(), lr=1e-4)
             ids = essay_ids(tokenizer, length, args.device)

@@ -174,6 +174,10 @@ def main() -> int:
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("run without TRITON_INTERPRET=1: the interpreter replaces the compiler this script checks")
+    known = sorted({name for name, _ in cases()})
+    unknown = [name for name in args.only or [] if name not in known]
+    if unknown:
+        parser.error(f"--only {unknown[0]}: no such kernel; choose from {', '.join(known)}")
     import triton
 
     print(f"triton {triton.__version__}, torch {torch.__version__}")

@@ -254,6 +254,22 @@ def test_gpu_session_env_stage_logs_versions_and_an_unknown_stage_is_refused(tmp
     assert log.startswith("=== env skipped: ") and "of the call's 5 s" in log and "\n=== summary\nenv: skipped, " in log
 
 
+def test_gpu_session_without_a_stage_says_how_to_call_it_and_without_a_gpu_refuses_to_measure(tmp_path):
+    """With no stage the script printed only its summary and exited 0; without a GPU (and not a smoke run) the decode
+    stage started building the 32-layer 8B random model on the host in float32 (32 GB), which died out of memory."""
+    result = _gpu_session(tmp_path)
+    assert result.returncode == 2 and result.stderr.startswith("usage: bash bench/gpu_session.sh STAGE... (stages: issue27 env")
+    assert subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), "--help"], capture_output=True, text=True).returncode == 0
+    if torch.cuda.is_available():
+        return
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "GPU_SESSION_SMOKE": "0"}
+    result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), "env", "decode"], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "no CUDA device here, and these stages measure a GPU: decode (GPU_SESSION_SMOKE=1 runs every stage at toy sizes, to check this script)"
+    )
+    assert list(tmp_path.iterdir()) == []  # no stage ran, env neither
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on CPU")
 def test_gpu_session_stages_run_at_toy_sizes(tmp_path):
@@ -427,3 +443,61 @@ def test_a_bench_batch_holds_a_different_passage_in_every_row(monkeypatch):
     random = common.essay_ids(None, 50, "cpu", batch=2)
     assert random.shape == (2, 50) and not torch.equal(random[0], random[1])
     assert torch.equal(common.essay_ids(None, 50, "cpu")[0], random[0])
+
+
+@pytest.mark.parametrize(
+    "script, args, message",
+    [
+        # a ValueError from crop() once the model had prefilled; an unpacking error; a reshape of 0 elements in the forward
+        ("decode_speed", ["--configs", "128:256"], "--configs 128:256: the budget is more than the context, so nothing is evicted"),
+        ("decode_speed", ["--configs", "256"], "--configs 256: each entry is CONTEXT:BUDGET, two whole numbers of at least 1"),
+        ("decode_speed", ["--configs", "256:0"], "--configs 256:0: each entry is CONTEXT:BUDGET"),
+        # the caches are repeated in place: the table titled batch 1 was measured at batch 4
+        ("decode_speed", ["--batch", "4", "1"], "--batch 4 1: each batch must be a multiple of the one before it"),
+        ("gpu_policies", ["--contexts", "96", "--budget", "128"], "--contexts 96 is less than --budget 128: nothing would be evicted"),
+        # rows measured, then a ConfigError traceback at the kind or length that did not fit
+        ("train_step", ["--lengths", "128", "--kinds", "trimkv", "locret", "--budget", "32"],
+         "--kinds locret, --lengths 128, --budget 32: config: policy: locret: budget 32 must be larger than"),
+        ("train_step", ["--lengths", "48", "--completion", "16", "--budget", "64"], "--kinds trimkv, --lengths 48, --budget 64:"),
+        ("train_step", ["--lengths", "128", "--completion", "128"], "--completion 128 must be less than every length"),
+        ("gate_overhead", ["--budget", "16"], "--budget 16: locret: budget 16 must be larger than"),
+        ("gate_overhead", ["--gate-dtypes", "fp8"], "argument --gate-dtypes: invalid choice: 'fp8'"),
+        ("policy_profile", ["--trace", "README.md"], "--trace README.md is a file; name the folder to write the traces in"),
+        ("ab_batching", ["--context", "20"], "--context 20: a needle prompt needs at least 64 tokens"),
+    ],
+)
+def test_a_bench_refuses_what_it_cannot_measure_in_one_sentence_before_its_model(script, args, message):
+    """Each was a traceback (or a table under the wrong label) once the model had loaded and some rows had run."""
+    model = [] if script == "ab_batching" else ["--model", "random", "--layers", "1"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / f"{script}.py"), *model, *args], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and lines[-1].startswith(f"{script}.py: {message}"), result.stderr
+    assert "Traceback" not in result.stderr and "device:" not in result.stdout
+
+
+def test_layers_of_a_real_model_and_random_weights_for_a_text_bench_are_refused():
+    """``--layers 2`` with the embedded model ran all 30 layers under a header saying so; ``ab_batching --model
+    random`` built the model before refusing it."""
+    for script, args, message in (
+        ("policy_overhead", ["--layers", "2"], "--layers applies to --model random[:SHAPE] only; smollm2-135m runs with its own layers"),
+        ("ab_batching", ["--model", "random"], "--model random: the prompts are text, so this bench needs a model with a tokenizer"),
+    ):
+        result = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), *args], capture_output=True, text=True, timeout=600)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and lines[-1].startswith(f"{script}.py: {message}"), result.stderr
+
+
+def test_kv_memory_bench_takes_learned_policies_parameters_and_full():
+    """``--policies trimkv`` ('gates are required'), ``adakv:ragged=false`` ('unknown policy') and ``full`` ('takes no
+    budget') were accepted by the shared checks, then failed once the model had run; one sample showed 'flat'."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "kv_memory.py"), "--model", "random", "--layers", "1", "--prompt", "16", "--tokens", "20",
+         "--every", "20", "--budget", "48", "--policies", "trimkv", "adakv:ragged=false", "full"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    verdicts = [line.split(":")[0] for line in result.stdout.splitlines() if "x DynamicCache at the end" in line]
+    assert verdicts == ["trimkv@48", "adakv", "full"]  # (adakv:ragged=false@48: split at its colon)
+    assert result.stdout.count("one sample: no trend") == 3 and "(KV MiB allocated)" in result.stdout

@@ -379,3 +379,18 @@ def test_an_eviction_told_its_counts_checks_them_on_the_device():
         with pytest.raises(RuntimeError, match=r"kept other than min\(held, quota\)"):
             evict(quota, quota)
     assert evict([4, 4], [4, 4]).held().tolist() == [[4, 4]]
+
+
+def test_forcing_the_triton_kernels_on_cpu_without_the_interpreter_is_one_sentence(monkeypatch):
+    """``KVGATES_KERNELS=triton`` on CPU tensors without ``TRITON_INTERPRET=1`` ended deep in a forward with Triton's
+    "0 active drivers ([]). There should only be one."; a bad value is refused as well."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("KVGATES_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"^KVGATES_KERNELS=triton on cpu tensors needs Triton's interpreter \(TRITON_INTERPRET=1\)"):
+        kvgates.kernels.backend(torch.zeros(1))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kvgates.kernels.backend(torch.zeros(1)) == "triton"
+    monkeypatch.setenv("KVGATES_KERNELS", "tritn")
+    with pytest.raises(ValueError, match="KVGATES_KERNELS must be one of"):
+        kvgates.kernels.backend(torch.zeros(1))

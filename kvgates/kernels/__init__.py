@@ -43,7 +43,23 @@ def backend(tensor: torch.Tensor) -> str:
         raise ValueError(f"KVGATES_KERNELS must be one of {BACKENDS}, got {mode!r}")
     if mode == "auto":
         return "triton" if tensor.is_cuda and _triton_importable() and not torch.compiler.is_compiling() else "reference"
+    if mode == "triton" and not tensor.is_cuda:
+        _check_interpreter(tensor)
     return mode
+
+
+def _check_interpreter(tensor: torch.Tensor) -> None:
+    """``ValueError`` in one sentence where ``KVGATES_KERNELS=triton`` would launch Triton on ``tensor``, not a CUDA
+    tensor, without Triton's interpreter (Triton's own error: "0 active drivers"), or without Triton."""
+    if not _triton_importable():
+        raise ValueError("KVGATES_KERNELS=triton: Triton is not installed here; install it, or unset KVGATES_KERNELS")
+    import triton
+
+    if not triton.knobs.runtime.interpret:
+        raise ValueError(
+            f"KVGATES_KERNELS=triton on {tensor.device.type} tensors needs Triton's interpreter (TRITON_INTERPRET=1); set it, "
+            "or unset KVGATES_KERNELS to run the torch reference there"
+        )
 
 
 def _triton_importable() -> bool:
