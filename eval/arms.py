@@ -17,7 +17,7 @@ import kvgates
 from kvgates.errors import AdapterError, ConfigError
 from kvgates.gates import GATE_KINDS
 from kvgates.gates.embedded import embedded_adapter_dir, embedded_adapters
-from kvgates.policies.wrappers import with_gates
+from kvgates.policies.wrappers import learned_params, with_gates
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -81,10 +81,13 @@ def prepare_arms(config: ABConfig, model: PreTrainedModel) -> dict[str, kvgates.
                 g = GATE_KINDS[kind].for_model(model, **UNTRAINED_GATES)
             else:
                 g = load_adapter(arm, config.adapters)
+                learned = learned_params(arm.policy, arm.params)  # a wrapper's base_params: strict is the base's
                 try:
-                    g.check_model(model, strict=arm.params.get("strict", True))
+                    g.check_model(model, strict=learned.get("strict", True))
                 except AdapterError as err:
-                    raise ConfigError(f"arm {arm.label!r}: {err}") from None
+                    where = "params" if learned is arm.params else "base_params"
+                    strict = f"add strict: false to the arm's {where}"
+                    raise ConfigError(f"arm {arm.label!r}: {str(err).replace('pass strict=False', strict)}") from None
         check_budgets(arm, config.arm_budgets(arm), g)
         gates[arm.label] = g
     return gates

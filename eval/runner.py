@@ -142,8 +142,8 @@ def run_ab(
     reused = sum(key in done for key in keys)
     if reused:
         print(f"{reused} of {len(keys)} results are already journalled in {journal} (--fresh recomputes them all)")
-    if resume and config.reuse:
-        _adopt(config, keys, done, journal)
+    if resume and config.reuse:  # (--report-only: in the report only; its journal stays what the run computed)
+        _adopt(config, keys, done, journal if compute else None)
     if work:
         _compute(config, model, tokenizer, done, journal, gates, examples)
     rows = [done[key] for key in keys if key in done]
@@ -169,9 +169,10 @@ def _journalled(config: ABConfig) -> tuple[set[str], set[str]]:
 
 
 def has_results(config: ABConfig) -> bool:
-    """Whether the run's journal, or a journal it reuses, holds any result of ``config`` (what ``--report-only``
-    needs to report anything)."""
-    return bool(_journalled(config)[1])
+    """Whether the run's own journal holds any result of ``config`` (what ``--report-only`` needs: the journals it
+    reuses are reported with the run's results, not in their place, so a folder the run never computed in is not made
+    into one)."""
+    return bool(set(_keys(config)) & set(load_journal(Path(config.output_dir) / JOURNAL)))
 
 
 def missing_results(config: ABConfig) -> int:
@@ -181,15 +182,17 @@ def missing_results(config: ABConfig) -> int:
     return len(keys - journalled)
 
 
-def _adopt(config: ABConfig, keys: list[str], done: dict[str, dict], journal: Path) -> None:
-    """Copy the results of ``config.reuse`` journals whose keys this run has and has not journalled yet."""
+def _adopt(config: ABConfig, keys: list[str], done: dict[str, dict], journal: Path | None) -> None:
+    """Take into ``done`` the results of ``config.reuse`` journals whose keys this run has and has not journalled yet,
+    and copy them to ``journal`` (None: into ``done`` only)."""
     for other in config.reuse:
         found = load_journal(Path(other))
         new = [key for key in keys if key in found and key not in done]
-        with journal.open("a") as f:
-            for key in new:
-                done[key] = found[key]
-                f.write(json.dumps(found[key]) + "\n")
+        for key in new:
+            done[key] = found[key]
+        if journal is not None:
+            with journal.open("a") as f:
+                f.writelines(json.dumps(found[key]) + "\n" for key in new)
         print(f"{len(new)} of {len(keys)} results reused from {other}")
 
 

@@ -589,6 +589,15 @@ def test_a_resumed_run_with_every_result_journalled_loads_no_model(tmp_path, tin
     assert main(["ab", "--config", str(path), f"output_dir={again}", f"reuse=[{out / JOURNAL}]"]) == 0
     assert "4 of 4 results reused from" in capsys.readouterr().out
     assert sorted((again / JOURNAL).read_text().splitlines()) == sorted((out / JOURNAL).read_text().splitlines())
+    # --report-only reports what a folder's run computed: on a folder it never ran in, the journal it would reuse does
+    # not stand in for it (it made the folder and copied the results there, a journal the run never computed).
+    empty = tmp_path / "empty"
+    assert main(["ab", "--config", str(path), "--report-only", f"output_dir={empty}", f"reuse=[{out / JOURNAL}]"]) == 2
+    assert not empty.exists()
+    (again / JOURNAL).write_text((again / JOURNAL).read_text().splitlines()[0] + "\n")  # one result of its own
+    assert main(["ab", "--config", str(path), "--report-only", f"output_dir={again}", f"reuse=[{out / JOURNAL}]"]) == 0
+    assert len((again / JOURNAL).read_text().splitlines()) == 1  # the reused three reported, not journalled
+    assert "3 of 4 results reused from" in capsys.readouterr().out and "In progress" not in (again / "report.md").read_text()
     with pytest.raises(pytest.fail.Exception, match="the model was checked"):
         main(["ab", "--config", str(path), "--fresh"])
 

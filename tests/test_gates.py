@@ -425,6 +425,8 @@ def _edit(**fields):
         (_edit(version="1"), "version must be an integer"),
         (_edit(version=0), "format version 0, which no kvgates wrote"),
         (_edit(kind=["retention"]), "kind must be a string"),
+        (_edit(training_budget=0), "training_budget must be at least 1 (or null), got 0"),  # loaded; the card said budget=0
+        (_edit(init_bias=float("nan")), "init_bias must be a finite number, got nan"),
     ],
 )
 def test_damaged_adapters_give_clear_errors(tiny_pair, tmp_path, damage, message):
@@ -457,6 +459,59 @@ def test_push_to_hub_without_a_hub_is_one_clear_error(tiny_pair, monkeypatch):
     assert "\n" not in str(info.value)
     with pytest.raises(ConnectionError, match="could not push the adapter to the Hub repository me/gates"):
         RetentionGates.for_model(model).push_to_hub("me/gates", token="hf_test", endpoint="http://127.0.0.1:9")  # nothing listens
+
+
+def test_a_bad_repository_id_is_named_as_such_not_as_the_network(tiny_pair):
+    """``push_to_hub("bad id with spaces")`` was a HubPushError telling the user to check the network and token."""
+    _, model = tiny_pair
+    for repo_id in ("bad id with spaces", ""):
+        with pytest.raises(ValueError, match=f"^{re.escape(repr(repo_id))} is not a Hub repository id") as info:
+            RetentionGates.for_model(model).push_to_hub(repo_id, token="hf_test")
+        assert not isinstance(info.value, ConnectionError)
+
+
+def test_a_shipped_adapter_loads_in_the_precision_it_was_saved_in_and_saves_back_the_same(tmp_path):
+    """Loaded into float32 modules, a shipped float16 adapter saved again was twice the size, under another weights
+    digest (what A/B journals key an arm's results by): its results were neither matched nor reused."""
+    from kvgates.gates.adapter import weights_digest
+    from kvgates.gates.embedded import embedded_adapter_dir
+
+    shipped = embedded_adapter_dir("smollm2-135m-trimkv")
+    gates = kvgates.load_gates("smollm2-135m-trimkv")
+    assert {p.dtype for p in gates.parameters()} == {torch.float16}
+    gates.save_pretrained(tmp_path / "copy")
+    assert weights_digest(tmp_path / "copy") == weights_digest(shipped)
+    assert (tmp_path / "copy" / "model.safetensors").stat().st_size == (shipped / "model.safetensors").stat().st_size
+
+
+def test_saving_into_no_folder_a_file_or_another_kinds_adapter_is_refused(tiny_pair, tmp_path, monkeypatch):
+    """``save_pretrained("")`` wrote the adapter into the current folder; a file was a FileExistsError; saving over a
+    ``dms-lora`` adapter left its ``lora/`` beside the new kind's files."""
+    _, model = tiny_pair
+    gates = RetentionGates.for_model(model)
+    monkeypatch.chdir(tmp_path)
+    for folder, message in (("", "the folder name is empty"), (" ", "the folder name is empty")):
+        with pytest.raises(AdapterError, match=message):
+            gates.save_pretrained(folder)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(AdapterError, match="file is a file; name a folder to save the adapter in"):
+        gates.save_pretrained(tmp_path / "file")
+    RetainingHeads.for_model(model).save_pretrained(tmp_path / "heads")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "heads").iterdir()}
+    with pytest.raises(AdapterError, match="heads holds 'retaining-head' gates; save these 'retention' gates in another folder"):
+        gates.save_pretrained(tmp_path / "heads")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "heads").iterdir()} == before
+    gates.save_pretrained(tmp_path / "gates")
+    gates.save_pretrained(tmp_path / "gates")  # the same kind again: replaced
+
+
+def test_the_card_of_gates_for_a_model_from_a_folder_loads_the_folder(tiny_pair, tmp_path):
+    """The card's usage said ``load_model("local:tiny")``, a name load_model refuses."""
+    path = save_tiny_checkpoint(tmp_path / "tiny")
+    model, _ = kvgates.load_model(str(path))
+    card = RetentionGates.for_model(model).model_card()
+    assert 'kvgates.load_model("<the folder of tiny, the base model>")' in card and 'load_model("local:' not in card
 
 
 def test_loading_never_unpickles(tiny_pair, tmp_path, monkeypatch):

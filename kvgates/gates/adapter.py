@@ -117,6 +117,12 @@ class GateConfig:
             raise AdapterError(f"{source}: layer_ids must list distinct layers from 0 to num_layers - 1 ({self.num_layers - 1}), got {ids}")
         if self.activation not in ACT2FN:
             raise AdapterError(f"{source}: unknown activation {self.activation!r}; transformers knows {', '.join(sorted(ACT2FN))}")
+        if self.training_budget is not None and self.training_budget < 1:
+            raise AdapterError(
+                f"{source}: training_budget must be at least 1 (or null), got {self.training_budget}; the file is corrupt or was edited by hand"
+            )
+        if not math.isfinite(self.init_bias):
+            raise AdapterError(f"{source}: init_bias must be a finite number, got {self.init_bias}; the file is corrupt or was edited by hand")
 
 
 def _geometry(model: PreTrainedModel) -> dict[str, Any]:
@@ -275,8 +281,17 @@ class GateSet(nn.Module):
 
     # ------------------------------------------------------------------ saving and loading
     def save_pretrained(self, folder: str | os.PathLike) -> Path:
-        """Write ``config.json``, ``model.safetensors`` and ``README.md`` to ``folder`` (created if needed)."""
+        """Write ``config.json``, ``model.safetensors`` and ``README.md`` to ``folder`` (created if needed; an adapter
+        of the same kind there is replaced). ``AdapterError`` (one sentence, nothing written) for an empty name, a
+        file, or a folder holding an adapter of another kind, whose own parts (a DMS LoRA's ``lora/``) would stay."""
+        if not str(folder).strip():  # Path("") is the current folder
+            raise AdapterError("the folder name is empty; name the folder to save the adapter in")
         folder = Path(folder)
+        if folder.exists() and not folder.is_dir():
+            raise AdapterError(f"{folder} is a file; name a folder to save the adapter in")
+        there = _kind_in(folder)
+        if there is not None and there != self.kind:
+            raise AdapterError(f"{folder} holds {there!r} gates; save these {self.kind!r} gates in another folder, or remove that one first")
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
         metadata = {"format": "pt", "kind": self.kind, "fingerprint": self.config.fingerprint}
@@ -334,6 +349,9 @@ class GateSet(nn.Module):
             if tensor.shape != expected[name].shape:
                 raise AdapterError(f"{weights_path}: {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}")
         gates.load_state_dict(tensors)
+        stored = {t.dtype for t in tensors.values() if t.is_floating_point()}
+        if len(stored) == 1:  # in the precision it was saved in (shipped adapters: float16), so it saves back the same
+            gates.to(stored.pop())
         return gates
 
     def push_to_hub(
@@ -347,7 +365,12 @@ class GateSet(nn.Module):
         """Create (if needed) the Hub model repository ``repo_id`` and upload the adapter; returns the commit URL.
         ``HubPushError`` (a ``ConnectionError``, one sentence) when the Hub cannot be reached or refuses the upload."""
         from huggingface_hub import HfApi
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+        try:
+            validate_repo_id(repo_id)
+        except HFValidationError as err:  # not the network's fault: HubPushError would send the user to check it
+            raise ValueError(f"{repo_id!r} is not a Hub repository id ({str(err).splitlines()[0]}); name one as 'user/name'") from None
         api = HfApi(endpoint=endpoint, token=token)
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp)
@@ -370,6 +393,11 @@ class GateSet(nn.Module):
             recipe = json.dumps(c.training, indent=1, sort_keys=True)
             training = f"\n## Training\n\n```json\n{recipe}\n```\n"
         embedded = f" (kvgates ships it as `{c.base_model_embedded}`: it loads offline)" if c.base_model_embedded else ""
+        # A model loaded from a folder is named local:<folder name> (no path on the author's disk), which load_model
+        # does not take: the usage names the folder to pass instead.
+        load = c.base_model
+        if load.startswith("local:"):
+            load = f"<the folder of {load.removeprefix('local:')}, the base model>"
         return f"""---
 library_name: kvgates
 base_model: {c.base_model}
@@ -387,7 +415,7 @@ Training data: {c.training_data or "none recorded"}.
 
 ```python
 import kvgates
-model, tok = kvgates.load_model("{c.base_model}")
+model, tok = kvgates.load_model("{load}")
 policy = kvgates.make_policy("{policy}", budget={c.training_budget or 256}, gates="<this repo id or folder>")
 policy.attach(model)
 cache = kvgates.BudgetCache(model.config, policy)
@@ -400,6 +428,15 @@ out = model.generate(**tok("...", return_tensors="pt"), past_key_values=cache, m
 |---|---|
 {results}
 {report}{training}"""
+
+
+def _kind_in(folder: Path) -> str | None:
+    """The gate kind of the adapter in ``folder`` (its ``config.json``'s ``kind``), None where there is none to read."""
+    try:
+        data = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("kind") if isinstance(data, dict) else None
 
 
 def _shipped_names() -> str:
