@@ -5,7 +5,6 @@ the generated tokens)."""
 from __future__ import annotations
 
 import json
-import platform
 from collections import defaultdict
 from pathlib import Path
 
@@ -329,7 +328,7 @@ def write_report(results: ABResults, command: str = "") -> str:
         {
             "model": config.model, "seed": config.seed, "split": config.split, "budgets": list(config.budgets),
             "arms": [a.__dict__ for a in config.all_arms], "tasks": [t.__dict__ for t in config.tasks],
-            "seconds": results.seconds, "compute_seconds": results.compute_seconds, "machine": platform.platform(),
+            "seconds": results.seconds, "compute_seconds": results.compute_seconds, "machine": results.machine,
             "comparisons": [c.to_dict() for c in results.comparisons], "rows": rows,
         },
         indent=1,

@@ -14,6 +14,7 @@ journal, so its folder holds every result it reports.
 from __future__ import annotations
 
 import json
+import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,9 @@ class ABResults:
     seconds: float | None  # wall time of the computing invocations (see above)
     compute_seconds: float  # model time summed over every row, journalled ones included
     expected: int  # results a complete run has (more than ``len(rows)`` while a run is in progress)
+    #: The machine that computed: this one when the invocation computed, else the one ``results.json`` records (a
+    #: report re-rendered elsewhere does not move the results to the machine it was rendered on).
+    machine: str | None = None
 
 
 def load_journal(path: Path) -> dict[str, dict]:
@@ -131,7 +135,8 @@ def run_ab(
         check_context(config, model)
         gates = prepare_arms(config, model)
         examples = {task.name: _examples(task, tokenizer, config) for task in config.tasks}
-    recorded = _recorded_seconds(config) if resume else None
+    record = _record(config) if resume else {}
+    recorded = record.get("seconds")
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     journal = out / JOURNAL
@@ -149,16 +154,19 @@ def run_ab(
     rows = [done[key] for key in keys if key in done]
     seconds = sum(r["seconds"] for r in rows)
     wall = (recorded or 0.0) + time.perf_counter() - start if compute else recorded
-    return ABResults(config, rows, comparisons(config, rows), wall, seconds, len(keys))
+    machine = platform.platform() if compute else record.get("machine")
+    return ABResults(config, rows, comparisons(config, rows), wall, seconds, len(keys), machine)
 
 
-def _recorded_seconds(config: ABConfig) -> float | None:
-    """The wall time ``results.json`` of the run's output folder records (``ABResults.seconds``), None without one."""
+def _record(config: ABConfig) -> dict:
+    """What ``results.json`` of the run's output folder records (its wall time, ``ABResults.seconds``, and machine),
+    empty without one."""
     path = Path(config.output_dir) / RECORD
     try:
-        return json.loads(path.read_text()).get("seconds") if path.is_file() else None
+        record = json.loads(path.read_text()) if path.is_file() else {}
     except json.JSONDecodeError:
-        return None  # torn by a report killed mid-write before reports were written atomically: its time is lost
+        return {}  # torn by a report killed mid-write before reports were written atomically: its time is lost
+    return record if isinstance(record, dict) else {}
 
 
 def _journalled(config: ABConfig) -> tuple[set[str], set[str]]:

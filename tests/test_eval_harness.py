@@ -4,6 +4,7 @@ comparisons, report; config errors; the metrics' hand cases."""
 import importlib.util
 import json
 import math
+import platform
 import sys
 from pathlib import Path
 
@@ -546,7 +547,8 @@ def tiny_for_the_config_model(tok, model, monkeypatch):
 
 def test_report_only_keeps_the_wall_time_of_the_runs_that_computed(tmp_path, tiny_for_the_config_model):
     """``seconds`` in results.json sums the wall time of the invocations that computed: ``--report-only`` adds nothing
-    (it once recorded its own fraction of a second), a resumed run adds its own, ``--fresh`` starts over."""
+    (it once recorded its own fraction of a second), a resumed run adds its own, ``--fresh`` starts over; ``machine``
+    is the computing one."""
     out = tmp_path / "out"
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"arms": ["h2o"], "budgets": [16], "tasks": [TASKS[3]], "output_dir": str(out)}))
@@ -559,8 +561,12 @@ def test_report_only_keeps_the_wall_time_of_the_runs_that_computed(tmp_path, tin
         return saved["seconds"]
 
     assert main(["ab", "--config", str(path)]) == 0 and record() > 0
+    assert json.loads(results.read_text())["machine"] == platform.platform()
     record(1e6)  # as if the computing run had taken that long
+    results.write_text(json.dumps({**json.loads(results.read_text()), "machine": "the machine that computed"}))
     assert main(["ab", "--config", str(path), "--report-only"]) == 0 and record() == 1e6
+    # A report re-rendered elsewhere keeps the machine that computed (committed reports took the renderer's).
+    assert json.loads(results.read_text())["machine"] == "the machine that computed"
     assert main(["ab", "--config", str(path)]) == 0 and record() > 1e6  # nothing left to compute, still a computing run
     assert main(["ab", "--config", str(path), "--fresh"]) == 0 and 0 < record() < 1e6
     results.unlink()  # a run in progress: no computing run has finished yet
