@@ -14,8 +14,10 @@ A dataset is a *mix* of sources, each a dict with a ``task`` and a ``weight``:
   (``path``); rows give a ``text`` field (windows as for essays; ``text_field`` renames it) or ``prompt`` and
   ``completion`` fields. With ``pack: true`` the rows' texts are read as a stream (``streaming=True``, shuffled
   with the seed) and concatenated, an EOS token between documents, into rows of exactly ``seq_len`` tokens: long
-  sequences from a corpus of short documents (8K-32K tokens for GPU training). The split is the source's own
-  (``split`` of an ``hf`` dataset, or the file), so validation and test data must be other sources.
+  sequences from a corpus of short documents (8K-32K tokens for GPU training). Such a source's rows are divided
+  among the splits as the essays are, 70/10/20 (``data.splits.SHARES``), each row by a hash of its text
+  (``row_split``): a run trains on the train rows, chooses its checkpoint on the validation rows and reports on the
+  test rows, never the same row twice (all three once took the whole source).
 
 The ``essays`` windows already cross essay boundaries: they are cut from the split's essays concatenated in
 file order (``data.splits``: train, validation and test by file), so rows are as long as the split allows
@@ -45,7 +47,7 @@ from datasets.packaged_modules.json import json as json_builder
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from transformers import PreTrainedTokenizerBase
 
-from data.splits import SPLITS
+from data.splits import SHARES, SPLITS
 from data.tasks import MIN_HAYSTACK, OPTIONS, TASKS, check_options, describe_options, make_example, split_ids
 from kvgates.errors import ConfigError
 
@@ -229,6 +231,31 @@ def _external_rows(source: dict[str, Any], streaming: bool = False) -> datasets.
         raise ValueError(f"could not load data source {source['path']!r} ({_reason(err)})") from err
 
 
+def row_split(source: dict[str, Any], row: dict[str, Any]) -> str:
+    """The split a row of an ``hf``/``text``/``jsonl`` source belongs to: a hash of its text (``text_field``, else
+    ``prompt`` and ``completion``) into ``SHARES`` (70/10/20), the same on every machine and in every run, whatever
+    the rows' order (a packed source is streamed shuffled). Rows of one text fall in one split."""
+    field = source.get("text_field", "text")
+    text = row[field] if field in row else f"{row.get('prompt')}\0{row.get('completion')}"
+    share = int.from_bytes(hashlib.sha256(str(text).encode()).digest()[:8], "big") / 2**64
+    for split in SPLITS:
+        share -= SHARES[split]
+        if share < 0:
+            return split
+    return SPLITS[-1]
+
+
+def _split_rows(source: dict[str, Any], rows: datasets.Dataset, split: str) -> list[dict[str, Any]]:
+    """The rows of ``source`` (read whole) in ``split`` (``row_split``); ``ValueError`` when it has none there."""
+    mine = [row for row in rows if row_split(source, row) == split]
+    if not mine:
+        raise ValueError(
+            f"none of the {len(rows)} rows of {source['path']!r} falls in the {split} split (rows are divided 70/10/20 among "
+            "train, validation and test by a hash of their text); give the source more rows"
+        )
+    return mine
+
+
 def _window(ids: Sequence[int], seq_len: int, completion_tokens: int, rng: random.Random) -> tuple[list[int], list[int]]:
     """A ``seq_len`` window of ``ids`` (from a random start) split into prompt and its last ``completion_tokens``."""
     start = rng.randrange(0, max(1, len(ids) - seq_len + 1))
@@ -238,11 +265,11 @@ def _window(ids: Sequence[int], seq_len: int, completion_tokens: int, rng: rando
 
 
 class _PackedStream:
-    """Consecutive ``seq_len``-token rows of a text source's documents, read as a stream and concatenated (an EOS
-    token after each document); the stream starts over when it ends."""
+    """Consecutive ``seq_len``-token rows of a text source's documents of ``split`` (``row_split``), read as a stream
+    and concatenated (an EOS token after each document); the stream starts over when it ends."""
 
-    def __init__(self, source: dict[str, Any], tokenizer: PreTrainedTokenizerBase, seed: int):
-        self.source, self.tokenizer, self.seed = source, tokenizer, seed
+    def __init__(self, source: dict[str, Any], tokenizer: PreTrainedTokenizerBase, seed: int, split: str):
+        self.source, self.tokenizer, self.seed, self.split = source, tokenizer, seed, split
         self.field = source.get("text_field", "text")
         self.rows = iter(())
         self.buffer: list[int] = []
@@ -256,12 +283,17 @@ class _PackedStream:
             raise ValueError(f"could not read {self.source['path']!r} ({_reason(err)})") from None
         if row is None:
             if self.passes > 0 and not self.buffer:
-                raise ValueError(f"{self.source['path']!r} holds no text in the field {self.field!r} to pack")
+                raise ValueError(
+                    f"{self.source['path']!r} holds no text in the field {self.field!r} to pack in the {self.split} split (its "
+                    "documents are divided 70/10/20 among train, validation and test by a hash of their text)"
+                )
             self.rows = iter(_external_rows(self.source, streaming=True).shuffle(seed=self.seed + self.passes, buffer_size=1000))
             self.passes += 1
             return []
         if self.field not in row:
             raise ValueError(f"rows of {self.source['path']!r} need a {self.field!r} field to be packed")
+        if row_split(self.source, row) != self.split:
+            return []
         ids = self.tokenizer(row[self.field], add_special_tokens=False)["input_ids"]
         return ids + [self.tokenizer.eos_token_id] if ids else []
 
@@ -337,7 +369,8 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
     external = {i: _external_rows(s) for i, s in enumerate(mix) if s["task"] in ("hf", "text", "jsonl") and not s.get("pack")}
     for i, rows in external.items():
         _check_rows(mix[i], rows)  # a Hub dataset's rows past the first one check_readable reads
-    packed = {i: _PackedStream(s, tokenizer, seed) for i, s in enumerate(mix) if s.get("pack")}
+        external[i] = _split_rows(mix[i], rows, split)
+    packed = {i: _PackedStream(s, tokenizer, seed, split) for i, s in enumerate(mix) if s.get("pack")}
     built: list[dict[str, Any]] = []
     pending: dict[int, list[int]] = {}  # continuation rows by their number of new tokens
     for index in range(num_examples):

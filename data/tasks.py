@@ -330,15 +330,25 @@ def make_example(
     }
 
 
+class NoRoomError(ValueError):
+    """An example whose parts do not fit its context: ``fact`` says what does not fit, the message adds how to fix it
+    where the task is configured (a caller that sets the context itself, such as training's held-out needles, names
+    its own options instead)."""
+
+    def __init__(self, fact: str, hint: str):
+        super().__init__(f"{fact}; {hint}")
+        self.fact = fact
+
+
 def _check_room(task: str, context_tokens: int, needed: int, what: str, options: dict) -> None:
-    """``ValueError`` unless the ``needed`` tokens of ``what`` fit ``context_tokens``. A longer example was cut from the
+    """``NoRoomError`` unless the ``needed`` tokens of ``what`` fit ``context_tokens``. A longer example was cut from the
     left: a training row lost the statements its question asks about, and an A/B run's prompts were longer than the
     context its report states."""
     if needed <= context_tokens:
         return
-    raise ValueError(
-        f"{task}: {what} take {needed} tokens, more than its {context_tokens} tokens of context; give it more context "
-        f"or lower its options ({describe_options(options)})"
+    raise NoRoomError(
+        f"{task}: {what} take {needed} tokens, more than its {context_tokens} tokens of context",
+        f"give it more context or lower its options ({describe_options(options)})",
     )
 
 

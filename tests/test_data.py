@@ -1,5 +1,6 @@
 """The essay split, the synthetic tasks and their template sets, and the dataset builder."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -213,6 +214,30 @@ def test_local_jsonl_source(tok, tmp_path):
     assert tok.decode(ds[0]["input_ids"]) == "Say hi. Hi."
 
 
+def test_an_external_sources_rows_are_divided_among_the_splits(tok, tmp_path):
+    """Validation and the held-out table took their rows from the whole source, training's too: a run chose its
+    checkpoint on, and reported, rows it trained on, under a heading saying they were held out. Each row now belongs
+    to one split, by a hash of its text (70/10/20, as the essays)."""
+    from data.build import row_split
+
+    pairs = [{"prompt": f"Question {i}?", "completion": f" Answer {i}."} for i in range(40)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    source = {"task": "jsonl", "path": str(path)}
+    texts = {}
+    for split in ("train", "validation", "test"):
+        ds = build_dataset(tok, [source], split, 12, 64, cache_dir=str(tmp_path / "c"))
+        texts[split] = {tok.decode(row["input_ids"]) for row in ds}
+        expected = {p["prompt"] + p["completion"] for p in pairs if row_split(source, p) == split}
+        assert texts[split] <= expected, split
+    assert not (texts["train"] & texts["validation"]) and not (texts["train"] & texts["test"]) and texts["validation"]
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps(pairs[0]) + "\n")  # a train row: the other splits have none
+    assert row_split(source, pairs[0]) == "train"
+    with pytest.raises(ValueError, match=r"none of the 1 rows of .*one.jsonl' falls in the validation split"):
+        build_dataset(tok, [{"task": "jsonl", "path": str(one)}], "validation", 2, 64, cache_dir=str(tmp_path / "c"))
+
+
 def test_packed_source_streams_documents_into_rows_of_exactly_seq_len(tok, tmp_path):
     import json
 
@@ -230,6 +255,10 @@ def test_packed_source_streams_documents_into_rows_of_exactly_seq_len(tok, tmp_p
     text = "".join(tok.decode(row["input_ids"]) for row in ds)
     pieces = [piece for piece in text.split(tok.eos_token) if piece]
     assert set(pieces[1:-1]) <= set(docs)  # whole documents, in the stream's order, across row boundaries
+    from data.build import row_split
+
+    source = {"task": "jsonl", "path": str(path)}
+    assert {row_split(source, {"text": piece}) for piece in pieces[1:-1]} == {"train"}  # the train split's documents only
     with pytest.raises(ValueError, match="pack must be true or false"):
         check_mix([{"task": "jsonl", "path": str(path), "pack": "yes"}])
 

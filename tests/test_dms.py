@@ -57,6 +57,27 @@ def test_decision_heads_give_one_eviction_logit_per_kv_head_starting_at_minus_in
     assert all(float(h.proj.bias.detach().max()) == -5.0 for h in gates.heads) and float(logits.detach().max()) < 0
 
 
+@pytest.mark.parametrize("kind", ["dms", "dms-lora"])
+def test_fresh_decision_heads_start_where_their_gradient_is_alive(kind):
+    """A run that left ``gates.init_bias`` unset gave DMS TRIM-KV's 18: its relaxed decisions saturated, gradient norms
+    of 1e-10 to 1e-13, nothing evicted after training, and no word of it. The kind's own default is -2."""
+    _, model = tiny_model()
+    model.requires_grad_(False)
+    config = TrainConfig.from_dict({"kind": kind, "budget": 8, "data": {"seq_len": 64}, "method": {"window": 4}, "policy": {"window": 4}})
+    assert config.gates.init_bias is None
+    method = config.learned_method
+    gates = method.gate_set.for_model(model, init_bias=config.gates.init_bias)
+    assert gates.config.init_bias == 2.0 and all(float(h.proj.bias.detach().max()) == -2.0 for h in gates.heads)
+    assert kvgates.RetentionGates.for_model(model).config.init_bias == 18.0  # TRIM-KV's stays
+    method.setup(model, gates, config.method_options)
+    model.train()
+    with GateTraining(model, gates) as run:
+        loss, _ = method.loss(TrainingStep(model, model.lm_head, run, config, gate_batch(), budget=8.0))
+        loss.backward()
+    assert sum(float(h.proj.weight.grad.norm()) for h in gates.heads) > 1e-4
+    method.teardown(model, gates)
+
+
 def test_dms_lora_gates_own_their_lora_matrices_shaped_by_the_config():
     _, model = tiny_model()
     gates = DecisionHeadsLoRA.for_model(model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -183,7 +184,7 @@ def test_a_run_can_continue_from_a_trained_adapter(tiny_dir, tmp_path, capsys):
     start.save_pretrained(tmp_path / "start")
     cfg = TrainConfig.from_dict(tiny_config(tiny_dir, tmp_path / "run", gates={"init_from": str(tmp_path / "start")}))
     out, _ = prepare_output_dir(cfg, resume=False)
-    trainer, before = build_trainer(cfg, out)
+    trainer, before, _ = build_trainer(cfg, out)
     trainer.gated.close()
     # The adapter's weights (in float32, for training) and shape, not fresh gates; its new budget is the run's.
     assert before.config.gate_hidden == 6 and before.config.training_budget == 24
@@ -204,7 +205,7 @@ def test_a_run_can_continue_from_a_trained_adapter(tiny_dir, tmp_path, capsys):
 def test_only_gate_parameters_train(tiny_dir, tmp_path):
     cfg = TrainConfig.from_dict(tiny_config(tiny_dir, tmp_path / "run"))
     out, _ = prepare_output_dir(cfg, resume=False)
-    trainer, _ = build_trainer(cfg, out)
+    trainer, _, _ = build_trainer(cfg, out)
     model = trainer.model
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(n.startswith("kvgates_gates.") for n in trainable)
@@ -350,6 +351,9 @@ def test_report_to_flyte_is_taken_where_flytekit_is_installed(tiny_dir, tmp_path
         ({"kind": "trimkv-global", "loss": {"hard_eviction": True}}, "hard_eviction trains per-layer retention gates"),
         ({"policy": {"window": 4}, "loss": {"hard_eviction": True}}, "no window or buffer"),
         ({"loss": {"hard_eviction": True, "eviction_temperature": -1.0}}, "eviction_temperature must be >= 0"),
+        # both accepted and never read: the soft decay trained, a run started afresh in a new folder
+        ({"loss": {"eviction_temperature": 1.0}}, "loss.eviction_temperature 1.0 relaxes the hard eviction, which is off"),
+        ({"training": {"resume_from_checkpoint": "ckpt"}}, "training.resume_from_checkpoint is not read by the run; pass --resume"),
         ({"training": {"learning_rate": -1.0e-3}}, "training: learning_rate must be greater than 0, got -0.001"),
         ({"training": {"learning_rate": "1e-3"}}, "learning_rate must be a number, got '1e-3' (YAML reads 1e-3 as a string"),
         ({"training": {"eval_strategy": False}}, "eval_strategy must be one of 'no', 'steps', 'epoch', got False (YAML reads no"),
@@ -818,7 +822,7 @@ from train.config import TrainConfig
 from train.run import build_trainer
 
 config = TrainConfig.from_dict(json.loads(sys.argv[1]))
-trainer, start = build_trainer(config, Path(config.output_dir))
+trainer, start, _ = build_trainer(config, Path(config.output_dir))
 trainer.train()
 engine = trainer.model_wrapped
 before = start.state_dict()
@@ -1256,7 +1260,7 @@ def test_a_run_with_the_last_layer_cut_logs_what_a_run_of_every_row_logs(tiny_di
     for cut in (True, False):
         cfg = TrainConfig.from_dict(tiny_config(tiny_dir, tmp_path / f"cut-{cut}", training=training))
         out, _ = prepare_output_dir(cfg, resume=False)
-        trainer, _ = build_trainer(cfg, out)
+        trainer, _, _ = build_trainer(cfg, out)
         layer = trainer.model.model.layers[-1]
         phase, rows_in, seen = ["train"], [0], {"train": set(), "validation": set()}  # (rows in, rows the MLP computed)
         layer.register_forward_pre_hook(
@@ -1452,22 +1456,23 @@ def test_the_held_out_table_runs_the_model_in_eval_mode(tiny_dir, tmp_path):
     """A run ends with its model in train mode (the Trainer leaves it so), and the GPU recipes checkpoint its layers
     (``training.activation_checkpointing``): the held-out table runs it in eval mode, where a checkpointed layer
     keeps its cache (in train mode transformers drops it and every budgeted arm failed), and leaves the mode as it was."""
-    from train.validation import final_table
+    from train.validation import final_table, report_examples
 
     cfg = TrainConfig.from_dict(tiny_config(tiny_dir, tmp_path / "run"))
     model, tokenizer = kvgates.load_model(str(tiny_dir))
     gates = GATE_KINDS["retention"].for_model(model, gate_hidden=8, init_bias=4.0)
-    reference = final_table(cfg, model, tokenizer, gates, gates)
+    heldout = report_examples(cfg, tokenizer)
+    reference = final_table(cfg, model, tokenizer, gates, gates, heldout)
     model.activation_checkpointing_enable({"use_reentrant": False})
     model.train()
-    assert final_table(cfg, model, tokenizer, gates, gates) == reference
+    assert final_table(cfg, model, tokenizer, gates, gates, heldout) == reference
     assert model.training
 
 
 def test_half_precision_frozen_model_trains_float32_gates(tiny_dir, tmp_path):
     cfg = TrainConfig.from_dict(tiny_config(tiny_dir, tmp_path / "run", model_dtype="bfloat16"))
     out, _ = prepare_output_dir(cfg, resume=False)
-    trainer, _ = build_trainer(cfg, out)
+    trainer, _, _ = build_trainer(cfg, out)
     model = trainer.model
     assert {p.dtype for n, p in model.named_parameters() if not n.startswith("kvgates_gates.")} == {torch.bfloat16}
     assert {p.dtype for p in trainer.gates.parameters()} == {torch.float32}
@@ -1527,7 +1532,8 @@ def test_a_torn_run_record_is_one_sentence_and_a_resume_interrupted_while_writin
 def test_a_metrics_line_torn_by_a_killed_run_does_not_stop_the_resumed_one(tiny_dir, tmp_path):
     """A run killed while it appended to ``metrics.jsonl`` leaves a torn last line: the resumed run appended its
     first line to it and, once trained, ended in a JSONDecodeError traceback (summing the training time) before it
-    exported its adapter. The torn line is now ended before the resumed run appends, and skipped when read."""
+    exported its adapter. The torn line now goes, with the logs of the steps after the checkpoint the run resumes
+    from (trained and logged again: each step's loss was in the file twice)."""
     out = tmp_path / "run"
     steps = {"max_steps": 4, "eval_steps": 2, "save_steps": 2}
     path = write(tiny_config(tiny_dir, out, training=steps), tmp_path / "c.yaml")
@@ -1538,7 +1544,79 @@ def test_a_metrics_line_torn_by_a_killed_run_does_not_stop_the_resumed_one(tiny_
         f.write('{"step": 3, "lo')
     assert main(["--config", str(path), "--resume"]) == 0
     assert (out / "adapter" / "model.safetensors").is_file()
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    torn = lines.index('{"step": 3, "lo')  # a line of its own: the resumed run's lines after it are whole
-    rows = [json.loads(line) for i, line in enumerate(lines) if i != torn]
-    assert rows[-1]["step"] == 4 and any("train_runtime" in r for r in rows[torn:])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]  # every line whole
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert sum("train_runtime" in r for r in rows) == 1  # the first run's went with its steps 3 and 4
+
+
+def test_a_new_run_in_a_folder_a_stopped_run_left_logs_its_own_steps_only(tiny_dir, tmp_path):
+    """A run stopped before its first checkpoint leaves its logs; a new run may take the folder (no checkpoint to
+    resume), and appended its own after them: metrics.jsonl began with the other run's steps."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 99.0}\n{"step": 2, "loss": 98.0}\n')
+    path = write(tiny_config(tiny_dir, out, training={"max_steps": 2, "eval_steps": 2, "save_steps": 2}), tmp_path / "c.yaml")
+    assert main(["--config", str(path)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2] and all(r.get("loss") not in (98.0, 99.0) for r in rows)
+
+
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        # the final table's needles were made after training: the run trained, saved its adapter, then a traceback
+        ({"data": {"seq_len": 100, "mix": [{"task": "essays", "completion_tokens": 8}]}, "budget": 20, "validation": {"needles": 0}},
+         r"report\.needles: needle: its statements, question and a haystack of 16 take \d+ tokens, more than its 100 tokens of "
+         r"context; raise data\.seq_len, or set report\.needles: 0$"),
+        # "data.mix: ... lower its options (digits=5)": neither is what sets these needles
+        ({"validation": {"needles": 1, "needle_tokens": 64}},
+         r"validation\.needles: needle: .* more than its 64 tokens of context; raise validation\.needle_tokens, or set validation\.needles: 0$"),
+        # a ValueError traceback (exit 1) leaving run_config.json behind
+        ({"kind": "kvzap", "budget": 64, "gates": {"init_bias": None}, "method": {"repeat_ids": [100000]}},
+         r"method: kvzip: repeat_ids holds 100000, not a token id of this model"),
+    ],
+)
+def test_what_the_run_cannot_make_is_refused_before_training_in_one_sentence(tiny_dir, tmp_path, capsys, sections, message):
+    out = tmp_path / "run"
+    path = write(tiny_config(tiny_dir, out, **sections), tmp_path / "c.yaml")
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and re.search(message, err.strip().splitlines()[-1]), err
+    assert not out.exists()  # nothing trained, nothing left
+
+
+def test_ctrl_c_says_where_the_run_stands_in_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Ctrl-C printed the Trainer's KeyboardInterrupt traceback (about 60 lines) and no word of --resume."""
+    from train.trainer import GateTrainer
+
+    out = tmp_path / "run"
+    path = write(tiny_config(tiny_dir, out, training={"max_steps": 2, "eval_steps": 2, "save_steps": 2}), tmp_path / "c.yaml")
+    train = GateTrainer.train
+
+    def stopped(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(GateTrainer, "train", stopped)
+    assert main(["--config", str(path)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"train.py: interrupted before the run's first checkpoint: {out} holds nothing to resume; run it again to train"
+    )
+    monkeypatch.setattr(GateTrainer, "train", train)
+    assert main(["--config", str(path)]) == 0  # the folder a stopped run left is taken by the next one
+    shutil.rmtree(out / "adapter")
+    monkeypatch.setattr("train.run.final_table", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert main(["--config", str(path), "--resume"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"train.py: interrupted during the held-out table; the adapter is at {out / 'adapter'}: add --resume to the command to make "
+        "the table (nothing is trained again)"
+    )
+    monkeypatch.setattr(GateTrainer, "train", stopped)
+    shutil.rmtree(out / "adapter")
+    (out / "checkpoint-2" / "trainer_state.json").write_text(  # as if stopped before its last step
+        (out / "checkpoint-2" / "trainer_state.json").read_text().replace('"global_step": 2', '"global_step": 1')
+    )
+    assert main(["--config", str(path), "--resume"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"train.py: interrupted; add --resume to the command to continue from {out / 'checkpoint-2'}"
+    )

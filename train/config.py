@@ -36,12 +36,13 @@ MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 @dataclass
 class GateSpec:
-    """Shape of the gates: ``hidden`` units (None = the kind's default), initial retention bias (TRIM-KV); or
+    """Shape of the gates: ``hidden`` units (None = the kind's default), ``init_bias`` (None = the kind's default:
+    TRIM-KV's retention bias 18, DMS's decision bias -2, ``GateSet.default_init_bias``); or
     ``init_from``: a trained adapter (folder, shipped name or Hub id) of the run's kind for this model, to continue
     from (e.g. a budget curriculum: gates trained at 256 tightened to 128); its shape replaces ``hidden``."""
 
     hidden: int | None = None
-    init_bias: float = 18.0
+    init_bias: float | None = None
     init_from: str | None = None
 
 
@@ -170,6 +171,11 @@ class TrainConfig:
         _check_ranges(self)
         if self.loss.eviction_temperature < 0:
             raise ConfigError(f"loss.eviction_temperature must be >= 0 (0: straight-through), got {self.loss.eviction_temperature}")
+        if self.loss.eviction_temperature > 0 and not self.loss.hard_eviction:  # (read by the hard eviction only)
+            raise ConfigError(
+                f"loss.eviction_temperature {self.loss.eviction_temperature} relaxes the hard eviction, which is off; add "
+                "loss.hard_eviction: true, or leave the temperature out"
+            )
         options = self.learned_method.options
         if options is None and self.method:
             raise ConfigError(f"method: {self.kind} takes no method options, got {sorted(self.method)}")
@@ -336,6 +342,8 @@ def _check_training_args(training: dict[str, Any]) -> None:
     unknown = sorted(set(training) - known)
     if unknown:
         raise ConfigError(f"training: {unknown} are not transformers.TrainingArguments fields")
+    if "resume_from_checkpoint" in training:  # a TrainingArguments field Trainer never reads: the run started afresh
+        raise ConfigError("training.resume_from_checkpoint is not read by the run; pass --resume to continue the run in output_dir")
     reserved = sorted(set(training) & _RESERVED_ARGS)
     if reserved:
         raise ConfigError(f"training: {reserved} are set by the run itself; remove them from the config")

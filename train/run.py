@@ -42,7 +42,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 import kvgates
 from data.build import build_dataset, check_readable, summarize
 from data.splits import essay_split
-from eval.heldout import markdown_table
+from eval.heldout import HeldOut, markdown_table
 from kvgates.cli import OneLineParser, usage_error
 from kvgates.config import check_output_folder
 from kvgates.gates.adapter import atomic_write
@@ -50,7 +50,7 @@ from kvgates.gates.training import GateTraining
 from kvgates.models import check_model_source, past_context
 from train.config import ConfigError, TrainConfig
 from train.trainer import GateTrainer, MetricsJsonl
-from train.validation import Validator, final_table
+from train.validation import Validator, final_table, report_examples
 
 DEFAULT_CONFIG = "configs/train/quickstart.yaml"
 RUN_CONFIG = "run_config.json"
@@ -117,6 +117,15 @@ def last_complete_checkpoint(out: Path) -> str:
     if not done:
         raise ConfigError(f"--resume: {out} holds no complete checkpoint to resume from")
     return str(max(done, key=lambda p: int(p.name.split("-")[-1])))
+
+
+def interrupted(out: Path) -> str:
+    """What a run stopped while training (Ctrl-C) leaves: the checkpoint ``--resume`` continues from, or none."""
+    done = [p for p in out.glob("checkpoint-*") if (p / TRAINER_STATE_NAME).is_file()] if out.is_dir() else []
+    if not done:
+        return f"interrupted before the run's first checkpoint: {out} holds nothing to resume; run it again to train"
+    last = max(done, key=lambda p: int(p.name.split("-")[-1]))
+    return f"interrupted; add --resume to the command to continue from {last}"
 
 
 def relocate_best(checkpoint: Path, out: Path) -> None:
@@ -312,13 +321,22 @@ def check_context(config: TrainConfig, model: PreTrainedModel) -> None:
             generated = f" and the {after} tokens held-out needles generate after it (report.max_new_tokens)" if after else ""
             raise ConfigError(f"{option} {tokens}{generated} {past}; lower {option} or train a model with a longer context")
     # (what scores, how far past a row, what else the sentence offers: report policies run with their defaults)
-    scorers = [(f"{config.kind}'s labelling", config.learned_method.scoring_reach(model, config.method_options, seq_len), "method.chunk_size")]
+    def reach(option: str, measure) -> int:  # a scorer's options this model refuses (repeat_ids not its token ids)
+        try:
+            return measure()
+        except ValueError as err:
+            raise ConfigError(f"{option}: {err}") from None
+
+    labelling = reach("method", lambda: config.learned_method.scoring_reach(model, config.method_options, seq_len))
+    scorers = [(f"{config.kind}'s labelling", labelling, "method.chunk_size")]
     for name in config.report.policies:
         policy = kvgates.make_policy(name, budget=config.budget)
-        scorers.append((f"the report policy {name}", policy.scoring_reach(model, seq_len), f"leave {name} out of report.policies"))
+        scorers.append((f"the report policy {name}", reach("report.policies", lambda: policy.scoring_reach(model, seq_len)),
+                        f"leave {name} out of report.policies"))
     if config.teacher is not None:
         teacher = kvgates.make_policy(config.teacher.policy, budget=config.budget, **config.teacher.params)
-        scorers.append((f"the teacher {config.teacher.policy}", teacher.scoring_reach(model, seq_len), "teacher.params.chunk_size"))
+        scorers.append((f"the teacher {config.teacher.policy}", reach("teacher.params", lambda: teacher.scoring_reach(model, seq_len)),
+                        "teacher.params.chunk_size"))
     what, reach, other = max(scorers, key=lambda scorer: scorer[1])
     past = past_context(model, config.model, seq_len + reach)
     if past is not None:
@@ -328,9 +346,9 @@ def check_context(config: TrainConfig, model: PreTrainedModel) -> None:
         )
 
 
-def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.GateSet]:
+def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.GateSet, HeldOut]:
     """The frozen model with its starting gates, the data and the Trainer; returns ``(trainer, copy of the
-    starting gates)``."""
+    starting gates, the final table's examples)``."""
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_PROJECT", "kvgates")
     os.environ.setdefault("WANDB_DIR", str(out))
@@ -353,7 +371,8 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
             tokenizer, data.mix, "train", data.train_examples, data.seq_len, data.seed, data.format, model=config.model
         )
         validator = Validator.build(config, tokenizer)
-    except ConfigError:  # (data.format: it names its option itself)
+        report = report_examples(config, tokenizer)  # (before training: one that cannot be made is refused now)
+    except ConfigError:  # (data.format, the held-out needles: they name their options themselves)
         raise
     except ValueError as err:  # a row past what check_sources reads (a packed or Hub source's)
         raise ConfigError(f"data.mix: {err}") from None
@@ -372,7 +391,7 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
         processing_class=tokenizer,
         callbacks=[MetricsJsonl(out / METRICS)],
     )
-    return trainer, start
+    return trainer, start, report
 
 
 def cpu_threads_note(threads: int, cores: int, processes: int) -> str | None:
@@ -419,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare_output_dir(config, args.resume)
     started = time.time()
     try:
-        trainer, start = build_trainer(config, out)
+        trainer, start, report_rows = build_trainer(config, out)
         finished = TrainerState.load_from_json(str(Path(resume) / TRAINER_STATE_NAME)) if resume else None
         if finished is not None and finished.global_step >= finished.max_steps > 0:
             # The run trained to the end and stopped before its adapter (Trainer would take one more step).
@@ -433,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
             for made in [out] if before is None else set(out.iterdir()) - before:
                 shutil.rmtree(made) if made.is_dir() else made.unlink()
         return usage_error("train.py", err)
+    except KeyboardInterrupt:  # Ctrl-C: where the run stands, not the Trainer's traceback
+        print(f"train.py: {interrupted(out)}", file=sys.stderr)
+        return 130
     trainer.gated.close()
     config.learned_method.teardown(trainer.model, trainer.gates)  # e.g. DMS-LoRA's adapter leaves the model
     if not trainer.is_world_process_zero():
@@ -457,7 +479,12 @@ def main(argv: list[str] | None = None) -> int:
     adapter = gates.save_pretrained(out / "adapter")
 
     # The held-out table at the training budget.
-    table = markdown_table(final_table(config, model, tokenizer, gates, start))
+    try:
+        table = markdown_table(final_table(config, model, tokenizer, gates, start, report_rows))
+    except KeyboardInterrupt:
+        print(f"train.py: interrupted during the held-out table; the adapter is at {adapter}: add --resume to the command to "
+              "make the table (nothing is trained again)", file=sys.stderr)
+        return 130
     seconds = time.time() - started
     gates.config.training["seconds"] = round(seconds)
     heading = (

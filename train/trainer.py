@@ -23,6 +23,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 import kvgates
+from kvgates.gates.adapter import atomic_write
 from kvgates.gates.training import GateTraining
 from kvgates.methods.base import TrainingStep, eval_mode
 from train.config import TrainConfig
@@ -171,9 +172,11 @@ class GateTrainer(Trainer):
 
 
 class MetricsJsonl(TrainerCallback):
-    """Appends every log (training losses, validation metrics) as one JSON line to ``path`` (main process). A run
-    killed while it appended leaves a torn last line: the resumed run ends it before appending its own, and ``read``
-    skips it."""
+    """Appends every log (training losses, validation metrics) as one JSON line to ``path`` (main process). When
+    training begins, the file keeps only the logs of the steps the run starts from: none for a new run (a run stopped
+    before its first checkpoint left its logs in a folder a new run may take), and for a resumed one those up to its
+    checkpoint (the steps after it are trained, and logged, again). A torn last line (a run killed while it appended)
+    goes with them; ``read`` skips one."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -190,11 +193,10 @@ class MetricsJsonl(TrainerCallback):
         return rows
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero and self.path.is_file() and self.path.stat().st_size:
-            with self.path.open("rb+") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    f.write(b"\n")
+        if state.is_world_process_zero and self.path.is_file():
+            kept = [row for row in self.read(self.path) if row.get("step", 0) <= state.global_step]
+            text = "".join(json.dumps(row) + "\n" for row in kept)
+            atomic_write(self.path, lambda p: Path(p).write_text(text))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:

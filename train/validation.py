@@ -16,19 +16,27 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kvgates
 from data.build import build_dataset
-from data.tasks import make_example
+from data.tasks import NoRoomError, make_example
 from eval.heldout import HeldOut
+from kvgates.errors import ConfigError
 from kvgates.methods.base import eval_mode
 from train.config import TrainConfig
 
 
-def needle_examples(tokenizer: PreTrainedTokenizerBase, split: str, template_set: str, count: int, tokens: int, seed: int) -> list[dict]:
-    """``count`` single-needle examples at evenly spaced depths."""
+def needle_examples(
+    tokenizer: PreTrainedTokenizerBase, split: str, template_set: str, count: int, tokens: int, seed: int, option: str, fix: str
+) -> list[dict]:
+    """``count`` single-needle examples of ``tokens`` tokens at evenly spaced depths; ``ConfigError`` (``option``:
+    what does not fit; ``fix``) when a needle does not fit its tokens (the needle task's own hint names options these
+    needles do not take)."""
     depths = [i / max(count - 1, 1) for i in range(count)]
-    return [
-        make_example("needle", tokenizer, split, tokens, seed=seed * 7919 + i, template_set=template_set, depth=d)
-        for i, d in enumerate(depths)
-    ]
+    try:
+        return [
+            make_example("needle", tokenizer, split, tokens, seed=seed * 7919 + i, template_set=template_set, depth=d)
+            for i, d in enumerate(depths)
+        ]
+    except NoRoomError as err:
+        raise ConfigError(f"{option}: {err.fact}; {fix}") from None
 
 
 def learned_policy(config: TrainConfig, gates: kvgates.GateSet) -> kvgates.Policy:
@@ -49,7 +57,11 @@ class Validator:
             tokenizer, data.mix, "validation", data.validation_examples, data.seq_len, data.seed, data.format, model=config.model
         )
         tokens = config.validation.needle_tokens or data.seq_len
-        needles = needle_examples(tokenizer, "validation", "train", config.validation.needles, tokens, data.seed)
+        length = "validation.needle_tokens" if config.validation.needle_tokens else "data.seq_len or set validation.needle_tokens"
+        needles = needle_examples(
+            tokenizer, "validation", "train", config.validation.needles, tokens, data.seed, "validation.needles",
+            f"raise {length}, or set validation.needles: 0",
+        )
         return cls(config, tokenizer, HeldOut.build(tokenizer, rows, needles))
 
     @torch.no_grad()
@@ -66,18 +78,27 @@ def start_label(config: TrainConfig) -> str:
     return f"start: {config.gates.init_from}" if config.gates.init_from else "untrained"
 
 
-@torch.no_grad()
-def final_table(
-    config: TrainConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, trained: kvgates.GateSet, start: kvgates.GateSet
-) -> dict[str, dict[str, float]]:
-    """The held-out comparison at the training budget (test essays, eval templates); results by arm. The model runs in
-    eval mode (a run ends in train mode, where a layer under activation checkpointing would drop the cache)."""
+def report_examples(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> HeldOut:
+    """The final table's examples (test essays, eval templates): made before training, so that one that cannot be
+    made is refused then (``ConfigError``), not after the run's hours as a traceback without a report."""
     data, report = config.data, config.report
     rows = build_dataset(
         tokenizer, data.mix, "test", report.examples, data.seq_len, data.seed, data.format, template_set="eval", model=config.model
     )
-    needles = needle_examples(tokenizer, "test", "eval", report.needles, data.seq_len, data.seed)
-    heldout = HeldOut.build(tokenizer, rows, needles)
+    needles = needle_examples(
+        tokenizer, "test", "eval", report.needles, data.seq_len, data.seed, "report.needles", "raise data.seq_len, or set report.needles: 0"
+    )
+    return HeldOut.build(tokenizer, rows, needles)
+
+
+@torch.no_grad()
+def final_table(
+    config: TrainConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, trained: kvgates.GateSet, start: kvgates.GateSet,
+    heldout: HeldOut,
+) -> dict[str, dict[str, float]]:
+    """The held-out comparison at the training budget on ``heldout`` (``report_examples``); results by arm. The model
+    runs in eval mode (a run ends in train mode, where a layer under activation checkpointing would drop the cache)."""
+    report = config.report
     arms = {
         f"{config.kind} (trained)": lambda: learned_policy(config, trained),
         f"{config.kind} ({start_label(config)})": lambda: learned_policy(config, start),

@@ -188,6 +188,8 @@ class GateSet(nn.Module):
     kind: ClassVar[str] = ""
     captures: ClassVar[str] = "hidden"
     default_hidden: ClassVar[int] = 512
+    #: ``init_bias`` of fresh gates where none is given (``for_model``): TRIM-KV's retention bias (beta ~ 1: keep).
+    default_init_bias: ClassVar[float] = 18.0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -215,11 +217,13 @@ class GateSet(nn.Module):
         model: PreTrainedModel,
         gate_hidden: int | None = None,
         training_budget: int | None = None,
-        init_bias: float = 18.0,
+        init_bias: float | None = None,
     ) -> GateSet:
         """Freshly initialised gates shaped for ``model`` (recording its id and fingerprint); ``gate_hidden`` units
         (at least 1; None: the kind's default), the ``training_budget`` they are for (at least 1; None: not trained
-        yet) and a finite ``init_bias``."""
+        yet) and a finite ``init_bias`` (None: the kind's ``default_init_bias``)."""
+        if init_bias is None:
+            init_bias = cls.default_init_bias
         if gate_hidden is not None and (isinstance(gate_hidden, bool) or not isinstance(gate_hidden, int) or gate_hidden < 1):
             raise ValueError(f"gate_hidden must be a whole number of units, at least 1 (None: the default), got {gate_hidden!r}")
         if training_budget is not None and (isinstance(training_budget, bool) or not isinstance(training_budget, int) or training_budget < 1):

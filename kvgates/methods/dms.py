@@ -6,7 +6,8 @@ What it is. Each gated layer has a decision head ``Linear(d_model -> H_kv)`` on 
 attention; its output is one *eviction logit* per KV head and token, written when the token is. A token decided
 "evict" is not dropped at once: it stays visible for ``window`` (w) more positions (*delayed eviction*), so the
 recent context is never lost to a decision. The bias of each head starts at ``-gates.init_bias`` (the config's
-``gates.init_bias``, e.g. 5, as DMS's -5), so at the start nothing is evicted.
+``gates.init_bias``; by default 2, ``DecisionHeads.default_init_bias``; DMS's paper starts at -5), so at the start
+little is evicted.
 
 Training (``attend``, ``loss``). The student attends with the decisions relaxed by a Gumbel-sigmoid of
 temperature ``method.temperature``: ``alpha_i = sigmoid((logit_i + g_i) / tau)``, ``g_i`` logistic noise (none in
@@ -112,6 +113,10 @@ class DecisionHeads(GateSet):
     kind = "dms"
     captures = "hidden"
     default_hidden = 1
+    #: The heads' bias starts at -2: from -18 (TRIM-KV's retention default) the relaxed decision is saturated and
+    #: nothing trains (gradient norms of 1e-10 to 1e-13, nothing evicted); -2 is the shipped recipe's
+    #: (configs/train/dms.yaml), which evicts at its target within its ramp.
+    default_init_bias = 2.0
 
     def __init__(self, config: GateConfig):
         super().__init__(config)
