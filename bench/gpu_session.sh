@@ -94,6 +94,17 @@ if [ -d .whl/smollm2-135m-tokenizer ]; then
     export KVGATES_TEST_TOKENIZER="$PWD/.whl/smollm2-135m-tokenizer"
 fi
 
+# Stages other than env and tests measure a GPU: without one (and not a smoke run) the call ends here, before an 8B
+# random model is built on the host (32 GB in float32 for the decode stage), and before any wheel is installed.
+MEASURING=()
+for name in "$@"; do
+    [ "$name" != env ] && [ "$name" != tests ] && MEASURING+=("$name")
+done
+if [ "$SMOKE" != 1 ] && [ "${#MEASURING[@]}" != 0 ] && ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    echo "no CUDA device here, and these stages measure a GPU: ${MEASURING[*]} (GPU_SESSION_SMOKE=1 runs every stage at toy sizes, to check this script)" >&2
+    exit 2
+fi
+
 # The wheels go in where the interpreter lacks the wheel's transformers (a GPU machine of stop 43 had transformers
 # 5.17 of its own, which kvgates refuses), never over an installed environment that has it.
 TRANSFORMERS_WHEEL=$(compgen -G ".whl/transformers-*.whl" | head -n 1 || true)
@@ -108,17 +119,6 @@ if [ -n "$TRANSFORMERS_WHEEL" ] && { [ -f /tmp/site/.kvgates-wheels ] \
     export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-
-# Stages other than env and tests measure a GPU: without one (and not a smoke run) the call ends here, before an 8B
-# random model is built on the host (32 GB in float32 for the decode stage).
-MEASURING=()
-for name in "$@"; do
-    [ "$name" != env ] && [ "$name" != tests ] && MEASURING+=("$name")
-done
-if [ "$SMOKE" != 1 ] && [ "${#MEASURING[@]}" != 0 ] && ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
-    echo "no CUDA device here, and these stages measure a GPU: ${MEASURING[*]} (GPU_SESSION_SMOKE=1 runs every stage at toy sizes, to check this script)" >&2
-    exit 2
 fi
 
 # Sizes: the issues' shapes, or toy ones for the smoke run.

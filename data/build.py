@@ -156,6 +156,11 @@ def check_readable(mix: list[dict[str, Any]]) -> None:
                 except Exception as err:  # datasets, pyarrow and the codecs raise many types
                     raise ValueError(f"could not read {source['path']!r} ({_reason(err)})") from None
             _check_rows(source, rows)
+            if whole:  # a run takes rows of every split from it (training, validation, the closing table)
+                held = set(_row_splits(source, rows))
+                for split in SPLITS:
+                    if split not in held:
+                        raise _no_rows_in(source, len(rows), split)
         except ValueError as err:
             raise ValueError(f"data source {i} ({source['task']}): {err}") from None
 
@@ -245,15 +250,31 @@ def row_split(source: dict[str, Any], row: dict[str, Any]) -> str:
     return SPLITS[-1]
 
 
-def _split_rows(source: dict[str, Any], rows: datasets.Dataset, split: str) -> list[dict[str, Any]]:
-    """The rows of ``source`` (read whole) in ``split`` (``row_split``); ``ValueError`` when it has none there."""
-    mine = [row for row in rows if row_split(source, row) == split]
+def _row_splits(source: dict[str, Any], rows: datasets.Dataset) -> list[str]:
+    """``row_split`` of every row of ``source`` (read whole), from its text columns only (a dataset's other columns,
+    images or audio, are never decoded)."""
+    field = source.get("text_field", "text")
+    columns = [field] if field in rows.column_names else ["prompt", "completion"]
+    splits = []
+    for batch in rows.select_columns(columns).iter(batch_size=4096):
+        splits += [row_split(source, dict(zip(columns, texts))) for texts in zip(*(batch[c] for c in columns))]
+    return splits
+
+
+def _no_rows_in(source: dict[str, Any], count: int, split: str) -> ValueError:
+    return ValueError(
+        f"none of the {count} rows of {source['path']!r} falls in the {split} split (rows are divided 70/10/20 among "
+        "train, validation and test by a hash of their text); give the source more rows"
+    )
+
+
+def _split_rows(source: dict[str, Any], rows: datasets.Dataset, split: str) -> datasets.Dataset:
+    """The rows of ``source`` (read whole) in ``split`` (``row_split``), still an Arrow dataset; ``ValueError`` when it
+    has none there."""
+    mine = [i for i, other in enumerate(_row_splits(source, rows)) if other == split]
     if not mine:
-        raise ValueError(
-            f"none of the {len(rows)} rows of {source['path']!r} falls in the {split} split (rows are divided 70/10/20 among "
-            "train, validation and test by a hash of their text); give the source more rows"
-        )
-    return mine
+        raise _no_rows_in(source, len(rows), split)
+    return rows.select(mine)
 
 
 def _window(ids: Sequence[int], seq_len: int, completion_tokens: int, rng: random.Random) -> tuple[list[int], list[int]]:

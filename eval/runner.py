@@ -52,8 +52,8 @@ class ABResults:
     seconds: float | None  # wall time of the computing invocations (see above)
     compute_seconds: float  # model time summed over every row, journalled ones included
     expected: int  # results a complete run has (more than ``len(rows)`` while a run is in progress)
-    #: The machine that computed: this one when the invocation computed, else the one ``results.json`` records (a
-    #: report re-rendered elsewhere does not move the results to the machine it was rendered on).
+    #: The machine that computed: this one when the invocation computed results, else the one ``results.json``
+    #: records (a report re-rendered, or a finished run run again, elsewhere does not move the results there).
     machine: str | None = None
 
 
@@ -154,7 +154,7 @@ def run_ab(
     rows = [done[key] for key in keys if key in done]
     seconds = sum(r["seconds"] for r in rows)
     wall = (recorded or 0.0) + time.perf_counter() - start if compute else recorded
-    machine = platform.platform() if compute else record.get("machine")
+    machine = platform.platform() if work else record.get("machine")  # (None: results reused, computed elsewhere)
     return ABResults(config, rows, comparisons(config, rows), wall, seconds, len(keys), machine)
 
 

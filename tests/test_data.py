@@ -236,6 +236,10 @@ def test_an_external_sources_rows_are_divided_among_the_splits(tok, tmp_path):
     assert row_split(source, pairs[0]) == "train"
     with pytest.raises(ValueError, match=r"none of the 1 rows of .*one.jsonl' falls in the validation split"):
         build_dataset(tok, [{"task": "jsonl", "path": str(one)}], "validation", 2, 64, cache_dir=str(tmp_path / "c"))
+    # ... which a run is told before its model loads (a file it reads whole; a Hub dataset's rows are read later)
+    with pytest.raises(ValueError, match=r"data source 0 \(jsonl\): none of the 1 rows of .*one.jsonl' falls in the validation split"):
+        check_readable([{"task": "jsonl", "path": str(one)}])
+    check_readable([source])
 
 
 def test_packed_source_streams_documents_into_rows_of_exactly_seq_len(tok, tmp_path):
@@ -290,7 +294,7 @@ def test_a_file_read_whole_is_checked_to_its_last_row_and_a_stream_at_its_first(
         (tmp_path / name).write_text(text)
         with pytest.raises(ValueError, match=message.format(tmp_path / name)):
             check_readable([{"task": "jsonl", "path": str(tmp_path / name)}])
-    (tmp_path / "pairs.jsonl").write_text('{"prompt": "Say hi.", "completion": " Hi."}\n')
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}.", "completion": f" {i}."}) + "\n" for i in range(40)))
     check_readable([{"task": "jsonl", "path": str(tmp_path / "pairs.jsonl")}])
     with pytest.raises(ValueError, match="rows of '.*pairs.jsonl' need a 'text' field; they have 'prompt', 'completion'"):
         check_readable([{"task": "jsonl", "path": str(tmp_path / "pairs.jsonl"), "pack": True}])  # packing takes text only

@@ -64,7 +64,7 @@ def test_fresh_decision_heads_start_where_their_gradient_is_alive(kind):
     _, model = tiny_model()
     model.requires_grad_(False)
     config = TrainConfig.from_dict({"kind": kind, "budget": 8, "data": {"seq_len": 64}, "method": {"window": 4}, "policy": {"window": 4}})
-    assert config.gates.init_bias is None
+    assert config.gates.init_bias == 2.0  # the kind's default, recorded in the run's config as the value it used
     method = config.learned_method
     gates = method.gate_set.for_model(model, init_bias=config.gates.init_bias)
     assert gates.config.init_bias == 2.0 and all(float(h.proj.bias.detach().max()) == -2.0 for h in gates.heads)

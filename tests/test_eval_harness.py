@@ -565,8 +565,10 @@ def test_report_only_keeps_the_wall_time_of_the_runs_that_computed(tmp_path, tin
     record(1e6)  # as if the computing run had taken that long
     results.write_text(json.dumps({**json.loads(results.read_text()), "machine": "the machine that computed"}))
     assert main(["ab", "--config", str(path), "--report-only"]) == 0 and record() == 1e6
-    # A report re-rendered elsewhere keeps the machine that computed (committed reports took the renderer's).
+    # A report re-rendered elsewhere keeps the machine that computed (committed reports took the renderer's), and so
+    # does a finished run run again (it computes nothing).
     assert json.loads(results.read_text())["machine"] == "the machine that computed"
+    assert main(["ab", "--config", str(path)]) == 0 and json.loads(results.read_text())["machine"] == "the machine that computed"
     assert main(["ab", "--config", str(path)]) == 0 and record() > 1e6  # nothing left to compute, still a computing run
     assert main(["ab", "--config", str(path), "--fresh"]) == 0 and 0 < record() < 1e6
     results.unlink()  # a run in progress: no computing run has finished yet

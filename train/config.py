@@ -152,6 +152,8 @@ class TrainConfig:
         if self.budget < 1:  # its type was checked when the config was built (``kvgates.config.build``)
             raise ConfigError(f"budget must be a whole number of tokens per KV head, at least 1; got {self.budget!r}")
         _check_learned_policy(self.kind, self.budget, self.policy)
+        if self.gates.init_bias is None:  # the kind's default, recorded as the value the run used (run_config.json)
+            self.gates.init_bias = self.learned_method.gate_set.default_init_bias
         if self.model_dtype not in MODEL_DTYPES:
             raise ConfigError(f"model_dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.model_dtype!r}")
         if self.data.format not in FORMATS:
@@ -342,7 +344,7 @@ def _check_training_args(training: dict[str, Any]) -> None:
     unknown = sorted(set(training) - known)
     if unknown:
         raise ConfigError(f"training: {unknown} are not transformers.TrainingArguments fields")
-    if "resume_from_checkpoint" in training:  # a TrainingArguments field Trainer never reads: the run started afresh
+    if training.get("resume_from_checkpoint") is not None:  # a TrainingArguments field Trainer never reads: a fresh run
         raise ConfigError("training.resume_from_checkpoint is not read by the run; pass --resume to continue the run in output_dir")
     reserved = sorted(set(training) & _RESERVED_ARGS)
     if reserved:

@@ -42,7 +42,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 import kvgates
 from data.build import build_dataset, check_readable, summarize
 from data.splits import essay_split
-from eval.heldout import HeldOut, markdown_table
+from eval.heldout import markdown_table
 from kvgates.cli import OneLineParser, usage_error
 from kvgates.config import check_output_folder
 from kvgates.gates.adapter import atomic_write
@@ -50,7 +50,7 @@ from kvgates.gates.training import GateTraining
 from kvgates.models import check_model_source, past_context
 from train.config import ConfigError, TrainConfig
 from train.trainer import GateTrainer, MetricsJsonl
-from train.validation import Validator, final_table, report_examples
+from train.validation import Validator, final_table, report_needles
 
 DEFAULT_CONFIG = "configs/train/quickstart.yaml"
 RUN_CONFIG = "run_config.json"
@@ -346,9 +346,9 @@ def check_context(config: TrainConfig, model: PreTrainedModel) -> None:
         )
 
 
-def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.GateSet, HeldOut]:
+def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.GateSet, list[dict]]:
     """The frozen model with its starting gates, the data and the Trainer; returns ``(trainer, copy of the
-    starting gates, the final table's examples)``."""
+    starting gates, the final table's needles)``."""
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_PROJECT", "kvgates")
     os.environ.setdefault("WANDB_DIR", str(out))
@@ -371,7 +371,7 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
             tokenizer, data.mix, "train", data.train_examples, data.seq_len, data.seed, data.format, model=config.model
         )
         validator = Validator.build(config, tokenizer)
-        report = report_examples(config, tokenizer)  # (before training: one that cannot be made is refused now)
+        needles = report_needles(config, tokenizer)  # (before training: one that does not fit is refused now)
     except ConfigError:  # (data.format, the held-out needles: they name their options themselves)
         raise
     except ValueError as err:  # a row past what check_sources reads (a packed or Hub source's)
@@ -391,7 +391,7 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
         processing_class=tokenizer,
         callbacks=[MetricsJsonl(out / METRICS)],
     )
-    return trainer, start, report
+    return trainer, start, needles
 
 
 def cpu_threads_note(threads: int, cores: int, processes: int) -> str | None:
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare_output_dir(config, args.resume)
     started = time.time()
     try:
-        trainer, start, report_rows = build_trainer(config, out)
+        trainer, start, held_out_needles = build_trainer(config, out)
         finished = TrainerState.load_from_json(str(Path(resume) / TRAINER_STATE_NAME)) if resume else None
         if finished is not None and finished.global_step >= finished.max_steps > 0:
             # The run trained to the end and stopped before its adapter (Trainer would take one more step).
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # The held-out table at the training budget.
     try:
-        table = markdown_table(final_table(config, model, tokenizer, gates, start, report_rows))
+        table = markdown_table(final_table(config, model, tokenizer, gates, start, held_out_needles))
     except KeyboardInterrupt:
         print(f"train.py: interrupted during the held-out table; the adapter is at {adapter}: add --resume to the command to "
               "make the table (nothing is trained again)", file=sys.stderr)

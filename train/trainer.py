@@ -194,7 +194,8 @@ class MetricsJsonl(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.path.is_file():
-            kept = [row for row in self.read(self.path) if row.get("step", 0) <= state.global_step]
+            rows = self.read(self.path) if state.global_step else []  # (a new run: none, an evaluation at step 0 neither)
+            kept = [row for row in rows if isinstance(row, dict) and row.get("step", 0) <= state.global_step]
             text = "".join(json.dumps(row) + "\n" for row in kept)
             atomic_write(self.path, lambda p: Path(p).write_text(text))
 

@@ -78,27 +78,29 @@ def start_label(config: TrainConfig) -> str:
     return f"start: {config.gates.init_from}" if config.gates.init_from else "untrained"
 
 
-def report_examples(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> HeldOut:
-    """The final table's examples (test essays, eval templates): made before training, so that one that cannot be
-    made is refused then (``ConfigError``), not after the run's hours as a traceback without a report."""
-    data, report = config.data, config.report
-    rows = build_dataset(
-        tokenizer, data.mix, "test", report.examples, data.seq_len, data.seed, data.format, template_set="eval", model=config.model
+def report_needles(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> list[dict]:
+    """The final table's needles (test essays, eval templates), made before training so that one that does not fit
+    ``data.seq_len`` is refused then (``ConfigError``), not after the run's hours as a traceback without a report (the
+    table's rows are of the mix the training rows were made from)."""
+    data = config.data
+    return needle_examples(
+        tokenizer, "test", "eval", config.report.needles, data.seq_len, data.seed, "report.needles", "raise data.seq_len, or set report.needles: 0"
     )
-    needles = needle_examples(
-        tokenizer, "test", "eval", report.needles, data.seq_len, data.seed, "report.needles", "raise data.seq_len, or set report.needles: 0"
-    )
-    return HeldOut.build(tokenizer, rows, needles)
 
 
 @torch.no_grad()
 def final_table(
     config: TrainConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, trained: kvgates.GateSet, start: kvgates.GateSet,
-    heldout: HeldOut,
+    needles: list[dict],
 ) -> dict[str, dict[str, float]]:
-    """The held-out comparison at the training budget on ``heldout`` (``report_examples``); results by arm. The model
-    runs in eval mode (a run ends in train mode, where a layer under activation checkpointing would drop the cache)."""
-    report = config.report
+    """The held-out comparison at the training budget (test essays, eval templates; ``needles``: ``report_needles``);
+    results by arm. The model runs in eval mode (a run ends in train mode, where a layer under activation checkpointing
+    would drop the cache)."""
+    data, report = config.data, config.report
+    rows = build_dataset(
+        tokenizer, data.mix, "test", report.examples, data.seq_len, data.seed, data.format, template_set="eval", model=config.model
+    )
+    heldout = HeldOut.build(tokenizer, rows, needles)
     arms = {
         f"{config.kind} (trained)": lambda: learned_policy(config, trained),
         f"{config.kind} ({start_label(config)})": lambda: learned_policy(config, start),
