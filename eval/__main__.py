@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides += [r for r in rest if not r.startswith("-")]  # overrides after an option (argparse leaves them)
     rest = [r for r in rest if r.startswith("-")]
     if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        ab.error(f"unrecognized arguments: {' '.join(rest)}")  # (the subcommand's: "python -m eval ab: ...")
 
     out = None
     try:

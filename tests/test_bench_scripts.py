@@ -501,3 +501,20 @@ def test_kv_memory_bench_takes_learned_policies_parameters_and_full():
     verdicts = [line.split(":")[0] for line in result.stdout.splitlines() if "x DynamicCache at the end" in line]
     assert verdicts == ["trimkv@48", "adakv", "full"]  # (adakv:ragged=false@48: split at its colon)
     assert result.stdout.count("one sample: no trend") == 3 and "(KV MiB allocated)" in result.stdout
+
+
+def test_a_misspelt_kernel_is_refused_by_the_compile_check_and_full_is_one_prefill_row():
+    """``triton_compile.py --only nosuch`` checked nothing and exited 0 (a pass); ``prefill_speed.py --policies full``
+    added a 'full@BUDGET' row, the 'full (kvgates)' arm again under a budget it does not take."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "triton_compile.py"), "--only", "nosuch"], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert result.returncode == 2 and "--only nosuch: no such kernel; choose from causal_attention_stats" in result.stderr
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "prefill_speed.py"), "--model", "random", "--layers", "1", "--context", "96", "--budget",
+         "64", "--rounds", "1", "--policies", "full", "h2o"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("| full") == 1 and "| h2o@64 |" in result.stdout

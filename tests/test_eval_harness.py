@@ -271,8 +271,15 @@ def test_adapter_for_another_model_fails_before_any_example(tmp_path, model):
     _, other = tiny_model("llama", seed=1, vocab_size=model.config.vocab_size, max_position_embeddings=2048)
     kvgates.RetentionGates.for_model(other).save_pretrained(tmp_path / "adapter")
     config = ABConfig.from_dict({"arms": [{"policy": "trimkv", "gates": str(tmp_path / "adapter")}], "tasks": ["needle"]})
-    with pytest.raises(ConfigError, match="trained for .* not for this model"):
+    with pytest.raises(ConfigError, match="trained for .* not for this model.*; add strict: false to the arm's params to attach them anyway$"):
         prepare_arms(config, model)
+    # strict goes where the learned policy takes it: a wrapper's base_params (read from the wrapper's own params, an
+    # arm wrapping gates of the same shapes could not run, and the hint said Python's strict=False).
+    wrapped = {"policy": "adakv", "params": {"base": "trimkv-snap"}, "gates": str(tmp_path / "adapter"), "label": "w"}
+    with pytest.raises(ConfigError, match="not for this model.*; add strict: false to the arm's base_params to attach them anyway$"):
+        prepare_arms(ABConfig.from_dict({"arms": [wrapped], "tasks": ["needle"]}), model)
+    wrapped["params"]["base_params"] = {"strict": False}
+    assert isinstance(prepare_arms(ABConfig.from_dict({"arms": [wrapped], "tasks": ["needle"]}), model)["w"], kvgates.RetentionGates)
     kvgates.RetentionGates.for_model(model).save_pretrained(tmp_path / "mine")
     mine = ABConfig.from_dict({"arms": [{"policy": "trimkv", "gates": str(tmp_path / "mine"), "label": "tk"}], "tasks": ["needle"]})
     assert isinstance(prepare_arms(mine, model)["tk"], kvgates.RetentionGates)
@@ -367,6 +374,7 @@ def test_cli_exits_non_zero_with_one_sentence_before_loading_a_model(tmp_path, c
         (["ab", "--config", "GOOD", "output_dir=''"], "output_dir is empty; name a folder for the run's outputs"),  # was the current folder
         (["ab", "--config", "GOOD", "--out", "/proc/kvgates-ab"], "--out /proc/kvgates-ab cannot be made: /proc takes no new files ("),
         (["ab", "--config", "GOOD", "--out", ""], "--out is empty; name a folder"),  # was the config's output_dir
+        (["ab", "--config", "GOOD", "-x"], "python -m eval ab: unrecognized arguments: -x"),  # said by "python -m eval", not "python -m eval ab"
         (["softhard", "--gates", "/no/such/adapter"], "/no/such/adapter is neither an adapter folder nor a Hub repository id"),
         (["softhard", "--gates", "smollm2-135m-locret"], "smollm2-135m-locret holds 'retaining-head' gates, which are not trained"),
         (["softhard", "--gates", "smollm2-135m-trimkv", "--model", "EMPTY"], "is not a model folder"),

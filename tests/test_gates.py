@@ -506,6 +506,15 @@ def test_saving_into_no_folder_a_file_or_another_kinds_adapter_is_refused(tiny_p
     gates.save_pretrained(tmp_path / "gates")  # the same kind again: replaced
 
 
+def test_the_cards_usage_carries_the_policy_settings_the_gates_were_trained_with(tiny_pair):
+    """A DMS run trained with ``policy.window: 4``; its card said ``make_policy("dms", budget=24, gates=...)``, whose
+    default window of 16 is not the one the gates learned with."""
+    _, model = tiny_pair
+    gates = RetentionGates.for_model(model, training_budget=24)
+    gates.config.training = {"recipe": {"policy": {"window": 4, "buffer": 8}}}
+    assert 'make_policy("trimkv", budget=24, gates="<this repo id or folder>", window=4, buffer=8)' in gates.model_card()
+
+
 def test_the_card_of_gates_for_a_model_from_a_folder_loads_the_folder(tiny_pair, tmp_path):
     """The card's usage said ``load_model("local:tiny")``, a name load_model refuses."""
     path = save_tiny_checkpoint(tmp_path / "tiny")

@@ -648,7 +648,12 @@ def test_rerun_and_resume_refusals_leave_the_run_untouched(tiny_dir, tmp_path, c
     assert "pass --resume" in capsys.readouterr().err
     changed = write(tiny_config(tiny_dir, out, budget=20, training={"max_steps": 2, "eval_steps": 2, "save_steps": 2}), tmp_path / "d.yaml")
     assert main(["--config", str(changed), "--resume"]) == 2
-    assert "differs in budget" in capsys.readouterr().err
+    assert "was trained with another config (budget 24 then, 20 now); resume it with that config" in capsys.readouterr().err
+    # A default written out is no difference (a method option, a policy parameter, a TrainingArguments field); a change
+    # is named by its key and values, not by its section ("differs in training").
+    assert main(["--config", str(path), "--resume", "--check", "policy.window=0", "training.adam_beta1=0.9", "training.logging_steps=1"]) == 0
+    assert main(["--config", str(path), "--resume", "--check", "training.max_steps=8"]) == 2
+    assert "(training.max_steps 2 then, 8 now)" in capsys.readouterr().err
     fresh = write(tiny_config(tiny_dir, tmp_path / "empty"), tmp_path / "e.yaml")
     assert main(["--config", str(fresh), "--resume"]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err

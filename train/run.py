@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib.util
 import json
 import os
@@ -34,6 +35,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, TrainerState, TrainingArguments, set_seed
@@ -95,12 +97,11 @@ def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) ->
                 "this config cannot be checked against it; start the run again in another output_dir"
             ) from None
         # Both through TrainConfig, so a key added to it since the run started (at its default) is no difference.
-        before = json.loads(TrainConfig.from_dict(record, str(recorded)).to_json())
-        now = json.loads(config.to_json())
-        # Where the run is kept is no part of its recipe: a folder copied, moved or spelled otherwise resumes.
-        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k != "output_dir")
+        changed = recipe_differences(TrainConfig.from_dict(record, str(recorded)), config)
         if changed:
-            raise ConfigError(f"--resume: {out} was trained with another config (differs in {', '.join(changed)})")
+            listed = "; ".join(f"{key} {then!r} then, {now!r} now" for key, then, now in changed[:3])
+            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            raise ConfigError(f"--resume: {out} was trained with another config ({listed}{more}); resume it with that config")
     elif out.is_dir() and any(out.glob("checkpoint-*")):
         raise ConfigError(f"{out} already holds checkpoints of a run; pass --resume to continue it or pick another output_dir")
     if write:
@@ -109,6 +110,42 @@ def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) ->
         if checkpoint is not None:
             relocate_best(Path(checkpoint), out)
     return out, checkpoint
+
+
+def recipe_differences(before: TrainConfig, now: TrainConfig) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, value then, value now)`` where two configs train differently: every value as it takes effect (a
+    method option, policy parameter or TrainingArguments field left at its default is the default, so writing a
+    default out is no difference); where the run is kept (``output_dir``) is no part of its recipe."""
+    return _differences(_effective(before), _effective(now))
+
+
+def _effective(config: TrainConfig) -> dict[str, Any]:
+    """``config`` as JSON with its free-form sections at the values they take effect with."""
+    recipe = json.loads(config.to_json())
+    recipe.pop("output_dir")
+    if config.method_options is not None:
+        recipe["method"] = json.loads(json.dumps(dataclasses.asdict(config.method_options), default=str))
+    policy = kvgates.POLICIES[config.learned_method.policy]
+    recipe["policy"] = {**_plain_defaults(policy), **config.policy}
+    recipe["training"] = {**_plain_defaults(TrainingArguments), **TRAINING_DEFAULTS, **config.training}
+    return recipe
+
+
+def _plain_defaults(cls: type) -> dict[str, Any]:
+    """A dataclass's fields whose defaults are plain values (numbers, strings, None)."""
+    fields = dataclasses.fields(cls)
+    return {f.name: f.default for f in fields if f.default is None or type(f.default) in (bool, int, float, str)}
+
+
+def _differences(before: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    found = []
+    for key in sorted(set(before) | set(now)):
+        then, value = before.get(key), now.get(key)
+        if isinstance(then, dict) and isinstance(value, dict):
+            found += _differences(then, value, f"{prefix}{key}.")
+        elif then != value:
+            found.append((f"{prefix}{key}", then, value))
+    return found
 
 
 def last_complete_checkpoint(out: Path) -> str:

@@ -399,6 +399,10 @@ class GateSet(nn.Module):
         embedded = f" (kvgates ships it as `{c.base_model_embedded}`: it loads offline)" if c.base_model_embedded else ""
         # A model loaded from a folder is named local:<folder name> (no path on the author's disk), which load_model
         # does not take: the usage names the folder to pass instead.
+        # The policy settings the run trained and validated with (its recipe's policy section: DMS's window must be
+        # training's), which make_policy's defaults would otherwise replace.
+        trained_with = (c.training.get("recipe") or {}).get("policy") or {}
+        settings = "".join(f", {key}={value!r}" for key, value in trained_with.items())
         load = c.base_model
         if load.startswith("local:"):
             load = f"<the folder of {load.removeprefix('local:')}, the base model>"
@@ -420,7 +424,7 @@ Training data: {c.training_data or "none recorded"}.
 ```python
 import kvgates
 model, tok = kvgates.load_model("{load}")
-policy = kvgates.make_policy("{policy}", budget={c.training_budget or 256}, gates="<this repo id or folder>")
+policy = kvgates.make_policy("{policy}", budget={c.training_budget or 256}, gates="<this repo id or folder>"{settings})
 policy.attach(model)
 cache = kvgates.BudgetCache(model.config, policy)
 out = model.generate(**tok("...", return_tensors="pt"), past_key_values=cache, max_new_tokens=64)
