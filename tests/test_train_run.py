@@ -1624,3 +1624,18 @@ def test_ctrl_c_says_where_the_run_stands_in_one_line(tiny_dir, tmp_path, capsys
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"train.py: interrupted; add --resume to the command to continue from {out / 'checkpoint-2'}"
     )
+
+
+def test_settings_the_kind_never_reads_are_noted(tiny_dir, tmp_path, capsys):
+    """``loss.lambda_cap`` and ``gates.init_bias`` on a Locret run, ``gates.hidden`` on a linear KVzap, were accepted
+    and did nothing; the run now says so (a note: a recipe switched to another kind by an override still runs)."""
+    path = write(tiny_config(tiny_dir, tmp_path / "run"), tmp_path / "c.yaml")
+    assert main(["--config", str(path), "--check"]) == 0
+    assert "note:" not in capsys.readouterr().err
+    locret = ["kind=locret", "policy={stabilizers: 4, local: 4}", "loss.lambda_cap=5.0"]
+    assert main(["--config", str(path), "--check", *locret]) == 0
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "train.py: note: loss.lambda_cap, gates.init_bias set, but locret training does not read them"
+    )
+    assert main(["--config", str(path), "--check", "kind=kvzap-linear", "budget=64", "gates.init_bias=null"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1] == "train.py: note: gates.hidden set, but kvzap-linear training does not read them"

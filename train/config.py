@@ -152,6 +152,12 @@ class TrainConfig:
         if self.budget < 1:  # its type was checked when the config was built (``kvgates.config.build``)
             raise ConfigError(f"budget must be a whole number of tokens per KV head, at least 1; got {self.budget!r}")
         _check_learned_policy(self.kind, self.budget, self.policy)
+        method = self.learned_method
+        #: Settings the kind's training never reads (``train.py`` notes them: a value set where it does nothing).
+        self.unread = [
+            f"loss.{f.name}" for f in dataclasses.fields(LossSpec)
+            if method.loss_keys is not None and f.name not in method.loss_keys | {"hard_eviction"} and getattr(self.loss, f.name) != f.default
+        ] + [f"gates.{key}" for key in ("hidden", "init_bias") if key not in method.gate_keys and getattr(self.gates, key) is not None]
         if self.gates.init_bias is None:  # the kind's default, recorded as the value the run used (run_config.json)
             self.gates.init_bias = self.learned_method.gate_set.default_init_bias
         if self.model_dtype not in MODEL_DTYPES:

@@ -178,6 +178,10 @@ class LearnedMethod:
     options: ClassVar[type | None] = None
     #: Whether a heuristic ``teacher:`` may supervise its gates.
     takes_teacher: ClassVar[bool] = False
+    #: The ``loss:`` keys its training reads (None: every one); a run is told of the others it sets.
+    loss_keys: ClassVar[frozenset[str] | None] = None
+    #: The ``gates:`` shape keys (``hidden``, ``init_bias``) its fresh gates read.
+    gate_keys: ClassVar[frozenset[str]] = frozenset({"hidden", "init_bias"})
 
     @property
     def policy(self) -> str:

@@ -528,6 +528,8 @@ class DMSMethod(LearnedMethod):
     ``(KL + CE) / 2 + loss.lambda_cap * eviction_hinge``."""
 
     name = "dms"
+    loss_keys = frozenset({"lambda_cap", "budget_ramp_steps", "budget_ramp", "distill_chunk"})
+    gate_keys = frozenset({"init_bias"})  # (linear heads: gates.hidden is refused)
     gate_set = DecisionHeads
     policies = ("dms",)
     options = DMSOptions

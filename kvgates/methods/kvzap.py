@@ -234,6 +234,8 @@ class KVzapMethod(LearnedMethod):
     plain student forward recording the regressors' predictions; loss: MSE of the predicted log-importance."""
 
     name = "kvzap"
+    loss_keys = frozenset()  # (its regression's own options are method:)
+    gate_keys = frozenset({"hidden"})
     gate_set = KVzapGates
     policies = ("kvzap",)
     options = KVzapOptions
@@ -266,4 +268,5 @@ class KVzapLinearMethod(KVzapMethod):
     """KVzap with linear regressors."""
 
     name = "kvzap-linear"
+    gate_keys = frozenset()  # (linear: no hidden width)
     gate_set = KVzapLinearGates

@@ -22,6 +22,8 @@ class LocretMethod(LearnedMethod):
     gradient) and the retaining heads' predictions; loss: SmoothL1 + ``loss.locret_smoothness`` x smoothness."""
 
     name = "locret"
+    loss_keys = frozenset({"locret_smoothness"})
+    gate_keys = frozenset({"hidden"})
     gate_set = RetainingHeads
     policies = ("locret",)
 

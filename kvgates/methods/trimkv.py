@@ -56,6 +56,9 @@ class TrimKVMethod(LearnedMethod):
     loss ``(KL + CE) / 2 + lambda_cap * capacity (+ teacher_weight * ranking)``."""
 
     name = "trimkv"
+    loss_keys = frozenset(
+        {"lambda_cap", "capacity_stride", "budget_ramp_steps", "budget_ramp", "hard_eviction", "eviction_temperature", "distill_chunk"}
+    )
     gate_set = RetentionGates
     policies = ("trimkv", "trimkv-morph", "trimkv-snap")
     takes_teacher = True
