@@ -158,10 +158,10 @@ def last_complete_checkpoint(out: Path) -> str:
 
 def interrupted(out: Path) -> str:
     """What a run stopped while training (Ctrl-C) leaves: the checkpoint ``--resume`` continues from, or none."""
-    done = [p for p in out.glob("checkpoint-*") if (p / TRAINER_STATE_NAME).is_file()] if out.is_dir() else []
-    if not done:
+    try:
+        last = last_complete_checkpoint(out)
+    except ConfigError:
         return f"interrupted before the run's first checkpoint: {out} holds nothing to resume; run it again to train"
-    last = max(done, key=lambda p: int(p.name.split("-")[-1]))
     return f"interrupted; add --resume to the command to continue from {last}"
 
 
@@ -358,21 +358,21 @@ def check_context(config: TrainConfig, model: PreTrainedModel) -> None:
             generated = f" and the {after} tokens held-out needles generate after it (report.max_new_tokens)" if after else ""
             raise ConfigError(f"{option} {tokens}{generated} {past}; lower {option} or train a model with a longer context")
     # (what scores, how far past a row, what else the sentence offers: report policies run with their defaults)
-    def reach(option: str, measure) -> int:  # a scorer's options this model refuses (repeat_ids not its token ids)
+    def measured(option: str, measure) -> int:  # a scorer's options this model refuses (repeat_ids not its token ids)
         try:
             return measure()
         except ValueError as err:
             raise ConfigError(f"{option}: {err}") from None
 
-    labelling = reach("method", lambda: config.learned_method.scoring_reach(model, config.method_options, seq_len))
+    labelling = measured("method", lambda: config.learned_method.scoring_reach(model, config.method_options, seq_len))
     scorers = [(f"{config.kind}'s labelling", labelling, "method.chunk_size")]
     for name in config.report.policies:
         policy = kvgates.make_policy(name, budget=config.budget)
-        scorers.append((f"the report policy {name}", reach("report.policies", lambda: policy.scoring_reach(model, seq_len)),
+        scorers.append((f"the report policy {name}", measured("report.policies", lambda: policy.scoring_reach(model, seq_len)),
                         f"leave {name} out of report.policies"))
     if config.teacher is not None:
         teacher = kvgates.make_policy(config.teacher.policy, budget=config.budget, **config.teacher.params)
-        scorers.append((f"the teacher {config.teacher.policy}", reach("teacher.params", lambda: teacher.scoring_reach(model, seq_len)),
+        scorers.append((f"the teacher {config.teacher.policy}", measured("teacher.params", lambda: teacher.scoring_reach(model, seq_len)),
                         "teacher.params.chunk_size"))
     what, reach, other = max(scorers, key=lambda scorer: scorer[1])
     past = past_context(model, config.model, seq_len + reach)
