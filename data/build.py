@@ -287,7 +287,8 @@ def _window(ids: Sequence[int], seq_len: int, completion_tokens: int, rng: rando
 
 class _PackedStream:
     """Consecutive ``seq_len``-token rows of a text source's documents of ``split`` (``row_split``), read as a stream
-    and concatenated (an EOS token after each document); the stream starts over when it ends."""
+    and concatenated (an EOS token after each document); the stream starts over when it ends, unless a whole pass
+    gave no text (``tokens``: what the current pass has given)."""
 
     def __init__(self, source: dict[str, Any], tokenizer: PreTrainedTokenizerBase, seed: int, split: str):
         self.source, self.tokenizer, self.seed, self.split = source, tokenizer, seed, split
@@ -295,6 +296,7 @@ class _PackedStream:
         self.rows = iter(())
         self.buffer: list[int] = []
         self.passes = 0
+        self.tokens = 0
 
     def _document(self) -> list[int]:
         try:
@@ -303,19 +305,21 @@ class _PackedStream:
         except Exception as err:  # a row past those check_readable reads: datasets, pyarrow and the codecs raise many types
             raise ValueError(f"could not read {self.source['path']!r} ({_reason(err)})") from None
         if row is None:
-            if self.passes > 0 and not self.buffer:
+            # (not "the buffer is empty": a take may end exactly as the split's last document of a pass does)
+            if self.passes > 0 and not self.tokens:
                 raise ValueError(
                     f"{self.source['path']!r} holds no text in the field {self.field!r} to pack in the {self.split} split (its "
                     "documents are divided 70/10/20 among train, validation and test by a hash of their text)"
                 )
             self.rows = iter(_external_rows(self.source, streaming=True).shuffle(seed=self.seed + self.passes, buffer_size=1000))
-            self.passes += 1
+            self.passes, self.tokens = self.passes + 1, 0
             return []
         if self.field not in row:
             raise ValueError(f"rows of {self.source['path']!r} need a {self.field!r} field to be packed")
         if row_split(self.source, row) != self.split:
             return []
         ids = self.tokenizer(row[self.field], add_special_tokens=False)["input_ids"]
+        self.tokens += len(ids)
         return ids + [self.tokenizer.eos_token_id] if ids else []
 
     def take(self, n: int) -> list[int]:

@@ -386,3 +386,23 @@ def test_data_splits_help_says_what_it_does_and_writes_nothing(monkeypatch, tmp_
     assert splits.main([]) == 0
     assert record.read_text() == Path(splits.__file__).with_name("essay_split.json").read_text()  # the committed record
     assert list(tmp_path.iterdir()) == [record]
+
+
+def test_a_packed_split_whose_take_ends_with_its_last_document_of_a_pass_goes_on(tok, monkeypatch):
+    """The stream said its split held no text when a take emptied the buffer exactly at the split's last document of
+    a pass and the rest of the pass was other splits' documents: it now starts over unless a whole pass gave none."""
+    import data.build as build
+
+    docs = [{"text": "train one two"}, {"text": "test three"}, {"text": "test four"}]
+
+    class Rows(list):
+        def shuffle(self, seed, buffer_size):  # the stream's order kept, so the take ends where the test says
+            return self
+
+    monkeypatch.setattr(build, "_external_rows", lambda source, streaming=False: Rows(docs))
+    monkeypatch.setattr(build, "row_split", lambda source, row: row["text"].split()[0])
+    stream = build._PackedStream({"task": "jsonl", "path": "docs.jsonl"}, tok, 0, "train")
+    n = len(tok("train one two", add_special_tokens=False)["input_ids"]) + 1  # the train document and its EOS
+    assert stream.take(n) == stream.take(n)  # the second pass gives it again
+    with pytest.raises(ValueError, match="holds no text in the field 'text' to pack in the validation split"):
+        build._PackedStream({"task": "jsonl", "path": "docs.jsonl"}, tok, 0, "validation").take(4)
