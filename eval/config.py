@@ -268,8 +268,11 @@ class ABConfig:
                 raise ConfigError(f"{name} must be a {'non-negative' if name == 'seed' else 'positive'} integer, got {value!r}")
         if self.split not in EVAL_SPLITS:
             raise ConfigError(f"split must be one of {', '.join(EVAL_SPLITS)} (never the training essays), got {self.split!r}")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise ConfigError(f"prefill_chunk must be a positive number of tokens or null, got {self.prefill_chunk!r}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 2:
+            raise ConfigError(
+                f"prefill_chunk must be at least 2 tokens or null, got {self.prefill_chunk!r} (a one-token call after the "
+                "prompt is a decode step, so the prompt would never be compressed)"
+            )
         if not self.budgets:
             raise ConfigError("budgets is empty; list at least one budget in tokens per KV head")
         for budget in self.budgets:

@@ -151,15 +151,17 @@ def completion_fidelity(
 ) -> list[Fidelity]:
     """Teacher-force ``policy`` through each row's completion and compare with ``reference`` (``reference_logprobs``).
 
-    The prompt is prefilled (in ``prefill_chunk`` pieces if given), then each completion token is one decode step.
+    The prompt is prefilled (in ``prefill_chunk`` pieces if given; a last piece of one token joins the one before,
+    which the cache would take for a decode step), then each completion token is one decode step.
     """
     cache = kvgates.BudgetCache(model.config, policy)
     dev = model.device
     ids, mask, pos = batch.ids.to(dev), batch.mask.to(dev), batch.positions.to(dev)
     p, n = batch.prompt_len, batch.completion_len
-    step = prefill_chunk or p
-    for start in range(0, p, step):
-        stop = min(p, start + step)
+    stops = [*range(prefill_chunk or p, p, prefill_chunk or p), p]
+    if len(stops) > 1 and stops[-1] - stops[-2] == 1:  # a last piece of one token joins the one before
+        del stops[-2]
+    for start, stop in zip([0, *stops], stops):
         logits = model(
             ids[:, start:stop], attention_mask=mask[:, :stop], position_ids=pos[:, start:stop], past_key_values=cache,
             logits_to_keep=1,

@@ -61,6 +61,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _prefill_chunk(text: str) -> int:
+    """A prompt chunk: at least 2 tokens, since the cache takes a single-token call after the prompt for a decode step
+    (``BudgetLayer.phase``): chunks of one would leave the whole prompt uncompressed."""
+    value = _positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"must be at least 2 tokens, got {text!r} (a one-token call after the prompt is a decode step, so the prompt "
+            "would never be compressed)"
+        )
+    return value
+
+
 def _seed(text: str) -> int:
     """A ``--seed``: a whole number torch's generator takes (0 to 2**64 - 1)."""
     try:
@@ -167,7 +179,10 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=_positive_float, help=f"sampling temperature with --sample (default: {TEMPERATURE})")
     parser.add_argument("--seed", type=_seed, help="the random seed of --sample (default: 0)")
-    parser.add_argument("--prefill-chunk", type=_positive_int, help="feed the prompt in chunks of this many tokens")
+    parser.add_argument(
+        "--prefill-chunk", type=_prefill_chunk,
+        help="feed the prompt in chunks of this many tokens (at least 2: a one-token call after the prompt is a decode step)",
+    )
     names = _policy_options(parser, known.policy)
     args = parser.parse_args(argv)
     if args.temperature is not None and not args.sample:

@@ -250,6 +250,7 @@ def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
         ({"tasks": [{"task": "needle", "budgets": [64]}]}, "runs at budget 64, which is not among the run's budgets"),
         ({"arms": [{"policy": "trimkv", "gates": "smollm2-1b-trimkv"}]}, "neither an existing folder, a shipped adapter"),
         ({"split": "train"}, "split must be one of test, validation"),
+        ({"prefill_chunk": 1}, "prefill_chunk must be at least 2 tokens or null, got 1"),  # compressed no prompt
         ({"tasks": [{"task": "needle", "templates": []}]}, "task 'needle': templates is empty"),  # a ZeroDivisionError in the run
         ({"tasks": [{"task": "needle", "context_tokens": []}]}, "task 'needle': context_tokens is empty"),  # ran no example
         ({"tasks": [{"task": "needle", "examples": True}]}, "task 'needle': examples must be a positive integer, got True"),
@@ -878,3 +879,20 @@ def test_a_report_interrupted_while_it_writes_keeps_the_files_it_had(tmp_path, t
             with pytest.raises(KeyboardInterrupt):
                 write_report(results)
         assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != JOURNAL} == before
+
+
+def test_completion_fidelity_never_prefills_a_one_token_piece(tiny):
+    """A prompt of 17 tokens in pieces of 8 ended with a piece of one token, which the cache takes for a decode step:
+    a prompt-compression policy kept it beside its budget, and KVzip never scored it. It joins the piece before."""
+    from eval.fidelity import completion_fidelity
+
+    _, model = tiny
+    prompt = torch.randint(1, 128, (17,), generator=torch.Generator().manual_seed(0))
+    batch = make_batch([prompt], [torch.tensor([5, 6, 7])], pad_id=0)
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args, kwargs: calls.append((args[0] if args else kwargs["input_ids"]).shape[1]), with_kwargs=True)
+    try:
+        completion_fidelity(model, kvgates.make_policy("snapkv", budget=8, window=4, kernel=3), batch, torch.zeros(1, 3, 128).log_softmax(-1), 8)
+    finally:
+        handle.remove()
+    assert calls == [8, 9, 1, 1]
