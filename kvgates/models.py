@@ -155,14 +155,18 @@ def _no_attention_interface(name: str) -> str:
 def context_length(model: PreTrainedModel) -> int | None:
     """The positions ``model`` reads: ``max_position_embeddings`` of its text config, times the RoPE scaling factor
     when its rotary embedding is scaled (YaRN, linear, dynamic, ...: configs that extend a model past its trained
-    length keep the original ``max_position_embeddings``); None when the config gives no length. Generous by design:
-    a bound past which the model's outputs are not what it was trained to give."""
+    length keep the original ``max_position_embeddings``), unless the scaling names an
+    ``original_max_position_embeddings`` below it (Llama 3.1's ``llama3`` type: 131,072 is already the extended length,
+    8,192 the original); None when the config gives no length. Generous by design: a bound past which the model's
+    outputs are not what it was trained to give."""
     config = model.config.get_text_config(decoder=True)
     limit = getattr(config, "max_position_embeddings", None)
     if limit is None:
         return None
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
+    if scaled and int(rope.get("original_max_position_embeddings") or limit) < limit:  # already the extended length
+        return int(limit)
     return int(limit * max(1.0, float(rope.get("factor") or 1.0))) if scaled else int(limit)
 
 

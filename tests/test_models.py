@@ -157,10 +157,18 @@ def test_an_interrupted_conversion_leaves_nothing_behind(fake_installs, monkeypa
 
 def test_context_length_counts_a_scaled_rotary_embedding():
     """``kvgates.models.context_length``: ``max_position_embeddings``, times the factor of a scaled RoPE (YaRN keeps
-    the original length in the config), and None for a config without a length."""
+    the original length in the config) unless it is already the extended length (Llama 3.1), and None for a config
+    without a length."""
     _, model = tiny_model(max_position_embeddings=1024)
     assert context_length(model) == 1024
     model.config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 1e4}
     assert context_length(model) == 4096
+    # Llama 3.1 gives the extended length itself (it was 1,048,576 here, and a 200K prompt went unwarned).
+    model.config.max_position_embeddings = 131072
+    model.config.rope_parameters = {
+        "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "rope_theta": 5e5,
+    }
+    assert context_length(model) == 131072
     lengthless = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda decoder: SimpleNamespace()))
     assert context_length(lengthless) is None
