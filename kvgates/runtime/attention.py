@@ -16,6 +16,7 @@ checks again, cheaply, so no input is ever dropped silently.
 from __future__ import annotations
 
 import threading
+import warnings
 from contextlib import contextmanager
 from typing import Any
 
@@ -44,6 +45,12 @@ HONOURED_INPUTS = frozenset(
     }
 )
 
+
+#: Said (as a warning, once per place it is asked from) when a forward asks for ``output_attentions``.
+NO_ATTENTION_WEIGHTS = (
+    "kvgates attention returns no attention weights, so output_attentions=True gives none (an empty tuple); to read "
+    "attention statistics, use a policy's stats (kvgates.runtime.stats) or a model with attn_implementation='eager'"
+)
 
 
 class _Probe(threading.local):
@@ -91,6 +98,8 @@ def kvgates_attention(
         return value.new_zeros((b, n, query.shape[1], value.shape[-1])), None
     if unsupported_inputs(kwargs):
         raise refusal(type(module).__name__, unsupported_inputs(kwargs))
+    if kwargs.get("output_attentions"):
+        warnings.warn(NO_ATTENTION_WEIGHTS, stacklevel=2)
     layer = HANDOFF.layer
     if layer is None or not layer.staged(getattr(module, "layer_idx", None), key):
         training = getattr(module, TRAINING_ATTR, None)
