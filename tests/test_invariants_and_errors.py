@@ -181,6 +181,13 @@ def test_phase_comes_from_what_the_cache_has_seen_not_from_the_query_length(tiny
         ("d2o", {"budget": 64, "sinks": -1}, "sinks must be >= 0, got -1"),
         ("dynamickv", {"budget": 64, "r_max": float("nan")}, "r_max must be a finite number, got nan"),
         ("dynamickv", {"budget": 64, "r_max": float("inf")}, "r_max must be a finite number, got inf"),
+        # Accepted and never read (decode never evicted; the merges were off), or NaN keys and logits (sigma):
+        ("snapkv", {"budget": 64, "decode_every": 5}, "decode_every=5 spaces decode compressions, which run only with decode=True"),
+        ("pyramidkv", {"budget": 64, "decode_every": 2}, "only with decode=True"),
+        ("d2o", {"budget": 64, "merge": False, "beta": 0.5}, r"beta=0.5 would shape the merges, which merge=False turns off"),
+        ("d2o", {"budget": 64, "merge": False, "merge_rule": "official"}, "merge_rule='official' would shape the merges"),
+        ("kvmerger", {"budget": 64, "sigma": float("nan")}, "sigma must be a positive finite number, got nan"),
+        ("kvmerger", {"budget": 64, "sigma": 0.0}, "sigma must be a positive finite number"),
         ("kvzip", {"budget": 64, "repeat_ids": [5, -3]}, r"repeat_ids must be a non-empty list of token ids \(whole numbers >= 0\)"),
     ],
 )
@@ -278,6 +285,34 @@ def test_a_forward_that_stopped_between_a_layers_update_and_its_attention_is_ref
         fresh = BudgetCache(model.config, "h2o", budget=8)
         torch.testing.assert_close(model(ids, past_key_values=cache).logits, model(ids, past_key_values=fresh).logits)
 
+
+
+def test_a_cache_of_another_model_or_batch_is_refused_in_one_sentence(tiny):
+    """A cache built from a 6-layer config on a 3-layer model was refused next time as "stopped part-way (an exception
+    or an interrupt)", neither of which happened; one of 3 layers on a 6-layer model failed with an IndexError inside
+    transformers, and a cache reused for a batch of another size with a shape error in the storage. A policy class
+    for an instance failed deep in the first forward."""
+    from helpers import tiny_model
+
+    _, model = tiny
+    _, deeper = tiny_model(num_hidden_layers=6)
+    _, wider = tiny_model(num_key_value_heads=4)
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"this BudgetCache has 3 layers and the model's layer 3 attends: build the cache from this model's config"):
+            deeper(ids, past_key_values=BudgetCache(model.config, "h2o", budget=8))
+        cache = BudgetCache(deeper.config, "h2o", budget=8)
+        model(ids, past_key_values=cache)
+        with pytest.raises(RuntimeError, match="or a model with fewer layers than the config the cache was built from"):
+            model(ids, past_key_values=cache)
+        cache = BudgetCache(model.config, "h2o", budget=8)
+        model(ids, past_key_values=cache)
+        with pytest.raises(ValueError, match=r"this BudgetCache holds 2 sequences and the forward brings 1: call cache.reset\(\)"):
+            model(ids[:1], past_key_values=cache)
+        with pytest.raises(ValueError, match="holds 2 KV heads of 16 dimensions and this forward brings 4 of 16: build a cache"):
+            wider(ids, past_key_values=cache)
+    with pytest.raises(TypeError, match=r"a Policy instance \(H2O\(budget=...\)\) or a registered name, not the class"):
+        BudgetCache(model.config, kvgates.policies.H2O)
 
 
 def test_generate_with_prompt_lookup_is_refused_in_one_sentence(tiny):
@@ -394,3 +429,11 @@ def test_forcing_the_triton_kernels_on_cpu_without_the_interpreter_is_one_senten
     monkeypatch.setenv("KVGATES_KERNELS", "tritn")
     with pytest.raises(ValueError, match="KVGATES_KERNELS must be one of"):
         kvgates.kernels.backend(torch.zeros(1))
+
+
+def test_output_attentions_is_warned_about(tiny):
+    """``output_attentions=True`` returned an empty tuple of attention weights and said nothing."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), pytest.warns(UserWarning, match="kvgates attention returns no attention weights"):
+        model(ids, past_key_values=BudgetCache(model.config, "h2o", budget=8), output_attentions=True)

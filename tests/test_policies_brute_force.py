@@ -111,6 +111,23 @@ def test_pyramidkv_uses_layer_budget(tiny):
     assert cache.held_tokens()[:, 0, 0].tolist() == expected
 
 
+def test_pyramidkv_chunked_prompt_keeps_one_pyramid(tiny):
+    """A prompt given in chunks ends with every layer at the pyramid of the whole prompt. Before, each layer built its
+    pyramid from what it held itself, and a deeper layer, holding less, got its top clipped and a larger budget: 11%
+    over the mean budget at 6 layers and chunks of 32."""
+    _, model = tiny
+    from kvgates import BudgetCache
+
+    cache = BudgetCache(model.config, PyramidKV(budget=16, window=4, kernel=3))
+    ids = torch.randint(1, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for start in range(0, 200, 32):
+            model(ids[:, start : start + 32], past_key_values=cache)
+    expected = pyramid_budgets(16, 4, 200, 3, 20)
+    assert [int(layer.quota.max()) for layer in cache.budget_layers] == expected
+    assert cache.held_tokens()[:, 0, 0].tolist() == expected
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("per_head", [False, True])
 def test_tova(seed, per_head):

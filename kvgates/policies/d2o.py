@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -97,6 +97,11 @@ class D2O(CumulativeAttention, PerStepEviction):
         if not 0.0 < self.beta <= 1.0:
             raise ValueError(f"{self.name}: beta must be in (0, 1], got {self.beta}")
         self._one_of("merge_rule", MERGE_RULES)
+        if not self.merge:
+            defaults = {f.name: f.default for f in fields(self)}
+            unread = [f"{name}={getattr(self, name)!r}" for name in ("beta", "merge_rule") if getattr(self, name) != defaults[name]]
+            if unread:
+                raise ValueError(f"{self.name}: {', '.join(unread)} would shape the merges, which merge=False turns off")
         # Every layer budget is at least ``sinks + 1`` (``_allocate``) unless the edge layers keep their prompt; the
         # sinks and the recent share of a budget that small fit it, then those of any larger one do (both grow by at
         # most one token a token), and ``select`` keeps exactly min(held, budget).

@@ -257,8 +257,8 @@ class KVMerger(CumulativeAttention):
         self._require_budget(2 * self.heavy + self.window, f"2 * heavy + window ({2 * self.heavy + self.window})")
         if self.epsilon is not None and not -1.0 <= self.epsilon <= 1.0:
             raise ValueError(f"{self.name}: epsilon is a cosine similarity in [-1, 1], got {self.epsilon}")
-        if self.sigma is not None and self.sigma <= 0:
-            raise ValueError(f"{self.name}: sigma must be positive, got {self.sigma}")
+        if self.sigma is not None and not (math.isfinite(self.sigma) and self.sigma > 0):
+            raise ValueError(f"{self.name}: sigma must be a positive finite number, got {self.sigma}")
         self._at_least(2, "grid")
 
     def stats_request(self, phase: Phase) -> StatsRequest:

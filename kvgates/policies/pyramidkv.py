@@ -40,6 +40,9 @@ class PyramidState(History):
     (decode evictions reuse it), with its range on the host (``known_quota``)."""
 
     layer_budget: torch.Tensor | None = None
+    #: Each sequence's prompt length seen so far (``PyramidKV._prompt_lengths``), found by the first budgeted layer at
+    #: the end of each prompt forward; every layer's pyramid is built from these.
+    prompt_lengths: list[int] | None = None
 
 
 @register_policy
@@ -49,8 +52,9 @@ class PyramidKV(SnapKV):
 
     Total memory matches ``budget`` per layer on average; each layer is compressed with SnapKV's rule (see
     ``SnapKV``) to its own budget from ``pyramid_budgets``. The step uses ``N_layers - 1`` (the paper's
-    ``m - 1``). The prompt length ``L`` is what the layer holds when the chunk ends, for each sequence on its own
-    (a short row of a padded batch gets the budgets it would get alone).
+    ``m - 1``). The prompt length ``L`` is each sequence's prompt seen so far when the chunk ends (its newest position
+    + 1: a short row of a padded batch gets the budgets it would get alone), the same for every layer: in a prompt
+    given in chunks a deeper layer, which holds less, still gets its share of the one pyramid.
 
     Args:
         beta: ratio controlling the smallest layer budget, ``(budget - window) / beta`` (default 20).
@@ -70,8 +74,10 @@ class PyramidKV(SnapKV):
         """``[B, 1]``: this layer's pyramid budget for each sequence's own prompt length."""
         state = self.layer_state(layer)
         if (stats is not None and stats.phase is Phase.PREFILL) or state.layer_budget is None:
-            # (a packed layer's sequences hold fill[h] tokens in head h: the host knows the lengths without a read)
-            lengths = [max(layer.fill)] * layer.batch_size if layer.packed else layer.held().amax(-1).tolist()
+            first = self.layer_state(layer.cache.budget_layers[0])
+            if layer.rank == 0 or first.prompt_lengths is None:  # one answer a prompt forward, not one a layer
+                first.prompt_lengths = self._prompt_lengths(layer)
+            lengths = first.prompt_lengths
             per_length = {
                 n: pyramid_budgets(self.budget, self.window, n, layer.cache.num_budget_layers, self.beta)[layer.rank]
                 for n in set(lengths)
@@ -81,3 +87,11 @@ class PyramidKV(SnapKV):
             heads = layer.num_kv_heads
             state.known_quota = KnownRange(state.layer_budget, [min(budgets)] * heads, [max(budgets)] * heads)
         return state.layer_budget
+
+    @staticmethod
+    def _prompt_lengths(layer) -> list[int]:
+        """Each sequence's prompt seen so far: the tokens the layer has seen, for every sequence while no forward
+        brought padding (known on the host: no read), else its newest position + 1 (one read)."""
+        if not layer.padded:
+            return [layer.seen] * layer.batch_size
+        return (layer.pos.amax(dim=(1, 2)) + 1).clamp(min=1).tolist()

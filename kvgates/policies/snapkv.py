@@ -91,6 +91,8 @@ class SnapKV(WindowScored):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._at_least(1, "decode_every")
+        if self.decode_every != 1 and not self.decode:
+            raise ValueError(f"{self.name}: decode_every={self.decode_every} spaces decode compressions, which run only with decode=True")
 
     @property
     def schedule(self) -> Schedule:

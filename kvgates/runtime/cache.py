@@ -58,6 +58,8 @@ class BudgetCache(Cache):
             policy = make_policy(policy, **policy_params)
         elif policy_params:
             raise ValueError("pass policy parameters either inside the Policy instance or with a policy name, not both")
+        if isinstance(policy, type):
+            raise TypeError(f"policy must be a Policy instance ({policy.__name__}(budget=...)) or a registered name, not the class")
         if not isinstance(policy, CachePolicy):
             raise TypeError(f"policy must be a kvgates Policy or a registered name, got {type(policy).__name__}")
         if static:
@@ -100,6 +102,17 @@ class BudgetCache(Cache):
         """``Cache.update``, with the forward's progress over every layer recorded (``check_forward``): it begins at
         layer 0's update, a passthrough layer holds its tokens once its update returns, a budgeted one once its step
         ends (``layer_done``). A static cache's compiled decode steps are not recorded (nor are they checked)."""
+        if layer_idx >= len(self.layers):
+            raise ValueError(
+                f"this BudgetCache has {len(self.layers)} layers and the model's layer {layer_idx} attends: build the cache "
+                "from this model's config (BudgetCache(model.config, ...))"
+            )
+        layer = self.layers[layer_idx]
+        if layer.is_initialized and key_states.shape[0] != layer.keys.shape[0]:
+            raise ValueError(
+                f"this BudgetCache holds {layer.keys.shape[0]} sequences and the forward brings {key_states.shape[0]}: call "
+                "cache.reset() (or make a new BudgetCache) before another batch"
+            )
         tracked = not self._static_step(key_states)
         if layer_idx == 0:
             self.check_forward()
@@ -132,8 +145,9 @@ class BudgetCache(Cache):
         where = "in layer 0" if self._forward_at < 0 else f"after layer {self._forward_at}"
         raise RuntimeError(
             f"the previous forward through this BudgetCache stopped part-way ({where} of layers 0-{len(self.layers) - 1}; "
-            "an exception or an interrupt inside the model), so its layers hold different tokens; call cache.reset() "
-            "(or make a new BudgetCache) and give the prompt again"
+            "an exception or an interrupt inside the model, or a model with fewer layers than the config the cache was "
+            "built from), so its layers hold different tokens; call cache.reset() (or make a new BudgetCache from the "
+            "model's own config) and give the prompt again"
         )
 
     def layer_done(self, layer_idx: int) -> None:

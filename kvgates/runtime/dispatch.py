@@ -78,6 +78,7 @@ class AttentionDispatch:
             key_states, value_states, q_pos if all_real else torch.where(q_real, q_pos, torch.full_like(q_pos, -1)), all_real
         )
         self.seen += n
+        self.padded = self.padded or not all_real
 
         policy = self.cache.policy
         request = policy.stats_request(phase)

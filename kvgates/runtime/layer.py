@@ -64,6 +64,9 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.slot_data: torch.Tensor | None = None
         self.quota: torch.Tensor | None = None  # [B, H_kv] tokens each head may hold after the latest eviction
         self.seen = 0
+        #: Whether a forward has brought padding: until one does, every sequence has seen ``seen`` real tokens, at
+        #: positions ``0 .. seen - 1`` unless the caller gave others.
+        self.padded = False
         self.decoding = False  # whether a decode step has run (see ``phase``)
         self.decode_steps = 0
         self.fill: list[int] = []  # per head: slots >= fill[h] are free (see "Packed layout")
@@ -136,6 +139,12 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         """Stage the new keys/values; the ``"kvgates"`` attention call that follows stores and attends them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[1] != self.num_kv_heads or key_states.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"layer {self.layer_idx} of this BudgetCache holds {self.num_kv_heads} KV heads of {self.head_dim} "
+                f"dimensions and this forward brings {key_states.shape[1]} of {key_states.shape[-1]}: build a cache from "
+                "each model's own config"
+            )
         self.cache.claim_pending(self.layer_idx)
         self._pending = (key_states, value_states)
         HANDOFF.layer = self
@@ -163,6 +172,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.fill, self.packed, self._quota_source, self.free_floor = [], False, None, 0
         self._quota_range, self.held_over_quota = ([], []), None
         self.seen, self.decoding, self.decode_steps, self._pending, self.decoded = 0, False, 0, None, None
+        self.padded = False
         self._deferred = None
         self._derived = {}
         self.is_initialized = False
