@@ -15,16 +15,41 @@ from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 
 
 def parse_params(params: dict[str, Any] | str) -> dict[str, Any]:
-    """Policy parameters from a dict or a ``"key=value,key=value"`` string (values parsed as YAML scalars)."""
+    """Policy parameters from a dict or a ``"key=value,key=value"`` string. Each value is read as YAML (``8``,
+    ``true``, ``[1, 2]``, ``'a, quoted: text'``); commas inside brackets or quotes do not split items, and an unquoted
+    value that YAML would read as a mapping (``Say it again:``) stays the text it is."""
     if isinstance(params, dict):
         return dict(params)
     out = {}
-    for item in filter(None, (p.strip() for p in params.split(","))):
+    for item in filter(None, (p.strip() for p in _top_level_items(params))):
         if "=" not in item:
             raise ValueError(f"expected key=value in base parameters, got {item!r}")
-        key, value = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value)
+        key, value = (part.strip() for part in item.split("=", 1))
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            problem = " ".join(str(getattr(err, "problem", None) or err).split())
+            raise ValueError(f"base parameter {key}: cannot read {value!r} as YAML ({problem}); quote text that holds ': ' or commas") from err
+        out[key] = value if isinstance(parsed, dict) and not value.startswith("{") else parsed
     return out
+
+
+def _top_level_items(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets and quotes."""
+    items, depth, quote, start = [], 0, None, 0
+    for i, char in enumerate(text):
+        if quote is not None:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return [*items, text[start:]]
 
 
 def learned_policy(name: str, params: dict[str, Any]) -> type[LearnedPolicy] | None:
