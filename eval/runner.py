@@ -223,7 +223,10 @@ def check_context(config: ABConfig, model: PreTrainedModel) -> None:
             )
         for arm in config.all_arms:
             budgets = config.arm_budgets(arm, task)
-            reach = build_policy(arm, budgets[0]).scoring_reach(model, context) if budgets and not arm.learned else 0
+            try:  # (an arm's options this model refuses: repeat_ids that are not its token ids)
+                reach = build_policy(arm, budgets[0]).scoring_reach(model, context) if budgets and not arm.learned else 0
+            except ValueError as err:
+                raise ConfigError(f"arm {arm.label!r}: {err}") from None
             past = past_context(model, config.model, context + reach)
             if past is not None:
                 raise ConfigError(

@@ -348,6 +348,18 @@ def test_an_arm_scoring_past_the_models_context_fails_before_any_example(tmp_pat
             check_context(config, model)
 
 
+@pytest.mark.parametrize("arm", [
+    {"policy": "kvzip", "params": {"repeat_ids": [99999999]}},
+    {"policy": "adakv", "params": {"base": "kvzip", "base_params": {"repeat_ids": [99999999]}}},
+])
+def test_an_arm_whose_options_this_model_refuses_fails_before_any_example(tmp_path, tok, model, arm):
+    """KVzip's repeat_ids past the model's vocabulary ended ``python -m eval ab`` in a traceback (exit status 1)."""
+    config = small_config(tmp_path, tasks=[{"task": "needle", "context_tokens": 200, "examples": 1}], arms=[arm])
+    with pytest.raises(ConfigError, match=rf"^arm ['\"]{arm['policy']}\[.*\]['\"]: kvzip: repeat_ids holds 99999999, not a token id of this model"):
+        run_ab(config, model, tok)
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_exits_non_zero_with_one_sentence_before_loading_a_model(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     path = tmp_path / "bad.yaml"

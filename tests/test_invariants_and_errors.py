@@ -437,3 +437,16 @@ def test_output_attentions_is_warned_about(tiny):
     ids = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), pytest.warns(UserWarning, match="kvgates attention returns no attention weights"):
         model(ids, past_key_values=BudgetCache(model.config, "h2o", budget=8), output_attentions=True)
+
+
+def test_base_params_text_keeps_lists_quoted_text_and_colons():
+    """``--base-params`` split at every comma: ``repeat_ids=[1,2]`` was a YAML error, ``'Repeat, please:'`` too, and
+    ``repeat_prompt=Say it again:`` became a mapping."""
+    from kvgates.policies.wrappers import parse_params
+
+    assert parse_params("repeat_ids=[1, 2],window=8") == {"repeat_ids": [1, 2], "window": 8}
+    assert parse_params("repeat_prompt='Repeat, please:', decode=true") == {"repeat_prompt": "Repeat, please:", "decode": True}
+    assert parse_params("repeat_prompt=Say it again:") == {"repeat_prompt": "Say it again:"}
+    assert parse_params("base_params={window: 4}") == {"base_params": {"window": 4}}
+    with pytest.raises(ValueError, match=r"base parameter a: cannot read '\"x' as YAML \(found unexpected end of stream\)"):
+        parse_params('a="x')

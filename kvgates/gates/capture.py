@@ -7,6 +7,7 @@ runs (no second pass) and are removed with ``remove()``. Nothing outside the giv
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,12 +38,13 @@ class GateCapture:
         model: the model instance to hook.
         what: ``"hidden"`` (normed hidden state entering attention) or ``"qkv"`` (raw projections).
         layers: which layer indices to capture.
+        when: captures only while this returns True (default: always); a forward it skips holds nothing here.
     """
 
-    def __init__(self, model: PreTrainedModel, what: str, layers: list[int]):
+    def __init__(self, model: PreTrainedModel, what: str, layers: list[int], when: Callable[[], bool] | None = None):
         if what not in CAPTURE_KINDS:
             raise ValueError(f"capture must be one of {CAPTURE_KINDS}, got {what!r}")
-        self.what = what
+        self.what, self.when = what, when
         self.inputs: dict[int, Any] = {}
         self._handles = []
         modules = attention_modules(model)
@@ -60,12 +62,15 @@ class GateCapture:
 
     def _hidden_hook(self, layer: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            self.inputs[layer] = args[0] if args else kwargs["hidden_states"]
+            if self.when is None or self.when():
+                self.inputs[layer] = args[0] if args else kwargs["hidden_states"]
 
         return hook
 
     def _output_hook(self, layer: int, slot: int | None):
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if self.when is not None and not self.when():
+                return
             if slot is None:
                 self.inputs[layer] = output
             else:

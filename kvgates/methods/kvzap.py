@@ -44,7 +44,7 @@ from transformers.activations import ACT2FN
 from kvgates.gates.adapter import GateConfig, GateSet
 from kvgates.methods.base import LearnedMethod, TrainingStep, eval_mode, register_method
 from kvgates.policies.base import register_policy
-from kvgates.policies.kvzip import KVzip, kvzip_scores
+from kvgates.policies.kvzip import REPEAT_PROMPT, KVzip, kvzip_scores
 from kvgates.policies.learned import WriteScored
 from kvgates.policies.selection import sink_mask, threshold_quota
 from kvgates.runtime.stats import AttnStats
@@ -197,7 +197,7 @@ class KVzapOptions:
 
     normalize: bool = True
     chunk_size: int = 2048
-    repeat_prompt: str = "Repeat the previous context:"
+    repeat_prompt: str = REPEAT_PROMPT
     repeat_ids: list[int] | None = None
     floor: float = 1e-6
 

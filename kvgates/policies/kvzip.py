@@ -17,6 +17,8 @@ from kvgates.runtime.state import SlotState
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
 
 SCORE = "kvzip"
+#: The paper's repeat prompt (``KVzip.repeat_prompt``'s default).
+REPEAT_PROMPT = "Repeat the previous context:"
 
 
 @register_policy
@@ -68,7 +70,7 @@ class KVzip(Policy):
 
     chunk_size: int = 2048
     sinks: int = 4
-    repeat_prompt: str = "Repeat the previous context:"
+    repeat_prompt: str = REPEAT_PROMPT
     repeat_ids: list[int] | None = None
     normalize: bool = False
     _hooks: PromptScoring | None = field(default=None, init=False, repr=False)
@@ -89,15 +91,22 @@ class KVzip(Policy):
             raise ValueError(f"{self.name}: repeat_ids must be a non-empty list of token ids (whole numbers >= 0), got {self.repeat_ids!r}")
         if not self.repeat_ids and not self.repeat_prompt:
             raise ValueError(f"{self.name}: the repeat prompt is empty; give a repeat_prompt or repeat_ids")
+        if self.repeat_ids is not None and self.repeat_prompt != REPEAT_PROMPT:
+            raise ValueError(f"{self.name}: give repeat_prompt or repeat_ids, not both (repeat_ids replaces the prompt's text)")
 
     # -- lifecycle: the scoring pass needs the model
     def attach(self, model: Any) -> KVzip:
+        if model.get_output_embeddings() is None:
+            raise ValueError(
+                f"{self.name}: attach it to the model with the language-modelling head ({type(model).__name__} has none; "
+                "a ...ForCausalLM, whose forward the prompt goes through)"
+            )
         self.detach()
         self._prompt = torch.tensor(self._repeat(model), dtype=torch.long)
         self._hooks = PromptScoring(model, self, self.reconstruct)
-        if self.normalize:  # KVzip+: the hidden state entering each attention, and each query head's W_O
+        if self.normalize:  # KVzip+: the hidden state entering each attention (during the scoring forwards), each head's W_O
             modules = attention_modules(model)
-            self._hidden = GateCapture(model, "hidden", sorted(modules))
+            self._hidden = GateCapture(model, "hidden", sorted(modules), when=lambda: self._chunk is not None)
             for idx, module in modules.items():
                 heads = module.config.num_attention_heads
                 w = module.o_proj.weight.detach().float().view(-1, heads, module.head_dim).transpose(0, 1)  # [H, hidden, D]
@@ -134,6 +143,12 @@ class KVzip(Policy):
             raise ValueError(
                 f"{self.name} scores the prompt with extra forwards of the model: attach it first (policy.attach(model))"
             )
+        if phase is Phase.PREFILL and self._chunk is None and not self._hooks.active:
+            raise ValueError(
+                f"{self.name}: this prompt goes through a model {self.name} is not attached to (its scoring forwards run "
+                "after a prompt forward of the attached model), so its budget would not be held; attach the policy to "
+                "the model you run (policy.attach(model))"
+            )
         return StatsRequest(colmax=True, reduce="max") if self._chunk is not None and phase is Phase.PREFILL else NO_STATS
 
     def slot_state(self) -> dict[str, SlotState]:
@@ -148,7 +163,7 @@ class KVzip(Policy):
         mine = ((layer.pos >= lo) & (layer.pos < hi)).repeat_interleave(g, 1).float()  # [B, H, max_slots]
         if not self.normalize:
             return None, mine
-        rows = 1.0 / self._hidden.inputs[layer.layer_idx].float().norm(dim=-1).clamp(min=1e-12)
+        rows = 1.0 / self._hidden.pop(layer.layer_idx).float().norm(dim=-1).clamp(min=1e-12)
         gram = self._gram[layer.layer_idx].to(layer.device)
         cols = []
         for heads, _, values, _ in layer.head_views():
@@ -190,6 +205,8 @@ class KVzip(Policy):
                 discarded_forward(model, cache, mask, chunk_ids, chunk_mask)
         finally:
             self._chunk = None
+            if self._hidden is not None:  # what a forward that stopped part-way captured
+                self._hidden.inputs.clear()
 
 
 def _encode(model: Any, text: str) -> list[int]:
@@ -222,6 +239,8 @@ def kvzip_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
     scores a KVzip teacher ranks by. ``model`` must be prepared for kvgates (``kvgates.load_model`` does it)."""
     from kvgates.runtime.cache import BudgetCache
 
+    if "budget" in params:
+        raise ValueError("kvzip_scores scores every token and evicts none: it takes no budget")
     length = input_ids.shape[1]
     positions = None if attention_mask is None else (attention_mask.long().cumsum(1) - 1).clamp(min=0)
     policy = KVzip(budget=max(length, params.get("sinks", 4) + 1), **params).attach(model)

@@ -127,6 +127,11 @@ class PromptScoring:
             model.register_forward_hook(self._after, with_kwargs=True),
         ]
 
+    @property
+    def active(self) -> bool:
+        """Whether a prompt forward of the hooked model through a cache running the policy is in progress."""
+        return self._current is not None
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
