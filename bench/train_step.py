@@ -59,9 +59,12 @@ def peak_bytes(run, device: str) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def run_config(kind: str, eviction: str, length: int, budget: int) -> TrainConfig:
-    """The training config a row runs: ``kind`` at ``budget``, sequences of ``length``, ``eviction``'s loss section."""
-    return TrainConfig.from_dict({"kind": kind, "budget": budget, "data": {"seq_len": length}, "loss": EVICTION[eviction]})
+def run_config(kind: str, eviction: str, length: int, budget: int, attention: str) -> TrainConfig:
+    """The training config a row runs: ``kind`` at ``budget``, sequences of ``length``, ``eviction``'s loss section, the
+    student's ``attention``."""
+    return TrainConfig.from_dict(
+        {"kind": kind, "budget": budget, "attention": attention, "data": {"seq_len": length}, "loss": EVICTION[eviction]}
+    )
 
 
 def rows(args) -> list[tuple[str, str]]:
@@ -70,16 +73,16 @@ def rows(args) -> list[tuple[str, str]]:
 
 
 def check(args) -> str | None:
-    """What a row's config refuses (a budget that does not fit a kind or a length), or a ``--completion`` longer
-    than a sequence, in one sentence before the model loads; else None."""
+    """What a row's config refuses (a budget that does not fit a kind or a length, an ``--attention`` a kind does not
+    take), or a ``--completion`` longer than a sequence, in one sentence before the model loads; else None."""
     if args.completion >= min(args.lengths):
         return f"--completion {args.completion} must be less than every length (--lengths {min(args.lengths)})"
     for kind, eviction in rows(args):
         for length in args.lengths:
             try:
-                run_config(kind, eviction, length, args.budget)
+                run_config(kind, eviction, length, args.budget, args.attention)
             except ValueError as err:
-                return f"--kinds {kind}, --lengths {length}, --budget {args.budget}: {err}"
+                return f"--kinds {kind}, --lengths {length}, --budget {args.budget}, --attention {args.attention}: {err}"
     return None
 
 
@@ -105,7 +108,7 @@ def main() -> None:
     for kind, eviction in rows(args):
         label = kind if eviction == "soft" else f"{kind} ({eviction})"
         for length in args.lengths:
-            config = run_config(kind, eviction, length, args.budget)
+            config = run_config(kind, eviction, length, args.budget, args.attention)
             gates = GATE_KINDS[config.gate_kind].for_model(model, gate_hidden=args.gate_hidden, init_bias=8.0)
             optimizer = torch.optim.AdamW(gates.parameters(), lr=1e-4)
             ids = essay_ids(tokenizer, length, args.device)

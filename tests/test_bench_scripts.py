@@ -457,8 +457,11 @@ def test_a_bench_batch_holds_a_different_passage_in_every_row(monkeypatch):
         ("gpu_policies", ["--contexts", "96", "--budget", "128"], "--contexts 96 is less than --budget 128: nothing would be evicted"),
         # rows measured, then a ConfigError traceback at the kind or length that did not fit
         ("train_step", ["--lengths", "128", "--kinds", "trimkv", "locret", "--budget", "32"],
-         "--kinds locret, --lengths 128, --budget 32: config: policy: locret: budget 32 must be larger than"),
-        ("train_step", ["--lengths", "48", "--completion", "16", "--budget", "64"], "--kinds trimkv, --lengths 48, --budget 64:"),
+         "--kinds locret, --lengths 128, --budget 32, --attention auto: config: policy: locret: budget 32 must be larger than"),
+        ("train_step", ["--lengths", "48", "--completion", "16", "--budget", "64"], "--kinds trimkv, --lengths 48, --budget 64, --attention auto:"),
+        # a ValueError traceback from the DMS student's attention after the table's header
+        ("train_step", ["--lengths", "128", "--kinds", "dms", "--attention", "flex", "--budget", "64"],
+         "--kinds dms, --lengths 128, --budget 64, --attention flex: config: DMS students attend through dms_attention_fused"),
         ("train_step", ["--lengths", "128", "--completion", "128"], "--completion 128 must be less than every length"),
         ("gate_overhead", ["--budget", "16"], "--budget 16: locret: budget 16 must be larger than"),
         ("gate_overhead", ["--gate-dtypes", "fp8"], "argument --gate-dtypes: invalid choice: 'fp8'"),
