@@ -81,7 +81,10 @@ def test_the_readme_runtime_snippet_runs_verbatim_on_the_embedded_model():
 def test_an_older_transformers_is_refused_in_one_sentence():
     """A transformers older than pyproject.toml's lower bound is named with the fix (a GPU machine's own 5.17
     imported kvgates and failed later, in BudgetCache, with 'no full-attention layer')."""
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10 (pyproject.toml's dev extra brings tomli there)
+        import tomli as tomllib
 
     from kvgates.runtime import MIN_TRANSFORMERS, check_transformers
 

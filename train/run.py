@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         out, resume = prepare_output_dir(config, args.resume, write=False)
     except USER_ERRORS as err:
         return usage_error("train.py", err)
-    if config.unread:  # (hard_eviction, and gates.hidden for DMS, are refused: they would train something else)
+    if config.unread:  # (hard_eviction where the kind does not read it is refused: it would train something else)
         print(f"train.py: note: {', '.join(config.unread)} set, but {config.kind} training does not read them", file=sys.stderr)
     if args.check:
         print(f"train.py: {args.config} is ready to run ({config.kind} gates on {config.model} at budget {config.budget} into {out})")

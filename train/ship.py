@@ -4,7 +4,7 @@
     python -m train.ship smollm2-135m-trimkv smollm2-135m-trimkv --ab docs/reference --ab docs/reference-needles --arm trimkv
 
 The weights are those ``train.py`` exported (no edit beyond the cast to float16, which halves the size; the
-policies run gates in float32 by default either way). ``--ab DIR --arm LABEL`` adds to the card's results the
+policies run gates in the model's own dtype by default, ``gate_dtype="auto"``, whatever dtype they were shipped in). ``--ab DIR --arm LABEL`` adds to the card's results the
 adapter's A/B table from the ``python -m eval ab`` run in DIR (its arm LABEL beside the best heuristic and the full
 cache at each task and budget, and its verdicts), after the held-out table ``train.py`` wrote, in place of any
 A/B sections the card had (re-shipping an adapter by its name with newer runs replaces its tables); ``--ab`` may be

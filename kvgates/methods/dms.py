@@ -529,15 +529,13 @@ class DMSMethod(LearnedMethod):
 
     name = "dms"
     loss_keys = frozenset({"lambda_cap", "budget_ramp_steps", "budget_ramp", "distill_chunk"})
-    gate_keys = frozenset({"init_bias"})  # (linear heads: gates.hidden is refused)
+    gate_keys = frozenset({"init_bias"})  # (linear heads: gates.hidden is not read, and noted)
     gate_set = DecisionHeads
     policies = ("dms",)
     options = DMSOptions
 
     def check(self, config: Any) -> None:
         super().check(config)
-        if config.gates.hidden not in (None, 1):
-            raise ValueError(f"{self.name} decision heads are linear (d_model -> H_kv); drop gates.hidden")
         window = config.policy.get("window", DMS.window)
         if window != config.method_options.window:
             raise ValueError(
