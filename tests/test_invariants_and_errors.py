@@ -450,3 +450,27 @@ def test_base_params_text_keeps_lists_quoted_text_and_colons():
     assert parse_params("base_params={window: 4}") == {"base_params": {"window": 4}}
     with pytest.raises(ValueError, match=r"base parameter a: cannot read '\"x' as YAML \(found unexpected end of stream\)"):
         parse_params('a="x')
+
+
+@pytest.mark.parametrize("budget", [12, 100])
+@pytest.mark.parametrize("name", sorted(POLICY_PARAMS))
+def test_a_deep_copied_cache_continues_as_the_original(tiny, name, budget):
+    """``copy.deepcopy(cache)``, the usual way to reuse a prompt's cache for several continuations, failed for every
+    policy with per-slot state (``StateViews`` refused the copy's rebuild), and a copy that got past that ran a copy of
+    the policy: the per-layer values keyed by the policy were lost, and a learned policy's copy had no hooks on the
+    model. The copy shares the policy, holds copies of everything else, and decodes exactly as the original does."""
+    import copy
+
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, 30), generator=torch.Generator().manual_seed(0))
+    steps = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    with policy_on(model, name, None if name == "full" else budget) as policy, torch.no_grad():
+        cache = BudgetCache(model.config, policy)
+        model(ids, past_key_values=cache)
+        twin = copy.deepcopy(cache)
+        assert twin.policy is policy and twin.budget_layers[0].cache is twin
+        original = [model(steps[:, i : i + 1], past_key_values=cache).logits for i in range(6)]
+        copied = [model(steps[:, i : i + 1], past_key_values=twin).logits for i in range(6)]
+    for a, b in zip(original, copied):
+        torch.testing.assert_close(a, b)
+    assert all(torch.equal(a.pos, b.pos) and a.keys.data_ptr() != b.keys.data_ptr() for a, b in zip(cache.budget_layers, twin.budget_layers))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -154,6 +155,18 @@ class BudgetCache(Cache):
         """Record that layer ``layer_idx`` holds the forward's tokens (``check_forward``'s evidence): the forward has
         ended at the last layer."""
         self._forward_at = None if layer_idx == len(self.layers) - 1 else layer_idx
+
+    def __deepcopy__(self, memo: dict) -> BudgetCache:
+        """A copy holding copies of every layer's tokens and state, running the same policy object (not a copy): a
+        policy keeps its values per layer under its identity, and a learned or scoring policy is attached to the
+        model (its hooks feed the policy object), so the copy continues exactly as the original would (a prompt
+        cache copied for several continuations)."""
+        memo[id(self.policy)] = self.policy
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        for name, value in self.__dict__.items():
+            setattr(twin, name, copy.deepcopy(value, memo))
+        return twin
 
     def reset(self) -> None:
         """Empty every layer, and forget a forward that stopped part-way (``check_forward``)."""
