@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 import time
 import typing
@@ -117,10 +118,40 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+def _documented_args(cls: type) -> dict[str, str]:
+    """What the ``Args:`` sections of ``cls``'s docstrings (its own, then its bases') say of each parameter: an entry
+    ``name: text`` with its continuation lines, and ``a: text; b: text`` entries split at each ``; name:``."""
+    entries: dict[str, str] = {}
+    for klass in cls.__mro__:
+        lines = (klass.__dict__.get("__doc__") or "").splitlines()
+        start = next((i for i, line in enumerate(lines) if line.strip() == "Args:"), None)
+        if start is None:
+            continue
+        found: list[list[str]] = []
+        indent = None  # the entries' indentation; a line indented more continues the entry before it
+        for line in lines[start + 1 :]:
+            text = line.strip()
+            if not text:
+                break
+            depth = len(line) - len(line.lstrip())
+            if indent is None or depth <= indent:
+                indent = depth
+                found.append([text] if re.match(r"^\w+: ", text) else [])
+            elif found:
+                found[-1].append(text)
+        for entry in filter(None, found):
+            for part in re.split(r";\s+(?=\w+: )", " ".join(entry)):
+                name, _, said = part.partition(": ")
+                entries.setdefault(name, said.replace("``", "").rstrip("."))
+    return entries
+
+
 def _policy_options(parser: argparse.ArgumentParser, policy: str) -> list[str]:
-    """Add one option per parameter of ``policy`` (except budget); return their names."""
+    """Add one option per parameter of ``policy`` (except budget), each with what the policy's docstring says of it
+    and its default; return their names."""
     cls = kvgates.POLICIES[policy]
     hints = typing.get_type_hints(cls)
+    documented = _documented_args(cls)
     names = []
     group = parser.add_argument_group(f"{policy} parameters")
     for f in dataclasses.fields(cls):
@@ -135,7 +166,9 @@ def _policy_options(parser: argparse.ArgumentParser, policy: str) -> list[str]:
                     "for this policy, trained nearest --budget)")
         else:
             factory = f.default_factory if f.default_factory is not dataclasses.MISSING else lambda: None
-            text = f"default: {f.default if f.default is not dataclasses.MISSING else factory()}"
+            said = documented.get(f.name, "")
+            default = f"default: {f.default if f.default is not dataclasses.MISSING else factory()}"
+            text = (said if "default" in said else f"{said} ({default})" if said else default).replace("%", "%%")
         group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None, help=text)
         names.append(f.name)
     return names

@@ -171,12 +171,19 @@ def test_bad_input_is_one_clear_error(checkpoint, foreign_gates, bad_models, tmp
 
 def test_policy_help_states_each_option_s_real_default(capsys):
     """``--gates`` of a learned policy defaults to the shipped adapter (not "None"), a wrapper's ``--base-params`` to
-    no parameters."""
-    for policy, option, default in (("trimkv", "--gates", "the adapter shipped for this policy"), ("adakv", "--base-params", "default: {}")):
+    no parameters; every option says what its policy's docstring says of it, so a default computed from the budget
+    is not "None" (H2O's recent window, KVMerger's heavy hitters), and an inherited one is found in the base's."""
+    for policy, option, default in (
+        ("trimkv", "--gates", "the adapter shipped for this policy"), ("adakv", "--base-params", "default: {}"),
+        ("h2o", "--recent", "recent-window size in tokens (default budget // 2"), ("kvmerger", "--heavy", "(default budget // 8)"),
+        ("pyramidkv", "--window", "observation window (default 32)"), ("pyramidkv", "--beta", "(default 20)"),
+        ("kvzip", "--repeat-ids", "the repeat prompt's token ids"), ("trimkv", "--gate-dtype", "auto (the model's own)"),
+    ):
         assert run(["generate", "--policy", policy, "--help"]) == 0
         help_text = " ".join(capsys.readouterr().out.split())
         entry = help_text.split(f"{policy} parameters:")[1].split(f"{option} {option.lstrip('-').replace('-', '_').upper()} ")[1]
         assert default in entry.split(" --")[0], entry
+        assert "other parameters" not in entry.split(" --")[0]
 
 
 def test_version(capsys):

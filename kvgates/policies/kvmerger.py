@@ -233,6 +233,7 @@ class KVMerger(CumulativeAttention):
         epsilon: fixed similarity threshold, or None to calibrate.
         sigma: Gaussian kernel width, or None for the mean key distance to the pivot.
         scale_values: scale value weights by the set size (paper).
+        grid: thresholds per round of the calibration (two rounds, the second between the first's best and the next).
         group_reduce: how query heads combine into the aggregated attention.
     """
 

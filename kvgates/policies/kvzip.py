@@ -61,7 +61,8 @@ class KVzip(Policy):
             reconstruction query ``i`` and ``W_O^g`` the output projection of query head ``g``: how much token ``j``
             moves the residual stream relative to its size.
         repeat_prompt: the repeat prompt, encoded with the model's own tokenizer (``kvgates.models.tokenizer_source``) when
-            the policy is attached; ``repeat_ids`` gives its token ids directly instead.
+            the policy is attached.
+        repeat_ids: the repeat prompt's token ids, in place of ``repeat_prompt`` (not both).
     """
 
     name = "kvzip"

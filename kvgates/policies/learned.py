@@ -47,6 +47,11 @@ class LearnedPolicy(Policy):
     the caller left them, so an evaluation in the middle of training leaves the gates training): gates already in
     ``gate_dtype`` on the model's device are read as they are, under ``torch.no_grad``; otherwise the policy runs
     a cast copy, made at ``attach`` and dropped at ``detach``.
+
+    Args:
+        gates: the gate adapter (a ``GateSet``, an adapter folder, a Hub id or a shipped name).
+        strict: require the model the gates were trained for (its fingerprint), else any of the same shapes.
+        gate_dtype: the precision gates run in: auto (the model's own), float32, float16 or bfloat16.
     """
 
     gate_kinds: ClassVar[tuple[str, ...]] = ()
