@@ -17,7 +17,9 @@ from kvgates.runtime.stats import AttnStats, Phase
 
 def layer_variance(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """D2O's per-layer ``v_l`` ``[B]``: per head the variance over tokens of the attention column sums,
-    min-max normalised across the layer's heads, averaged over heads."""
+    min-max normalised across the layer's heads, averaged over heads. With two KV heads every layer's ``v_l`` is 0.5
+    (with one, 0): a model of so few KV heads (Qwen2.5's smaller sizes) gets every layer the same budget, as the
+    paper's rule gives it."""
     n = valid.sum(-1).clamp(min=1)
     s = torch.where(valid, scores, torch.zeros_like(scores))
     mean = s.sum(-1) / n
