@@ -155,9 +155,10 @@ def _no_attention_interface(name: str) -> str:
 def context_length(model: PreTrainedModel) -> int | None:
     """The positions ``model`` reads: ``max_position_embeddings`` of its text config, times the RoPE scaling factor
     when its rotary embedding is scaled (YaRN, linear, dynamic, ...: configs that extend a model past its trained
-    length keep the original ``max_position_embeddings``), unless the scaling names an
-    ``original_max_position_embeddings`` below it (Llama 3.1's ``llama3`` type: 131,072 is already the extended length,
-    8,192 the original); None when the config gives no length. Generous by design: a bound past which the model's
+    length keep the original ``max_position_embeddings``), the factor applied to the scaling's
+    ``original_max_position_embeddings`` where it names one, and never less than ``max_position_embeddings`` (Llama
+    3.1's ``llama3`` type gives 131,072, already the extended length of its original 8,192); None when the config gives
+    no length. Generous by design: a bound past which the model's
     outputs are not what it was trained to give."""
     config = model.config.get_text_config(decoder=True)
     limit = getattr(config, "max_position_embeddings", None)
@@ -165,9 +166,12 @@ def context_length(model: PreTrainedModel) -> int | None:
         return None
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
-    if scaled and int(rope.get("original_max_position_embeddings") or limit) < limit:  # already the extended length
+    if not scaled:
         return int(limit)
-    return int(limit * max(1.0, float(rope.get("factor") or 1.0))) if scaled else int(limit)
+    factor = max(1.0, float(rope.get("factor") or 1.0))
+    # The scaling extends the original length by its factor (Qwen3's YaRN: 32,768 x 4 past a config's 40,960), and a
+    # config may already give the extended length (Llama 3.1: 131,072, its original 8,192 x 8 being less).
+    return max(int(limit), int(int(rope.get("original_max_position_embeddings") or limit) * factor))
 
 
 def past_context(model: PreTrainedModel, name: str, positions: int) -> str | None:

@@ -143,7 +143,7 @@ def bad_models(tmp_path_factory):
         (["--policy", "adakv", "--budget", "8", "--base-params", "window", "--prompt", "x"], "--base-params: expected key=value"),
         # A yaml ParserError traceback (exit status 1):
         (["--policy", "adakv", "--budget", "8", "--base", "kvzip", "--base-params", "repeat_ids=[1,2", "--prompt", "x"],
-         "--base-params: base parameter repeat_ids: cannot read '[1,2' as YAML"),
+         "--base-params: base parameter repeat_ids: '[1,2' opens a bracket it never closes"),
         # transformers' "Cannot use chat template functions because tokenizer.chat_template is not set and ...".
         (["--chat", "--prompt", "x"], "has no chat template; leave out --chat to send the prompt as it is"),
         (["--policy", "kvzip", "--budget", "8", "--repeat-ids", "5,x", "--prompt", "x"],

@@ -311,6 +311,7 @@ def test_a_cache_of_another_model_or_batch_is_refused_in_one_sentence(tiny):
             model(ids[:1], past_key_values=cache)
         with pytest.raises(ValueError, match="holds 2 KV heads of 16 dimensions and this forward brings 4 of 16: build a cache"):
             wider(ids, past_key_values=cache)
+        model(ids[:, :3], past_key_values=cache)  # the refusals wrote nothing: the cache goes on (it said "stopped part-way")
     with pytest.raises(TypeError, match=r"a Policy instance \(H2O\(budget=...\)\) or a registered name, not the class"):
         BudgetCache(model.config, kvgates.policies.H2O)
 
@@ -448,8 +449,15 @@ def test_base_params_text_keeps_lists_quoted_text_and_colons():
     assert parse_params("repeat_prompt='Repeat, please:', decode=true") == {"repeat_prompt": "Repeat, please:", "decode": True}
     assert parse_params("repeat_prompt=Say it again:") == {"repeat_prompt": "Say it again:"}
     assert parse_params("base_params={window: 4}") == {"base_params": {"window": 4}}
-    with pytest.raises(ValueError, match=r"base parameter a: cannot read '\"x' as YAML \(found unexpected end of stream\)"):
+    # An apostrophe or a bracket inside an unquoted value is text (they swallowed every parameter after them):
+    assert parse_params("repeat_prompt=Don't stop,window=8") == {"repeat_prompt": "Don't stop", "window": 8}
+    assert parse_params("repeat_prompt=a]b,window=8") == {"repeat_prompt": "a]b", "window": 8}
+    with pytest.raises(ValueError, match=r"""^base parameter a: '"x' opens a quote it never closes$"""):
         parse_params('a="x')
+    with pytest.raises(ValueError, match=r"^base parameter a: '\[1,2' opens a bracket it never closes$"):
+        parse_params("a=[1,2")
+    with pytest.raises(ValueError, match=r"""^base parameter a: cannot read '"x"y' as YAML"""):
+        parse_params('a="x"y,b=1')
 
 
 @pytest.mark.parametrize("budget", [12, 100])

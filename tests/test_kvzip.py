@@ -268,3 +268,61 @@ def test_kvzip_options_that_would_be_ignored_are_refused():
         make_policy("kvzip", budget=8, repeat_ids=PROMPT_IDS, repeat_prompt="Summarise the text above:")
     with pytest.raises(ValueError, match="^kvzip_scores scores every token and evicts none: it takes no budget$"):
         kvzip_scores(None, torch.ones((1, 4), dtype=torch.long), budget=4)
+
+
+def test_a_copied_kvzip_cache_scores_a_later_prompt_chunk_as_the_original(tiny):
+    """A copy of a cache that had seen a prompt lacked that prompt's ids: a prompt chunk after the copy was scored
+    without it and failed ("the policy kept other than min(held, quota) tokens")."""
+    import copy
+
+    _, model = tiny
+    first, more = (torch.randint(8, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in (30, 20))
+    policy = make_policy("kvzip", budget=8, repeat_ids=PROMPT_IDS, chunk_size=16).attach(model)
+    try:
+        with torch.no_grad():
+            cache = BudgetCache(model.config, policy)
+            model(first, past_key_values=cache)
+            twin = copy.deepcopy(cache)
+            original = model(more, past_key_values=cache).logits
+            copied = model(more, past_key_values=twin).logits
+    finally:
+        policy.detach()
+    torch.testing.assert_close(original, copied)
+    assert all(torch.equal(a.pos, b.pos) for a, b in zip(cache.budget_layers, twin.budget_layers))
+
+
+def test_an_interrupted_prompt_forward_leaves_no_forward_taken_for_the_attached_model(tiny):
+    """A prompt forward of the attached model stopped by an interrupt left it marked as running: a later prompt through
+    another model (here its inner model) was taken for the attached one's and held every token, silently."""
+    _, model = tiny
+    policy = make_policy("kvzip", budget=8, repeat_ids=PROMPT_IDS).attach(model)
+    ids = torch.randint(8, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    handle = model.model.layers[1].register_forward_pre_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+            model(ids, past_key_values=BudgetCache(model.config, policy))
+        handle.remove()
+        with pytest.raises(ValueError, match="not attached to"), torch.no_grad():
+            model.model(ids, past_key_values=BudgetCache(model.config, policy))
+    finally:
+        handle.remove()
+        policy.detach()
+
+
+def test_a_batch_of_another_size_is_refused_in_the_cache_s_sentence(tiny):
+    """With KVzip attached, the prompt hook concatenated the new batch's ids to the old one's first: a torch error."""
+    _, model = tiny
+    policy = make_policy("kvzip", budget=8, repeat_ids=PROMPT_IDS).attach(model)
+    ids = torch.randint(8, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    try:
+        cache = BudgetCache(model.config, policy)
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+            with pytest.raises(ValueError, match="this BudgetCache holds 2 sequences and the forward brings 1"):
+                model(ids[:1, :5], past_key_values=cache)
+    finally:
+        policy.detach()

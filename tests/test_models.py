@@ -170,5 +170,9 @@ def test_context_length_counts_a_scaled_rotary_embedding():
         "high_freq_factor": 4.0, "rope_theta": 5e5,
     }
     assert context_length(model) == 131072
+    # Qwen3's model card enables YaRN past a config of 40,960 positions: 32,768 x 4.
+    model.config.max_position_embeddings = 40960
+    model.config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}
+    assert context_length(model) == 131072
     lengthless = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda decoder: SimpleNamespace()))
     assert context_length(lengthless) is None

@@ -128,6 +128,30 @@ def test_pyramidkv_chunked_prompt_keeps_one_pyramid(tiny):
     assert cache.held_tokens()[:, 0, 0].tolist() == expected
 
 
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_pyramidkv_gives_a_padded_row_the_budgets_it_gets_alone(tiny, chunk):
+    """A left-padded row of a batch given without position_ids (the model numbers every column, padding included) got
+    the pyramid of the padded length: layer budgets [18, 12, 2] where alone it gets [18, 12, 6]."""
+    _, model = tiny
+    from kvgates import BudgetCache
+
+    ids = torch.randint(1, 128, (2, 30), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :12] = 0
+
+    def held(rows: torch.Tensor, rows_mask: torch.Tensor) -> list[list[int]]:
+        cache = BudgetCache(model.config, PyramidKV(budget=12, window=2, kernel=3))
+        step = chunk or rows.shape[1]
+        with torch.no_grad():
+            for start in range(0, rows.shape[1], step):
+                model(rows[:, start : start + step], attention_mask=rows_mask[:, : start + step], past_key_values=cache)
+        return cache.held_tokens()[:, :, 0].T.tolist()  # [row][layer] (head 0)
+
+    both = held(ids, mask)
+    assert both[1] == held(ids[1:, 12:], mask[1:, 12:])[0]
+    assert both[0] == held(ids[:1], mask[:1])[0]
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("per_head", [False, True])
 def test_tova(seed, per_head):

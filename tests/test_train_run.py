@@ -1639,3 +1639,13 @@ def test_settings_the_kind_never_reads_are_noted(tiny_dir, tmp_path, capsys):
     )
     assert main(["--config", str(path), "--check", "kind=kvzap-linear", "budget=64", "gates.init_bias=null"]) == 0
     assert capsys.readouterr().err.splitlines()[-1] == "train.py: note: gates.hidden set, but kvzap-linear training does not read them"
+
+
+@pytest.mark.parametrize("kind,budget", [("dms", 24), ("kvzap-linear", 64)])
+def test_a_gate_width_the_kind_never_reads_is_not_recorded(tiny, tiny_dir, tmp_path, kind, budget):
+    """Linear gates ignore gates.hidden, and the adapter's config and card said "gate width 8" for them all the same."""
+    from train.run import initial_gates
+
+    config = TrainConfig.from_dict({**tiny_config(tiny_dir, tmp_path / "run"), "kind": kind, "budget": budget, "gates": {"hidden": 8}})
+    gates = initial_gates(config, tiny[1])
+    assert gates.config.gate_hidden == type(gates).default_hidden

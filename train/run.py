@@ -328,9 +328,9 @@ def initial_gates(config: TrainConfig, model: PreTrainedModel) -> kvgates.GateSe
     (``AdapterError`` if it is of another kind or for another model)."""
     spec = config.gates
     if spec.init_from is None:
-        return config.learned_method.gate_set.for_model(
-            model, gate_hidden=spec.hidden, training_budget=config.budget, init_bias=spec.init_bias
-        )
+        method = config.learned_method
+        hidden = spec.hidden if "hidden" in method.gate_keys else None  # (a kind that never reads it records its own)
+        return method.gate_set.for_model(model, gate_hidden=hidden, training_budget=config.budget, init_bias=spec.init_bias)
     gates = kvgates.load_gates(spec.init_from)  # its kind was checked by check_sources
     gates.check_model(model)
     # The run keeps the adapter's weights and shape, not the record of the run that made it: its own record (data,

@@ -124,6 +124,10 @@ class Policy:
     def detach(self) -> None:
         """Undo ``attach`` (remove hooks from the model)."""
 
+    def cache_copied(self, cache: Any, twin: Any) -> None:
+        """``twin`` is a copy of ``cache`` (``BudgetCache.__deepcopy__``), both running this policy: give it what the
+        policy keeps per cache outside the cache (KVzip: the prompt seen); most policies keep nothing."""
+
     def __enter__(self) -> Policy:
         return self
 

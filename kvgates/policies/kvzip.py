@@ -144,12 +144,6 @@ class KVzip(Policy):
             raise ValueError(
                 f"{self.name} scores the prompt with extra forwards of the model: attach it first (policy.attach(model))"
             )
-        if phase is Phase.PREFILL and self._chunk is None and not self._hooks.active:
-            raise ValueError(
-                f"{self.name}: this prompt goes through a model {self.name} is not attached to (its scoring forwards run "
-                "after a prompt forward of the attached model), so its budget would not be held; attach the policy to "
-                "the model you run (policy.attach(model))"
-            )
         return StatsRequest(colmax=True, reduce="max") if self._chunk is not None and phase is Phase.PREFILL else NO_STATS
 
     def slot_state(self) -> dict[str, SlotState]:
@@ -174,8 +168,20 @@ class KVzip(Policy):
         return rows.to(layer.device), torch.cat(cols, dim=1) * mine
 
     def observe(self, layer, stats: AttnStats) -> None:
-        if self._chunk is not None and stats.colmax is not None:  # (0 outside the chunk: ``colmax_weights``)
+        if self._chunk is None:
+            if stats.phase is Phase.PREFILL and not self._hooks.prompting(layer.cache):
+                raise ValueError(
+                    f"{self.name}: this prompt goes through a model {self.name} is not attached to (its scoring forwards "
+                    "run after a prompt forward of the attached model), so its budget would not be held; attach the "
+                    "policy to the model you run (policy.attach(model))"
+                )
+        elif stats.colmax is not None:  # (0 outside the chunk: ``colmax_weights``)
             layer.state[SCORE] = torch.maximum(layer.state[SCORE], stats.colmax)
+
+    def cache_copied(self, cache, twin) -> None:
+        """``twin`` copies ``cache``: it gets the prompt ``cache`` has seen (``PromptScoring.copied``)."""
+        if self._hooks is not None:
+            self._hooks.copied(cache, twin)
 
     def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
         return layer.state[SCORE], sink_mask(layer, self.sinks)

@@ -43,6 +43,8 @@ class PyramidState(History):
     #: Each sequence's prompt length seen so far (``PyramidKV._prompt_lengths``), found by the first budgeted layer at
     #: the end of each prompt forward; every layer's pyramid is built from these.
     prompt_lengths: list[int] | None = None
+    #: Each sequence's first position ``[B]``, where a prompt forward brought padding (``PyramidKV._prompt_lengths``).
+    first_position: torch.Tensor | None = None
 
 
 @register_policy
@@ -76,7 +78,7 @@ class PyramidKV(SnapKV):
         if (stats is not None and stats.phase is Phase.PREFILL) or state.layer_budget is None:
             first = self.layer_state(layer.cache.budget_layers[0])
             if layer.rank == 0 or first.prompt_lengths is None:  # one answer a prompt forward, not one a layer
-                first.prompt_lengths = self._prompt_lengths(layer)
+                first.prompt_lengths = self._prompt_lengths(layer, first, stats)
             lengths = first.prompt_lengths
             per_length = {
                 n: pyramid_budgets(self.budget, self.window, n, layer.cache.num_budget_layers, self.beta)[layer.rank]
@@ -89,9 +91,20 @@ class PyramidKV(SnapKV):
         return state.layer_budget
 
     @staticmethod
-    def _prompt_lengths(layer) -> list[int]:
+    def _prompt_lengths(layer, first: PyramidState, stats: AttnStats | None) -> list[int]:
         """Each sequence's prompt seen so far: the tokens the layer has seen, for every sequence while no forward
-        brought padding (known on the host: no read), else its newest position + 1 (one read)."""
+        brought padding (known on the host: no read); else its newest position less its first, plus one (one read).
+        A row's first position is 0 where generate() numbers real tokens from 0, its padding where the model numbers
+        every token (no ``position_ids``): in ``first``, the least position held at the end of each prompt forward
+        since the first that brought padding, before that forward evicts (so a row's first token is among them when it
+        arrives, in a chunk after chunks of only padding too); 0 where forwards without padding came before."""
         if not layer.padded:
             return [layer.seen] * layer.batch_size
-        return (layer.pos.amax(dim=(1, 2)) + 1).clamp(min=1).tolist()
+        held = torch.where(layer.valid, layer.pos, torch.iinfo(layer.pos.dtype).max).amin(dim=(1, 2))
+        if first.first_position is None:
+            new = 0 if stats is None else stats.new_slots.shape[-1]
+            earlier = layer.seen > new  # forwards without padding came first: every row's tokens are real from 0
+            first.first_position = torch.zeros_like(held) if earlier else held
+        else:
+            first.first_position = torch.minimum(first.first_position, held)
+        return (layer.pos.amax(dim=(1, 2)) - first.first_position + 1).clamp(min=1).tolist()

@@ -16,12 +16,14 @@ from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 
 def parse_params(params: dict[str, Any] | str) -> dict[str, Any]:
     """Policy parameters from a dict or a ``"key=value,key=value"`` string. Each value is read as YAML (``8``,
-    ``true``, ``[1, 2]``, ``'a, quoted: text'``); commas inside brackets or quotes do not split items, and an unquoted
-    value that YAML would read as a mapping (``Say it again:``) stays the text it is."""
+    ``true``, ``[1, 2]``, ``'a, quoted: text'``): a value that starts with a quote runs to its closing quote and one
+    that starts with a bracket to its closing bracket, commas inside them included; any other value runs to the next
+    comma (an apostrophe or bracket inside it is text), and stays the text it is where YAML would read a mapping
+    (``Say it again:``)."""
     if isinstance(params, dict):
         return dict(params)
     out = {}
-    for item in filter(None, (p.strip() for p in _top_level_items(params))):
+    for item in filter(None, (p.strip() for p in _items(params))):
         if "=" not in item:
             raise ValueError(f"expected key=value in base parameters, got {item!r}")
         key, value = (part.strip() for part in item.split("=", 1))
@@ -34,22 +36,45 @@ def parse_params(params: dict[str, Any] | str) -> dict[str, Any]:
     return out
 
 
-def _top_level_items(text: str) -> list[str]:
-    """``text`` split at the commas outside brackets and quotes."""
-    items, depth, quote, start = [], 0, None, 0
-    for i, char in enumerate(text):
+def _items(text: str) -> list[str]:
+    """``text`` split into ``key=value`` items at the commas between values (``parse_params``)."""
+    items, start = [], 0
+    while start <= len(text):
+        equals, comma = text.find("=", start), text.find(",", start)
+        if equals < 0 or 0 <= comma < equals:  # no value (parse_params says so) or the last item
+            stop = len(text) if comma < 0 else comma
+        else:
+            value = equals + 1 + len(text[equals + 1 :]) - len(text[equals + 1 :].lstrip())
+            stop = text.find(",", _value_end(text, value, text[start:equals].strip()))
+            stop = len(text) if stop < 0 else stop
+        items.append(text[start:stop])
+        start = stop + 1
+    return items
+
+
+def _value_end(text: str, at: int, key: str) -> int:
+    """Where the value starting at ``at`` ends: after its closing quote or bracket where it opens with one."""
+    closing = {"'": "'", '"': '"', "[": "]", "{": "}"}
+    if at >= len(text) or text[at] not in closing:
+        return at
+    stack, quote = [closing[text[at]]], text[at] if text[at] in "'\"" else None
+    for i in range(at + 1, len(text)):
+        char = text[i]
         if quote is not None:
-            quote = None if char == quote else quote
+            if char == quote:
+                quote = None
+                if stack[-1] == char:
+                    stack.pop()
         elif char in "'\"":
             quote = char
         elif char in "[{":
-            depth += 1
-        elif char in "]}":
-            depth -= 1
-        elif char == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    return [*items, text[start:]]
+            stack.append(closing[char])
+        elif char == stack[-1]:
+            stack.pop()
+        if not stack:
+            return i + 1
+    what = "quote" if text[at] in "'\"" else "bracket"
+    raise ValueError(f"base parameter {key}: {text[at:]!r} opens a {what} it never closes")
 
 
 def learned_policy(name: str, params: dict[str, Any]) -> type[LearnedPolicy] | None:
@@ -109,6 +134,9 @@ class Wrapper(Policy):
 
     def detach(self) -> None:
         self.inner.detach()
+
+    def cache_copied(self, cache: Any, twin: Any) -> None:
+        self.inner.cache_copied(cache, twin)
 
     def stats_request(self, phase: Phase) -> StatsRequest:
         return self.inner.stats_request(phase)

@@ -108,12 +108,7 @@ class BudgetCache(Cache):
                 f"this BudgetCache has {len(self.layers)} layers and the model's layer {layer_idx} attends: build the cache "
                 "from this model's config (BudgetCache(model.config, ...))"
             )
-        layer = self.layers[layer_idx]
-        if layer.is_initialized and key_states.shape[0] != layer.keys.shape[0]:
-            raise ValueError(
-                f"this BudgetCache holds {layer.keys.shape[0]} sequences and the forward brings {key_states.shape[0]}: call "
-                "cache.reset() (or make a new BudgetCache) before another batch"
-            )
+        self._check_shapes(self.layers[layer_idx], layer_idx, key_states)
         tracked = not self._static_step(key_states)
         if layer_idx == 0:
             self.check_forward()
@@ -127,6 +122,25 @@ class BudgetCache(Cache):
     def _static_step(self, key_states: torch.Tensor) -> bool:
         """Whether a forward bringing ``key_states`` is a static layout's decode step (``BudgetLayer._attend_static``)."""
         return key_states.shape[-2] == 1 and self.layers[self.budget_layer_ids[0]].static
+
+    @staticmethod
+    def _check_shapes(layer: Any, layer_idx: int, key_states: torch.Tensor) -> None:
+        """Refuse, before anything is written, keys of another batch size (a new batch in a used cache) or of another
+        number of KV heads or head size (another model's) than ``layer`` holds."""
+        if not layer.is_initialized:
+            return
+        held = layer.keys  # [B, slots, D] in a budgeted layer, [B, H_kv, T, D] in transformers' own
+        heads = layer.num_kv_heads if isinstance(layer, BudgetLayer) else held.shape[1]
+        if key_states.shape[0] != held.shape[0]:
+            raise ValueError(
+                f"this BudgetCache holds {held.shape[0]} sequences and the forward brings {key_states.shape[0]}: call "
+                "cache.reset() (or make a new BudgetCache) before another batch"
+            )
+        if key_states.shape[1] != heads or key_states.shape[-1] != held.shape[-1]:
+            raise ValueError(
+                f"layer {layer_idx} of this BudgetCache holds {heads} KV heads of {held.shape[-1]} dimensions and this "
+                f"forward brings {key_states.shape[1]} of {key_states.shape[-1]}: build a cache from each model's own config"
+            )
 
     # ------------------------------------------------------------------ bookkeeping used by BudgetLayer
     def check_forward(self) -> None:
@@ -166,6 +180,7 @@ class BudgetCache(Cache):
         memo[id(self)] = twin
         for name, value in self.__dict__.items():
             setattr(twin, name, copy.deepcopy(value, memo))
+        self.policy.cache_copied(self, twin)
         return twin
 
     def reset(self) -> None:

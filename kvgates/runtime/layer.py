@@ -139,12 +139,6 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         """Stage the new keys/values; the ``"kvgates"`` attention call that follows stores and attends them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        elif key_states.shape[1] != self.num_kv_heads or key_states.shape[-1] != self.head_dim:
-            raise ValueError(
-                f"layer {self.layer_idx} of this BudgetCache holds {self.num_kv_heads} KV heads of {self.head_dim} "
-                f"dimensions and this forward brings {key_states.shape[1]} of {key_states.shape[-1]}: build a cache from "
-                "each model's own config"
-            )
         self.cache.claim_pending(self.layer_idx)
         self._pending = (key_states, value_states)
         HANDOFF.layer = self

@@ -81,6 +81,8 @@ class CachePolicy(Protocol):
 
     def position_shift(self, layer: BudgetLayer, q_pos: torch.Tensor) -> Any: ...
 
+    def cache_copied(self, cache: Any, twin: Any) -> None: ...
+
 
 POLICIES: dict[str, type] = {}
 

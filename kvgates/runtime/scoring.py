@@ -127,10 +127,17 @@ class PromptScoring:
             model.register_forward_hook(self._after, with_kwargs=True),
         ]
 
-    @property
-    def active(self) -> bool:
-        """Whether a prompt forward of the hooked model through a cache running the policy is in progress."""
-        return self._current is not None
+    def prompting(self, cache: BudgetCache) -> bool:
+        """Whether a prompt forward of the hooked model through ``cache`` is in progress (not a forward of another
+        model instance, nor of this one that stopped part-way)."""
+        return self._current is cache
+
+    def copied(self, cache: BudgetCache, twin: BudgetCache) -> None:
+        """Give ``twin``, a copy of ``cache`` (``BudgetCache.__deepcopy__``), the prompt ``cache`` has seen, so that a
+        prompt chunk after the copy is scored with everything before it, as in the original."""
+        if cache in self._prompts:
+            ids, mask = self._prompts[cache]
+            self._prompts[twin] = (ids.clone(), mask.clone())
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -147,6 +154,8 @@ class PromptScoring:
             raise ValueError(f"{self.policy.name} needs the prompt's token ids (input_ids), not inputs_embeds")
         layer = cache.budget_layers[0]
         if layer.seen and (ids.shape[1] == 1 or layer.decoding):  # a decode step (BudgetLayer.phase)
+            return
+        if layer.is_initialized and ids.shape[0] != layer.batch_size:  # refused by the cache's first update
             return
         _check_unsettled(cache)  # before the prompt forward writes anything
         n = ids.shape[1]
