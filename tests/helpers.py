@@ -178,8 +178,9 @@ def random_positions(b: int, hkv: int, c: int, held: int, seed: int = 0) -> torc
     return pos
 
 
-def save_tiny_checkpoint(folder, family: str = "llama"):
-    """Save a tiny random model and a character-level tokenizer to ``folder`` (a local "model id")."""
+def save_tiny_checkpoint(folder, family: str = "llama", **overrides):
+    """Save a tiny random model (``overrides``: config values) and a character-level tokenizer to ``folder`` (a local
+    "model id")."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -188,7 +189,7 @@ def save_tiny_checkpoint(folder, family: str = "llama"):
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")
-    _, model = tiny_model(family)
+    _, model = tiny_model(family, **overrides)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

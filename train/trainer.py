@@ -138,8 +138,23 @@ class GateTrainer(Trainer):
         from accelerate.utils import DeepSpeedSchedulerWrapper
 
         self.model_wrapped.save_checkpoint(output_dir, exclude_frozen_parameters=True)
+        if self.args.should_save:
+            self._drop_tied_frozen(Path(output_dir))
         if self.args.should_save and not isinstance(self.lr_scheduler, DeepSpeedSchedulerWrapper):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _drop_tied_frozen(self, folder: Path) -> None:
+        """Remove frozen weights from the module states DeepSpeed just saved in ``folder``: its
+        ``exclude_frozen_parameters`` looks names up in ``named_parameters()``, which lists a tied weight once, so the
+        other name of a tied pair stayed (SmolLM2's ``lm_head.weight``, its 113 MB embedding, in every checkpoint)."""
+        frozen = {name for name, p in self.model_wrapped.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        for path in folder.glob("*/mp_rank_*_model_states.pt"):
+            states = torch.load(path, map_location="cpu", weights_only=False)
+            tied = [name for name in states["module"] if name in frozen]
+            if tied:
+                for name in tied:
+                    del states["module"][name]
+                atomic_write(path, lambda p, states=states: torch.save(states, p))
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         if not self.is_deepspeed_enabled or resume_from_checkpoint is None:
