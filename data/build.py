@@ -11,7 +11,8 @@ A dataset is a *mix* of sources, each a dict with a ``task`` and a ``weight``:
   ``passkey``, ``common_words``), built with the *train* templates for training and validation; extra keys are
   that task's options (``keys``, ``hops``, ``digits``, ...);
 * ``hf``: a Hugging Face dataset (``path``, optional ``name``, ``split``) and ``text``/``jsonl``: local files
-  (``path``); rows give a ``text`` field (windows as for essays; ``text_field`` renames it) or ``prompt`` and
+  (``path``; a ``text`` file's row is a line, or with ``sample_by: paragraph`` a paragraph between blank lines, with
+  ``sample_by: document`` the whole file; rows without text are dropped); rows give a ``text`` field (windows as for essays; ``text_field`` renames it) or ``prompt`` and
   ``completion`` fields. With ``pack: true`` the rows' texts are read as a stream (``streaming=True``, shuffled
   with the seed) and concatenated, an EOS token between documents, into rows of exactly ``seq_len`` tokens: long
   sequences from a corpus of short documents (8K-32K tokens for GPU training). Such a source's rows are divided
@@ -59,7 +60,7 @@ _SOURCE_KEYS = {
     "essays": {"completion_tokens"},
     "continuations": {"prompt_tokens", "completion_tokens"},
     "hf": {"path", "name", "split", "text_field", "completion_tokens", "pack"},
-    "text": {"path", "completion_tokens", "pack"},
+    "text": {"path", "completion_tokens", "pack", "sample_by"},
     "jsonl": {"path", "text_field", "completion_tokens", "pack"},
 }
 #: A ``continuations`` source's window lengths when it does not set them.
@@ -73,6 +74,7 @@ _SOURCE_VALUES = {
     "completion_tokens": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer"),
     "prompt_tokens": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer"),
     "pack": (lambda v: isinstance(v, bool), "true or false"),
+    "sample_by": (lambda v: v in ("line", "paragraph", "document"), "line, paragraph or document"),
 }
 
 
@@ -230,10 +232,28 @@ def _external_rows(source: dict[str, Any], streaming: bool = False) -> datasets.
         with _parser_log_held():
             if source["task"] == "hf":
                 return datasets.load_dataset(source["path"], source.get("name"), split=source.get("split", "train"), streaming=streaming)
-            builder = "text" if source["task"] == "text" else "json"
-            return datasets.load_dataset(builder, data_files=str(source["path"]), split="train", streaming=streaming)
+            if source["task"] == "text":
+                rows = datasets.load_dataset(
+                    "text", data_files=str(source["path"]), split="train", streaming=streaming, sample_by=source.get("sample_by", "line")
+                )
+            else:
+                rows = datasets.load_dataset("json", data_files=str(source["path"]), split="train", streaming=streaming)
     except Exception as err:  # datasets raises many types (missing, offline, malformed)
         raise ValueError(f"could not load data source {source['path']!r} ({_reason(err)})") from err
+    # Rows without text (a text file's blank lines, a JSON row's empty text) give no row: every one of them hashed to
+    # one split, and empty rows ended the run at its closing table.
+    field = source.get("text_field", "text")
+    return rows.filter(lambda row: _has_text(row, field))
+
+
+def _has_text(row: dict[str, Any], field: str) -> bool:
+    """Whether ``row`` holds text where a run takes it: its ``field``, else its prompt and its completion (a row
+    holding neither is kept, for ``_check_rows`` to say what it lacks)."""
+    if field in row:
+        return not isinstance(row[field], str) or bool(row[field].strip())
+    if "prompt" in row or "completion" in row:
+        return all(not isinstance(row.get(k), str) or bool(row[k].strip()) for k in ("prompt", "completion"))
+    return True
 
 
 def row_split(source: dict[str, Any], row: dict[str, Any]) -> str:
@@ -446,6 +466,7 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
                     break
                 context -= over // 2 + 1  # (a haystack may re-encode longer than its tokens); make_example says when nothing fits
             template = ex["template"]
+        completion_ids = completion_ids[: seq_len - 1]  # a row holds seq_len tokens at most, one of them prompt
         prompt_ids = prompt_ids[-max(1, seq_len - len(completion_ids)) :]  # the prompt gives way to the completion
         built.append({"input_ids": prompt_ids, "completion": completion_ids, "task": task, "template": template})
     for new, indices in pending.items():

@@ -214,6 +214,27 @@ def test_local_jsonl_source(tok, tmp_path):
     assert tok.decode(ds[0]["input_ids"]) == "Say hi. Hi."
 
 
+def test_rows_without_text_are_dropped_and_long_completions_cut_to_seq_len(tok, tmp_path):
+    """A text file's blank lines were rows (all hashed to one split: a run trained, then crashed at its closing table
+    on empty test rows); a completion longer than seq_len made rows of 371-399 tokens at seq_len 96. A text file's
+    row is a line, or a paragraph with sample_by: paragraph."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"Paragraph {i} starts here,\nand goes on a little.\n\n\n" for i in range(40)))
+    for sample_by, whole in (("line", False), ("paragraph", True)):
+        source = {"task": "text", "path": str(text), "sample_by": sample_by}
+        check_readable([source])
+        for split in ("train", "test"):
+            ds = build_dataset(tok, [source], split, 6, 64, cache_dir=str(tmp_path / "c"))
+            assert all(len(row["input_ids"]) > 1 and any(label != -100 for label in row["labels"]) for row in ds)
+            assert all(("starts here" in t and "goes on" in t) == whole for t in map(tok.decode, ds["input_ids"]))
+    long = tmp_path / "long.jsonl"
+    long.write_text("".join(json.dumps({"prompt": f"Q{i}?", "completion": " word" * 300}) + "\n" for i in range(20)))
+    ds = build_dataset(tok, [{"task": "jsonl", "path": str(long)}], "train", 4, 96, cache_dir=str(tmp_path / "c"))
+    assert all(len(row["input_ids"]) == 96 and row["labels"][0] == -100 for row in ds)
+    with pytest.raises(ValueError, match="sample_by must be line, paragraph or document, got 'word'"):
+        check_mix([{"task": "text", "path": str(text), "sample_by": "word"}], seq_len=64)
+
+
 def test_an_external_sources_rows_are_divided_among_the_splits(tok, tmp_path):
     """Validation and the held-out table took their rows from the whole source, training's too: a run chose its
     checkpoint on, and reported, rows it trained on, under a heading saying they were held out. Each row now belongs

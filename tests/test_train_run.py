@@ -937,33 +937,53 @@ def test_every_recipe_model_has_a_known_architecture():
     assert models <= set(RECIPE_ARCHITECTURES), f"add the architecture of {sorted(models - set(RECIPE_ARCHITECTURES))}"
 
 
-@pytest.mark.parametrize("family", sorted(set(RECIPE_ARCHITECTURES.values())))
 @pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
-def test_every_accelerate_config_leaves_precision_to_the_run_and_wraps_each_decoder_layer(path, family, monkeypatch):
-    """Each config through accelerate's launcher: no mixed precision (train.py refuses it); an FSDP one's wrap
-    policy, resolved by accelerate on a tiny model of each recipe architecture carrying its gates, wraps exactly the
-    decoder layers (a class name of another architecture finds nothing to wrap)."""
-    from accelerate.utils import FullyShardedDataParallelPlugin
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-    from helpers import tiny_model
-
+def test_every_accelerate_config_leaves_precision_to_the_run(path):
+    """Each config through accelerate's launcher: no mixed precision (train.py refuses it), no sharding of the weights
+    (train.py refuses FSDP and ZeRO-3), a DeepSpeed config of ZeRO-2 without bf16/fp16 (which would cast the gates)."""
     env = accelerate_launch_env(["--config_file", str(path)])
     assert env["ACCELERATE_MIXED_PRECISION"] == "no", "train.py refuses mixed precision (check_precision)"
-    if "ACCELERATE_DEEPSPEED_CONFIG_FILE" in env:  # DeepSpeed's bf16/fp16 would cast the gates themselves
+    assert env.get("ACCELERATE_USE_FSDP") != "true", "train.py refuses FSDP (check_launch)"
+    if "ACCELERATE_DEEPSPEED_CONFIG_FILE" in env:
         deepspeed = json.loads((REPO / env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]).read_text())
         assert deepspeed["bf16"]["enabled"] is False and deepspeed["fp16"]["enabled"] is False
-    if env.get("ACCELERATE_USE_FSDP") != "true":
-        return
+        assert deepspeed["zero_optimization"]["stage"] == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, env, message",
+    [
+        # FSDP and ZeRO-3 sharded the gates (their export failed on DTensors) and left the held-out table, on rank 0
+        # alone, to hang on the other ranks' shards; on the CPU accelerate silently ran DDP instead.
+        (["training.fsdp=full_shard"], {}, "training.fsdp: FSDP partitions every weight across the processes"),
+        ([], {"ACCELERATE_USE_FSDP": "true"}, "accelerate launch's FSDP partitions every weight"),
+        (["training.deepspeed=ZERO3_JSON"], {}, r"DeepSpeed ZeRO-3 \(.*zero3.json\) partitions every weight"),
+        # Silently ignored: the Trainer reads training.gradient_accumulation_steps only.
+        ([], {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"},
+         "accelerate launch's --gradient_accumulation_steps 4 is not read by the Trainer: set training.gradient_accumulation_steps=4"),
+        # A relative path from another folder: the error blamed the training config.
+        ([], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "configs/deepspeed/nope.json"},
+         "accelerate launch's DeepSpeed config file configs/deepspeed/nope.json .* is not a file from"),
+        # Without a launcher: an mpi4py traceback once the model had loaded, and run_config.json left behind.
+        (["training.deepspeed=ZERO2_JSON"], {}, "DeepSpeed runs under a launcher that starts its processes"),
+    ],
+)
+def test_a_launch_the_run_cannot_honour_is_refused_before_anything_loads(tiny_dir, tmp_path, monkeypatch, capsys, overrides, env, message):
+    if any("deepspeed" in o for o in overrides) or "ACCELERATE_USE_DEEPSPEED" in env:
+        pytest.importorskip("deepspeed")  # not on a lent GPU machine (../shared/GPU.md)
+    ds = json.loads((REPO / "configs/deepspeed/zero2.json").read_text())
+    (tmp_path / "zero3.json").write_text(json.dumps({**ds, "zero_optimization": {"stage": 3}}))
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
-        if name.startswith(("FSDP_", "ACCELERATE_")):
-            monkeypatch.setenv(name, value)
-    plugin = FullyShardedDataParallelPlugin()
-    assert plugin.fsdp_version == 2, "only FSDP2's wrap policy is resolved here"
-    _, model = tiny_model(family)
-    with GateTraining(model, kvgates.RetentionGates.for_model(model, gate_hidden=8)):
-        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
-        wrapped = [module for module in model.modules() if policy(module)]
-    assert [id(m) for m in wrapped] == [id(m) for m in model.model.layers], (family, {type(m).__name__ for m in wrapped})
+        monkeypatch.setenv(name, value)
+    path = write(tiny_config(tiny_dir, tmp_path / "run"), tmp_path / "c.yaml")
+    zero2 = str(REPO / "configs/deepspeed/zero2.json")
+    argv = ["--config", str(path), *(o.replace("ZERO3_JSON", str(tmp_path / "zero3.json")).replace("ZERO2_JSON", zero2) for o in overrides)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "run").exists()
 
 
 def test_make_train_gives_the_run_every_core_and_a_bare_launch_one(monkeypatch):
@@ -1655,3 +1675,13 @@ def test_a_gate_width_the_kind_never_reads_is_not_recorded(tiny, tiny_dir, tmp_p
     config = TrainConfig.from_dict({**tiny_config(tiny_dir, tmp_path / "run"), "kind": kind, "budget": budget, "gates": {"hidden": 8}})
     gates = initial_gates(config, tiny[1])
     assert gates.config.gate_hidden == type(gates).default_hidden
+
+
+def test_under_a_launcher_only_the_first_process_says_a_user_error(tiny_dir, tmp_path, monkeypatch, capsys):
+    """Every process of a launch met the same config error and printed it (and raced to remove the run's folder, the
+    slower one with a FileNotFoundError traceback): the first process alone says it; every one exits 2."""
+    path = write(tiny_config(tiny_dir, tmp_path / "run", budget=0), tmp_path / "c.yaml")
+    for rank, said in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["--config", str(path)]) == 2
+        assert bool(capsys.readouterr().err.strip()) is said

@@ -45,7 +45,7 @@ import kvgates
 from data.build import build_dataset, check_readable, summarize
 from data.splits import essay_split
 from eval.heldout import markdown_table
-from kvgates.cli import OneLineParser, usage_error
+from kvgates.cli import USAGE_ERROR, OneLineParser, usage_error
 from kvgates.config import check_output_folder
 from kvgates.gates.adapter import atomic_write
 from kvgates.gates.training import GateTraining
@@ -213,6 +213,7 @@ def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
         use_cpu=not torch.cuda.is_available(),
     )
     args = {**defaults, **config.training}
+    check_launch(args)
     if args.get("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         # TrainingArguments would raise a PackageNotFoundError, and leave transformers' global DeepSpeed config half
         # built: every later model load in the process then failed on it.
@@ -230,7 +231,64 @@ def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
     )
     check_precision(train_args)
     check_report_to(train_args)
+    check_launcher(train_args)
     return train_args
+
+
+#: Why a run cannot shard its weights (FSDP, DeepSpeed ZeRO-3): both partition every parameter across the processes.
+SHARDING = (
+    "partitions every weight across the processes, and the run reads whole ones where one process works alone (the "
+    "adapter it exports, the held-out table after training); the frozen model is replicated instead: use DDP "
+    "(configs/accelerate/multi_gpu.yaml) or DeepSpeed ZeRO-2 (configs/accelerate/deepspeed_zero2.yaml)"
+)
+
+
+def check_launch(args: dict[str, Any]) -> None:
+    """``LaunchError`` (or ``ConfigError`` for the config's own ``training`` keys) for a launch this script cannot run
+    as asked, before TrainingArguments are built or anything is written: FSDP or DeepSpeed ZeRO-3 (``SHARDING``),
+    ``accelerate launch --gradient_accumulation_steps`` (the Trainer reads ``training.gradient_accumulation_steps``
+    only), and a DeepSpeed config file accelerate names that does not exist from here."""
+    env = os.environ
+    if args.get("fsdp"):
+        raise ConfigError(f"training.fsdp: FSDP {SHARDING}")
+    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        raise LaunchError(f"accelerate launch's FSDP {SHARDING}")
+    steps = env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if steps not in (None, "", "1"):
+        raise LaunchError(
+            f"accelerate launch's --gradient_accumulation_steps {steps} is not read by the Trainer: set "
+            f"training.gradient_accumulation_steps={steps} in the config or as an override instead"
+        )
+    launched = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and launched and not Path(launched).is_file():
+        raise LaunchError(
+            f"accelerate launch's DeepSpeed config file {launched} (ACCELERATE_DEEPSPEED_CONFIG_FILE) is not a file from "
+            f"{Path.cwd()}; the configs in configs/accelerate/ name theirs from the repository's root: launch from there"
+        )
+    deepspeed = args.get("deepspeed") or (launched if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" else None)
+    if deepspeed is not None and _deepspeed_stage(deepspeed) == 3:
+        raise ConfigError(f"DeepSpeed ZeRO-3 ({deepspeed}) {SHARDING}")
+
+
+def check_launcher(args: TrainingArguments) -> None:
+    """``LaunchError`` for DeepSpeed in a process no launcher started (it would fail on a missing MPI after the model
+    loaded)."""
+    if args.deepspeed and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
+        raise LaunchError(
+            "DeepSpeed runs under a launcher that starts its processes: accelerate launch --config_file "
+            "configs/accelerate/deepspeed_zero2.yaml train.py ..., or torchrun --nproc_per_node N train.py ... "
+            "training.deepspeed=..."
+        )
+
+
+def _deepspeed_stage(deepspeed: Any) -> int | None:
+    """The ZeRO stage of a DeepSpeed config (a path or a dict; None where it cannot be read: DeepSpeed says why)."""
+    if isinstance(deepspeed, dict):
+        return deepspeed.get("zero_optimization", {}).get("stage")
+    try:
+        return json.loads(Path(deepspeed).read_text()).get("zero_optimization", {}).get("stage")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def check_report_to(args: TrainingArguments) -> None:
@@ -260,8 +318,7 @@ def check_precision(args: TrainingArguments) -> None:
     The run's precision is ``model_dtype`` for the frozen weights and float32 for the gates and their optimizer
     state. Mixed precision breaks the second: DeepSpeed under ``bf16.enabled`` casts every parameter of the module,
     the gates included, to bfloat16 (its ZeRO optimizer keeps float32 master copies, but the forward runs on the
-    bfloat16 ones: a bias of 8-18 in steps of 0.06-0.125), and autocast or FSDP's policy runs the gates' matmuls in
-    bfloat16."""
+    bfloat16 ones: a bias of 8-18 in steps of 0.06-0.125), and autocast runs the gates' matmuls in bfloat16."""
     flags = [flag for flag in ("bf16", "fp16", "bf16_full_eval", "fp16_full_eval") if getattr(args, flag)]
     deepspeed = args.deepspeed_plugin.deepspeed_config if args.deepspeed_plugin is not None else {}
     enabled = [name for name in ("bf16", "fp16") if str(deepspeed.get(name, {}).get("enabled")).lower() == "true"]
@@ -275,7 +332,7 @@ def check_precision(args: TrainingArguments) -> None:
     else:
         return
     raise error(
-        f"{source} would train the gates in half precision (DeepSpeed casts them, autocast and FSDP compute them so); "
+        f"{source} would train the gates in half precision (DeepSpeed casts them, autocast computes them so); "
         "the frozen weights take model_dtype (bfloat16 on CUDA by default) and the gates stay float32, so leave mixed precision off"
     )
 
@@ -445,6 +502,12 @@ def cpu_threads_note(threads: int, cores: int, processes: int) -> str | None:
     )
 
 
+def main_process() -> bool:
+    """Whether this is the first process of a launch (or the only one): under a launcher every process meets a user
+    error, and the first alone says it (and removes what the run made)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 #: A user error (config, model, adapter, output folder): one sentence on stderr, exit status 2, nothing written.
 USER_ERRORS = (ConfigError, kvgates.AdapterError, kvgates.UnsupportedModelError)
 
@@ -462,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
             raise type(err)(f"{args.config}: {err}") from None
         out, resume = prepare_output_dir(config, args.resume, write=False)
     except USER_ERRORS as err:
-        return usage_error("train.py", err)
+        return usage_error("train.py", err) if main_process() else USAGE_ERROR
     if config.unread:  # (hard_eviction where the kind does not read it is refused: it would train something else)
         print(f"train.py: note: {', '.join(config.unread)} set, but {config.kind} training does not read them", file=sys.stderr)
     if args.check:
@@ -487,12 +550,15 @@ def main(argv: list[str] | None = None) -> int:
             trainer.train(resume_from_checkpoint=resume)
         validation = trainer.evaluate()  # the best checkpoint, loaded at the end of training
     except USER_ERRORS as err:  # found once the model is loaded (gates.init_from made for another model)
+        if not main_process():  # (every process meets it: the first says it and leaves the folder as it was)
+            return USAGE_ERROR
         if not any(out.glob("checkpoint-*")):  # nothing of this run is worth keeping: leave the folder as it was
             for made in [out] if before is None else set(out.iterdir()) - before:
-                shutil.rmtree(made) if made.is_dir() else made.unlink()
+                shutil.rmtree(made, ignore_errors=True) if made.is_dir() else made.unlink(missing_ok=True)
         return usage_error("train.py", err)
     except KeyboardInterrupt:  # Ctrl-C: where the run stands, not the Trainer's traceback
-        print(f"train.py: {interrupted(out)}", file=sys.stderr)
+        if main_process():
+            print(f"train.py: {interrupted(out)}", file=sys.stderr)
         return 130
     trainer.gated.close()
     config.learned_method.teardown(trainer.model, trainer.gates)  # e.g. DMS-LoRA's adapter leaves the model
