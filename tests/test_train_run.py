@@ -639,7 +639,7 @@ def test_overrides_and_missing_config(tmp_path, tiny_dir):
     assert args.check and args.overrides == ["budget=16", "training.max_steps=3"]
 
 
-def test_rerun_and_resume_refusals_leave_the_run_untouched(tiny_dir, tmp_path, capsys):
+def test_rerun_and_resume_refusals_leave_the_run_untouched(tiny_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     path = write(tiny_config(tiny_dir, out, training={"max_steps": 2, "eval_steps": 2, "save_steps": 2}), tmp_path / "c.yaml")
     assert main(["--config", str(path)]) == 0
@@ -657,6 +657,12 @@ def test_rerun_and_resume_refusals_leave_the_run_untouched(tiny_dir, tmp_path, c
     fresh = write(tiny_config(tiny_dir, tmp_path / "empty"), tmp_path / "e.yaml")
     assert main(["--config", str(fresh), "--resume"]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
+    # Launched otherwise than the run (another process count, or DeepSpeed's checkpoints without it): a traceback after
+    # the model loaded, or the optimizer state dropped and the learning rate restarted, silently.
+    assert json.loads((out / "launch.json").read_text()) == {"processes": 1, "deepspeed": False}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="was trained by 1 process, and this launch is 2 processes; launch the resume as the run was launched"):
+        prepare_output_dir(TrainConfig.load(path), resume=True, write=False)
     assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
 
 

@@ -56,6 +56,8 @@ from train.validation import Validator, final_table, report_needles
 
 DEFAULT_CONFIG = "configs/train/quickstart.yaml"
 RUN_CONFIG = "run_config.json"
+#: How the run was launched (``launch_record``), beside its config: a resumed run must be launched alike.
+LAUNCH = "launch.json"
 METRICS = "metrics.jsonl"
 
 
@@ -102,14 +104,41 @@ def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) ->
             listed = "; ".join(f"{key} {then!r} then, {now!r} now" for key, then, now in changed[:3])
             more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
             raise ConfigError(f"--resume: {out} was trained with another config ({listed}{more}); resume it with that config")
+        check_relaunch(out / LAUNCH, launch_record(config))
     elif out.is_dir() and any(out.glob("checkpoint-*")):
         raise ConfigError(f"{out} already holds checkpoints of a run; pass --resume to continue it or pick another output_dir")
     if write:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(recorded, lambda p: Path(p).write_text(config.to_json()))  # a resumed run rewrites it
+        atomic_write(out / LAUNCH, lambda p: Path(p).write_text(json.dumps(launch_record(config)) + "\n"))
         if checkpoint is not None:
             relocate_best(Path(checkpoint), out)
     return out, checkpoint
+
+
+def launch_record(config: TrainConfig) -> dict[str, Any]:
+    """How this process's run is launched: its number of processes and whether DeepSpeed runs it (its checkpoints
+    hold the optimizer as DeepSpeed partitions, per process; the Trainer's as one file)."""
+    env = os.environ
+    deepspeed = bool(config.training.get("deepspeed")) or env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    return {"processes": int(env.get("WORLD_SIZE", "1")), "deepspeed": deepspeed}
+
+
+def check_relaunch(recorded: Path, now: dict[str, Any]) -> None:
+    """``LaunchError`` for a resume launched otherwise than the run it continues (``launch_record``; a run started
+    before the record was kept is not checked): another number of processes changes the global batch and DeepSpeed's
+    partitions, and a checkpoint of one backend does not hold the other's optimizer state (it was dropped, silently)."""
+    try:
+        then = json.loads(recorded.read_text())
+    except (OSError, ValueError):
+        return
+    if then != now:
+        said = {key: f"{value['processes']} process{'es' if value['processes'] > 1 else ''}{' under DeepSpeed' if value['deepspeed'] else ''}"
+                for key, value in (("then", then), ("now", now))}
+        raise LaunchError(
+            f"--resume: {recorded.parent} was trained by {said['then']}, and this launch is {said['now']}; launch the "
+            "resume as the run was launched (its checkpoints hold the optimizer state and the batches of that launch)"
+        )
 
 
 def recipe_differences(before: TrainConfig, now: TrainConfig) -> list[tuple[str, Any, Any]]:
