@@ -12,13 +12,13 @@ A dataset is a *mix* of sources, each a dict with a ``task`` and a ``weight``:
   that task's options (``keys``, ``hops``, ``digits``, ...);
 * ``hf``: a Hugging Face dataset (``path``, optional ``name``, ``split``) and ``text``/``jsonl``: local files
   (``path``; a ``text`` file's row is a line, or with ``sample_by: paragraph`` a paragraph between blank lines, with
-  ``sample_by: document`` the whole file; rows without text are dropped); rows give a ``text`` field (windows as for essays; ``text_field`` renames it) or ``prompt`` and
-  ``completion`` fields. With ``pack: true`` the rows' texts are read as a stream (``streaming=True``, shuffled
-  with the seed) and concatenated, an EOS token between documents, into rows of exactly ``seq_len`` tokens: long
-  sequences from a corpus of short documents (8K-32K tokens for GPU training). Such a source's rows are divided
-  among the splits as the essays are, 70/10/20 (``data.splits.SHARES``), each row by a hash of its text
-  (``row_split``): a run trains on the train rows, chooses its checkpoint on the validation rows and reports on the
-  test rows, never the same row twice (all three once took the whole source).
+  ``sample_by: document`` the whole file; rows without text are dropped); rows give a ``text`` field (windows as for
+  essays; ``text_field`` renames it) or ``prompt`` and ``completion`` fields. With ``pack: true`` the rows' texts are
+  read as a stream (``streaming=True``, shuffled with the seed) and concatenated, an EOS token between documents, into
+  rows of exactly ``seq_len`` tokens: long sequences from a corpus of short documents (8K-32K tokens for GPU
+  training). Such a source's rows are divided among the splits as the essays are, 70/10/20 (``data.splits.SHARES``),
+  each row by a hash of its text (``row_split``): a run trains on the train rows, chooses its checkpoint on the
+  validation rows and reports on the test rows, never the same row twice (all three once took the whole source).
 
 The ``essays`` windows already cross essay boundaries: they are cut from the split's essays concatenated in
 file order (``data.splits``: train, validation and test by file), so rows are as long as the split allows

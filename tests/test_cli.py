@@ -129,7 +129,8 @@ def bad_models(tmp_path_factory):
         (["--max-new-tokens", "-1", "--prompt", "x"], "--max-new-tokens: must be a positive integer, got '-1'"),
         (["--prefill-chunk", "0", "--prompt", "x"], "--prefill-chunk: must be a positive integer, got '0'"),
         # Chunks of one left the prompt uncompressed: every call after the first was a decode step.
-        (["--prefill-chunk", "1", "--prompt", "x"], "--prefill-chunk: must be at least 2 tokens, got '1' (a one-token call after the prompt is a decode step"),
+        (["--prefill-chunk", "1", "--prompt", "x"],
+         "--prefill-chunk: must be at least 2 tokens, got '1' (a one-token call after the prompt is a decode step"),
         # Torch's "Overflow when unpacking long long" once the model had loaded.
         (["--seed", "99999999999999999999999", "--prompt", "x"], "--seed: must be a whole number from 0 to 2**64 - 1, got '9999"),
         (["--policy", "trimkv", "--budget", "8", "--gates", "/tmp/nonexistent", "--prompt", "x"],

@@ -902,7 +902,9 @@ def test_completion_fidelity_never_prefills_a_one_token_piece(tiny):
     prompt = torch.randint(1, 128, (17,), generator=torch.Generator().manual_seed(0))
     batch = make_batch([prompt], [torch.tensor([5, 6, 7])], pad_id=0)
     calls = []
-    handle = model.register_forward_pre_hook(lambda module, args, kwargs: calls.append((args[0] if args else kwargs["input_ids"]).shape[1]), with_kwargs=True)
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append((args[0] if args else kwargs["input_ids"]).shape[1]), with_kwargs=True
+    )
     try:
         completion_fidelity(model, kvgates.make_policy("snapkv", budget=8, window=4, kernel=3), batch, torch.zeros(1, 3, 128).log_softmax(-1), 8)
     finally:

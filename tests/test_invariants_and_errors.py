@@ -299,7 +299,7 @@ def test_a_cache_of_another_model_or_batch_is_refused_in_one_sentence(tiny):
     _, wider = tiny_model(num_key_value_heads=4)
     ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        with pytest.raises(ValueError, match=r"this BudgetCache has 3 layers and the model's layer 3 attends: build the cache from this model's config"):
+        with pytest.raises(ValueError, match=r"this BudgetCache has 3 layers and the model's layer 3 attends: build the cache from this model"):
             deeper(ids, past_key_values=BudgetCache(model.config, "h2o", budget=8))
         cache = BudgetCache(deeper.config, "h2o", budget=8)
         model(ids, past_key_values=cache)

@@ -94,9 +94,14 @@ def test_the_cache_holds_only_the_compressed_prompt_and_generation_continues(tin
 
 
 
-def test_a_reset_cache_scores_only_its_new_prompt(tiny):
-    """The scoring pass reconstructs the prompt a cache has seen: after ``reset()`` it reconstructed the old prompt and
-    the new one (the cache object was the same), keeping other tokens than a fresh cache and giving other logits."""
+@pytest.mark.parametrize("how", ["reset", "copy"])
+def test_a_reset_or_copied_cache_scores_the_prompt_it_holds(tiny, how):
+    """The scoring pass reconstructs the prompt a cache has seen. After ``reset()`` it reconstructed the old prompt and
+    the new one (the cache object was the same), keeping other tokens than a fresh cache and giving other logits; a
+    copy (``copy.deepcopy``) lacked the prompt its original had seen, and a prompt chunk after the copy failed ("the
+    policy kept other than min(held, quota) tokens")."""
+    import copy
+
     _, model = tiny
     first, second = (torch.randint(8, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in (30, 24))
     policy = make_policy("kvzip", budget=10, chunk_size=16, repeat_ids=PROMPT_IDS).attach(model)
@@ -104,14 +109,18 @@ def test_a_reset_cache_scores_only_its_new_prompt(tiny):
         with torch.no_grad():
             cache = BudgetCache(model.config, policy)
             model(first, past_key_values=cache)
-            cache.reset()
-            reused = model(second, past_key_values=cache).logits
-            fresh = BudgetCache(model.config, policy)
-            expected = model(second, past_key_values=fresh).logits
+            if how == "reset":  # as a fresh cache
+                cache.reset()
+                other = BudgetCache(model.config, policy)
+            else:  # as the original
+                other = copy.deepcopy(cache)
+            got = model(second, past_key_values=cache).logits
+            expected = model(second, past_key_values=other).logits
     finally:
         policy.detach()
-    torch.testing.assert_close(reused, expected)
-    assert all(torch.equal(a.pos, b.pos) for a, b in zip(cache.budget_layers, fresh.budget_layers))
+    torch.testing.assert_close(got, expected)
+    assert all(torch.equal(a.pos, b.pos) for a, b in zip(cache.budget_layers, other.budget_layers))
+
 
 def test_unattached_kvzip_says_what_to_do(tiny):
     _, model = tiny
@@ -268,27 +277,6 @@ def test_kvzip_options_that_would_be_ignored_are_refused():
         make_policy("kvzip", budget=8, repeat_ids=PROMPT_IDS, repeat_prompt="Summarise the text above:")
     with pytest.raises(ValueError, match="^kvzip_scores scores every token and evicts none: it takes no budget$"):
         kvzip_scores(None, torch.ones((1, 4), dtype=torch.long), budget=4)
-
-
-def test_a_copied_kvzip_cache_scores_a_later_prompt_chunk_as_the_original(tiny):
-    """A copy of a cache that had seen a prompt lacked that prompt's ids: a prompt chunk after the copy was scored
-    without it and failed ("the policy kept other than min(held, quota) tokens")."""
-    import copy
-
-    _, model = tiny
-    first, more = (torch.randint(8, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in (30, 20))
-    policy = make_policy("kvzip", budget=8, repeat_ids=PROMPT_IDS, chunk_size=16).attach(model)
-    try:
-        with torch.no_grad():
-            cache = BudgetCache(model.config, policy)
-            model(first, past_key_values=cache)
-            twin = copy.deepcopy(cache)
-            original = model(more, past_key_values=cache).logits
-            copied = model(more, past_key_values=twin).logits
-    finally:
-        policy.detach()
-    torch.testing.assert_close(original, copied)
-    assert all(torch.equal(a.pos, b.pos) for a, b in zip(cache.budget_layers, twin.budget_layers))
 
 
 def test_an_interrupted_prompt_forward_leaves_no_forward_taken_for_the_attached_model(tiny):

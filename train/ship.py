@@ -3,15 +3,15 @@
     python -m train.ship checkpoints/smollm2-135m-trimkv/adapter smollm2-135m-trimkv --ab docs/reference --arm trimkv
     python -m train.ship smollm2-135m-trimkv smollm2-135m-trimkv --ab docs/reference --ab docs/reference-needles --arm trimkv
 
-The weights are those ``train.py`` exported (no edit beyond the cast to float16, which halves the size; the
-policies run gates in the model's own dtype by default, ``gate_dtype="auto"``, whatever dtype they were shipped in). ``--ab DIR --arm LABEL`` adds to the card's results the
-adapter's A/B table from the ``python -m eval ab`` run in DIR (its arm LABEL beside the best heuristic and the full
-cache at each task and budget, and its verdicts), after the held-out table ``train.py`` wrote, in place of any
-A/B sections the card had (re-shipping an adapter by its name with newer runs replaces its tables); ``--ab`` may be
-given once per run, each run's table in the order given, the arm labelled LABEL in each. The training record
-(recipe, command, time, data split) stays as ``train.py`` wrote it. The folder is exactly what one would push to
-the Hub. Every error (a name that is not a plain folder name, an unreadable adapter, an A/B folder without that
-arm) is one sentence and exit status 2, with nothing written.
+The weights are those ``train.py`` exported (no edit beyond the cast to float16, which halves the size; the policies
+run gates in the model's own dtype by default, ``gate_dtype="auto"``, whatever dtype they were shipped in).
+``--ab DIR --arm LABEL`` adds to the card's results the adapter's A/B table from the ``python -m eval ab`` run in DIR (its arm
+LABEL beside the best heuristic and the full cache at each task and budget, and its verdicts), after the held-out
+table ``train.py`` wrote, in place of any A/B sections the card had (re-shipping an adapter by its name with newer
+runs replaces its tables); ``--ab`` may be given once per run, each run's table in the order given, the arm labelled
+LABEL in each. The training record (recipe, command, time, data split) stays as ``train.py`` wrote it. The folder is
+exactly what one would push to the Hub. Every error (a name that is not a plain folder name, an unreadable adapter, an
+A/B folder without that arm) is one sentence and exit status 2, with nothing written.
 """
 
 from __future__ import annotations
