@@ -54,9 +54,9 @@ class PyramidKV(SnapKV):
 
     Total memory matches ``budget`` per layer on average; each layer is compressed with SnapKV's rule (see
     ``SnapKV``) to its own budget from ``pyramid_budgets``. The step uses ``N_layers - 1`` (the paper's
-    ``m - 1``). The prompt length ``L`` is each sequence's prompt seen so far when the chunk ends (its newest position
-    + 1: a short row of a padded batch gets the budgets it would get alone), the same for every layer: in a prompt
-    given in chunks a deeper layer, which holds less, still gets its share of the one pyramid.
+    ``m - 1``). The prompt length ``L`` is each sequence's prompt seen so far when the chunk ends (its real tokens: a
+    short row of a padded batch gets the budgets it would get alone; ``_prompt_lengths``), the same for every layer: in
+    a prompt given in chunks a deeper layer, which holds less, still gets its share of the one pyramid.
 
     Args:
         beta: ratio controlling the smallest layer budget, ``(budget - window) / beta`` (default 20).
