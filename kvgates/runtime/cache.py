@@ -108,9 +108,9 @@ class BudgetCache(Cache):
                 f"this BudgetCache has {len(self.layers)} layers and the model's layer {layer_idx} attends: build the cache "
                 "from this model's config (BudgetCache(model.config, ...))"
             )
-        self._check_shapes(self.layers[layer_idx], layer_idx, key_states)
         tracked = not self._static_step(key_states)
-        if layer_idx == 0:
+        if layer_idx == 0:  # (every layer of a forward brings the same batch, and one model's layers alike heads)
+            self._check_shapes(self.layers[0], key_states)
             self.check_forward()
             if tracked:
                 self._forward_at = -1
@@ -124,9 +124,9 @@ class BudgetCache(Cache):
         return key_states.shape[-2] == 1 and self.layers[self.budget_layer_ids[0]].static
 
     @staticmethod
-    def _check_shapes(layer: Any, layer_idx: int, key_states: torch.Tensor) -> None:
+    def _check_shapes(layer: Any, key_states: torch.Tensor) -> None:
         """Refuse, before anything is written, keys of another batch size (a new batch in a used cache) or of another
-        number of KV heads or head size (another model's) than ``layer`` holds."""
+        number of KV heads or head size (another model's) than the first layer, ``layer``, holds."""
         if not layer.is_initialized:
             return
         held = layer.keys  # [B, slots, D] in a budgeted layer, [B, H_kv, T, D] in transformers' own
@@ -138,7 +138,7 @@ class BudgetCache(Cache):
             )
         if key_states.shape[1] != heads or key_states.shape[-1] != held.shape[-1]:
             raise ValueError(
-                f"layer {layer_idx} of this BudgetCache holds {heads} KV heads of {held.shape[-1]} dimensions and this "
+                f"layer 0 of this BudgetCache holds {heads} KV heads of {held.shape[-1]} dimensions and this "
                 f"forward brings {key_states.shape[1]} of {key_states.shape[-1]}: build a cache from each model's own config"
             )
 
