@@ -119,9 +119,7 @@ def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) ->
 def launch_record(config: TrainConfig) -> dict[str, Any]:
     """How this process's run is launched: its number of processes and whether DeepSpeed runs it (its checkpoints
     hold the optimizer as DeepSpeed partitions, per process; the Trainer's as one file)."""
-    env = os.environ
-    deepspeed = bool(config.training.get("deepspeed")) or env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
-    return {"processes": int(env.get("WORLD_SIZE", "1")), "deepspeed": deepspeed}
+    return {"processes": int(os.environ.get("WORLD_SIZE", "1")), "deepspeed": deepspeed_config(config.training) is not None}
 
 
 def check_relaunch(recorded: Path, now: dict[str, Any]) -> None:
@@ -288,13 +286,13 @@ def check_launch(args: dict[str, Any]) -> None:
             f"accelerate launch's --gradient_accumulation_steps {steps} is not read by the Trainer: set "
             f"training.gradient_accumulation_steps={steps} in the config or as an override instead"
         )
-    launched = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and launched and not Path(launched).is_file():
+    launched = deepspeed_config({})
+    if isinstance(launched, str) and not Path(launched).is_file():
         raise LaunchError(
             f"accelerate launch's DeepSpeed config file {launched} (ACCELERATE_DEEPSPEED_CONFIG_FILE) is not a file from "
             f"{Path.cwd()}; the configs in configs/accelerate/ name theirs from the repository's root: launch from there"
         )
-    deepspeed = args.get("deepspeed") or (launched if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" else None)
+    deepspeed = deepspeed_config(args)
     if deepspeed is not None and _deepspeed_stage(deepspeed) == 3:
         raise ConfigError(f"DeepSpeed ZeRO-3 ({deepspeed}) {SHARDING}")
 
@@ -310,10 +308,23 @@ def check_launcher(args: TrainingArguments) -> None:
         )
 
 
+def deepspeed_config(training: dict[str, Any]) -> Any:
+    """The DeepSpeed config a run uses: its ``training.deepspeed`` (a path or a dict), else the one ``accelerate
+    launch`` names (``ACCELERATE_DEEPSPEED_CONFIG_FILE`` under ``ACCELERATE_USE_DEEPSPEED``; ``True`` where it names
+    none); None without DeepSpeed."""
+    if training.get("deepspeed"):
+        return training["deepspeed"]
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
+        return None
+    return os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or True
+
+
 def _deepspeed_stage(deepspeed: Any) -> int | None:
     """The ZeRO stage of a DeepSpeed config (a path or a dict; None where it cannot be read: DeepSpeed says why)."""
     if isinstance(deepspeed, dict):
         return deepspeed.get("zero_optimization", {}).get("stage")
+    if not isinstance(deepspeed, str):  # (accelerate's own config, not a file)
+        return None
     try:
         return json.loads(Path(deepspeed).read_text()).get("zero_optimization", {}).get("stage")
     except (OSError, ValueError, AttributeError):
