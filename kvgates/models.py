@@ -243,21 +243,47 @@ def load_model(
         device_map: spread the layers over devices with accelerate (e.g. ``"auto"``); each budgeted layer then
             keeps its cache on its own layer's device.
     """
-    embedded = _embedded_name(str(name_or_path))
-    source = embedded_model_dir(embedded) if embedded else _local_or_hub(str(name_or_path))
-    if not embedded:
-        check_model_config(source)
+    embedded, source = _checked_source(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", device_map=device_map)
-    if embedded:  # a portable identity, never the conversion folder: the Hub id of the weights and the short name
-        model.config._name_or_path = EMBEDDED_MODELS[embedded].hub_id
-        model.config.kvgates_embedded_model = embedded
+    _name_embedded(model, embedded)
     if device_map is None:
         model = model.to(device)
     prepare_model(model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def model_skeleton(name_or_path: str) -> PreTrainedModel:
+    """The model ``load_model`` would load, built from its config on the meta device: its shapes, context and names
+    (``context_length``, the tokenizer a policy encodes with) without reading or allocating a weight. What checks a
+    run's lengths against the model before it loads (``train.py --check``) reads."""
+    embedded, source = _checked_source(name_or_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
+    model.config._name_or_path = str(source)
+    _name_embedded(model, embedded)
+    return model
+
+
+def _checked_source(name_or_path: str) -> tuple[str | None, str | Path]:
+    """``(embedded model's short name or None, where the model loads from)``: an embedded model's converted folder,
+    else the folder or Hub id after its config was checked (``check_model_config``)."""
+    embedded = _embedded_name(str(name_or_path))
+    if embedded:
+        return embedded, embedded_model_dir(embedded)
+    source = _local_or_hub(str(name_or_path))
+    check_model_config(source)
+    return None, source
+
+
+def _name_embedded(model: PreTrainedModel, embedded: str | None) -> None:
+    """Give a model loaded from an embedded model's folder a portable identity, never the conversion folder: the Hub
+    id of its weights and its short name (``embedded_name_of``)."""
+    if embedded:
+        model.config._name_or_path = EMBEDDED_MODELS[embedded].hub_id
+        model.config.kvgates_embedded_model = embedded
 
 
 def _local_or_hub(name_or_path: str) -> str:

@@ -84,6 +84,24 @@ def test_a_model_from_a_local_folder_is_named_without_its_path(tmp_path):
     assert str(tmp_path) not in (tmp_path / "gates" / "config.json").read_text() + (tmp_path / "gates" / "README.md").read_text()
 
 
+def test_a_model_skeleton_has_the_loaded_models_shapes_and_names_without_weights(tmp_path):
+    """``model_skeleton`` (what ``train.py --check`` measures lengths on): the loaded model's parameters, shapes,
+    context and name, every parameter on the meta device; the embedded model keeps its short name (the tokenizer a
+    KVzip repeat prompt is encoded with)."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "my-model", max_position_embeddings=777)
+    loaded, _ = kvgates.load_model(str(checkpoint))
+    skeleton = models.model_skeleton(str(checkpoint))
+    assert {n: p.shape for n, p in skeleton.named_parameters()} == {n: p.shape for n, p in loaded.named_parameters()}
+    assert {p.device.type for p in skeleton.parameters()} == {"meta"}
+    assert context_length(skeleton) == context_length(loaded) == 777
+    assert hub_id_of(skeleton) == hub_id_of(loaded) == "local:my-model"
+    embedded = models.model_skeleton("smollm2-135m")
+    assert embedded_name_of(embedded) == "smollm2-135m" and hub_id_of(embedded) == models.EMBEDDED_MODELS["smollm2-135m"].hub_id
+    assert context_length(embedded) == 8192
+    with pytest.raises(UnsupportedModelError, match="not a model folder"):
+        models.model_skeleton(str(tmp_path / "nothing-here"))
+
+
 # ------------------------------------------------------------------------------------------------ embedded model cache
 @pytest.fixture
 def fake_installs(tmp_path, monkeypatch):

@@ -554,17 +554,21 @@ def test_an_adapter_for_another_model_stops_the_run_and_leaves_no_folder(tiny_di
     assert out.is_dir() and not any(out.iterdir())
 
 
-def test_rows_past_the_models_context_stop_the_run_and_leave_no_folder(tiny_dir, tmp_path, capsys):
-    """``data.seq_len`` past the tiny model's 1,024 positions is refused once the model is loaded (its config says
-    how far it was trained), in one sentence, with no folder left; 1,024 itself is within them."""
+def test_rows_past_the_models_context_stop_the_run_and_leave_no_folder(tiny_dir, tmp_path, capsys, monkeypatch):
+    """``data.seq_len`` past the tiny model's 1,024 positions is refused before the model's weights load (its config
+    says how far it was trained), by ``--check`` too (it said "ready to run"), in one sentence, with no folder left;
+    1,024 itself is within them."""
     out = tmp_path / "run"
     cfg = tiny_config(tiny_dir, out, data={"seq_len": 1025})
-    assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 2
-    err = capsys.readouterr().err.strip()
-    last = err.splitlines()[-1]
-    assert "data.seq_len 1025 and the 4 tokens held-out needles generate after it (report.max_new_tokens) run past the 1024" in last
-    assert "Traceback" not in err
-    assert not out.exists()
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    for check in ([], ["--check"]):
+        assert main(["--config", str(write(cfg, tmp_path / "c.yaml")), *check]) == 2
+        err = capsys.readouterr().err.strip()
+        last = err.splitlines()[-1]
+        assert "data.seq_len 1025 and the 4 tokens held-out needles generate after it (report.max_new_tokens) run past the 1024" in last
+        assert "Traceback" not in err
+        assert not out.exists()
+    monkeypatch.undo()
     model, _ = kvgates.load_model(tiny_dir)
     check_context(TrainConfig.from_dict(tiny_config(tiny_dir, out, data={"seq_len": 1020})), model)
 

@@ -9,7 +9,8 @@ On the CPU add ``--num_cpu_threads_per_process $(nproc)`` (as ``make train`` doe
 exports ``OMP_NUM_THREADS=1``, and the run then says it trains on one thread (``cpu_threads_note``).
 
 The config, the model (without its weights), the data sources (``data.build.check_readable``: what is cheap to read
-of them), ``gates.init_from`` and the output folder are all checked before the model loads or anything is written;
+of them), ``gates.init_from``, the rows' lengths against the model's context (``check_context`` on ``model_skeleton``) and the
+output folder are all checked before the model loads or anything is written;
 every such error is one sentence on stderr and exit status 2 (under ``accelerate launch``, which reports a failed
 script as status 1, pass ``--quiet`` so that the sentence is the last line rather than accelerate's
 ``CalledProcessError`` traceback; ``make train`` runs ``--check`` first).
@@ -49,7 +50,7 @@ from kvgates.cli import USAGE_ERROR, OneLineParser, usage_error
 from kvgates.config import check_output_folder
 from kvgates.gates.adapter import atomic_write
 from kvgates.gates.training import GateTraining
-from kvgates.models import check_model_source, past_context
+from kvgates.models import check_model_source, model_skeleton, past_context
 from train.config import ConfigError, TrainConfig
 from train.trainer import GateTrainer, MetricsJsonl
 from train.validation import Validator, final_table, report_needles
@@ -73,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue the run in output_dir from its last checkpoint")
     parser.add_argument(
         "--check", action="store_true",
-        help="check the config, the model, the data sources, gates.init_from and output_dir without loading the model or writing output",
+        help="check the config, the model, the data sources, gates.init_from, the lengths against the model's context and output_dir without loading the model or writing output",
     )
     parser.add_argument("overrides", nargs="*", help="single-key overrides, e.g. training.max_steps=20 budget=128")
     return parser.parse_intermixed_args(argv)  # overrides on either side of an option
@@ -491,7 +492,6 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
 
     # The frozen LLM and fresh gates; only the gates train.
     model, tokenizer = kvgates.load_model(config.model, dtype=config.torch_dtype(torch.cuda.is_available()))
-    check_context(config, model)
     model.requires_grad_(False)
     gates = initial_gates(config, model)  # float32, whatever the model's dtype
     start = copy.deepcopy(gates)
@@ -559,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             check_training_arguments(config)
             check_sources(config)
+            check_context(config, model_skeleton(config.model))  # before the weights load (minutes for an 8B model)
         except LaunchError:
             raise
         except USER_ERRORS as err:  # the config's own problems name it, as its file's do
