@@ -74,7 +74,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue the run in output_dir from its last checkpoint")
     parser.add_argument(
         "--check", action="store_true",
-        help="check the config, the model, the data sources, gates.init_from, the lengths against the model's context and output_dir without loading the model or writing output",
+        help=(
+            "check the config, the model, the data sources, gates.init_from, the lengths against the model's context "
+            "and output_dir without loading the model or writing output"
+        ),
     )
     parser.add_argument("overrides", nargs="*", help="single-key overrides, e.g. training.max_steps=20 budget=128")
     return parser.parse_intermixed_args(argv)  # overrides on either side of an option
