@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import kvgates
-from data.tasks import OPTIONS, check_options, templates
+from data.tasks import OPTIONS, check_options, template_by_name, templates
 from eval.arms import UNTRAINED, UNTRAINED_GATES, check_budgets, load_adapter
 from kvgates.config import ConfigError, build, merge, read_yaml, refuse_unknown
 from kvgates.gates.adapter import weights_digest
@@ -149,6 +149,13 @@ class TaskSpec:
 
     def option(self, name: str) -> Any:
         return self.options.get(name, TASK_DEFAULTS.get(name))
+
+    @property
+    def training_templates(self) -> tuple[str, ...]:
+        """The task's templates from the set gate training draws on (``data.tasks``' ``train`` set), where it names
+        any: its examples are then phrased as some training rows were."""
+        base = "needle" if self.task == "multikey" else self.task
+        return tuple(t for t in self.templates if template_by_name(base, t).set == "train")
 
     def identity(self, model: str, seed: int, prefill_chunk: int | None, split: str = "test") -> str:
         """What changes this task's examples or results (journal keys): not the budgets it runs at, nor, for text
@@ -305,6 +312,23 @@ class ABConfig:
         for journal in self.reuse:
             if not Path(journal).is_file():
                 raise ConfigError(f"reuse names {journal}, which is not a file; list the results.jsonl of an earlier run")
+            if not _journal_like(Path(journal)):
+                raise ConfigError(
+                    f"reuse names {journal}, whose first line is not a result (a JSON object with a 'key'); list the "
+                    "results.jsonl of an earlier run"
+                )
+
+
+def _journal_like(path: Path) -> bool:
+    """Whether ``path`` starts as a results journal does: empty, or a first line that is a JSON object with a
+    ``key`` (``results.json``, the report's record, is one object over many lines)."""
+    try:
+        with path.open() as f:
+            first = f.readline()
+        row = json.loads(first) if first.strip() else {"key": None}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(row, dict) and "key" in row
 
 
 # ---------------------------------------------------------------------- parsing helpers
@@ -404,6 +428,8 @@ def _task(entry: Any) -> TaskSpec:
     answer = kind in ANSWER_KINDS
     refuse_unknown(entry, list(COMMON_TASK_KEYS) + (list(ANSWER_KEYS) if answer else []) + list(options), f"task {entry.get('name', kind)!r}")
     name = str(entry.get("name", kind))
+    if not name.strip() or any(c in name for c in "/\\\0"):  # it names plot files (heatmap_<name>.png)
+        raise ConfigError(f"task name {name!r} must be non-empty and hold no '/' or '\\': it names the report's plot files")
     lengths = tuple(_list(entry.get("context_tokens", 2000), f"task {name!r}: context_tokens"))
     if not lengths:
         raise ConfigError(f"task {name!r}: context_tokens is empty; list at least one prompt length")

@@ -19,7 +19,7 @@ from kvgates.gates.adapter import atomic_write
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 MIB = 2**20
 
@@ -53,11 +53,22 @@ class Summary:
         return float(np.mean(values))
 
 
-def _colors(config: ABConfig) -> dict[str, tuple]:
-    """One colour per arm, the same in every plot (the full cache is black)."""
-    cmap = plt.get_cmap("tab20")
-    order = list(range(0, 20, 2)) + list(range(1, 20, 2))  # ten distinct hues first, then their light shades
-    return {"full": (0, 0, 0, 1), **{a.label: cmap(order[i % 20]) for i, a in enumerate(config.arms)}}
+#: tab20's hues for arms, nine strong ones first and then their light shades; its greys (14, 15) are left to the
+#: headline's "best heuristic" line.
+ARM_COLORS = [0, 2, 4, 6, 8, 10, 12, 16, 18, 1, 3, 5, 7, 9, 11, 13, 17, 19]
+#: Past ``len(ARM_COLORS)`` arms the colours come round again with the next marker and line style.
+ARM_MARKERS, ARM_LINES = ["o", "s", "^", "D"], ["-", "--", ":", "-."]
+
+
+def _styles(config: ABConfig) -> dict[str, dict]:
+    """One colour, marker and line style per arm, the same in every plot and no two alike (the full cache is
+    black)."""
+    cmap, k = plt.get_cmap("tab20"), len(ARM_COLORS)
+    return {
+        "full": {"color": (0, 0, 0, 1), "marker": "*", "linestyle": "-"},
+        **{a.label: {"color": cmap(ARM_COLORS[i % k]), "marker": ARM_MARKERS[i // k % 4], "linestyle": ARM_LINES[i // k % 4]}
+           for i, a in enumerate(config.arms)},
+    }
 
 
 def _arm_budgets(config: ABConfig) -> list[tuple[str, int | None]]:
@@ -157,7 +168,7 @@ def plot_score_vs_kv(config: ABConfig, summary: Summary, path: Path, headline: b
     n = len(config.tasks)
     cols = min(4 if headline else 3, n)
     fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(5.2 * cols, 4 * ((n + cols - 1) // cols)), squeeze=False)
-    colors = _colors(config)
+    styles = _styles(config)
     for ax, task in zip(axes.flat, config.tasks):
         m = metrics_of(task)[0]
         budgets = config.task_budgets(task)
@@ -169,15 +180,14 @@ def plot_score_vs_kv(config: ABConfig, summary: Summary, path: Path, headline: b
         for name, points in series:
             xs = [summary.mean(task.name, label, b, "kv_bytes") / MIB for label, b in points]
             ys = [summary.mean(task.name, label, b, m.name) for label, b in points]
-            style = dict(marker="*", markersize=14, linestyle="none") if name == "full" else dict(marker="o")
             if name == "best heuristic":
-                style.update(color="grey", linestyle="--")
+                style = dict(color="grey", marker="o", linestyle="--")
                 for (label, _), x, y in zip(points, xs, ys):
                     ax.annotate(label, (x, y), fontsize=7, color="dimgrey", xytext=(3, -9), textcoords="offset points")
-            ax.plot(xs, ys, label=name, **{"color": colors.get(name), **style})
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.xaxis.set_minor_formatter(NullFormatter())
+            else:
+                style = {**styles[name], "linestyle": "-"} if name != "full" else {**styles[name], "markersize": 14, "linestyle": "none"}
+            ax.plot(xs, ys, label=name, **style)
+        _kv_axis(ax)
         ax.set_xlabel("KV MiB held per sequence")
         ax.set_ylabel(f"{m.name} ({'higher' if m.higher_is_better else 'lower'} is better)")
         ax.set_title(task.name)
@@ -188,6 +198,16 @@ def plot_score_vs_kv(config: ABConfig, summary: Summary, path: Path, headline: b
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def _kv_axis(ax) -> None:
+    """A log x axis of KV MiB numbered within a decade too, where matplotlib numbers only the powers of ten (a range
+    such as 2-6 MiB showed no number at all): 1, 2 and 5 times each power, every whole multiple within one decade."""
+    ax.set_xscale("log")
+    low, high = ax.get_xlim()
+    ax.xaxis.set_major_locator(LogLocator(subs="all" if high < 10 * low else (1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def plot_depth_heatmaps(config: ABConfig, task: TaskSpec, rows: list[dict], path: Path) -> Path:
@@ -229,7 +249,7 @@ def plot_kl_curves(config: ABConfig, task: TaskSpec, rows: list[dict], path: Pat
     average of ``smooth`` tokens)."""
     budgets = config.task_budgets(task)
     fig, axes = plt.subplots(1, len(budgets), figsize=(5.5 * len(budgets), 4), squeeze=False, sharey=True)
-    colors = _colors(config)
+    styles = _styles(config)
     for ax, budget in zip(axes[0], budgets):
         for arm in config.arms:
             curves = [r["kl_curve"] for r in rows if r["task"] == task.name and r["arm"] == arm.label and r["budget"] == budget]
@@ -238,7 +258,8 @@ def plot_kl_curves(config: ABConfig, task: TaskSpec, rows: list[dict], path: Pat
             n = min(len(c) for c in curves)
             mean = np.mean([c[:n] for c in curves], axis=0)
             k = max(1, min(smooth, n // 4))
-            ax.plot(np.convolve(mean, np.ones(k) / k, mode="valid"), label=arm.label, color=colors[arm.label])
+            ax.plot(np.convolve(mean, np.ones(k) / k, mode="valid"), label=arm.label, color=styles[arm.label]["color"],
+                    linestyle=styles[arm.label]["linestyle"])
         ax.set_yscale("log")
         ax.set_xlabel("generated token")
         ax.set_title(f"{task.name}, budget {budget}")
@@ -277,6 +298,18 @@ def arm_section(results_dir: str | Path, label: str) -> str:
     if label not in {a.label for a in config.arms}:
         raise ValueError(f"{results_dir} has no arm {label!r}; its arms: {', '.join(a.label for a in config.arms)}")
     summary = Summary(results["rows"])
+    for task in config.tasks:  # a card states each task's number of examples: every one of them must be in
+        n = task.examples * len(task.context_tokens)
+        for arm, budget in [("full", None)] + [(label, b) for b in config.arm_budgets(config.arm(label), task)]:
+            have = len(summary.rows(task.name, arm, budget))
+            if have < n:
+                at = f" at budget {budget}" if budget is not None else ""
+                raise ValueError(
+                    f"{results_dir} is not a finished run: arm {arm!r} has {have} of its {n} results on task {task.name!r}{at}; "
+                    "finish it (python -m eval ab with its config) before its results go on a card"
+                )
+    trained = sorted({t for task in config.tasks for t in task.training_templates})
+    phrasing = f"templates include training ones ({', '.join(trained)})" if trained else "templates never used in training"
     lines = [
         "| task (examples) | metric | budget | this adapter | best heuristic | full cache | KV MiB / seq (adapter) |",
         "|---|---|---|---|---|---|---|",
@@ -294,7 +327,7 @@ def arm_section(results_dir: str | Path, label: str) -> str:
     verdicts = [f"- {c['sentence']}" for c in results["comparisons"] if label in (c["a"], c["b"])]
     heading = (
         f"{AB_SECTION} {config.model} (`python -m eval ab`, run `{Path(results_dir).name}`, {config.split} essays, "
-        "templates never used in training; "
+        f"{phrasing}; "
         f"budgets in tokens per KV head; {len(config.all_arms)} arms):"
     )
     return "\n".join([heading, "", *lines, "", *verdicts])
@@ -339,11 +372,13 @@ def write_report(results: ABResults, command: str = "") -> str:
     learned = any(a.learned for a in config.arms)
     if learned:
         plots.append(plot_score_vs_kv(config, summary, out / "headline.png", headline=True))
+    arms = f"{len(config.all_arms)} arms (the full cache and {', '.join(a.label for a in config.arms)})" if config.arms else (
+        "the full cache alone (no arm to compare with it)"
+    )
     md = [
         f"# A/B evaluation on {config.model}",
         "",
-        f"{len(config.all_arms)} arms (the full cache and {', '.join(a.label for a in config.arms)}) "
-        f"at budget{'s' if len(config.budgets) > 1 else ''} "
+        f"{arms} at budget{'s' if len(config.budgets) > 1 else ''} "
         f"{', '.join(map(str, config.budgets))} tokens per KV head, on {len(config.tasks)} "
         f"task{'s' if len(config.tasks) > 1 else ''} built from the {config.split} "
         f"essays (seed {config.seed}); every arm ran on exactly the same examples. Model time: {model_time} "

@@ -14,6 +14,7 @@ journal, so its folder holds every result it reports.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -58,21 +59,31 @@ class ABResults:
 
 
 def load_journal(path: Path) -> dict[str, dict]:
-    """Rows recorded by an earlier (possibly interrupted) run, by key; a torn last line is skipped."""
+    """Rows recorded by an earlier (possibly interrupted) run, by key; a torn last line, and any line that is not a
+    result (a JSON object with a ``key``), is skipped. Reads only: ``append_rows`` mends a torn end before writing."""
     done: dict[str, dict] = {}
     if not path.is_file():
         return done
-    text = path.read_text()
-    if text and not text.endswith("\n"):
-        with path.open("a") as f:
-            f.write("\n")  # so the next append starts a fresh line after a torn one
-    for line in text.splitlines():
+    for line in path.read_text().splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a run killed mid-write leaves at most one partial line
-        done[row["key"]] = row
+        if isinstance(row, dict) and isinstance(row.get("key"), str):
+            done[row["key"]] = row
     return done
+
+
+def append_rows(journal: Path, rows: list[dict]) -> None:
+    """Append ``rows`` to ``journal``, a line each, after ending a torn last line (a run killed mid-write) so that the
+    first starts a line of its own."""
+    torn = False
+    if journal.is_file() and journal.stat().st_size:
+        with journal.open("rb") as f:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+    with journal.open("a") as f:
+        f.write("\n" * torn + "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def batches(task: TaskSpec, examples: list[Example], config: ABConfig) -> list[list[Example]]:
@@ -199,8 +210,7 @@ def _adopt(config: ABConfig, keys: list[str], done: dict[str, dict], journal: Pa
         for key in new:
             done[key] = found[key]
         if journal is not None:
-            with journal.open("a") as f:
-                f.writelines(json.dumps(found[key]) + "\n" for key in new)
+            append_rows(journal, [found[key] for key in new])
         print(f"{len(new)} of {len(keys)} results reused from {other}")
 
 
@@ -278,14 +288,15 @@ def _compute(
                     finally:
                         policy.detach()
                     seconds = (time.perf_counter() - t0) / len(todo)
-                    with journal.open("a") as f:
-                        for ex, key, result in zip(todo, keys, results):
-                            row = {
-                                "key": key, "task": task.name, "kind": task.task, "example": ex.index, "arm": arm.label,
-                                "policy": arm.policy, "budget": budget, "meta": ex.meta, "seconds": round(seconds, 3), **result,
-                            }
-                            done[key] = row
-                            f.write(json.dumps(row) + "\n")
+                    rows = [
+                        {
+                            "key": key, "task": task.name, "kind": task.task, "example": ex.index, "arm": arm.label,
+                            "policy": arm.policy, "budget": budget, "meta": ex.meta, "seconds": round(seconds, 3), **result,
+                        }
+                        for ex, key, result in zip(todo, keys, results)
+                    ]
+                    append_rows(journal, rows)
+                    done.update((row["key"], row) for row in rows)
                     bar.update(sum(cost(task, ex) for ex in todo))
     bar.close()
 

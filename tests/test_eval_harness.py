@@ -258,6 +258,10 @@ def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
         ({"tasks": [{"task": "multikey", "keys": 21}]}, "task 'multikey': keys 21 is more than the 20 keys the eval templates"),
         ({"tasks": [{"task": "common_words", "top": 30}]}, "task 'common_words': top \\(30\\) must be smaller than distinct"),
         ({"tasks": [{"task": "common_words", "distinct": 100}]}, "task 'common_words': distinct 100 is more than the 34 words"),
+        # Names the report's plot files: a FileNotFoundError after every result was computed, and no report.md.
+        ({"tasks": [{"task": "needle", "name": "needle 2k/4k"}]}, "task name 'needle 2k/4k' must be non-empty and hold no '/'"),
+        # Another run's results.json (one object over many lines) was taken and failed as a TypeError in the run.
+        ({"reuse": ["docs/reference-core/results.json"]}, "reuse names docs/reference-core/results.json, whose first line is not a result"),
     ],
 )
 def test_bad_configs_fail_with_one_sentence(change, message):
@@ -266,6 +270,22 @@ def test_bad_configs_fail_with_one_sentence(change, message):
         ABConfig.from_dict(raw)
     text = str(info.value)
     assert "\n" not in text and text.count(". ") == 0
+
+
+def test_reading_a_journal_writes_nothing_and_an_append_mends_a_torn_end(tmp_path):
+    """``--report-only`` (which reads the journals a config reuses, another run's committed one among them) ended a
+    torn last line of every journal it read; now only an append to the run's own journal does, and a line that is
+    not a result is skipped (a TypeError before)."""
+    journal = tmp_path / JOURNAL
+    journal.write_text('{"key": "a", "v": 1}\n[1, 2]\n7\n{"key": "b", "v": 2}\n{"key": "c", "v"')
+    before = journal.read_bytes()
+    assert list(runner_module.load_journal(journal)) == ["a", "b"]
+    assert journal.read_bytes() == before
+    runner_module.append_rows(journal, [{"key": "c", "v": 3}])
+    assert journal.read_bytes() == before + b'\n{"key": "c", "v": 3}\n'
+    assert runner_module.load_journal(journal)["c"]["v"] == 3
+    runner_module.append_rows(tmp_path / "new.jsonl", [{"key": "d"}])
+    assert (tmp_path / "new.jsonl").read_text() == '{"key": "d"}\n'
 
 
 def test_adapter_for_another_model_fails_before_any_example(tmp_path, model):
@@ -731,9 +751,9 @@ def test_arms_are_also_compared_across_budgets_at_matched_memory(tmp_path):
     matched = found[(32, 16)]
     assert (matched.mean_a, matched.mean_b, matched.kv_a, matched.kv_b) == pytest.approx((0.125, 0.325, 2.0, 2.1))
     assert matched.sentence().startswith("trimkv (untrained) beats h2o at matched memory on fidelity by 0.2 kl")
-    assert matched.sentence().endswith("6 wins 0 losses; trimkv (untrained)@32 held 2.00 MiB, h2o@16 2.10 MiB.")
+    assert matched.sentence().endswith("6 wins 0 losses, sign-flip p = 0.031; trimkv (untrained)@32 held 2.00 MiB, h2o@16 2.10 MiB.")
     assert found[(16, None)].sentence().endswith("; h2o held 2.10x the KV.")
-    assert found[(32, None)].sentence().endswith("6 wins 0 losses.")  # 1.05x: matched, no remark
+    assert found[(32, None)].sentence().endswith("6 wins 0 losses, sign-flip p = 0.031.")  # 1.05x: matched, no remark
     (tally,) = verdict_counts(list(found.values()))
     assert tally.startswith("trimkv (untrained) against its comparison arms: 1 wins, 2 losses, 0 without")
     assert tally.endswith("over 3 comparisons (each task's primary metric at each budget; 1 across budgets at matched memory).")
@@ -858,6 +878,34 @@ def test_soft_and_hard_kl_of_retention_gates(model, tok):
         soft_hard(model, kvgates.RetainingHeads.for_model(model), budget=8, window=window, prompt_tokens=32)
     with pytest.raises(ValueError, match="prompt_tokens"):
         soft_hard(model, gates, budget=8, window=window, prompt_tokens=48)
+
+
+def test_plots_tell_every_arm_apart_and_number_a_narrow_kv_axis(tmp_path):
+    """With 24 arms (docs/reference) colours came round after 20, and the 8th arm was tab20's grey, the colour of the
+    headline's "best heuristic" line; a KV range within one decade (2-6 MiB) had no number on its axis."""
+    from eval.report import _kv_axis, _styles
+
+    config = ABConfig.from_dict({"arms": [{"policy": "h2o", "label": f"a{i}"} for i in range(24)], "tasks": ["needle"]})
+    styles = _styles(config)
+    looks = {(s["color"], s["marker"], s["linestyle"]) for s in styles.values()}
+    assert len(looks) == len(styles) == 25
+    grey = plt.get_cmap("tab20")(14)
+    assert all(s["color"] != grey for s in styles.values())
+    fig, ax = plt.subplots()
+    ax.plot([2.1, 3.5, 5.8], [1, 2, 3])
+    _kv_axis(ax)
+    fig.canvas.draw()
+    low, high = ax.get_xlim()
+    shown = [t.get_text() for t in ax.get_xticklabels() if t.get_text() and low <= t.get_position()[0] <= high]
+    plt.close(fig)
+    assert shown == ["3", "4", "5"] or shown == ["2", "3", "4", "5", "6"]
+
+
+def test_a_run_of_the_full_cache_alone_says_so(tmp_path, tok, model):
+    """A config without arms (the full cache's references, for other runs to reuse) said "1 arms (the full cache
+    and ) at budget 16"."""
+    results = run_ab(small_config(tmp_path, tasks=[TASKS[3]], arms=[], budgets=[16]), model, tok)
+    assert "\nthe full cache alone (no arm to compare with it) at budget 16 tokens per KV head" in write_report(results)
 
 
 def test_a_report_interrupted_while_it_writes_keeps_the_files_it_had(tmp_path, tok, model, monkeypatch):

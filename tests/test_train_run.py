@@ -1073,6 +1073,18 @@ def test_shipping_an_adapter_makes_it_loadable_by_name(tiny_dir, tmp_path, monke
     assert both.count("A/B evaluation on") == 2 and both.index("run `ab`") < both.index("run `ab2`")
     ship.ship("tiny-trimkv", "tiny-trimkv", ab, "trimkv")
     assert kvgates.load_gates("tiny-trimkv").config.report.count("A/B evaluation on") == 1
+    # A run still going (one of the adapter's two needles in) is refused: the card said "needle (2)" of means over one.
+    record = json.loads((ab / "results.json").read_text())
+    (tmp_path / "ab3").mkdir()
+    unfinished = {**record, "rows": [r for r in record["rows"] if not (r["arm"] == "trimkv" and r["example"] == 1)]}
+    (tmp_path / "ab3" / "results.json").write_text(json.dumps(unfinished))
+    with pytest.raises(ValueError, match="ab3 is not a finished run: arm 'trimkv' has 1 of its 2 results on task 'needle' at budget 64"):
+        ship.ship("tiny-trimkv", "tiny-trimkv", tmp_path / "ab3", "trimkv")
+    # A run whose needles used a training template says so (the card said "templates never used in training").
+    record["tasks"][0]["templates"] = ["magic-number", "pin"]
+    (ab / "results.json").write_text(json.dumps(record))
+    ship.ship("tiny-trimkv", "tiny-trimkv", ab, "trimkv")
+    assert "templates include training ones (magic-number);" in kvgates.load_gates("tiny-trimkv").config.report
     with pytest.raises(ValueError, match="has no arm 'nope'"):
         ship.ship(tmp_path / "adapter", "other", ab, "nope")
     # Another adapter with that arm's results: they went into its card (a helper's review).
