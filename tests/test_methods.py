@@ -54,3 +54,34 @@ def test_method_options_are_refused_by_a_method_without_them():
 def test_an_unknown_kind_lists_the_methods():
     with pytest.raises(ConfigError, match="kinds \\(learned methods\\): .*trimkv-global"):
         TrainConfig.from_dict({"kind": "dmz"})
+
+
+@pytest.mark.parametrize("teacher", ["tova", "snapkv", "h2o"])
+def test_a_heuristic_teachers_keep_set_of_a_padded_row_is_that_of_the_row_alone(teacher):
+    """TRL's collator pads rows on the right, and the teacher's cache read a padded row's pads as its last queries
+    (TOVA's query, SnapKV's window): its keep-set differed from the row's own in 16 of 40 positions per head. Each
+    padded row now runs alone; the teacher's hidden states are the batch's."""
+    import torch
+    from helpers import gate_batch, tiny_model
+
+    from kvgates.gates.training import GateTraining
+    from kvgates.methods.base import TrainingStep
+    from kvgates.methods.trimkv import TrimKVMethod, keep_sets
+
+    _, model = tiny_model()
+    model.requires_grad_(False)
+    params = {"window": 4} if teacher == "snapkv" else {}
+    config = TrainConfig.from_dict({"budget": 16, "data": {"seq_len": 64}, "teacher": {"policy": teacher, "params": params}})
+    gates = kvgates.RetentionGates.for_model(model)
+    batch = gate_batch(padded=True)
+    with GateTraining(model, gates) as run:
+        step = TrainingStep(model, model.lm_head, run, config, batch, budget=16.0, teacher_weight=1.0)
+        hidden, keep = TrimKVMethod.taught(step)
+        plain = step.teacher_hidden()
+    torch.testing.assert_close(hidden, plain, atol=1e-5, rtol=1e-4)
+    assert keep.shape[1:] == (2, model.config.num_key_value_heads, 64) and not keep[..., 1, :, 54:].any()
+    for row, length in [(0, 64), (1, 54)]:
+        alone = kvgates.BudgetCache(model.config, teacher, budget=16, **params)
+        with torch.no_grad():
+            model(batch["input_ids"][row : row + 1, :length], past_key_values=alone)
+        assert torch.equal(keep[:, row : row + 1, :, :length], keep_sets(alone, length)), row

@@ -1687,6 +1687,28 @@ def test_settings_the_kind_never_reads_are_noted(tiny_dir, tmp_path, capsys):
     )
     assert main(["--config", str(path), "--check", "kind=kvzap-linear", "budget=64", "gates.init_bias=null"]) == 0
     assert capsys.readouterr().err.splitlines()[-1] == "train.py: note: gates.hidden set, but kvzap-linear training does not read them"
+    # attention on a kind whose student attends plainly, and the gate shapes of a run continuing from an adapter
+    # (which keeps its own): accepted in silence, and recorded as the recipe.
+    assert main(["--config", str(path), "--check", *locret[:2], "gates.init_bias=null", "attention=flex"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1] == "train.py: note: attention set, but locret training does not read them"
+    kvgates.RetentionGates.for_model(kvgates.load_model(str(tiny_dir))[0], gate_hidden=8).save_pretrained(tmp_path / "start")
+    assert main(["--config", str(path), "--check", f"gates.init_from={tmp_path / 'start'}", "gates.init_bias=3.0"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "train.py: note: gates.hidden, gates.init_bias set, but trimkv training from gates.init_from (its adapter keeps its own "
+        "shape) does not read them"
+    )
+
+
+def test_the_trainers_own_push_to_hub_is_refused_for_the_runs(tiny_dir, tmp_path, capsys):
+    """``training.push_to_hub`` passed --check, then the Trainer tried to make a Hub repository of the output folder
+    after the model had loaded: a 30-line connection traceback offline, run_config.json left behind."""
+    path = write(tiny_config(tiny_dir, tmp_path / "run"), tmp_path / "c.yaml")
+    for keys in (["training.push_to_hub=true", "training.hub_model_id=me/tiny"], ["training.hub_strategy=end"]):
+        assert main(["--config", str(path), "--check", *keys]) == 2
+        assert "would have the Trainer push its checkpoints; the run pushes its trained adapter itself: set the top-level push_to_hub" in (
+            capsys.readouterr().err
+        )
+        assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("kind,budget", [("dms", 24), ("kvzap-linear", 64)])

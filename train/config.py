@@ -153,11 +153,16 @@ class TrainConfig:
             raise ConfigError(f"budget must be a whole number of tokens per KV head, at least 1; got {self.budget!r}")
         _check_learned_policy(self.kind, self.budget, self.policy)
         method = self.learned_method
-        #: Settings the kind's training never reads (``train.py`` notes them: a value set where it does nothing).
+        #: Settings the kind's training never reads (``train.py`` notes them: a value set where it does nothing): loss
+        #: keys and gate shapes the kind does not read (every gate shape when ``gates.init_from``'s adapter brings its
+        #: own), and ``attention`` where the kind's student attends plainly.
         self.unread = [
             f"loss.{f.name}" for f in dataclasses.fields(LossSpec)
             if method.loss_keys is not None and f.name not in method.loss_keys | {"hard_eviction"} and getattr(self.loss, f.name) != f.default
-        ] + [f"gates.{key}" for key in ("hidden", "init_bias") if key not in method.gate_keys and getattr(self.gates, key) is not None]
+        ] + [
+            f"gates.{key}" for key in ("hidden", "init_bias")
+            if (key not in method.gate_keys or self.gates.init_from is not None) and getattr(self.gates, key) is not None
+        ] + (["attention"] if not method.reads_attention and self.attention != "auto" else [])
         if self.gates.init_bias is None:  # the kind's default, recorded as the value the run used (run_config.json)
             self.gates.init_bias = self.learned_method.gate_set.default_init_bias
         if self.model_dtype not in MODEL_DTYPES:
@@ -355,6 +360,12 @@ def _check_training_args(training: dict[str, Any]) -> None:
     reserved = sorted(set(training) & _RESERVED_ARGS)
     if reserved:
         raise ConfigError(f"training: {reserved} are set by the run itself; remove them from the config")
+    hub = sorted(key for key in training if key == "push_to_hub" or key.startswith("hub_"))
+    if hub:  # the Trainer's push runs at its start, to a repository of the whole output folder (a traceback offline)
+        raise ConfigError(
+            f"training: {', '.join(hub)} would have the Trainer push its checkpoints; the run pushes its trained adapter "
+            "itself: set the top-level push_to_hub: user/name instead"
+        )
     wrong = field_problems(TrainingArguments, training)
     if wrong:
         raise ConfigError(f"training: {yaml_hint(wrong[0])}")

@@ -571,7 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         return usage_error("train.py", err) if main_process() else USAGE_ERROR
     if config.unread:  # (hard_eviction where the kind does not read it is refused: it would train something else)
-        print(f"train.py: note: {', '.join(config.unread)} set, but {config.kind} training does not read them", file=sys.stderr)
+        run = f"{config.kind} training" + (" from gates.init_from (its adapter keeps its own shape)" if config.gates.init_from else "")
+        print(f"train.py: note: {', '.join(config.unread)} set, but {run} does not read them", file=sys.stderr)
     if args.check:
         print(f"train.py: {args.config} is ready to run ({config.kind} gates on {config.model} at budget {config.budget} into {out})")
         return 0

@@ -22,6 +22,7 @@ The pieces a method is made of:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -129,6 +130,17 @@ class TrainingStep:
         rows = self.completion.any(0)
         return int(rows.int().argmax()) if bool(rows.any()) else 0
 
+    def rows(self) -> list[TrainingStep]:
+        """Each sequence of the batch as a step of its own, its padding cut off (``[1, length]``). A heuristic
+        teacher's cache reads a sequence's last queries (SnapKV's window, TOVA's last query), which a padded row's
+        are pads: it runs on each row alone (``[self]`` when no row is padded)."""
+        if self.attention_mask is None:
+            return [self]
+        return [
+            dataclasses.replace(self, inputs={key: value[i : i + 1, : int(n)] for key, value in self.inputs.items()})
+            for i, n in enumerate(self.lengths.tolist())
+        ]
+
     def teacher_hidden(self, cache: Any = None) -> torch.Tensor:
         """``[n, d]`` the frozen model's final hidden states at the completion positions (plain attention, eval
         mode, no gradient, as the method's ``frozen`` context leaves the model; through ``cache`` when given: a
@@ -182,6 +194,8 @@ class LearnedMethod:
     loss_keys: ClassVar[frozenset[str] | None] = None
     #: The ``gates:`` shape keys (``hidden``, ``init_bias``) its fresh gates read.
     gate_keys: ClassVar[frozenset[str]] = frozenset({"hidden", "init_bias"})
+    #: Whether its student reads the config's ``attention`` (a method whose student attends plainly does not).
+    reads_attention: ClassVar[bool] = True
 
     @property
     def policy(self) -> str:

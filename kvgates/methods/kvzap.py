@@ -237,6 +237,7 @@ class KVzapMethod(LearnedMethod):
     loss_keys = frozenset()  # (its regression's own options are method:)
     gate_keys = frozenset({"hidden"})
     gate_set = KVzapGates
+    reads_attention = False  # plain attention
     policies = ("kvzap",)
     options = KVzapOptions
 

@@ -25,6 +25,7 @@ class LocretMethod(LearnedMethod):
     loss_keys = frozenset({"locret_smoothness"})
     gate_keys = frozenset({"hidden"})
     gate_set = RetainingHeads
+    reads_attention = False  # plain attention
     policies = ("locret",)
 
     def attend(self, training, module: nn.Module, query, key, value, attention_mask, scale, captured, **kwargs) -> torch.Tensor:

@@ -94,17 +94,11 @@ class TrimKVMethod(LearnedMethod):
 
     def loss(self, step: TrainingStep) -> tuple[torch.Tensor, dict[str, float]]:
         config = step.config
-        cache = policy = None
+        keep = None
         if config.teacher is not None and step.teacher_weight > 0:
-            # Attached like any policy at inference: KVzip's scoring pass runs the same model again.
-            policy = kvgates.make_policy(config.teacher.policy, budget=config.budget, **config.teacher.params)
-            policy.attach(step.training.model)
-            cache = kvgates.BudgetCache(step.training.model.config, policy)
-        try:
-            teacher = step.teacher_hidden(cache)
-        finally:
-            if policy is not None:
-                policy.detach()
+            teacher, keep = self.taught(step)
+        else:
+            teacher = step.teacher_hidden()
         hard = None
         if config.loss.hard_eviction:
             hard = HardEviction(max(1, round(step.budget)), decode_start(step.labels), config.loss.eviction_temperature)
@@ -113,13 +107,34 @@ class TrimKVMethod(LearnedMethod):
         cap = capacity_loss(log_beta, step.budget, step.lengths, self.global_budget, config.loss.capacity_stride)
         loss = (kl + ce) / 2 + config.loss.lambda_cap * cap
         parts = {"kl": kl.item(), "ce": ce.item(), "capacity": cap.item(), "budget": step.budget}
-        if cache is not None:
-            keep = keep_sets(cache, step.ids.shape[1]).to(log_beta.device)
+        if keep is not None:
+            keep = keep.to(log_beta.device)
             rank = teacher_ranking_loss(log_beta, keep, step.lengths, config.teacher.pairs)  # global RNG: resumed with the run
             loss = loss + step.teacher_weight * rank
             parts.update(teacher_rank=rank.item(), teacher_weight=step.teacher_weight)
         parts["log_beta_mean"] = log_beta.detach().mean().item()
         return loss, parts
+
+
+    @staticmethod
+    def taught(step: TrainingStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's hidden states (``TrainingStep.teacher_hidden``) and the heuristic teacher's keep-sets
+        ``[L, B, H_kv, T]`` (``keep_sets``), each padded row run alone (``TrainingStep.rows``: the policy would
+        score its pads as its last queries) and its keep-set padded with False."""
+        config, model = step.config, step.training.model
+        hidden, keeps = [], []
+        for row in step.rows():
+            # Attached like any policy at inference: KVzip's scoring pass runs the same model again.
+            policy = kvgates.make_policy(config.teacher.policy, budget=config.budget, **config.teacher.params)
+            policy.attach(model)
+            cache = kvgates.BudgetCache(model.config, policy)
+            try:
+                hidden.append(row.teacher_hidden(cache))
+            finally:
+                policy.detach()
+            keep = keep_sets(cache, row.ids.shape[1])
+            keeps.append(torch.nn.functional.pad(keep, (0, step.ids.shape[1] - keep.shape[-1])))
+        return torch.cat(hidden), torch.cat(keeps, dim=1)
 
 
 @register_method
