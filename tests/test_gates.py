@@ -320,16 +320,37 @@ def test_push_and_pull_through_a_local_hub(tiny_pair, tmp_path, monkeypatch, off
     import huggingface_hub.constants
 
     _, model = tiny_pair
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
     gates = RetentionGates.for_model(model)
     with FakeHub() as hub:
         url = gates.push_to_hub("team/tiny-trimkv", endpoint=hub.url, token="hf_test")
         assert "/team/tiny-trimkv/commit/" in url
         assert sorted(hub.repos["team/tiny-trimkv"]) == ["README.md", "config.json", "model.safetensors"]
+        hub.repos["team/tiny-trimkv"]["original/other.pth"] = b"not the adapter's"
         pulled = RetentionGates.from_pretrained("team/tiny-trimkv", endpoint=hub.url, token="hf_test")
         assert hub.unhandled == []
     assert all(torch.equal(a, b) for a, b in zip(gates.state_dict().values(), pulled.state_dict().values()))
+    assert not list((tmp_path / "hf").rglob("other.pth"))  # a kind's files only (every subfolder's were fetched)
+
+
+def test_a_models_hub_id_or_folder_is_named_a_model_before_any_of_its_weights_download(tmp_path, monkeypatch):
+    """``GateSet.from_pretrained("meta-llama/Llama-3.1-8B-Instruct")`` downloaded every file in a subfolder (16 GB of
+    ``original/consolidated.00.pth`` on the real repository), then said there was no model.safetensors."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    config = json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    with FakeHub() as hub:
+        hub.repos["org/model"] = {"config.json": config.encode(), "model.safetensors": b"w", "original/consolidated.00.pth": b"w"}
+        hub.commits["org/model"] = "0" * 40
+        with pytest.raises(AdapterError, match=r"^org/model/config.json is the config of a model \(llama\), not of a kvgates gate adapter;"):
+            GateSet.from_pretrained("org/model", endpoint=hub.url)
+    assert sorted(p.name for p in (tmp_path / "hf").rglob("*") if p.is_symlink()) == ["config.json"]
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "config.json").write_text(config)  # sharded weights: "has no model.safetensors" came first
+    with pytest.raises(AdapterError, match=r"folder/config.json is the config of a model \(llama\), not of a kvgates gate adapter;"):
+        GateSet.from_pretrained(tmp_path / "folder")
 
 
 def test_unreachable_hub_id_is_a_clear_error_that_names_the_shipped_adapters(tmp_path, monkeypatch):

@@ -38,8 +38,6 @@ ADAPTER_VERSION = 2
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CARD_FILE = "README.md"
-#: Files in subfolders: the parts a gate kind keeps beside its weights (``GateSet.load_parts``).
-PARTS_PATTERN = "*/*"
 
 GATE_KINDS: dict[str, type[GateSet]] = {}
 
@@ -81,6 +79,11 @@ class GateConfig:
     def from_dict(cls, data: Any, source: str = "config.json") -> GateConfig:
         if not isinstance(data, dict):
             raise AdapterError(f"{source} must hold a JSON object, got {type(data).__name__}")
+        if "kind" not in data and ("model_type" in data or "architectures" in data):
+            raise AdapterError(
+                f"{source} is the config of a model ({data.get('model_type') or 'transformers'}), not of a kvgates gate adapter; "
+                "load a base model with kvgates.load_model and pass gates as an adapter folder, a shipped adapter's name or an adapter's Hub id"
+            )
         names = {f.name for f in dataclasses.fields(cls)}
         required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
         missing = sorted(required - set(data))
@@ -190,6 +193,9 @@ class GateSet(nn.Module):
     default_hidden: ClassVar[int] = 512
     #: ``init_bias`` of fresh gates where none is given (``for_model``): TRIM-KV's retention bias (beta ~ 1: keep).
     default_init_bias: ClassVar[float] = 18.0
+    #: Hub file patterns of what this kind keeps beside its config and weights (``load_parts`` reads it), fetched
+    #: with them: nothing else in a repository is downloaded.
+    parts: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -325,14 +331,11 @@ class GateSet(nn.Module):
         if not folder.is_dir():
             folder = embedded_adapter_dir(str(path_or_id)) or _download(str(path_or_id), revision, endpoint, token)
         config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-        for path in (config_path, weights_path):
-            if not path.is_file():
-                raise AdapterError(f"{folder} has no {path.name}; a gate adapter folder holds {CONFIG_FILE}, {WEIGHTS_FILE} and {CARD_FILE}")
-        try:
-            raw = json.loads(config_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise AdapterError(f"{config_path} is not valid JSON ({err}); the file is corrupt or truncated") from err
-        config = GateConfig.from_dict(raw, str(config_path))
+        if not config_path.is_file():
+            raise AdapterError(f"{folder} has no {CONFIG_FILE}; a gate adapter folder holds {CONFIG_FILE}, {WEIGHTS_FILE} and {CARD_FILE}")
+        config = _read_config(config_path)  # first: a model's folder is named as one, not as an adapter lacking files
+        if not weights_path.is_file():
+            raise AdapterError(f"{folder} has no {WEIGHTS_FILE}; a gate adapter folder holds {CONFIG_FILE}, {WEIGHTS_FILE} and {CARD_FILE}")
         target = GATE_KINDS[config.kind]
         if cls is not GateSet and not issubclass(target, cls):
             raise AdapterError(f"{folder} holds {config.kind!r} gates, not {cls.kind!r} gates")
@@ -438,6 +441,16 @@ out = model.generate(**tok("...", return_tensors="pt"), past_key_values=cache, m
 {report}{training}"""
 
 
+def _read_config(path: Path, source: str | None = None) -> GateConfig:
+    """The adapter config in the file ``path`` (named ``source`` in errors; default: the path), checked
+    (``GateConfig.from_dict``); ``AdapterError`` for a file that is no JSON."""
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise AdapterError(f"{source or path} is not valid JSON ({err}); the file is corrupt or truncated") from err
+    return GateConfig.from_dict(raw, source or str(path))
+
+
 def _kind_in(folder: Path) -> str | None:
     """The gate kind of the adapter in ``folder`` (its ``config.json``'s ``kind``), None where there is none to read."""
     try:
@@ -455,7 +468,9 @@ def _shipped_names() -> str:
 
 
 def _download(repo_id: str, revision: str | None, endpoint: str | None, token: str | None) -> Path:
-    from huggingface_hub import snapshot_download
+    """The Hub adapter ``repo_id`` in the local Hub cache: its ``config.json`` first, checked (a model's repository
+    is refused before any of its weights download), then the files its kind holds, nothing else."""
+    from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
@@ -465,16 +480,15 @@ def _download(repo_id: str, revision: str | None, endpoint: str | None, token: s
             f"{repo_id} is neither an adapter folder nor a Hub repository id; pass an existing adapter folder "
             f"(config.json, model.safetensors), a shipped adapter's name ({_shipped_names()}) or an id like 'user/name'"
         ) from None
+    where = dict(repo_id=repo_id, revision=revision, endpoint=endpoint, token=token)
+    kind = _read_config(_fetch(hf_hub_download, filename=CONFIG_FILE, **where), f"{repo_id}/{CONFIG_FILE}").kind
+    return _fetch(snapshot_download, allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, *GATE_KINDS[kind].parts], **where)
+
+
+def _fetch(download: Callable[..., str], repo_id: str, **kwargs: Any) -> Path:
+    """``download(repo_id=repo_id, **kwargs)`` (a Hub client download) as a path; ``AdapterError`` where it fails."""
     try:
-        return Path(
-            snapshot_download(
-                repo_id=repo_id,
-                revision=revision,
-                allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, PARTS_PATTERN],
-                endpoint=endpoint,
-                token=token,
-            )
-        )
+        return Path(download(repo_id=repo_id, **kwargs))
     except Exception as err:  # the Hub client raises many types (offline, 404, auth)
         raise AdapterError(
             f"no local folder {repo_id!r} and it could not be fetched from the Hub ({type(err).__name__}); "

@@ -159,6 +159,7 @@ class DecisionHeadsLoRA(DecisionHeads):
     """
 
     kind = "dms-lora"
+    parts = (f"{LORA_DIR}/*",)
 
     def __init__(self, config: GateConfig):
         super().__init__(config)
