@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -444,22 +445,28 @@ def _own_parameter_names(model: PreTrainedModel) -> dict[str, str]:
     return own
 
 
-#: The dtype a fingerprint rounds its weight sample to, per adapter format version (``GateConfig.version``): version 1
-#: hashed the weights as loaded, so only a load in the training run's dtype matched.
-FINGERPRINT_DTYPES = {1: torch.float32, 2: torch.bfloat16}
+#: What a fingerprint hashes of its weight sample, per adapter format version (``GateConfig.version``): version 1 the
+#: values as loaded (only a load in the training run's dtype matched), version 2 the values rounded to bfloat16 (a
+#: float16 load rounds otherwise), version 3 their signs, which no cast changes.
+FINGERPRINT_SAMPLES: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
+    1: lambda values: values.float(),
+    2: lambda values: values.to(torch.bfloat16).float(),
+    3: torch.signbit,
+}
 
 
-def model_fingerprint(model: PreTrainedModel, version: int = max(FINGERPRINT_DTYPES)) -> str:
-    """A short hash of a model's architecture and weights, stable across processes, devices and a checkpoint's float32
-    and bfloat16 loads.
+def model_fingerprint(model: PreTrainedModel, version: int = max(FINGERPRINT_SAMPLES)) -> str:
+    """A short hash of a model's architecture and weights, stable across processes, devices and the dtype the
+    model is loaded in (float32, bfloat16, float16).
 
     It covers the attention geometry (what a gate adapter's shapes depend on) and a fixed sample of the
     weights of the embedding, the first and last decoder layers and the final norm (so a fine-tune or a
-    different quantisation of the same architecture gets another fingerprint). The sample is hashed rounded to
-    bfloat16, the values a bfloat16 load of a float32 checkpoint holds: gates trained on a GPU's bfloat16 weights
-    attach to the float32 model a CPU loads, and shipped gates to a GPU's bfloat16 one. (A float16 load rounds
-    differently and gets its own fingerprint.) ``version``: the adapter format whose fingerprint to compute (an
-    adapter of version 1 recorded the sample as loaded: a float32 model's values are their own float32 rounding).
+    different quantisation of the same architecture gets another fingerprint). It hashes the sample's signs:
+    rounding to another dtype keeps every sign (a value rounded to zero keeps it too), while no rounding of the
+    values themselves can agree for all loads (a float16 and a bfloat16 load of a float32 checkpoint round 3% of
+    the embedded model's sample to different bfloat16 values). Weights that differ only in magnitude, with no
+    sampled value changing sign, share a fingerprint. ``version``: the adapter format whose fingerprint to compute
+    (``FINGERPRINT_SAMPLES``), so the adapters of an earlier version keep attaching.
     """
     import hashlib
 
@@ -478,5 +485,5 @@ def model_fingerprint(model: PreTrainedModel, version: int = max(FINGERPRINT_DTY
         steps = min(4096, flat.numel())
         idx = (torch.arange(steps, dtype=torch.int64) * (flat.numel() - 1) // max(steps - 1, 1)).to(flat.device)
         digest.update(name.encode())
-        digest.update(flat[idx].to(FINGERPRINT_DTYPES[version]).float().cpu().numpy().tobytes())
+        digest.update(FINGERPRINT_SAMPLES[version](flat[idx]).cpu().numpy().tobytes())
     return digest.hexdigest()[:16]

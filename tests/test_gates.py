@@ -374,33 +374,38 @@ def test_fingerprint_mismatch_is_refused(tiny_pair):
         TrimKV(budget=8, gates=gates, strict=False).attach(wider)
 
 
-def test_gates_trained_on_bfloat16_weights_attach_to_the_float32_model_and_back(tiny_pair):
-    """Training on CUDA loads the frozen model in bfloat16 (model_dtype auto), ``kvgates generate`` in float32: the
-    fingerprint is the same for both loads of one checkpoint (gates trained on a GPU were refused by the CLI there),
-    while a float16 load, which rounds otherwise, and other weights are still told apart."""
-    import copy
-
+def test_gates_made_on_any_load_of_a_model_attach_to_its_other_loads(tiny_pair):
+    """Training on CUDA loads the frozen model in bfloat16 (model_dtype auto) or float16 (``model_dtype: float16``),
+    ``kvgates generate`` in float32: the fingerprint is the same for all three loads of one checkpoint (a float16
+    run's gates were refused by the float32 and bfloat16 models), while other weights, even a small step away (a
+    fine-tune's), are still told apart."""
     _, model = tiny_pair
-    half = copy.deepcopy(model).to(torch.bfloat16)
-    assert kvgates.model_fingerprint(half) == kvgates.model_fingerprint(model)
-    RetentionGates.for_model(half).check_model(model)
-    RetentionGates.for_model(model).check_model(half)
-    assert kvgates.model_fingerprint(copy.deepcopy(model).to(torch.float16)) != kvgates.model_fingerprint(model)
+    loads = [model, copy.deepcopy(model).to(torch.bfloat16), copy.deepcopy(model).to(torch.float16)]
+    assert len({kvgates.model_fingerprint(m) for m in loads}) == 1
+    for made_on in loads:
+        gates = RetentionGates.for_model(made_on)
+        for other in loads:
+            gates.check_model(other)
     _, other = tiny_model("llama", seed=1)
-    assert kvgates.model_fingerprint(other.to(torch.bfloat16)) != kvgates.model_fingerprint(model)
+    nudged = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in nudged.parameters():
+            p.add_(torch.randn_like(p), alpha=1e-3)
+    assert kvgates.model_fingerprint(model) not in {kvgates.model_fingerprint(other.to(torch.float16)), kvgates.model_fingerprint(nudged)}
 
 
-def test_an_adapter_of_format_version_1_checks_its_fingerprint_as_it_was_taken(tiny_pair, tmp_path):
-    """Adapters written before the bfloat16-rounded fingerprint (format version 1) recorded the weights as loaded:
-    they still attach to that model (a float32 one), and to no other weights."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_adapter_of_an_earlier_format_version_checks_its_fingerprint_as_it_was_taken(tiny_pair, tmp_path, version):
+    """Adapters written before the sign fingerprint (format version 3) recorded the weights as loaded (version 1) or
+    rounded to bfloat16 (version 2, the shipped adapters): they still attach to that model, and to no other weights."""
     import dataclasses
 
     _, model = tiny_pair
     gates = RetentionGates.for_model(model)
-    gates.config = dataclasses.replace(gates.config, version=1, fingerprint=kvgates.model_fingerprint(model, 1))
-    gates.save_pretrained(tmp_path / "v1")
-    old = kvgates.load_gates(tmp_path / "v1")
-    assert old.config.version == 1 and old.config.fingerprint != kvgates.model_fingerprint(model)
+    gates.config = dataclasses.replace(gates.config, version=version, fingerprint=kvgates.model_fingerprint(model, version))
+    gates.save_pretrained(tmp_path / "old")
+    old = kvgates.load_gates(tmp_path / "old")
+    assert old.config.version == version and old.config.fingerprint != kvgates.model_fingerprint(model)
     old.check_model(model)
     _, other = tiny_model("llama", seed=1)
     with pytest.raises(AdapterError, match="trained for .* not for this model"):

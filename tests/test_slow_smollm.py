@@ -167,7 +167,7 @@ def test_shipped_adapter_loads_offline_fits_the_embedded_model_and_generates(smo
     model, tok = smollm
     assert name in embedded_adapters()
     gates = kvgates.load_gates(name)
-    assert gates.config.fingerprint == model_fingerprint(model)
+    assert gates.config.fingerprint == model_fingerprint(model, gates.config.version)  # format version 2's
     training = gates.config.training
     assert training["command"].startswith("train.py --config configs/train/") and training["essay_split"]["test"]
     assert f"| {training['recipe']['kind']}" in gates.config.report  # its held-out (and A/B) table

@@ -32,9 +32,9 @@ from kvgates.errors import AdapterError, HubPushError
 from kvgates.gates.modules import GlobalRetentionTrunk, RetainingHead, RetentionGate, SharedRetentionHead
 from kvgates.typecheck import field_problems
 
-#: Version 2: the model fingerprint is the same for a float32 and a bfloat16 load (``kvgates.models.model_fingerprint``);
-#: adapters of version 1 are checked against version 1's fingerprint.
-ADAPTER_VERSION = 2
+#: Version 3: the model fingerprint is the same for a float32, a bfloat16 and a float16 load (version 2: float32 and
+#: bfloat16; ``kvgates.models.model_fingerprint``); an adapter is checked against its own version's fingerprint.
+ADAPTER_VERSION = 3
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CARD_FILE = "README.md"
