@@ -532,6 +532,25 @@ def test_saving_into_no_folder_a_file_or_another_kinds_adapter_is_refused(tiny_p
     gates.save_pretrained(tmp_path / "gates")  # the same kind again: replaced
 
 
+def test_a_config_json_cannot_hold_is_one_sentence_and_leaves_the_adapter_there_whole(tiny_pair, tmp_path):
+    """Saving 16-wide gates with a numpy number in their results over 8-wide ones replaced the weights, then failed
+    writing the config (a TypeError traceback): the folder held 16-wide weights under an 8-wide config and failed to
+    load."""
+    import numpy as np
+
+    _, model = tiny_pair
+    RetentionGates.for_model(model, gate_hidden=8).save_pretrained(tmp_path / "gates")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "gates").iterdir()}
+    wider = RetentionGates.for_model(model, gate_hidden=16)
+    wider.config.results = {"kl": np.float32(0.1)}
+    for folder in (tmp_path / "gates", tmp_path / "new"):
+        with pytest.raises(AdapterError, match=r"^the adapter's config cannot be written as JSON \(Object of type float32 is not JSON") as info:
+            wider.save_pretrained(folder)
+        assert "\n" not in str(info.value)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "gates").iterdir()} == before and not (tmp_path / "new").exists()
+    assert GateSet.from_pretrained(tmp_path / "gates").config.gate_hidden == 8
+
+
 def test_the_cards_usage_carries_the_policy_settings_the_gates_were_trained_with(tiny_pair):
     """A DMS run trained with ``policy.window: 4``; its card said ``make_policy("dms", budget=24, gates=...)``, whose
     default window of 16 is not the one the gates learned with."""

@@ -292,8 +292,9 @@ class GateSet(nn.Module):
     # ------------------------------------------------------------------ saving and loading
     def save_pretrained(self, folder: str | os.PathLike) -> Path:
         """Write ``config.json``, ``model.safetensors`` and ``README.md`` to ``folder`` (created if needed; an adapter
-        of the same kind there is replaced). ``AdapterError`` (one sentence, nothing written) for an empty name, a
-        file, or a folder holding an adapter of another kind, whose own parts (a DMS LoRA's ``lora/``) would stay."""
+        of the same kind there is replaced), each through a temporary file. ``AdapterError`` (one sentence, nothing
+        written) for an empty name, a file, a folder holding an adapter of another kind, whose own parts (a DMS
+        LoRA's ``lora/``) would stay, or a config JSON cannot hold (a numpy number in its results)."""
         if not str(folder).strip():  # Path("") is the current folder
             raise AdapterError("the folder name is empty; name the folder to save the adapter in")
         folder = Path(folder)
@@ -302,14 +303,20 @@ class GateSet(nn.Module):
         there = _kind_in(folder)
         if there is not None and there != self.kind:
             raise AdapterError(f"{folder} holds {there!r} gates; save these {self.kind!r} gates in another folder, or remove that one first")
+        try:  # the texts before any file: a config that cannot be written leaves the adapter there whole
+            text = json.dumps(self.config.to_dict(), indent=2)
+        except (TypeError, ValueError) as err:
+            raise AdapterError(
+                f"the adapter's config cannot be written as JSON ({err}); its results and training must hold plain JSON "
+                f"values (numbers, strings, booleans, null, lists, objects), and nothing was written to {folder}"
+            ) from err
+        card = self.model_card()
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
         metadata = {"format": "pt", "kind": self.kind, "fingerprint": self.config.fingerprint}
         if not _holds(folder / WEIGHTS_FILE, tensors, metadata):
             atomic_write(folder / WEIGHTS_FILE, lambda p: save_file(tensors, p, metadata=metadata))
-        text = json.dumps(self.config.to_dict(), indent=2)
         atomic_write(folder / CONFIG_FILE, lambda p: Path(p).write_text(text))
-        card = self.model_card()
         atomic_write(folder / CARD_FILE, lambda p: Path(p).write_text(card))
         return folder
 
