@@ -560,12 +560,17 @@ def test_the_cards_usage_carries_the_policy_settings_the_gates_were_trained_with
     assert 'make_policy("trimkv", budget=24, gates="<this repo id or folder>", window=4, buffer=8)' in gates.model_card()
 
 
-def test_the_card_of_gates_for_a_model_from_a_folder_loads_the_folder(tiny_pair, tmp_path):
-    """The card's usage said ``load_model("local:tiny")``, a name load_model refuses."""
+def test_the_card_of_gates_for_a_model_from_a_folder_loads_the_folder_and_names_no_base_model_to_the_hub(tiny_pair, tmp_path):
+    """The card's usage said ``load_model("local:tiny")``, a name load_model refuses; its front matter said
+    ``base_model: local:tiny``, which the Hub's card validation refuses (the push after training failed)."""
     path = save_tiny_checkpoint(tmp_path / "tiny")
     model, _ = kvgates.load_model(str(path))
     card = RetentionGates.for_model(model).model_card()
     assert 'kvgates.load_model("<the folder of tiny, the base model>")' in card and 'load_model("local:' not in card
+    assert card.startswith("---\nlibrary_name: kvgates\ntags: [") and "base_model:" not in card
+    hub_model = RetentionGates.for_model(model)
+    hub_model.config.base_model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "\nbase_model: HuggingFaceTB/SmolLM2-135M-Instruct\ntags: [" in hub_model.model_card()
 
 
 def test_loading_never_unpickles(tiny_pair, tmp_path, monkeypatch):

@@ -396,6 +396,9 @@ class GateSet(nn.Module):
         return str(getattr(info, "commit_url", info))
 
     def model_card(self) -> str:
+        """The adapter's ``README.md``: front matter for the Hub, what the gates are for, usage, results, recipe."""
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
         from kvgates.methods import method_of
 
         c = self.config
@@ -416,10 +419,14 @@ class GateSet(nn.Module):
         load = c.base_model
         if load.startswith("local:"):
             load = f"<the folder of {load.removeprefix('local:')}, the base model>"
+        try:  # the Hub refuses a card whose base_model is no model id (local:<folder>): the upload would fail
+            validate_repo_id(c.base_model)
+            base_model = f"base_model: {c.base_model}\n"
+        except HFValidationError:
+            base_model = ""
         return f"""---
 library_name: kvgates
-base_model: {c.base_model}
-tags: [kvgates, kv-cache, kv-cache-eviction, {c.kind}]
+{base_model}tags: [kvgates, kv-cache, kv-cache-eviction, {c.kind}]
 ---
 
 # kvgates {c.kind} gates for {c.base_model}
