@@ -440,6 +440,7 @@ def _edit(**fields):
         (lambda d: (d / "model.safetensors").unlink(), "has no model.safetensors"),
         (lambda d: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "kind": "magic"})), "gate kind 'magic'"),
         (lambda d: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "gate_hidden": 7})), "has shape"),
+        (_edit(gate_hidden=10**12), "the config implies (2, 1000000000000)"),  # a RuntimeError from the allocator
         (lambda d: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "version": 99})), "format version 99"),
         (lambda d: (d / "config.json").write_text(json.dumps({"kind": "retention"})), "lacks"),
         (_edit(num_kv_heads="three"), "num_kv_heads must be an integer, got 'three'"),

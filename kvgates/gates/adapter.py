@@ -350,8 +350,9 @@ class GateSet(nn.Module):
             tensors = load_file(str(weights_path))
         except (SafetensorError, OSError, ValueError) as err:
             raise AdapterError(f"{weights_path} is truncated or corrupt ({err})") from err
-        gates = target(config)
-        gates.load_parts(folder)
+        with torch.device("meta"):  # shapes only, no memory: a corrupt size (gate_hidden 10**12) is refused, not allocated
+            gates = target(config)
+            gates.load_parts(folder)
         expected = gates.state_dict()
         missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
         if missing or unexpected:
@@ -362,7 +363,7 @@ class GateSet(nn.Module):
         for name, tensor in tensors.items():
             if tensor.shape != expected[name].shape:
                 raise AdapterError(f"{weights_path}: {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}")
-        gates.load_state_dict(tensors)
+        gates.to_empty(device="cpu").load_state_dict(tensors)
         stored = {t.dtype for t in tensors.values() if t.is_floating_point()}
         if len(stored) == 1:  # in the precision it was saved in (shipped adapters: float16), so it saves back the same
             gates.to(stored.pop())
