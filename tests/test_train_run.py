@@ -547,11 +547,27 @@ def test_an_adapter_for_another_model_stops_the_run_and_leaves_no_folder(tiny_di
     cfg = tiny_config(tiny_dir, out, gates={"init_from": str(tmp_path / "foreign")})
     assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 2
     err = capsys.readouterr().err.strip()  # after the model's loading bar
-    assert "were trained for" in err.splitlines()[-1] and "Traceback" not in err and not out.exists()
+    assert "gates.init_from: these gates were trained for" in err.splitlines()[-1] and "Traceback" not in err and not out.exists()
     # A folder that was there, empty, is left empty (it kept the run's run_config.json).
     out.mkdir()
     assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 2
     assert out.is_dir() and not any(out.iterdir())
+
+
+def test_an_adapter_of_other_shapes_is_refused_before_the_model_loads(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Gates of another geometry (layers, heads) passed ``--check`` ("ready to run") and were refused only once the
+    model had loaded; the model's config tells, so both refuse before any weight loads."""
+    from helpers import tiny_model
+
+    _, other = tiny_model("llama", num_hidden_layers=1)
+    kvgates.RetentionGates.for_model(other, gate_hidden=8).save_pretrained(tmp_path / "foreign")
+    cfg = tiny_config(tiny_dir, tmp_path / "run", gates={"init_from": str(tmp_path / "foreign")})
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    for check in ([], ["--check"]):
+        assert main(["--config", str(write(cfg, tmp_path / "c.yaml")), *check]) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "c.yaml: gates.init_from: these gates were trained for" in last and "(num_layers 1 vs 3" in last, last
+        assert not (tmp_path / "run").exists()
 
 
 def test_rows_past_the_models_context_stop_the_run_and_leave_no_folder(tiny_dir, tmp_path, capsys, monkeypatch):

@@ -50,7 +50,7 @@ from kvgates.cli import USAGE_ERROR, OneLineParser, usage_error
 from kvgates.config import check_output_folder
 from kvgates.gates.adapter import atomic_write
 from kvgates.gates.training import GateTraining
-from kvgates.models import check_model_source, model_skeleton, past_context
+from kvgates.models import model_skeleton, past_context
 from train.config import ConfigError, TrainConfig
 from train.trainer import GateTrainer, MetricsJsonl
 from train.validation import Validator, final_table, report_needles
@@ -399,13 +399,14 @@ def check_training_arguments(config: TrainConfig) -> None:
         raise ConfigError(f"training: {err}") from None
 
 
-def check_sources(config: TrainConfig) -> None:
-    """What the run reads besides the config, checked without loading the model: the model (``UnsupportedModelError``:
-    not a model, unreachable, an unsupported architecture), the data mix's datasets and files (``ConfigError``: one
-    that cannot be loaded or read, ``data.build.check_readable``) and ``gates.init_from`` (``AdapterError``:
-    unreadable, or of another kind than the run trains)."""
+def check_sources(config: TrainConfig) -> PreTrainedModel:
+    """What the run reads besides the config, checked without loading the model's weights; returns the model's
+    skeleton (``kvgates.models.model_skeleton``). The model (``UnsupportedModelError``: not a model, unreachable, an
+    unsupported architecture), the data mix's datasets and files (``ConfigError``: one that cannot be loaded or read,
+    ``data.build.check_readable``) and ``gates.init_from`` (``AdapterError``: unreadable, of another kind than the run
+    trains, or of shapes the model does not have)."""
     try:
-        check_model_source(config.model)
+        skeleton = model_skeleton(config.model)
     except kvgates.UnsupportedModelError as err:
         raise kvgates.UnsupportedModelError(f"model: {err}") from None
     try:
@@ -422,6 +423,11 @@ def check_sources(config: TrainConfig) -> None:
             raise kvgates.AdapterError(
                 f"gates.init_from: {spec.init_from} holds {gates.kind!r} gates; a {config.kind} run trains {config.gate_kind!r} gates"
             )
+        try:
+            gates.check_shapes(skeleton)
+        except kvgates.AdapterError as err:
+            raise kvgates.AdapterError(f"gates.init_from: {err}") from None
+    return skeleton
 
 
 def initial_gates(config: TrainConfig, model: PreTrainedModel) -> kvgates.GateSet:
@@ -432,8 +438,11 @@ def initial_gates(config: TrainConfig, model: PreTrainedModel) -> kvgates.GateSe
         method = config.learned_method
         hidden = spec.hidden if "hidden" in method.gate_keys else None  # (a kind that never reads it records its own)
         return method.gate_set.for_model(model, gate_hidden=hidden, training_budget=config.budget, init_bias=spec.init_bias)
-    gates = kvgates.load_gates(spec.init_from)  # its kind was checked by check_sources
-    gates.check_model(model)
+    gates = kvgates.load_gates(spec.init_from)  # its kind and shapes were checked by check_sources
+    try:
+        gates.check_model(model)
+    except kvgates.AdapterError as err:
+        raise kvgates.AdapterError(f"gates.init_from: {err}") from None
     # The run keeps the adapter's weights and shape, not the record of the run that made it: its own record (data,
     # results, training, tables) replaces it, and until then the adapter's card must not pass for this run's.
     gates.config.training_budget = config.budget
@@ -561,8 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         config = TrainConfig.load(args.config, args.overrides)
         try:
             check_training_arguments(config)
-            check_sources(config)
-            check_context(config, model_skeleton(config.model))  # before the weights load (minutes for an 8B model)
+            check_context(config, check_sources(config))  # before the weights load (minutes for an 8B model)
         except LaunchError:
             raise
         except USER_ERRORS as err:  # the config's own problems name it, as its file's do

@@ -270,10 +270,8 @@ class GateSet(nn.Module):
         """Refuse a model other than the one the gates were trained for (``strict=False``: same shapes suffice)."""
         from kvgates.models import hub_id_of, model_fingerprint
 
-        geometry = _geometry(model)
-        mine = {k: getattr(self.config, k) for k in geometry}
-        if geometry != mine:
-            diff = ", ".join(f"{k} {mine[k]} vs {geometry[k]}" for k in geometry if geometry[k] != mine[k])
+        diff = self._misfit(model)
+        if diff:
             if model_fingerprint(model, self.config.version) == self.config.fingerprint:  # the very model: shapes edited
                 raise AdapterError(
                     f"these gates name {self.config.base_model} as their model but their config does not fit it ({diff}); "
@@ -288,6 +286,21 @@ class GateSet(nn.Module):
                 f"these gates were trained for {self.config.base_model} (fingerprint {self.config.fingerprint}), not for "
                 f"this model {hub_id_of(model)} (fingerprint {fingerprint}); pass strict=False to attach them anyway"
             )
+
+    def check_shapes(self, model: PreTrainedModel) -> None:
+        """Refuse a model the gates' shapes do not fit (layers, heads, widths), reading only its config: what can be
+        checked of a model whose weights have not loaded (``kvgates.models.model_skeleton``)."""
+        from kvgates.models import hub_id_of
+
+        diff = self._misfit(model)
+        if diff:
+            raise AdapterError(f"these gates were trained for {self.config.base_model} and do not fit {hub_id_of(model)} ({diff})")
+
+    def _misfit(self, model: PreTrainedModel) -> str:
+        """Where ``model``'s geometry differs from the gates' (``"num_layers 2 vs 30, ..."``), or ``""``."""
+        geometry = _geometry(model)
+        mine = {k: getattr(self.config, k) for k in geometry}
+        return ", ".join(f"{k} {mine[k]} vs {geometry[k]}" for k in geometry if geometry[k] != mine[k])
 
     # ------------------------------------------------------------------ saving and loading
     def save_pretrained(self, folder: str | os.PathLike) -> Path:
