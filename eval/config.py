@@ -319,16 +319,23 @@ class ABConfig:
                 )
 
 
-def _journal_like(path: Path) -> bool:
-    """Whether ``path`` starts as a results journal does: empty, or a first line that is a JSON object with a
-    ``key`` (``results.json``, the report's record, is one object over many lines)."""
+def _journal_like(path: Path, lines: int = 5) -> bool:
+    """Whether ``path`` starts as a results journal does: empty, or a JSON object with a ``key`` among its first
+    ``lines`` lines (a torn line a killed run left may come first; ``results.json``, the report's record, is one
+    object over many lines)."""
     try:
         with path.open() as f:
-            first = f.readline()
-        row = json.loads(first) if first.strip() else {"key": None}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            head = [line for _, line in zip(range(lines), f) if line.strip()]
+    except (OSError, UnicodeDecodeError):
         return False
-    return isinstance(row, dict) and "key" in row
+    for line in head:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and "key" in row:
+            return True
+    return not head
 
 
 # ---------------------------------------------------------------------- parsing helpers

@@ -4,6 +4,7 @@ the generated tokens)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -298,9 +299,9 @@ def arm_section(results_dir: str | Path, label: str) -> str:
     if label not in {a.label for a in config.arms}:
         raise ValueError(f"{results_dir} has no arm {label!r}; its arms: {', '.join(a.label for a in config.arms)}")
     summary = Summary(results["rows"])
-    for task in config.tasks:  # a card states each task's number of examples: every one of them must be in
-        n = task.examples * len(task.context_tokens)
-        for arm, budget in [("full", None)] + [(label, b) for b in config.arm_budgets(config.arm(label), task)]:
+    for task in config.tasks:  # a card states each task's number of examples: every one of them must be in, of
+        n = task.examples * len(task.context_tokens)  # every arm (the best heuristic's column, the verdicts)
+        for arm, budget in [(a.label, b) for a in config.all_arms for b in (config.arm_budgets(a, task) if a.budgeted else [None])]:
             have = len(summary.rows(task.name, arm, budget))
             if have < n:
                 at = f" at budget {budget}" if budget is not None else ""
@@ -324,7 +325,14 @@ def arm_section(results_dir: str | Path, label: str) -> str:
             mine = _fmt(summary.mean(task.name, label, budget, m.name), m.fmt)
             kv = _fmt(summary.mean(task.name, label, budget, "kv_bytes") / MIB, ".2f")
             lines.append(f"| {task.name} ({n}) | {m.name} | {budget} | {mine} | {best_cell} | {full} | {kv} |")
-    verdicts = [f"- {c['sentence']}" for c in results["comparisons"] if label in (c["a"], c["b"])]
+    mine = [c for c in results["comparisons"] if label in (c["a"], c["b"])]
+    if any("sign_flip_p" not in c for c in mine):  # its stored sentences decided by the bootstrap interval alone
+        raise ValueError(
+            f"{results_dir}'s verdicts predate the sign-flip test; render them again (python -m eval ab with its config and "
+            "--report-only) before they go on a card"
+        )
+    fields = {f.name for f in dataclasses.fields(Comparison)}
+    verdicts = [f"- {Comparison(**{k: v for k, v in c.items() if k in fields}).sentence()}" for c in mine]
     heading = (
         f"{AB_SECTION} {config.model} (`python -m eval ab`, run `{Path(results_dir).name}`, {config.split} essays, "
         f"{phrasing}; "

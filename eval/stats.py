@@ -31,6 +31,8 @@ LEVEL = 0.05
 #: ``sign_flip_p`` enumerates every sign pattern up to this many examples, and draws ``FLIPS`` patterns past it.
 EXACT_FLIPS = 16
 FLIPS = 20000
+#: Sign patterns ``sign_flip_p`` weighs at once.
+FLIP_BLOCK = 2048
 #: Per-example differences within this of zero are ties: no win, no loss, nothing for a test to weigh.
 TIE = 1e-9
 #: Two points hold matched memory when the larger mean KV is at most this many times the smaller.
@@ -74,26 +76,34 @@ def sign_flip_p(diffs: np.ndarray, tol: float = TIE, seed: int = 0) -> np.ndarra
     Under no difference each example's difference is as likely to have either sign, so the observed ``|sum|`` is
     ranked among the sums of every sign pattern (all ``2^n`` of them up to ``EXACT_FLIPS`` examples, else
     ``FLIPS`` random ones, seeded, counting the observed one as a draw). Differences within ``tol`` of zero are
-    ties and weigh nothing; all ties give 1. Leading axes are independent experiments.
+    ties and weigh nothing; all ties give 1. An experiment with a difference that is not finite gives NaN (no
+    verdict). Leading axes are independent experiments.
     """
     diffs = np.asarray(diffs, dtype=np.float64)
     if diffs.shape[-1] < 1:
         raise ValueError("sign_flip_p needs at least one paired difference")
-    flat = np.where(np.abs(diffs) > tol, diffs, 0.0).reshape(-1, diffs.shape[-1])
+    flat = diffs.reshape(-1, diffs.shape[-1])
+    finite = np.isfinite(flat).all(-1)
+    flat = np.where(finite[:, None] & (np.abs(flat) > tol), flat, 0.0)
     n = flat.shape[1]
-    if n <= EXACT_FLIPS:
-        patterns = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)  # every sign pattern, [2^n, n]
-        drawn = 0
-    else:
-        patterns = np.random.default_rng(seed).choice([-1, 1], size=(FLIPS, n))
-        drawn = 1  # the observed pattern counts as one of the draws: p is never 0
+    exact = n <= EXACT_FLIPS
+    rng = np.random.default_rng(seed)
     # Sums equal to the observed one but for rounding count as at least as extreme.
     bar = np.abs(flat.sum(-1)) - 1e-9 * np.abs(flat).sum(-1)
-    extreme = np.empty(len(flat))
-    for start in range(0, len(flat), 64):  # (64 experiments at once bound memory at 64 x patterns)
-        part = slice(start, start + 64)
-        extreme[part] = (np.abs(flat[part] @ patterns.T) >= bar[part, None]).sum(-1)
-    return ((extreme + drawn) / (len(patterns) + drawn)).reshape(diffs.shape[:-1])
+    extreme, total = np.zeros(len(flat)), 0
+    for start in range(0, 2**n if exact else FLIPS, FLIP_BLOCK):  # patterns in blocks: memory FLIP_BLOCK x n
+        if exact:  # every sign pattern
+            codes = np.arange(start, min(start + FLIP_BLOCK, 2**n))
+            patterns = (1 - 2 * ((codes[:, None] >> np.arange(n)) & 1)).astype(np.float64)
+        else:
+            patterns = rng.choice([-1.0, 1.0], size=(min(FLIP_BLOCK, FLIPS - start), n))
+        total += len(patterns)
+        for first in range(0, len(flat), 64):  # (64 experiments at once)
+            part = slice(first, first + 64)
+            extreme[part] += (np.abs(flat[part] @ patterns.T) >= bar[part, None]).sum(-1)
+    drawn = 0 if exact else 1  # a drawn test counts the observed pattern as one of its draws: p is never 0
+    p = (extreme + drawn) / (total + drawn)
+    return np.where(finite, p, np.nan).reshape(diffs.shape[:-1])
 
 
 def win_tie_loss(improvement: np.ndarray, tol: float = TIE) -> tuple[int, int, int]:
@@ -222,7 +232,8 @@ def compare(
     if va.shape != vb.shape or va.ndim != 1 or not len(va):
         raise ValueError(f"paired values need the same non-empty 1-D shape, got {va.shape} and {vb.shape}")
     improvement = va - vb if higher_is_better else vb - va
-    low, high = bootstrap_ci(improvement, n_boot=n_boot, seed=seed)
+    finite = bool(np.isfinite(improvement).all())  # (an infinite or NaN difference: no interval, no verdict)
+    low, high = bootstrap_ci(improvement, n_boot=n_boot, seed=seed) if finite else (math.nan, math.nan)
     p = float(sign_flip_p(improvement, seed=seed))
     wins, ties, losses = win_tie_loss(improvement)
     extra = {}

@@ -284,6 +284,11 @@ def test_reading_a_journal_writes_nothing_and_an_append_mends_a_torn_end(tmp_pat
     runner_module.append_rows(journal, [{"key": "c", "v": 3}])
     assert journal.read_bytes() == before + b'\n{"key": "c", "v": 3}\n'
     assert runner_module.load_journal(journal)["c"]["v"] == 3
+    torn_first = tmp_path / "torn.jsonl"  # a run killed mid-write of its first line, then resumed
+    torn_first.write_text('{"key": "a", "v"')
+    runner_module.append_rows(torn_first, [{"key": "b"}])
+    assert list(runner_module.load_journal(torn_first)) == ["b"]
+    ABConfig.from_dict({"arms": ["h2o"], "tasks": ["needle"], "reuse": [str(torn_first)]})  # still reusable
     runner_module.append_rows(tmp_path / "new.jsonl", [{"key": "d"}])
     assert (tmp_path / "new.jsonl").read_text() == '{"key": "d"}\n'
 

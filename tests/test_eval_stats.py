@@ -56,6 +56,9 @@ def test_sign_flip_p_matches_hand_computed_cases():
     assert sign_flip_p(tied) == 1.0
     assert not compare(tied, np.zeros(6), task="t", budget=1, a="x", b="y", metric="kl", higher_is_better=True).decided
     assert 0 < sign_flip_p(np.ones(30)) < 1e-4
+    # A difference that is not finite makes no verdict (an infinite one gave p = 0 and "A beats B by inf").
+    assert np.isnan(sign_flip_p([np.inf] + [1.0] * 7)) and np.isnan(sign_flip_p([np.nan] + [1.0] * 7))
+    assert not compare([np.inf] + [1.0] * 7, [0.0] * 8, task="t", budget=1, a="x", b="y", metric="m", higher_is_better=True).decided
     d = np.random.default_rng(2).normal(0.4, 1.0, size=18)
     assert sign_flip_p(d) == pytest.approx(float(sign_flip_p(d[None]).squeeze()))
 

@@ -568,6 +568,24 @@ def test_an_adapter_of_other_shapes_is_refused_before_the_model_loads(tiny_dir, 
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert "c.yaml: gates.init_from: these gates were trained for" in last and "(num_layers 1 vs 3" in last, last
         assert not (tmp_path / "run").exists()
+    # A dms-lora adapter whose trained LoRA has another rank than the run's method.lora_rank: refused by setup, once
+    # the model had loaded and the output folder was written.
+    monkeypatch.undo()
+    from kvgates.methods.dms import DecisionHeadsLoRA
+
+    lora = DecisionHeadsLoRA.for_model(kvgates.load_model(str(tiny_dir))[0])  # rank 8
+    with torch.no_grad():
+        for *_, b in lora.lora_modules():
+            b.weight.normal_()
+    lora.save_pretrained(tmp_path / "lora")
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    cfg = tiny_config(tiny_dir, tmp_path / "run", kind="dms-lora", method={"window": 4, "lora_rank": 2}, policy={"window": 4},
+                      gates={"hidden": None, "init_bias": 1.0, "init_from": str(tmp_path / "lora")})
+    assert main(["--config", str(write(cfg, tmp_path / "c.yaml")), "--check"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "gates.init_from: these gates carry a trained LoRA of rank 8, alpha 16.0 on q_proj, v_proj; set method.lora_rank, "
+        "lora_alpha and lora_targets to match it"
+    )
 
 
 def test_rows_past_the_models_context_stop_the_run_and_leave_no_folder(tiny_dir, tmp_path, capsys, monkeypatch):
@@ -1059,7 +1077,9 @@ def test_shipping_an_adapter_makes_it_loadable_by_name(tiny_dir, tmp_path, monke
         for arm, budget, value in [("full", None, 1.0), ("h2o", 64, 0.0), ("snapkv", 64, 0.5), ("trimkv", 64, 1.0)]
         for i in range(2)
     ]
-    comparison = {"a": "trimkv", "b": "h2o", "sentence": "trimkv beats h2o at 64 on needle by 1 recall."}
+    from eval.stats import compare
+
+    comparison = compare([1.0] * 6, [0.0] * 6, task="needle", budget=64, a="trimkv", b="h2o", metric="recall", higher_is_better=True).to_dict()
     trained.config.report = "Held-out table of train.py"
     trained.save_pretrained(tmp_path / "adapter")
     arms = [{"label": "full", "policy": "full", "params": {}, "gates": None}, {"label": "h2o", "policy": "h2o", "params": {}, "gates": None},
@@ -1076,7 +1096,15 @@ def test_shipping_an_adapter_makes_it_loadable_by_name(tiny_dir, tmp_path, monke
     loaded = kvgates.load_gates("tiny-trimkv")  # by name, offline
     card = (tmp_path / "embedded" / "tiny-trimkv" / "README.md").read_text()
     assert loaded.config.report.startswith("Held-out table of train.py") and "| needle (2) | recall | 64 | 100% | 50% (snapkv) | 100% |" in card
-    assert "trimkv beats h2o at 64" in card
+    assert "trimkv beats h2o at 64 on needle by 1 recall" in card
+    # A run rendered before the sign-flip test: its stored sentences were decided by the bootstrap interval alone.
+    (tmp_path / "old").mkdir()
+    record = json.loads((ab / "results.json").read_text())
+    for c in record["comparisons"]:
+        del c["sign_flip_p"]
+    (tmp_path / "old" / "results.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="old's verdicts predate the sign-flip test; render them again"):
+        ship.ship("tiny-trimkv", "tiny-trimkv", tmp_path / "old", "trimkv")
     # Re-shipped by its name with a newer A/B run: the card's A/B section is replaced, the held-out table kept.
     ship.ship("tiny-trimkv", "tiny-trimkv", ab, "trimkv")
     again = kvgates.load_gates("tiny-trimkv").config.report
@@ -1089,13 +1117,15 @@ def test_shipping_an_adapter_makes_it_loadable_by_name(tiny_dir, tmp_path, monke
     assert both.count("A/B evaluation on") == 2 and both.index("run `ab`") < both.index("run `ab2`")
     ship.ship("tiny-trimkv", "tiny-trimkv", ab, "trimkv")
     assert kvgates.load_gates("tiny-trimkv").config.report.count("A/B evaluation on") == 1
-    # A run still going (one of the adapter's two needles in) is refused: the card said "needle (2)" of means over one.
+    # A run still going (one of an arm's two needles in) is refused: the card said "needle (2)" of means over one, and
+    # its best-heuristic column and verdicts may read a heuristic's partial results as well as the adapter's.
     record = json.loads((ab / "results.json").read_text())
     (tmp_path / "ab3").mkdir()
-    unfinished = {**record, "rows": [r for r in record["rows"] if not (r["arm"] == "trimkv" and r["example"] == 1)]}
-    (tmp_path / "ab3" / "results.json").write_text(json.dumps(unfinished))
-    with pytest.raises(ValueError, match="ab3 is not a finished run: arm 'trimkv' has 1 of its 2 results on task 'needle' at budget 64"):
-        ship.ship("tiny-trimkv", "tiny-trimkv", tmp_path / "ab3", "trimkv")
+    for arm in ("trimkv", "snapkv"):
+        unfinished = {**record, "rows": [r for r in record["rows"] if not (r["arm"] == arm and r["example"] == 1)]}
+        (tmp_path / "ab3" / "results.json").write_text(json.dumps(unfinished))
+        with pytest.raises(ValueError, match=f"ab3 is not a finished run: arm '{arm}' has 1 of its 2 results on task 'needle' at budget 64"):
+            ship.ship("tiny-trimkv", "tiny-trimkv", tmp_path / "ab3", "trimkv")
     # A run whose needles used a training template says so (the card said "templates never used in training").
     record["tasks"][0]["templates"] = ["magic-number", "pin"]
     (ab / "results.json").write_text(json.dumps(record))
@@ -1725,6 +1755,7 @@ def test_the_trainers_own_push_to_hub_is_refused_for_the_runs(tiny_dir, tmp_path
             capsys.readouterr().err
         )
         assert not (tmp_path / "run").exists()
+    assert main(["--config", str(path), "--check", "training.push_to_hub=false", "training.hub_model_id=null"]) == 0  # what they are unset
 
 
 @pytest.mark.parametrize("kind,budget", [("dms", 24), ("kvzap-linear", 64)])

@@ -360,7 +360,8 @@ def _check_training_args(training: dict[str, Any]) -> None:
     reserved = sorted(set(training) & _RESERVED_ARGS)
     if reserved:
         raise ConfigError(f"training: {reserved} are set by the run itself; remove them from the config")
-    hub = sorted(key for key in training if key == "push_to_hub" or key.startswith("hub_"))
+    hub = sorted(key for key in training if key.startswith("hub_") and training[key] is not None)
+    hub = (["push_to_hub"] if training.get("push_to_hub") else []) + hub
     if hub:  # the Trainer's push runs at its start, to a repository of the whole output folder (a traceback offline)
         raise ConfigError(
             f"training: {', '.join(hub)} would have the Trainer push its checkpoints; the run pushes its trained adapter "

@@ -425,6 +425,7 @@ def check_sources(config: TrainConfig) -> PreTrainedModel:
             )
         try:
             gates.check_shapes(skeleton)
+            config.learned_method.check_init(gates, config.method_options)
         except kvgates.AdapterError as err:
             raise kvgates.AdapterError(f"gates.init_from: {err}") from None
     return skeleton

@@ -222,6 +222,10 @@ class LearnedMethod:
         model's context. Default: 0 (labels come from the row's own forward)."""
         return 0
 
+    def check_init(self, gates: GateSet, options: Any) -> None:
+        """Refuse (``AdapterError``, one sentence) gates to continue from (``gates.init_from``) that this run's
+        ``options`` cannot train, before the model loads. Default: nothing."""
+
     def setup(self, model: nn.Module, gates: GateSet, options: Any) -> None:
         """Prepare ``model`` for training ``gates`` (before the Trainer is built). Default: nothing."""
 

@@ -578,17 +578,25 @@ class DMSLoRAMethod(DMSMethod):
     gate_set = DecisionHeadsLoRA
     options = DMSLoRAOptions
 
+    def check_init(self, gates: GateSet, options: Any) -> None:
+        """Refuse gates carrying a trained LoRA of another shape than ``options`` ask for (``configure_lora`` would
+        drop it)."""
+        config = lora_config(options.lora_rank, options.lora_alpha, options.lora_targets, gates.config.layer_ids)
+        if _lora_shape(config) != _lora_shape(gates.lora_config) and any(
+            bool(b.weight.detach().any()) for _, _, _, b in gates.lora_modules()
+        ):
+            r, alpha, targets, _ = _lora_shape(gates.lora_config)
+            raise AdapterError(
+                f"these gates carry a trained LoRA of rank {r}, alpha {alpha} on {', '.join(targets)}; "
+                "set method.lora_rank, lora_alpha and lora_targets to match it"
+            )
+
     def setup(self, model: nn.Module, gates: GateSet, options: Any) -> None:
         """Shape the gates' LoRA by ``options`` (kept as it is when it already has that shape: ``gates.init_from``)
         and put it on ``model`` (``install_lora``) until ``teardown``."""
+        self.check_init(gates, options)
         config = lora_config(options.lora_rank, options.lora_alpha, options.lora_targets, gates.config.layer_ids)
         if _lora_shape(config) != _lora_shape(gates.lora_config):
-            if any(bool(b.weight.detach().any()) for _, _, _, b in gates.lora_modules()):
-                r, alpha, targets, _ = _lora_shape(gates.lora_config)
-                raise AdapterError(
-                    f"gates.init_from carries a trained LoRA of rank {r}, alpha {alpha} on {', '.join(targets)}; "
-                    "set method.lora_rank, lora_alpha and lora_targets to match it"
-                )
             gates.configure_lora(config)
         install_lora(model, gates)
 
