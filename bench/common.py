@@ -78,14 +78,10 @@ def setup(
     if unknown:
         parser.error(f"--policies: unknown policy {unknown[0]!r}; available policies: {', '.join(sorted(kvgates.POLICIES))}")
     budget = getattr(args, "budget", None)
-    for spec in getattr(args, "policies", None) or []:  # their parameters at --budget (a learned one's on placeholder gates)
-        name, _, given = spec.partition(":")
-        try:
-            params = _with_gates(name, parse_params(given), lambda kind: GATE_KINDS[kind].placeholder())
-            if isinstance(budget, int):
-                kvgates.make_policy(name, **params, **({} if name == "full" else {"budget": budget}))
-        except ValueError as err:
-            parser.error(f"--policies {spec}: {err}")
+    for spec in getattr(args, "policies", None) or []:
+        problem = policy_problem(spec, budget if isinstance(budget, int) else None)
+        if problem is not None:
+            parser.error(problem)
     problem = None if check is None else check(args)
     if problem is not None:
         parser.error(problem)
@@ -102,6 +98,21 @@ def setup(
         facts += f"; {PREFILL_CONFIG_ENV}={launch}"
     print(f"device: {device_name(args.device)}; model: {args.model} ({model.config.num_hidden_layers} layers); {facts}")
     return args, model, tokenizer
+
+
+def policy_problem(spec: str, budget: int | None, source: str = "") -> str | None:
+    """What is wrong with the ``--policies`` entry ``spec`` (``name`` or ``name:key=value,...``) built at ``budget``
+    (its parameters alone where None; a learned policy's on placeholder gates), in one sentence that names the
+    option the budget came from after the entry where ``source`` does (`` at --configs 160:32``), else None: what a
+    bench checks before its model loads."""
+    name, _, given = spec.partition(":")
+    try:
+        params = _with_gates(name, parse_params(given), lambda kind: GATE_KINDS[kind].placeholder())
+        if budget is not None:
+            kvgates.make_policy(name, **params, **({} if name == "full" else {"budget": budget}))
+    except ValueError as err:
+        return f"--policies {spec}{source}: {err}"
+    return None
 
 
 #: Model shapes the benches build with random weights (``--model random:NAME``; ``random`` alone is SmolLM2-135M),

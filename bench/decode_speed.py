@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from common import attached, bench_policy, crop_to, essay_ids, setup, sync, time_decode
+from common import attached, bench_policy, crop_to, essay_ids, policy_problem, setup, sync, time_decode
 from transformers import DynamicCache, StaticCache
 
 import kvgates
@@ -130,12 +130,17 @@ def context_budget(config: str) -> tuple[int, int]:
 
 
 def check(args) -> str | None:
-    """What is wrong with ``--configs`` or ``--batch``, in one sentence, before the model loads (else None)."""
+    """What is wrong with ``--configs``, ``--batch`` or a ``--policies`` entry at a ``--configs`` budget, in one
+    sentence, before the model loads (else None)."""
     for config in args.configs:
         try:
-            context_budget(config)
+            budget = context_budget(config)[1]
         except ValueError as err:
             return str(err)
+        for spec in args.policies:  # setup builds them at --budget, which this bench has not: at each entry's budget
+            problem = policy_problem(spec, budget, f" at --configs {config}")
+            if problem is not None:
+                return problem
     # The caches are prefilled at batch 1 and repeated in place from one batch to the next, never shrunk back.
     for before, batch in zip([1, *args.batch], args.batch):
         if batch % before:

@@ -452,6 +452,12 @@ def test_a_bench_batch_holds_a_different_passage_in_every_row(monkeypatch):
         ("decode_speed", ["--configs", "128:256"], "--configs 128:256: the budget is more than the context, so nothing is evicted"),
         ("decode_speed", ["--configs", "256"], "--configs 256: each entry is CONTEXT:BUDGET, two whole numbers of at least 1"),
         ("decode_speed", ["--configs", "256:0"], "--configs 256:0: each entry is CONTEXT:BUDGET"),
+        # policies built at each entry's budget (setup builds them at --budget, which decode_speed has not): a ValueError
+        # traceback from make_policy once the model had loaded
+        ("decode_speed", ["--configs", "160:32", "--policies", "h2o", "snapkv"],
+         "--policies snapkv at --configs 160:32: snapkv: budget 32 must be larger than the observation window (32)"),
+        ("decode_speed", ["--configs", "160:32", "--policies", "h2o:bogus=1"],
+         "--policies h2o:bogus=1 at --configs 160:32: policy 'h2o' has no parameter bogus"),
         # the caches are repeated in place: the table titled batch 1 was measured at batch 4
         ("decode_speed", ["--batch", "4", "1"], "--batch 4 1: each batch must be a multiple of the one before it"),
         ("gpu_policies", ["--contexts", "96", "--budget", "128"], "--contexts 96 is less than --budget 128: nothing would be evicted"),
