@@ -40,7 +40,8 @@ def setup(
     number counts something, so it must be at least 1, or at least 0 where 0 means something: an option whose default
     is 0, or one named in ``zero_ok`` (``--slack 0``: no amortised rows). ``check`` is the script's own test of the
     parsed options (a sentence saying what is wrong, or None), run before the model loads as these are, and as the
-    building of each ``--policies`` entry at ``--budget`` is (a learned policy's on placeholder gates). Returns
+    building of each ``--policies`` entry at ``--budget`` is (a learned policy's on placeholder gates); a model that
+    cannot load (``UnsupportedModelError``, an ``OSError``) is refused in one sentence too. Returns
     ``(args, model, tokenizer)``; the tokenizer is None for the random model.
     """
     parser = OneLineParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,7 +90,10 @@ def setup(
     shape = random_shape(args.model)
     if launch:  # checked with the defaults it leaves, for this run's head dim, dtype and device (a real model's: once loaded)
         _check_launch(parser, args, RANDOM_SHAPES[shape]["head_dim"] if shape else None)
-    model, tokenizer = _load(args)
+    try:
+        model, tokenizer = _load(args)
+    except (ValueError, OSError) as err:  # UnsupportedModelError (a ValueError): not a model, unreachable, or unsupported
+        parser.error(f"--model {args.model}: {(str(err).strip().splitlines() or [type(err).__name__])[0]}")
     if launch and not shape:
         config = model.config
         _check_launch(parser, args, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)

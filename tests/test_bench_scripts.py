@@ -372,6 +372,20 @@ def test_a_bench_refuses_a_count_below_what_it_counts_in_one_sentence_before_its
     assert "device:" not in result.stdout  # the header line printed once the model is loaded
 
 
+def test_a_bench_refuses_a_model_it_cannot_load_in_one_sentence(tmp_path):
+    """``--model foo/bar`` (not in the cache, the Hub out of reach) or a folder without a model was an 18-line
+    traceback ending in ``UnsupportedModelError``."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    for model, message in ((str(tmp_path), "is not a model folder (no config.json there)"),
+                           ("foo/bar", "foo/bar is not in the local Hugging Face cache and HF_HUB_OFFLINE is set")):
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "policy_overhead.py"), "--model", model], capture_output=True, text=True, timeout=600, env=env
+        )
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"policy_overhead.py: --model {model}: "), result.stderr
+        assert message in lines[0] and result.stdout == ""
+
+
 def test_policy_overhead_bench_takes_policies_with_parameters():
     """``--policies h2o:recent=8`` (the form setup() takes) was 'unknown policy 'h2o:recent=8'' once the model was built."""
     result = subprocess.run(
