@@ -206,6 +206,15 @@ def bench_policy(model, spec: str, budget: int, **params: Any) -> kvgates.Policy
     return kvgates.make_policy(name, **params)
 
 
+def short_context(option: str, contexts: list[int], budget: int) -> str | None:
+    """A context of ``option`` shorter than ``budget``, in one sentence (a cache of the budget would hold the whole
+    context and nothing would be evicted), else None."""
+    short = [n for n in contexts if n < budget]
+    if short:
+        return f"{option} {short[0]} is less than --budget {budget}: nothing would be evicted; give contexts of at least the budget"
+    return None
+
+
 def _with_gates(name: str, params: dict[str, Any], make: Callable[[str], Any]) -> dict[str, Any]:
     """``params`` of policy ``name`` with gates ``make(gate kind)`` for the learned policy it runs, itself or a
     wrapper's base (unchanged when it runs none, or ``name`` is unknown: make_policy's error lists the policies)."""

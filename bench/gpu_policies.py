@@ -27,7 +27,7 @@ import statistics
 import sys
 from collections.abc import Callable
 
-from common import attached, bench_policy, crop_to, essay_ids, setup, time_decode, time_prefill
+from common import attached, bench_policy, crop_to, essay_ids, setup, short_context, time_decode, time_prefill
 from decode_speed import AMORTISED, COMPILE_MODES, compiled_forward, make_policy, static_arms, time_compiled
 from hardware import peak_gbps
 from transformers import DynamicCache, StaticCache
@@ -59,20 +59,11 @@ def table(title: str, header: list[str], rows: list[list[str]]) -> None:
         print("| " + " | ".join(row) + " |")
 
 
-def check(args) -> str | None:
-    """A context shorter than the budget, in one sentence before the model loads (the reference ``DynamicCache
-    {budget}`` would hold the whole context and nothing would be evicted), else None."""
-    short = [n for n in args.contexts if n < args.budget]
-    if short:
-        return f"--contexts {short[0]} is less than --budget {args.budget}: nothing would be evicted; give contexts of at least the budget"
-    return None
-
-
 def main() -> None:
     args, model, tokenizer = setup(
         __doc__, {"compile": ["inductor", "aot_eager"], "compile_mode": COMPILE_MODES}, zero_ok=("slack",), contexts=[8192, 16384],
         budget=1024, batch=[1, 8], steps=8, rounds=2, slack=32, peak_gbps=0.0, policies=POLICIES, compile=None,
-        compile_mode="default", check=check,
+        compile_mode="default", check=lambda args: short_context("--contexts", args.contexts, args.budget),
     )
     peak = peak_gbps(args.device, args.peak_gbps)
     weights = step_weight_bytes(model)

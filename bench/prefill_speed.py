@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 
-from common import bench_policy, essay_ids, setup, time_prefill
+from common import bench_policy, essay_ids, setup, short_context, time_prefill
 from transformers import DynamicCache
 
 import kvgates
@@ -24,7 +24,8 @@ import kvgates
 
 def main() -> None:
     args, model, tokenizer = setup(
-        __doc__, context=[2048, 4096], budget=256, rounds=3, policies=["snapkv", "pyramidkv", "h2o", "d2o", "kvmerger", "kvzip"]
+        __doc__, check=lambda args: short_context("--context", args.context, args.budget), context=[2048, 4096], budget=256, rounds=3,
+        policies=["snapkv", "pyramidkv", "h2o", "d2o", "kvmerger", "kvzip"],
     )
     arms = [("DynamicCache + sdpa", lambda: DynamicCache(config=model.config)), ("full (kvgates)", lambda: kvgates.BudgetCache(model.config, "full"))]
     arms += [

@@ -475,6 +475,8 @@ def test_a_bench_batch_holds_a_different_passage_in_every_row(monkeypatch):
         # the caches are repeated in place: the table titled batch 1 was measured at batch 4
         ("decode_speed", ["--batch", "4", "1"], "--batch 4 1: each batch must be a multiple of the one before it"),
         ("gpu_policies", ["--contexts", "96", "--budget", "128"], "--contexts 96 is less than --budget 128: nothing would be evicted"),
+        # a table of policies that evicted nothing
+        ("prefill_speed", ["--context", "256", "96", "--budget", "128"], "--context 96 is less than --budget 128: nothing would be evicted"),
         # rows measured, then a ConfigError traceback at the kind or length that did not fit
         ("train_step", ["--lengths", "128", "--kinds", "trimkv", "locret", "--budget", "32"],
          "--kinds locret, --lengths 128, --budget 32, --attention auto: config: policy: locret: budget 32 must be larger than"),
