@@ -87,9 +87,12 @@ def static_arms(model, labels: list[str], budget: int, decoded: int, suffix: str
 def time_compiled(forward, cache, token: torch.Tensor, steps: int, device) -> float:
     """Seconds of ``steps`` greedy decode steps through a compiled ``forward`` after two untimed ones (as
     ``time_decode`` does); positions are passed, as generate() passes them, since a compiled step does not read the
-    cache's length back."""
+    cache's length back. ``token`` is copied into the layout the steps' own tokens have (a slice of the prompt,
+    ``ids[:, :1]``, has its row's stride: the compiled step, guarded on strides, compiled again inside the timed steps;
+    ``contiguous()`` leaves a batch of one as it is)."""
     start = int(cache.get_seq_length())
     b = token.shape[0]
+    token = token.clone(memory_format=torch.contiguous_format)
 
     def step(token: torch.Tensor, t: int) -> torch.Tensor:
         torch.compiler.cudagraph_mark_step_begin()  # a new step: the last step's graph outputs may be overwritten
