@@ -25,7 +25,8 @@ time a captured decode step spends (the eager figures include what the host's la
 configuration of their grids, the column pass's time as the whole call's less the default forward's. Where the
 prefill's ratio to sdpa goes (2.8-3.2x on an H100 at stop 43) and which blocks bring it down. ``--best-json PATH``
 writes the fastest pair there (after each pass, so a sweep cut short leaves the forward's) in the form
-``KVGATES_PREFILL_CONFIG`` takes: a whole model's prefill can then run under it without a code edit.
+``KVGATES_PREFILL_CONFIG`` takes: a whole model's prefill can then run under it without a code edit. Both sweeps
+given run one after the other, the decode sweep first.
 """
 
 from __future__ import annotations
@@ -182,9 +183,9 @@ def main() -> None:
     hkv = h // g
     if args.sweep_decode:
         sweep_decode(args, h, hkv, device, peak)
-        return
     if args.sweep_prefill:
         sweep_prefill(args, h, hkv, device)
+    if args.sweep_decode or args.sweep_prefill:
         return
     print(f"{'kernel':16s} {'shape':34s} {'triton':>12s} {'reference':>13s} {'speedup':>8s} {'bandwidth':>13s} {'of peak':>6s}")
     for dname, d, b, cap in itertools.product(args.dtype, args.head_dim, args.batch, args.budgets):

@@ -79,6 +79,21 @@ def test_prefill_sweep_smoke_ranks_both_passes(tmp_path):
     assert [ast.literal_eval(line[line.index("{") : line.rindex("}") + 1]) for line in ranks] == [fastest["forward"], fastest["columns"]]
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on CPU")
+def test_both_sweeps_run_one_after_the_other(tmp_path):
+    """``--sweep-decode --sweep-prefill --best-json PATH`` ran the decode sweep alone: no prefill sweep, PATH not written."""
+    best = tmp_path / "best.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "kernels.py"), "--smoke", "--sweep-decode", "--sweep-prefill", "--best-json", str(best)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert 0 <= result.stdout.find("decode sweep fp32 ") < result.stdout.find("prefill sweep fp32 ")
+    from kvgates.kernels.triton_ops import _prefill_override
+
+    assert set(_prefill_override(best.read_text())) == {"forward", "columns"}
+
+
 def test_every_configuration_the_prefill_sweep_measures_is_one_the_override_takes(monkeypatch):
     """``bench/kernels.py --sweep-prefill --best-json`` writes its fastest pair for KVGATES_PREFILL_CONFIG: any
     configuration of its grids (on a GPU, not the smoke run's) must parse there, or ``prefill-tuned`` measures
