@@ -24,9 +24,17 @@ def check(args) -> str | None:
     return None
 
 
+def needle_depths(rows: int) -> list[float]:
+    """Where each of ``rows`` prompts holds its needle: evenly from its start (0) to its end (1)."""
+    return [i / max(rows - 1, 1) for i in range(rows)]
+
+
 def main() -> None:
     args, model, tok = setup(__doc__, check=check, context=2000, rows=4, budget=256, policies=["snapkv", "h2o"])
-    examples = [make_example("needle", tok, "test", args.context, seed=i, template_set="eval", depth=i / 3) for i in range(args.rows)]
+    examples = [
+        make_example("needle", tok, "test", args.context, seed=i, template_set="eval", depth=depth)
+        for i, depth in enumerate(needle_depths(args.rows))
+    ]
     prompts = [tok(ex["prompt"], return_tensors="pt")["input_ids"][0] for ex in examples]
     print(f"prompt lengths {[len(p) for p in prompts]}")
     print("| policy | padded batch s | one at a time s | padded / one at a time |\n|---|---:|---:|---:|")

@@ -34,6 +34,16 @@ def test_ab_batching_bench_runs_on_the_embedded_model():
     assert "| h2o:recent=8 |" in result.stdout and "padded / one at a time" in result.stdout
 
 
+def test_ab_batching_places_every_rows_needle_within_its_prompt(monkeypatch):
+    """``--rows 5`` put the last needle at depth 4/3 (``i / 3``): make_example's ValueError once the model had loaded."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_ab_batching_depths", ROOT / "bench" / "ab_batching.py")
+    ab_batching = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab_batching)
+    assert ab_batching.needle_depths(1) == [0.0] and ab_batching.needle_depths(4) == [0.0, 1 / 3, 2 / 3, 1.0]
+    assert ab_batching.needle_depths(5) == [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on CPU")
 def test_kernel_bench_smoke():
     result = subprocess.run(
