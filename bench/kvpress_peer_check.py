@@ -122,11 +122,15 @@ def main() -> None:
     # The repository root instead of bench/ (whose kernels.py would shadow the `kernels` package transformers imports).
     sys.path[0] = str(Path(__file__).resolve().parents[1])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("side", choices=["prompts", "kvpress", "compare"])
+    sides = {"prompts": prompts_side, "kvpress": kvpress_side, "compare": compare_side}
+    parser.add_argument("side", choices=list(sides))
     parser.add_argument("--out", type=Path, default=Path("outputs/peer"))
     args = parser.parse_args()
+    before = list(sides)[: list(sides).index(args.side)]  # the sides this one reads after, the last one's file (SIDE.pt)
+    if before and not (args.out / f"{before[-1]}.pt").is_file():
+        parser.error(f"--out {args.out} holds no {before[-1]}.pt: run the {' and '.join(before)} side{'s' * (len(before) > 1)} first")
     args.out.mkdir(parents=True, exist_ok=True)
-    {"prompts": prompts_side, "kvpress": kvpress_side, "compare": compare_side}[args.side](args.out)
+    sides[args.side](args.out)
 
 
 if __name__ == "__main__":

@@ -414,6 +414,19 @@ def test_a_bench_refuses_a_model_it_cannot_load_in_one_sentence(tmp_path):
         assert message in lines[0] and result.stdout == ""
 
 
+def test_the_kvpress_peer_check_says_which_sides_to_run_first(tmp_path):
+    """``compare --out EMPTY_DIR`` was a FileNotFoundError traceback for kvpress.pt."""
+    for side, message in (("compare", "holds no kvpress.pt: run the prompts and kvpress sides first"),
+                          ("kvpress", "holds no prompts.pt: run the prompts side first")):
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "kvpress_peer_check.py"), side, "--out", str(tmp_path / "peer")],
+            capture_output=True, text=True, timeout=600,
+        )
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.strip().splitlines()[-1] == f"kvpress_peer_check.py: error: --out {tmp_path / 'peer'} {message}"
+    assert list(tmp_path.iterdir()) == []  # no --out folder made for nothing
+
+
 def test_policy_overhead_bench_takes_policies_with_parameters():
     """``--policies h2o:recent=8`` (the form setup() takes) was 'unknown policy 'h2o:recent=8'' once the model was built."""
     result = subprocess.run(
