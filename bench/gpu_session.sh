@@ -60,6 +60,7 @@
 # /tmp/site, before the first stage, where the interpreter lacks transformers. Pass `carry: [".whl"]` to the device tool.
 # GPU_SESSION_SMOKE=1 runs every stage at toy sizes (on the CPU too): it checks this script, not speed.
 set -euo pipefail
+case ${OUT:-} in "" | /*) ;; *) OUT="$PWD/$OUT" ;; esac  # a relative OUT is the caller's, not the repository root's
 cd "$(dirname "$0")/.."
 # Every stage named is checked before any runs: a misspelt one is refused before a GPU's minutes go to the others.
 STAGES=(issue27 env tests decode-sweep prefill-sweep profile prefill-b1 decode captured captured-evict captured-merge prefill
@@ -84,6 +85,13 @@ for name in "$@"; do
         exit 2
     fi
 done
+# The seconds the call's stages end within (`stage` below), a whole number, checked before anything is made.
+DEADLINE=${GPU_SESSION_SECONDS:-570}
+if ! [[ $DEADLINE =~ ^[0-9]+$ ]]; then
+    echo "GPU_SESSION_SECONDS=$DEADLINE: give the seconds the call's stages may take as a whole number (570 by default)" >&2
+    exit 2
+fi
+DEADLINE=$((10#$DEADLINE))  # (a leading 0 is not octal)
 OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
 SMOKE=${GPU_SESSION_SMOKE:-0}
@@ -157,7 +165,6 @@ fi
 FAILED=0
 LOG="$OUT/session.log"
 SUMMARY=()
-DEADLINE=${GPU_SESSION_SECONDS:-570}
 stage() {
     local name=$1 limit=$2 began=$SECONDS left=$((DEADLINE - SECONDS))
     shift 2

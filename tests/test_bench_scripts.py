@@ -252,10 +252,11 @@ def test_gpu_policies_bench_adds_captured_decode_rows():
     assert result.stdout.count("| h2o captured | ") == 2  # a prefill row and a decode row
 
 
-def _gpu_session(tmp_path: Path, *stages: str, seconds: str = "1500") -> subprocess.CompletedProcess:
+def _gpu_session(tmp_path: Path, *stages: str, seconds: str = "1500", cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``bench/gpu_session.sh STAGE...`` at toy sizes, its files in ``tmp_path``, run in ``cwd``."""
     env = {**os.environ, "OUT": str(tmp_path), "GPU_SESSION_SMOKE": "1", "PYTHON": sys.executable, "GPU_SESSION_SECONDS": seconds}
     return subprocess.run(
-        ["bash", str(ROOT / "bench" / "gpu_session.sh"), *stages], capture_output=True, text=True, timeout=1800, env=env
+        ["bash", str(ROOT / "bench" / "gpu_session.sh"), *stages], capture_output=True, text=True, timeout=1800, env=env, cwd=cwd
     )
 
 
@@ -280,6 +281,23 @@ def test_gpu_session_env_stage_logs_versions_and_an_unknown_stage_is_refused(tmp
     assert result.returncode == 1
     log = (tmp_path / "session.log").read_text()
     assert log.startswith("=== env skipped: ") and "of the call's 5 s" in log and "\n=== summary\nenv: skipped, " in log
+
+
+def test_gpu_session_refuses_seconds_that_are_not_a_whole_number_before_it_makes_anything(tmp_path):
+    """``GPU_SESSION_SECONDS=300s`` (or ``abc``) ran no stage and exited 0, or ended in 'unbound variable'."""
+    for seconds in ("300s", "abc"):
+        result = _gpu_session(tmp_path / "out", "env", seconds=seconds)
+        assert result.returncode == 2 and result.stderr.strip() == (
+            f"GPU_SESSION_SECONDS={seconds}: give the seconds the call's stages may take as a whole number (570 by default)"
+        )
+        assert not (tmp_path / "out").exists()
+
+
+def test_gpu_session_writes_a_relative_out_under_the_callers_folder(tmp_path):
+    """A relative ``OUT`` was taken after the script's ``cd`` to the repository root, and written there."""
+    result = _gpu_session(Path("relative"), "env", cwd=tmp_path)
+    assert result.returncode == 0 and (tmp_path / "relative" / "session.log").is_file(), result.stderr
+    assert not (ROOT / "relative").exists()
 
 
 def test_gpu_session_without_a_stage_says_how_to_call_it_and_without_a_gpu_refuses_to_measure(tmp_path):
