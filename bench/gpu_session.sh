@@ -256,11 +256,20 @@ for name in "$@"; do
         ;;
     prefill-b1)
         # Every registered policy but full (the runtime's own row) and merge (a wrapper that needs a base), read from
-        # the registry so that a new policy is measured without an edit here.
-        ALL_POLICIES=$("$PY" -c "import kvgates; print(' '.join(p for p in kvgates.POLICIES if p not in ('full', 'merge')))")
-        # shellcheck disable=SC2086
-        stage prefill-b1 200 "$PY" bench/gpu_policies.py $DEEP $PREFILL_ONE --policies $ALL_POLICIES \
-            locret:gate_dtype=bfloat16
+        # the registry so that a new policy is measured without an edit here; where that fails (its error in the log),
+        # the stage fails and the call goes on.
+        listed=0
+        ALL_POLICIES=$( { "$PY" -c "import kvgates; print(' '.join(p for p in kvgates.POLICIES if p not in ('full', 'merge')))" \
+            2>&1 >&3 3>&- | tee -a "$LOG" >&2; } 3>&1) || listed=$?
+        if [ "$listed" = 0 ]; then
+            # shellcheck disable=SC2086
+            stage prefill-b1 200 "$PY" bench/gpu_policies.py $DEEP $PREFILL_ONE --policies $ALL_POLICIES \
+                locret:gate_dtype=bfloat16
+        else
+            echo "=== prefill-b1 not run: listing the registered policies failed, exit status $listed" | tee -a "$LOG"
+            SUMMARY+=("prefill-b1: exit status $listed, listing the registered policies")
+            FAILED=1
+        fi
         # shellcheck disable=SC2086
         stage prefill-b8 90 "$PY" bench/gpu_policies.py $DEEP $PREFILL_FIRST --policies d2o dynamickv adakv locret kvmerger
         ;;

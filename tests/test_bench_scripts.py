@@ -252,9 +252,9 @@ def test_gpu_policies_bench_adds_captured_decode_rows():
     assert result.stdout.count("| h2o captured | ") == 2  # a prefill row and a decode row
 
 
-def _gpu_session(tmp_path: Path, *stages: str, seconds: str = "1500", cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``bench/gpu_session.sh STAGE...`` at toy sizes, its files in ``tmp_path``, run in ``cwd``."""
-    env = {**os.environ, "OUT": str(tmp_path), "GPU_SESSION_SMOKE": "1", "PYTHON": sys.executable, "GPU_SESSION_SECONDS": seconds}
+def _gpu_session(tmp_path: Path, *stages: str, seconds: str = "1500", cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """``bench/gpu_session.sh STAGE...`` at toy sizes, its files in ``tmp_path``, run in ``cwd``; ``env`` overrides."""
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_SESSION_SMOKE": "1", "PYTHON": sys.executable, "GPU_SESSION_SECONDS": seconds, **env}
     return subprocess.run(
         ["bash", str(ROOT / "bench" / "gpu_session.sh"), *stages], capture_output=True, text=True, timeout=1800, env=env, cwd=cwd
     )
@@ -298,6 +298,23 @@ def test_gpu_session_writes_a_relative_out_under_the_callers_folder(tmp_path):
     result = _gpu_session(Path("relative"), "env", cwd=tmp_path)
     assert result.returncode == 0 and (tmp_path / "relative" / "session.log").is_file(), result.stderr
     assert not (ROOT / "relative").exists()
+
+
+def test_gpu_session_records_a_failed_policy_listing_and_goes_on(tmp_path):
+    """``prefill-b1`` lists the registered policies first; where that failed, ``set -e`` ended the call there: no
+    footer, no summary, no later stage. (Under 10 s left: the stages after it are skipped, not run.)"""
+    python = tmp_path / "python"
+    python.write_text(
+        f'#!/bin/sh\ncase "$*" in *kvgates.POLICIES*) echo "ImportError: no kvgates here" >&2; exit 3;; esac\nexec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    result = _gpu_session(tmp_path / "out", "prefill-b1", "env", seconds="5", PYTHON=str(python))
+    assert result.returncode == 1 and "ImportError: no kvgates here" in result.stderr
+    log = (tmp_path / "out" / "session.log").read_text()
+    assert log.startswith("ImportError: no kvgates here\n=== prefill-b1 not run: listing the registered policies failed, exit status 3\n")
+    summary = log[log.index("=== summary\n") :].splitlines()[1:]
+    assert summary[0] == "prefill-b1: exit status 3, listing the registered policies"
+    assert [line.partition(":")[0] for line in summary] == ["prefill-b1", "prefill-b8", "env"]
 
 
 def test_gpu_session_without_a_stage_says_how_to_call_it_and_without_a_gpu_refuses_to_measure(tmp_path):
