@@ -58,7 +58,8 @@
 # The machine has no network: the packages kvgates needs beyond what it has travel as wheels in the checkout's
 # git-ignored .whl/ (`make gpu-wheels` downloads them; ../shared/GPU.md) and are installed once per machine into
 # /tmp/site, before the first stage, where the interpreter lacks transformers. Pass `carry: [".whl"]` to the device tool.
-# GPU_SESSION_SMOKE=1 runs every stage at toy sizes (on the CPU too): it checks this script, not speed.
+# GPU_SESSION_SMOKE=1 runs every stage at toy sizes (on the CPU too): it checks this script, not speed; issue27's and
+# prefill-sweep's on the paths a GPU takes (GPU_PATHS below), the kernels' tests collected, not run.
 set -euo pipefail
 case ${OUT:-} in "" | /*) ;; *) OUT="$PWD/$OUT" ;; esac  # a relative OUT is the caller's, not the repository root's
 cd "$(dirname "$0")/.."
@@ -129,16 +130,22 @@ else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-# Sizes: the issues' shapes, or toy ones for the smoke run.
+# Sizes: the issues' shapes, or toy ones for the smoke run. The kernels' tests run on the GPU; a smoke run collects
+# them only (the CPU suite runs them), so that a test file renamed fails there, not on a lent GPU. GPU_PATHS: what a
+# smoke run puts before the commands of the first two calls' stages (issue27, prefill-sweep), so that they take the
+# paths a GPU takes (the Triton kernels under the interpreter, the launch-bound tiles and host reads): a minute a
+# stage at these sizes, not the seconds the CPU's paths take, so the other stages keep the CPU's.
+KERNEL_TESTS="tests/test_kernels.py tests/test_seed_policies.py tests/test_runtime_on_kernels.py" GPU_PATHS=""
 if [ "$SMOKE" = 1 ]; then
     BIG="--model random --layers 2" DEEP="$BIG" SMALL="--model random --layers 2"
     DECODE="--configs 160:64 --batch 2 --steps 2 --rounds 1 --slack 4"
     CAPTURE="--contexts 160 --budget 64 --batch 2 --steps 2 --rounds 1 --slack 0 --peak-gbps 50"
     PREFILL="--contexts 160 --budget 64 --batch 1 --steps 2 --rounds 1"
-    KERNELS="--smoke" KERNELS_8K="--smoke" SWEEP="--smoke" SWEEP_PREFILL="--smoke" TESTS="tests/test_host_copies.py" KERNEL_TESTS="$TESTS" TRAIN_SMALL="--lengths 160 256 --budget 64" TRAIN_BIG="--lengths 160 --budget 64"
-    PREFILL_FIRST="--contexts 160 --budget 64 --batch 2 --steps 1 --rounds 1 --slack 0"
+    KERNELS="--smoke" KERNELS_8K="--smoke" SWEEP="--smoke" SWEEP_PREFILL="--smoke" TESTS="tests/test_host_copies.py" TRAIN_SMALL="--lengths 160 256 --budget 64" TRAIN_BIG="--lengths 160 --budget 64"
+    PREFILL_FIRST="--contexts 96 --budget 48 --batch 2 --steps 1 --rounds 1 --slack 0"  # (160: 107 s on the GPU's paths)
     PROFILE="--model random --layers 2 --context 160 --budget 64 --batch 1 --steps 2"
     PREFILL_ONE="--contexts 160 --budget 64 --batch 1 --steps 1 --rounds 1 --slack 0" PREFILL_TUNED="$PREFILL_ONE"
+    KERNEL_TESTS="--collect-only $KERNEL_TESTS" GPU_PATHS="env KVGATES_KERNELS=triton KVGATES_LAUNCH_BOUND=1"
     export TRITON_INTERPRET=1
 else
     BIG="--model random:llama-3.1-8b --layers 32" DEEP="--model random:llama-3.1-8b --layers 16"
@@ -149,7 +156,6 @@ else
     KERNELS="--budgets 4096 16384 32768 --batch 1 4 8 32 --head-dim 128 --dtype bf16"
     SWEEP="--budgets 16384 4096 32768 --batch 1 --head-dim 128 --dtype bf16" TESTS=""
     SWEEP_PREFILL="--budgets 8192 --batch 1 --head-dim 128 --dtype bf16" KERNELS_8K="$SWEEP_PREFILL"
-    KERNEL_TESTS="tests/test_kernels.py tests/test_seed_policies.py tests/test_runtime_on_kernels.py"
     TRAIN_SMALL="--lengths 1024 4096 8192 16384 --budget 256" TRAIN_BIG="--lengths 8192 --budget 1024"
     PREFILL_FIRST="--contexts 8192 --budget 1024 --batch 8 --steps 1 --rounds 1 --slack 0"
     PROFILE="--model random:llama-3.1-8b --layers 4 --context 8192 --budget 1024 --batch 1 --steps 3"
@@ -161,7 +167,8 @@ fi
 # $OUT/session.log between a header and a footer that name the stage; a failure or a timeout (status 124) makes the
 # script's exit status 1. The footers are summed up at the end. The call's stages end within GPU_SESSION_SECONDS of
 # its start (570 by default, the wheels' install included; a device call is cut at 600): a stage gets at most what
-# is left, and one with less than 10 s left is skipped (a failure too).
+# is left, and one with less than 10 s left is skipped (a failure too). A smoke run doubles the limits, a GPU's
+# seconds: its stages on the GPU's paths run the kernels under the interpreter (issue27's prefill-b8 took 66 s of 90).
 FAILED=0
 LOG="$OUT/session.log"
 SUMMARY=()
@@ -174,6 +181,9 @@ stage() {
         FAILED=1
         return
     fi
+    if [ "$SMOKE" = 1 ]; then
+        limit=$((2 * limit))
+    fi
     [ "$limit" -le "$left" ] || limit=$left
     echo "=== $name ($(date -u +%H:%M:%S), limit ${limit} s): $*" | tee -a "$LOG"
     local status=0
@@ -183,9 +193,10 @@ stage() {
     [ "$status" = 0 ] || FAILED=1
 }
 
-# profile_stage SECONDS POLICY...: the batch-1 prefill and decode of each policy profiled, its Chrome traces in a
-# folder of their own under $TRACES, all packed into one archive after each profile ($OUT/traces.tar.gz: a device
-# call brings back 8 files at most, and a call cut short keeps the traces of the profiles before).
+# profile_stage SECONDS POLICY...: the batch-1 prefill and decode of each policy profiled (after $GPU_PATHS), its
+# Chrome traces in a folder of their own under $TRACES, all packed into one archive after each profile
+# ($OUT/traces.tar.gz: a device call brings back 8 files at most, and a call cut short keeps the traces of the
+# profiles before).
 TRACES=$(mktemp -d)
 trap 'rm -rf "$TRACES"' EXIT
 profile_stage() {
@@ -194,7 +205,7 @@ profile_stage() {
     local dir
     dir=$(mktemp -d "$TRACES/profile-XXXX")
     # shellcheck disable=SC2086
-    stage profile "$limit" "$PY" bench/policy_profile.py $PROFILE --trace "$dir" --policies "$@"
+    stage profile "$limit" $GPU_PATHS "$PY" bench/policy_profile.py $PROFILE --trace "$dir" --policies "$@"
     if [ -n "$(ls -A "$dir")" ]; then
         tar -czf "$OUT/traces.tar.gz" -C "$TRACES" .
     fi
@@ -228,9 +239,9 @@ for name in "$@"; do
         # shellcheck disable=SC2086
         stage kernels-8k 45 "$PY" bench/kernels.py $KERNELS_8K
         # shellcheck disable=SC2086
-        stage prefill-changed 120 "$PY" bench/gpu_policies.py $DEEP $PREFILL_ONE --policies h2o d2o kvmerger dynamickv
+        stage prefill-changed 120 $GPU_PATHS "$PY" bench/gpu_policies.py $DEEP $PREFILL_ONE --policies h2o d2o kvmerger dynamickv
         # shellcheck disable=SC2086
-        stage prefill-b8 90 "$PY" bench/gpu_policies.py $DEEP $PREFILL_FIRST --policies h2o d2o kvmerger
+        stage prefill-b8 90 $GPU_PATHS "$PY" bench/gpu_policies.py $DEEP $PREFILL_FIRST --policies h2o d2o kvmerger
         profile_stage 100 d2o kvmerger
         ;;
     tests)
@@ -246,13 +257,13 @@ for name in "$@"; do
         stage prefill-sweep 170 "$PY" bench/kernels.py $SWEEP_PREFILL --sweep-prefill --best-json "$OUT/prefill-best.json"
         if [ -s "$OUT/prefill-best.json" ]; then  # the fastest pair (or the forward's, if cut short) in whole prefills
             # shellcheck disable=SC2086
-            stage prefill-tuned 75 env "KVGATES_PREFILL_CONFIG=$(cat "$OUT/prefill-best.json")" \
+            stage prefill-tuned 75 $GPU_PATHS env "KVGATES_PREFILL_CONFIG=$(cat "$OUT/prefill-best.json")" \
                 "$PY" bench/gpu_policies.py $DEEP $PREFILL_TUNED --policies h2o d2o kvmerger
         fi
         ;;
     profile)
         stage copies 20 "$PY" -m pytest -q -p no:cacheprovider tests/test_host_copies.py
-        profile_stage 100 h2o d2o dynamickv adakv locret kvmerger
+        GPU_PATHS="" profile_stage 100 h2o d2o dynamickv adakv locret kvmerger  # (six policies: the CPU's paths in a smoke run)
         ;;
     prefill-b1)
         # Every registered policy but full (the runtime's own row) and merge (a wrapper that needs a base), read from

@@ -317,6 +317,32 @@ def test_gpu_session_records_a_failed_policy_listing_and_goes_on(tmp_path):
     assert [line.partition(":")[0] for line in summary] == ["prefill-b1", "prefill-b8", "env"]
 
 
+def test_gpu_session_smoke_takes_the_gpus_paths_in_the_first_calls_and_collects_the_kernels_tests(tmp_path):
+    """A smoke run's ``issue27`` and ``prefill-sweep`` took the CPU's paths (the reference kernels, the CPU's tiles and
+    reads), not the GPU's, and ran another test file than the kernels' (a file renamed failed on the GPU only). The
+    bench scripts are recorded here, not run (the slow test runs them)."""
+    calls = tmp_path / "calls"
+    python = tmp_path / "python"
+    python.write_text(
+        f'#!/bin/sh\necho "${{KVGATES_KERNELS:-auto}} ${{KVGATES_LAUNCH_BOUND:-0}} $*" >> {calls}\n'
+        'case "$1" in bench/*)\n'
+        '    for arg; do [ "$last" = --best-json ] && echo {{}} > "$arg"; last=$arg; done  # (prefill-tuned runs after it)\n'
+        '    exit 0;;\nesac\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    result = _gpu_session(tmp_path / "out", "issue27", "prefill-sweep", PYTHON=str(python))
+    assert result.returncode == 0, (tmp_path / "out" / "session.log").read_text()
+    lines = calls.read_text().splitlines()
+    policies = [line for line in lines if " bench/gpu_policies.py " in line or " bench/policy_profile.py " in line]
+    assert len(policies) == 4 and all(line.startswith("triton 1 ") for line in policies), lines  # changed, b8, profile, tuned
+    assert any(" -m pytest " in line and line.endswith(
+        " --collect-only tests/test_kernels.py tests/test_seed_policies.py tests/test_runtime_on_kernels.py") for line in lines), lines
+    # The limits, a GPU's seconds, doubled: the interpreter runs those kernels (prefill-b8 took 66 s of its 90 on the CPU).
+    log = (tmp_path / "out" / "session.log").read_text()
+    assert ", limit 180 s): env KVGATES_KERNELS=triton KVGATES_LAUNCH_BOUND=1 " in log[log.index("=== prefill-b8 (") :].splitlines()[0]
+
+
 def test_gpu_session_without_a_stage_says_how_to_call_it_and_without_a_gpu_refuses_to_measure(tmp_path):
     """With no stage the script printed only its summary and exited 0; without a GPU (and not a smoke run) the decode
     stage started building the 32-layer 8B random model on the host in float32 (32 GB), which died out of memory."""
