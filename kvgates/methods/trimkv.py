@@ -115,7 +115,6 @@ class TrimKVMethod(LearnedMethod):
         parts["log_beta_mean"] = log_beta.detach().mean().item()
         return loss, parts
 
-
     @staticmethod
     def taught(step: TrainingStep) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher's hidden states (``TrainingStep.teacher_hidden``) and the heuristic teacher's keep-sets
