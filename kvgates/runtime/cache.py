@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -94,6 +95,7 @@ class BudgetCache(Cache):
         self._pending_layer: int | None = None
         self._forward_at: int | None = None  # the last layer a forward has done (-1: none yet), until it ends
         self._real: tuple[Any, ...] | None = None  # ``real_queries``' last answer and what it was for
+        self._said_turn = False  # whether ``several_after_decoding`` has warned
         super().__init__(layers=layers)
 
     # ------------------------------------------------------------------ the transformers Cache API
@@ -187,6 +189,21 @@ class BudgetCache(Cache):
         """Empty every layer, and forget a forward that stopped part-way (``check_forward``)."""
         super().reset()
         self._pending_layer = self._forward_at = self._real = None
+
+    def several_after_decoding(self, n: int) -> None:
+        """Warn, once per cache, of a call of ``n`` tokens after decoding began under a policy that evicts only its
+        prompt: the runtime takes such a call for decode steps (speculative verification), so a new user turn is kept
+        whole, past the budget, where a user expects it compressed (``BudgetLayer.phase``)."""
+        schedule = self.policy.schedule
+        if self._said_turn or not schedule.prefill or schedule.decode_every:
+            return
+        self._said_turn = True
+        warnings.warn(
+            f"{n} tokens given after decoding began are taken as decode steps, which {self.policy.name} appends "
+            "without evicting: a new turn of a conversation is kept whole, past the budget; to compress it, give the "
+            "conversation so far as the prompt of a new cache (cache.reset())",
+            stacklevel=2,
+        )
 
     def claim_pending(self, layer_idx: int) -> None:
         """Record that ``layer_idx`` staged tokens; a previous layer's unconsumed tokens mean a wrong attention."""

@@ -434,6 +434,8 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         verifying several draft tokens too; generate()'s own assisted decoding crops the cache, which ``crop`` refuses).
         """
         if self.seen and (n == 1 or self.decoding):
+            if n > 1 and self.rank == 0:
+                self.cache.several_after_decoding(n)
             self.decoding = True
             return Phase.DECODE
         return Phase.PREFILL
