@@ -154,8 +154,7 @@ class TaskSpec:
     def training_templates(self) -> tuple[str, ...]:
         """The task's templates from the set gate training draws on (``data.tasks``' ``train`` set), where it names
         any: its examples are then phrased as some training rows were."""
-        base = "needle" if self.task == "multikey" else self.task
-        return tuple(t for t in self.templates if template_by_name(base, t).set == "train")
+        return tuple(t for t in self.templates if template_by_name(template_task(self.task), t).set == "train")
 
     def identity(self, model: str, seed: int, prefill_chunk: int | None, split: str = "test") -> str:
         """What changes this task's examples or results (journal keys): not the budgets it runs at, nor, for text
@@ -319,6 +318,20 @@ class ABConfig:
                 )
 
 
+def template_task(kind: str) -> str:
+    """The ``data.tasks`` task whose templates answer task ``kind`` draws on (multi-key: the needle's)."""
+    return "needle" if kind == "multikey" else kind
+
+
+def journal_row(line: str) -> dict | None:
+    """The result a results-journal line holds (a JSON object with a ``key``), else None (a torn line)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("key"), str) else None
+
+
 def _journal_like(path: Path, lines: int = 5) -> bool:
     """Whether ``path`` starts as a results journal does: empty, or a JSON object with a ``key`` among its first
     ``lines`` lines (a torn line a killed run left may come first; ``results.json``, the report's record, is one
@@ -328,14 +341,7 @@ def _journal_like(path: Path, lines: int = 5) -> bool:
             head = [line for _, line in zip(range(lines), f) if line.strip()]
     except (OSError, UnicodeDecodeError):
         return False
-    for line in head:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and "key" in row:
-            return True
-    return not head
+    return not head or any(journal_row(line) is not None for line in head)
 
 
 # ---------------------------------------------------------------------- parsing helpers
@@ -452,7 +458,7 @@ def _task(entry: Any) -> TaskSpec:
             raise ConfigError(f"task {name!r}: {k} must be a positive integer, got {v!r}")
     names: tuple[str, ...] = ()
     if answer:
-        base = "needle" if kind == "multikey" else kind
+        base = template_task(kind)
         usable = [t for s in ("train", "eval") for t in templates(base, s) if kind != "multikey" or "{key}" in t.statement]
         default = [t.name for t in usable if t.set == "eval"]
         names = tuple(_list(entry.get("templates", default), f"task {name!r}: templates"))

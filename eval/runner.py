@@ -27,7 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kvgates
 from eval.arms import build_policy, prepare_arms
-from eval.config import ABConfig, ArmSpec, ConfigError, TaskSpec
+from eval.config import ABConfig, ArmSpec, ConfigError, TaskSpec, journal_row
 from eval.stats import Comparison, compare, matched_memory
 from eval.tasks import Example, binary_metric, build_examples, cost, metrics_of, run_batch
 from kvgates.models import past_context
@@ -65,11 +65,8 @@ def load_journal(path: Path) -> dict[str, dict]:
     if not path.is_file():
         return done
     for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a run killed mid-write leaves at most one partial line
-        if isinstance(row, dict) and isinstance(row.get("key"), str):
+        row = journal_row(line)  # (a run killed mid-write leaves at most one partial line)
+        if row is not None:
             done[row["key"]] = row
     return done
 

@@ -25,6 +25,7 @@ is one sentence on stderr and exit status 1, the adapter and report kept as writ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import importlib.util
@@ -35,6 +36,7 @@ import shlex
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -399,6 +401,15 @@ def check_training_arguments(config: TrainConfig) -> None:
         raise ConfigError(f"training: {err}") from None
 
 
+@contextlib.contextmanager
+def init_from_errors() -> Iterator[None]:
+    """An ``AdapterError`` raised inside names ``gates.init_from``, the setting it concerns."""
+    try:
+        yield
+    except kvgates.AdapterError as err:
+        raise kvgates.AdapterError(f"gates.init_from: {err}") from None
+
+
 def check_sources(config: TrainConfig) -> PreTrainedModel:
     """What the run reads besides the config, checked without loading the model's weights; returns the model's
     skeleton (``kvgates.models.model_skeleton``). The model (``UnsupportedModelError``: not a model, unreachable, an
@@ -415,19 +426,15 @@ def check_sources(config: TrainConfig) -> PreTrainedModel:
         raise ConfigError(f"data.mix: {err}") from None
     spec = config.gates
     if spec.init_from is not None:
-        try:
+        with init_from_errors():
             gates = kvgates.load_gates(spec.init_from)
-        except kvgates.AdapterError as err:
-            raise kvgates.AdapterError(f"gates.init_from: {err}") from None
         if gates.kind != config.gate_kind:
             raise kvgates.AdapterError(
                 f"gates.init_from: {spec.init_from} holds {gates.kind!r} gates; a {config.kind} run trains {config.gate_kind!r} gates"
             )
-        try:
+        with init_from_errors():
             gates.check_shapes(skeleton)
             config.learned_method.check_init(gates, config.method_options)
-        except kvgates.AdapterError as err:
-            raise kvgates.AdapterError(f"gates.init_from: {err}") from None
     return skeleton
 
 
@@ -440,10 +447,8 @@ def initial_gates(config: TrainConfig, model: PreTrainedModel) -> kvgates.GateSe
         hidden = spec.hidden if "hidden" in method.gate_keys else None  # (a kind that never reads it records its own)
         return method.gate_set.for_model(model, gate_hidden=hidden, training_budget=config.budget, init_bias=spec.init_bias)
     gates = kvgates.load_gates(spec.init_from)  # its kind and shapes were checked by check_sources
-    try:
+    with init_from_errors():
         gates.check_model(model)
-    except kvgates.AdapterError as err:
-        raise kvgates.AdapterError(f"gates.init_from: {err}") from None
     # The run keeps the adapter's weights and shape, not the record of the run that made it: its own record (data,
     # results, training, tables) replaces it, and until then the adapter's card must not pass for this run's.
     gates.config.training_budget = config.budget
