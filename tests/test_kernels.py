@@ -465,6 +465,20 @@ def test_max_similarity(ops, b, h, e, k, d):
     assert e == 0 or got[0][0, 0].eq(float("-inf")).all()
 
 
+def test_max_similarity_matches_nothing_with_a_nan_product(ops):
+    """A NaN key (from an infinite one, normalised) matches nothing on either backend: a NaN column is passed over as
+    an invalid one, and a row of NaN products has no match (-inf, column 0), which D2O's merge leaves unmerged. (The
+    torch reference took a NaN column as every row's maximum, the kernel passed over it, and the interpreter's kernel
+    raised on a tile of NaN products.)"""
+    rows = torch.tensor([[1.0, 0.0], [0.0, 1.0], [float("nan"), 0.0]]).view(1, 1, 3, 2)
+    cols = torch.tensor([[float("nan"), 1.0], [1.0, 0.0], [0.6, 0.8]]).view(1, 1, 3, 2)
+    valid = torch.ones(1, 1, 3, dtype=torch.bool)
+    for impl in (ops, reference):
+        best, target = impl.max_similarity(*(t.to(DEVICE) for t in (rows, cols, valid)))
+        assert best.flatten().tolist() == pytest.approx([1.0, 0.8, float("-inf")]), impl.__name__
+        assert target.flatten().tolist() == [1, 2, 0], impl.__name__
+
+
 @pytest.mark.parametrize("window", [0, 1, 5, 64, 400])
 def test_merging_chain_follows_each_row_from_its_first_anchor_up_to_its_cap(ops, window):
     """KVMerger's chain of anchors from the window's ends, each set the window did not end measured on: the sets the

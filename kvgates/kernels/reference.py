@@ -645,7 +645,8 @@ def scatter_flat(tensors: list[torch.Tensor], index: torch.Tensor, updates: list
 def max_similarity(rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For each row ``[B, H, E, D]``, its largest dot product with the ``valid`` (``[B, H, K]``) columns ``[B, H, K,
     D]`` and the first column that reaches it: ``(best [B, H, E] float32, target [B, H, E] int64)``; ``-inf`` (and
-    column 0) where a head has no valid column. One tile of rows at a time (``row_tile``): ``E x K`` products are
+    column 0) where a head has no valid column. A NaN product (a NaN or infinite key) matches nothing, as an invalid
+    column: a row with no other match gets ``-inf``. One tile of rows at a time (``row_tile``): ``E x K`` products are
     never held at once. D2O's match of each evicted key with its most similar kept key (unit keys: cosine
     similarities)."""
     b, h, e, _ = rows.shape
@@ -656,7 +657,8 @@ def max_similarity(rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor) 
     invalid = ~valid[:, :, None, :]
     best, target = [], []
     for start in range(0, e, tile):
-        top = torch.matmul(rows[:, :, start : start + tile], cols_t).masked_fill_(invalid, float("-inf")).max(-1)
+        sim = torch.matmul(rows[:, :, start : start + tile], cols_t)
+        top = sim.masked_fill_(invalid | sim.isnan(), float("-inf")).max(-1)
         best.append(top.values)
         target.append(top.indices)
     if not best:

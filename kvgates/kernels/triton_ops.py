@@ -1152,7 +1152,8 @@ def _max_similarity(
         k = k0 + tl.arange(0, BLOCK_K)
         cols = tl.load(COLS + bh * K * D + k[:, None] * D + d[None, :], mask=(k[:, None] < K) & (d[None, :] < D), other=0.0)
         ok = tl.load(VALID + bh * K + k, mask=k < K, other=0) != 0
-        sim = tl.where(ok[None, :], tl.dot(rows, tl.trans(cols), input_precision=PREC), float("-inf"))
+        sim = tl.dot(rows, tl.trans(cols), input_precision=PREC)
+        sim = tl.where(ok[None, :] & (sim == sim), sim, float("-inf"))  # a NaN product matches nothing
         top, at = tl.max(sim, 1, return_indices=True, return_indices_tie_break_left=True)
         better = top > best  # (strictly: the first column of equal maxima stays)
         target = tl.where(better, k0 + at, target)

@@ -85,15 +85,14 @@ def best_match_in_slots(keys: torch.Tensor, evicted: torch.Tensor, kept: torch.T
     found, idx = flags.max(-1, keepdim=True) if count == 1 else flags.topk(count, dim=-1)
     real = found.bool()
     unit = torch.nn.functional.normalize(keys.float(), dim=-1)
-    sim = torch.matmul(_gather_slots(unit, idx), unit.transpose(-1, -2)).masked_fill_(~kept[:, :, None, :], float("-inf"))
-    best, target = sim.max(-1)
+    sim = torch.matmul(_gather_slots(unit, idx), unit.transpose(-1, -2))
+    best, target = sim.masked_fill_(~kept[:, :, None, :] | sim.isnan(), float("-inf")).max(-1)  # as max_similarity's
     return (idx, *_matched(real, best), target)
 
 
 def _matched(real: torch.Tensor, best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(real, best)`` of evicted tokens and their best similarities, where a token of a head that keeps nothing
-    (best -inf) is no longer real and its best similarity is 0. (Cosine similarities are at most 1 or NaN, so
-    ``> -inf`` is ``isfinite``.)"""
+    """``(real, best)`` of evicted tokens and their best similarities, where a token with nothing to match (best -inf:
+    its head keeps nothing, or every similarity of its is NaN) is no longer real and its best similarity is 0."""
     return real & (best > float("-inf")), best.nan_to_num(0.0, neginf=0.0)
 
 
