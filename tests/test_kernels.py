@@ -463,6 +463,8 @@ def test_max_similarity(ops, b, h, e, k, d):
     ref = reference.max_similarity(rows, cols, valid)
     assert torch.equal(got[0].cpu(), ref[0]) and torch.equal(got[1].cpu(), ref[1])
     assert e == 0 or got[0][0, 0].eq(float("-inf")).all()
+    half = reference.max_similarity(rows.half(), cols.half(), valid)  # float32 best of any input, as documented
+    assert half[0].dtype == torch.float32 and torch.equal(half[0], ref[0]) and torch.equal(half[1], ref[1])
 
 
 def test_max_similarity_matches_nothing_with_a_nan_product(ops):

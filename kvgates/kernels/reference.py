@@ -652,7 +652,7 @@ def max_similarity(rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor) 
     b, h, e, _ = rows.shape
     if cols.shape[2] == 0:  # nothing to match (a max over no column would raise)
         return rows.new_full((b, h, e), float("-inf"), dtype=torch.float32), torch.zeros((b, h, e), dtype=torch.long, device=rows.device)
-    cols_t = cols.transpose(-1, -2)
+    rows, cols_t = rows.float(), cols.float().transpose(-1, -2)  # (the kernel's precision, and its float32 result)
     tile = row_tile(b, h, cols.shape[2], rows.device)
     invalid = ~valid[:, :, None, :]
     best, target = [], []
