@@ -400,6 +400,17 @@ def test_pool_by_position(ops, kernel, mode, c):
     torch.testing.assert_close(ops.pool_by_position(scores, pos, kernel, mode), reference.pool_by_position(scores, pos, kernel, mode))
 
 
+@pytest.mark.parametrize("mode", ["max", "avg"])
+def test_pool_by_position_spreads_a_nan_score_as_the_reference(ops, mode):
+    """A NaN score (from NaN attention) reaches its neighbours in token order in both modes, as torch's pooling
+    spreads it (the kernel's max pooling passed over it, so the backends kept different tokens)."""
+    scores = torch.tensor([[[0.1, 0.5, float("nan"), 0.2, 0.3, 0.4]]], device=DEVICE)
+    pos = torch.tensor([[[5, 0, 2, 3, -1, 1]]], device=DEVICE)  # token order: slots 1, 5, 2, 3, 0
+    got = ops.pool_by_position(scores, pos, 3, mode)
+    torch.testing.assert_close(got, reference.pool_by_position(scores, pos, 3, mode), equal_nan=True)
+    assert got.isnan().flatten().tolist() == [False, False, True, True, False, True]
+
+
 @pytest.mark.parametrize("f", [0, 1, 5])
 @pytest.mark.parametrize(
     "old_caps,new_caps", [([20, 20], [12, 12]), ([20, 20], [30, 30]), ([10, 25, 7], [4, 25, 9]), ([0, 0], [16, 16])]

@@ -817,8 +817,8 @@ def _pool_ordered(
         slot = tl.load(ORDER + row * C + j, mask=jm, other=0)
         valid = tl.load(POS + row * C + slot, mask=jm, other=-1) >= 0
         v = tl.load(SCORES + row * C + slot, mask=jm & valid, other=0.0)
-        if MAX:
-            acc = tl.maximum(acc, tl.where(jm, v, float("-inf")))
+        if MAX:  # a NaN score spreads to its neighbours, as in torch's max pooling
+            acc = tl.maximum(acc, tl.where(jm, v, float("-inf")), propagate_nan=tl.PropagateNan.ALL)
         else:
             acc += v
     if not MAX:
