@@ -562,6 +562,11 @@ def test_retention_scores(ops):
     pos = torch.randint(-1, 40, (2, 3, 50), generator=g).to(DEVICE)
     t = torch.tensor([45, 60]).to(DEVICE)
     torch.testing.assert_close(ops.retention_scores(log_beta, pos, t), reference.retention_scores(log_beta, pos, t))
+    # Half-precision gates: float32 scores of exact ages on both (bfloat16 ages past 256 were rounded, by up to 4 at 1000)
+    half, late = log_beta.to(torch.bfloat16), t + 1000
+    want = (late[:, None, None] - pos).float() * half.float()
+    for impl in (ops, reference):
+        torch.testing.assert_close(impl.retention_scores(half, pos, late), want.masked_fill(pos < 0, float("-inf")))
 
 
 @pytest.mark.parametrize("shape", [(3, 17), (2, 2, 130), (1, 64)])

@@ -713,15 +713,16 @@ def merge_sets(
 
 
 def retention_scores(log_beta: torch.Tensor, slot_pos: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """TRIM-KV decayed retention ``(t - pos) * log_beta`` per slot; empty slots get ``-inf``.
+    """TRIM-KV decayed retention ``(t - pos) * log_beta`` per slot, float32 (half precision would round the ages: bfloat16
+    holds whole numbers only up to 256); empty slots get ``-inf``.
 
     Args:
         log_beta: ``[B, H_kv, C]`` float (<= 0).
         slot_pos: ``[B, H_kv, C]``.
         t: ``[B]`` current position of each sequence.
     """
-    age = (t[:, None, None] - slot_pos).to(log_beta.dtype)
-    return (age * log_beta).masked_fill(slot_pos < 0, float("-inf"))
+    age = (t[:, None, None] - slot_pos).float()
+    return (age * log_beta.float()).masked_fill(slot_pos < 0, float("-inf"))
 
 
 def _age(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
