@@ -300,6 +300,8 @@ def test_compiled_steps_take_the_reference_kernels_on_a_gpu_too(monkeypatch):
     assert kernels.backend(cuda_tensor) == "triton"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert kernels.backend(cuda_tensor) == "reference"
+    monkeypatch.setenv("KVGATES_KERNELS", "triton")  # forced in eager code only: dynamo cannot trace a launch
+    assert kernels.backend(cuda_tensor) == kernels.backend(torch.zeros(1)) == "reference"
 
 
 @pytest.mark.parametrize(("name", "params"), [("d2o", {}), ("d2o", {"slack": 2})], ids=["d2o", "d2o-slack2"])

@@ -6,7 +6,8 @@ Call these functions, not the implementations. Each of ``causal_attention_stats`
 when its inputs are CUDA tensors and the torch reference (``kvgates.kernels.reference``) otherwise.
 ``KVGATES_KERNELS=reference`` forces the reference everywhere;
 ``KVGATES_KERNELS=triton`` forces Triton, which on CPU needs ``TRITON_INTERPRET=1`` (how CI runs the runtime
-on the kernels). The other functions here are reference-only.
+on the kernels); inside ``torch.compile`` every mode takes the reference (``backend``). The other functions here are
+reference-only.
 """
 
 from __future__ import annotations
@@ -36,13 +37,16 @@ BACKENDS = ("auto", "reference", "triton")
 
 def backend(tensor: torch.Tensor) -> str:
     """``"triton"`` or ``"reference"`` for kernels whose inputs live where ``tensor`` does. Inside ``torch.compile``
-    ``auto`` takes the torch reference, which inductor fuses into its own kernels (the path the CPU tests compile),
-    rather than launching kvgates' Triton kernels from a traced graph."""
+    every mode takes the torch reference, which inductor fuses into its own kernels (the path the CPU tests compile),
+    rather than launching kvgates' Triton kernels from a traced graph (``KVGATES_KERNELS=triton`` forces them in eager
+    code: dynamo cannot trace their launches, and a compiled decode step failed with a graph break)."""
     mode = os.environ.get("KVGATES_KERNELS", "auto")
     if mode not in BACKENDS:
         raise ValueError(f"KVGATES_KERNELS must be one of {BACKENDS}, got {mode!r}")
+    if torch.compiler.is_compiling():
+        return "reference"
     if mode == "auto":
-        return "triton" if tensor.is_cuda and _triton_importable() and not torch.compiler.is_compiling() else "reference"
+        return "triton" if tensor.is_cuda and _triton_importable() else "reference"
     if mode == "triton" and not tensor.is_cuda:
         _check_interpreter(tensor)
     return mode
