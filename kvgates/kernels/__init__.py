@@ -2,7 +2,8 @@
 
 Call these functions, not the implementations. Each of ``causal_attention_stats``, ``masked_attention_colmax``,
 ``masked_attention_colsum``, ``decode_attention_flat``, ``window_scores_flat``, ``pool_by_position``,
-``compact_slots``, ``max_similarity``, ``retention_scores`` and ``retention_sum`` runs its Triton kernel (``kvgates.kernels.triton_ops``)
+``compact_slots``, ``max_similarity``, ``merge_sets``, ``retention_scores`` and ``retention_sum`` runs its Triton kernel
+(``kvgates.kernels.triton_ops``)
 when its inputs are CUDA tensors and the torch reference (``kvgates.kernels.reference``) otherwise.
 ``KVGATES_KERNELS=reference`` forces the reference everywhere;
 ``KVGATES_KERNELS=triton`` forces Triton, which on CPU needs ``TRITON_INTERPRET=1`` (how CI runs the runtime
