@@ -406,8 +406,22 @@ def code_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, template_set, model, code):
-    del code  # (in the cache key only: ``code_digest``)
+def file_stamps(mix: list[dict[str, Any]], model: str | None) -> list[tuple[str, int, int]]:
+    """``(path, size, modification time)`` of every local file a build of ``mix`` reads: its ``hf``/``text``/``jsonl``
+    sources' files (a folder's files, all of them) and, for its ``continuations``, ``model``'s where that is a local
+    folder. Part of a built dataset's cache key: keyed by a source's path alone, rows made from a file were loaded
+    again after the file changed (``datasets`` does the same for the files it loads)."""
+    paths = [source["path"] for source in mix if source["task"] in ("hf", "text", "jsonl")]
+    paths += [model] if model is not None and any(source["task"] == "continuations" for source in mix) else []
+    stamps = []
+    for path in map(Path, paths):
+        files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path] if path.is_file() else []
+        stamps += [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    return stamps
+
+
+def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, template_set, model, code, files):
+    del code, files  # (in the cache key only: ``code_digest``, ``file_stamps``)
     mix = json.loads(mix_json)
     rng = random.Random(f"mix:{split}:{seed}")
     weights = [s.get("weight", 1.0) for s in mix]
@@ -495,10 +509,11 @@ def build_dataset(
     ``kvgates.load_model`` takes) writes the ``continuations`` rows; the mix needs it only for them.
 
     Built with ``datasets.Dataset.from_generator``: the result is cached on disk (under ``cache_dir``, default the
-    🤗 datasets cache) keyed by every argument and by the code that makes rows (``code_digest``), so a second run with
-    the same config loads it instead of regenerating it, and a run after a change to that code does not. Same
-    arguments, same rows. A source that cannot be loaded or gives a row without text raises ``ValueError`` (one
-    sentence naming its path; ``check_readable`` finds most of these before a run loads its model).
+    🤗 datasets cache) keyed by every argument, by the code that makes rows (``code_digest``) and by the local files
+    it reads (``file_stamps``), so a second run with the same config loads it instead of regenerating it, and a run
+    after a change to that code or to those files does not. Same arguments, same rows. A source that cannot be loaded
+    or gives a row without text raises ``ValueError`` (one sentence naming its path; ``check_readable`` finds most of
+    these before a run loads its model).
     """
     check_mix(mix, seq_len)
     if split not in SPLITS:
@@ -518,7 +533,7 @@ def build_dataset(
                 # A list-valued keyword would be split into shards by ``from_generator``: the mix travels as JSON.
                 "tokenizer": tokenizer, "mix_json": json.dumps(mix, sort_keys=True), "split": split, "num_examples": num_examples,
                 "seq_len": seq_len, "seed": seed, "fmt": fmt, "template_set": template_set, "model": model,
-                "code": code_digest(),
+                "code": code_digest(), "files": file_stamps(mix, model),
             },
             cache_dir=cache_dir,
         )

@@ -149,6 +149,21 @@ def test_a_change_to_the_code_that_makes_rows_builds_them_again(tok, tmp_path, m
     monkeypatch.setattr(build, "code_digest", lambda: "another version")
     assert build_dataset(tok, mix, "train", 2, 192, cache_dir=str(tmp_path)).cache_files != first.cache_files
 
+
+def test_a_changed_local_file_builds_its_rows_again(tok, tmp_path):
+    """The cache was keyed by a source's path: after the file was edited, a run trained on the rows of the old one."""
+    import os
+
+    path = tmp_path / "rows.jsonl"
+    source = [{"task": "jsonl", "path": str(path)}]
+    path.write_text("".join(json.dumps({"prompt": f"Old {i}?", "completion": " old."}) + "\n" for i in range(40)))
+    old = build_dataset(tok, source, "train", 3, 64, cache_dir=str(tmp_path / "c"))
+    assert build_dataset(tok, source, "train", 3, 64, cache_dir=str(tmp_path / "c")).cache_files == old.cache_files
+    path.write_text("".join(json.dumps({"prompt": f"New {i}?", "completion": " new."}) + "\n" for i in range(40)))
+    os.utime(path, ns=(0, 0))  # (the same size as before: the change is told by its time)
+    new = build_dataset(tok, source, "train", 3, 64, cache_dir=str(tmp_path / "c"))
+    assert all(tok.decode(ids).startswith("New") for ids in new["input_ids"])
+
 def test_continuations_are_the_models_own_greedy_output(tok, tmp_path):
     import torch
     from helpers import tiny_model
