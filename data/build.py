@@ -37,6 +37,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -79,7 +80,8 @@ _SOURCE_VALUES = {
 
 
 def check_mix(mix: list[dict[str, Any]], seq_len: int | None = None) -> None:
-    """Raise ``ValueError`` (one sentence) for an empty mix, an unknown source, a bad weight, an unknown key, a
+    """Raise ``ValueError`` (one sentence) for an empty mix, an unknown source, a bad weight (not a positive finite
+    number: a ``.nan`` or ``.inf`` weight failed once the model had loaded), an unknown key, a
     value of the wrong type (``_SOURCE_VALUES``, a task's options: ``data.tasks.check_options``) or, given the rows'
     ``seq_len``, a completion that leaves no prompt in a row (a continuation's prompt and completion must fit it
     whole: a row cut to ``seq_len`` would drop the start of the prompt the model continued)."""
@@ -92,8 +94,8 @@ def check_mix(mix: list[dict[str, Any]], seq_len: int | None = None) -> None:
         if task not in SOURCES:
             raise ValueError(f"data source {i}: unknown task {task!r}; known: {', '.join(SOURCES)}")
         weight = source.get("weight", 1.0)
-        if not isinstance(weight, (int, float)) or weight <= 0:
-            raise ValueError(f"data source {i} ({task}): weight must be a positive number, got {weight!r}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:  # (nan too)
+            raise ValueError(f"data source {i} ({task}): weight must be a positive finite number, got {weight!r}")
         allowed = _COMMON | _SOURCE_KEYS.get(task, set(OPTIONS.get(task, ())))
         unknown = sorted(set(source) - allowed)
         if unknown:

@@ -197,6 +197,9 @@ def test_continuations_are_the_models_own_greedy_output(tok, tmp_path):
         ([], "empty"),
         ([{"task": "novel"}], "unknown task"),
         ([{"task": "needle", "weight": 0}], "weight"),
+        ([{"task": "needle", "weight": float("nan")}], "weight must be a positive finite number, got nan"),  # failed when built
+        ([{"task": "needle", "weight": float("inf")}], "weight must be a positive finite number, got inf"),
+        ([{"task": "needle", "weight": True}], "weight must be a positive finite number, got True"),
         ([{"task": "needle", "colour": 1}], "unknown keys"),
         ([{"task": "jsonl", "path": "/nonexistent.jsonl"}], "does not exist"),
         ([{"task": "jsonl", "path": "data"}], "data source 0 \\(jsonl\\): data is a folder; name a jsonl file"),  # 'Unable to find'
