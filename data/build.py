@@ -3,7 +3,7 @@
 A dataset is a *mix* of sources, each a dict with a ``task`` and a ``weight``:
 
 * ``essays``: long-text language-modelling windows of the split's essays; the last ``completion_tokens`` tokens
-  are the completion;
+  (default 64) are the completion;
 * ``continuations``: the frozen model's own greedy continuation (``completion_tokens``, default 512, full cache)
   of a ``prompt_tokens`` window (default 1000) of the split's essays: the setting of long-response fidelity, where
   a budgeted cache must follow the model through its own long output (``build_dataset`` needs the ``model``);
@@ -64,6 +64,8 @@ _SOURCE_KEYS = {
     "text": {"path", "completion_tokens", "pack", "sample_by"},
     "jsonl": {"path", "text_field", "completion_tokens", "pack"},
 }
+#: The completion of an ``essays`` window, a packed row or a text row when its source does not set ``completion_tokens``.
+COMPLETION_TOKENS = 64
 #: A ``continuations`` source's window lengths when it does not set them.
 CONTINUATION_DEFAULTS = {"prompt_tokens": 1000, "completion_tokens": 512}
 #: What the values of a source's own keys must be: key -> (test, the words saying what it must be).
@@ -121,11 +123,13 @@ def check_mix(mix: list[dict[str, Any]], seq_len: int | None = None) -> None:
                     f"data source {i} (continuations): prompt_tokens ({prompt}) + completion_tokens ({new}) must fit seq_len "
                     f"({seq_len}), or the rows would drop the start of the prompt the model continued; lower them or raise seq_len"
                 )
-        elif seq_len is not None and source.get("completion_tokens", 0) >= seq_len:
-            raise ValueError(
-                f"data source {i} ({task}): completion_tokens ({source['completion_tokens']}) must be smaller than seq_len ({seq_len}), "
-                "leaving a prompt in every row"
-            )
+        elif seq_len is not None and ("completion_tokens" in source or source.get("pack")):
+            new = source.get("completion_tokens", COMPLETION_TOKENS)  # (the default too: a packed row had no prompt)
+            if new >= seq_len:
+                raise ValueError(
+                    f"data source {i} ({task}): completion_tokens ({new}{'' if 'completion_tokens' in source else ' by default'}) must "
+                    f"be smaller than seq_len ({seq_len}), leaving a prompt in every row"
+                )
 
 
 def check_readable(mix: list[dict[str, Any]]) -> None:
@@ -441,7 +445,7 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
         options = {k: v for k, v in source.items() if k not in _COMMON}
         template = ""
         if task == "essays":
-            prompt_ids, completion_ids = _window(split_ids(tokenizer, split), seq_len, options.get("completion_tokens", 64), rng)
+            prompt_ids, completion_ids = _window(split_ids(tokenizer, split), seq_len, options.get("completion_tokens", COMPLETION_TOKENS), rng)
         elif task == "continuations":  # the prompt now; the model continues every such row at once, below
             new = options.get("completion_tokens", CONTINUATION_DEFAULTS["completion_tokens"])
             prompt_ids, _ = _window(split_ids(tokenizer, split), options.get("prompt_tokens", CONTINUATION_DEFAULTS["prompt_tokens"]), 0, rng)
@@ -449,7 +453,7 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
             pending.setdefault(new, []).append(index)
         elif i in packed:
             window = packed[i].take(seq_len)
-            cut = seq_len - options.get("completion_tokens", 64)
+            cut = seq_len - options.get("completion_tokens", COMPLETION_TOKENS)
             prompt_ids, completion_ids = window[:cut], window[cut:]
         elif i in external:
             rows = external[i]
@@ -457,7 +461,7 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
             field = options.get("text_field", "text")
             if field in row:
                 ids = tokenizer(row[field], add_special_tokens=False)["input_ids"]
-                prompt_ids, completion_ids = _window(ids, seq_len, options.get("completion_tokens", 64), rng)
+                prompt_ids, completion_ids = _window(ids, seq_len, options.get("completion_tokens", COMPLETION_TOKENS), rng)
             else:  # then every row has a prompt and a completion (_check_rows)
                 prompt_ids, completion_ids = _encode(tokenizer, row["prompt"], row["completion"], fmt)
         else:

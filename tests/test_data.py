@@ -217,6 +217,8 @@ def test_continuations_are_the_models_own_greedy_output(tok, tmp_path):
         ([{"task": "common_words", "distinct": 40}], "distinct 40 is more than the 34 words"),
         ([{"task": "common_words", "top": 5, "distinct": 5}], "top \\(5\\) must be smaller than distinct \\(5\\)"),
         ([{"task": "text", "path": __file__, "pack": True, "completion_tokens": 64}], "completion_tokens \\(64\\) must be smaller than seq_len"),
+        # (the default: a packed row of 63 tokens, none of them prompt)
+        ([{"task": "jsonl", "path": __file__, "pack": True}], "completion_tokens \\(64 by default\\) must be smaller than seq_len \\(64\\)"),
         ([{"task": "continuations", "prompt_tokens": 40}], "prompt_tokens \\(40\\) \\+ completion_tokens \\(512\\) must fit seq_len \\(64\\)"),
     ],
 )
