@@ -12,13 +12,14 @@ A dataset is a *mix* of sources, each a dict with a ``task`` and a ``weight``:
   that task's options (``keys``, ``hops``, ``digits``, ...);
 * ``hf``: a Hugging Face dataset (``path``, optional ``name``, ``split``) and ``text``/``jsonl``: local files
   (``path``; a ``text`` file's row is a line, or with ``sample_by: paragraph`` a paragraph between blank lines, with
-  ``sample_by: document`` the whole file; rows without text are dropped); rows give a ``text`` field (windows as for
-  essays; ``text_field`` renames it) or ``prompt`` and ``completion`` fields. With ``pack: true`` the rows' texts are
-  read as a stream (``streaming=True``, shuffled with the seed) and concatenated, an EOS token between documents, into
-  rows of exactly ``seq_len`` tokens: long sequences from a corpus of short documents (8K-32K tokens for GPU
-  training). Such a source's rows are divided among the splits as the essays are, 70/10/20 (``data.splits.SHARES``),
-  each row by a hash of its text (``row_split``): a run trains on the train rows, chooses its checkpoint on the
-  validation rows and reports on the test rows, never the same row twice (all three once took the whole source).
+  ``sample_by: document`` the whole file; rows without text are dropped, and a text of one token is passed over); rows
+  give a ``text`` field (windows as for essays; ``text_field`` renames it) or ``prompt`` and ``completion`` fields.
+  With ``pack: true`` the rows' texts are read as a stream (``streaming=True``, shuffled with the seed) and
+  concatenated, an EOS token between documents, into rows of exactly ``seq_len`` tokens: long sequences from a corpus
+  of short documents (8K-32K tokens for GPU training). Such a source's rows are divided among the splits as the essays
+  are, 70/10/20 (``data.splits.SHARES``), each row by a hash of its text (``row_split``): a run trains on the train
+  rows, chooses its checkpoint on the validation rows and reports on the test rows, never the same row twice (all
+  three once took the whole source).
 
 The ``essays`` windows already cross essay boundaries: they are cut from the split's essays concatenated in
 file order (``data.splits``: train, validation and test by file), so rows are as long as the split allows
@@ -311,6 +312,20 @@ def _window(ids: Sequence[int], seq_len: int, completion_tokens: int, rng: rando
     return window[:cut], window[cut:]
 
 
+def _text_ids(tokenizer: PreTrainedTokenizerBase, source: dict[str, Any], rows: datasets.Dataset, split: str, rng: random.Random) -> list[int]:
+    """The token ids of the text of a random row of ``rows`` (``source``'s in ``split``, read whole), passing over a row
+    of fewer than two tokens to the next: it has no prompt and completion to split (its row had no completion token,
+    and validation and the closing table stopped on it). ``ValueError`` when no row of the split has two."""
+    field, start = source.get("text_field", "text"), rng.randrange(len(rows))
+    for k in range(len(rows)):
+        ids = tokenizer(rows[(start + k) % len(rows)][field], add_special_tokens=False)["input_ids"]
+        if len(ids) >= 2:
+            return ids
+    raise ValueError(
+        f"every row of {source['path']!r} in the {split} split is a single token; a row needs two, a prompt and a completion"
+    )
+
+
 class _PackedStream:
     """Consecutive ``seq_len``-token rows of a text source's documents of ``split`` (``row_split``), read as a stream
     and concatenated (an EOS token after each document); the stream starts over when it ends, unless a whole pass
@@ -456,13 +471,12 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
             cut = seq_len - options.get("completion_tokens", COMPLETION_TOKENS)
             prompt_ids, completion_ids = window[:cut], window[cut:]
         elif i in external:
-            rows = external[i]
-            row = rows[rng.randrange(len(rows))]
-            field = options.get("text_field", "text")
-            if field in row:
-                ids = tokenizer(row[field], add_special_tokens=False)["input_ids"]
+            rows, field = external[i], options.get("text_field", "text")
+            if field in rows.column_names:
+                ids = _text_ids(tokenizer, source, rows, split, rng)
                 prompt_ids, completion_ids = _window(ids, seq_len, options.get("completion_tokens", COMPLETION_TOKENS), rng)
             else:  # then every row has a prompt and a completion (_check_rows)
+                row = rows[rng.randrange(len(rows))]
                 prompt_ids, completion_ids = _encode(tokenizer, row["prompt"], row["completion"], fmt)
         else:
             context = seq_len

@@ -253,6 +253,15 @@ def test_rows_without_text_are_dropped_and_long_completions_cut_to_seq_len(tok, 
     assert all(len(row["input_ids"]) == 96 and row["labels"][0] == -100 for row in ds)
     with pytest.raises(ValueError, match="sample_by must be line, paragraph or document, got 'word'"):
         check_mix([{"task": "text", "path": str(text), "sample_by": "word"}], seq_len=64)
+    # A line of one token was a row without a completion token: validation and the closing table stopped on it.
+    words = tmp_path / "words.txt"
+    words.write_text("".join(f"word\nline {i} of several tokens\n" for i in range(40)))
+    for split in ("train", "test"):
+        ds = build_dataset(tok, [{"task": "text", "path": str(words)}], split, 8, 64, cache_dir=str(tmp_path / "c"))
+        assert all(row["labels"][0] == -100 and row["labels"][-1] != -100 for row in ds)
+    (tmp_path / "one.txt").write_text("word\nhello\n" * 20)
+    with pytest.raises(ValueError, match=r"^every row of '.*one.txt' in the train split is a single token; a row needs two"):
+        build_dataset(tok, [{"task": "text", "path": str(tmp_path / "one.txt")}], "train", 2, 64, cache_dir=str(tmp_path / "c"))
 
 
 def test_an_external_sources_rows_are_divided_among_the_splits(tok, tmp_path):
