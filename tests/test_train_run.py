@@ -505,6 +505,31 @@ def test_a_data_error_found_once_the_model_is_loaded_is_one_sentence_and_leaves_
     assert "Traceback" not in err and not out.exists()
 
 
+def test_a_source_without_test_rows_is_refused_before_training_not_after_it(tiny_dir, tmp_path, capsys, monkeypatch):
+    """The closing table's rows were built after training: a Hub dataset (here a local folder, whose splits are read
+    only when rows are built) with train and validation rows but none in the test split trained, then ended in a
+    traceback without a report. They are built with the run's other data now."""
+    from data.build import row_split
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    source = {"task": "hf", "path": str(corpus)}
+    texts = (f"Document {i} says some words about a topic, and then some more." for i in range(100))
+    docs = [text for text in texts if row_split(source, {"text": text}) != "test"][:12]
+    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in docs))
+    out = tmp_path / "run"
+    data = {"seq_len": 96, "mix": [{**source, "completion_tokens": 8}]}
+    config = write(tiny_config(tiny_dir, out, data=data, validation={"needles": 0}, report={"needles": 0}), tmp_path / "c.yaml")
+    monkeypatch.setattr("train.trainer.GateTrainer.train", lambda *a, **k: pytest.fail("the run trained"))
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines()[-1] == (
+        f"train.py: data.mix: none of the 12 rows of '{corpus}' falls in the test split (rows are divided 70/10/20 among train, "
+        "validation and test by a hash of their text); give the source more rows"
+    )
+    assert "Traceback" not in err and not out.exists()
+
+
 
 def test_chat_rows_for_a_tokenizer_without_a_chat_template_are_refused_naming_data_format(tiny_dir, tmp_path, capsys):
     """The tiny checkpoint's tokenizer has no chat template: the error named data.mix (a source), not data.format."""
@@ -1554,16 +1579,16 @@ def test_the_held_out_table_runs_the_model_in_eval_mode(tiny_dir, tmp_path):
     """A run ends with its model in train mode (the Trainer leaves it so), and the GPU recipes checkpoint its layers
     (``training.activation_checkpointing``): the held-out table runs it in eval mode, where a checkpointed layer
     keeps its cache (in train mode transformers drops it and every budgeted arm failed), and leaves the mode as it was."""
-    from train.validation import final_table, report_needles
+    from train.validation import final_table, report_heldout
 
     cfg = TrainConfig.from_dict(tiny_config(tiny_dir, tmp_path / "run"))
     model, tokenizer = kvgates.load_model(str(tiny_dir))
     gates = GATE_KINDS["retention"].for_model(model, gate_hidden=8, init_bias=4.0)
-    needles = report_needles(cfg, tokenizer)
-    reference = final_table(cfg, model, tokenizer, gates, gates, needles)
+    heldout = report_heldout(cfg, tokenizer)
+    reference = final_table(cfg, model, tokenizer, gates, gates, heldout)
     model.activation_checkpointing_enable({"use_reentrant": False})
     model.train()
-    assert final_table(cfg, model, tokenizer, gates, gates, needles) == reference
+    assert final_table(cfg, model, tokenizer, gates, gates, heldout) == reference
     assert model.training
 
 

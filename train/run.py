@@ -47,7 +47,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 import kvgates
 from data.build import build_dataset, check_readable, summarize
 from data.splits import essay_split
-from eval.heldout import markdown_table
+from eval.heldout import HeldOut, markdown_table
 from kvgates.cli import USAGE_ERROR, OneLineParser, usage_error
 from kvgates.config import check_output_folder
 from kvgates.gates.adapter import atomic_write
@@ -55,7 +55,7 @@ from kvgates.gates.training import GateTraining
 from kvgates.models import model_skeleton, past_context
 from train.config import ConfigError, TrainConfig
 from train.trainer import GateTrainer, MetricsJsonl
-from train.validation import Validator, final_table, report_needles
+from train.validation import Validator, final_table, report_heldout
 
 DEFAULT_CONFIG = "configs/train/quickstart.yaml"
 RUN_CONFIG = "run_config.json"
@@ -499,9 +499,9 @@ def check_context(config: TrainConfig, model: PreTrainedModel) -> None:
         )
 
 
-def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.GateSet, list[dict]]:
+def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.GateSet, HeldOut]:
     """The frozen model with its starting gates, the data and the Trainer; returns ``(trainer, copy of the
-    starting gates, the final table's needles)``."""
+    starting gates, the final table's needles and rows)``."""
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_PROJECT", "kvgates")
     os.environ.setdefault("WANDB_DIR", str(out))
@@ -516,14 +516,14 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
     config.learned_method.setup(model, gates, config.method_options)
     gated = GateTraining(model, gates, config.attention)  # registers the gates on the model and routes its attention
 
-    # Data: training rows from the train essays; validation on validation essays.
+    # Data: training rows from the train essays; validation on validation essays, the closing table on test essays.
     data = config.data
     try:
         train_rows = build_dataset(
             tokenizer, data.mix, "train", data.train_examples, data.seq_len, data.seed, data.format, model=config.model
         )
         validator = Validator.build(config, tokenizer)
-        needles = report_needles(config, tokenizer)  # (before training: one that does not fit is refused now)
+        heldout = report_heldout(config, tokenizer)  # (before training: what cannot be made is refused now)
     except ConfigError:  # (data.format, the held-out needles: they name their options themselves)
         raise
     except ValueError as err:  # a row past what check_sources reads (a packed or Hub source's)
@@ -543,7 +543,7 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
         processing_class=tokenizer,
         callbacks=[MetricsJsonl(out / METRICS)],
     )
-    return trainer, start, needles
+    return trainer, start, heldout
 
 
 def cpu_threads_note(threads: int, cores: int, processes: int) -> str | None:
@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare_output_dir(config, args.resume)
     started = time.time()
     try:
-        trainer, start, held_out_needles = build_trainer(config, out)
+        trainer, start, heldout = build_trainer(config, out)
         finished = TrainerState.load_from_json(str(Path(resume) / TRAINER_STATE_NAME)) if resume else None
         if finished is not None and finished.global_step >= finished.max_steps > 0:
             # The run trained to the end and stopped before its adapter (Trainer would take one more step).
@@ -644,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # The held-out table at the training budget.
     try:
-        table = markdown_table(final_table(config, model, tokenizer, gates, start, held_out_needles))
+        table = markdown_table(final_table(config, model, tokenizer, gates, start, heldout))
     except KeyboardInterrupt:
         print(f"train.py: interrupted during the held-out table; the adapter is at {adapter}: add --resume to the command to "
               "make the table (nothing is trained again)", file=sys.stderr)

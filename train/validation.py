@@ -78,29 +78,30 @@ def start_label(config: TrainConfig) -> str:
     return f"start: {config.gates.init_from}" if config.gates.init_from else "untrained"
 
 
-def report_needles(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> list[dict]:
-    """The final table's needles (test essays, eval templates), made before training so that one that does not fit
-    ``data.seq_len`` is refused then (``ConfigError``), not after the run's hours as a traceback without a report (the
-    table's rows are of the mix the training rows were made from)."""
+def report_heldout(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> HeldOut:
+    """The final table's needles and rows (test essays and the test rows of the mix, eval templates), made before
+    training so that what cannot be made is refused then, not after the run's hours as a traceback without a report: a
+    needle that does not fit ``data.seq_len`` (``ConfigError``), a source with no row in the test split (``ValueError``:
+    a Hub dataset's or a packed source's splits are read only when its rows are built)."""
     data = config.data
-    return needle_examples(
+    needles = needle_examples(
         tokenizer, "test", "eval", config.report.needles, data.seq_len, data.seed, "report.needles", "raise data.seq_len, or set report.needles: 0"
     )
+    rows = build_dataset(
+        tokenizer, data.mix, "test", config.report.examples, data.seq_len, data.seed, data.format, template_set="eval", model=config.model
+    )
+    return HeldOut.build(tokenizer, rows, needles)
 
 
 @torch.no_grad()
 def final_table(
     config: TrainConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, trained: kvgates.GateSet, start: kvgates.GateSet,
-    needles: list[dict],
+    heldout: HeldOut,
 ) -> dict[str, dict[str, float]]:
-    """The held-out comparison at the training budget (test essays, eval templates; ``needles``: ``report_needles``);
+    """The held-out comparison at the training budget (test essays, eval templates; ``heldout``: ``report_heldout``);
     results by arm. The model runs in eval mode (a run ends in train mode, where a layer under activation checkpointing
     would drop the cache)."""
-    data, report = config.data, config.report
-    rows = build_dataset(
-        tokenizer, data.mix, "test", report.examples, data.seq_len, data.seed, data.format, template_set="eval", model=config.model
-    )
-    heldout = HeldOut.build(tokenizer, rows, needles)
+    report = config.report
     arms = {
         f"{config.kind} (trained)": lambda: learned_policy(config, trained),
         f"{config.kind} ({start_label(config)})": lambda: learned_policy(config, start),
