@@ -503,13 +503,21 @@ def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, temp
         completion_ids = completion_ids[: seq_len - 1]  # a row holds seq_len tokens at most, one of them prompt
         prompt_ids = prompt_ids[-max(1, seq_len - len(completion_ids)) :]  # the prompt gives way to the completion
         built.append({"input_ids": prompt_ids, "completion": completion_ids, "task": task, "template": template})
+        if not pending:  # no row before it waits for the model: out now (datasets' progress bar counted none until the last)
+            yield _labelled(built[-1])
     for new, indices in pending.items():
         continued = _continue(model, [built[i]["input_ids"] for i in indices], new)
         for i, completion_ids in zip(indices, continued):
             built[i]["completion"] = completion_ids
-    for row in built:
-        prompt_ids, completion_ids = row.pop("input_ids"), row.pop("completion")
-        yield {"input_ids": prompt_ids + completion_ids, "labels": [-100] * len(prompt_ids) + completion_ids, **row}
+    for row in built[min((i for indices in pending.values() for i in indices), default=num_examples) :]:
+        yield _labelled(row)
+
+
+def _labelled(row: dict[str, Any]) -> dict[str, Any]:
+    """A built row (prompt ``input_ids`` and ``completion``) as the dataset holds it: ``input_ids`` and ``labels``."""
+    prompt_ids, completion_ids = row["input_ids"], row["completion"]
+    return {"input_ids": prompt_ids + completion_ids, "labels": [-100] * len(prompt_ids) + completion_ids, "task": row["task"],
+            "template": row["template"]}
 
 
 def build_dataset(

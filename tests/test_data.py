@@ -164,6 +164,20 @@ def test_a_changed_local_file_builds_its_rows_again(tok, tmp_path):
     new = build_dataset(tok, source, "train", 3, 64, cache_dir=str(tmp_path / "c"))
     assert all(tok.decode(ids).startswith("New") for ids in new["input_ids"])
 
+def test_rows_go_out_as_they_are_made(tok, monkeypatch):
+    """The generator made every row before it gave out the first: ``datasets``' progress bar counted no row through a
+    long build (minutes of packed 16K-token rows), then all of them. A row now goes out once made, unless a row before
+    it waits for the model (``continuations``, continued together at the end)."""
+    import data.build as build
+
+    made = []
+    make = build.make_example
+    monkeypatch.setattr(build, "make_example", lambda *args, **kwargs: made.append(args[0]) or make(*args, **kwargs))
+    rows = build._generate(tok, json.dumps([{"task": "needle"}]), "train", 5, 192, 0, "raw", "train", None, "", [])
+    assert next(rows)["task"] == "needle" and len(made) == 1
+    assert len(list(rows)) == 4 and len(made) == 5
+
+
 def test_continuations_are_the_models_own_greedy_output(tok, tmp_path):
     import torch
     from helpers import tiny_model
