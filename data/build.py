@@ -1,6 +1,7 @@
 """Tokenised training / validation datasets (🤗 ``datasets``, cached on disk, deterministic from a seed).
 
-A dataset is a *mix* of sources, each a dict with a ``task`` and a ``weight``:
+A dataset is a *mix* of sources, each a dict with a ``task`` and a ``weight`` (default 1; the weights need not sum to
+1: each row is drawn from a source with probability its weight over their sum):
 
 * ``essays``: long-text language-modelling windows of the split's essays; the last ``completion_tokens`` tokens
   (default 64) are the completion;
