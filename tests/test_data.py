@@ -164,6 +164,7 @@ def test_a_changed_local_file_builds_its_rows_again(tok, tmp_path):
     new = build_dataset(tok, source, "train", 3, 64, cache_dir=str(tmp_path / "c"))
     assert all(tok.decode(ids).startswith("New") for ids in new["input_ids"])
 
+
 def test_rows_go_out_as_they_are_made(tok, monkeypatch):
     """The generator made every row before it gave out the first: ``datasets``' progress bar counted no row through a
     long build (minutes of packed 16K-token rows), then all of them. A row now goes out once made, unless a row before

@@ -85,6 +85,22 @@ def test_decode_attention_empty_heads(ops):
     assert torch.all(probs[:, 1] == 0) and torch.all(out[:, 2:] == 0)
 
 
+def test_decode_attention_gives_nan_for_a_nan_key_as_sdpa(ops):
+    """A NaN key (a model's overflow) makes its head's output NaN on both backends, as sdpa's: the reference's softmax
+    was cleaned of NaN to zero its empty heads, which turned that head's output to zeros on the CPU, and only where a
+    policy asked for attention statistics."""
+    keys, values, pos = flat_layer(1, [8, 8], 16, torch.float32, holes=0.0)
+    keys[0, 3] = float("nan")  # head 0's slot 3
+    q = torch.randn(1, 4, 16, device=DEVICE)
+    for impl in (ops, reference):
+        out, _ = impl.decode_attention_flat(q, keys, values, pos, [8, 8], 0.25)
+        assert out[:, :2].isnan().all() and not out[:, 2:].isnan().any(), impl.__name__
+    full = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], keys.view(1, 2, 8, 16), values.view(1, 2, 8, 16), scale=0.25, enable_gqa=True
+    )
+    assert full[:, :2].isnan().all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("b,caps,h,d", SHAPES)
 @pytest.mark.parametrize("w,reduce", [(5, "sum"), (32, "mean")])

@@ -530,7 +530,6 @@ def test_a_source_without_test_rows_is_refused_before_training_not_after_it(tiny
     assert "Traceback" not in err and not out.exists()
 
 
-
 def test_chat_rows_for_a_tokenizer_without_a_chat_template_are_refused_naming_data_format(tiny_dir, tmp_path, capsys):
     """The tiny checkpoint's tokenizer has no chat template: the error named data.mix (a source), not data.format."""
     out = tmp_path / "run"

@@ -353,15 +353,17 @@ def decode_attention(
             ``"none"`` returns them per query head ``[B, H, C]``.
 
     Returns:
-        ``(out [B, H, D] in q's dtype, probs float32)``; empty slots get probability 0.
+        ``(out [B, H, D] in q's dtype, probs float32)``; empty slots get probability 0 (a head of only empty slots gives
+        a zero output), and a NaN key a NaN output, as sdpa's.
     """
     b, h, d = q.shape
     scores = _grouped_scores(q[:, :, None], k, scale)[:, :, :, 0]  # [B, H_kv, G, C]
     if slot_pos is None:
         probs = torch.softmax(scores, dim=-1)
-    else:
-        scores = scores.masked_fill((slot_pos < 0)[:, :, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    else:  # a head holding nothing attends to nothing (zero); a NaN key gives NaN, as sdpa and the kernel do
+        empty = slot_pos < 0
+        scores = scores.masked_fill(empty[:, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).masked_fill_(empty.all(-1)[:, :, None, None], 0.0)
     out = torch.matmul(probs, v.float()).reshape(b, h, d).to(q.dtype)  # [B, H_kv, G, C] @ [B, H_kv, C, D]
     if reduce == "sum":
         return out, probs.sum(2)
