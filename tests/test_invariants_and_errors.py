@@ -484,23 +484,27 @@ def test_a_deep_copied_cache_continues_as_the_original(tiny, name, budget):
     assert all(torch.equal(a.pos, b.pos) and a.keys.data_ptr() != b.keys.data_ptr() for a, b in zip(cache.budget_layers, twin.budget_layers))
 
 
-def test_a_new_turn_after_decoding_under_a_prompt_only_policy_is_said_to_stay_whole(tiny):
+@pytest.mark.parametrize("name", sorted(POLICY_PARAMS))
+def test_a_new_turn_after_decoding_under_a_prompt_only_policy_is_said_to_stay_whole(tiny, name):
     """A call of several tokens after decoding began is taken for decode steps: SnapKV appended a 50-token new turn
-    whole (87 tokens a head at budget 32) in silence. It warns once per cache; a policy that evicts while decoding
-    keeps the budget and says nothing."""
+    whole (87 tokens a head at budget 32) in silence. A policy that keeps two new turns whole warns once per cache;
+    one that keeps the budget (or the full cache, which has none) says nothing. KVzip, whose scoring pass evicts its
+    prompt and whose schedule evicts nothing, kept new turns whole without the warning."""
     import warnings
 
     _, model = tiny
     g = torch.Generator().manual_seed(0)
-    for name, params, warned in [("snapkv", {"window": 4}, True), ("h2o", {}, False)]:
-        cache = BudgetCache(model.config, name, budget=32, **params)
-        with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+    with policy_on(model, name, None if name == "full" else 40) as policy, torch.no_grad():
+        cache = BudgetCache(model.config, policy)
+        with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             out = model(torch.randint(3, 100, (1, 100), generator=g), past_key_values=cache)
             model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+            before = cache.held_tokens()
             for _ in range(2):
                 model(torch.randint(3, 100, (1, 50), generator=g), past_key_values=cache)
-        said = [str(w.message) for w in seen if "after decoding began" in str(w.message)]
-        assert len(said) == int(warned), (name, said)
-        if warned:
-            assert said[0].startswith(f"50 tokens given after decoding began are taken as decode steps, which {name} appends")
+    kept_whole = name != "full" and bool((cache.held_tokens() - before == 100).all())
+    said = [str(w.message) for w in seen if "after decoding began" in str(w.message)]
+    assert len(said) == int(kept_whole), (said, (cache.held_tokens() - before).tolist())
+    if kept_whole:
+        assert said[0].startswith(f"50 tokens given after decoding began are taken as decode steps, which {name} appends")

@@ -208,6 +208,14 @@ class Policy:
         return type(self).after_layer is not Policy.after_layer
 
     @property
+    def prompt_only(self) -> bool:
+        """Whether the policy compresses only its prompt and appends decode steps whole: a call of several tokens
+        after decoding began (a new turn of a conversation) is then kept whole, past the budget, which the cache
+        warns of (``BudgetCache.several_after_decoding``). By default, a schedule that evicts prompt chunks and not
+        while decoding (a policy whose prompt is evicted by other means, KVzip's scoring pass, says so itself)."""
+        return self.schedule.prefill and not self.schedule.decode_every
+
+    @property
     def position_window(self) -> int | None:
         """Where attention runs at positions within the cache (``position_shift``, StreamingLLM's ``rerotate``): the
         most tokens a head holds before a forward, so that a forward of n tokens attends below position

@@ -68,6 +68,7 @@ class KVzip(Policy):
     name = "kvzip"
     schedule = NEVER  # the scoring pass evicts (kvgates.runtime.scoring), not the end of a prompt forward
     sync_free_decode = True  # decode appends; a static layout settles after the scoring forwards
+    prompt_only = True  # the scoring pass evicts the prompt; decode appends (a new turn too)
 
     chunk_size: int = 2048
     sinks: int = 4

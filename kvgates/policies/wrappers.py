@@ -171,6 +171,10 @@ class Wrapper(Policy):
         return self.inner.cross_layer or type(self).after_layer is not Wrapper.after_layer
 
     @property
+    def prompt_only(self) -> bool:
+        return self.inner.prompt_only
+
+    @property
     def position_window(self) -> int | None:
         return self.inner.position_window
 

@@ -194,8 +194,7 @@ class BudgetCache(Cache):
         """Warn, once per cache, of a call of ``n`` tokens after decoding began under a policy that evicts only its
         prompt: the runtime takes such a call for decode steps (speculative verification), so a new user turn is kept
         whole, past the budget, where a user expects it compressed (``BudgetLayer.phase``)."""
-        schedule = self.policy.schedule
-        if self._said_turn or not schedule.prefill or schedule.decode_every:
+        if self._said_turn or not self.policy.prompt_only:
             return
         self._said_turn = True
         warnings.warn(

@@ -59,6 +59,7 @@ class CachePolicy(Protocol):
     sync_free_decode: bool
     exact_quota: bool
     cross_layer: bool
+    prompt_only: bool
     schedule: Schedule
 
     def stats_request(self, phase: Phase) -> StatsRequest: ...
