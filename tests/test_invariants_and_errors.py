@@ -325,6 +325,23 @@ def test_generate_with_prompt_lookup_is_refused_in_one_sentence(tiny):
         model.generate(ids, past_key_values=BudgetCache(model.config, "h2o", budget=64), max_new_tokens=8, do_sample=False,
                        prompt_lookup_num_tokens=3)
 
+
+@pytest.mark.parametrize("prompt", [5, 20], ids=["within-window", "past-window"])
+def test_cropping_a_cache_with_sliding_layers_is_refused_before_any_layer_changes(prompt):
+    """Gemma-3's first layer is a sliding-window one, which ``Cache.crop`` cropped before the budgeted layer after it
+    refused (a prompt within the window: the layers then held different tokens), or which refused first, past its
+    window, with transformers' advice to call ``activate_past_recording`` (that cannot make a BudgetCache croppable)."""
+    from helpers import tiny_model
+
+    _, model = tiny_model("gemma3")
+    cache = BudgetCache(model.config, "h2o", budget=8)
+    with torch.no_grad():
+        model(torch.randint(1, 128, (1, prompt), generator=torch.Generator().manual_seed(0)), past_key_values=cache)
+    sliding = cache.layers[0].keys.clone()
+    with pytest.raises(NotImplementedError, match="^a BudgetCache cannot be cropped: evicted tokens cannot"):
+        cache.crop(prompt - 2)
+    assert torch.equal(cache.layers[0].keys, sliding)
+
 def test_model_without_attention_interface_is_refused():
     from transformers import BloomConfig, BloomForCausalLM
 

@@ -190,6 +190,12 @@ class BudgetCache(Cache):
         super().reset()
         self._pending_layer = self._forward_at = self._real = None
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Refused (``BudgetLayer.crop``) before any layer changes: transformers' ``Cache.crop`` crops layer by layer,
+        so a model's sliding-window layers (Gemma-3's first) were cropped before a budgeted one refused, or refused
+        first with transformers' own advice (``activate_past_recording``), which cannot make this cache croppable."""
+        self.budget_layers[0].crop(tokens_to_remove)
+
     def several_after_decoding(self, n: int) -> None:
         """Warn, once per cache, of a call of ``n`` tokens after decoding began under a policy that evicts only its
         prompt: the runtime takes such a call for decode steps (speculative verification), so a new user turn is kept
