@@ -379,7 +379,11 @@ class SlotStorage:
         addresses for compiled decode steps. Raises when a head holds more than ``slots`` tokens."""
         held = int(self.held().amax()) if self.pos.numel() else 0
         if held > slots:
-            raise ValueError(f"layer {self.layer_idx} holds {held} tokens in a head, more than its {slots} static slots")
+            raise ValueError(
+                f"layer {self.layer_idx} holds {held} tokens in a head, more than its {slots} static slots (a call of "
+                "several tokens after decoding began, a new turn, is kept whole): give the cache more decode_slots, or "
+                "give the conversation so far as the prompt of a reset cache"
+            )
         if self.head_slots != [slots] * self.num_kv_heads:
             order = self._kept_first(self.valid, slots)
             if order.shape[-1] < slots:  # indices past the old slots make empty slots
