@@ -124,3 +124,25 @@ def test_tova_with_slack_attends_without_statistics_between_evictions(tiny, monk
         expected_logits, expected_held = decode_trace(model, policy, ids)
     assert got_held == expected_held
     torch.testing.assert_close(got_logits, expected_logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("name", "params"), [("morphkv", {"recent": 4, "evict_every": 4}),
+                                              ("snapkv", {"window": 4, "decode": True, "decode_every": 4})])
+def test_a_new_turn_is_due_for_eviction_every_k_steps(tiny, name, params):
+    """A call of several tokens after decoding began (a new turn of a chat) counted as one decode step: a 30-token
+    turn on a step not due for eviction was held whole (49 tokens a head where MorphKV promises at most budget +
+    evict_every - 1 = 19), and a static cache, which settles at budget + evict_every slots, refused it. Such a call
+    is due now, whatever the count (a sequence alone and in a batch whose turns are padded still count alike), in an
+    eager and a static cache alike."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, 40 + 2 + 30 + 1), generator=torch.Generator().manual_seed(2))
+    with policy_on(model, name, 16, **params) as policy, torch.no_grad():
+        runs = []
+        for static in (False, True):
+            cache = BudgetCache(model.config, policy, static=static)
+            logits = [model(ids[:, :40], past_key_values=cache).logits[:, -1]]
+            for a, z in ((40, 41), (41, 42), (42, 72), (72, 73)):
+                logits.append(model(ids[:, a:z], past_key_values=cache).logits[:, -1])
+                assert cache.held_tokens().max() <= 16 + 4 - 1, (static, z)
+            runs.append(torch.stack(logits))
+    torch.testing.assert_close(runs[1], runs[0], atol=1e-5, rtol=1e-5)

@@ -366,9 +366,10 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         schedule = policy.schedule
         if stats.phase is Phase.PREFILL:
             due = schedule.prefill
-        else:
+        else:  # a call of several tokens (a new turn of a conversation) is due whatever the count, as a prompt chunk is
             self.decode_steps += 1
-            due = schedule.decode_every > 0 and self.decode_steps % schedule.decode_every == 0
+            several = stats.new_slots.shape[-1] > 1
+            due = schedule.decode_every > 0 and (several or self.decode_steps % schedule.decode_every == 0)
         if due and stats.phase is Phase.PREFILL and not self.is_last and not policy.cross_layer:
             self._defer(stats)
         elif due:
