@@ -342,6 +342,7 @@ def test_cropping_a_cache_with_sliding_layers_is_refused_before_any_layer_change
         cache.crop(prompt - 2)
     assert torch.equal(cache.layers[0].keys, sliding)
 
+
 def test_model_without_attention_interface_is_refused():
     from transformers import BloomConfig, BloomForCausalLM
 
@@ -525,3 +526,22 @@ def test_a_new_turn_after_decoding_under_a_prompt_only_policy_is_said_to_stay_wh
     assert len(said) == int(kept_whole), (said, (cache.held_tokens() - before).tolist())
     if kept_whole:
         assert said[0].startswith(f"50 tokens given after decoding began are taken as decode steps, which {name} appends")
+
+
+def test_a_reset_cache_warns_of_a_new_turn_again(tiny):
+    """The warning's own advice is ``cache.reset()``: a reset cache holds another conversation, whose new turn kept
+    whole went unsaid (the warning was once per cache object)."""
+    import warnings
+
+    _, model = tiny
+    g = torch.Generator().manual_seed(0)
+    cache = BudgetCache(model.config, "snapkv", budget=32, window=4)
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+        warnings.simplefilter("always")
+        for _ in range(2):
+            cache.reset()
+            out = model(torch.randint(3, 100, (1, 60), generator=g), past_key_values=cache)
+            model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+            for _ in range(2):
+                model(torch.randint(3, 100, (1, 20), generator=g), past_key_values=cache)
+    assert sum("after decoding began" in str(w.message) for w in seen) == 2

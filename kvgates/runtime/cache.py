@@ -186,9 +186,11 @@ class BudgetCache(Cache):
         return twin
 
     def reset(self) -> None:
-        """Empty every layer, and forget a forward that stopped part-way (``check_forward``)."""
+        """Empty every layer, and forget a forward that stopped part-way (``check_forward``) and whether a new turn was
+        warned of (``several_after_decoding``: the reset cache holds another conversation)."""
         super().reset()
         self._pending_layer = self._forward_at = self._real = None
+        self._said_turn = False
 
     def crop(self, tokens_to_remove: int) -> None:
         """Refused (``BudgetLayer.crop``) before any layer changes: transformers' ``Cache.crop`` crops layer by layer,
@@ -197,7 +199,7 @@ class BudgetCache(Cache):
         self.budget_layers[0].crop(tokens_to_remove)
 
     def several_after_decoding(self, n: int) -> None:
-        """Warn, once per cache, of a call of ``n`` tokens after decoding began under a policy that evicts only its
+        """Warn, once per conversation (a cache's first, and again after ``reset()``), of a call of ``n`` tokens after decoding began under a policy that evicts only its
         prompt: the runtime takes such a call for decode steps (speculative verification), so a new user turn is kept
         whole, past the budget, where a user expects it compressed (``BudgetLayer.phase``)."""
         if self._said_turn or not self.policy.prompt_only:
