@@ -203,7 +203,7 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--budget", type=int, help="tokens kept per KV head and layer (not for --policy full)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
-    source.add_argument("--prompt-file", type=_file_name, help="a file holding the prompt")
+    source.add_argument("--prompt-file", type=_file_name, help="a file holding the prompt (/dev/stdin: read from a pipe)")
     parser.add_argument(
         "--chat", action=argparse.BooleanOptionalAction, default=None,
         help="wrap the prompt in the model's chat template (default: when the tokenizer has one; --no-chat for raw text)",
@@ -244,7 +244,7 @@ def _generate(argv: list[str]) -> int:
     if args.prompt_file is not None:
         if args.prompt_file.is_dir():
             parser.error(f"prompt file {args.prompt_file} is a folder; name a text file")
-        if not args.prompt_file.is_file():
+        if not args.prompt_file.exists():  # not is_file(): a pipe (/dev/stdin, a shell's <(...)) is read as well
             parser.error(f"prompt file {args.prompt_file} does not exist")
         try:
             prompt = args.prompt_file.read_text(encoding="utf-8")

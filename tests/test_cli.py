@@ -1,6 +1,7 @@
 """The ``kvgates`` command line on a tiny local checkpoint."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -31,6 +32,19 @@ def test_generate_prints_text_and_memory(checkpoint, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "policy=snapkv" in err and "KV held" in err and "vs full cache" in err
 
+
+
+def test_a_prompt_file_may_be_a_pipe(checkpoint, capsys):
+    """``--prompt-file /dev/stdin`` and a shell's ``<(...)`` name a pipe, not a regular file: it was refused as a file
+    that "does not exist"."""
+    read, write = os.pipe()
+    os.write(write, b"hello there")
+    os.close(write)
+    try:
+        assert main(["generate", "--model", checkpoint, "--prompt-file", f"/dev/fd/{read}", "--max-new-tokens", "2"]) == 0
+    finally:
+        os.close(read)
+    assert "(prompt 11, new 2)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
