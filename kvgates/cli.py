@@ -191,7 +191,7 @@ def _generate(argv: list[str]) -> int:
     from kvgates import POLICIES, AdapterError, BudgetCache, load_model, make_policy
     from kvgates.policies.wrappers import Wrapper, learned_params, learned_policy, with_gates
 
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = OneLineParser(prog="kvgates generate", add_help=False)  # its errors (--policy without a name) as the parser's
     pre.add_argument("--policy", default="full")
     known, _ = pre.parse_known_args(argv)
     if known.policy not in POLICIES:

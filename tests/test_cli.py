@@ -132,6 +132,8 @@ def bad_models(tmp_path_factory):
         (["--model", "smollm2-135m", "--policy", "trimkv", "--budget", "0", "--prompt", "x"], "trimkv: budget must be at least 1"),
         (["--model", "smollm2-135m", "--policy", "adakv", "--base", "trimkv-snap", "--budget", "-4", "--prompt", "x"],
          "budget must be at least 1"),
+        # The usage block of the parser that finds the policy's options, named after the script ("cli.py"):
+        (["--prompt", "x", "--policy"], "kvgates generate: argument --policy: expected one argument (see kvgates generate"),
         (["--policy", "h2o", "--budget", "8", "--prompt-file", "/nonexistent"], "does not exist"),
         (["--policy", "h2o", "--budget", "8", "--prompt-file", "EMPTY"], "is a folder; name a text file"),
         (["--policy", "h2o", "--budget", "8", "--prompt-file", "BINARY"], "prompt.bin is not UTF-8 text"),
