@@ -498,7 +498,8 @@ def _shipped_names() -> str:
 def _download(repo_id: str, revision: str | None, endpoint: str | None, token: str | None) -> Path:
     """The Hub adapter ``repo_id`` in the local Hub cache: its ``config.json`` first, checked (a model's repository
     is refused before any of its weights download), then the files its kind holds, nothing else."""
-    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
@@ -509,6 +510,14 @@ def _download(repo_id: str, revision: str | None, endpoint: str | None, token: s
             f"(config.json, model.safetensors), a shipped adapter's name ({_shipped_names()}) or an id like 'user/name'"
         ) from None
     where = dict(repo_id=repo_id, revision=revision, endpoint=endpoint, token=token)
+    if not isinstance(try_to_load_from_cache(repo_id, CONFIG_FILE, revision=revision), str):
+        # Not cached: the download would retry an unreachable Hub for half a minute, saying so on stderr; ask once.
+        try:
+            HfApi(endpoint=endpoint, token=token).model_info(repo_id, revision=revision, timeout=10)
+        except HfHubHTTPError:
+            pass  # the Hub answered: the download says what it wants (no such repository, a token)
+        except Exception as err:  # no network, no DNS, timeout, offline mode
+            raise _not_fetched(repo_id, f"the Hub cannot be reached ({type(err).__name__})") from None
     kind = _read_config(_fetch(hf_hub_download, filename=CONFIG_FILE, **where), f"{repo_id}/{CONFIG_FILE}").kind
     return _fetch(snapshot_download, allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, *GATE_KINDS[kind].parts], **where)
 
@@ -518,10 +527,15 @@ def _fetch(download: Callable[..., str], repo_id: str, **kwargs: Any) -> Path:
     try:
         return Path(download(repo_id=repo_id, **kwargs))
     except Exception as err:  # the Hub client raises many types (offline, 404, auth)
-        raise AdapterError(
-            f"no local folder {repo_id!r} and it could not be fetched from the Hub ({type(err).__name__}); "
-            f"pass an existing adapter folder, a shipped adapter's name ({_shipped_names()}) or a reachable Hub repository id"
-        ) from err
+        raise _not_fetched(repo_id, f"it could not be fetched from the Hub ({type(err).__name__})") from err
+
+
+def _not_fetched(repo_id: str, why: str) -> AdapterError:
+    """The refusal of a Hub adapter id that did not load, ``why`` saying what the Hub did."""
+    return AdapterError(
+        f"no local folder {repo_id!r} and {why}; pass an existing adapter folder, a shipped adapter's name "
+        f"({_shipped_names()}) or a reachable Hub repository id"
+    )
 
 
 def load_gates(path_or_id: str | os.PathLike, **kwargs: Any) -> GateSet:
