@@ -335,7 +335,7 @@ def _policies(argv: list[str]) -> int:
 
     OneLineParser(prog="kvgates policies", description="List the registered policies, each with its docstring's first line.").parse_args(argv)
     for name in sorted(POLICIES):
-        doc = (POLICIES[name].__doc__ or "").strip().splitlines()[0]
+        doc = (POLICIES[name].__doc__ or "").strip().splitlines()[0].replace("``", "")  # as the options' help
         print(f"{name:16s} {doc}")
     return 0
 
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--version"]:
         print(f"kvgates {kvgates.__version__}")
         return 0
-    usage = "usage: kvgates {generate,policies} [options] | kvgates --version\n\n" + (__doc__ or "")
+    usage = "usage: kvgates {generate,policies} [options] | kvgates --version\n\n" + (__doc__ or "").replace("``", "")
     if argv[:1] in (["-h"], ["--help"]):
         print(usage)
         return 0

@@ -222,7 +222,7 @@ def test_version_and_help_import_neither_torch_nor_transformers():
 def test_help_goes_to_stdout_and_a_bad_command_is_a_usage_error(capsys):
     assert main(["--help"]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("usage: kvgates") and err == ""
+    assert out.startswith("usage: kvgates") and err == "" and "``" not in out
     assert main(["generat"]) == USAGE_ERROR
     out, err = capsys.readouterr()
     assert out == "" and err.strip() == "kvgates: unknown command 'generat'; commands: generate, policies (see kvgates --help)"
@@ -324,6 +324,7 @@ def test_policies_lists_registry(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == sorted(POLICIES)
     assert [line for line in lines if not line.endswith(".")] == []  # each a whole sentence (kvzap's was cut mid-way)
+    assert [line for line in lines if "``" in line] == []  # no reST markup, as in the options' help ("``DynamicCache``")
     assert run(["policies", "--help"]) == 0  # help, not the list
     assert capsys.readouterr().out.startswith("usage: kvgates policies")
     assert run(["policies", "snapkv"]) == USAGE_ERROR  # an argument it takes none of is refused, not ignored
