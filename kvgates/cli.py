@@ -32,6 +32,8 @@ import kvgates
 USAGE_ERROR = 2
 #: Exit status when the reader of the output left early: a tool that SIGPIPE ends gives 128 + 13.
 BROKEN_PIPE = 141
+#: Exit status when stopped with Ctrl-C: a tool that SIGINT ends gives 128 + 2.
+INTERRUPTED = 130
 
 #: ``kvgates generate --sample``'s temperature when ``--temperature`` is not given.
 TEMPERATURE = 0.7
@@ -365,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left early (kvgates ... | head): stop quietly, as a tool SIGPIPE ends
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
         return BROKEN_PIPE
+    except KeyboardInterrupt:  # Ctrl-C (during a long prompt, say): stop quietly, as a tool SIGINT ends, not a traceback
+        return INTERRUPTED
     except (ValueError, OSError) as err:  # bad parameters, AdapterError, UnsupportedModelError, a model that cannot load
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(f"kvgates: {message}", file=sys.stderr)

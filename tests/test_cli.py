@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kvgates
 from kvgates import POLICIES, BudgetCache, RetentionGates, load_model
-from kvgates.cli import BROKEN_PIPE, USAGE_ERROR, main
+from kvgates.cli import BROKEN_PIPE, INTERRUPTED, USAGE_ERROR, main
 
 
 @pytest.fixture(scope="module")
@@ -393,3 +393,15 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly():
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == BROKEN_PIPE, stderr
     assert stderr == ""
+
+
+def test_ctrl_c_ends_the_command_quietly(checkpoint, monkeypatch, capsys):
+    """Ctrl-C during a generation stops it with SIGINT's status and says nothing (it printed the traceback of wherever
+    the model was, tens of lines)."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvgates, "load_model", interrupted)
+    assert main(["generate", "--model", checkpoint, "--prompt", "x"]) == INTERRUPTED
+    assert capsys.readouterr() == ("", "")
