@@ -266,7 +266,9 @@ def _generate(argv: list[str]) -> int:
         chat = args.chat if args.chat is not None else templated
         if chat:
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-        inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+        # The template writes its own special tokens (Llama 3's and Gemma 3's BOS): the tokenizer adds none twice, as
+        # apply_chat_template(tokenize=True) does.
+        inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=not chat).to(model.device)
         _warn_past_context(model, args.model, inputs["input_ids"].shape[1], args.max_new_tokens, policy, args.prefill_chunk)
         try:
             policy.attach(model)  # learned policies hook their gate inputs; heuristics need nothing

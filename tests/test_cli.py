@@ -314,6 +314,24 @@ def test_chat_template_is_the_default_when_the_tokenizer_has_one(tmp_path, capsy
     assert prompts == {False: len("<user>hi<assistant>"), True: len("hi")}  # one token per character
 
 
+def test_a_chat_template_s_special_tokens_are_not_added_again(tmp_path, capsys):
+    """A template that writes the BOS token itself (Llama 3, Gemma 3) got a second one from a tokenizer that adds
+    it: the prompt began with two. A raw prompt (--no-chat) still gets the tokenizer's."""
+    from tokenizers.processors import TemplateProcessing
+
+    checkpoint = save_tiny_checkpoint(tmp_path)
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<eos> $A", special_tokens=[("<eos>", 2)])
+    tok.bos_token = "<eos>"  # the tiny vocabulary has no other special token to begin with
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    tok.save_pretrained(checkpoint)
+    prompts = {}
+    for flag in ([], ["--no-chat"]):
+        assert main(["generate", "--model", str(checkpoint), "--prompt", "hi", "--max-new-tokens", "2", *flag]) == 0
+        prompts[bool(flag)] = int(re.search(r"prompt (\d+)", capsys.readouterr().err).group(1))
+    assert prompts == {False: 1 + len("<user>hi<assistant>"), True: 1 + len("hi")}
+
+
 def test_unknown_policy(capsys):
     assert main(["generate", "--policy", "nope", "--prompt", "x"]) == 2
     assert "available policies" in capsys.readouterr().err
