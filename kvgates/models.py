@@ -18,6 +18,7 @@ import torch
 from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
 from huggingface_hub.utils import validate_repo_id
+from safetensors import SafetensorError
 from safetensors.torch import save_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -250,8 +251,17 @@ def load_model(
             keeps its cache on its own layer's device.
     """
     embedded, source = _checked_source(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", device_map=device_map)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:  # a model saved without its tokenizer: transformers says so in several lines
+        reason = " ".join(str(err).split())[:200] or type(err).__name__
+        raise UnsupportedModelError(
+            f"the tokenizer of {name_or_path} cannot be loaded ({reason}); save the model's tokenizer beside it"
+        ) from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", device_map=device_map)
+    except SafetensorError as err:  # neither an OSError nor a ValueError: a traceback
+        raise UnsupportedModelError(f"the weights of {name_or_path} are truncated or corrupt ({err})") from None
     _name_embedded(model, embedded)
     if device_map is None:
         model = model.to(device)

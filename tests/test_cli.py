@@ -106,7 +106,8 @@ def run(argv: list[str]) -> int:
 @pytest.fixture(scope="module")
 def bad_models(tmp_path_factory):
     """Config-only model folders kvgates must refuse before loading weights: Gemma-2 (no sdpa), Mamba (no
-    attention), a Llama whose config says ``hidden_size: "big"``."""
+    attention), a Llama whose config says ``hidden_size: "big"``; and tiny checkpoints saved without their tokenizer
+    or with truncated weights."""
     from helpers import _COMMON
     from transformers import Gemma2Config, LlamaConfig, MambaConfig
 
@@ -116,7 +117,13 @@ def bad_models(tmp_path_factory):
     LlamaConfig(**_COMMON).save_pretrained(root / "big")
     config = json.loads((root / "big" / "config.json").read_text())
     (root / "big" / "config.json").write_text(json.dumps({**config, "hidden_size": "big"}))
-    return {"GEMMA2": str(root / "gemma2"), "MAMBA": str(root / "mamba"), "BIG": str(root / "big")}
+    no_tokenizer = save_tiny_checkpoint(root / "no-tokenizer")
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (no_tokenizer / file).unlink()
+    weights = save_tiny_checkpoint(root / "truncated") / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    return {"GEMMA2": str(root / "gemma2"), "MAMBA": str(root / "mamba"), "BIG": str(root / "big"),
+            "NO_TOKENIZER": str(root / "no-tokenizer"), "TRUNCATED": str(root / "truncated")}
 
 
 @pytest.mark.parametrize(
@@ -127,6 +134,10 @@ def bad_models(tmp_path_factory):
         (["--model", "GEMMA2", "--prompt", "x"], "Gemma2ForCausalLM does not support transformers' sdpa attention"),
         (["--model", "MAMBA", "--prompt", "x"], "MambaForCausalLM does not route attention through transformers' AttentionInterface"),
         (["--model", "BIG", "--prompt", "x"], "hidden_size"),
+        # "Couldn't instantiate the backend tokenizer from one of:", the first of five lines:
+        (["--model", "NO_TOKENIZER", "--prompt", "x"], "no-tokenizer cannot be loaded (Couldn't instantiate"),
+        # A SafetensorError traceback:
+        (["--model", "TRUNCATED", "--prompt", "x"], "truncated are truncated or corrupt (Error while deserializing header"),
         (["--policy", "snapkv", "--budget", "8", "--window", "16", "--prompt", "x"], "observation window"),
         (["--policy", "h2o", "--budget", "0", "--prompt", "x"], "at least 1"),
         (["--model", "smollm2-135m", "--policy", "trimkv", "--budget", "0", "--prompt", "x"], "trimkv: budget must be at least 1"),
