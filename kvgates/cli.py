@@ -199,9 +199,15 @@ def _generate(argv: list[str]) -> int:
     if known.policy not in POLICIES:
         print(f"kvgates: unknown policy {known.policy!r}; available policies: {', '.join(sorted(POLICIES))}", file=sys.stderr)
         return USAGE_ERROR
-    parser = OneLineParser(prog="kvgates generate", description="Generate text with a budgeted KV cache.")
+    parser = OneLineParser(
+        prog="kvgates generate", description="Generate text with a budgeted KV cache.",
+        epilog="Each parameter of the chosen policy is an option: kvgates generate --policy NAME --help lists them.",
+    )
     parser.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' (embedded), a Hub id or a local folder")
-    parser.add_argument("--policy", default="full", choices=sorted(POLICIES))
+    parser.add_argument(
+        "--policy", default="full", choices=sorted(POLICIES),
+        help="the eviction policy (kvgates policies describes each; default: full)",
+    )
     parser.add_argument("--budget", type=int, help="tokens kept per KV head and layer (not for --policy full)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")

@@ -214,6 +214,14 @@ def test_policy_help_states_each_option_s_real_default(capsys):
         assert "other parameters" not in entry.split(" --")[0]
 
 
+def test_generate_help_says_where_the_policy_options_are(capsys):
+    """``kvgates generate --help`` (the full policy's: no parameters) said nothing of the policies' options."""
+    assert run(["generate", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "kvgates generate --policy NAME --help lists them" in help_text
+    assert "kvgates policies describes each" in help_text
+
+
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"kvgates {kvgates.__version__}"
