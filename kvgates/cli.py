@@ -54,11 +54,19 @@ def usage_error(prog: str, err: BaseException) -> int:
     return USAGE_ERROR
 
 
-def _positive_int(text: str) -> int:
+def _int(text: str) -> int:
+    """A whole number torch takes (int64: a larger one overflows where it meets a tensor, once the model loaded)."""
     try:
         value = int(text)
     except ValueError:
-        value = 0
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if abs(value) >= 2**63:
+        raise argparse.ArgumentTypeError(f"must be a whole number below 2**63, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
@@ -162,7 +170,7 @@ def _policy_options(parser: argparse.ArgumentParser, policy: str) -> list[str]:
         hint = hints.get(f.name)
         args = typing.get_args(hint)
         base = next((a for a in args if a is not type(None)), hint) if args else hint
-        kind = _bool if base is bool else base if base in (int, float, str) else _int_list if base == list[int] else str
+        kind = {bool: _bool, int: _int, float: float, str: str, list[int]: _int_list}.get(base, str)
         if f.name == "gates":  # a learned policy: without --gates, the shipped adapter (_shipped_gates)
             text = ("a gate adapter: folder, Hub id or shipped name (default on the embedded model: the adapter shipped "
                     "for this policy, trained nearest --budget)")
@@ -208,7 +216,7 @@ def _generate(argv: list[str]) -> int:
         "--policy", default="full", choices=sorted(POLICIES),
         help="the eviction policy (kvgates policies describes each; default: full)",
     )
-    parser.add_argument("--budget", type=int, help="tokens kept per KV head and layer (not for --policy full)")
+    parser.add_argument("--budget", type=_int, help="tokens kept per KV head and layer (not for --policy full)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", type=_file_name, help="a file holding the prompt (/dev/stdin: read from a pipe)")

@@ -158,6 +158,10 @@ def bad_models(tmp_path_factory):
         # Chunks of one left the prompt uncompressed: every call after the first was a decode step.
         (["--prefill-chunk", "1", "--prompt", "x"],
          "--prefill-chunk: must be at least 2 tokens, got '1' (a one-token call after the prompt is a decode step"),
+        # OverflowError tracebacks ("int too big to convert") and torch's "Overflow when unpacking long long":
+        (["--policy", "h2o", "--budget", "9" * 20, "--prompt", "x"], "--budget: must be a whole number below 2**63"),
+        (["--prefill-chunk", "9" * 20, "--prompt", "x"], "--prefill-chunk: must be a whole number below 2**63"),
+        (["--policy", "h2o", "--budget", "x", "--prompt", "x"], "--budget: must be a whole number, got 'x'"),
         # Torch's "Overflow when unpacking long long" once the model had loaded.
         (["--seed", "99999999999999999999999", "--prompt", "x"], "--seed: must be a whole number from 0 to 2**64 - 1, got '9999"),
         (["--policy", "trimkv", "--budget", "8", "--gates", "/tmp/nonexistent", "--prompt", "x"],
