@@ -5,7 +5,6 @@ import json
 import os
 import re
 import socket
-import time
 
 import brute
 import pytest
@@ -366,18 +365,20 @@ def test_unreachable_hub_id_is_a_clear_error_that_names_the_shipped_adapters(tmp
 
 def test_a_hub_id_is_refused_at_once_when_the_hub_cannot_be_reached(tmp_path, monkeypatch):
     """``kvgates generate --gates user/name`` with no network retried the config's download for half a minute, with a
-    line on stderr for each retry, before its one sentence."""
+    line on stderr for each retry, before its one sentence: an id not in the local cache asks the Hub once and no
+    download starts."""
+    import huggingface_hub
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda **kwargs: pytest.fail("a download (with its retries) started"))
     with socket.socket() as closed:  # a port nothing listens on: every connection is refused
         closed.bind(("127.0.0.1", 0))
         endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
-    start = time.monotonic()
     refusal = r"^no local folder 'user/gates' and the Hub cannot be reached \(ConnectError\); pass"
     with pytest.raises(AdapterError, match=refusal):
         GateSet.from_pretrained("user/gates", endpoint=endpoint)
-    assert time.monotonic() - start < 15  # the retries took 23 s
+
 
 def test_fingerprint_mismatch_is_refused(tiny_pair):
     _, model = tiny_pair

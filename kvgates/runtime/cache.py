@@ -199,9 +199,10 @@ class BudgetCache(Cache):
         self.budget_layers[0].crop(tokens_to_remove)
 
     def several_after_decoding(self, n: int) -> None:
-        """Warn, once per conversation (a cache's first, and again after ``reset()``), of a call of ``n`` tokens after decoding began under a policy that evicts only its
-        prompt: the runtime takes such a call for decode steps (speculative verification), so a new user turn is kept
-        whole, past the budget, where a user expects it compressed (``BudgetLayer.phase``)."""
+        """Warn, once per conversation (a cache's first, and again after ``reset()``), of a call of ``n`` tokens after
+        decoding began under a policy that evicts only its prompt: the runtime takes such a call for decode steps
+        (speculative verification), so a new user turn is kept whole, past the budget, where a user expects it
+        compressed (``BudgetLayer.phase``)."""
         if self._said_turn or not self.policy.prompt_only:
             return
         self._said_turn = True
