@@ -85,3 +85,32 @@ def test_a_heuristic_teachers_keep_set_of_a_padded_row_is_that_of_the_row_alone(
         with torch.no_grad():
             model(batch["input_ids"][row : row + 1, :length], past_key_values=alone)
         assert torch.equal(keep[:, row : row + 1, :, :length], keep_sets(alone, length)), row
+
+
+@pytest.mark.parametrize("kind", ["trimkv", "dms"])
+@pytest.mark.parametrize("family", ["granite", "cohere"])
+def test_a_model_that_transforms_its_logits_after_lm_head_is_refused_by_distillation(kind, family):
+    """Distillation makes the completion's logits as ``lm_head(final hidden state)``. Granite divides its logits by
+    ``logits_scaling`` (8 here), Cohere multiplies them by ``logit_scale``: both models load and prepare, and their
+    gates were distilled, silently, at temperature 1/8 (1/16) and against a CE of those logits."""
+    import torch
+    from helpers import _COMMON, gate_batch
+    from transformers import CohereConfig, CohereForCausalLM, GraniteConfig, GraniteForCausalLM
+
+    from kvgates.gates.training import GateTraining
+    from kvgates.methods.base import TrainingStep
+
+    config_cls, model_cls, extra = {
+        "granite": (GraniteConfig, GraniteForCausalLM, {"logits_scaling": 8.0}),
+        "cohere": (CohereConfig, CohereForCausalLM, {"logit_scale": 0.0625}),
+    }[family]
+    torch.manual_seed(0)
+    model = kvgates.prepare_model(model_cls(config_cls(**_COMMON, **extra)).eval()).requires_grad_(False)
+    window = {"method": {"window": 4}, "policy": {"window": 4}} if kind == "dms" else {}
+    config = TrainConfig.from_dict({"kind": kind, "budget": 16, "data": {"seq_len": 64}, **window})
+    method = config.learned_method
+    with GateTraining(model, method.gate_set.for_model(model)) as run:
+        step = TrainingStep(model, model.lm_head, run, config, gate_batch(padded=True), budget=16.0)
+        said = rf"^{model_cls.__name__} transforms its logits after its output projection \(a scale or a soft cap\), "
+        with pytest.raises(kvgates.UnsupportedModelError, match=said + r".* cannot be distilled at temperature 1$"):
+            method.loss(step)

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from kvgates.errors import UnsupportedModelError
 from kvgates.gates.adapter import GateSet
 from kvgates.methods.losses import distillation_loss
 
@@ -69,6 +70,21 @@ def decode_start(labels: torch.Tensor) -> torch.Tensor:
     (the row's length when it has none)."""
     answer = labels != -100
     return torch.where(answer.any(-1), answer.int().argmax(-1), labels.shape[1])
+
+
+def check_output_head(model: nn.Module, lm_head: nn.Module, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+    """``UnsupportedModelError`` (one sentence) unless the model's own ``logits`` (``[B, V]``) are ``lm_head(hidden)``
+    (``hidden``: the final hidden states of the same rows). Distillation makes the completion's logits that way
+    (``distillation_loss``), so a model that scales or caps its logits after the output projection (Granite's
+    ``logits_scaling``, Cohere's ``logit_scale``, a ``final_logit_softcapping``) would be distilled at another
+    temperature than 1, silently."""
+    mine, theirs = lm_head(hidden.to(lm_head.weight.device)).float(), logits.float().to(lm_head.weight.device)
+    if float((mine - theirs).norm()) > 1e-2 * float(theirs.norm()):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} transforms its logits after its output projection (a scale or a soft cap), which "
+            "distillation, computing the logits as lm_head(final hidden state), does not apply; its gates cannot be "
+            "distilled at temperature 1"
+        )
 
 
 @dataclass
@@ -144,11 +160,13 @@ class TrainingStep:
     def teacher_hidden(self, cache: Any = None) -> torch.Tensor:
         """``[n, d]`` the frozen model's final hidden states at the completion positions (plain attention, eval
         mode, no gradient, as the method's ``frozen`` context leaves the model; through ``cache`` when given: a
-        policy's cache leaves the logits unchanged and records what it would keep, so every row is computed)."""
+        policy's cache leaves the logits unchanged and records what it would keep, so every row is computed). A model
+        whose logits are not ``lm_head`` of them is refused (``check_output_head``)."""
         self.training.teach(rows_from=0 if cache is not None else self.distilled_from)
         method = self.training.method
         with torch.no_grad(), eval_mode(self.model), method.frozen(self.training.model):
             out = self.forward(past_key_values=cache, output_hidden_states=True)
+            check_output_head(self.training.model, self.lm_head, out.hidden_states[-1][:, -1], out.logits[:, -1])
         return out.hidden_states[-1][:, :-1][self.completion]
 
     def student_hidden(self, **context: Any) -> torch.Tensor:
