@@ -20,6 +20,7 @@ from kvgates.methods import METHODS
 from kvgates.methods.base import TrainingStep
 from kvgates.methods.dms import (
     DMS,
+    DMSOptions,
     DecisionHeads,
     DecisionHeadsLoRA,
     carries_lora,
@@ -351,6 +352,30 @@ def test_student_with_nothing_evicted_is_the_teacher():
             student = model(ids, use_cache=False).logits
     torch.testing.assert_close(student, teacher, atol=1e-5, rtol=0)
 
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_a_student_of_hard_decisions_is_the_policy_decoding_token_by_token(window):
+    """Decisions far from 0 and a low temperature make the relaxed decisions 0 or 1: the student's logits at every
+    position are then those of the ``dms`` policy (threshold mode, same window) decoding the row one token at a time,
+    so query ``t`` sees a token decided "evict" exactly while ``t - i <= window``, in training as at inference (a
+    window one longer or shorter on either side differs)."""
+    _, model = tiny_model()
+    gates = DecisionHeads.for_model(model, init_bias=0.0).eval()
+    with torch.no_grad():
+        for head in gates.heads:
+            head.proj.weight.normal_(0, 30, generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        with GateTraining(model, gates, "exact") as run:
+            run.learn(options=DMSOptions(window=window, temperature=0.01))
+            student = model(ids, use_cache=False).logits
+        with kvgates.make_policy("dms", window=window, gates=gates).attach(model) as policy:
+            decoded = teacher_forced_logits(model, kvgates.BudgetCache(model.config, policy), ids, prompt_len=1)
+        with kvgates.make_policy("dms", window=window + 1, gates=gates).attach(model) as policy:
+            longer = teacher_forced_logits(model, kvgates.BudgetCache(model.config, policy), ids, prompt_len=1)
+    torch.testing.assert_close(student, decoded, atol=1e-5, rtol=0)
+    assert float((student - longer).abs().max()) > 1e-2
 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("kind", ["dms", "dms-lora"])

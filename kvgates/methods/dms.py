@@ -46,7 +46,11 @@ How this departs from the paper:
   ``w = 16``;
 * inference (policy ``dms``): DMS evicts by the decisions alone, holding a variable number of tokens per head;
   here, for A/B comparisons at matched memory, a head also keeps at most ``budget`` tokens, ranked by the decision
-  (lowest eviction logit kept first), unless the policy runs without a budget (threshold mode).
+  (lowest eviction logit kept first), unless the policy runs without a budget (threshold mode);
+* prompt chunks: the policy evicts after each forward, so within a prompt chunk every query sees every earlier key
+  of the chunk, decided "evict" or not (a prompt prefilled in one forward is read as the frozen model reads it),
+  while the student applies the delayed eviction to every row, prompt rows included, as DMS's own prefill does.
+  Decode steps evict as the student attends (checked token by token against the policy).
 """
 
 from __future__ import annotations
