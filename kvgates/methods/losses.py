@@ -176,8 +176,9 @@ def locret_loss(
     """``(total, regression, smoothness term)`` of Locret's retaining heads.
 
     ``regression = mean SmoothL1_beta=1(s, y)`` over tokens with a label (finite ``y``: a later query exists),
-    heads and layers; ``smooth = sum_layers mean (s[:, :-1] - s[:, 1:])^2`` over neighbouring tokens;
-    ``total = regression + smoothness * smooth``.
+    heads and layers; ``smooth = sum_layers mean (s[:, :-1] - s[:, 1:])^2`` over neighbouring tokens that both have
+    a label (Locret's term takes every neighbouring pair; here a pair with a padding token, or with a row's last
+    token, which no later query labels, is left out); ``total = regression + smoothness * smooth``.
 
     Args:
         scores: ``[L, B, H_kv, T]`` the heads' predictions; labels: same shape, ``-inf`` where undefined.
