@@ -218,7 +218,8 @@ def training_seconds(out: Path) -> float:
 
 
 #: The run's TrainingArguments where the config's ``training`` section sets none (``training_arguments`` adds the seed
-#: and the device).
+#: and the device). TRIM-KV's learning rate, for every kind; its reference recipe warms up over 100 steps and decays
+#: to 1e-6 (``spec/learned.md``), these defaults are for runs of a few hundred steps: 10 steps of warmup, cosine to 0.
 TRAINING_DEFAULTS = dict(
     per_device_train_batch_size=1,
     learning_rate=2e-4,
