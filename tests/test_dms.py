@@ -20,9 +20,9 @@ from kvgates.methods import METHODS
 from kvgates.methods.base import TrainingStep
 from kvgates.methods.dms import (
     DMS,
-    DMSOptions,
     DecisionHeads,
     DecisionHeadsLoRA,
+    DMSOptions,
     carries_lora,
     delayed_bias,
     delayed_operands,
