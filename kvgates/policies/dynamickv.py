@@ -65,7 +65,11 @@ class DynamicKV(WindowScored):
     last), the global top ``b * H_kv * n`` scores over the ``n`` processed layers are counted per layer and turned
     into budgets with ``dynamickv_allocation`` (they share ``b * N_layers``); each processed layer is truncated
     to the window plus its top ``f_i``. ``f_i`` is clamped to what the layer holds: the official code can select
-    window tokens twice there (the clamp fix). The truncation of a reallocation before the last layer runs at the
+    window tokens twice there (the clamp fix). A reallocation counts the scores of the tokens each processed layer
+    holds when it runs: a layer truncated by an earlier reallocation competes with the tokens it kept, not with
+    its first ``r_max * b`` (the paper's Algorithm 1 gathers the layers' scores without saying which). A prompt given
+    in chunks runs the whole rule at the end of each chunk, over what each layer holds then, scored by that chunk's
+    last ``window`` queries. The truncation of a reallocation before the last layer runs at the
     end of the next layer, with the same result: the budgets' range it reads back is ready by then, and on a GPU
     the next layer's work is still queued behind the truncation's launches instead of the device waiting for them.
 

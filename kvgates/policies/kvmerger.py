@@ -229,7 +229,7 @@ class KVMerger(CumulativeAttention):
     Args:
         budget: tokens per KV head after merging.
         window: recent tokens never merged (default 16).
-        heavy: heavy hitters never merged (default ``budget // 8``).
+        heavy: heavy hitters never merged (default ``budget // 8``, at least 1).
         epsilon: fixed similarity threshold, or None to calibrate.
         sigma: Gaussian kernel width, or None for the mean key distance to the pivot.
         scale_values: scale value weights by the set size (paper).
