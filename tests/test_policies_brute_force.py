@@ -3,7 +3,7 @@
 import brute
 import pytest
 import torch
-from helpers import make_layer, random_positions
+from helpers import make_layer, random_positions, tiny_model
 
 from kvgates.policies import H2O, TOVA, PyramidKV, SnapKV, StreamingLLM
 from kvgates.policies.h2o import CUMULATIVE
@@ -286,3 +286,125 @@ def test_recent_and_sink_masks_mark_what_a_ranking_of_positions_marks(seed, n):
         for h in range(HKV):
             held = sorted(p for p in layer.pos[b, h].tolist() if p >= 0)
             assert kept_positions(layer, sink_mask(layer, n), b, h) == set(held[:n])
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+def record_attention(monkeypatch) -> list[tuple[int, Phase, torch.Tensor, torch.Tensor]]:
+    """Record, at each budgeted layer's policy step (after its attention, before any eviction), ``(rank, phase, pos,
+    probs)``: its slots' positions and the attention probabilities ``[B, H, n, C]`` of the forward's queries over
+    its slots, computed literally here (a float64 softmax of ``q . k`` over the held keys at or before the query's
+    position), not by the runtime whose statistics the policies read."""
+    from kvgates.runtime.dispatch import AttentionDispatch
+    from kvgates.runtime.layer import BudgetLayer
+
+    records, queries = [], []
+    attend, step = AttentionDispatch.attend, BudgetLayer.step
+
+    def recorded_attend(layer, query, scale, *args):
+        queries.append((query, scale))
+        return attend(layer, query, scale, *args)
+
+    def recorded_step(layer, stats):
+        query, scale = queries.pop()
+        b, h, n, _ = query.shape
+        g = h // layer.num_kv_heads
+        pos = layer.pos.clone()
+        keys = layer.keys.view(b, layer.num_kv_heads, layer.max_slots, -1).double().repeat_interleave(g, 1)
+        q_pos = pos[:, :1].gather(-1, stats.new_slots[:, :1])[:, :, :, None]  # [B, 1, n, 1]
+        slot_pos = pos.repeat_interleave(g, 1)[:, :, None, :]
+        logits = torch.einsum("bhqd,bhcd->bhqc", query.double(), keys) * scale
+        probs = torch.softmax(logits.masked_fill((slot_pos < 0) | (slot_pos > q_pos), float("-inf")), -1)
+        records.append((layer.rank, stats.phase, pos, probs))
+        return step(layer, stats)
+
+    monkeypatch.setattr(AttentionDispatch, "attend", recorded_attend)
+    monkeypatch.setattr(BudgetLayer, "step", recorded_step)
+    return records
+
+
+def at_positions(pos: torch.Tensor, values: torch.Tensor) -> dict[int, float]:
+    """``{position: value}`` of one head's held slots (``pos`` and ``values`` ``[C]``)."""
+    return {int(p): float(v) for p, v in zip(pos.tolist(), values.tolist()) if p >= 0}
+
+
+def spec_keeps(name: str, params: dict, memory: dict, phase: Phase, held: list[int], rows: dict) -> set[int]:
+    """What the spec keeps of one KV head after one forward: ``held`` its positions (the forward's tokens included),
+    ``rows`` the forward's query rows as ``{position: probability}`` (``mean`` or ``sum`` over the head's GQA group;
+    ``all``: the last row's mean over every query head of the layer), ``memory`` what the head carries between
+    forwards (H2O's cumulative scores, MorphKV's recorded rows)."""
+    budget = params["budget"]
+    if name == "h2o":
+        for row in rows["mean"]:
+            for p, s in row.items():
+                memory[p] = memory.get(p, 0.0) + s
+    if name == "morphkv":  # a prompt (chunk) ends on its own last R rows; a decode step on the R rows before its own
+        recent = params["recent"]
+        fused = rows["sum"][-recent:] if phase is Phase.PREFILL else memory.get("rows", [])[-recent:]
+        memory["rows"] = fused if phase is Phase.PREFILL else memory.get("rows", []) + rows["sum"]
+    if len(held) <= budget:
+        return set(held)
+    if name == "streaming_llm":
+        return brute.streaming_llm(held, budget, params["sinks"])
+    if name == "h2o":
+        return brute.h2o({p: memory[p] for p in held}, budget, params.get("recent", budget // 2))
+    if name == "tova":
+        return brute.tova(rows["mean"][-1] if params.get("per_head") else rows["all"], budget)
+    if name == "morphkv":
+        return brute.morphkv(fused, held, budget, params["recent"], params.get("fusion", "sum"))
+    if phase is Phase.DECODE:  # snapkv: decode appends
+        return set(held)
+    window = rows["mean"][-params["window"] :]
+    scores = {p: sum(row[p] for row in window) for p in held}
+    return brute.snapkv(scores, budget, len(window), params["kernel"], params.get("pooling", "max"))
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    """A tiny GQA model whose attention is peaked (queries scaled up): a random model's near-uniform attention ranks
+    the tokens by their age alone, where a wrong group reduction would keep the same tokens."""
+    _, model = tiny_model("llama")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+    return model
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+@pytest.mark.parametrize(
+    "name,params",
+    [("streaming_llm", {"sinks": 2}), ("h2o", {}), ("h2o", {"recent": 2}), ("tova", {}), ("tova", {"per_head": True}),
+     ("morphkv", {"recent": 4}), ("morphkv", {"recent": 4, "fusion": "max"}), ("snapkv", {"window": 4, "kernel": 3}),
+     ("snapkv", {"window": 4, "kernel": 5, "pooling": "avg"})],
+)
+def test_what_a_model_keeps_is_what_the_spec_keeps_from_its_attention(peaked, monkeypatch, name, params, chunk):
+    """The tests above feed each policy statistics made by hand; here a tiny GQA model runs a prompt (whole or in
+    chunks) and decode steps, and after every forward each KV head of each layer holds what the spec keeps given the
+    attention of that forward's queries, computed literally: which query rows are read, how a GQA group and the
+    rows combine, the recent window at a decode step, when eviction runs."""
+    from kvgates import BudgetCache, make_policy
+
+    model = peaked
+    params = {"budget": 12, **params}
+    records = record_attention(monkeypatch)
+    cache = BudgetCache(model.config, make_policy(name, **params))
+    ids = torch.randint(1, 128, (2, 52), generator=torch.Generator().manual_seed(5))
+    prompt = [(a, min(40, a + (chunk or 40))) for a in range(0, 40, chunk or 40)]
+    memory = {}
+    with torch.no_grad():
+        for a, z in prompt + [(t, t + 1) for t in range(40, 52)]:
+            records.clear()
+            model(ids[:, a:z], past_key_values=cache)
+            for rank, phase, pos, probs in records:
+                layer = cache.budget_layers[rank]
+                g = probs.shape[1] // layer.num_kv_heads
+                for b in range(2):
+                    for h in range(layer.num_kv_heads):
+                        group = probs[b, h * g : (h + 1) * g]
+                        rows = {
+                            "mean": [at_positions(pos[b, h], row) for row in group.mean(0)],
+                            "sum": [at_positions(pos[b, h], row) for row in group.sum(0)],
+                            "all": at_positions(pos[b, h], probs[b, :, -1].mean(0)),
+                        }
+                        held = [p for p in pos[b, h].tolist() if p >= 0]
+                        expected = spec_keeps(name, params, memory.setdefault((rank, b, h), {}), phase, held, rows)
+                        assert kept_positions(layer, layer.valid, b, h) == expected, f"layer {rank} at token {a}"
