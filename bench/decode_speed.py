@@ -1,4 +1,4 @@
-"""Decode step cost of every policy against DynamicCache + sdpa at the held size and at the full context, in one run.
+r"""Decode step cost of every policy against DynamicCache + sdpa at the held size and at the full context, in one run.
 
     python bench/decode_speed.py --configs 4096:256 8192:512 --batch 1 8 --steps 16 --rounds 3
 

@@ -4,6 +4,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -645,3 +646,12 @@ def test_a_misspelt_kernel_is_refused_by_the_compile_check_and_full_is_one_prefi
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("| full") == 1 and "| h2o@64 |" in result.stdout
+
+
+def test_the_benches_usage_examples_keep_their_line_breaks():
+    """A backslash ending an example line of a docstring (a shell continuation) joined it with the next in the help
+    text: ``decode_speed.py --help`` showed ``--rounds 2         --policies ...``. A docstring with one is raw."""
+    for script in sorted((ROOT / "bench").glob("*.py")):
+        doc = ast.get_docstring(ast.parse(script.read_text()), clean=False) or ""
+        joined = [line for line in doc.splitlines() if re.search(r"\S {3,}--", line)]
+        assert joined == [], script.name
