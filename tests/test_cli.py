@@ -207,7 +207,7 @@ def test_policy_help_states_each_option_s_real_default(capsys):
     is not "None" (H2O's recent window, KVMerger's heavy hitters), and an inherited one is found in the base's."""
     for policy, option, default in (
         ("trimkv", "--gates", "the adapter shipped for this policy"), ("adakv", "--base-params", "default: {}"),
-        ("h2o", "--recent", "recent-window size in tokens (default budget // 2"), ("kvmerger", "--heavy", "(default budget // 8)"),
+        ("h2o", "--recent", "recent-window size in tokens (default budget // 2"), ("kvmerger", "--heavy", "(default budget // 8, at least 1)"),
         ("pyramidkv", "--window", "observation window (default 32)"), ("pyramidkv", "--beta", "(default 20)"),
         ("kvzip", "--repeat-ids", "the repeat prompt's token ids"), ("trimkv", "--gate-dtype", "auto (the model's own)"),
     ):
