@@ -134,6 +134,38 @@ def test_generate_compiles_the_static_cache_decode_steps(tiny):
     assert torch.equal(out[True], out[False])
 
 
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "kvzip"])
+def test_generate_with_chunked_prefill_compiles_only_the_decode_steps_of_a_static_cache(tiny, name):
+    """generate() compiles its chunked prefill's forwards too for a compileable cache (on CUDA by default): the
+    chunks run eagerly inside the compiled forward (graph breaks, the default fullgraph=False) and give the eager
+    cache's tokens, a last chunk of one token included; fullgraph=True is refused with the reason (a dynamo
+    traceback from the storage's host checks, and a misleading 'attention did not run' error without fullgraph,
+    before). A static KVzip cache refuses a second prompt chunk with its own sentence there too."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, PROMPT + 1), generator=torch.Generator().manual_seed(10))
+    out = {}
+    with policy_on(model, name, BUDGET) as policy:
+        for fullgraph in (None, False, True):
+            torch._dynamo.reset()
+            cache = BudgetCache(model.config, policy, static=fullgraph is not None, decode_slots=_decode_slots(policy) if fullgraph is not None else 0)
+            config = CompileConfig(fullgraph=bool(fullgraph), dynamic=False, backend=BACKEND)
+            config._compile_all_devices = True
+            run = lambda: model.generate(  # noqa: E731
+                ids, past_key_values=cache, max_new_tokens=STEPS, do_sample=False, prefill_chunk_size=5,
+                compile_config=config if fullgraph is not None else None,
+            )
+            if fullgraph:
+                with pytest.raises(torch._dynamo.exc.Unsupported, match="only a static cache's single-token decode steps compile"):
+                    run()
+            elif name == "kvzip" and fullgraph is False:
+                with pytest.raises(ValueError, match="cannot once its layout is settled"):
+                    run()
+            else:
+                out[fullgraph] = run()
+    if name != "kvzip":
+        assert torch.equal(out[False], out[None])
+
+
 @pytest.mark.parametrize("name", ["kvzip", "snapkv", "kvmerger", "h2o"])
 def test_a_left_padded_batch_through_generate_on_a_static_cache_gives_what_the_eager_cache_gives(tiny, name):
     """generate() gives a compileable cache's prompt forward a 4-D mask, where it gives an eager one the 2-D mask:

@@ -13,6 +13,7 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from kvgates.errors import UnsupportedModelError
+from kvgates.runtime.dispatch import EAGER_ONLY
 from kvgates.runtime.layer import BudgetLayer
 from kvgates.runtime.protocol import CachePolicy, make_policy
 
@@ -104,7 +105,15 @@ class BudgetCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``Cache.update``, with the forward's progress over every layer recorded (``check_forward``): it begins at
         layer 0's update, a passthrough layer holds its tokens once its update returns, a budgeted one once its step
-        ends (``layer_done``). A static cache's compiled decode steps are not recorded (nor are they checked)."""
+        ends (``layer_done``). A static cache's compiled decode steps are not recorded (nor are they checked). Every
+        other call runs eagerly inside ``torch.compile`` (``EAGER_ONLY``), as its attention does."""
+        if layer_idx < len(self.layers) and self._static_step(key_states):
+            return self._update(key_states, value_states, layer_idx, *args, **kwargs)
+        return self._update_eager(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx >= len(self.layers):
             raise ValueError(
                 f"this BudgetCache has {len(self.layers)} layers and the model's layer {layer_idx} attends: build the cache "
@@ -120,6 +129,8 @@ class BudgetCache(Cache):
         if tracked and not isinstance(self.layers[layer_idx], BudgetLayer):
             self.layer_done(layer_idx)
         return out
+
+    _update_eager = torch.compiler.disable(_update, reason=EAGER_ONLY)
 
     def _static_step(self, key_states: torch.Tensor) -> bool:
         """Whether a forward bringing ``key_states`` is a static layout's decode step (``BudgetLayer._attend_static``)."""

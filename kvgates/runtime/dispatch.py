@@ -22,6 +22,15 @@ from kvgates.runtime.storage import POS_BIG
 #: layers (the issue's baseline saw PyramidKV's repeats at lengths seen before at 21 ms).
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
+#: Why a call other than a static layer's single-token decode step runs eagerly inside ``torch.compile``: a graph
+#: break there (the default ``fullgraph=False``, which ``generate()``'s chunked prefill compiles with), and under
+#: ``fullgraph=True`` dynamo's refusal, which quotes it.
+EAGER_ONLY = (
+    "a BudgetCache's prompts, prompt chunks and multi-token calls run eagerly; only a static cache's single-token "
+    "decode steps compile (generate() compiles prompt chunks, prefill_chunk_size, for a compileable cache: compile "
+    "without fullgraph=True there)"
+)
+
 
 def decode_backends(device: torch.device) -> AbstractContextManager:
     """Where decode attention's sdpa calls run: on CUDA within ``sdpa_kernel(DECODE_BACKENDS)`` (compiles with
@@ -65,10 +74,24 @@ class AttentionDispatch:
         key_states, value_states = self._pending
         self._pending = None
         self.cache.release_pending()
+        if self.static and query.shape[2] == 1 and self.phase(1) is Phase.DECODE:
+            return self._attend_static(query, key_states, value_states, scale, position_ids)
+        return self._attend_eager(query, key_states, value_states, scale, attention_mask, position_ids)
+
+    @torch.compiler.disable(reason=EAGER_ONLY)
+    def _attend_eager(
+        self,
+        query: torch.Tensor,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        scale: float,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``attend`` for every call but a static layer's decode step: host-side decisions on what the layer holds,
+        so never compiled (``EAGER_ONLY``)."""
         b, h, n, _ = query.shape
         if self.static:
-            if n == 1 and self.phase(n) is Phase.DECODE:
-                return self._attend_static(query, key_states, value_states, scale, position_ids)
             self._fold_decoded()  # several tokens: the general path, with the counters back on the host
         phase = self.phase(n)
         q_pos = self._query_positions(b, n, position_ids, query.device)

@@ -24,7 +24,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvgates.kernels.host import HostRead, on_device
-from kvgates.runtime.dispatch import AttentionDispatch
+from kvgates.runtime.dispatch import EAGER_ONLY, AttentionDispatch
 from kvgates.runtime.state import LayerState
 from kvgates.runtime.stats import AttnStats, Phase
 from kvgates.runtime.storage import KeptCounts, SlotStorage, head_range
@@ -402,9 +402,10 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             self.decoded = torch.zeros((), dtype=torch.int64, device=self.device)
             torch._dynamo.mark_static_address(self.decoded)
 
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def _fold_decoded(self) -> None:
         """Count the static decode steps taken since the last call on the host (before a call the static path
-        does not take; one host sync)."""
+        does not take; one host sync, so never compiled)."""
         steps = int(self.decoded)
         self.seen, self.decode_steps = self.seen + steps, self.decode_steps + steps
         self.decoded.zero_()

@@ -22,7 +22,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from kvgates.errors import UnsupportedModelError
 from kvgates.runtime.cache import BUDGETED_LAYER_TYPES, BudgetCache
-from kvgates.runtime.dispatch import real_tokens
+from kvgates.runtime.dispatch import EAGER_ONLY, real_tokens
 from kvgates.runtime.stats import AttnStats, Phase
 from kvgates.runtime.storage import KeptCounts
 
@@ -174,8 +174,13 @@ class PromptScoring:
 
     def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         cache, self._current = self._current, None
-        if cache is None:
-            return
+        if cache is not None:
+            self._score(cache)
+
+    @torch.compiler.disable(reason=EAGER_ONLY)
+    def _score(self, cache: BudgetCache) -> None:
+        """The scoring forwards over the prompt ``cache`` has seen, then its eviction (and a static layout), eagerly
+        inside ``torch.compile`` too (``generate()`` compiles the forwards of its chunked prefill)."""
         ids, mask = self._prompts[cache]
         self._busy = True
         try:
