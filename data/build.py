@@ -428,18 +428,19 @@ def code_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def file_stamps(mix: list[dict[str, Any]], model: str | None) -> list[tuple[str, int, int]]:
+def file_stamps(mix: list[dict[str, Any]], model: str | None) -> tuple[tuple[str, int, int], ...]:
     """``(path, size, modification time)`` of every local file a build of ``mix`` reads: its ``hf``/``text``/``jsonl``
     sources' files (a folder's files, all of them) and, for its ``continuations``, ``model``'s where that is a local
     folder. Part of a built dataset's cache key: keyed by a source's path alone, rows made from a file were loaded
-    again after the file changed (``datasets`` does the same for the files it loads)."""
+    again after the file changed (``datasets`` does the same for the files it loads). A tuple: ``from_generator`` splits
+    a list-valued keyword into shards, each of them a whole build."""
     paths = [source["path"] for source in mix if source["task"] in ("hf", "text", "jsonl")]
     paths += [model] if model is not None and any(source["task"] == "continuations" for source in mix) else []
     stamps = []
     for path in map(Path, paths):
         files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path] if path.is_file() else []
         stamps += [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    return stamps
+    return tuple(stamps)
 
 
 def _generate(tokenizer, mix_json, split, num_examples, seq_len, seed, fmt, template_set, model, code, files):
@@ -559,7 +560,8 @@ def build_dataset(
         return datasets.Dataset.from_generator(
             _generate,
             gen_kwargs={
-                # A list-valued keyword would be split into shards by ``from_generator``: the mix travels as JSON.
+                # A list-valued keyword would be split into shards by ``from_generator``: the mix travels as JSON, the
+                # files' stamps as a tuple.
                 "tokenizer": tokenizer, "mix_json": json.dumps(mix, sort_keys=True), "split": split, "num_examples": num_examples,
                 "seq_len": seq_len, "seed": seed, "fmt": fmt, "template_set": template_set, "model": model,
                 "code": code_digest(), "files": file_stamps(mix, model),

@@ -165,6 +165,16 @@ def test_a_changed_local_file_builds_its_rows_again(tok, tmp_path):
     assert all(tok.decode(ids).startswith("New") for ids in new["input_ids"])
 
 
+def test_a_mix_of_several_local_files_builds_the_rows_asked_for(tok, tmp_path):
+    """The local files' stamps went into the cache key as a list, which ``datasets.Dataset.from_generator`` splits
+    into shards, each of them a whole build: a mix of two files (or a folder of two) built twice the rows asked for."""
+    for name in ("a", "b"):
+        rows = "".join(json.dumps({"prompt": f"{name} {i}?", "completion": " yes."}) + "\n" for i in range(40))
+        (tmp_path / f"{name}.jsonl").write_text(rows)
+    mix = [{"task": "jsonl", "path": str(tmp_path / name)} for name in ("a.jsonl", "b.jsonl")]
+    assert len(build_dataset(tok, mix, "train", 5, 64, cache_dir=str(tmp_path / "c"))) == 5
+
+
 def test_rows_go_out_as_they_are_made(tok, monkeypatch):
     """The generator made every row before it gave out the first: ``datasets``' progress bar counted no row through a
     long build (minutes of packed 16K-token rows), then all of them. A row now goes out once made, unless a row before
@@ -174,7 +184,7 @@ def test_rows_go_out_as_they_are_made(tok, monkeypatch):
     made = []
     make = build.make_example
     monkeypatch.setattr(build, "make_example", lambda *args, **kwargs: made.append(args[0]) or make(*args, **kwargs))
-    rows = build._generate(tok, json.dumps([{"task": "needle"}]), "train", 5, 192, 0, "raw", "train", None, "", [])
+    rows = build._generate(tok, json.dumps([{"task": "needle"}]), "train", 5, 192, 0, "raw", "train", None, "", ())
     assert next(rows)["task"] == "needle" and len(made) == 1
     assert len(list(rows)) == 4 and len(made) == 5
 
@@ -191,7 +201,7 @@ def test_continuations_are_the_models_own_greedy_output(tok, tmp_path):
     mix = [{"task": "continuations", "prompt_tokens": 40, "completion_tokens": 6}, {"task": "essays", "completion_tokens": 8}]
     rows = build_dataset(tok, mix, "train", 6, 64, seed=2, cache_dir=str(tmp_path / "c"), model=str(tmp_path / "m"))
     continued = [r for r in rows if r["task"] == "continuations"]
-    assert continued and len(continued) < len(rows)
+    assert len(rows) == 6 and continued and len(continued) < len(rows)  # (the model folder's files made a build each)
     essays = list(split_ids(tok, "train"))
     for row in continued:
         prompt = [t for t, y in zip(row["input_ids"], row["labels"]) if y == -100]
