@@ -28,7 +28,8 @@ class Schedule:
 
     Attributes:
         prefill: at the end of every prompt chunk.
-        decode_every: every this many decode steps (0: decode appends).
+        decode_every: every this many decode steps, and at every decode call of several tokens (a new turn of a
+            conversation), as at a prompt chunk (0: decode appends).
         tolerance: a sequence is evicted only once one of its heads holds more than its quota plus this many
             tokens, and then back to the quota (amortised eviction: TRIM-KV's buffer).
     """
