@@ -147,7 +147,8 @@ def test_generate_with_chunked_prefill_compiles_only_the_decode_steps_of_a_stati
     with policy_on(model, name, BUDGET) as policy:
         for fullgraph in (None, False, True):
             torch._dynamo.reset()
-            cache = BudgetCache(model.config, policy, static=fullgraph is not None, decode_slots=_decode_slots(policy) if fullgraph is not None else 0)
+            static = fullgraph is not None
+            cache = BudgetCache(model.config, policy, static=static, decode_slots=_decode_slots(policy) if static else 0)
             config = CompileConfig(fullgraph=bool(fullgraph), dynamic=False, backend=BACKEND)
             config._compile_all_devices = True
             run = lambda: model.generate(  # noqa: E731
