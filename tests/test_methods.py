@@ -114,3 +114,25 @@ def test_a_model_that_transforms_its_logits_after_lm_head_is_refused_by_distilla
         said = rf"^{model_cls.__name__} transforms its logits after its output projection \(a scale or a soft cap\), "
         with pytest.raises(kvgates.UnsupportedModelError, match=said + r".* cannot be distilled at temperature 1$"):
             method.loss(step)
+
+
+def test_the_output_head_is_checked_at_a_runs_first_teacher_forward_only(monkeypatch):
+    """The check reads a norm back to the host: done at every step it was a sync a step, for a frozen model whose
+    logits cannot change between steps."""
+    import torch
+    from helpers import gate_batch, tiny_model
+
+    import kvgates.methods.base as base
+    from kvgates.gates.training import GateTraining
+
+    calls = []
+    check = base.check_output_head
+    monkeypatch.setattr(base, "check_output_head", lambda *args: calls.append(1) or check(*args))
+    _, model = tiny_model()
+    model.requires_grad_(False)
+    config = TrainConfig.from_dict({"kind": "trimkv", "budget": 16, "data": {"seq_len": 64}})
+    method = config.learned_method
+    with GateTraining(model, method.gate_set.for_model(model)) as run:
+        for _ in range(2):
+            method.loss(base.TrainingStep(model, model.lm_head, run, config, gate_batch(padded=True), budget=16.0))
+    assert len(calls) == 1

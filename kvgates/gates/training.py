@@ -85,6 +85,8 @@ class GateTraining:
         self.student = False
         self.context: dict[str, Any] = {}
         self.rows_from = 0
+        #: Whether the model's logits were found to be ``lm_head`` of its hidden states (``check_output_head``, once).
+        self.output_head_checked = False
         self.records: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
         model.add_module(GATES_ATTR, gates)
         self._capture = GateCapture(model, gates.captures, gates.config.layer_ids)

@@ -161,12 +161,14 @@ class TrainingStep:
         """``[n, d]`` the frozen model's final hidden states at the completion positions (plain attention, eval
         mode, no gradient, as the method's ``frozen`` context leaves the model; through ``cache`` when given: a
         policy's cache leaves the logits unchanged and records what it would keep, so every row is computed). A model
-        whose logits are not ``lm_head`` of them is refused (``check_output_head``)."""
+        whose logits are not ``lm_head`` of them is refused at the run's first teacher forward (``check_output_head``)."""
         self.training.teach(rows_from=0 if cache is not None else self.distilled_from)
         method = self.training.method
         with torch.no_grad(), eval_mode(self.model), method.frozen(self.training.model):
             out = self.forward(past_key_values=cache, output_hidden_states=True)
-            check_output_head(self.training.model, self.lm_head, out.hidden_states[-1][:, -1], out.logits[:, -1])
+            if not self.training.output_head_checked:  # (the model is frozen: once a run, not a host read a step)
+                check_output_head(self.training.model, self.lm_head, out.hidden_states[-1][:, -1], out.logits[:, -1])
+                self.training.output_head_checked = True
         return out.hidden_states[-1][:, :-1][self.completion]
 
     def student_hidden(self, **context: Any) -> torch.Tensor:
