@@ -325,16 +325,22 @@ def test_stdout_holds_the_generated_text_only(checkpoint, capsys):
     assert "KV held" in err and "allocated" in err
 
 
+def prompt_lengths(checkpoint, capsys) -> dict[bool, int]:
+    """The prompt's token count ``kvgates generate`` reports for "hi" with the chat template (False) and with
+    ``--no-chat`` (True)."""
+    prompts = {}
+    for flag in ([], ["--no-chat"]):
+        assert main(["generate", "--model", str(checkpoint), "--prompt", "hi", "--max-new-tokens", "2", *flag]) == 0
+        prompts[bool(flag)] = int(re.search(r"prompt (\d+)", capsys.readouterr().err).group(1))
+    return prompts
+
+
 def test_chat_template_is_the_default_when_the_tokenizer_has_one(tmp_path, capsys):
     checkpoint = save_tiny_checkpoint(tmp_path)
     tok = AutoTokenizer.from_pretrained(checkpoint)
     tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
     tok.save_pretrained(checkpoint)
-    prompts = {}
-    for flag in ([], ["--no-chat"]):
-        assert main(["generate", "--model", str(checkpoint), "--prompt", "hi", "--max-new-tokens", "2", *flag]) == 0
-        prompts[bool(flag)] = int(re.search(r"prompt (\d+)", capsys.readouterr().err).group(1))
-    assert prompts == {False: len("<user>hi<assistant>"), True: len("hi")}  # one token per character
+    assert prompt_lengths(checkpoint, capsys) == {False: len("<user>hi<assistant>"), True: len("hi")}  # one token per character
 
 
 def test_a_chat_template_s_special_tokens_are_not_added_again(tmp_path, capsys):
@@ -348,11 +354,7 @@ def test_a_chat_template_s_special_tokens_are_not_added_again(tmp_path, capsys):
     tok.bos_token = "<eos>"  # the tiny vocabulary has no other special token to begin with
     tok.chat_template = "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
     tok.save_pretrained(checkpoint)
-    prompts = {}
-    for flag in ([], ["--no-chat"]):
-        assert main(["generate", "--model", str(checkpoint), "--prompt", "hi", "--max-new-tokens", "2", *flag]) == 0
-        prompts[bool(flag)] = int(re.search(r"prompt (\d+)", capsys.readouterr().err).group(1))
-    assert prompts == {False: 1 + len("<user>hi<assistant>"), True: 1 + len("hi")}
+    assert prompt_lengths(checkpoint, capsys) == {False: 1 + len("<user>hi<assistant>"), True: 1 + len("hi")}
 
 
 def test_unknown_policy(capsys):
