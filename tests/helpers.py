@@ -148,8 +148,9 @@ def dynamic_cache(model) -> DynamicCache:
     return DynamicCache(config=model.config)
 
 
-def make_layer(policy, positions: torch.Tensor, head_dim: int = 8, seed: int = 0):
-    """A standalone BudgetLayer whose slots hold ``positions`` (``[B, H_kv, C]``, -1 = empty) and random K/V."""
+def make_layer(policy, positions: torch.Tensor, head_dim: int = 8, seed: int = 0, device: str = "cpu"):
+    """A standalone BudgetLayer whose slots hold ``positions`` (``[B, H_kv, C]``, -1 = empty) and random K/V (drawn
+    on the CPU, the same on every ``device``), on ``device``."""
     b, hkv, c = positions.shape
     config = LlamaConfig(
         num_hidden_layers=1, num_attention_heads=hkv, num_key_value_heads=hkv, hidden_size=hkv * head_dim, head_dim=head_dim
@@ -157,11 +158,11 @@ def make_layer(policy, positions: torch.Tensor, head_dim: int = 8, seed: int = 0
     cache = BudgetCache(config, policy)
     layer = cache.layers[0]
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn(b, hkv, c, head_dim, generator=g)
+    k = torch.randn(b, hkv, c, head_dim, generator=g).to(device)
     layer.lazy_initialization(k, k)
     layer._grow(c)
     layer.keys.copy_(k.reshape(b, hkv * c, head_dim))
-    layer.values.copy_(torch.randn(b, hkv * c, head_dim, generator=g))
+    layer.values.copy_(torch.randn(b, hkv * c, head_dim, generator=g).to(device))
     layer.pos.copy_(positions)
     return layer
 

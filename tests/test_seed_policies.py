@@ -417,11 +417,14 @@ def test_kvmerger_launch_bound_scan_widens_its_window_as_memory_allows(monkeypat
 )
 @pytest.mark.parametrize("sigma,scale", [(None, False), (0.7, True)])
 def test_kvmerger_merge_matches_brute_force(sigma, scale, backend, monkeypatch):
-    monkeypatch.setenv("KVGATES_KERNELS", backend)  # the scan and the merges: the torch reference's, or the kernels'
+    # The scan and the merges: the torch reference's, or the kernels' (on the GPU where there is one: forced Triton on
+    # CPU tensors is refused there, without the interpreter).
+    monkeypatch.setenv("KVGATES_KERNELS", backend)
+    device = FUSED_DEVICE if backend == "triton" else "cpu"
     policy = KVMerger(budget=14, window=3, heavy=2, epsilon=0.0, sigma=sigma, scale_values=scale)
     pos = random_positions(1, 1, C, held=20, seed=7)
-    layer = make_layer(policy, pos, head_dim=4, seed=7)
-    layer.state[CUMULATIVE] = torch.rand(1, 1, C, generator=torch.Generator().manual_seed(7))
+    layer = make_layer(policy, pos, head_dim=4, seed=7, device=device)
+    layer.state[CUMULATIVE] = torch.rand(1, 1, C, generator=torch.Generator().manual_seed(7)).to(device)
     slots = {int(p): s for s, p in enumerate(pos[0, 0].tolist()) if p >= 0}
     order = sorted(slots)
     keys = [layer.keys[0, slots[p]].tolist() for p in order]
@@ -429,7 +432,7 @@ def test_kvmerger_merge_matches_brute_force(sigma, scale, backend, monkeypatch):
     score = [layer.state[CUMULATIVE][0, 0, slots[p]].item() for p in order]
     protected = brute.recent(order, 3) | brute.top_by_score(dict(zip(order, score)), 2, brute.recent(order, 3))
     mergeable = [p not in protected for p in order]
-    keep = policy.select(layer, None, torch.tensor([[14]]))
+    keep = policy.select(layer, None, torch.tensor([[14]], device=device))
     eps = policy.layer_state(layer).epsilon.item()
     sets = brute.kvmerger_sets(keys, mergeable, eps)
     assert eps <= 0.0 and len(sets) + len(protected) <= 14  # calibrated down from the fixed epsilon to fit
