@@ -51,7 +51,8 @@
 #   prefill         (~8 min) issue 27: every policy's prefill vs plain sdpa, 8B shape, 16 and 32 layers, batch 1 and 8
 #   prefill-rest    (~8 min) issue 27: the same (16 layers) for the policies the prefill stage leaves out: KVzip's
 #                            reconstruction kernel, KVMerger's merges, the learned policies' gates
-#   kernels         (~2 min) issue 27: decode attention at batch 1-32 and 4K-32K vs sdpa and HBM peak
+#   kernels         (~4 min) issue 27: decode attention at batch 1-32 and 4K-32K vs sdpa and HBM peak (stop 59: past 240 s
+#                            while the prefill's torch reference was timed at every shape)
 #   train           (~8 min) issue 28: gate-training step vs a teacher forward, 135M at 1K-16K, 8B at 8K
 #   train-dms       (~8 min) issue 28: the same for DMS (dms_attention_fused), the DMS recipe's memory
 #

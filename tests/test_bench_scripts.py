@@ -105,14 +105,21 @@ def test_both_sweeps_run_one_after_the_other(tmp_path):
     assert set(_prefill_override(best.read_text())) == {"forward", "columns"}
 
 
-def test_every_configuration_the_prefill_sweep_measures_is_one_the_override_takes(monkeypatch):
+@pytest.fixture
+def bench_kernels(monkeypatch):
+    """``bench/kernels.py`` as a module."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "bench" / "kernels.py")
+    kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels)
+    return kernels
+
+
+def test_every_configuration_the_prefill_sweep_measures_is_one_the_override_takes(bench_kernels):
     """``bench/kernels.py --sweep-prefill --best-json`` writes its fastest pair for KVGATES_PREFILL_CONFIG: any
     configuration of its grids (on a GPU, not the smoke run's) must parse there, or ``prefill-tuned`` measures
     nothing."""
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_kernels_grids", ROOT / "bench" / "kernels.py")
-    kernels = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kernels)
+    kernels = bench_kernels
     from kvgates.kernels.triton_ops import _prefill_override
 
     forwards = [c for c in kernels.configurations(kernels.PREFILL_FORWARD_GRID) if c["BLOCK_M"] % c["BLOCK_N"] == 0]
@@ -121,6 +128,19 @@ def test_every_configuration_the_prefill_sweep_measures_is_one_the_override_take
     for forward in forwards:
         for column in columns:
             _prefill_override(json.dumps({"forward": forward, "columns": column}))
+
+
+def test_the_kernels_stage_times_the_prefill_reference_only_up_to_one_8k_sequence(bench_kernels, capsys):
+    """The scoring prefill's torch reference took 2.9 s a call at batch 1, 32K on an H200 and 8.7 s at batch 4 (about
+    seven calls a shape): the GPU session's ``kernels`` stage (batch 1-32, 4K-32K) ran past its 240 s before batch 8
+    was done. Above one 8K sequence's work it is skipped, and its line says so."""
+    timed = [(b, c) for b in (1, 4, 8, 32) for c in (4096, 16384, 32768) if bench_kernels.times_reference_prefill(b, c)]
+    assert timed == [(1, 4096), (4, 4096)]
+    assert bench_kernels.times_reference_prefill(1, 8192) and not bench_kernels.times_reference_prefill(2, 8192)
+    bench_kernels.row("prefill+stats", "shape", 1e-3, None, 10**9, None, "extra")
+    bench_kernels.row("prefill+stats", "shape", 1e-3, 2e-3, 10**9, None, "extra")
+    skipped, timed_line = capsys.readouterr().out.splitlines()
+    assert "skipped" in skipped and "2.00x" in timed_line and len(skipped) == len(timed_line)
 
 
 def test_best_json_is_the_prefill_sweeps_and_a_bad_prefill_config_is_one_sentence(tmp_path):
