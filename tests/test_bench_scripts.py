@@ -128,6 +128,14 @@ def test_every_configuration_the_prefill_sweep_measures_is_one_the_override_take
     for forward in forwards:
         for column in columns:
             _prefill_override(json.dumps({"forward": forward, "columns": column}))
+    # The GPU's 16-bit defaults are among them, so that a sweep measures and marks them (stop 59's column default is
+    # the H200 sweep's fastest).
+    from kvgates.kernels.triton_ops import _prefill_config
+
+    for d in (64, 128):
+        default = _prefill_config(d, torch.bfloat16, torch.device("cuda"))
+        assert default["forward"] in forwards and default["columns"] in columns
+    assert _prefill_config(128, torch.bfloat16, torch.device("cuda"))["columns"] == {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
 
 
 def test_the_kernels_stage_times_the_prefill_reference_only_up_to_one_8k_sequence(bench_kernels, capsys):

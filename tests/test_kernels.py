@@ -154,6 +154,7 @@ PREFILL_CONFIGS = [  # (forward BLOCK_M, BLOCK_N), (column pass BLOCK_N keys a p
     ((16, 16), (32, 16)),  # several row steps on each block's diagonal
     ((64, 16), (16, 64)),  # one row step past a block's diagonal; one forward block covers the prompt's first 64
     ((32, 32), (16, 32)),
+    ((128, 64), (128, 64)),  # the GPU's at head dim 128, 16-bit (stop 59's columns): one block of keys, two row steps
 ]
 
 
