@@ -7,34 +7,33 @@
 #
 # A session has 15 minutes of device time (the machine's start, a minute or two, and every idle wait included),
 # 10 minutes a call, and at most 8 files come back from $OUT: two calls, `issue27` (its stages' limits add up to
-# 535 s), then at once, while the machine is warm (it goes back after 30 s idle), `prefill-sweep` (245 s), with
-# GPU_SESSION_SECONDS set to the seconds the session has left less a margin: every stage ends within that many
-# seconds of the call's start (570 by default), a stage that would run past it gets what is left, and one with
-# under 10 s left is skipped. Every stage of a call logs to one file, `$OUT/session.log`, which ends with each
-# stage's exit status and seconds; the tests' report is `$OUT/tests.xml`, the profiles' Chrome traces one archive,
-# `$OUT/traces.tar.gz`, and the prefill sweep's fastest pair `$OUT/prefill-best.json`: at most four files, whatever
-# the stages. `issue27` is the first: what
-# the open issue's GPU targets still lack after stop 48's H100 (docs/results.md), each part killed at its own limit
-# and printing as it goes, so that a call cut short still leaves the figures before it:
+# 565 s; about 200 s on stop 59's H200), then at once, while the machine is warm (it goes back after 30 s idle),
+# `tests` (the default suite, 520 s; 246 s on stop 48's H100), with GPU_SESSION_SECONDS set to the seconds the
+# session has left less a margin: every stage ends within that many seconds of the call's start (570 by default), a
+# stage that would run past it gets what is left, and one with under 10 s left is skipped. Every stage of a call
+# logs to one file, `$OUT/session.log`, which ends with each stage's exit status and seconds; the tests' report is
+# `$OUT/tests.xml`, the profiles' Chrome traces one archive, `$OUT/traces.tar.gz`, and the prefill sweep's fastest
+# pair `$OUT/prefill-best.json`: at most four files, whatever the stages. `issue27` is the first: what the open
+# issue's GPU targets still lack after stop 59's H200 (docs/results.md), each part killed at its own limit and
+# printing as it goes, so that a call cut short still leaves the figures before it:
 #
-#   issue27         env; the tests of the kernels and of KVMerger (`tests` over three files, 150 s: KVMerger's windowed
-#                   scan kernels and its merge kernel, stops 49-50, and stop 51's column kernels never ran on a GPU);
-#                   the kernels at one shape (`kernels-8k`, 45 s: bf16, head dim 128, batch 1, 8K; the scoring
-#                   prefill vs sdpa's attention was 2.8x at stop 43, before stop 51); the batch-1 prefill of h2o
-#                   (control), d2o, kvmerger and dynamickv, 8B shape, 16 layers, 8K, three interleaved rounds
-#                   (`prefill-changed`, 120 s), their batch-8 prefill
-#                   (`prefill-b8`, 90 s), and a profile with Chrome traces of d2o's and kvmerger's (`profile`, 100 s):
-#                   the two policies over 1.3x on stop 48's H100, where the time goes
+#   issue27         env; the tests of the kernels and of KVMerger (`tests` over three files, 120 s: stop 59's fix to
+#                   one of them and its one-read chain kernel have not run on a GPU); the kernels at one shape
+#                   (`kernels-8k`, 45 s: bf16, head dim 128, batch 1, 8K; the scoring prefill 2.07x sdpa's attention
+#                   on stop 59's H200, before its column pass took the sweep's fastest tile); the batch-1 prefill of
+#                   h2o (control), d2o, kvmerger and dynamickv, 8B shape, 16 layers, 8K, three interleaved rounds
+#                   (`prefill-changed`, 90 s: 1.22x, 1.31x, 1.47x and 1.27x at stop 59, before those two changes), the
+#                   same at 16K with snapkv, two rounds (`prefill-16k`, 90 s: never measured), their batch-8 prefill at
+#                   8K (`prefill-b8`, 90 s), and a profile with Chrome traces of d2o's and kvmerger's (`profile`,
+#                   100 s): the two policies over 1.3x at batch 1, where the time goes
 #   tests           the default test suite on the GPU machine, in parallel processes where pytest-xdist travelled
 #                   with the wheels
 #   decode-sweep    decode attention under each launch configuration of a grid (bench/kernels.py --sweep-decode)
-#   prefill-sweep   (245 s, the second call) the scoring prefill's two passes under each launch configuration
-#                   of a grid, bf16, head dim 128, batch 1, 8K (bench/kernels.py --sweep-prefill, each configuration
-#                   printed as it is measured, 170 s): the pass H2O, D2O and KVMerger pay for their column sums cost
-#                   2.8x sdpa's attention on stop 43's H100, most of their prefill's excess; this finds which pass and
-#                   which blocks. Then the batch-1 prefill of h2o, d2o and kvmerger (16 layers, 8K, two rounds) under
-#                   the fastest pair (`prefill-tuned`, 75 s; KVGATES_PREFILL_CONFIG from $OUT/prefill-best.json): what
-#                   the sweep's blocks do to a whole prefill, against `prefill-changed`'s defaults in the first call
+#   prefill-sweep   (245 s) the scoring prefill's two passes under each launch configuration of a grid, bf16,
+#                   head dim 128, batch 1, 8K (bench/kernels.py --sweep-prefill, each configuration printed as it is
+#                   measured, 170 s; stop 59's H200: the column pass's default now its fastest, the forward's kept).
+#                   Then the batch-1 prefill of h2o, d2o and kvmerger (16 layers, 8K, two rounds) under the fastest
+#                   pair (`prefill-tuned`, 75 s; KVGATES_PREFILL_CONFIG from $OUT/prefill-best.json)
 #   profile         the GPU's own check that a pageable host-to-device copy syncs and `on_device` does not (20 s); a
 #                   profile (with Chrome traces) of the batch-1 prefill of the policies over 1.3x at stop 44 (100 s)
 #   prefill-b1      every policy's batch-1 prefill vs plain sdpa, 8B shape, 16 layers, 8K, three interleaved rounds
@@ -146,6 +145,7 @@ if [ "$SMOKE" = 1 ]; then
     PREFILL_FIRST="--contexts 96 --budget 48 --batch 2 --steps 1 --rounds 1 --slack 0"  # (160: 107 s on the GPU's paths)
     PROFILE="--model random --layers 2 --context 160 --budget 64 --batch 1 --steps 2"
     PREFILL_ONE="--contexts 160 --budget 64 --batch 1 --steps 1 --rounds 1 --slack 0" PREFILL_TUNED="$PREFILL_ONE"
+    PREFILL_16K="$PREFILL_ONE"
     KERNEL_TESTS="--collect-only $KERNEL_TESTS" GPU_PATHS="env KVGATES_KERNELS=triton KVGATES_LAUNCH_BOUND=1"
     export TRITON_INTERPRET=1
 else
@@ -162,6 +162,7 @@ else
     PROFILE="--model random:llama-3.1-8b --layers 4 --context 8192 --budget 1024 --batch 1 --steps 3"
     PREFILL_ONE="--contexts 8192 --budget 1024 --batch 1 --steps 1 --rounds 3 --slack 0"
     PREFILL_TUNED="--contexts 8192 --budget 1024 --batch 1 --steps 1 --rounds 2 --slack 0"
+    PREFILL_16K="--contexts 16384 --budget 1024 --batch 1 --steps 1 --rounds 2 --slack 0"
 fi
 
 # stage NAME SECONDS COMMAND...: run COMMAND with a time limit (then 20 s of grace), its output to the terminal and
@@ -236,11 +237,13 @@ for name in "$@"; do
     case $name in
     issue27)
         env_stage
-        TESTS=$KERNEL_TESTS tests_stage 150
+        TESTS=$KERNEL_TESTS tests_stage 120
         # shellcheck disable=SC2086
         stage kernels-8k 45 "$PY" bench/kernels.py $KERNELS_8K
         # shellcheck disable=SC2086
-        stage prefill-changed 120 $GPU_PATHS "$PY" bench/gpu_policies.py $DEEP $PREFILL_ONE --policies h2o d2o kvmerger dynamickv
+        stage prefill-changed 90 $GPU_PATHS "$PY" bench/gpu_policies.py $DEEP $PREFILL_ONE --policies h2o d2o kvmerger dynamickv
+        # shellcheck disable=SC2086
+        stage prefill-16k 90 $GPU_PATHS "$PY" bench/gpu_policies.py $DEEP $PREFILL_16K --policies snapkv h2o d2o kvmerger dynamickv
         # shellcheck disable=SC2086
         stage prefill-b8 90 $GPU_PATHS "$PY" bench/gpu_policies.py $DEEP $PREFILL_FIRST --policies h2o d2o kvmerger
         profile_stage 100 d2o kvmerger
