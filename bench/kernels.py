@@ -11,8 +11,9 @@ bandwidth and its fraction of the GPU's peak (HBM3 H100 SXM 3.35 TB/s, H200 4.8 
 overrides). For decode attention (split over the slots: batch 1 fills the GPU too) it also prints the ratio to
 torch sdpa computing the same attention without per-slot probabilities (target: within 1.3x and >= 50% of peak
 bandwidth at batch 1, 16K). The fused scoring prefill (a prompt as long as the budget; column sums and window
-scores) is compute-bound: its reference is timed up to one 8K sequence's work (``REFERENCE_PREFILL_WORK``), and it prints TFLOP/s, their fraction of the GPU's bf16/fp16 peak (989 TFLOP/s on H100 SXM
-and H200) and its ratio to sdpa's causal attention without statistics.
+scores) is compute-bound: it prints TFLOP/s, their fraction of the GPU's bf16/fp16 peak (989 TFLOP/s on H100 SXM
+and H200) and its ratio to sdpa's causal attention without statistics; its torch reference is timed up to one 8K
+sequence's work (``REFERENCE_PREFILL_WORK``) and skipped above.
 
 ``--sweep-decode`` measures decode attention alone under every launch configuration of a small grid (slots a loop
 iteration loads, programs a multiprocessor, warps, pipeline stages) and prints the five fastest and the kernel's

@@ -195,6 +195,37 @@ def _shipped_gates(parser: argparse.ArgumentParser, model: str, policy: str, bud
     return gates
 
 
+#: ``kvgates generate --dtype``: the model's parameter dtypes by name (``auto``: ``_device_and_dtype`` picks).
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def _device_and_dtype(device: str, dtype: str) -> tuple[Any, Any]:
+    """``(torch.device, torch.dtype)`` of ``--device`` and ``--dtype``: ``auto`` is the first CUDA GPU where there is
+    one, else the CPU, and bfloat16 on a GPU that has it (float16 on one that does not), else float32. ``ValueError``
+    in one sentence for a device that is not one, or not here, before the model loads."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        place = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device: {device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if place.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise ValueError(f"--device {device}: this machine has no CUDA GPU that torch can use; use --device cpu")
+        if place.index is not None and place.index >= count:
+            raise ValueError(f"--device {device}: this machine has {count} CUDA GPU{'s' if count > 1 else ''} (cuda:0 to cuda:{count - 1})")
+    elif place.type != "cpu":
+        raise ValueError(f"--device {device}: kvgates generate runs on cpu or cuda")
+    if dtype == "auto":
+        if place.type != "cuda":
+            return place, torch.float32
+        return place, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return place, getattr(torch, dtype)
+
+
 def _generate(argv: list[str]) -> int:
     import torch
 
@@ -232,8 +263,18 @@ def _generate(argv: list[str]) -> int:
         "--prefill-chunk", type=_prefill_chunk,
         help="feed the prompt in chunks of this many tokens (at least 2: a one-token call after the prompt is a decode step)",
     )
+    parser.add_argument(
+        "--device", default="auto", help="where the model and its cache run: auto (a CUDA GPU where there is one, else the CPU), cpu, cuda, cuda:N"
+    )
+    parser.add_argument(
+        "--dtype", default="auto", choices=sorted(DTYPES), help="the model's weights and cache: auto (bfloat16 on a GPU that has it, else float32)"
+    )
     names = _policy_options(parser, known.policy)
     args = parser.parse_args(argv)
+    try:
+        device, dtype = _device_and_dtype(args.device, args.dtype)
+    except ValueError as err:
+        parser.error(str(err))
     if args.temperature is not None and not args.sample:
         parser.error("--temperature sets how --sample samples; add --sample (greedy decoding, the default, has no temperature)")
     if args.seed is not None and not args.sample:
@@ -273,7 +314,7 @@ def _generate(argv: list[str]) -> int:
 
     # Libraries may print (DeepSpeed's accelerator notice, progress bars): nothing but the text goes to stdout.
     with contextlib.redirect_stdout(sys.stderr):
-        model, tokenizer = load_model(args.model)
+        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
         templated = bool(getattr(tokenizer, "chat_template", None))
         if args.chat and not templated:
             parser.error(f"--chat: the tokenizer of {args.model} has no chat template; leave out --chat to send the prompt as it is")
@@ -314,7 +355,7 @@ def _generate(argv: list[str]) -> int:
     print(
         f"\n[kvgates] policy={policy.name}{adapter} tokens={seen} (prompt {inputs['input_ids'].shape[1]}, new {len(new)}{', chat' if chat else ''}) "
         f"KV held {held / 2**20:.2f} MiB vs full cache {full / 2**20:.2f} MiB ({held / full:.1%}), "
-        f"allocated {allocated / 2**20:.2f} MiB; {seconds:.1f} s",
+        f"allocated {allocated / 2**20:.2f} MiB; {seconds:.1f} s on {device} ({str(dtype).removeprefix('torch.')})",
         file=sys.stderr,
     )
     return 0

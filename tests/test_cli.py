@@ -34,6 +34,27 @@ def test_generate_prints_text_and_memory(checkpoint, tmp_path, capsys):
 
 
 
+def test_generate_runs_in_the_dtype_and_on_the_device_asked(checkpoint, capsys):
+    """``kvgates generate`` ran every model on the CPU in float32, on a GPU machine too; ``--device`` and ``--dtype``
+    choose (``auto``: the GPU where there is one, in bfloat16), and the run's summary names both."""
+    assert main(["generate", "--model", checkpoint, "--policy", "h2o", "--budget", "8", "--prompt", "hello there " * 5,
+                 "--max-new-tokens", "3", "--device", "cpu", "--dtype", "bfloat16"]) == 0
+    assert capsys.readouterr().err.rstrip().endswith(" s on cpu (bfloat16)")
+    assert main(["generate", "--model", checkpoint, "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+    expected = f"on cuda ({'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'})" if torch.cuda.is_available() else "on cpu (float32)"
+    assert capsys.readouterr().err.rstrip().endswith(f" s {expected}")
+
+
+def test_a_gpu_that_is_not_there_is_refused_before_the_model_loads(checkpoint, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run(["generate", "--model", checkpoint, "--device", "cuda", "--prompt", "x"]) == USAGE_ERROR
+    assert "--device cuda: this machine has no CUDA GPU that torch can use; use --device cpu" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert run(["generate", "--model", checkpoint, "--device", "cuda:2", "--prompt", "x"]) == USAGE_ERROR
+    assert "--device cuda:2: this machine has 2 CUDA GPUs (cuda:0 to cuda:1)" in capsys.readouterr().err
+
+
 def test_a_prompt_file_may_be_a_pipe(checkpoint, capsys):
     """``--prompt-file /dev/stdin`` and a shell's ``<(...)`` name a pipe, not a regular file: it was refused as a file
     that "does not exist"."""
@@ -184,6 +205,9 @@ def bad_models(tmp_path_factory):
         (["--model", "", "--prompt", "x"], "the model name is empty; pass a model folder"),  # was " is not a model folder"
         # An adapter given as the model: 'not in the local Hugging Face cache and the Hub cannot be reached', and
         # 'the model config of ... cannot be read (Unrecognized model ...)'.
+        (["--device", "gpu0", "--prompt", "x"], "--device: 'gpu0' is not a device; use auto, cpu, cuda or cuda:N"),
+        (["--device", "meta", "--prompt", "x"], "--device meta: kvgates generate runs on cpu or cuda"),
+        (["--dtype", "fp16", "--prompt", "x"], "argument --dtype: invalid choice: 'fp16'"),
         (["--model", "smollm2-135m-trimkv", "--prompt", "x"],
          "smollm2-135m-trimkv is a kvgates gate adapter (retention gates for smollm2-135m), not a model; name it as the gates"),
         (["--model", "FOREIGN", "--prompt", "x"], "is a kvgates gate adapter (retention gates for llama), not a model"),

@@ -119,7 +119,6 @@ def test_a_model_that_transforms_its_logits_after_lm_head_is_refused_by_distilla
 def test_the_output_head_is_checked_at_a_runs_first_teacher_forward_only(monkeypatch):
     """The check reads a norm back to the host: done at every step it was a sync a step, for a frozen model whose
     logits cannot change between steps."""
-    import torch
     from helpers import gate_batch, tiny_model
 
     import kvgates.methods.base as base
