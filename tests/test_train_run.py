@@ -1104,7 +1104,7 @@ def test_shipping_an_adapter_makes_it_loadable_by_name(tiny_dir, tmp_path, monke
     from eval.stats import compare
 
     comparison = compare([1.0] * 6, [0.0] * 6, task="needle", budget=64, a="trimkv", b="h2o", metric="recall", higher_is_better=True).to_dict()
-    trained.config.report = "Held-out table of train.py"
+    trained.config.training, trained.config.report = {"recipe": {}}, "Held-out table of train.py"  # what a finished run writes
     trained.save_pretrained(tmp_path / "adapter")
     arms = [{"label": "full", "policy": "full", "params": {}, "gates": None}, {"label": "h2o", "policy": "h2o", "params": {}, "gates": None},
             {"label": "snapkv", "policy": "snapkv", "params": {}, "gates": None},
@@ -1159,7 +1159,9 @@ def test_shipping_an_adapter_makes_it_loadable_by_name(tiny_dir, tmp_path, monke
         ship.ship(tmp_path / "adapter", "other", ab, "nope")
     # Another adapter with that arm's results: they went into its card (a helper's review).
     torch.manual_seed(1)
-    kvgates.RetentionGates.for_model(model, gate_hidden=8, training_budget=24).save_pretrained(tmp_path / "another")
+    another = kvgates.RetentionGates.for_model(model, gate_hidden=8, training_budget=24)
+    another.config.training, another.config.report = trained.config.training, trained.config.report
+    another.save_pretrained(tmp_path / "another")
     with pytest.raises(ValueError, match=f"arm 'trimkv' of {ab} ran another adapter .* than this one"):
         ship.ship(tmp_path / "another", "another", ab, "trimkv")
     with pytest.raises(ValueError, match="arm 'h2o' of .* ran no trained adapter"):
@@ -1194,7 +1196,9 @@ def test_ship_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, monk
     monkeypatch.setattr(embedded, "EMBEDDED_DIR", tmp_path / "embedded")
     monkeypatch.setattr(ship, "EMBEDDED_DIR", tmp_path / "embedded")
     model, _ = kvgates.load_model(str(tiny_dir))
-    kvgates.RetentionGates.for_model(model, gate_hidden=8).save_pretrained(tmp_path / "adapter")
+    gates = kvgates.RetentionGates.for_model(model, gate_hidden=8)
+    gates.config.training, gates.config.report = {"recipe": {}}, "Held-out table of train.py"  # what a finished run writes
+    gates.save_pretrained(tmp_path / "adapter")
     before = sorted(tmp_path.rglob("*"))
     capsys.readouterr()
     assert ship.main([str(tmp_path / "adapter") if a == "ADAPTER" else a for a in argv]) == 2
@@ -1217,6 +1221,30 @@ def test_ship_refuses_an_arm_without_an_ab_run(tiny_dir, tmp_path, monkeypatch, 
     assert exit_.value.code == 2 and err.startswith("python -m train.ship: --arm labels the adapter's arm in an --ab run"), err
     assert not (tmp_path / "embedded").exists()
 
+
+
+@pytest.mark.parametrize(
+    "training, report, message",
+    [
+        ({}, "", "holds no training record (recipe, command, data split): it is no adapter a finished train.py run exported"),
+        ({"recipe": {}}, "", "holds no held-out table: its run stopped before making it"),
+    ],
+)
+def test_ship_refuses_an_adapter_without_its_record_or_table(tiny_dir, tmp_path, monkeypatch, capsys, training, report, message):
+    """A checkpoint folder (no training record) and the adapter of a run stopped during its held-out table shipped, their
+    cards without the recipe or the table every shipped card holds (a helper's review)."""
+    import train.ship as ship
+
+    monkeypatch.setattr(ship, "EMBEDDED_DIR", tmp_path / "embedded")
+    model, _ = kvgates.load_model(str(tiny_dir))
+    gates = kvgates.RetentionGates.for_model(model, gate_hidden=8)
+    gates.config.training, gates.config.report = training, report
+    gates.save_pretrained(tmp_path / "adapter")
+    capsys.readouterr()
+    assert ship.main([str(tmp_path / "adapter"), "tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "embedded").exists()
 
 class _SdpaCalls(TorchFunctionMode):
     """Records the ``(q, k, v, masked)`` of every ``scaled_dot_product_attention`` call in its block."""

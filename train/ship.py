@@ -10,8 +10,9 @@ LABEL beside the best heuristic and the full cache at each task and budget, and 
 table ``train.py`` wrote, in place of any A/B sections the card had (re-shipping an adapter by its name with newer
 runs replaces its tables); ``--ab`` may be given once per run, each run's table in the order given, the arm labelled
 LABEL in each. The training record (recipe, command, time, data split) stays as ``train.py`` wrote it. The folder is
-exactly what one would push to the Hub. Every error (a name that is not a plain folder name, an unreadable adapter, an
-A/B folder without that arm) is one sentence and exit status 2, with nothing written.
+exactly what one would push to the Hub. Every error (a name that is not a plain folder name, an unreadable adapter, one
+without the training record or held-out table a finished run writes, an A/B folder without that arm) is one sentence
+and exit status 2, with nothing written.
 """
 
 from __future__ import annotations
@@ -51,14 +52,31 @@ def ship(source: str | Path, name: str, ab: str | Path | Sequence[str | Path] = 
     ``ValueError`` (an ``AdapterError`` for the adapter) before anything is written when any input is wrong."""
     check_name(name)
     gates = kvgates.load_gates(source)
+    held_out = gates.config.report.split(AB_SECTION)[0].strip()  # earlier A/B sections are replaced
+    check_finished(gates, source, held_out)
     runs = [ab] if isinstance(ab, (str, Path)) else list(ab)
     if runs:
         sections = [arm_section(run, arm or name) for run in runs]  # every run checked before the card changes
         for run in runs:
             check_arm_ran(gates, run, arm or name)
-        held_out = gates.config.report.split(AB_SECTION)[0].strip()  # earlier A/B sections are replaced
         gates.config.report = "\n\n".join([held_out, *sections]).strip()
     return gates.to(torch.float16).save_pretrained(EMBEDDED_DIR / name)
+
+
+def check_finished(gates: kvgates.GateSet, source: str | Path, held_out: str) -> None:
+    """``ValueError`` unless ``gates`` (read from ``source``) hold what a finished ``train.py`` run writes into its
+    adapter: the training record and the held-out table (``held_out``: the card's report before any A/B section), which
+    every shipped card states. A checkpoint folder has neither; a run stopped during its table, no table."""
+    if not gates.config.training:
+        raise ValueError(
+            f"{source} holds no training record (recipe, command, data split): it is no adapter a finished train.py run exported; "
+            "ship the run's adapter folder (checkpoints/RUN/adapter), not a checkpoint"
+        )
+    if not held_out:
+        raise ValueError(
+            f"{source} holds no held-out table: its run stopped before making it; add --resume to the run's command to make it "
+            "(nothing is trained again), then ship its adapter"
+        )
 
 
 def check_arm_ran(gates: kvgates.GateSet, run: str | Path, label: str) -> None:
