@@ -288,14 +288,33 @@ def load_config(results: dict) -> ABConfig:
 AB_SECTION = "A/B evaluation on"
 
 
-def arm_section(results_dir: str | Path, label: str) -> str:
-    """Markdown for one arm's model card from a finished run in ``results_dir``: per task and budget the arm's
-    primary metric beside the best heuristic's (named) and the full cache's, then its paired verdicts."""
+def read_record(results_dir: str | Path) -> tuple[dict, ABConfig]:
+    """The ``results.json`` of the A/B run folder ``results_dir`` and the config it records; ``ValueError`` (one
+    sentence naming the file) where there is none, or where it is no such record (torn by a report killed mid-write,
+    another tool's file)."""
     path = Path(results_dir) / RECORD
     if not path.is_file():
         raise ValueError(f"{results_dir} holds no results.json; pass the output folder of a finished python -m eval ab run")
-    results = json.loads(path.read_text())
-    config = load_config(results)
+    try:
+        results = json.loads(path.read_text())
+        if not isinstance(results, dict):
+            raise TypeError(f"it holds a JSON {type(results).__name__}")
+        missing = [key for key in ("rows", "comparisons") if key not in results]
+        if missing:
+            raise KeyError(missing[0])
+        return results, load_config(results)
+    except (ValueError, KeyError, TypeError) as err:
+        why = {json.JSONDecodeError: f"not valid JSON: {err}", KeyError: f"it has no {err}"}.get(type(err), str(err))
+        raise ValueError(
+            f"{path} is no record of a python -m eval ab run ({why}); render it again (python -m eval ab with its config and "
+            "--report-only)"
+        ) from None
+
+
+def arm_section(results_dir: str | Path, label: str) -> str:
+    """Markdown for one arm's model card from a finished run in ``results_dir``: per task and budget the arm's
+    primary metric beside the best heuristic's (named) and the full cache's, then its paired verdicts."""
+    results, config = read_record(results_dir)
     if label not in {a.label for a in config.arms}:
         raise ValueError(f"{results_dir} has no arm {label!r}; its arms: {', '.join(a.label for a in config.arms)}")
     summary = Summary(results["rows"])

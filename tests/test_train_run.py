@@ -1187,6 +1187,10 @@ def test_shipping_an_adapter_makes_it_loadable_by_name(tiny_dir, tmp_path, monke
         (["ADAPTER", "Tiny Trimkv"], "cannot name a shipped adapter"),
         (["/no/such/adapter", "tiny"], "/no/such/adapter is neither an adapter folder nor a Hub repository id"),
         (["ADAPTER", "tiny", "--ab", "/no/such/run"], "/no/such/run holds no results.json"),
+        # A results.json torn by a report killed mid-write (before reports were written atomically), and one of
+        # another shape: a JSON error that named no file, and a KeyError traceback.
+        (["ADAPTER", "tiny", "--ab", "TORN"], "torn/results.json is no record of a python -m eval ab run (not valid JSON: Expecting value"),
+        (["ADAPTER", "tiny", "--ab", "OTHER"], "other/results.json is no record of a python -m eval ab run (it has no 'tasks')"),
     ],
 )
 def test_ship_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, monkeypatch, capsys, argv, message):
@@ -1199,9 +1203,13 @@ def test_ship_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, monk
     gates = kvgates.RetentionGates.for_model(model, gate_hidden=8)
     gates.config.training, gates.config.report = {"recipe": {}}, "Held-out table of train.py"  # what a finished run writes
     gates.save_pretrained(tmp_path / "adapter")
+    for name, text in [("torn", '{"rows": ['), ("other", '{"rows": [], "comparisons": []}')]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(text)
     before = sorted(tmp_path.rglob("*"))
     capsys.readouterr()
-    assert ship.main([str(tmp_path / "adapter") if a == "ADAPTER" else a for a in argv]) == 2
+    folders = {"ADAPTER": "adapter", "TORN": "torn", "OTHER": "other"}
+    assert ship.main([str(tmp_path / folders[a]) if a in folders else a for a in argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and err.startswith("python -m train.ship: "), err
     assert sorted(tmp_path.rglob("*")) == before and not Path("/tmp/x").exists()

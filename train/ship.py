@@ -28,8 +28,7 @@ import torch
 
 import kvgates
 from eval.arms import UNTRAINED, load_adapter
-from eval.report import AB_SECTION, arm_section, load_config
-from eval.runner import RECORD
+from eval.report import AB_SECTION, arm_section, read_record
 from kvgates.cli import OneLineParser, usage_error
 from kvgates.gates.embedded import EMBEDDED_DIR
 
@@ -83,8 +82,8 @@ def check_arm_ran(gates: kvgates.GateSet, run: str | Path, label: str) -> None:
     """``ValueError`` unless arm ``label`` of the A/B run folder ``run`` ran ``gates`` (their weights, in float16 as
     they ship): the adapter the run recorded for the arm, unchanged since (the weights' digest in its results'
     journal keys), holds them. Without it a card took the results of whatever adapter that arm had run."""
-    results = json.loads((Path(run) / RECORD).read_text())
-    arm = load_config(results).arm(label)
+    results, config = read_record(run)
+    arm = config.arm(label)
     if not arm.learned or arm.gates in (None, UNTRAINED):
         raise ValueError(f"arm {label!r} of {run} ran no trained adapter (policy {arm.policy}); pass the arm that ran this one as --arm")
     ran = {json.loads(row["key"])[4] for row in results["rows"] if row["arm"] == label and "key" in row}
