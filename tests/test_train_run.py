@@ -1254,6 +1254,30 @@ def test_ship_refuses_an_adapter_without_its_record_or_table(tiny_dir, tmp_path,
     assert message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "embedded").exists()
 
+
+def test_ship_refuses_to_replace_a_shipped_adapter_for_another_model(tiny_dir, tmp_path, monkeypatch, capsys):
+    """Gates for another model shipped under a shipped adapter's name replaced it (the README's command with a run of
+    another model): the policies that load that name by default then met gates that do not fit their model."""
+    import train.ship as ship
+
+    monkeypatch.setattr(ship, "EMBEDDED_DIR", tmp_path / "embedded")
+    model, _ = kvgates.load_model(str(tiny_dir))
+    for folder, base_model, fingerprint in [("mine", None, None), ("moved", "local:moved", None), ("other", "me/other", "0" * 16)]:
+        gates = kvgates.RetentionGates.for_model(model, gate_hidden=8)
+        gates.config.training, gates.config.report = {"recipe": {}}, "Held-out table of train.py"  # what a finished run writes
+        gates.config.base_model = base_model or gates.config.base_model
+        gates.config.fingerprint = fingerprint or gates.config.fingerprint
+        gates.save_pretrained(tmp_path / folder)
+    shipped = tmp_path / "embedded" / "tiny"
+    ship.ship(tmp_path / "mine", "tiny")
+    ship.ship(tmp_path / "moved", "tiny")  # the same model's weights from a folder of another name: replaced
+    before = {p.name: p.read_bytes() for p in shipped.iterdir()}
+    capsys.readouterr()
+    assert ship.main([str(tmp_path / "other"), "tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds the shipped adapter tiny for local:moved (fingerprint" in err and "these gates are for me/other" in err, err
+    assert len(err.splitlines()) == 1 and {p.name: p.read_bytes() for p in shipped.iterdir()} == before
+
 class _SdpaCalls(TorchFunctionMode):
     """Records the ``(q, k, v, masked)`` of every ``scaled_dot_product_attention`` call in its block."""
 

@@ -10,9 +10,9 @@ LABEL beside the best heuristic and the full cache at each task and budget, and 
 table ``train.py`` wrote, in place of any A/B sections the card had (re-shipping an adapter by its name with newer
 runs replaces its tables); ``--ab`` may be given once per run, each run's table in the order given, the arm labelled
 LABEL in each. The training record (recipe, command, time, data split) stays as ``train.py`` wrote it. The folder is
-exactly what one would push to the Hub. Every error (a name that is not a plain folder name, an unreadable adapter, one
-without the training record or held-out table a finished run writes, an A/B folder without that arm) is one sentence
-and exit status 2, with nothing written.
+exactly what one would push to the Hub. Every error (a name that is not a plain folder name, or names an adapter shipped
+for another model, an unreadable adapter, one without the training record or held-out table a finished run writes, an
+A/B folder without that arm) is one sentence and exit status 2, with nothing written.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import kvgates
 from eval.arms import UNTRAINED, load_adapter
 from eval.report import AB_SECTION, arm_section, read_record
 from kvgates.cli import OneLineParser, usage_error
+from kvgates.gates.adapter import CONFIG_FILE
 from kvgates.gates.embedded import EMBEDDED_DIR
 
 #: What a shipped adapter's name may be: lower-case letters, digits, '.', '_' and '-' (a folder name, never a path).
@@ -59,6 +60,7 @@ def ship(source: str | Path, name: str, ab: str | Path | Sequence[str | Path] = 
         for run in runs:
             check_arm_ran(gates, run, arm or name)
         gates.config.report = "\n\n".join([held_out, *sections]).strip()
+    check_same_model(gates, EMBEDDED_DIR / name)
     return gates.to(torch.float16).save_pretrained(EMBEDDED_DIR / name)
 
 
@@ -75,6 +77,23 @@ def check_finished(gates: kvgates.GateSet, source: str | Path, held_out: str) ->
         raise ValueError(
             f"{source} holds no held-out table: its run stopped before making it; add --resume to the run's command to make it "
             "(nothing is trained again), then ship its adapter"
+        )
+
+
+def check_same_model(gates: kvgates.GateSet, folder: Path) -> None:
+    """``ValueError`` when ``folder``, where ``gates`` ship, holds a shipped adapter for another model (neither its id
+    nor its weights' fingerprint are theirs): the policies loading it by name (``default_gates``) would get gates that do
+    not fit the model they run on. Re-shipping newer gates for the same model replaces it."""
+    try:
+        there = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, ValueError):  # nothing shipped there (save_pretrained refuses a file, and an adapter of another kind)
+        return
+    base, fingerprint = (there.get("base_model"), there.get("fingerprint")) if isinstance(there, dict) else (None, None)
+    mine = gates.config
+    if base is not None and base != mine.base_model and fingerprint != mine.fingerprint:
+        raise ValueError(
+            f"{folder} holds the shipped adapter {folder.name} for {base} (fingerprint {fingerprint}); these gates are for "
+            f"{mine.base_model} (fingerprint {mine.fingerprint}): ship them under another name, or remove that folder first"
         )
 
 
