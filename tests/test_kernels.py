@@ -207,9 +207,30 @@ def test_prefill_config_override_from_the_environment(ops, monkeypatch):
         torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("colsum,window", [(True, 20), (False, 20), (True, 0)])
+def test_causal_attention_stats_with_torchs_attention_in_place_of_the_forward(ops, monkeypatch, colsum, window):
+    """``KVGATES_PREFILL_CONFIG='{"attention": "sdpa"}'``: torch's fused attention (cuDNN's on a GPU, in bfloat16
+    here; the CPU's flash attention) gives the attention and each row's log-sum-exp, the Triton forward does not run,
+    and the column pass reads that log-sum-exp: the same attention and statistics, grouped KV heads included."""
+    monkeypatch.setenv(ops.PREFILL_CONFIG_ENV, '{"attention": "sdpa"}')
+    monkeypatch.setattr(ops, "_prefill_forward", None)  # launching it fails
+    dtype, tol = (torch.bfloat16, 3e-2) if DEVICE == "cuda" else (torch.float32, 1e-4)
+    b, h, hkv, n, d = 2, 8, 2, 150, 64
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(b, n, h, d, generator=g).to(DEVICE, dtype).transpose(1, 2)
+    k, v = (torch.randn(b, hkv, n, d, generator=g).to(DEVICE, dtype) for _ in range(2))
+    got = ops.causal_attention_stats(q, k, v, d**-0.5, colsum, window)
+    ref = reference.causal_attention_stats(q.float(), k.float(), v.float(), d**-0.5, colsum, window)
+    for a, r in zip(got, ref):
+        assert (a is None) == (r is None)
+        if a is not None:
+            torch.testing.assert_close(a.float(), r, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("value,message", [
     ("{forward: 1}", "is not JSON"),
-    ('{"backward": {}}', 'must be an object with "forward" and/or "columns"'),
+    ('{"backward": {}}', 'must be an object with "forward", "columns" and/or "attention"'),
+    ('{"attention": "flash"}', "'s \"attention\" must be one of triton, sdpa, got 'flash'"),
     ('{"columns": {"BLOCK_K": 32}}', "'columns' must be an object of BLOCK_M, BLOCK_N, num_warps, num_stages"),
     ('{"forward": {"num_warps": 6}}', "forward.num_warps must be a power of two up to 32, got 6"),
     ('{"columns": {"num_warps": 64}}', "columns.num_warps must be a power of two up to 32, got 64"),

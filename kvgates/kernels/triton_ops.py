@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 from functools import lru_cache
+from typing import Any
 
 import torch
 import triton
@@ -556,18 +557,27 @@ def _prefill_columns(
 _LAUNCH_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
 
+#: ``KVGATES_PREFILL_CONFIG``'s ``"attention"``: what computes the prefill's attention and each row's log-sum-exp
+#: before the column pass: kvgates' Triton forward (the default), or torch's fused attention (``_sdpa_attention``).
+PREFILL_ATTENTION = ("triton", "sdpa")
+
+
 @lru_cache(maxsize=8)
-def _prefill_override(text: str) -> dict[str, dict[str, int]]:
+def _prefill_override(text: str) -> dict[str, Any]:
     """``KVGATES_PREFILL_CONFIG``'s value, parsed and checked once (each prefill call looks it up here; the dicts
     returned are shared, not to be modified): blocks powers of two from 16 (``tl.dot``'s least), warps powers of two
-    up to 32, stages from 1."""
+    up to 32, stages from 1; ``"attention"`` one of ``PREFILL_ATTENTION``."""
     try:
         override = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"{PREFILL_CONFIG_ENV} is not JSON ({err}): {text!r}") from None
-    if not isinstance(override, dict) or not set(override) <= {"forward", "columns"}:
-        raise ValueError(f'{PREFILL_CONFIG_ENV} must be an object with "forward" and/or "columns", got {text!r}')
+    if not isinstance(override, dict) or not set(override) <= {"forward", "columns", "attention"}:
+        raise ValueError(f'{PREFILL_CONFIG_ENV} must be an object with "forward", "columns" and/or "attention", got {text!r}')
+    if override.get("attention", "triton") not in PREFILL_ATTENTION:
+        raise ValueError(f"{PREFILL_CONFIG_ENV}'s \"attention\" must be one of {', '.join(PREFILL_ATTENTION)}, got {override['attention']!r}")
     for name, launch in override.items():
+        if name == "attention":
+            continue
         if not isinstance(launch, dict) or not set(launch) <= set(_LAUNCH_KEYS):
             raise ValueError(f"{PREFILL_CONFIG_ENV}'s {name!r} must be an object of {', '.join(_LAUNCH_KEYS)}, got {launch!r}")
         for key, value in launch.items():
@@ -582,14 +592,15 @@ def _prefill_override(text: str) -> dict[str, dict[str, int]]:
     return override
 
 
-def _prefill_config(d: int, dtype: torch.dtype, device: torch.device) -> dict[str, dict[str, int]]:
+def _prefill_config(d: int, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
     """Launch configurations of the prefill kernels: the forward's (``BLOCK_M`` query rows a program, ``BLOCK_N``
     keys a step; ``BLOCK_M`` a multiple of ``BLOCK_N``) and the column pass's (``BLOCK_N`` keys a program,
     ``BLOCK_M`` query rows a step), each with its warps and pipeline stages (``bench/kernels.py --sweep-prefill``
     measures the alternatives on a GPU); the masked kernels' two passes take the same. Small blocks under the CPU
     interpreter, so that short test prompts span several of them. Rows wider than 256 bytes (float32 at head dim 128)
     get half the tiles and two stages: the large ones need 225 KiB of shared memory, more than an A100 has
-    (``bench/triton_compile.py``). ``KVGATES_PREFILL_CONFIG`` (``PREFILL_CONFIG_ENV``) overrides any of them."""
+    (``bench/triton_compile.py``). ``KVGATES_PREFILL_CONFIG`` (``PREFILL_CONFIG_ENV``) overrides any of them, and its
+    ``"attention": "sdpa"`` (``cfg["attention"]``) has torch's fused attention run in place of the forward."""
     if device.type != "cuda":
         forward, columns = (32, 16, 4, 1), (16, 16, 4, 1)
     elif d * dtype.itemsize > 256:
@@ -604,7 +615,10 @@ def _prefill_config(d: int, dtype: torch.dtype, device: torch.device) -> dict[st
     override = os.environ.get(PREFILL_CONFIG_ENV)
     if override:
         for name, launch in _prefill_override(override).items():
-            cfg[name].update(launch)
+            if name == "attention":
+                cfg[name] = launch
+            else:
+                cfg[name].update(launch)
         fwd = cfg["forward"]
         if fwd["BLOCK_M"] % fwd["BLOCK_N"]:
             raise ValueError(
@@ -621,10 +635,12 @@ def causal_attention_stats(
     scale: float,
     colsum: bool = True,
     window: int = 0,
-    cfg: dict[str, dict[str, int]] | None = None,
+    cfg: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The reference's ``causal_attention_stats``; ``cfg``: launch configurations other than ``_prefill_config``'s
-    (the sweep in ``bench/kernels.py`` passes each one it measures)."""
+    (the sweep in ``bench/kernels.py`` passes each one it measures). With ``cfg["attention"] == "sdpa"`` torch's
+    fused attention computes the attention and each row's log-sum-exp (``_sdpa_attention``) where it can, in place of
+    the Triton forward; the column pass is the same."""
     b, h, n, d = q.shape
     hkv = k.shape[1]
     if v.shape[-1] != d:
@@ -642,14 +658,17 @@ def causal_attention_stats(
     if n == 0 or b == 0:
         return out, sums, win
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    lse = torch.empty((b, h, n), dtype=torch.float32, device=dev)
     common = dict(BLOCK_D=_pow2(d), PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype))
-    _prefill_forward[(_cdiv(n, fwd["BLOCK_M"]), b * h)](
-        q, k, v, out, lse, scale * _LOG2E, n, h, h // hkv, d,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        **fwd, **common,
-    )
+    if cfg.get("attention") == "sdpa" and (not q.is_cuda or q.dtype in (torch.float16, torch.bfloat16)):
+        out, lse = _sdpa_attention(q, k, v, scale)
+    else:
+        lse = torch.empty((b, h, n), dtype=torch.float32, device=dev)
+        _prefill_forward[(_cdiv(n, fwd["BLOCK_M"]), b * h)](
+            q, k, v, out, lse, scale * _LOG2E, n, h, h // hkv, d,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            **fwd, **common,
+        )
     if sums is not None or win is not None:
         _prefill_columns[(_cdiv(n, cols["BLOCK_N"]), b * h)](
             q, k, lse, lse if sums is None else sums, lse if win is None else win, scale * _LOG2E, n, h, h // hkv, d, w,
@@ -657,6 +676,19 @@ def causal_attention_stats(
             COLS=sums is not None, WIN=win is not None, **cols, **common,
         )
     return out, sums, win
+
+
+def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention ``[B, H, n, D]`` and each row's log-sum-exp ``[B, H, n]`` (float32, base 2: as the column pass
+    reads it) from torch's fused attention: cuDNN's on a GPU (16-bit; its grouped KV heads as they are), the CPU's
+    flash attention elsewhere. On an H200 cuDNN's causal attention took 0.90 ms a layer at 8K against the Triton
+    forward's 1.28 (stop 59's profile); its figures in a whole prefill are unmeasured."""
+    b, h, n, _ = q.shape
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return out, (lse.reshape(b, h, n).float() * _LOG2E).contiguous()
 
 
 @triton.jit
