@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
 from transformers import Trainer, TrainerCallback
 
 import kvgates
@@ -108,9 +109,14 @@ class GateTrainer(Trainer):
         return (loss, None) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the means of the loss parts since the last training log (KL, CE, capacity, ...)."""
-        if "loss" in logs and self._metrics:
-            logs.update({name: sum(v) / len(v) for name, v in self._metrics.items()})
+        """Add the means of the loss parts since the last training log (KL, CE, capacity, ...), over the batches of
+        every process, as the Trainer's ``loss`` is (each process computed the parts of its own batches only)."""
+        if "loss" in logs:  # (every process logs the training loss at the same step: gathering is a collective)
+            parts: dict[str, list[float]] = defaultdict(list)
+            for each in gather_object([dict(self._metrics)]):
+                for name, values in each.items():
+                    parts[name] += values
+            logs.update({name: sum(v) / len(v) for name, v in parts.items()})
             self._metrics.clear()
         super().log(logs, start_time)
 
