@@ -578,6 +578,20 @@ def test_an_adapter_for_another_model_stops_the_run_and_leaves_no_folder(tiny_di
     assert out.is_dir() and not any(out.iterdir())
 
 
+def test_under_a_launcher_only_the_first_process_makes_the_output_folder(tiny_dir, tmp_path, monkeypatch):
+    """Every process of a launch wrote the folder and its run_config.json / launch.json before the model loaded; on an
+    error found after that, the first process removed what it had not found there, and another's files (made first, or
+    after the removal) stayed. A process other than the first writes nothing before training."""
+    from helpers import tiny_model
+
+    kvgates.RetentionGates.for_model(tiny_model("llama", seed=1)[1], gate_hidden=8).save_pretrained(tmp_path / "foreign")
+    out = tmp_path / "run"
+    cfg = tiny_config(tiny_dir, out, gates={"init_from": str(tmp_path / "foreign")})
+    monkeypatch.setenv("RANK", "1")
+    assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 2
+    assert not out.exists()
+
+
 def test_an_adapter_of_other_shapes_is_refused_before_the_model_loads(tiny_dir, tmp_path, capsys, monkeypatch):
     """Gates of another geometry (layers, heads) passed ``--check`` ("ready to run") and were refused only once the
     model had loaded; the model's config tells, so both refuse before any weight loads."""

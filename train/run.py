@@ -597,7 +597,10 @@ def main(argv: list[str] | None = None) -> int:
         if note is not None:
             print(f"train.py: {note}", file=sys.stderr)
     before = set(out.iterdir()) if out.is_dir() else None  # what the folder held (None: the run makes it)
-    prepare_output_dir(config, args.resume)
+    # The first process alone makes the folder and its records: it removes them on a user error, and files another
+    # process made (before it looked, or after it removed them) stayed. A resume's folder stays whatever happens, and
+    # every process reads the best checkpoint relocate_best points at where the run now is.
+    prepare_output_dir(config, args.resume, write=main_process() or args.resume)
     started = time.time()
     try:
         trainer, start, heldout = build_trainer(config, out)
