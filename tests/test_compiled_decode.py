@@ -356,3 +356,29 @@ def test_merging_decode_steps_compile_with_inductor(tiny, name, params):
                 model(ids[:, :PROMPT], past_key_values=cache)
             logits[label] = _teacher_forced(forward, cache, ids, PROMPT, STEPS)
     torch.testing.assert_close(logits["static"], logits["eager"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "d2o"])
+def test_beam_reorders_between_compiled_static_steps_follow_the_eager_cache_without_recompiles(tiny, name):
+    """Beam search reorders the cache between decode steps (``reorder_cache``, a beam taken twice included): the
+    compiled static step decodes what the eager cache decodes under the same reorders, and compiles once. D2O's
+    per-sequence quota was an expanded view until the first reorder copied it with other strides: a recompile."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (3, PROMPT + STEPS), generator=torch.Generator().manual_seed(11))
+    beams = [torch.tensor(order) for order in ([2, 0, 0], [1, 2, 0], [0, 0, 1], [2, 1, 1], [0, 1, 2])]
+    runs = {}
+    with policy_on(model, name, BUDGET) as policy:
+        for static in (False, True):
+            torch._dynamo.reset()
+            cache = BudgetCache(model.config, policy, static=static, decode_slots=_decode_slots(policy) if static else 0)
+            forward = torch.compile(model.forward, fullgraph=True, backend=BACKEND) if static else model.forward
+            with torch.no_grad():
+                model(ids[:, :PROMPT], past_key_values=cache)
+            logits = [_teacher_forced(forward, cache, ids, PROMPT, 1)]
+            with torch.compiler.set_stance("fail_on_recompile"):
+                for step, beam in enumerate(beams, start=PROMPT + 1):
+                    cache.reorder_cache(beam)
+                    logits.append(_teacher_forced(forward, cache, ids, step, 1))
+            runs[static] = (torch.cat(logits, dim=1), _held_positions(cache))
+    torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
+    assert runs[True][1] == runs[False][1]

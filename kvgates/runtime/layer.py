@@ -392,7 +392,9 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         policy = self.cache.policy
         schedule = policy.schedule
         quota = policy.quota(self, None)
-        self.quota = self.quota_tensor(quota)
+        # Contiguous, as a batch selection (a beam reorder) leaves it: an expanded view of a per-sequence quota
+        # (D2O's ``[B, 1]``) had other strides, and the compiled step recompiled after the first reorder.
+        self.quota = self.quota_tensor(quota).contiguous()
         most, least = (quota, quota) if isinstance(quota, int) else (int(self.quota.max()), int(self.quota.min()))
         self.settle(most + (schedule.slack if schedule.decode_every else self.cache.decode_slots))
         self.static_evictions = self.max_slots - least
