@@ -382,3 +382,15 @@ def test_beam_reorders_between_compiled_static_steps_follow_the_eager_cache_with
             runs[static] = (torch.cat(logits, dim=1), _held_positions(cache))
     torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
     assert runs[True][1] == runs[False][1]
+
+
+def test_a_static_cache_on_a_model_with_sliding_window_layers_is_refused():
+    """Gemma-3's sliding-window layers keep transformers' dynamic cache layers, so a static cache there was not
+    compileable: generate() ran its decode steps eagerly without a word (on CUDA), and a compiled forward recompiled at
+    every step until dynamo's limit stopped it with its own error."""
+    from helpers import tiny_model
+
+    _, model = tiny_model("gemma3")
+    with pytest.raises(ValueError, match="^a static BudgetCache compiles its decode steps, which 'gemma3_text'.s sliding_attention layers cannot"):
+        BudgetCache(model.config, "h2o", budget=BUDGET, static=True)
+    assert not BudgetCache(model.config, "h2o", budget=BUDGET).is_compileable

@@ -40,7 +40,8 @@ class BudgetCache(Cache):
         config: the model's config (its text config is used for multimodal models).
         policy: a built policy (a ``kvgates.Policy``), or a registered policy name built with ``policy_params``
             (``kvgates.make_policy``).
-        static: the static layout above.
+        static: the static layout above (refused for a model with sliding-window or chunked-attention layers,
+            whose transformers cache layers do not compile).
         decode_slots: with ``static``, the tokens a policy that evicts only the prompt may decode (its layers hold
             that many slots beyond the quota); policies that evict while decoding need none.
         **policy_params: parameters of the named policy (``budget``, ``window``, ...).
@@ -90,6 +91,13 @@ class BudgetCache(Cache):
             raise UnsupportedModelError(
                 f"{text_config.model_type!r} has no full-attention layer (all layers use sliding or chunked "
                 "attention), so there is no cache for kvgates to budget"
+            )
+        if static and len(self.budget_layer_ids) < len(layers):
+            kinds = sorted({kind for kind in layer_types if kind not in BUDGETED_LAYER_TYPES})
+            raise ValueError(
+                f"a static BudgetCache compiles its decode steps, which {text_config.model_type!r}'s {' and '.join(kinds)} "
+                "layers cannot: they keep transformers' own dynamic cache layers (a recompile at every step; generate() "
+                "does not compile them); use static=False"
             )
         self.policy = policy
         self.config = text_config
