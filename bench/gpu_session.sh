@@ -7,8 +7,9 @@
 #
 # A session has 15 minutes of device time (the machine's start, a minute or two, and every idle wait included),
 # 10 minutes a call, and at most 8 files come back from $OUT: two calls, `issue27` (its stages' limits add up to
-# 565 s; about 200 s on stop 59's H200), then at once, while the machine is warm (it goes back after 30 s idle),
-# `tests` (the default suite, 520 s; 246 s on stop 48's H100), with GPU_SESSION_SECONDS set to the seconds the
+# 655 s, the call's 570 s cutting the last; about 230 s on stop 59's H200), then at once, while the machine is
+# warm (it goes back after 30 s idle), `tests` (the default suite, 520 s; 246 s on stop 48's H100), with
+# GPU_SESSION_SECONDS set to the seconds the
 # session has left less a margin: every stage ends within that many seconds of the call's start (570 by default), a
 # stage that would run past it gets what is left, and one with under 10 s left is skipped. Every stage of a call
 # logs to one file, `$OUT/session.log`, which ends with each stage's exit status and seconds; the tests' report is
@@ -22,10 +23,12 @@
 #                   (`kernels-8k`, 45 s: bf16, head dim 128, batch 1, 8K; the scoring prefill 2.07x sdpa's attention
 #                   on stop 59's H200, before its column pass took the sweep's fastest tile); the batch-1 prefill of
 #                   h2o (control), d2o, kvmerger and dynamickv, 8B shape, 16 layers, 8K, three interleaved rounds
-#                   (`prefill-changed`, 90 s: 1.22x, 1.31x, 1.47x and 1.27x at stop 59, before those two changes), the
-#                   same at 16K with snapkv, two rounds (`prefill-16k`, 90 s: never measured), their batch-8 prefill at
-#                   8K (`prefill-b8`, 90 s), and a profile with Chrome traces of d2o's and kvmerger's (`profile`,
-#                   100 s): the two policies over 1.3x at batch 1, where the time goes
+#                   (`prefill-changed`, 90 s: 1.22x, 1.31x, 1.47x and 1.27x at stop 59, before those two changes); the
+#                   same with torch's cuDNN attention in place of the Triton forward (`prefill-sdpa`, 90 s:
+#                   KVGATES_PREFILL_CONFIG '{"attention": "sdpa"}', 0.90 ms a layer against 1.28 in stop 59's profile);
+#                   the same at 16K with snapkv, two rounds (`prefill-16k`, 90 s: never measured), their batch-8
+#                   prefill at 8K (`prefill-b8`, 90 s), and a profile with Chrome traces of d2o's and kvmerger's
+#                   (`profile`, 100 s): the two policies over 1.3x at batch 1, where the time goes
 #   tests           the default test suite on the GPU machine, in parallel processes where pytest-xdist travelled
 #                   with the wheels
 #   decode-sweep    decode attention under each launch configuration of a grid (bench/kernels.py --sweep-decode)
@@ -242,6 +245,9 @@ for name in "$@"; do
         stage kernels-8k 45 "$PY" bench/kernels.py $KERNELS_8K
         # shellcheck disable=SC2086
         stage prefill-changed 90 $GPU_PATHS "$PY" bench/gpu_policies.py $DEEP $PREFILL_ONE --policies h2o d2o kvmerger dynamickv
+        # shellcheck disable=SC2086
+        stage prefill-sdpa 90 $GPU_PATHS env 'KVGATES_PREFILL_CONFIG={"attention": "sdpa"}' "$PY" bench/gpu_policies.py $DEEP \
+            $PREFILL_ONE --policies h2o d2o kvmerger dynamickv
         # shellcheck disable=SC2086
         stage prefill-16k 90 $GPU_PATHS "$PY" bench/gpu_policies.py $DEEP $PREFILL_16K --policies snapkv h2o d2o kvmerger dynamickv
         # shellcheck disable=SC2086

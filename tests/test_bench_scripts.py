@@ -364,7 +364,7 @@ def test_gpu_session_smoke_takes_the_gpus_paths_in_the_first_calls_and_collects_
     assert result.returncode == 0, (tmp_path / "out" / "session.log").read_text()
     lines = calls.read_text().splitlines()
     policies = [line for line in lines if " bench/gpu_policies.py " in line or " bench/policy_profile.py " in line]
-    assert len(policies) == 5 and all(line.startswith("triton 1 ") for line in policies), lines  # changed, 16k, b8, profile, tuned
+    assert len(policies) == 6 and all(line.startswith("triton 1 ") for line in policies), lines  # changed, sdpa, 16k, b8, profile, tuned
     assert any(" -m pytest " in line and line.endswith(
         " --collect-only tests/test_kernels.py tests/test_seed_policies.py tests/test_runtime_on_kernels.py") for line in lines), lines
     # The limits, a GPU's seconds, doubled: the interpreter runs those kernels (prefill-b8 took 66 s of its 90 on the CPU).
@@ -403,7 +403,7 @@ def test_gpu_session_stages_run_at_toy_sizes(tmp_path):
     summary = log[log.rindex("=== summary") :].splitlines()[1:]
     # prefill-tuned ran under the sweep's fastest pair (as the bench prints it, not the stage's header)
     assert f"; KVGATES_PREFILL_CONFIG={(tmp_path / 'prefill-best.json').read_text().strip()}\n" in log
-    for stage in (*stages, "copies", "prefill-b8", "tests", "prefill-changed", "prefill-16k", "kernels-8k", "prefill-tuned"):
+    for stage in (*stages, "copies", "prefill-b8", "tests", "prefill-changed", "prefill-sdpa", "prefill-16k", "kernels-8k", "prefill-tuned"):
         assert f"=== {stage} done, exit status 0" in log, stage
         assert any(line.startswith(f"{stage}: exit status 0, ") for line in summary), stage
     assert "exit status 1" not in log and "exit status 124" not in log, log[-3000:]
