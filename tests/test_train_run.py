@@ -201,10 +201,32 @@ def test_a_run_can_continue_from_a_trained_adapter(tiny_dir, tmp_path, capsys):
     assert not (tmp_path / "run2" / "adapter").exists()
 
 
+def test_processes_other_than_the_first_draw_their_own_noise():
+    """DMS's Gumbel noise comes from torch's generator, which the Trainer seeds alike in every process: two processes
+    drew the same samples (a helper's review, measured), so N processes trained on N copies of one noise. When training
+    begins a process other than the first reseeds; the first, and a run of one process, keep their stream."""
+    from types import SimpleNamespace
+
+    from train.trainer import DistinctNoise
+
+    def first_draw(index: int) -> torch.Tensor:
+        torch.manual_seed(5)  # what the Trainer leaves every process with
+        DistinctNoise().on_train_begin(SimpleNamespace(process_index=index, seed=5), None, None)
+        return torch.rand(4)
+
+    torch.manual_seed(5)
+    alone = torch.rand(4)
+    draws = [first_draw(index) for index in range(3)]
+    assert torch.equal(draws[0], alone) and len({tuple(d.tolist()) for d in draws}) == 3
+
+
 def test_only_gate_parameters_train(tiny_dir, tmp_path):
+    from train.trainer import DistinctNoise
+
     cfg = TrainConfig.from_dict(tiny_config(tiny_dir, tmp_path / "run"))
     out, _ = prepare_output_dir(cfg, resume=False)
     trainer, _, _ = build_trainer(cfg, out)
+    assert any(isinstance(c, DistinctNoise) for c in trainer.callback_handler.callbacks)  # (the run's own callbacks)
     model = trainer.model
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(n.startswith("kvgates_gates.") for n in trainable)

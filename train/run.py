@@ -54,7 +54,7 @@ from kvgates.gates.adapter import atomic_write
 from kvgates.gates.training import GateTraining
 from kvgates.models import model_skeleton, past_context
 from train.config import ConfigError, TrainConfig
-from train.trainer import GateTrainer, MetricsJsonl
+from train.trainer import DistinctNoise, GateTrainer, MetricsJsonl
 from train.validation import Validator, final_table, report_heldout
 
 DEFAULT_CONFIG = "configs/train/quickstart.yaml"
@@ -542,7 +542,7 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
         eval_dataset=validator.heldout.rows,
         data_collator=DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id),
         processing_class=tokenizer,
-        callbacks=[MetricsJsonl(out / METRICS)],
+        callbacks=[MetricsJsonl(out / METRICS), DistinctNoise()],
     )
     return trainer, start, heldout
 

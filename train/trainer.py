@@ -192,6 +192,18 @@ class GateTrainer(Trainer):
         self._load_gates(self.state.best_model_checkpoint)
 
 
+class DistinctNoise(TrainerCallback):
+    """When training begins, a process other than the first reseeds torch's generators with the run's seed plus its
+    index. Every process had drawn the same noise (DMS's Gumbel samples: the Trainer seeds them alike), so N processes
+    trained as one process whose noise came N times over, not as one with N times the accumulation. The data's order
+    is not drawn from them (its sampler has a seeded generator of its own, built before); a run of one process is
+    unchanged; a resumed run's processes then restore their own saved states, as the Trainer does after this."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.process_index:
+            torch.manual_seed(args.seed + args.process_index)
+
+
 class MetricsJsonl(TrainerCallback):
     """Appends every log (training losses, validation metrics) as one JSON line to ``path`` (main process). When
     training begins, the file keeps only the logs of the steps the run starts from: none for a new run (a run stopped
