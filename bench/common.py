@@ -273,8 +273,9 @@ def crop_to(cache, tokens: int | None) -> None:
 
 
 def sync(device: str | torch.device) -> None:
+    """Wait for the work queued on ``device``: that GPU's (``--device cuda:1``), not the current one's; nothing on a CPU."""
     if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def timed(fn, device, repeats: int = 1) -> float:
@@ -306,7 +307,7 @@ def time_decode(model, cache, ids: torch.Tensor, steps: int, device, before_timi
 
 def device_name(device: str) -> str:
     if str(device).startswith("cuda"):
-        return torch.cuda.get_device_name()
+        return torch.cuda.get_device_name(device)
     import platform
 
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

@@ -590,6 +590,20 @@ def test_a_bench_batch_holds_a_different_passage_in_every_row(monkeypatch):
     assert torch.equal(common.essay_ids(None, 50, "cpu")[0], random[0])
 
 
+def test_a_bench_times_and_names_the_gpu_it_was_given(monkeypatch):
+    """``--device cuda:1`` timed with ``torch.cuda.synchronize()``, which waits for the current GPU (cuda:0), not the
+    one the work was queued on: its steps were timed as they were launched. The header named cuda:0 as well."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import common
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: seen.append(device))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"GPU {device}")
+    common.sync("cuda:1")
+    common.sync("cpu")
+    assert seen == ["cuda:1"] and common.device_name("cuda:1") == "GPU cuda:1"
+
+
 @pytest.mark.parametrize(
     "script, args, message",
     [
