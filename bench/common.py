@@ -73,8 +73,14 @@ def setup(
         parser.error(f"--model {args.model}: unknown random model shape; known: {', '.join(f'random:{n}' for n in RANDOM_SHAPES)}")
     if args.layers is not None and random_shape(args.model) is None:
         parser.error(f"--layers applies to --model random[:SHAPE] only; {args.model} runs with its own layers")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device}: not a device torch knows; give cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this torch sees no CUDA device; pass --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        parser.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from cuda:0")
     unknown = [spec.partition(":")[0] for spec in getattr(args, "policies", None) or [] if spec.partition(":")[0] not in kvgates.POLICIES]
     if unknown:
         parser.error(f"--policies: unknown policy {unknown[0]!r}; available policies: {', '.join(sorted(kvgates.POLICIES))}")

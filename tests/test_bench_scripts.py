@@ -604,6 +604,20 @@ def test_a_bench_times_and_names_the_gpu_it_was_given(monkeypatch):
     assert seen == ["cuda:1"] and common.device_name("cuda:1") == "GPU cuda:1"
 
 
+def test_a_bench_refuses_a_gpu_the_machine_lacks_in_one_sentence(monkeypatch, capsys):
+    """``--device cuda:3`` on a machine of one GPU was a traceback ('invalid device ordinal') from building the model."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import common
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--model", "random", "--layers", "1", "--device", "cuda:3"])
+    with pytest.raises(SystemExit) as exit:
+        common.setup("doc")
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("--device cuda:3: this machine has 1 CUDA device(s), numbered from cuda:0 (see bench.py --help)")
+
+
 @pytest.mark.parametrize(
     "script, args, message",
     [
@@ -620,6 +634,8 @@ def test_a_bench_times_and_names_the_gpu_it_was_given(monkeypatch):
         # the caches are repeated in place: the table titled batch 1 was measured at batch 4
         ("decode_speed", ["--batch", "4", "1"], "--batch 4 1: each batch must be a multiple of the one before it"),
         ("gpu_policies", ["--contexts", "96", "--budget", "128"], "--contexts 96 is less than --budget 128: nothing would be evicted"),
+        # a RuntimeError traceback from building the model on it
+        ("gpu_policies", ["--device", "gpu"], "--device gpu: not a device torch knows; give cpu, cuda or cuda:N"),
         # a table of policies that evicted nothing
         ("prefill_speed", ["--context", "256", "96", "--budget", "128"], "--context 96 is less than --budget 128: nothing would be evicted"),
         # rows measured, then a ConfigError traceback at the kind or length that did not fit
