@@ -8,8 +8,9 @@ For each context and batch the prompt (essay tokens, or random ids for a random 
 row, ``common.essay_ids``) is prefilled by every arm once per round for ``--rounds`` interleaved rounds (after one
 warm-up round): a DynamicCache + sdpa (the reference, 1.00x) and a ``BudgetCache`` per policy at ``--budget`` (its
 prompt scoring and compression included). Then each arm's cache, and a DynamicCache of ``--budget`` tokens (what a
-cache of that size costs), decode ``--steps`` greedy steps once per round, interleaved; DynamicCaches are cropped
-back to their prompt before each round. Per-step evicting policies also run with amortised eviction over
+cache of that size costs), decode ``--steps`` greedy steps once per round, interleaved, after one untimed warm-up
+round as the prefill's (each round also runs two untimed steps first); DynamicCaches are cropped back to their
+prompt before each round. Per-step evicting policies also run with amortised eviction over
 ``--slack + 1`` steps. The decode table gives the median ms/step, its ratio to both DynamicCaches, and the step's HBM
 roofline: the bytes a step must read (every weight but the input embedding table, of which it reads one row per
 sequence, plus the key/value bytes the cache holds) over the device's peak bandwidth (``hardware.PEAK_GBPS`` by GPU
@@ -68,7 +69,7 @@ def main() -> None:
     peak = peak_gbps(args.device, args.peak_gbps)
     weights = step_weight_bytes(model)
     budget = args.budget
-    decoded = args.rounds * (args.steps + 2)  # tokens a cache decodes in a run (time_decode/time_compiled: 2 untimed)
+    decoded = (args.rounds + 1) * (args.steps + 2)  # tokens a cache decodes in a run (a warm-up round; each round 2 untimed)
     arms: dict[str, Callable[[], object]] = {"DynamicCache + sdpa": lambda: DynamicCache(config=model.config)}
     for name in args.policies:
         arms[name] = lambda name=name: kvgates.BudgetCache(model.config, bench_policy(model, name, budget))
@@ -107,7 +108,7 @@ def main() -> None:
             token = ids[:, :1]  # the first decode input (a step costs the same whatever the token)
             times: dict[str, list[float]] = {label: [] for label in caches}
             held: dict[str, int] = {}
-            for r in range(args.rounds):
+            for r in range(args.rounds + 1):  # round 0 warms up, as the prefill's: a first round's costs stay out of the medians
                 for label, cache in caches.items():
                     crop_to(cache, sizes.get(label))
                     with attached(model, cache):
@@ -115,9 +116,11 @@ def main() -> None:
                             seconds = time_compiled(compiled, cache, token, args.steps, args.device)
                         else:
                             seconds = time_decode(model, cache, token, args.steps, args.device)
-                    times[label].append(1e3 * seconds / args.steps)
+                    step_ms = 1e3 * seconds / args.steps
+                    if r:
+                        times[label].append(step_ms)
                     held[label] = held_bytes(cache)
-                    print(f"  round {r + 1}/{args.rounds}: {label} {times[label][-1]:.2f} ms/step", file=sys.stderr, flush=True)
+                    print(f"  {f'round {r}/{args.rounds}' if r else 'warm-up round'}: {label} {step_ms:.2f} ms/step", file=sys.stderr, flush=True)
             ms = {label: statistics.median(t) for label, t in times.items()}
             rows = []
             for label, t in ms.items():

@@ -1,6 +1,7 @@
 """The GPU benchmark script stays runnable: its --smoke mode under the Triton interpreter."""
 
 import ast
+import collections
 import importlib.util
 import json
 import os
@@ -279,6 +280,43 @@ def test_gpu_policies_bench_adds_captured_decode_rows():
         line = next(line for line in result.stdout.splitlines() if line.startswith(row))
         assert line.endswith("x |"), line
     assert result.stdout.count("| h2o captured | ") == 2  # a prefill row and a decode row
+
+
+def _gpu_policies(monkeypatch, *args: str):
+    """``bench/gpu_policies.py`` as a module whose ``main()`` runs ``args`` on a one-layer random model, context 96,
+    budget 48, batch 1: to run in this process with its timings stubbed."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_gpu_policies", ROOT / "bench" / "gpu_policies.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = ["--model", "random", "--layers", "1", "--contexts", "96", "--budget", "48", "--batch", "1", *args]
+    monkeypatch.setattr(sys, "argv", ["gpu_policies.py", *argv])
+    return module
+
+
+def _decode_rows(out: str) -> dict[str, list[str]]:
+    """``{cache: [its cells]}`` of the decode tables in ``out``."""
+    rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.count("|") == 7 and not line.startswith(("| cache", "|---"))]
+    return {row[0]: row[1:] for row in rows}
+
+
+def test_gpu_policies_decode_medians_leave_out_a_warm_up_round(monkeypatch, capsys):
+    """Each arm's first decode round was one of the rounds its median took: on an H200 DynamicCache + sdpa ran 67.7,
+    23.5 and 13.0 ms/step in rounds 1-3, and a median of two rounds is their mean."""
+    module = _gpu_policies(monkeypatch, "--steps", "2", "--rounds", "2", "--slack", "0", "--policies", "h2o")
+    calls = collections.Counter()
+
+    def time_decode(model, cache, token, steps, device):  # 1000 ms/step in a cache's first round, 4 in the others
+        calls[id(cache)] += 1
+        return steps * (1.0 if calls[id(cache)] == 1 else 0.004)
+
+    monkeypatch.setattr(module, "time_decode", time_decode)
+    module.main()
+    out = capsys.readouterr()
+    rows = _decode_rows(out.out)
+    assert sorted(rows) == ["DynamicCache 48", "DynamicCache 96", "h2o"] and all(cells[0] == "4.00" for cells in rows.values()), rows
+    assert sorted(calls.values()) == [3, 3, 3]  # a warm-up round and two
+    assert "  warm-up round: h2o 1000.00 ms/step\n" in out.err and "  round 2/2: h2o 4.00 ms/step\n" in out.err
 
 
 def _gpu_session(tmp_path: Path, *stages: str, seconds: str = "1500", cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
