@@ -319,6 +319,20 @@ def test_gpu_policies_decode_medians_leave_out_a_warm_up_round(monkeypatch, caps
     assert "  warm-up round: h2o 1000.00 ms/step\n" in out.err and "  round 2/2: h2o 4.00 ms/step\n" in out.err
 
 
+def test_gpu_policies_times_an_amortised_arm_over_whole_eviction_periods(monkeypatch, capsys):
+    """An arm that evicts every ``slack + 1`` steps was timed over ``--steps``: at the defaults (8 steps, two rounds,
+    slack 32) it decoded 20 tokens and never evicted, and its row was the cost of a step without eviction."""
+    module = _gpu_policies(monkeypatch, "--steps", "6", "--rounds", "1", "--slack", "4", "--policies", "h2o", "morphkv", "snapkv")
+    monkeypatch.setattr(module, "time_decode", lambda model, cache, token, steps, device: steps * steps / 1e3)  # ms/step: its steps
+    module.main()
+    out = capsys.readouterr().out
+    assert {label: cells[0] for label, cells in _decode_rows(out).items()} == {
+        "DynamicCache 96": "6.00", "h2o": "6.00", "h2o slack=4": "10.00", "morphkv": "6.00", "morphkv slack=4": "10.00", "snapkv": "6.00",
+        "DynamicCache 48": "6.00",
+    }
+    assert "median ms/step of 1 rounds x 6 steps (10 for the caches that evict every few steps: whole eviction periods)\n" in out
+
+
 def _gpu_session(tmp_path: Path, *stages: str, seconds: str = "1500", cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
     """``bench/gpu_session.sh STAGE...`` at toy sizes, its files in ``tmp_path``, run in ``cwd``; ``env`` overrides."""
     env = {**os.environ, "OUT": str(tmp_path), "GPU_SESSION_SMOKE": "1", "PYTHON": sys.executable, "GPU_SESSION_SECONDS": seconds, **env}
