@@ -6,17 +6,17 @@ DynamicCache at the budget, at the full context and against the step's HBM roofl
 
 For each context and batch the prompt (essay tokens, or random ids for a random model; a different passage in every
 row, ``common.essay_ids``) is prefilled by every arm once per round for ``--rounds`` interleaved rounds (after one
-warm-up round): a DynamicCache + sdpa (the reference, 1.00x) and a ``BudgetCache`` per policy at ``--budget`` (its
-prompt scoring and compression included). Then each arm's cache, and a DynamicCache of ``--budget`` tokens (what a
-cache of that size costs), decode ``--steps`` greedy steps once per round, interleaved, after one untimed warm-up
-round as the prefill's (each round also runs two untimed steps first); DynamicCaches are cropped back to their
-prompt before each round. Per-step evicting policies also run with amortised eviction over ``--slack + 1`` steps;
-a cache that evicts every few steps times ``--steps`` rounded up to whole eviction periods (``timed_steps``), so
-that its step carries its share of an eviction. The decode table gives the median ms/step, its ratio to both
-DynamicCaches, and the step's HBM roofline: the bytes a step must read (every weight but the input embedding
-table, of which it reads one row per sequence, plus the key/value bytes the cache holds) over the device's peak
-bandwidth (``hardware.PEAK_GBPS`` by GPU name, or ``--peak-gbps``; ``-`` on CPU). Learned policies run with
-fresh gates of the model's shape.
+warm-up round; every other round runs the arms in reverse order, ``round_order``): a DynamicCache + sdpa (the
+reference, 1.00x) and a ``BudgetCache`` per policy at ``--budget`` (its prompt scoring and compression included).
+Then each arm's cache, and a DynamicCache of ``--budget`` tokens (what a cache of that size costs), decode
+``--steps`` greedy steps once per round, interleaved in the same order, after one untimed warm-up round as the
+prefill's (each round also runs two untimed steps first); DynamicCaches are cropped back to their prompt before each
+round. Per-step evicting policies also run with amortised eviction over ``--slack + 1`` steps; a cache that evicts
+every few steps times ``--steps`` rounded up to whole eviction periods (``timed_steps``), so that its step carries
+its share of an eviction. The decode table gives the median ms/step, its ratio to both DynamicCaches, and the step's
+HBM roofline: the bytes a step must read (every weight but the input embedding table, of which it reads one row per
+sequence, plus the key/value bytes the cache holds) over the device's peak bandwidth (``hardware.PEAK_GBPS`` by GPU
+name, or ``--peak-gbps``; ``-`` on CPU). Learned policies run with fresh gates of the model's shape.
 
 ``--compile inductor --compile-mode reduce-overhead`` adds captured decode rows to the same table: the forward
 compiled once (``fullgraph``, a CUDA graph per cache kind on a GPU) over a transformers ``StaticCache`` holding the
@@ -61,6 +61,13 @@ def timed_steps(cache, steps: int) -> int:
     return -(-steps // period) * period
 
 
+def round_order(labels: list[str], r: int) -> list[str]:
+    """The arms of round ``r`` in the order they run: ``labels`` in even rounds, reversed in odd ones, so that a drift
+    across a round (a first round's costs fading, a device warming up) falls alike on every arm over two rounds, not
+    always on the first ones (DynamicCache + sdpa, the reference of every ratio)."""
+    return labels[::-1] if r % 2 else labels
+
+
 def held_bytes(cache) -> int:
     """Key/value bytes ``cache`` holds (what attention reads in a step)."""
     return cache.held_bytes() if isinstance(cache, kvgates.BudgetCache) else dynamic_cache_bytes(cache)
@@ -97,10 +104,10 @@ def main() -> None:
         for batch in args.batch:
             ids = essay_ids(tokenizer, context, args.device, batch)
             prefill: dict[str, list[float]] = {label: [] for label in arms}
-            caches = {}
+            caches = dict.fromkeys(arms)  # (in the arms' order, whichever order the last round ran them in)
             for r in range(args.rounds + 1):  # round 0 warms up; the last round's caches go on to decode
-                for label, make in arms.items():
-                    seconds, cache = time_prefill(model, make, ids, args.device)
+                for label in round_order(list(arms), r):
+                    seconds, cache = time_prefill(model, arms[label], ids, args.device)
                     if r:
                         prefill[label].append(seconds)
                     if r == args.rounds:
@@ -122,7 +129,8 @@ def main() -> None:
             held: dict[str, int] = {}
             windows = {label: timed_steps(cache, args.steps) for label, cache in caches.items()}
             for r in range(args.rounds + 1):  # round 0 warms up, as the prefill's: a first round's costs stay out of the medians
-                for label, cache in caches.items():
+                for label in round_order(list(caches), r):
+                    cache = caches[label]
                     crop_to(cache, sizes.get(label))
                     with attached(model, cache):
                         if label.endswith(CAPTURED):

@@ -333,6 +333,31 @@ def test_gpu_policies_times_an_amortised_arm_over_whole_eviction_periods(monkeyp
     assert "median ms/step of 1 rounds x 6 steps (10 for the caches that evict every few steps: whole eviction periods)\n" in out
 
 
+def test_gpu_policies_runs_the_arms_in_reverse_order_every_other_round(monkeypatch, capsys):
+    """Every round ran the arms in one order, DynamicCache + sdpa (every ratio's reference) first: a drift across a
+    round (on an H200 the first arm's decode was still 23.5 ms/step in round 2, the last arm's 12.9) fell on the same
+    arms in every round. The tables keep the arms' order."""
+    module = _gpu_policies(monkeypatch, "--steps", "1", "--rounds", "2", "--slack", "0", "--policies", "h2o", "snapkv")
+    makes = []
+    time_prefill = module.time_prefill
+
+    def recording_prefill(model, make, ids, device):
+        makes.append(make)
+        return time_prefill(model, make, ids, device)
+
+    monkeypatch.setattr(module, "time_prefill", recording_prefill)
+    monkeypatch.setattr(module, "time_decode", lambda model, cache, token, steps, device: 1e-3 * steps)
+    module.main()
+    out = capsys.readouterr()
+    assert makes[3:6] == makes[:3][::-1] and makes[6:9] == makes[:3]  # the warm-up round and two (then the small DynamicCache)
+    order = ["DynamicCache + sdpa", "h2o", "snapkv", "DynamicCache 48"]
+    runs = [line.split(": ", 1)[1].rsplit(" ", 2)[0] for line in out.err.splitlines() if "round" in line and " ms/step" in line]
+    assert runs == order + order[::-1] + order
+    assert list(_decode_rows(out.out)) == ["DynamicCache 96", "h2o", "snapkv", "DynamicCache 48"]
+    prefill = [line.split(" | ")[0] for line in out.out.splitlines() if line.startswith("| ") and line.count("|") == 4]
+    assert prefill == ["| arm", "| DynamicCache + sdpa", "| h2o", "| snapkv"]
+
+
 def _gpu_session(tmp_path: Path, *stages: str, seconds: str = "1500", cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
     """``bench/gpu_session.sh STAGE...`` at toy sizes, its files in ``tmp_path``, run in ``cwd``; ``env`` overrides."""
     env = {**os.environ, "OUT": str(tmp_path), "GPU_SESSION_SMOKE": "1", "PYTHON": sys.executable, "GPU_SESSION_SECONDS": seconds, **env}
