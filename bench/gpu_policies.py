@@ -79,11 +79,18 @@ def table(title: str, header: list[str], rows: list[list[str]]) -> None:
         print("| " + " | ".join(row) + " |")
 
 
+def check(args) -> str | None:
+    """What is wrong with the parsed options, in one sentence, else None (``setup``'s ``check``)."""
+    if args.compile_mode != "default" and args.compile is None:
+        return f"--compile-mode {args.compile_mode} applies to compiled steps only; add --compile inductor (or aot_eager)"
+    return short_context("--contexts", args.contexts, args.budget)
+
+
 def main() -> None:
     args, model, tokenizer = setup(
         __doc__, {"compile": ["inductor", "aot_eager"], "compile_mode": COMPILE_MODES}, zero_ok=("slack",), contexts=[8192, 16384],
         budget=1024, batch=[1, 8], steps=8, rounds=2, slack=32, peak_gbps=0.0, policies=POLICIES, compile=None,
-        compile_mode="default", check=lambda args: short_context("--contexts", args.contexts, args.budget),
+        compile_mode="default", check=check,
     )
     peak = peak_gbps(args.device, args.peak_gbps)
     weights = step_weight_bytes(model)

@@ -711,6 +711,9 @@ def test_a_bench_refuses_a_gpu_the_machine_lacks_in_one_sentence(monkeypatch, ca
         # the caches are repeated in place: the table titled batch 1 was measured at batch 4
         ("decode_speed", ["--batch", "4", "1"], "--batch 4 1: each batch must be a multiple of the one before it"),
         ("gpu_policies", ["--contexts", "96", "--budget", "128"], "--contexts 96 is less than --budget 128: nothing would be evicted"),
+        # ran every row uncompiled, with no captured row and no word of why
+        ("gpu_policies", ["--compile-mode", "reduce-overhead"],
+         "--compile-mode reduce-overhead applies to compiled steps only; add --compile inductor (or aot_eager)"),
         # a RuntimeError traceback from building the model on it
         ("gpu_policies", ["--device", "gpu"], "--device gpu: not a device torch knows; give cpu, cuda or cuda:N"),
         # a table of policies that evicted nothing
