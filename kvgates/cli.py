@@ -201,8 +201,9 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 def _device_and_dtype(device: str, dtype: str) -> tuple[Any, Any]:
     """``(torch.device, torch.dtype)`` of ``--device`` and ``--dtype``: ``auto`` is the first CUDA GPU where there is
-    one, else the CPU, and bfloat16 on a GPU that has it (float16 on one that does not), else float32. ``ValueError``
-    in one sentence for a device that is not one, or not here, before the model loads."""
+    one, else the CPU, and bfloat16 on a GPU that computes in it (float16 on one before Ampere, whose bfloat16 torch
+    only emulates), else float32. ``ValueError`` in one sentence for a device that is not one, or not here, before the
+    model loads."""
     import torch
 
     if device == "auto":
@@ -222,7 +223,7 @@ def _device_and_dtype(device: str, dtype: str) -> tuple[Any, Any]:
     if dtype == "auto":
         if place.type != "cuda":
             return place, torch.float32
-        return place, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return place, torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     return place, getattr(torch, dtype)
 
 
@@ -267,7 +268,8 @@ def _generate(argv: list[str]) -> int:
         "--device", default="auto", help="where the model and its cache run: auto (a CUDA GPU where there is one, else the CPU), cpu, cuda, cuda:N"
     )
     parser.add_argument(
-        "--dtype", default="auto", choices=sorted(DTYPES), help="the model's weights and cache: auto (bfloat16 on a GPU that has it, else float32)"
+        "--dtype", default="auto", choices=sorted(DTYPES),
+        help="the model's weights and cache: auto (bfloat16 on a GPU that computes in it, float16 on an older one, else float32)",
     )
     names = _policy_options(parser, known.policy)
     args = parser.parse_args(argv)

@@ -41,8 +41,22 @@ def test_generate_runs_in_the_dtype_and_on_the_device_asked(checkpoint, capsys):
                  "--max-new-tokens", "3", "--device", "cpu", "--dtype", "bfloat16"]) == 0
     assert capsys.readouterr().err.rstrip().endswith(" s on cpu (bfloat16)")
     assert main(["generate", "--model", checkpoint, "--prompt", "hi", "--max-new-tokens", "2"]) == 0
-    expected = f"on cuda ({'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'})" if torch.cuda.is_available() else "on cpu (float32)"
+    native = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    expected = f"on cuda ({'bfloat16' if native else 'float16'})" if torch.cuda.is_available() else "on cpu (float32)"
     assert capsys.readouterr().err.rstrip().endswith(f" s {expected}")
+
+
+def test_auto_dtype_is_float16_on_a_gpu_whose_bfloat16_torch_only_emulates(monkeypatch):
+    """A GPU before Ampere (a T4, a V100) has no bfloat16 arithmetic: torch emulates it, and
+    ``torch.cuda.is_bf16_supported()`` says yes unless asked about the hardware. ``--dtype auto`` took bfloat16 there."""
+    from kvgates.cli import _device_and_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for hardware, dtype in ((False, torch.float16), (True, torch.bfloat16)):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, hardware=hardware: hardware or including_emulation)
+        assert _device_and_dtype("auto", "auto") == (torch.device("cuda"), dtype)
+        assert _device_and_dtype("cuda", "float32") == (torch.device("cuda"), torch.float32)  # what is asked, as asked
 
 
 def test_a_gpu_that_is_not_there_is_refused_before_the_model_loads(checkpoint, monkeypatch, capsys):
