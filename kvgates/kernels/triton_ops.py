@@ -651,17 +651,19 @@ def causal_attention_stats(
         raise ValueError(f"the prefill forward's BLOCK_M must be a multiple of its BLOCK_N, got {fwd['BLOCK_M']} and {fwd['BLOCK_N']}")
     w = min(window, n)
     dev = q.device
-    # Written in [B, n, H, D] memory, the layout attention returns to the model in: transposing it back is free.
-    out = torch.empty((b, n, h, d), dtype=q.dtype, device=dev).transpose(1, 2)
     sums = torch.empty((b, h, n), dtype=torch.float32, device=dev) if colsum else None
     win = torch.empty((b, h, n), dtype=torch.float32, device=dev) if w else None
-    if n == 0 or b == 0:
-        return out, sums, win
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     common = dict(BLOCK_D=_pow2(d), PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype))
-    if cfg.get("attention") == "sdpa" and (not q.is_cuda or q.dtype in (torch.float16, torch.bfloat16)):
+    sdpa = cfg.get("attention") == "sdpa" and (not q.is_cuda or q.dtype in (torch.float16, torch.bfloat16))
+    if sdpa and n and b:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         out, lse = _sdpa_attention(q, k, v, scale)
     else:
+        # Written in [B, n, H, D] memory, the layout attention returns to the model in: transposing it back is free.
+        out = torch.empty((b, n, h, d), dtype=q.dtype, device=dev).transpose(1, 2)
+        if n == 0 or b == 0:
+            return out, sums, win
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         lse = torch.empty((b, h, n), dtype=torch.float32, device=dev)
         _prefill_forward[(_cdiv(n, fwd["BLOCK_M"]), b * h)](
             q, k, v, out, lse, scale * _LOG2E, n, h, h // hkv, d,
