@@ -227,6 +227,14 @@ def test_causal_attention_stats_with_torchs_attention_in_place_of_the_forward(op
             torch.testing.assert_close(a.float(), r, atol=tol, rtol=tol)
 
 
+def test_cudnns_attention_is_taken_only_where_it_takes_the_queries(ops):
+    """The aten op is called past sdpa's checks: where cuDNN would refuse the queries (float32, a head dim not a
+    multiple of 8 or over 128), the Triton forward runs instead of a cuDNN error."""
+    takes = {(dtype, d): ops._cudnn_takes(torch.empty(1, 1, 1, d, dtype=dtype))
+             for dtype in (torch.bfloat16, torch.float16, torch.float32) for d in (64, 66, 128, 256)}
+    assert {key for key, ok in takes.items() if ok} == {(t, d) for t in (torch.bfloat16, torch.float16) for d in (64, 128)}
+
+
 @pytest.mark.parametrize("value,message", [
     ("{forward: 1}", "is not JSON"),
     ('{"backward": {}}', 'must be an object with "forward", "columns" and/or "attention"'),

@@ -654,7 +654,7 @@ def causal_attention_stats(
     sums = torch.empty((b, h, n), dtype=torch.float32, device=dev) if colsum else None
     win = torch.empty((b, h, n), dtype=torch.float32, device=dev) if w else None
     common = dict(BLOCK_D=_pow2(d), PREC=_precision(q.dtype), UPCAST=_upcast(q.dtype))
-    sdpa = cfg.get("attention") == "sdpa" and (not q.is_cuda or q.dtype in (torch.float16, torch.bfloat16))
+    sdpa = cfg.get("attention") == "sdpa" and (not q.is_cuda or _cudnn_takes(q))
     if sdpa and n and b:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         out, lse = _sdpa_attention(q, k, v, scale)
@@ -680,9 +680,16 @@ def causal_attention_stats(
     return out, sums, win
 
 
+def _cudnn_takes(q: torch.Tensor) -> bool:
+    """Whether cuDNN's attention takes these queries on any GPU kvgates targets: 16-bit, head dim a multiple of 8 up
+    to 128. The aten op is called directly, past sdpa's own checks: elsewhere the Triton forward runs."""
+    d = q.shape[-1]
+    return q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 128
+
+
 def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention ``[B, H, n, D]`` and each row's log-sum-exp ``[B, H, n]`` (float32, base 2: as the column pass
-    reads it) from torch's fused attention: cuDNN's on a GPU (16-bit; its grouped KV heads as they are), the CPU's
+    reads it) from torch's fused attention: cuDNN's on a GPU (``_cudnn_takes``; its grouped KV heads as they are), the CPU's
     flash attention elsewhere. On an H200 cuDNN's causal attention took 0.90 ms a layer at 8K against the Triton
     forward's 1.28 (stop 59's profile); its figures in a whole prefill are unmeasured."""
     b, h, n, _ = q.shape
