@@ -195,42 +195,15 @@ def _shipped_gates(parser: argparse.ArgumentParser, model: str, policy: str, bud
     return gates
 
 
-#: ``kvgates generate --dtype``: the model's parameter dtypes by name (``auto``: ``_device_and_dtype`` picks).
+#: ``kvgates generate --dtype``: the model's parameter dtypes by name (``auto``: ``kvgates.models.device_and_dtype`` picks).
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-
-
-def _device_and_dtype(device: str, dtype: str) -> tuple[Any, Any]:
-    """``(torch.device, torch.dtype)`` of ``--device`` and ``--dtype``: ``auto`` is the first CUDA GPU where there is
-    one, else the CPU, and bfloat16 on a GPU that computes in it (float16 on one before Ampere, whose bfloat16 torch
-    only emulates), else float32. ``ValueError`` in one sentence for a device that is not one, or not here, before the
-    model loads."""
-    import torch
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        place = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"--device: {device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
-    if place.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if not count:
-            raise ValueError(f"--device {device}: this machine has no CUDA GPU that torch can use; use --device cpu")
-        if place.index is not None and place.index >= count:
-            raise ValueError(f"--device {device}: this machine has {count} CUDA GPU{'s' if count > 1 else ''} (cuda:0 to cuda:{count - 1})")
-    elif place.type != "cpu":
-        raise ValueError(f"--device {device}: kvgates generate runs on cpu or cuda")
-    if dtype == "auto":
-        if place.type != "cuda":
-            return place, torch.float32
-        return place, torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
-    return place, getattr(torch, dtype)
 
 
 def _generate(argv: list[str]) -> int:
     import torch
 
     from kvgates import POLICIES, AdapterError, BudgetCache, load_model, make_policy
+    from kvgates.models import device_and_dtype
     from kvgates.policies.wrappers import Wrapper, learned_params, learned_policy, with_gates
 
     pre = OneLineParser(prog="kvgates generate", add_help=False)  # its errors (--policy without a name) as the parser's
@@ -274,7 +247,7 @@ def _generate(argv: list[str]) -> int:
     names = _policy_options(parser, known.policy)
     args = parser.parse_args(argv)
     try:
-        device, dtype = _device_and_dtype(args.device, args.dtype)
+        device, dtype = device_and_dtype(args.device, args.dtype, prefix="--", command="kvgates generate", auto=True)
     except ValueError as err:
         parser.error(str(err))
     if args.temperature is not None and not args.sample:

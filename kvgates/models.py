@@ -233,6 +233,51 @@ def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
+#: The parameter dtypes a model may be loaded in, by name (``load_model``'s ``dtype``).
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def device_and_dtype(
+    device: str, dtype: str, prefix: str = "", command: str = "kvgates", auto: bool = False, here: bool = True
+) -> tuple[torch.device, torch.dtype]:
+    """``(torch.device, torch.dtype)`` to load a model with (``load_model``) from their names: ``cpu``, ``cuda`` or
+    ``cuda:N``, and one of ``DTYPES``. ``ValueError`` in one sentence, before any model loads, for a device that is not
+    one or not a CPU or CUDA GPU, a dtype not among ``DTYPES``, and (``here``) a GPU this machine lacks.
+
+    Args:
+        prefix: opens the settings' names in messages: ``"--"`` for a command's options (``--device``), ``""`` for
+            config keys (``device``).
+        command: what runs the model, named where a device is neither a CPU nor a CUDA GPU.
+        auto: also take ``auto``: the first CUDA GPU where there is one, else the CPU; and bfloat16 on a GPU that
+            computes in it (float16 on one before Ampere, whose bfloat16 torch only emulates), else float32.
+        here: check that this machine has the GPU named (a run that loads no model, a report re-rendered from its
+            results, needs none).
+    """
+    choices = "auto, " * auto
+    if auto and device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        place = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{prefix}device: {device!r} is not a device; use {choices}cpu, cuda or cuda:N") from None
+    if place.type == "cuda" and here:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise ValueError(f"{prefix}device {device}: this machine has no CUDA GPU that torch can use; use {prefix}device cpu")
+        if place.index is not None and place.index >= count:
+            gpus = f"{count} CUDA GPU{'s' if count > 1 else ''} (cuda:0 to cuda:{count - 1})"
+            raise ValueError(f"{prefix}device {device}: this machine has {gpus}")
+    elif place.type not in ("cpu", "cuda"):
+        raise ValueError(f"{prefix}device {device}: {command} runs on cpu or cuda")
+    if auto and dtype == "auto":
+        if place.type != "cuda":
+            return place, torch.float32
+        return place, torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+    if dtype not in DTYPES:
+        raise ValueError(f"{prefix}dtype: {dtype!r} is not a dtype models load in; use {choices}bfloat16, float16 or float32")
+    return place, getattr(torch, dtype)
+
+
 def load_model(
     name_or_path: str,
     dtype: torch.dtype = torch.float32,

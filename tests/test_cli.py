@@ -49,14 +49,14 @@ def test_generate_runs_in_the_dtype_and_on_the_device_asked(checkpoint, capsys):
 def test_auto_dtype_is_float16_on_a_gpu_whose_bfloat16_torch_only_emulates(monkeypatch):
     """A GPU before Ampere (a T4, a V100) has no bfloat16 arithmetic: torch emulates it, and
     ``torch.cuda.is_bf16_supported()`` says yes unless asked about the hardware. ``--dtype auto`` took bfloat16 there."""
-    from kvgates.cli import _device_and_dtype
+    from kvgates.models import device_and_dtype
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for hardware, dtype in ((False, torch.float16), (True, torch.bfloat16)):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, hardware=hardware: hardware or including_emulation)
-        assert _device_and_dtype("auto", "auto") == (torch.device("cuda"), dtype)
-        assert _device_and_dtype("cuda", "float32") == (torch.device("cuda"), torch.float32)  # what is asked, as asked
+        assert device_and_dtype("auto", "auto", auto=True) == (torch.device("cuda"), dtype)
+        assert device_and_dtype("cuda", "float32", auto=True) == (torch.device("cuda"), torch.float32)  # what is asked, as asked
 
 
 def test_a_gpu_that_is_not_there_is_refused_before_the_model_loads(checkpoint, monkeypatch, capsys):
