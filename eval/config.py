@@ -4,6 +4,8 @@
     model: smollm2-135m
     seed: 0
     split: test                  # the essays the tasks are built from; `validation` while developing a recipe
+    device: cpu                  # where the model runs: cpu, cuda or cuda:N; a GPU run wants device: cuda, dtype: bfloat16
+    dtype: float32               # the model's weights and cache: float32, bfloat16 or float16
     budgets: [128, 256, 512]
     arms:
       - snapkv                                              # a registered policy with its defaults
@@ -34,6 +36,11 @@ sentence; ``eval.arms.prepare_arms`` checks the rest once the model is loaded (a
 before any example runs. Loading adapters and building the arms' policies is ``eval.arms``'s: a run reads each
 adapter once, while validating, and keeps it in ``ABConfig.adapters`` for ``prepare_arms``; an adapter's weights
 enter the journal keys by ``kvgates.gates.adapter.weights_digest``.
+
+Results depend on the device and dtype the model runs in, so a run's journal keys name them, except on the defaults
+(``cpu`` and ``float32``, whose keys are those of the runs made before they could be set, such as the reports
+committed under ``docs/``): a run on a GPU or in another dtype never takes, resumes or reuses the results of one on
+another. The device is checked against this machine only when the model loads: a report is re-rendered anywhere.
 """
 
 from __future__ import annotations
@@ -46,12 +53,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 import kvgates
 from data.tasks import OPTIONS, check_options, template_by_name, templates
 from eval.arms import UNTRAINED, UNTRAINED_GATES, check_budgets, load_adapter
 from kvgates.config import ConfigError, build, merge, read_yaml, refuse_unknown
 from kvgates.gates.adapter import weights_digest
 from kvgates.gates.embedded import embedded_adapter_dir
+from kvgates.models import device_and_dtype
 from kvgates.policies.learned import LearnedPolicy
 from kvgates.policies.wrappers import learned_params, learned_policy
 
@@ -156,14 +166,19 @@ class TaskSpec:
         any: its examples are then phrased as some training rows were."""
         return tuple(t for t in self.templates if template_by_name(template_task(self.task), t).set == "train")
 
-    def identity(self, model: str, seed: int, prefill_chunk: int | None, split: str = "test") -> str:
+    def identity(
+        self, model: str, seed: int, prefill_chunk: int | None, split: str = "test", device: str = "cpu", dtype: str = "float32"
+    ) -> str:
         """What changes this task's examples or results (journal keys): not the budgets it runs at, nor, for text
         tasks (whose example ``i`` is seeded by ``i`` alone), how many examples it has, so adding examples keeps
-        the results of the first ones. The split enters the key only when it is not the default, so journals of
-        test runs keep their keys."""
+        the results of the first ones. The split, and the device's kind (``cuda``, whichever GPU) with the dtype,
+        enter the key only when they are not the defaults, so journals of test runs on the CPU in float32 keep
+        their keys."""
         ignored = {"budgets"} if self.answer else {"budgets", "examples"}
         settings = {k: v for k, v in dataclasses.asdict(self).items() if k not in ignored}
-        return _digest([model, seed, prefill_chunk, settings] + ([split] if split != "test" else []))
+        kind = torch.device(device).type
+        placed = [{"device": kind, "dtype": dtype}] if (kind, dtype) != ("cpu", "float32") else []
+        return _digest([model, seed, prefill_chunk, settings] + ([split] if split != "test" else []) + placed)
 
 
 @dataclass(frozen=True)
@@ -174,6 +189,10 @@ class ABConfig:
     seed: int = 0
     #: The essay split the tasks are built from: ``test`` (reports) or ``validation`` (recipe development).
     split: str = "test"
+    #: Where the model runs (``cpu``, ``cuda``, ``cuda:N``) and its parameter dtype (``kvgates.models.DTYPES``); both
+    #: change results, and so the journal keys (``TaskSpec.identity``).
+    device: str = "cpu"
+    dtype: str = "float32"
     budgets: tuple[int, ...] = (128,)
     arms: tuple[ArmSpec, ...] = ()
     tasks: tuple[TaskSpec, ...] = ()
@@ -188,7 +207,7 @@ class ABConfig:
     #: Bootstrap resamples per comparison.
     n_boot: int = 2000
     #: Journals (``results.jsonl``) of other runs: a result whose key this run has (same task settings, example,
-    #: arm and adapter weights, budget, model, seed) is taken from there instead of being computed again.
+    #: arm and adapter weights, budget, model, seed, device and dtype) is taken from there instead of being computed again.
     reuse: tuple[str, ...] = ()
     #: The adapters the arms name, by folder, shipped name or Hub id, as ``validate`` read them (not a config key):
     #: ``eval.arms.prepare_arms`` reuses them, so a run reads each adapter once.
@@ -209,6 +228,14 @@ class ABConfig:
             return (None,)
         budgets = self.task_budgets(task) if task is not None else self.budgets
         return tuple(b for b in budgets if not arm.budgets or b in arm.budgets)
+
+    def placement(self, here: bool = True) -> tuple[torch.device, torch.dtype]:
+        """The device and dtype the model loads in; ``ConfigError`` in one sentence for ones that are not, or (``here``)
+        a GPU this machine lacks."""
+        try:
+            return device_and_dtype(self.device, self.dtype, command="python -m eval ab", here=here)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
     def arm(self, label: str) -> ArmSpec:
         return next(a for a in self.all_arms if a.label == label)
@@ -268,6 +295,7 @@ class ABConfig:
         """Everything checkable without the model beyond the field types ``build`` checked; raises ``ConfigError``."""
         if not self.model:
             raise ConfigError("model must name a model (smollm2-135m, a Hub id or a local folder)")
+        self.placement(here=False)  # (this machine's GPUs are checked when the model loads)
         for name in ("seed", "batch_tokens", "max_batch", "n_boot"):
             value = getattr(self, name)
             if value < (0 if name == "seed" else 1):

@@ -280,8 +280,19 @@ def load_config(results: dict) -> ABConfig:
     arms = tuple(ArmSpec(**{**a, "budgets": tuple(a.get("budgets", ()))}) for a in results["arms"] if a["label"] != "full")
     return ABConfig(
         model=results["model"], seed=results["seed"], split=results.get("split", "test"), budgets=tuple(results["budgets"]),
-        arms=arms, tasks=tasks,
+        arms=arms, tasks=tasks, **{k: results[k] for k in ("device", "dtype") if k in results},
     )
+
+
+def placement(config: ABConfig) -> dict[str, str]:
+    """The run's device and dtype where they are not the defaults (cpu, float32), which reports and records name."""
+    return {k: getattr(config, k) for k in ("device", "dtype") if getattr(config, k) != getattr(ABConfig, k)}
+
+
+def placement_phrase(config: ABConfig) -> str:
+    """``" on cuda in bfloat16"``: the run's device and dtype where they are not the defaults, else ``""``."""
+    where = placement(config)
+    return (f" on {where['device']}" if "device" in where else "") + (f" in {where['dtype']}" if "dtype" in where else "")
 
 
 #: How the A/B section of a model card (``arm_section``) begins.
@@ -353,7 +364,7 @@ def arm_section(results_dir: str | Path, label: str) -> str:
     fields = {f.name for f in dataclasses.fields(Comparison)}
     verdicts = [f"- {Comparison(**{k: v for k, v in c.items() if k in fields}).sentence()}" for c in mine]
     heading = (
-        f"{AB_SECTION} {config.model} (`python -m eval ab`, run `{Path(results_dir).name}`, {config.split} essays, "
+        f"{AB_SECTION} {config.model}{placement_phrase(config)} (`python -m eval ab`, run `{Path(results_dir).name}`, {config.split} essays, "
         f"{phrasing}; "
         f"budgets in tokens per KV head; {len(config.all_arms)} arms):"
     )
@@ -386,7 +397,7 @@ def write_report(results: ABResults, command: str = "") -> str:
     model_time = f"{minutes:.1f} min" if minutes < 60 else f"{minutes / 60:.2f} h"
     record = json.dumps(
         {
-            "model": config.model, "seed": config.seed, "split": config.split, "budgets": list(config.budgets),
+            "model": config.model, **placement(config), "seed": config.seed, "split": config.split, "budgets": list(config.budgets),
             "arms": [a.__dict__ for a in config.all_arms], "tasks": [t.__dict__ for t in config.tasks],
             "seconds": results.seconds, "compute_seconds": results.compute_seconds, "machine": results.machine,
             "comparisons": [c.to_dict() for c in results.comparisons], "rows": rows,
@@ -403,7 +414,7 @@ def write_report(results: ABResults, command: str = "") -> str:
         "the full cache alone (no arm to compare with it)"
     )
     md = [
-        f"# A/B evaluation on {config.model}",
+        f"# A/B evaluation on {config.model}{placement_phrase(config)}",
         "",
         f"{arms} at budget{'s' if len(config.budgets) > 1 else ''} "
         f"{', '.join(map(str, config.budgets))} tokens per KV head, on {len(config.tasks)} "

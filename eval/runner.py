@@ -5,10 +5,10 @@
 Work goes task by task and batch by batch; within a batch the full cache runs first (its results are the
 batch's references, computed once and shared by every other arm), then each arm at each budget. Each example's
 result is appended to ``<output_dir>/results.jsonl`` as soon as it is known; a re-run of the same config reuses
-every journalled result whose key still matches (task settings, example, arm, budget, model, seed) and computes
-only the rest, so an interrupted run resumes. ``resume=False`` (``--fresh``) starts over. A config's ``reuse``
-journals (other runs') supply the results whose keys this run shares with them: they are copied into this run's
-journal, so its folder holds every result it reports.
+every journalled result whose key still matches (task settings, example, arm, budget, model, seed, and the device and
+dtype where they are not cpu and float32) and computes only the rest, so an interrupted run resumes.
+``resume=False`` (``--fresh``) starts over. A config's ``reuse`` journals (other runs') supply the results whose keys
+this run shares with them: they are copied into this run's journal, so its folder holds every result it reports.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def batches(task: TaskSpec, examples: list[Example], config: ABConfig) -> list[l
 
 
 def _key(config: ABConfig, task: TaskSpec, index: int, arm: ArmSpec, budget: int | None) -> str:
-    identity = task.identity(config.model, config.seed, config.prefill_chunk, config.split)
+    identity = task.identity(config.model, config.seed, config.prefill_chunk, config.split, config.device, config.dtype)
     return json.dumps([task.name, identity, index, arm.label, arm.identity(), budget])
 
 
@@ -132,14 +132,18 @@ def run_ab(
     ``compute=False`` runs nothing (no model is loaded): the results are what the journal holds so far, and
     comparisons use the examples both arms have, so a long run's progress can be reported while it goes on. A
     resumed run whose results are all journalled (in its own journal or one it reuses) loads no model either: its
-    results were computed, and their context checked, under the same keys.
+    results were computed, and their context checked, under the same keys. The model loads on the config's device in
+    its dtype (``ABConfig.placement``: a GPU this machine lacks is a ``ConfigError``); a ``model`` given must be there.
     """
     start = time.perf_counter()
     work = compute and (not resume or missing_results(config) > 0)
     if work:  # a task past the model's context, an arm's adapter for another model and an example that cannot be made
         # are refused before the folder is made, anything adopted into it or a journal --fresh discards is deleted
+        device, dtype = config.placement()
         if model is None:
-            model, tokenizer = kvgates.load_model(config.model)
+            model, tokenizer = kvgates.load_model(config.model, dtype=dtype, device=device)
+        elif (model.device.type, model.dtype) != (device.type, dtype):  # its results would be journalled as the config's
+            raise ValueError(f"the model is in {model.dtype} on {model.device}, the config runs {dtype} on {device}; load it as the config says")
         check_context(config, model)
         gates = prepare_arms(config, model)
         examples = {task.name: _examples(task, tokenizer, config) for task in config.tasks}

@@ -1,6 +1,7 @@
 """The A/B harness end to end on a tiny random model with the real tokenizer: examples, journal and resume,
 comparisons, report; config errors; the metrics' hand cases."""
 
+import copy
 import importlib.util
 import json
 import math
@@ -15,12 +16,13 @@ import yaml
 from helpers import save_tiny_checkpoint, tiny_model
 
 import kvgates
+import eval.__main__ as cli
 from eval import runner as runner_module
 from eval.__main__ import main
 from eval.arms import build_policy, prepare_arms
 from eval.config import ABConfig, ConfigError
 from eval.fidelity import first_false, kl_divergence, make_batch, perplexity, state_bytes, stream_nll, token_nll
-from eval.report import write_report
+from eval.report import read_record, write_report
 from eval.runner import JOURNAL, check_context, run_ab
 from eval.tasks import build_examples
 
@@ -136,6 +138,72 @@ def test_a_run_on_the_validation_essays_has_its_own_examples_and_keys(tmp_path, 
     # Test runs keep the journal keys they had before the split was configurable; validation runs get their own.
     assert needle.identity("m", 0, None, "test") == needle.identity("m", 0, None)
     assert needle.identity("m", 0, None, "validation") != needle.identity("m", 0, None)
+
+
+def test_device_and_dtype_enter_the_keys_except_on_the_defaults():
+    """Results depend on the device and dtype, so their journal keys do; a run on the CPU in float32 keeps the keys
+    of the runs made before they could be set: the committed quick report's every result is still found."""
+    from eval.runner import _keys, load_journal
+
+    config = ABConfig.load("configs/eval/ab.yaml", quick=True)
+    committed = load_journal(Path("docs/ab-quick") / JOURNAL)
+    assert set(_keys(config)) == set(committed)
+    assert set(_keys(ABConfig.load("configs/eval/ab.yaml", ["device=cpu", "dtype=float32"], quick=True))) == set(committed)
+    bf16 = _keys(ABConfig.load("configs/eval/ab.yaml", ["quick.dtype=bfloat16"], quick=True))
+    cuda = _keys(ABConfig.load("configs/eval/ab.yaml", ["quick.device=cuda"], quick=True))
+    assert not set(bf16) & set(committed) and not set(cuda) & set(committed) and not set(bf16) & set(cuda)
+    # (whichever GPU: results do not depend on its index)
+    assert _keys(ABConfig.load("configs/eval/ab.yaml", ["quick.device=cuda:1"], quick=True)) == cuda
+    # The arm's identity (what train.ship checks the adapter by) is the same whatever the device or dtype.
+    assert [json.loads(k)[4] for k in bf16] == [json.loads(k)[4] for k in _keys(config)]
+
+
+def test_a_run_loads_its_model_on_the_configs_device_in_its_dtype(tmp_path, tok, model, monkeypatch, capsys):
+    """``device`` and ``dtype`` reach ``load_model`` (the model always loaded on the CPU in float32); a bfloat16 run
+    keeps its results apart from a float32 one in the same folder and says so in its report."""
+    loaded = []
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    monkeypatch.setattr(kvgates, "load_model", lambda name, **k: loaded.append(k) or (bf16 if k["dtype"] == torch.bfloat16 else model, tok))
+    monkeypatch.setattr(cli, "check_model_source", lambda name: None)
+    out = tmp_path / "out"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"arms": ["h2o"], "budgets": [16], "tasks": [TASKS[3]], "output_dir": str(out), "dtype": "bfloat16"}))
+    assert main(["ab", "--config", str(path)]) == 0
+    assert loaded == [{"dtype": torch.bfloat16, "device": torch.device("cpu")}]
+    rows = [json.loads(line) for line in (out / JOURNAL).read_text().splitlines()]
+    assert len(rows) == 4 and all(math.isfinite(r["metrics"]["kl"]) for r in rows)
+    assert (out / "report.md").read_text().startswith("# A/B evaluation on smollm2-135m in bfloat16\n")
+    results, config = read_record(out)
+    assert config.dtype == "bfloat16" and results["dtype"] == "bfloat16" and "device" not in results
+    # The same folder in float32: none of the bfloat16 results are taken for its own, and its report has only its own.
+    assert main(["ab", "--config", str(path), "dtype=float32"]) == 0
+    assert loaded[1] == {"dtype": torch.float32, "device": torch.device("cpu")}
+    assert len((out / JOURNAL).read_text().splitlines()) == 8 and len(read_record(out)[0]["rows"]) == 4
+    assert (out / "report.md").read_text().startswith("# A/B evaluation on smollm2-135m\n") and "dtype" not in read_record(out)[0]
+    # A model given in another dtype than the config's would be journalled as the config's.
+    with pytest.raises(ValueError, match="the model is in torch.bfloat16 on cpu, the config runs torch.float32 on cpu"):
+        run_ab(small_config(tmp_path), bf16, tok, resume=False)
+
+
+def test_a_gpu_run_on_a_machine_without_one_is_one_sentence_and_its_report_renders_anywhere(tmp_path, tok, model, monkeypatch, capsys):
+    """A config's GPU is looked for only when the model loads: a run that needs it fails in one sentence before any
+    model work, and a finished GPU run's report re-renders on a machine without one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = tmp_path / "out"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"arms": ["h2o"], "budgets": [16], "tasks": [TASKS[3]], "output_dir": str(out), "device": "cuda"}))
+    assert main(["ab", "--config", str(path)]) == 2
+    assert "device cuda: this machine has no CUDA GPU that torch can use; use device cpu" in capsys.readouterr().err
+    assert not out.exists()
+    # As if it had run on a GPU: its journal, keyed for cuda, reports here.
+    config = ABConfig.load(path)
+    monkeypatch.setattr(ABConfig, "placement", lambda self, here=True: (torch.device("cpu"), torch.float32))
+    run_ab(config, model, tok)
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["ab", "--config", str(path), "--report-only"]) == 0
+    assert (out / "report.md").read_text().startswith("# A/B evaluation on smollm2-135m on cuda\n")
 
 
 # ---------------------------------------------------------------------- the run
@@ -262,6 +330,10 @@ def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
         ({"tasks": [{"task": "needle", "name": "needle 2k/4k"}]}, "task name 'needle 2k/4k' must be non-empty and hold no '/'"),
         # Another run's results.json (one object over many lines) was taken and failed as a TypeError in the run.
         ({"reuse": ["docs/reference-core/results.json"]}, "reuse names docs/reference-core/results.json, whose first line is not a result"),
+        ({"device": "gpu0"}, "device: 'gpu0' is not a device; use cpu, cuda or cuda:N"),
+        ({"device": "auto"}, "device: 'auto' is not a device; use cpu, cuda or cuda:N"),  # results would depend on the machine
+        ({"device": "meta"}, "device meta: python -m eval ab runs on cpu or cuda"),
+        ({"dtype": "fp16"}, "dtype: 'fp16' is not a dtype models load in; use bfloat16, float16 or float32"),
     ],
 )
 def test_bad_configs_fail_with_one_sentence(change, message):
