@@ -15,8 +15,8 @@ import torch
 import yaml
 from helpers import save_tiny_checkpoint, tiny_model
 
-import kvgates
 import eval.__main__ as cli
+import kvgates
 from eval import runner as runner_module
 from eval.__main__ import main
 from eval.arms import build_policy, prepare_arms
