@@ -21,7 +21,7 @@ from data.corpus import paul_graham_essays  # noqa: E402
 from kvgates.cli import OneLineParser  # noqa: E402
 from kvgates.gates import GATE_KINDS  # noqa: E402
 from kvgates.kernels.host import PREFILL_CONFIG_ENV  # noqa: E402
-from kvgates.models import tokenizer_source  # noqa: E402
+from kvgates.models import device_and_dtype, tokenizer_source  # noqa: E402
 from kvgates.policies.wrappers import learned_policy, parse_params, with_gates  # noqa: E402
 
 
@@ -74,13 +74,9 @@ def setup(
     if args.layers is not None and random_shape(args.model) is None:
         parser.error(f"--layers applies to --model random[:SHAPE] only; {args.model} runs with its own layers")
     try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        parser.error(f"--device {args.device}: not a device torch knows; give cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: this torch sees no CUDA device; pass --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        parser.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from cuda:0")
+        device_and_dtype(args.device, "float32", prefix="--", command=parser.prog)
+    except ValueError as err:
+        parser.error(str(err))
     unknown = [spec.partition(":")[0] for spec in getattr(args, "policies", None) or [] if spec.partition(":")[0] not in kvgates.POLICIES]
     if unknown:
         parser.error(f"--policies: unknown policy {unknown[0]!r}; available policies: {', '.join(sorted(kvgates.POLICIES))}")

@@ -265,7 +265,7 @@ def device_and_dtype(
         if not count:
             raise ValueError(f"{prefix}device {device}: this machine has no CUDA GPU that torch can use; use {prefix}device cpu")
         if place.index is not None and place.index >= count:
-            gpus = f"{count} CUDA GPU{'s' if count > 1 else ''} (cuda:0 to cuda:{count - 1})"
+            gpus = f"{count} CUDA GPUs (cuda:0 to cuda:{count - 1})" if count > 1 else "1 CUDA GPU (cuda:0)"
             raise ValueError(f"{prefix}device {device}: this machine has {gpus}")
     elif place.type not in ("cpu", "cuda"):
         raise ValueError(f"{prefix}device {device}: {command} runs on cpu or cuda")

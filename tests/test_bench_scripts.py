@@ -208,7 +208,8 @@ def test_a_bench_refuses_an_unknown_policy_or_a_missing_gpu_in_one_sentence_befo
     argv = [[sys.executable, str(ROOT / "bench" / "decode_speed.py"), "--model", "random", "--layers", "1", "--policies", "h2o", "snapk"]]
     if not torch.cuda.is_available():
         argv.append([sys.executable, str(ROOT / "bench" / "kv_memory.py"), "--model", "random", "--device", "cuda"])
-    for args, message in zip(argv, ("--policies: unknown policy 'snapk'; available policies: adakv", "--device cuda: this torch sees no CUDA")):
+    messages = ("--policies: unknown policy 'snapk'; available policies: adakv", "--device cuda: this machine has no CUDA GPU that torch can use")
+    for args, message in zip(argv, messages):
         result = subprocess.run(args, capture_output=True, text=True, timeout=600)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and message in lines[-1] and "Traceback" not in result.stderr, result.stderr
@@ -692,7 +693,7 @@ def test_a_bench_refuses_a_gpu_the_machine_lacks_in_one_sentence(monkeypatch, ca
     with pytest.raises(SystemExit) as exit:
         common.setup("doc")
     assert exit.value.code == 2
-    assert capsys.readouterr().err.strip().endswith("--device cuda:3: this machine has 1 CUDA device(s), numbered from cuda:0 (see bench.py --help)")
+    assert capsys.readouterr().err.strip().endswith("--device cuda:3: this machine has 1 CUDA GPU (cuda:0) (see bench.py --help)")
 
 
 @pytest.mark.parametrize(
@@ -715,7 +716,7 @@ def test_a_bench_refuses_a_gpu_the_machine_lacks_in_one_sentence(monkeypatch, ca
         ("gpu_policies", ["--compile-mode", "reduce-overhead"],
          "--compile-mode reduce-overhead applies to compiled steps only; add --compile inductor (or aot_eager)"),
         # a RuntimeError traceback from building the model on it
-        ("gpu_policies", ["--device", "gpu"], "--device gpu: not a device torch knows; give cpu, cuda or cuda:N"),
+        ("gpu_policies", ["--device", "gpu"], "--device: 'gpu' is not a device; use cpu, cuda or cuda:N"),
         # a table of policies that evicted nothing
         ("prefill_speed", ["--context", "256", "96", "--budget", "128"], "--context 96 is less than --budget 128: nothing would be evicted"),
         # rows measured, then a ConfigError traceback at the kind or length that did not fit
