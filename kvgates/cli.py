@@ -195,7 +195,8 @@ def _shipped_gates(parser: argparse.ArgumentParser, model: str, policy: str, bud
     return gates
 
 
-#: ``kvgates generate --dtype``: the model's parameter dtypes by name (``auto``: ``kvgates.models.device_and_dtype`` picks).
+#: ``kvgates generate --dtype``: the model's parameter dtypes by name (``auto``: ``kvgates.models.device_and_dtype`` picks),
+#: ``kvgates.models.DTYPES`` and ``auto`` written out here: ``--help`` imports no torch.
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 

@@ -59,6 +59,13 @@ def test_auto_dtype_is_float16_on_a_gpu_whose_bfloat16_torch_only_emulates(monke
         assert device_and_dtype("cuda", "float32", auto=True) == (torch.device("cuda"), torch.float32)  # what is asked, as asked
 
 
+def test_the_dtype_choices_are_those_models_load_in_and_auto():
+    """The CLI writes its ``--dtype`` choices out (``--help`` imports no torch): the same as ``kvgates.models``'."""
+    from kvgates import cli, models
+
+    assert cli.DTYPES == ("auto", *models.DTYPES)
+
+
 def test_a_gpu_that_is_not_there_is_refused_before_the_model_loads(checkpoint, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert run(["generate", "--model", checkpoint, "--device", "cuda", "--prompt", "x"]) == USAGE_ERROR
