@@ -371,12 +371,19 @@ def test_a_hub_id_is_refused_at_once_when_the_hub_cannot_be_reached(tmp_path, mo
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # (a lent GPU machine sets it)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda **kwargs: pytest.fail("a download (with its retries) started"))
     with socket.socket() as closed:  # a port nothing listens on: every connection is refused
         closed.bind(("127.0.0.1", 0))
         endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
     refusal = r"^no local folder 'user/gates' and the Hub cannot be reached \(ConnectError\); pass"
     with pytest.raises(AdapterError, match=refusal):
+        GateSet.from_pretrained("user/gates", endpoint=endpoint)
+    # With HF_HUB_OFFLINE set the Hub is not asked, and the sentence names the setting (not 'OfflineModeIsEnabled').
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda *a, **k: pytest.fail("the Hub was asked"))
+    offline = r"^no local folder 'user/gates' and it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; pass"
+    with pytest.raises(AdapterError, match=offline):
         GateSet.from_pretrained("user/gates", endpoint=endpoint)
 
 

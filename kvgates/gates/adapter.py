@@ -498,6 +498,7 @@ def _shipped_names() -> str:
 def _download(repo_id: str, revision: str | None, endpoint: str | None, token: str | None) -> Path:
     """The Hub adapter ``repo_id`` in the local Hub cache: its ``config.json`` first, checked (a model's repository
     is refused before any of its weights download), then the files its kind holds, nothing else."""
+    import huggingface_hub.constants
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download, try_to_load_from_cache
     from huggingface_hub.errors import HfHubHTTPError
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -511,12 +512,14 @@ def _download(repo_id: str, revision: str | None, endpoint: str | None, token: s
         ) from None
     where = dict(repo_id=repo_id, revision=revision, endpoint=endpoint, token=token)
     if not isinstance(try_to_load_from_cache(repo_id, CONFIG_FILE, revision=revision), str):
+        if huggingface_hub.constants.HF_HUB_OFFLINE:
+            raise _not_fetched(repo_id, "it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set")
         # Not cached: the download would retry an unreachable Hub for half a minute, saying so on stderr; ask once.
         try:
             HfApi(endpoint=endpoint, token=token).model_info(repo_id, revision=revision, timeout=10)
         except HfHubHTTPError:
             pass  # the Hub answered: the download says what it wants (no such repository, a token)
-        except Exception as err:  # no network, no DNS, timeout, offline mode
+        except Exception as err:  # no network, no DNS, timeout
             raise _not_fetched(repo_id, f"the Hub cannot be reached ({type(err).__name__})") from None
     kind = _read_config(_fetch(hf_hub_download, filename=CONFIG_FILE, **where), f"{repo_id}/{CONFIG_FILE}").kind
     return _fetch(snapshot_download, allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, *GATE_KINDS[kind].parts], **where)
