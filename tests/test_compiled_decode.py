@@ -16,6 +16,10 @@ from kvgates import POLICIES, BudgetCache, make_policy
 from kvgates.gates import GATE_KINDS
 
 BACKEND = "aot_eager"
+#: kvgates needs torch 2.13 (pyproject.toml). On a lent H200's torch 2.11 the graph breaks of a chunked prefill's
+#: compiled forward tripped an assertion inside dynamo's guard builder (a CONSTANT_MATCH guard on ``HANDOFF.layer``,
+#: "Unexpected type BudgetLayer"); 2.13 builds it.
+BEFORE_2_13 = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
 
 
 def _decode_steps(forward, cache, token: torch.Tensor, start: int, steps: int) -> torch.Tensor:
@@ -134,6 +138,7 @@ def test_generate_compiles_the_static_cache_decode_steps(tiny):
     assert torch.equal(out[True], out[False])
 
 
+@pytest.mark.skipif(BEFORE_2_13, reason="torch before 2.13 (below kvgates' floor): dynamo's guard builder asserts on these graph breaks")
 @pytest.mark.parametrize("name", ["h2o", "snapkv", "kvzip"])
 def test_generate_with_chunked_prefill_compiles_only_the_decode_steps_of_a_static_cache(tiny, name):
     """generate() compiles its chunked prefill's forwards too for a compileable cache (on CUDA by default): the
