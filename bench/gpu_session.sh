@@ -15,20 +15,18 @@
 # logs to one file, `$OUT/session.log`, which ends with each stage's exit status and seconds; the tests' report is
 # `$OUT/tests.xml`, the profiles' Chrome traces one archive, `$OUT/traces.tar.gz`, and the prefill sweep's fastest
 # pair `$OUT/prefill-best.json`: at most four files, whatever the stages. `issue27` is the first: what the open
-# issue's GPU targets still lack after stop 59's H200 (docs/results.md), each part killed at its own limit and
+# issue's GPU targets still lack after stop 60's H200 (docs/results.md), each part killed at its own limit and
 # printing as it goes, so that a call cut short still leaves the figures before it:
 #
-#   issue27         env; the tests of the kernels and of KVMerger (`tests` over three files, 120 s: stop 59's fix to
-#                   one of them and its one-read chain kernel have not run on a GPU); the kernels at one shape
-#                   (`kernels-8k`, 45 s: bf16, head dim 128, batch 1, 8K; the scoring prefill 2.07x sdpa's attention
-#                   on stop 59's H200, before its column pass took the sweep's fastest tile); the batch-1 prefill of
-#                   h2o (control), d2o, kvmerger and dynamickv, 8B shape, 16 layers, 8K, three interleaved rounds
-#                   (`prefill-changed`, 90 s: 1.22x, 1.31x, 1.47x and 1.27x at stop 59, before those two changes); the
-#                   same with torch's cuDNN attention in place of the Triton forward (`prefill-sdpa`, 90 s:
-#                   KVGATES_PREFILL_CONFIG '{"attention": "sdpa"}', 0.90 ms a layer against 1.28 in stop 59's profile);
-#                   the same at 16K with snapkv, two rounds (`prefill-16k`, 90 s: never measured), their batch-8
-#                   prefill at 8K (`prefill-b8`, 90 s), and a profile with Chrome traces of d2o's and kvmerger's
-#                   (`profile`, 100 s): the two policies over 1.3x at batch 1, where the time goes
+#   issue27         env; the tests of the kernels and of KVMerger, and the five that failed on stop 60's H200 for the
+#                   machine (`tests`, 120 s: the prefill's default attention is now cuDNN's on Hopper); the batch-1
+#                   prefill of h2o (control), d2o, kvmerger and dynamickv, 8B shape, 16 layers, 8K, three interleaved
+#                   rounds, under that default (`prefill-changed`, 90 s: 1.13x, 1.22x, 1.38x and 1.17x on stop 60's
+#                   H200 with KVGATES_PREFILL_CONFIG '{"attention": "sdpa"}'); the same under the Triton forward
+#                   (`prefill-triton`, 90 s: '{"attention": "triton"}'; 1.18x, 1.27x, 1.43x and 1.24x at stop 60);
+#                   their batch-8 prefill at 8K (`prefill-b8`, 90 s), the 16K prefill with snapkv, two rounds
+#                   (`prefill-16k`, 90 s), the kernels at one shape (`kernels-8k`, 45 s: bf16, head dim 128, batch 1,
+#                   8K) and a profile with Chrome traces of d2o's and kvmerger's (`profile`, 100 s)
 #   tests           the default test suite on the GPU machine, in parallel processes where pytest-xdist travelled
 #                   with the wheels
 #   decode-sweep    decode attention under each launch configuration of a grid (bench/kernels.py --sweep-decode)
@@ -139,6 +137,13 @@ fi
 # paths a GPU takes (the Triton kernels under the interpreter, the launch-bound tiles and host reads): a minute a
 # stage at these sizes, not the seconds the CPU's paths take, so the other stages keep the CPU's.
 KERNEL_TESTS="tests/test_kernels.py tests/test_seed_policies.py tests/test_runtime_on_kernels.py" GPU_PATHS=""
+# The tests that failed on stop 60's H200 for the machine (its HF_HUB_OFFLINE, the embedded model's absent package, a
+# GPU's prefill defaults, its torch 2.11), since mended.
+KERNEL_TESTS="$KERNEL_TESTS tests/test_gates.py::test_a_hub_id_is_refused_at_once_when_the_hub_cannot_be_reached
+    tests/test_models.py::test_the_embedded_models_skeleton_keeps_its_short_name_without_converting_it
+    tests/test_eval_harness.py::test_a_gpu_run_on_a_machine_without_one_is_one_sentence_and_its_report_renders_anywhere
+    tests/test_bench_scripts.py::test_best_json_is_the_prefill_sweeps_and_a_bad_prefill_config_is_one_sentence
+    tests/test_compiled_decode.py::test_generate_with_chunked_prefill_compiles_only_the_decode_steps_of_a_static_cache"
 if [ "$SMOKE" = 1 ]; then
     BIG="--model random --layers 2" DEEP="$BIG" SMALL="--model random --layers 2"
     DECODE="--configs 160:64 --batch 2 --steps 2 --rounds 1 --slack 4"
@@ -242,16 +247,16 @@ for name in "$@"; do
         env_stage
         TESTS=$KERNEL_TESTS tests_stage 120
         # shellcheck disable=SC2086
-        stage kernels-8k 45 "$PY" bench/kernels.py $KERNELS_8K
-        # shellcheck disable=SC2086
         stage prefill-changed 90 $GPU_PATHS "$PY" bench/gpu_policies.py $DEEP $PREFILL_ONE --policies h2o d2o kvmerger dynamickv
         # shellcheck disable=SC2086
-        stage prefill-sdpa 90 $GPU_PATHS env 'KVGATES_PREFILL_CONFIG={"attention": "sdpa"}' "$PY" bench/gpu_policies.py $DEEP \
-            $PREFILL_ONE --policies h2o d2o kvmerger dynamickv
+        stage prefill-triton 90 $GPU_PATHS env 'KVGATES_PREFILL_CONFIG={"attention": "triton"}' "$PY" bench/gpu_policies.py \
+            $DEEP $PREFILL_ONE --policies h2o d2o kvmerger dynamickv
+        # shellcheck disable=SC2086
+        stage prefill-b8 90 $GPU_PATHS "$PY" bench/gpu_policies.py $DEEP $PREFILL_FIRST --policies h2o d2o kvmerger
         # shellcheck disable=SC2086
         stage prefill-16k 90 $GPU_PATHS "$PY" bench/gpu_policies.py $DEEP $PREFILL_16K --policies snapkv h2o d2o kvmerger dynamickv
         # shellcheck disable=SC2086
-        stage prefill-b8 90 $GPU_PATHS "$PY" bench/gpu_policies.py $DEEP $PREFILL_FIRST --policies h2o d2o kvmerger
+        stage kernels-8k 45 "$PY" bench/kernels.py $KERNELS_8K
         profile_stage 100 d2o kvmerger
         ;;
     tests)

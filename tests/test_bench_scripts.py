@@ -482,7 +482,7 @@ def test_gpu_session_stages_run_at_toy_sizes(tmp_path):
     summary = log[log.rindex("=== summary") :].splitlines()[1:]
     # prefill-tuned ran under the sweep's fastest pair (as the bench prints it, not the stage's header)
     assert f"; KVGATES_PREFILL_CONFIG={(tmp_path / 'prefill-best.json').read_text().strip()}\n" in log
-    for stage in (*stages, "copies", "prefill-b8", "tests", "prefill-changed", "prefill-sdpa", "prefill-16k", "kernels-8k", "prefill-tuned"):
+    for stage in (*stages, "copies", "prefill-b8", "tests", "prefill-changed", "prefill-triton", "prefill-16k", "kernels-8k", "prefill-tuned"):
         assert f"=== {stage} done, exit status 0" in log, stage
         assert any(line.startswith(f"{stage}: exit status 0, ") for line in summary), stage
     assert "exit status 1" not in log and "exit status 124" not in log, log[-3000:]

@@ -193,7 +193,10 @@ def test_prefill_config_override_from_the_environment(ops, monkeypatch):
     default = ops._prefill_config(32, torch.float32, torch.device(DEVICE))
     monkeypatch.setenv(ops.PREFILL_CONFIG_ENV, '{"forward": {"BLOCK_M": 64}, "columns": {"BLOCK_N": 32, "num_warps": 2}}')
     cfg = ops._prefill_config(32, torch.float32, torch.device(DEVICE))
-    assert cfg == {"forward": {**default["forward"], "BLOCK_M": 64}, "columns": {**default["columns"], "BLOCK_N": 32, "num_warps": 2}}
+    assert cfg == {
+        "forward": {**default["forward"], "BLOCK_M": 64}, "columns": {**default["columns"], "BLOCK_N": 32, "num_warps": 2},
+        "attention": default["attention"],
+    }
     g = torch.Generator().manual_seed(9)
     q = torch.randn(1, 70, 4, 32, generator=g).to(DEVICE).transpose(1, 2)
     k, v = (torch.randn(1, 2, 70, 32, generator=g).to(DEVICE) for _ in range(2))
@@ -233,6 +236,22 @@ def test_cudnns_attention_is_taken_only_where_it_takes_the_queries(ops):
     takes = {(dtype, d): ops._cudnn_takes(torch.empty(1, 1, 1, d, dtype=dtype))
              for dtype in (torch.bfloat16, torch.float16, torch.float32) for d in (64, 66, 128, 256)}
     assert {key for key, ok in takes.items() if ok} == {(t, d) for t in (torch.bfloat16, torch.float16) for d in (64, 128)}
+
+
+def test_cudnns_attention_is_the_default_prefill_attention_on_hopper_gpus_only(ops, monkeypatch):
+    """The scoring prefill's attention is cuDNN's on a Hopper or later GPU (measured faster there, stop 60), the Triton
+    forward on older GPUs (unmeasured) and on the CPU; ``"attention": "triton"`` takes the forward back."""
+    assert ops._prefill_config(64, torch.float32, torch.device("cpu"))["attention"] == "triton"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    for capability, attention in (((8, 0), "triton"), ((9, 0), "sdpa"), ((10, 0), "sdpa")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert ops._prefill_config(128, torch.bfloat16, torch.device("cuda"))["attention"] == attention
+    monkeypatch.setenv(ops.PREFILL_CONFIG_ENV, '{"attention": "triton"}')
+    assert ops._prefill_config(128, torch.bfloat16, torch.device("cuda"))["attention"] == "triton"
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
+    monkeypatch.delenv(ops.PREFILL_CONFIG_ENV)
+    assert ops._prefill_config(128, torch.bfloat16, torch.device("cuda"))["attention"] == "triton"
 
 
 @pytest.mark.parametrize("value,message", [

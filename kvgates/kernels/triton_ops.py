@@ -558,8 +558,18 @@ _LAUNCH_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
 
 #: ``KVGATES_PREFILL_CONFIG``'s ``"attention"``: what computes the prefill's attention and each row's log-sum-exp
-#: before the column pass: kvgates' Triton forward (the default), or torch's fused attention (``_sdpa_attention``).
+#: before the column pass: kvgates' Triton forward, or torch's fused attention (``_sdpa_attention``); the default is
+#: ``_default_attention``'s.
 PREFILL_ATTENTION = ("triton", "sdpa")
+
+
+def _default_attention(device: torch.device) -> str:
+    """``"sdpa"`` (cuDNN's attention, where ``_cudnn_takes`` the queries) on a Hopper or later GPU, ``"triton"``
+    elsewhere. On an H200 (stop 60, 16 layers of Llama-3.1-8B's shape, bf16, 8K, batch 1) it took the scoring
+    prefills from 1.18-1.43x a plain sdpa prefill to 1.13-1.38x; older GPUs' cuDNN attention is unmeasured here."""
+    if device.type == "cuda" and torch.cuda.is_available() and torch.backends.cudnn.is_available():
+        return "sdpa" if torch.cuda.get_device_capability(device) >= (9, 0) else "triton"
+    return "triton"
 
 
 @lru_cache(maxsize=8)
@@ -600,7 +610,8 @@ def _prefill_config(d: int, dtype: torch.dtype, device: torch.device) -> dict[st
     interpreter, so that short test prompts span several of them. Rows wider than 256 bytes (float32 at head dim 128)
     get half the tiles and two stages: the large ones need 225 KiB of shared memory, more than an A100 has
     (``bench/triton_compile.py``). ``KVGATES_PREFILL_CONFIG`` (``PREFILL_CONFIG_ENV``) overrides any of them, and its
-    ``"attention": "sdpa"`` (``cfg["attention"]``) has torch's fused attention run in place of the forward."""
+    ``"attention"`` (``cfg["attention"]``, ``_default_attention``'s by default) ``"sdpa"`` has torch's fused attention
+    run in place of the forward, ``"triton"`` the forward."""
     if device.type != "cuda":
         forward, columns = (32, 16, 4, 1), (16, 16, 4, 1)
     elif d * dtype.itemsize > 256:
@@ -611,7 +622,7 @@ def _prefill_config(d: int, dtype: torch.dtype, device: torch.device) -> dict[st
         forward, columns = (128, 64, 8, 3), (64, 128, 4, 2)
     else:
         forward, columns = (128, 64, 4, 3), (64, 64, 4, 3)
-    cfg = {"forward": dict(zip(_LAUNCH_KEYS, forward)), "columns": dict(zip(_LAUNCH_KEYS, columns))}
+    cfg = {"forward": dict(zip(_LAUNCH_KEYS, forward)), "columns": dict(zip(_LAUNCH_KEYS, columns)), "attention": _default_attention(device)}
     override = os.environ.get(PREFILL_CONFIG_ENV)
     if override:
         for name, launch in _prefill_override(override).items():
@@ -691,7 +702,7 @@ def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     """Causal attention ``[B, H, n, D]`` and each row's log-sum-exp ``[B, H, n]`` (float32, base 2: as the column pass
     reads it) from torch's fused attention: cuDNN's on a GPU (``_cudnn_takes``; its grouped KV heads as they are), the CPU's
     flash attention elsewhere. On an H200 cuDNN's causal attention took 0.90 ms a layer at 8K against the Triton
-    forward's 1.28 (stop 59's profile); its figures in a whole prefill are unmeasured."""
+    forward's 1.28 (stop 59's profile)."""
     b, h, n, _ = q.shape
     if q.is_cuda:
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)[:2]
