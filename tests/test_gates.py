@@ -586,6 +586,18 @@ def test_the_cards_usage_carries_the_policy_settings_the_gates_were_trained_with
     assert 'make_policy("trimkv", budget=24, gates="<this repo id or folder>", window=4, buffer=8)' in gates.model_card()
 
 
+def test_the_cards_results_say_they_are_the_validation_splits(tiny_pair):
+    """A card's "## Results" table is the training run's last validation at the training budget: it was given
+    without saying so, beside the held-out table on the test split. An untrained adapter's card says nothing of it."""
+    _, model = tiny_pair
+    gates = RetentionGates.for_model(model, training_budget=24)
+    assert "validation split" not in gates.model_card() and "| (none recorded yet) | |" in gates.model_card()
+    gates.config.results = {"eval_kl": 0.5}
+    card = gates.model_card()
+    assert "## Results\n\nThe training run's last evaluation, on the validation split" in card
+    assert "at the training budget:\n\n| metric | value |\n|---|---|\n| eval_kl | 0.5 |" in card
+
+
 def test_the_card_of_gates_for_a_model_from_a_folder_loads_the_folder_and_names_no_base_model_to_the_hub(tiny_pair, tmp_path):
     """The card's usage said ``load_model("local:tiny")``, a name load_model refuses; its front matter said
     ``base_model: local:tiny``, which the Hub's card validation refuses (the push after training failed)."""

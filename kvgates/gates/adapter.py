@@ -418,6 +418,10 @@ class GateSet(nn.Module):
         c = self.config
         policy = method_of(self).policy
         results = "\n".join(f"| {k} | {v} |" for k, v in c.results.items()) or "| (none recorded yet) | |"
+        validated = (
+            "The training run's last evaluation, on the validation split (recipes are chosen on it; the test split is the\n"
+            "held-out comparison's), at the training budget:\n\n"
+        ) if c.results else ""
         report = f"\n{c.report.strip()}\n" if c.report.strip() else ""
         training = ""
         if c.training:
@@ -463,7 +467,7 @@ out = model.generate(**tok("...", return_tensors="pt"), past_key_values=cache, m
 
 ## Results
 
-| metric | value |
+{validated}| metric | value |
 |---|---|
 {results}
 {report}{training}"""
