@@ -8,8 +8,14 @@ Training scores TRIM-KV gates with *soft* eviction: every token stays visible, i
 within the budget. Inference evicts *hard*: each KV head keeps the ``budget`` tokens with the highest decayed
 score (``BudgetCache``). For windows of the *validation* essays (``prompt_tokens`` prompt, then ``new_tokens`` of the
 essay's own text, teacher-forced one decode step at a time) this prints, per gate set, the mean KL to the full
-cache over the continuation under both (a progress bar on stderr counts the windows). Gates whose training lowers
-the soft KL while the hard one rises are optimising something inference does not reward.
+cache over the continuation under both (a progress bar on stderr counts the windows), under a line naming the model
+and the device and dtype it ran in. Gates whose training lowers the soft KL while the hard one rises are optimising
+something inference does not reward.
+
+The model runs where ``--device`` says (``cpu``, ``cuda`` or ``cuda:N``) with its weights and cache in ``--dtype``;
+the defaults, the CPU in float32, are ``python -m eval ab``'s, and a GPU this machine lacks is refused in one
+sentence before anything loads. The gates score in float32 under soft eviction, as training runs them, and in the
+model's dtype under hard eviction, as inference does.
 """
 
 from __future__ import annotations
@@ -22,12 +28,13 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kvgates
+from eval.config import ABConfig
 from eval.fidelity import completion_fidelity, kl_divergence, make_batch, reference_logprobs
 from kvgates.cli import OneLineParser
 from kvgates.gates.training import GateTraining
 from kvgates.methods import method_of
 from kvgates.methods.trimkv import TrimKVMethod
-from kvgates.models import check_model_source, past_context
+from kvgates.models import DTYPES, check_model_source, device_and_dtype, past_context
 
 
 @dataclass
@@ -88,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--new-tokens", type=int, default=512, help="tokens of the essay teacher-forced after each prompt (default %(default)s)"
     )
+    parser.add_argument("--device", default=ABConfig.device, help="where the model runs: cpu, cuda or cuda:N (default %(default)s)")
+    parser.add_argument("--dtype", default=ABConfig.dtype, choices=DTYPES, help="the model's weights and cache (default %(default)s)")
     args = parser.parse_args(argv)
     for name, value in (("--budget", args.budget), ("--windows", args.windows), ("--prompt-tokens", args.prompt_tokens),
                         ("--new-tokens", args.new_tokens)):
@@ -99,14 +108,18 @@ def main(argv: list[str] | None = None) -> None:
             f"--budget {args.budget} keeps every token of a window (--prompt-tokens {args.prompt_tokens} + --new-tokens "
             f"{args.new_tokens} = {window}), so nothing is evicted; pass a budget below {window}"
         )
+    try:
+        device, dtype = device_and_dtype(args.device, args.dtype, prefix="--", command=parser.prog)
+    except ValueError as err:
+        parser.error(str(err))
     # Everything that can be checked without the model first: the adapters (readable, of a kind trained with soft
     # eviction) and the model's config; then the model, and each adapter against it, before any table line.
-    adapters = {name: kvgates.load_gates(name).to(torch.float32) for name in args.gates}
+    adapters = {name: kvgates.load_gates(name).to(device=device, dtype=torch.float32) for name in args.gates}
     for name, gates in adapters.items():
         if not soft_trained(gates):
             raise kvgates.AdapterError(f"{name} holds {gates.kind!r} gates, which are not trained with soft eviction (retention gates are)")
     check_model_source(args.model)
-    model, tokenizer = kvgates.load_model(args.model)
+    model, tokenizer = kvgates.load_model(args.model, dtype=dtype, device=device)
     past = past_context(model, args.model, args.prompt_tokens + args.new_tokens)
     if past is not None:
         parser.error(f"--prompt-tokens {args.prompt_tokens} and --new-tokens {args.new_tokens} {past}")
@@ -116,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         except kvgates.AdapterError as err:  # (it offers strict=False, an option this command does not have)
             raise kvgates.AdapterError(str(err).replace("; pass strict=False to attach them anyway", "")) from None
     texts = windows(tokenizer, args.windows, args.prompt_tokens + args.new_tokens)
+    print(f"KL to the full cache of {args.model} on {args.device} in {args.dtype}\n")
     print("| gates | budget | soft KL (training) | hard KL (inference) | per window (soft / hard) |\n|---|---|---|---|---|")
     for name, gates in adapters.items():
         # Each window teacher-forces new_tokens decode steps (tens of seconds on a CPU): a bar on stderr per gate set.

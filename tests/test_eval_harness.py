@@ -492,6 +492,8 @@ def test_cli_exits_non_zero_with_one_sentence_before_loading_a_model(tmp_path, c
         (["softhard", "--gates", "smollm2-135m-trimkv", "--windows", "0"], "--windows must be at least 1"),
         (["softhard", "--gates", "smollm2-135m-trimkv", "--budget", "5000"],
          "--budget 5000 keeps every token of a window (--prompt-tokens 1000 + --new-tokens 512 = 1512), so nothing is evicted"),
+        (["softhard", "--gates", "smollm2-135m-trimkv", "--device", "meta"], "--device meta: python -m eval softhard runs on cpu or cuda"),
+        (["softhard", "--gates", "smollm2-135m-trimkv", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     ],
 )
 def test_cli_user_errors_are_one_sentence_exit_2_and_leave_no_folder(tmp_path, capsys, monkeypatch, argv, message):
@@ -527,7 +529,8 @@ def test_softhard_help_says_every_option_and_its_default(capsys):
     neither a word nor their default."""
     assert _exit_status(lambda: main(["softhard", "--help"])) == 0
     options = capsys.readouterr().out.split("options:")[1]
-    for name, default in [("--budget", 128), ("--model", "smollm2-135m"), ("--windows", 3), ("--prompt-tokens", 1000), ("--new-tokens", 512)]:
+    for name, default in [("--budget", 128), ("--model", "smollm2-135m"), ("--windows", 3), ("--prompt-tokens", 1000), ("--new-tokens", 512),
+                          ("--device", "cpu"), ("--dtype", "float32")]:
         described = " ".join(options.split(name)[1].split("\n  -")[0].split())
         assert f"(default {default})" in described, name
 
@@ -563,6 +566,7 @@ def test_softhard_prints_a_row_per_gate_set_and_shows_its_progress(tmp_path, cap
     out, err = capsys.readouterr()
     table = [line for line in out.splitlines() if line.startswith("|")]
     assert len(table) == 3 and table[0].startswith("| gates | budget |") and table[2].startswith(f"| {tmp_path / 'gates'} | 8 |")
+    assert f"KL to the full cache of {checkpoint} on cpu in float32" in out.splitlines()  # what produced the table
     assert "0/2 [" in err and "window" in err, err  # the bar over 2 windows (leave=False: cleared when done)
 
 
@@ -577,6 +581,38 @@ def test_softhard_with_gates_for_another_model_offers_no_option_it_lacks(tmp_pat
     assert _exit_status(lambda: main(argv)) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("python -m eval softhard: these gates were trained for") and "strict" not in err
+
+
+def test_softhard_on_a_gpu_this_machine_lacks_is_one_sentence_before_anything_loads(monkeypatch, capsys):
+    """``--device`` is checked as ``kvgates generate --device`` and ``python -m eval ab``'s ``device`` are
+    (``kvgates.models.device_and_dtype``), before the adapters or the model load."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(kvgates, "load_gates", lambda *a, **k: pytest.fail("the adapter was loaded"))
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert _exit_status(lambda: main(["softhard", "--gates", "smollm2-135m-trimkv", "--device", "cuda"])) == 2
+    assert capsys.readouterr().err == (
+        "python -m eval softhard: --device cuda: this machine has no CUDA GPU that torch can use; use --device cpu "
+        "(see python -m eval softhard --help)\n"
+    )
+
+
+def test_softhard_loads_the_model_on_the_device_and_in_the_dtype_asked(tmp_path, monkeypatch):
+    """``--device`` and ``--dtype`` reach ``load_model``; the defaults are ``python -m eval ab``'s (cpu, float32)."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "model")
+    loads = []
+
+    class Loaded(Exception):
+        """Stops the command where the model would load: no model runs."""
+
+    def load_model(*args, **kwargs):
+        loads.append((args, kwargs))
+        raise Loaded
+
+    monkeypatch.setattr(kvgates, "load_model", load_model)
+    for flags, device, dtype in [([], "cpu", torch.float32), (["--device", "cpu", "--dtype", "bfloat16"], "cpu", torch.bfloat16)]:
+        with pytest.raises(Loaded):
+            main(["softhard", "--gates", "smollm2-135m-trimkv", "--model", str(checkpoint), *flags])
+        assert loads.pop() == ((str(checkpoint),), {"dtype": dtype, "device": torch.device(device)})
 
 def test_a_task_can_run_at_some_of_the_budgets(tmp_path):
     tasks = [{"task": "needle", "context_tokens": 120, "examples": 2}, {**TASKS[3], "budgets": [16]}]
