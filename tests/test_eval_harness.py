@@ -614,6 +614,7 @@ def test_softhard_loads_the_model_on_the_device_and_in_the_dtype_asked(tmp_path,
             main(["softhard", "--gates", "smollm2-135m-trimkv", "--model", str(checkpoint), *flags])
         assert loads.pop() == ((str(checkpoint),), {"dtype": dtype, "device": torch.device(device)})
 
+
 def test_a_task_can_run_at_some_of_the_budgets(tmp_path):
     tasks = [{"task": "needle", "context_tokens": 120, "examples": 2}, {**TASKS[3], "budgets": [16]}]
     config = small_config(tmp_path, tasks=tasks)
