@@ -307,6 +307,46 @@ def time_decode(model, cache, ids: torch.Tensor, steps: int, device, before_timi
     return time.perf_counter() - start
 
 
+def timed_steps(cache, steps: int) -> int:
+    """Decode steps to time ``cache`` over in a round: ``steps``, rounded up to a whole number of its policy's
+    eviction periods (``Schedule.slack``) where it evicts every few steps (amortised eviction), since any run of a
+    period's steps holds one eviction. (At ``--steps 8 --rounds 2 --slack 32`` the amortised rows decoded 20 tokens
+    and never evicted: their steps were steps without eviction.)"""
+    schedule = cache.policy.schedule if isinstance(cache, kvgates.BudgetCache) else None
+    period = schedule.slack if schedule is not None and schedule.decode_every else 1
+    return -(-steps // period) * period
+
+
+def periods_note(windows: dict[str, int], steps: int) -> str:
+    """What a decode table's title adds where some caches were timed over more than ``steps`` steps (``windows``:
+    each cache's ``timed_steps``): `` (40 for the caches that evict every few steps: whole eviction periods)``, or
+    nothing."""
+    longer = " or ".join(str(n) for n in sorted(set(windows.values()) - {steps}))
+    return f" ({longer} for the caches that evict every few steps: whole eviction periods)" if longer else ""
+
+
+def round_order(labels: list[str], r: int) -> list[str]:
+    """The arms of round ``r`` in the order they run: ``labels`` in even rounds, reversed in odd ones, so that a drift
+    across a round (a first round's costs fading, a device warming up) falls alike on every arm over two rounds, not
+    always on the first ones (the reference of every ratio)."""
+    return labels[::-1] if r % 2 else labels
+
+
+def decode_rounds(arms: dict[str, Any], rounds: int, step_ms: Callable[[str, Any], float], where: str = "") -> dict[str, list[float]]:
+    """``{label: its ms/step in each of the rounds}`` of the arms ``{label: arm}``: ``step_ms(label, arm)`` (one timed
+    decode of that arm) once per arm per round, interleaved, for ``rounds`` rounds after one untimed warm-up round (a
+    first round's allocations, autotuning and compilation stay out of the medians), every other round in reverse order
+    (``round_order``). Each measurement goes to stderr as it is taken, ``where`` (``, batch 8``) after its round."""
+    times: dict[str, list[float]] = {label: [] for label in arms}
+    for r in range(rounds + 1):
+        for label in round_order(list(arms), r):
+            ms = step_ms(label, arms[label])
+            if r:
+                times[label].append(ms)
+            print(f"  {f'round {r}/{rounds}' if r else 'warm-up round'}{where}: {label} {ms:.2f} ms/step", file=sys.stderr, flush=True)
+    return times
+
+
 def device_name(device: str) -> str:
     if str(device).startswith("cuda"):
         return torch.cuda.get_device_name(device)

@@ -27,10 +27,22 @@ compiles (``sync_free_decode``), labelled ``... captured`` (on the CPU the mode 
 from __future__ import annotations
 
 import statistics
-import sys
 from collections.abc import Callable
 
-from common import attached, bench_policy, crop_to, essay_ids, setup, short_context, time_decode, time_prefill
+from common import (
+    attached,
+    bench_policy,
+    crop_to,
+    decode_rounds,
+    essay_ids,
+    periods_note,
+    round_order,
+    setup,
+    short_context,
+    time_decode,
+    time_prefill,
+    timed_steps,
+)
 from decode_speed import AMORTISED, COMPILE_MODES, compiled_forward, make_policy, static_arms, time_compiled
 from hardware import peak_gbps
 from transformers import DynamicCache, StaticCache
@@ -49,23 +61,6 @@ def step_weight_bytes(model) -> int:
     output = model.get_output_embeddings()
     skip = None if output is not None and output.weight is embedding else embedding
     return sum(p.numel() * p.element_size() for p in model.parameters() if p is not skip)
-
-
-def timed_steps(cache, steps: int) -> int:
-    """Decode steps to time ``cache`` over in a round: ``steps``, rounded up to a whole number of its policy's
-    eviction periods (``Schedule.slack``) where it evicts every few steps (amortised eviction), since any run of a
-    period's steps holds one eviction. (At ``--steps 8 --rounds 2 --slack 32`` the amortised rows decoded 20 tokens
-    and never evicted: their steps were steps without eviction.)"""
-    schedule = cache.policy.schedule if isinstance(cache, kvgates.BudgetCache) else None
-    period = schedule.slack if schedule is not None and schedule.decode_every else 1
-    return -(-steps // period) * period
-
-
-def round_order(labels: list[str], r: int) -> list[str]:
-    """The arms of round ``r`` in the order they run: ``labels`` in even rounds, reversed in odd ones, so that a drift
-    across a round (a first round's costs fading, a device warming up) falls alike on every arm over two rounds, not
-    always on the first ones (DynamicCache + sdpa, the reference of every ratio)."""
-    return labels[::-1] if r % 2 else labels
 
 
 def held_bytes(cache) -> int:
@@ -132,24 +127,20 @@ def main() -> None:
                 caches[static] = time_prefill(model, make, ids[:, :budget], args.device)[1]
             sizes = {small: budget, "DynamicCache + sdpa": context}  # what DynamicCaches are cropped back to
             token = ids[:, :1]  # the first decode input (a step costs the same whatever the token)
-            times: dict[str, list[float]] = {label: [] for label in caches}
             held: dict[str, int] = {}
             windows = {label: timed_steps(cache, args.steps) for label, cache in caches.items()}
-            for r in range(args.rounds + 1):  # round 0 warms up, as the prefill's: a first round's costs stay out of the medians
-                for label in round_order(list(caches), r):
-                    cache = caches[label]
-                    crop_to(cache, sizes.get(label))
-                    with attached(model, cache):
-                        if label.endswith(CAPTURED):
-                            seconds = time_compiled(compiled, cache, token, windows[label], args.device)
-                        else:
-                            seconds = time_decode(model, cache, token, windows[label], args.device)
-                    step_ms = 1e3 * seconds / windows[label]
-                    if r:
-                        times[label].append(step_ms)
-                    held[label] = held_bytes(cache)
-                    print(f"  {f'round {r}/{args.rounds}' if r else 'warm-up round'}: {label} {step_ms:.2f} ms/step", file=sys.stderr, flush=True)
-            ms = {label: statistics.median(t) for label, t in times.items()}
+
+            def step_ms(label: str, cache) -> float:
+                crop_to(cache, sizes.get(label))
+                with attached(model, cache):
+                    if label.endswith(CAPTURED):
+                        seconds = time_compiled(compiled, cache, token, windows[label], args.device)
+                    else:
+                        seconds = time_decode(model, cache, token, windows[label], args.device)
+                held[label] = held_bytes(cache)
+                return 1e3 * seconds / windows[label]
+
+            ms = {label: statistics.median(t) for label, t in decode_rounds(caches, args.rounds, step_ms).items()}
             rows = []
             for label, t in ms.items():
                 roof = None if peak is None else 1e3 * (weights + held[label]) / (peak * 1e9)
@@ -158,10 +149,9 @@ def main() -> None:
                     f"{t / ms[small]:.2f}x", f"{t / ms['DynamicCache + sdpa']:.2f}x",
                     "-" if roof is None else f"{roof:.2f}", "-" if roof is None else f"{t / roof:.1f}x",
                 ])
-            longer = " or ".join(str(n) for n in sorted(set(windows.values()) - {args.steps}))
             table(
                 f"decode, context {context}, budget {budget}, batch {batch}: median ms/step of {args.rounds} rounds x {args.steps} steps"
-                + (f" ({longer} for the caches that evict every few steps: whole eviction periods)" if longer else ""),
+                + periods_note(windows, args.steps),
                 ["cache", "ms/step", f"vs DynamicCache {budget}", f"vs DynamicCache {context}", "roofline ms", "vs roofline"],
                 rows,
             )
