@@ -8,9 +8,10 @@ kvpress user pays after prefill-only compression). For each ``context:budget`` p
 1.00x), a DynamicCache of the full context, and a ``BudgetCache`` per policy (per-step evicting policies also
 with amortised eviction over ``--slack + 1`` steps). Batch > 1 repeats every prefilled cache
 (``batch_repeat_interleave``), in place, so each ``--batch`` is a multiple of the one before it (``--batch 1 8 32``).
-Every cache then decodes ``--steps`` greedy steps once per round, for ``--rounds`` interleaved rounds, so that
-drifts of a shared machine hit all caches alike; the table gives the median ms/step and its ratio to both
-DynamicCaches. The DynamicCaches are cropped back to their prompt before every round, so they keep their size;
+Every cache then decodes ``--steps`` greedy steps once per round (after two untimed ones), for ``--rounds``
+interleaved rounds after one untimed warm-up round (a first round's allocations, autotuning and compilation stay out
+of the medians), so that drifts of a shared machine hit all caches alike; the table gives the median ms/step and its
+ratio to both DynamicCaches. The DynamicCaches are cropped back to their prompt before every round, so they keep their size;
 budgeted caches of policies that do not evict during decode grow by the decoded tokens (which counts against
 them). Learned policies run with fresh gates of the model's shape (their cost does not depend on the weights).
 A policy may carry parameters, ``name:key=value,...`` (``--policies adakv adakv:ragged=false``).
@@ -161,7 +162,7 @@ def main() -> None:
         compile_mode="default",
     )
     compiled = compiled_forward(model, args.compile, args.compile_mode) if args.compile else None
-    decoded = len(args.batch) * args.rounds * (args.steps + 2)  # tokens a cache decodes in the run (static ones hold them)
+    decoded = len(args.batch) * (args.rounds + 1) * (args.steps + 2)  # tokens a cache decodes in the run (static ones hold them)
     for config in args.configs:
         context, budget = context_budget(config)
         ids = essay_ids(tokenizer, context, args.device)
@@ -192,7 +193,7 @@ def main() -> None:
                     cache.batch_repeat_interleave(batch // token.shape[0])
                     caches[label] = (cache, token.repeat_interleave(batch // token.shape[0], dim=0))
             times: dict[str, list[float]] = {label: [] for label in caches}
-            for r in range(args.rounds):
+            for r in range(args.rounds + 1):  # round 0 warms up: a first round's costs stay out of the medians
                 for label, (cache, token) in caches.items():
                     if label.startswith("DynamicCache"):
                         crop_to(cache, budget if label == f"DynamicCache {budget}" else context)
@@ -201,8 +202,11 @@ def main() -> None:
                             seconds = time_compiled(compiled, cache, token, args.steps, args.device)
                         else:
                             seconds = time_decode(model, cache, token, args.steps, args.device)
-                    times[label].append(1e3 * seconds / args.steps)
-                    print(f"  round {r + 1}/{args.rounds}, batch {batch}: {label} {times[label][-1]:.2f} ms/step", file=sys.stderr, flush=True)
+                    step_ms = 1e3 * seconds / args.steps
+                    if r:
+                        times[label].append(step_ms)
+                    name = f"round {r}/{args.rounds}" if r else "warm-up round"
+                    print(f"  {name}, batch {batch}: {label} {step_ms:.2f} ms/step", file=sys.stderr, flush=True)
             ms = {label: statistics.median(t) for label, t in times.items()}
             base, full = ms[f"DynamicCache {budget}"], ms[f"DynamicCache {context}"]
             print(f"\ncontext {context}, budget {budget}, batch {batch}: median of {args.rounds} rounds x {args.steps} steps")

@@ -284,21 +284,28 @@ def test_gpu_policies_bench_adds_captured_decode_rows():
     assert result.stdout.count("| h2o captured | ") == 2  # a prefill row and a decode row
 
 
-def _gpu_policies(monkeypatch, *args: str):
-    """``bench/gpu_policies.py`` as a module whose ``main()`` runs ``args`` on a one-layer random model, context 96,
-    budget 48, batch 1: to run in this process with its timings stubbed."""
+def _bench(monkeypatch, script: str, *args: str):
+    """``bench/SCRIPT.py`` as a module whose ``main()`` runs ``args`` on a one-layer random model: to run in this
+    process with its timings stubbed."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_gpu_policies", ROOT / "bench" / "gpu_policies.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{script}", ROOT / "bench" / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    argv = ["--model", "random", "--layers", "1", "--contexts", "96", "--budget", "48", "--batch", "1", *args]
-    monkeypatch.setattr(sys, "argv", ["gpu_policies.py", *argv])
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--model", "random", "--layers", "1", *args])
     return module
 
 
-def _decode_rows(out: str) -> dict[str, list[str]]:
-    """``{cache: [its cells]}`` of the decode tables in ``out``."""
-    rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.count("|") == 7 and not line.startswith(("| cache", "|---"))]
+def _gpu_policies(monkeypatch, *args: str):
+    """``_bench`` of ``bench/gpu_policies.py`` at context 96, budget 48, batch 1."""
+    return _bench(monkeypatch, "gpu_policies", "--contexts", "96", "--budget", "48", "--batch", "1", *args)
+
+
+def _decode_rows(out: str, columns: int = 6) -> dict[str, list[str]]:
+    """``{cache: [its cells]}`` of the decode tables of ``columns`` columns in ``out`` (the last table's where several
+    have a cache)."""
+    rows = [
+        line.strip("| ").split(" | ") for line in out.splitlines() if line.count("|") == columns + 1 and not line.startswith(("| cache", "|---"))
+    ]
     return {row[0]: row[1:] for row in rows}
 
 
@@ -358,6 +365,27 @@ def test_gpu_policies_runs_the_arms_in_reverse_order_every_other_round(monkeypat
     assert list(_decode_rows(out.out)) == ["DynamicCache 96", "h2o", "snapkv", "DynamicCache 48"]
     prefill = [line.split(" | ")[0] for line in out.out.splitlines() if line.startswith("| ") and line.count("|") == 4]
     assert prefill == ["| arm", "| DynamicCache + sdpa", "| h2o", "| snapkv"]
+
+
+def test_decode_speed_medians_leave_out_a_warm_up_round(monkeypatch, capsys):
+    """Each cache's first round at a batch size was one of the rounds its median took (on the CPU at --rounds 2,
+    snapkv's step at batch 2 was 48.0 and 25.9 ms in rounds 1 and 2, and 37.0 in the table, 1.44x the DynamicCaches')."""
+    module = _bench(monkeypatch, "decode_speed", "--configs", "96:48", "--batch", "1", "2", "--steps", "2", "--rounds", "2", "--slack", "0",
+                    "--policies", "h2o")
+    calls = collections.Counter()
+
+    def time_decode(model, cache, token, steps, device):  # 1000 ms/step in a cache's first round at a batch size, 4 in the others
+        calls[id(cache), token.shape[0]] += 1
+        return steps * (1.0 if calls[id(cache), token.shape[0]] == 1 else 0.004)
+
+    monkeypatch.setattr(module, "time_decode", time_decode)
+    module.main()
+    out = capsys.readouterr()
+    rows = _decode_rows(out.out, columns=4)
+    assert list(rows) == ["DynamicCache 48", "DynamicCache 96", "h2o"] and all(cells[0] == "4.0" for cells in rows.values()), out.out
+    assert out.out.count("| h2o | 4.0 | 1.00x | 1.00x |") == 2  # batch 1 and batch 2
+    assert sorted(calls.values()) == [3] * 6  # a warm-up round and two, per cache and batch
+    assert "  warm-up round, batch 2: h2o 1000.00 ms/step\n" in out.err and "  round 2/2, batch 2: h2o 4.00 ms/step\n" in out.err
 
 
 def _gpu_session(tmp_path: Path, *stages: str, seconds: str = "1500", cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
