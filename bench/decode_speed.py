@@ -10,11 +10,12 @@ with amortised eviction over ``--slack + 1`` steps). Batch > 1 repeats every pre
 (``batch_repeat_interleave``), in place, so each ``--batch`` is a multiple of the one before it (``--batch 1 8 32``).
 Every cache then decodes ``--steps`` greedy steps once per round (after two untimed ones), for ``--rounds``
 interleaved rounds after one untimed warm-up round (a first round's allocations, autotuning and compilation stay out
-of the medians), so that drifts of a shared machine hit all caches alike; the table gives the median ms/step and its
-ratio to both DynamicCaches. The DynamicCaches are cropped back to their prompt before every round, so they keep their size;
-budgeted caches of policies that do not evict during decode grow by the decoded tokens (which counts against
-them). Learned policies run with fresh gates of the model's shape (their cost does not depend on the weights).
-A policy may carry parameters, ``name:key=value,...`` (``--policies adakv adakv:ragged=false``).
+of the medians), every other round in reverse order (``common.decode_rounds``), so that drifts of a shared machine
+hit all caches alike; the table gives the median ms/step and its ratio to both DynamicCaches. The DynamicCaches are
+cropped back to their prompt before every round, so they keep their size; budgeted caches of policies that do not
+evict during decode grow by the decoded tokens (which counts against them). Learned policies run with fresh gates
+of the model's shape (their cost does not depend on the weights). A policy may carry parameters,
+``name:key=value,...`` (``--policies adakv adakv:ragged=false``).
 
 With ``--compile BACKEND`` (``inductor``; ``aot_eager`` only checks the graphs) the run adds compiled decode
 steps, ``torch.compile(model.forward, fullgraph=True, dynamic=False)`` (one graph per cache and batch size) with
@@ -31,12 +32,11 @@ compileable cache on CUDA; on the CPU the mode compiles as ``default`` does):
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
 import torch
-from common import attached, bench_policy, crop_to, essay_ids, policy_problem, setup, sync, time_decode
+from common import attached, bench_policy, crop_to, decode_rounds, essay_ids, policy_problem, setup, sync, time_decode
 from transformers import DynamicCache, StaticCache
 
 import kvgates
@@ -192,22 +192,19 @@ def main() -> None:
                         continue
                     cache.batch_repeat_interleave(batch // token.shape[0])
                     caches[label] = (cache, token.repeat_interleave(batch // token.shape[0], dim=0))
-            times: dict[str, list[float]] = {label: [] for label in caches}
-            for r in range(args.rounds + 1):  # round 0 warms up: a first round's costs stay out of the medians
-                for label, (cache, token) in caches.items():
-                    if label.startswith("DynamicCache"):
-                        crop_to(cache, budget if label == f"DynamicCache {budget}" else context)
-                    with attached(model, cache):
-                        if label.endswith("compiled"):
-                            seconds = time_compiled(compiled, cache, token, args.steps, args.device)
-                        else:
-                            seconds = time_decode(model, cache, token, args.steps, args.device)
-                    step_ms = 1e3 * seconds / args.steps
-                    if r:
-                        times[label].append(step_ms)
-                    name = f"round {r}/{args.rounds}" if r else "warm-up round"
-                    print(f"  {name}, batch {batch}: {label} {step_ms:.2f} ms/step", file=sys.stderr, flush=True)
-            ms = {label: statistics.median(t) for label, t in times.items()}
+
+            def step_ms(label: str, arm: tuple) -> float:
+                cache, token = arm
+                if label.startswith("DynamicCache"):
+                    crop_to(cache, budget if label == f"DynamicCache {budget}" else context)
+                with attached(model, cache):
+                    if label.endswith("compiled"):
+                        seconds = time_compiled(compiled, cache, token, args.steps, args.device)
+                    else:
+                        seconds = time_decode(model, cache, token, args.steps, args.device)
+                return 1e3 * seconds / args.steps
+
+            ms = {label: statistics.median(t) for label, t in decode_rounds(caches, args.rounds, step_ms, f", batch {batch}").items()}
             base, full = ms[f"DynamicCache {budget}"], ms[f"DynamicCache {context}"]
             print(f"\ncontext {context}, budget {budget}, batch {batch}: median of {args.rounds} rounds x {args.steps} steps")
             print(f"| cache | ms/step | vs DynamicCache {budget} | vs DynamicCache {context} |")

@@ -388,6 +388,20 @@ def test_decode_speed_medians_leave_out_a_warm_up_round(monkeypatch, capsys):
     assert "  warm-up round, batch 2: h2o 1000.00 ms/step\n" in out.err and "  round 2/2, batch 2: h2o 4.00 ms/step\n" in out.err
 
 
+def test_decode_speed_runs_the_caches_in_reverse_order_every_other_round(monkeypatch, capsys):
+    """Every round ran the caches in one order, the DynamicCache of the budget (every ratio's reference) first: a drift
+    across a round fell on the same caches in every round. The table keeps the caches' order."""
+    module = _bench(monkeypatch, "decode_speed", "--configs", "96:48", "--batch", "1", "--steps", "1", "--rounds", "2", "--slack", "0",
+                    "--policies", "h2o", "snapkv")
+    monkeypatch.setattr(module, "time_decode", lambda model, cache, token, steps, device: 1e-3 * steps)
+    module.main()
+    out = capsys.readouterr()
+    order = ["DynamicCache 48", "DynamicCache 96", "h2o", "snapkv"]
+    runs = [line.split(": ", 1)[1].rsplit(" ", 2)[0] for line in out.err.splitlines() if "round" in line and " ms/step" in line]
+    assert runs == order + order[::-1] + order  # the warm-up round and two
+    assert list(_decode_rows(out.out, columns=4)) == order
+
+
 def _gpu_session(tmp_path: Path, *stages: str, seconds: str = "1500", cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
     """``bench/gpu_session.sh STAGE...`` at toy sizes, its files in ``tmp_path``, run in ``cwd``; ``env`` overrides."""
     env = {**os.environ, "OUT": str(tmp_path), "GPU_SESSION_SMOKE": "1", "PYTHON": sys.executable, "GPU_SESSION_SECONDS": seconds, **env}
