@@ -6,7 +6,8 @@ A budgeted decode step should cost what a plain ``DynamicCache`` + sdpa step ove
 kvpress user pays after prefill-only compression). For each ``context:budget`` pair the script prefills
 ``context`` essay tokens once per cache at batch 1: a DynamicCache of ``budget`` tokens (the physical reference,
 1.00x), a DynamicCache of the full context, and a ``BudgetCache`` per policy (per-step evicting policies also
-with amortised eviction over ``--slack + 1`` steps). Batch > 1 repeats every prefilled cache
+with amortised eviction over ``--slack + 1`` steps, timed over ``--steps`` rounded up to whole eviction periods,
+``common.timed_steps``, so that a step carries its share of an eviction). Batch > 1 repeats every prefilled cache
 (``batch_repeat_interleave``), in place, so each ``--batch`` is a multiple of the one before it (``--batch 1 8 32``).
 Every cache then decodes ``--steps`` greedy steps once per round (after two untimed ones), for ``--rounds``
 interleaved rounds after one untimed warm-up round (a first round's allocations, autotuning and compilation stay out
@@ -36,7 +37,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from common import attached, bench_policy, crop_to, decode_rounds, essay_ids, policy_problem, setup, sync, time_decode
+from common import attached, bench_policy, crop_to, decode_rounds, essay_ids, periods_note, policy_problem, setup, sync, time_decode, timed_steps
 from transformers import DynamicCache, StaticCache
 
 import kvgates
@@ -192,6 +193,7 @@ def main() -> None:
                         continue
                     cache.batch_repeat_interleave(batch // token.shape[0])
                     caches[label] = (cache, token.repeat_interleave(batch // token.shape[0], dim=0))
+            windows = {label: timed_steps(cache, args.steps) for label, (cache, _) in caches.items()}
 
             def step_ms(label: str, arm: tuple) -> float:
                 cache, token = arm
@@ -199,14 +201,17 @@ def main() -> None:
                     crop_to(cache, budget if label == f"DynamicCache {budget}" else context)
                 with attached(model, cache):
                     if label.endswith("compiled"):
-                        seconds = time_compiled(compiled, cache, token, args.steps, args.device)
+                        seconds = time_compiled(compiled, cache, token, windows[label], args.device)
                     else:
-                        seconds = time_decode(model, cache, token, args.steps, args.device)
-                return 1e3 * seconds / args.steps
+                        seconds = time_decode(model, cache, token, windows[label], args.device)
+                return 1e3 * seconds / windows[label]
 
             ms = {label: statistics.median(t) for label, t in decode_rounds(caches, args.rounds, step_ms, f", batch {batch}").items()}
             base, full = ms[f"DynamicCache {budget}"], ms[f"DynamicCache {context}"]
-            print(f"\ncontext {context}, budget {budget}, batch {batch}: median of {args.rounds} rounds x {args.steps} steps")
+            print(
+                f"\ncontext {context}, budget {budget}, batch {batch}: median of {args.rounds} rounds x {args.steps} steps"
+                + periods_note(windows, args.steps)
+            )
             print(f"| cache | ms/step | vs DynamicCache {budget} | vs DynamicCache {context} |")
             print("|---|---:|---:|---:|")
             for label, t in ms.items():
