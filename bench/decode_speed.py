@@ -59,6 +59,13 @@ AMORTISED = {
 COMPILE_MODES = ["default", "reduce-overhead", "max-autotune-no-cudagraphs"]
 
 
+def compile_mode_problem(args) -> str | None:
+    """``--compile-mode`` without ``--compile`` (every row would run uncompiled), in one sentence, else None."""
+    if args.compile_mode != "default" and args.compile is None:
+        return f"--compile-mode {args.compile_mode} applies to compiled steps only; add --compile inductor (or aot_eager)"
+    return None
+
+
 def make_policy(model, name: str, budget: int, slack: int = 0) -> kvgates.Policy:
     """``name`` at ``budget`` (full: no budget), with amortised eviction when ``slack``."""
     return bench_policy(model, name, budget, **(AMORTISED[name.partition(":")[0]](slack) if slack else {}))
@@ -135,8 +142,8 @@ def context_budget(config: str) -> tuple[int, int]:
 
 
 def check(args) -> str | None:
-    """What is wrong with ``--configs``, ``--batch`` or a ``--policies`` entry at a ``--configs`` budget, in one
-    sentence, before the model loads (else None)."""
+    """What is wrong with ``--configs``, ``--batch``, a ``--policies`` entry at a ``--configs`` budget or
+    ``--compile-mode``, in one sentence, before the model loads (else None)."""
     for config in args.configs:
         try:
             budget = context_budget(config)[1]
@@ -153,7 +160,7 @@ def check(args) -> str | None:
                 f"--batch {' '.join(map(str, args.batch))}: each batch must be a multiple of the one before it (the caches are "
                 f"repeated in place from one to the next), and {batch} is not a multiple of {before}"
             )
-    return None
+    return compile_mode_problem(args)
 
 
 def main() -> None:

@@ -43,7 +43,7 @@ from common import (
     time_prefill,
     timed_steps,
 )
-from decode_speed import AMORTISED, COMPILE_MODES, compiled_forward, make_policy, static_arms, time_compiled
+from decode_speed import AMORTISED, COMPILE_MODES, compile_mode_problem, compiled_forward, make_policy, static_arms, time_compiled
 from hardware import peak_gbps
 from transformers import DynamicCache, StaticCache
 
@@ -76,9 +76,7 @@ def table(title: str, header: list[str], rows: list[list[str]]) -> None:
 
 def check(args) -> str | None:
     """What is wrong with the parsed options, in one sentence, else None (``setup``'s ``check``)."""
-    if args.compile_mode != "default" and args.compile is None:
-        return f"--compile-mode {args.compile_mode} applies to compiled steps only; add --compile inductor (or aot_eager)"
-    return short_context("--contexts", args.contexts, args.budget)
+    return compile_mode_problem(args) or short_context("--contexts", args.contexts, args.budget)
 
 
 def main() -> None:

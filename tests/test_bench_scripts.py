@@ -769,6 +769,9 @@ def test_a_bench_refuses_a_gpu_the_machine_lacks_in_one_sentence(monkeypatch, ca
          "--policies h2o:bogus=1 at --configs 160:32: policy 'h2o' has no parameter bogus"),
         # the caches are repeated in place: the table titled batch 1 was measured at batch 4
         ("decode_speed", ["--batch", "4", "1"], "--batch 4 1: each batch must be a multiple of the one before it"),
+        # ran every row uncompiled, with no compiled row and no word of why
+        ("decode_speed", ["--compile-mode", "max-autotune-no-cudagraphs"],
+         "--compile-mode max-autotune-no-cudagraphs applies to compiled steps only; add --compile inductor (or aot_eager)"),
         ("gpu_policies", ["--contexts", "96", "--budget", "128"], "--contexts 96 is less than --budget 128: nothing would be evicted"),
         # ran every row uncompiled, with no captured row and no word of why
         ("gpu_policies", ["--compile-mode", "reduce-overhead"],
