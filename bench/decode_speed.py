@@ -20,9 +20,10 @@ of the model's shape (their cost does not depend on the weights). A policy may c
 
 With ``--compile BACKEND`` (``inductor``; ``aot_eager`` only checks the graphs) the run adds compiled decode
 steps, ``torch.compile(model.forward, fullgraph=True, dynamic=False)`` (one graph per cache and batch size) with
-positions passed as generate() passes them: a transformers ``StaticCache`` holding the budget's tokens (the
-compiled reference) and, for every policy whose decode step compiles (``sync_free_decode``), a static
-``BudgetCache`` (``static=True``), with and without slack. Compare a policy's ``compiled`` row with its eager row.
+positions passed as generate() passes them: a transformers ``StaticCache`` holding the budget's tokens, with room
+for those a batch size decodes (the compiled reference; a new one at every batch size), and, for every policy whose
+decode step compiles (``sync_free_decode``), a static ``BudgetCache`` (``static=True``), with and without slack.
+Compare a policy's ``compiled`` row with its eager row.
 ``--compile-mode reduce-overhead`` captures each compiled step as a CUDA graph (what generate() does with a
 compileable cache on CUDA; on the CPU the mode compiles as ``default`` does):
 
@@ -170,7 +171,8 @@ def main() -> None:
         compile_mode="default",
     )
     compiled = compiled_forward(model, args.compile, args.compile_mode) if args.compile else None
-    decoded = len(args.batch) * (args.rounds + 1) * (args.steps + 2)  # tokens a cache decodes in the run (static ones hold them)
+    per_batch = (args.rounds + 1) * (args.steps + 2)  # tokens a cache decodes at one batch size (a warm-up round; 2 untimed a round)
+    decoded = len(args.batch) * per_batch  # and in the run (a static BudgetCache, repeated from batch to batch, holds them)
     for config in args.configs:
         context, budget = context_budget(config)
         ids = essay_ids(tokenizer, context, args.device)
@@ -185,19 +187,20 @@ def main() -> None:
                     model.config, make_policy(model, name, budget, args.slack)
                 )
         if compiled is not None:
-            runs[f"StaticCache {budget} compiled"] = lambda: StaticCache(config=model.config, max_cache_len=budget + decoded)
+            runs[f"StaticCache {budget} compiled"] = lambda: StaticCache(config=model.config, max_cache_len=budget + per_batch)
             policies = [label for label in runs if not label.startswith(("DynamicCache", "StaticCache"))]
             runs.update(static_arms(model, policies, budget, decoded, " compiled"))
         caches = {}
         for label, make in runs.items():
             prompt = ids[:, :budget] if label in (f"DynamicCache {budget}", f"StaticCache {budget} compiled") else ids
             caches[label] = prefilled(model, make, prompt)
-        for batch in args.batch:
-            if batch > 1:
-                for label, (cache, token) in caches.items():
-                    if isinstance(cache, StaticCache):  # its layers cannot repeat their batch: prefill a new one
-                        caches[label] = prefilled(model, runs[label], ids[:, :budget].expand(batch, -1))
-                        continue
+        for n, batch in enumerate(args.batch):
+            for label, (cache, token) in caches.items():
+                # A StaticCache's layers cannot repeat their batch, and it has room for one batch size's decoded tokens
+                # (every step attends over all its slots): a new one at every batch but a first batch of 1.
+                if isinstance(cache, StaticCache) and (n or batch > 1):
+                    caches[label] = prefilled(model, runs[label], ids[:, :budget].expand(batch, -1))
+                elif not isinstance(cache, StaticCache) and batch > 1:
                     cache.batch_repeat_interleave(batch // token.shape[0])
                     caches[label] = (cache, token.repeat_interleave(batch // token.shape[0], dim=0))
             windows = {label: timed_steps(cache, args.steps) for label, (cache, _) in caches.items()}

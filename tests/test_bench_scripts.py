@@ -417,6 +417,27 @@ def test_decode_speed_times_an_amortised_cache_over_whole_eviction_periods(monke
     assert "median of 1 rounds x 6 steps (10 for the caches that evict every few steps: whole eviction periods)\n" in out
 
 
+def test_decode_speed_sizes_the_compiled_static_cache_for_one_batch(monkeypatch, capsys):
+    """The compiled reference, a StaticCache prefilled anew at every batch size, had room for the tokens of every batch
+    size's rounds, and every step attends over all its slots: at the defaults (batch 1 and 8) the 'StaticCache 256'
+    row held 364 slots. It now has the budget's and one batch size's: a warm-up round and ``--rounds``, each
+    ``--steps`` and two untimed, in a new cache at every batch (``--batch 1 1 2``: not the first one's again)."""
+    module = _bench(monkeypatch, "decode_speed", "--configs", "96:48", "--batch", "1", "1", "2", "--steps", "3", "--rounds", "2",
+                    "--slack", "0", "--policies", "h2o", "--compile", "aot_eager")
+    seen = {}
+
+    def time_compiled(forward, cache, token, steps, device):
+        if isinstance(cache, module.StaticCache):
+            seen.setdefault(id(cache), (cache, token.shape[0], cache.get_max_length()))
+        return 1e-3 * steps
+
+    monkeypatch.setattr(module, "time_compiled", time_compiled)
+    monkeypatch.setattr(module, "time_decode", lambda model, cache, token, steps, device: 1e-3 * steps)
+    module.main()
+    assert [(batch, slots) for _, batch, slots in seen.values()] == [(1, 48 + 3 * 5), (1, 48 + 3 * 5), (2, 48 + 3 * 5)]
+    assert capsys.readouterr().out.count("| StaticCache 48 compiled | ") == 3
+
+
 def _gpu_session(tmp_path: Path, *stages: str, seconds: str = "1500", cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
     """``bench/gpu_session.sh STAGE...`` at toy sizes, its files in ``tmp_path``, run in ``cwd``; ``env`` overrides."""
     env = {**os.environ, "OUT": str(tmp_path), "GPU_SESSION_SMOKE": "1", "PYTHON": sys.executable, "GPU_SESSION_SECONDS": seconds, **env}
