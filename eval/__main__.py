@@ -14,7 +14,8 @@ them without loading the model; ``--fresh`` starts over) and writes ``results.js
 the output folder. ``--report-only`` writes them from the results journalled so far, without loading the model (the
 progress of a long run); a folder with no results yet is an error. ``seconds`` in ``results.json`` is the wall time
 of the invocations that computed, summed: a re-run adds its own, ``--report-only`` adds nothing, ``--fresh`` starts
-from zero. Every user error is one sentence on stderr and exit status 2, leaving no empty output folder. Configs
+from zero. Every user error is one sentence on stderr and exit status 2, leaving no empty output folder; Ctrl-C ends
+a run with status 130 and a line naming the journal the same command resumes from, not a traceback. Configs
 write under ``outputs/`` (git-ignored); the committed reports under ``docs/`` are regenerated only on purpose, by
 naming them: ``--out docs/reference``.
 """
@@ -28,12 +29,18 @@ from pathlib import Path
 
 import kvgates
 from eval.config import ABConfig, ConfigError
-from kvgates.cli import OneLineParser, usage_error
+from kvgates.cli import OneLineParser, quiet_exits, usage_error
 from kvgates.config import check_output_folder
 from kvgates.models import check_model_source
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command's exit status: 0, 2 for a user error (one sentence on stderr), 130 for Ctrl-C and 141 for a reader
+    that left early (``kvgates.cli.quiet_exits``: no traceback)."""
+    return quiet_exits(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     parser = OneLineParser(prog="python -m eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     ab = commands.add_parser("ab", help="A/B evaluation of policies and gate adapters at matched KV memory")
@@ -77,6 +84,15 @@ def main(argv: list[str] | None = None) -> int:
         if out is not None and made and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # a run stopped before its first result leaves no empty folder
         return usage_error("python -m eval ab", err)
+    except KeyboardInterrupt:  # Ctrl-C: what the run keeps, not the traceback of wherever it was
+        from eval.runner import JOURNAL
+
+        if out is not None and made and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        elif out is not None and (out / JOURNAL).is_file():
+            print(f"python -m eval ab: interrupted; the results journalled in {out / JOURNAL} are kept, and the same command "
+                  "resumes from them", file=sys.stderr)
+        raise
     # The command that reproduces these results (what --fresh/--report-only did is not part of them).
     flags = ["--config", args.config] + ["--quick"] * args.quick + (["--out", args.out] if args.out else [])
     command = "python -m eval ab " + shlex.join(flags + args.overrides)

@@ -393,19 +393,32 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.utils.logging.set_verbosity_error()  # library notices and progress bars are not for the command line
     transformers.utils.logging.disable_progress_bar()
+    def run() -> int:
+        try:
+            return commands[argv[0]](argv[1:])
+        except (ValueError, OSError) as err:  # bad parameters, AdapterError, UnsupportedModelError, a model that cannot load
+            if isinstance(err, BrokenPipeError):
+                raise
+            message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            print(f"kvgates: {message}", file=sys.stderr)
+            return USAGE_ERROR
+
+    return quiet_exits(run)
+
+
+def quiet_exits(command: typing.Callable[[], int]) -> int:
+    """``command()``'s exit status, where a reader that left early (``... | head``) ends it with SIGPIPE's status
+    (``BROKEN_PIPE``) and Ctrl-C with SIGINT's (``INTERRUPTED``), quietly, as a tool those signals end: not a
+    traceback of wherever the work was. A command says on stderr what an interruption leaves before it re-raises."""
     try:
-        code = commands[argv[0]](argv[1:])
+        code = command()
         sys.stdout.flush()  # a closed pipe is found here, not at exit
         return code
-    except BrokenPipeError:  # the reader left early (kvgates ... | head): stop quietly, as a tool SIGPIPE ends
+    except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
         return BROKEN_PIPE
-    except KeyboardInterrupt:  # Ctrl-C (during a long prompt, say): stop quietly, as a tool SIGINT ends, not a traceback
+    except KeyboardInterrupt:
         return INTERRUPTED
-    except (ValueError, OSError) as err:  # bad parameters, AdapterError, UnsupportedModelError, a model that cannot load
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"kvgates: {message}", file=sys.stderr)
-        return USAGE_ERROR
 
 
 if __name__ == "__main__":

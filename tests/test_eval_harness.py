@@ -24,6 +24,7 @@ from eval.fidelity import first_false, kl_divergence, make_batch, perplexity, st
 from eval.report import read_record, write_report
 from eval.runner import JOURNAL, check_context, run_ab
 from eval.tasks import build_examples
+from kvgates.cli import INTERRUPTED
 
 TASKS = [
     {"task": "needle", "context_tokens": [120, 200], "examples": 2},
@@ -1072,3 +1073,34 @@ def test_completion_fidelity_never_prefills_a_one_token_piece(tiny):
     finally:
         handle.remove()
     assert calls == [8, 9, 1, 1]
+
+
+@pytest.mark.parametrize("journalled", [True, False])
+def test_ctrl_c_during_an_ab_run_ends_it_quietly_and_says_what_it_kept(tmp_path, monkeypatch, capsys, journalled):
+    """Ctrl-C during ``python -m eval ab`` printed the traceback of wherever the run was (tens of lines); it now ends
+    with SIGINT's status and one line naming the journal the same command resumes from, and a run stopped before its
+    first result leaves no empty folder."""
+    out = tmp_path / "out"
+
+    def interrupted(config, **kwargs):
+        out.mkdir(exist_ok=True)
+        if journalled:
+            (out / JOURNAL).write_text("{}\n")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner_module, "run_ab", interrupted)
+    path = tmp_path / "c.yaml"
+    model = str(save_tiny_checkpoint(tmp_path / "model"))
+    path.write_text(yaml.safe_dump({"arms": ["h2o"], "budgets": [16], "tasks": [TASKS[3]], "output_dir": str(out), "model": model}))
+    assert main(["ab", "--config", str(path)]) == INTERRUPTED
+    expected = (f"python -m eval ab: interrupted; the results journalled in {out / JOURNAL} are kept, and the same command "
+                "resumes from them\n") if journalled else ""
+    captured = capsys.readouterr()  # (stderr also holds the checks' progress bars)
+    assert captured.err.endswith(expected) and "Traceback" not in captured.err + captured.out
+    assert ("interrupted" in captured.err) == journalled and out.exists() == journalled
+
+
+def test_ctrl_c_during_softhard_ends_it_quietly(monkeypatch, capsys):
+    monkeypatch.setattr(kvgates, "load_gates", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert main(["softhard", "--gates", "smollm2-135m-trimkv"]) == INTERRUPTED
+    assert capsys.readouterr() == ("", "")
