@@ -364,6 +364,8 @@ def _local_or_hub(name_or_path: str) -> str:
     _refuse_gate_adapter(name_or_path)
     looks_local = path.exists() or path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1
     if looks_local:
+        if not path.exists():  # a mistyped path: "no config.json there" would read as if the folder were found
+            raise UnsupportedModelError(f"{name_or_path} does not exist; {choices}")
         if not (path / "config.json").is_file():
             raise UnsupportedModelError(f"{name_or_path} is not a model folder (no config.json there); {choices}")
         return name_or_path

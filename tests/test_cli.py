@@ -223,6 +223,7 @@ def bad_models(tmp_path_factory):
         (["--policy", "kvzip", "--budget", "8", "--repeat-ids", "5,x", "--prompt", "x"],
          "--repeat-ids: expected whole numbers separated by commas, got '5,x'"),
         (["--model", "EMPTY", "--prompt", "x"], "is not a model folder (no config.json there)"),
+        (["--model", "MISSING", "--prompt", "x"], "/no-such-model does not exist; pass a model folder"),  # was "is not a model folder"
         (["--model", "", "--prompt", "x"], "the model name is empty; pass a model folder"),  # was " is not a model folder"
         # An adapter given as the model: 'not in the local Hugging Face cache and the Hub cannot be reached', and
         # 'the model config of ... cannot be read (Unrecognized model ...)'.
@@ -237,7 +238,8 @@ def bad_models(tmp_path_factory):
 def test_bad_input_is_one_clear_error(checkpoint, foreign_gates, bad_models, tmp_path, capsys, argv, message):
     if "BINARY" in argv:
         (tmp_path / "prompt.bin").write_bytes(b"\xff\xfe hello")
-    argv = [{"FOREIGN": foreign_gates, "EMPTY": str(tmp_path), "BINARY": str(tmp_path / "prompt.bin"), **bad_models}.get(a, a) for a in argv]
+    paths = {"FOREIGN": foreign_gates, "EMPTY": str(tmp_path), "MISSING": str(tmp_path / "no-such-model"), "BINARY": str(tmp_path / "prompt.bin")}
+    argv = [{**paths, **bad_models}.get(a, a) for a in argv]
     if "--model" not in argv:
         argv = ["--model", checkpoint, *argv]
     assert run(["generate", *argv]) == USAGE_ERROR  # every user error: the same status

@@ -108,7 +108,7 @@ def test_the_embedded_models_skeleton_keeps_its_short_name_without_converting_it
     assert not (tmp_path / "home" / "models").exists()
     assert {n: p.shape for n, p in fresh.named_parameters()} == {n: p.shape for n, p in embedded.named_parameters()}
     assert context_length(fresh) == 8192 and embedded_name_of(fresh) == "smollm2-135m"
-    with pytest.raises(UnsupportedModelError, match="not a model folder"):
+    with pytest.raises(UnsupportedModelError, match="nothing-here does not exist"):
         models.model_skeleton(str(tmp_path / "nothing-here"))
 
 
