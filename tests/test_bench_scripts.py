@@ -521,9 +521,12 @@ def test_gpu_session_smoke_takes_the_gpus_paths_in_the_first_calls_and_collects_
     assert result.returncode == 0, (tmp_path / "out" / "session.log").read_text()
     lines = calls.read_text().splitlines()
     policies = [line for line in lines if " bench/gpu_policies.py " in line or " bench/policy_profile.py " in line]
-    assert len(policies) == 6 and all(line.startswith("triton 1 ") for line in policies), lines  # changed, sdpa, 16k, b8, profile, tuned
-    assert any(" -m pytest " in line and line.endswith(
-        " --collect-only tests/test_kernels.py tests/test_seed_policies.py tests/test_runtime_on_kernels.py") for line in lines), lines
+    assert len(policies) == 6 and all(line.startswith("triton 1 ") for line in policies), lines  # changed, triton, b8, 16k, profile, tuned
+    # The kernels' tests, then the five that failed on stop 60's H200 for the machine (by node id: one renamed fails the
+    # collection, and the stage).
+    assert any(" -m pytest " in line and " --collect-only tests/test_kernels.py tests/test_seed_policies.py tests/test_runtime_on_kernels.py "
+               "tests/test_gates.py::test_a_hub_id_is_refused_at_once_when_the_hub_cannot_be_reached " in line
+               and line.endswith("::test_generate_with_chunked_prefill_compiles_only_the_decode_steps_of_a_static_cache") for line in lines), lines
     # The limits, a GPU's seconds, doubled: the interpreter runs those kernels (prefill-b8 took 66 s of its 90 on the CPU).
     log = (tmp_path / "out" / "session.log").read_text()
     assert ", limit 180 s): env KVGATES_KERNELS=triton KVGATES_LAUNCH_BOUND=1 " in log[log.index("=== prefill-b8 (") :].splitlines()[0]
