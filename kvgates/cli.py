@@ -393,12 +393,13 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.utils.logging.set_verbosity_error()  # library notices and progress bars are not for the command line
     transformers.utils.logging.disable_progress_bar()
+
     def run() -> int:
         try:
             return commands[argv[0]](argv[1:])
+        except BrokenPipeError:  # (an OSError, but quiet_exits' to end)
+            raise
         except (ValueError, OSError) as err:  # bad parameters, AdapterError, UnsupportedModelError, a model that cannot load
-            if isinstance(err, BrokenPipeError):
-                raise
             message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             print(f"kvgates: {message}", file=sys.stderr)
             return USAGE_ERROR

@@ -610,8 +610,8 @@ def _prefill_config(d: int, dtype: torch.dtype, device: torch.device) -> dict[st
     interpreter, so that short test prompts span several of them. Rows wider than 256 bytes (float32 at head dim 128)
     get half the tiles and two stages: the large ones need 225 KiB of shared memory, more than an A100 has
     (``bench/triton_compile.py``). ``KVGATES_PREFILL_CONFIG`` (``PREFILL_CONFIG_ENV``) overrides any of them, and its
-    ``"attention"`` (``cfg["attention"]``, ``_default_attention``'s by default) ``"sdpa"`` has torch's fused attention
-    run in place of the forward, ``"triton"`` the forward."""
+    ``"attention"`` (``cfg["attention"]``; by default ``_default_attention``'s) chooses torch's fused attention
+    (``"sdpa"``) or the Triton forward (``"triton"``)."""
     if device.type != "cuda":
         forward, columns = (32, 16, 4, 1), (16, 16, 4, 1)
     elif d * dtype.itemsize > 256:
