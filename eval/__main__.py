@@ -80,19 +80,17 @@ def _main(argv: list[str] | None) -> int:
         if not args.report_only and (args.fresh or missing_results(config)):  # a complete journal needs no model
             check_model_source(config.model)
         results = run_ab(config, resume=not args.fresh, compute=not args.report_only)
-    except (ConfigError, kvgates.AdapterError, kvgates.UnsupportedModelError) as err:
-        if out is not None and made and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()  # a run stopped before its first result leaves no empty folder
-        return usage_error("python -m eval ab", err)
-    except KeyboardInterrupt:  # Ctrl-C: what the run keeps, not the traceback of wherever it was
+    except (ConfigError, kvgates.AdapterError, kvgates.UnsupportedModelError, KeyboardInterrupt) as err:
         from eval.runner import JOURNAL
 
         if out is not None and made and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
-        elif out is not None and (out / JOURNAL).is_file():
+            out.rmdir()  # a run stopped before its first result leaves no empty folder
+        elif isinstance(err, KeyboardInterrupt) and out is not None and (out / JOURNAL).is_file():
             print(f"python -m eval ab: interrupted; the results journalled in {out / JOURNAL} are kept, and the same command "
                   "resumes from them", file=sys.stderr)
-        raise
+        if isinstance(err, KeyboardInterrupt):  # Ctrl-C: what the run keeps, not the traceback (quiet_exits ends it)
+            raise
+        return usage_error("python -m eval ab", err)
     # The command that reproduces these results (what --fresh/--report-only did is not part of them).
     flags = ["--config", args.config] + ["--quick"] * args.quick + (["--out", args.out] if args.out else [])
     command = "python -m eval ab " + shlex.join(flags + args.overrides)
