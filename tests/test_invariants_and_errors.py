@@ -545,3 +545,36 @@ def test_a_reset_cache_warns_of_a_new_turn_again(tiny):
             for _ in range(2):
                 model(torch.randint(3, 100, (1, 20), generator=g), past_key_values=cache)
     assert sum("after decoding began" in str(w.message) for w in seen) == 2
+
+
+def in_slot_order(layer) -> bool:
+    """Whether each head's tokens are its first slots, in ascending position order (``in_position_order``'s claim)."""
+    pos = layer.pos
+    valid = pos >= 0
+    prefix = (valid[..., 1:] <= valid[..., :-1]).all()  # no token after a free slot
+    ascending = ((pos[..., 1:] > pos[..., :-1]) | ~valid[..., 1:]).all()
+    return bool(prefix and ascending)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_layer_said_to_be_in_position_order_is(tiny, name, padded):
+    # Whenever a layer says that its slots hold its tokens first, in position order (what KVMerger then skips sorting
+    # slots by), they do: after the prompt (with left padding, or without), every decode step and a second turn.
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, 50), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :4] = 0
+    said = []
+    with policy_on(model, name, 10) as policy, torch.no_grad():
+        cache = BudgetCache(model.config, policy)
+        for a, z in [(0, 30)] + [(t, t + 1) for t in range(30, 40)] + [(40, 45)] + [(t, t + 1) for t in range(45, 50)]:
+            model(ids[:, a:z], attention_mask=mask[:, :z], past_key_values=cache)
+            for layer in cache.budget_layers:
+                said.append(layer.in_position_order)
+                assert not layer.in_position_order or in_slot_order(layer), (a, z, layer)
+            if a == 0 and not padded:  # a prompt without padding into empty storage: known in order whatever evicted
+                assert all(layer.in_position_order for layer in cache.budget_layers)
+    if padded and name == "full":  # padding in storage, never compacted: never known to be in order
+        assert not any(said)

@@ -587,6 +587,54 @@ def test_kvmerger_s_prompt_eviction_on_a_gpu_s_path_reads_back_less_and_merges_a
         torch.testing.assert_close(a.values, b.values)
 
 
+@pytest.mark.parametrize("bound", [False, True])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_kvmerger_skips_sorting_slots_the_layer_knows_are_in_position_order(batch, bound, monkeypatch):
+    """After a prompt without padding the layer knows its slots hold positions in order (``in_position_order``):
+    KVMerger's selection then neither sorts nor permutes slots, on the CPU's path or a GPU's (which wrote every slot
+    through the permutation), and each layer ends as it would after sorting. A second turn after the eviction (slots
+    compacted in order, then appended: a chunked prompt) skips it too."""
+    from kvgates.kernels.host import LAUNCH_BOUND_ENV
+    from kvgates.runtime.storage import SlotStorage
+
+    if bound:
+        monkeypatch.setenv(LAUNCH_BOUND_ENV, "1")
+    _, model = tiny_model("llama", num_hidden_layers=3)
+    ids = torch.randint(1, 128, (batch, 120), generator=torch.Generator().manual_seed(5))
+    caches, sorts = {}, {}
+    for known in (True, False):
+        if not known:  # as if the host did not know: sorted and permuted
+            monkeypatch.setattr(SlotStorage, "in_position_order", property(lambda self: False))
+        caches[known] = BudgetCache(model.config, "kvmerger", budget=24, window=4, heavy=2)
+        with torch.no_grad(), Launches() as launches:
+            model(ids[:, :96], past_key_values=caches[known])
+            model(ids[:, 96:], past_key_values=caches[known])
+        sorts[known] = launches.ops["sort"]
+    assert sorts[False] - sorts[True] == 2 * 3, sorts  # KVMerger's sort, a layer and a turn
+    for a, b in zip(caches[True].budget_layers, caches[False].budget_layers):
+        assert torch.equal(a.pos, b.pos) and int(a.held().max()) <= 24
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
+
+
+def test_a_write_from_outside_the_layer_loses_its_position_order():
+    """``in_position_order`` holds with the ``pos`` tensor's version: a write the layer did not make (a test's, a
+    caller's) drops it; the layer's appending writes keep it, under ``torch.inference_mode`` too (no version counter)."""
+    policy = make_policy("kvmerger", budget=32)
+    layer = make_layer(policy, torch.full((1, 2, 4), -1, dtype=torch.int64))
+    assert not layer.in_position_order  # make_layer wrote positions itself
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            cache = BudgetCache(layer.cache.config, policy)
+            k = torch.randn(1, 2, 5, 8)
+            fresh = cache.layers[0]
+            fresh.lazy_initialization(k, k)
+            fresh.insert(k, k, torch.arange(5)[None], all_real=True)
+            assert fresh.in_position_order
+            fresh.insert(k[:, :, :1], k[:, :, :1], torch.tensor([[-1]]))  # padding
+            assert not fresh.in_position_order
+
+
 @pytest.mark.parametrize("per_group", [5, 2])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("name", ["d2o", "dynamickv"])

@@ -328,11 +328,11 @@ class KVMerger(CumulativeAttention):
         """Merge the mergeable tokens of ``layer`` in place; return the keep mask (protected tokens + pivots)."""
         (_, k, v, pos), = layer.head_views()
         protected = self.protected(layer) & layer.valid
-        order = torch.argsort(torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max), dim=-1, stable=True)
-        # After a prompt forward into empty storage the slots already hold positions in order: nothing to permute. (On a
-        # GPU, permuting costs less than reading that back: launch_bound.)
+        # After a prompt forward into empty storage, or an eviction that compacted, the slots hold positions in order
+        # and the host knows it: nothing to sort or permute.
+        in_order = layer.in_position_order
+        order = None if in_order else torch.argsort(torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max), dim=-1, stable=True)
         fewer_reads = kernels_launch_bound(k.device)
-        in_order = not fewer_reads and bool((order == torch.arange(order.shape[-1], device=order.device)).all())
 
         def gather(t: torch.Tensor) -> torch.Tensor:  # slot order -> position order
             if in_order:
@@ -349,7 +349,10 @@ class KVMerger(CumulativeAttention):
         # On a GPU every slot is written, so that nothing is read back to list the pivots (on the CPU, the pivots alone).
         if fewer_reads:
             for store, merged in ((k, merged_k), (v, merged_v)):
-                store.scatter_(2, order[..., None].expand_as(merged), merged.to(store.dtype))
+                if in_order:
+                    store.copy_(merged)
+                else:
+                    store.scatter_(2, order[..., None].expand_as(merged), merged.to(store.dtype))
         else:
             rows, heads, tokens = is_pivot.nonzero(as_tuple=True)
             slot = tokens if in_order else order[rows, heads, tokens]

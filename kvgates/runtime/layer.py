@@ -131,6 +131,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.state_init = on_device(init, self.device, torch.float32)
         self.slot_data = torch.zeros((b, hkv, 0, offset), dtype=torch.float32, device=self.device)
         self._derived = {}
+        self._mark_order(True)  # (nothing held)
         self.is_initialized = True
 
     def update(
@@ -176,6 +177,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         per-slot state, the quota and the tensors of every policy's layer state."""
         if not self.is_initialized:
             return
+        ordered = self.in_position_order  # each sequence's slots stay as they were
         self.keys, self.values, self.pos, self.slot_data = (
             fn(self.keys), fn(self.values), fn(self.pos), fn(self.slot_data)
         )
@@ -185,6 +187,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             state.select_batch(fn)
         self.batch_size = self.keys.shape[0]
         self._derived, self.held_over_quota = {}, None
+        self._mark_order(ordered)
         if self.static:  # new tensors: mark them as static addresses again
             self.settle(self.max_slots)
 

@@ -9,7 +9,10 @@ per-slot policy state are small and kept padded to ``[B, H_kv, max_slots]``; a p
 ``j >= head_slots[h]`` does not exist and always reads as empty.
 
 A slot is *valid* when its position is ``>= 0``. Positions never shift, and slot order says nothing about token
-order: policies read positions, never slot indices.
+order: policies read positions, never slot indices. Where the host knows better, ``in_position_order`` says so:
+after a prompt without padding is written into empty storage, and after an eviction that compacts (the kept tokens
+go to the front of each head, in position order), each head's tokens are its first slots in position order until
+a write that does not append (padding, moving tokens into holes, a static decode step) or one from outside.
 
 Packed layout. The layer keeps, on the host, ``fill`` (per head: slots ``>= fill[h]`` are free) and ``packed``
 (every slot below ``fill[h]`` is valid, for every sequence). Evictions compact the kept tokens to the front of
@@ -121,6 +124,30 @@ class SlotStorage:
             self._derived["valid"] = held
         return held[2]
 
+    @property
+    def in_position_order(self) -> bool:
+        """Whether the host knows that the tokens of each head of each sequence are its first slots, in ascending
+        position order, and its other slots are free (a policy that reads tokens in position order may then skip
+        sorting slots by position).
+
+        Set by the writes that keep it (``insert`` appending tokens without padding to storage in order, storage
+        growing, a batch selection) and by a compacting ``evict``; any other write loses it, one from outside the
+        layer too: the mark is kept with the ``pos`` tensor and its version counter (as ``valid`` is), and holds
+        only while both are unchanged. (Tensors made under ``torch.inference_mode`` have no counter: there the
+        layer's own writes that break the order drop the mark, and writes from outside are not seen.) Positions
+        are taken to ascend within a forward and past those held, as a causal model's positions do."""
+        mark = self._derived.get("ordered")
+        pos = self.pos
+        return mark is not None and mark[0] is pos and (pos.is_inference() or mark[1] == pos._version)
+
+    def _mark_order(self, ordered: bool) -> None:
+        """Record whether each head's tokens are its first slots in position order (``in_position_order``), as of
+        the ``pos`` tensor's present version."""
+        if ordered:
+            self._derived["ordered"] = (self.pos, None if self.pos.is_inference() else self.pos._version)
+        else:
+            self._derived.pop("ordered", None)
+
     def exists(self) -> torch.Tensor:
         """``[H_kv, max_slots]`` padded slot indices that exist in each head's storage."""
         if "exists" not in self._derived:
@@ -164,7 +191,7 @@ class SlotStorage:
     def _grow(self, extra: int) -> None:
         """Add ``extra`` empty slots after every head's slots: slice copies of the held storage (each head's
         segment followed by its new slots), no relayout, ragged or uniform."""
-        b = self.batch_size
+        b, ordered = self.batch_size, self.in_position_order
 
         def spaced(flat: torch.Tensor) -> torch.Tensor:
             """Flat ``[B, S, D]`` storage with ``extra`` zero slots after each head's segment."""
@@ -182,6 +209,7 @@ class SlotStorage:
         self.head_slots = [c + extra for c in self.head_slots]
         self.free_floor += extra
         self._derived = {}
+        self._mark_order(ordered)  # free slots after each head's own
 
     def _growth(self, missing: int, n: int) -> int:
         """Slots to add when ``n`` new tokens lack ``missing`` free slots in some head. A prompt chunk grows by
@@ -268,6 +296,9 @@ class SlotStorage:
         b, hkv, n, d = key_states.shape
         slots = self._free_slots(n)
         packed = self.packed  # read after ``_free_slots``, which packs a layer holding nothing yet
+        # Storage in order has its free slots after each head's tokens, and the first of them are written: still in
+        # order, unless some of the tokens are padding (free slots, between tokens, once written).
+        ordered = self.in_position_order and all_real
         f, c = self.dense_fill, self.max_slots
         if f is not None:  # the same contiguous slots in every head: slice writes
             self.keys.view(b, hkv, c, d)[:, :, f : f + n] = key_states
@@ -291,6 +322,7 @@ class SlotStorage:
         if self.held_over_quota is not None:  # every head of every sequence gained n tokens, unless some were padding
             self.held_over_quota = self.held_over_quota + n if all_real else None
         self.free_floor = min(c - f for c, f in zip(self.head_slots, self.fill)) if packed else self.free_floor - n
+        self._mark_order(ordered)
         return slots
 
     def evict(
@@ -310,7 +342,7 @@ class SlotStorage:
         ``kept_range``: else, the least and the most tokens each head keeps over the batch, read back already
         (``head_range`` of ``(keep & valid).sum(-1)``; ``BudgetLayer`` reads it while the device is busy).
         """
-        fill = self.dense_fill
+        fill, ordered = self.dense_fill, self.in_position_order
         valid = self.valid
         keep = keep & valid
         if counts is not None:  # what each head of each sequence keeps, min(held, quota): one number where all keep as many
@@ -327,11 +359,14 @@ class SlotStorage:
         need = [n + slack for n in most] if self.ragged else [max(most) + slack] * len(most)
         if fill is not None and least == most and len(set(most)) == 1 and need[0] >= self.max_slots:
             self._fill_holes(keep, fill, most[0])  # (it writes over every evicted slot's position)
+            # In order still where nothing moved: nothing kept, or nothing evicted from storage in order.
+            self._mark_order(most[0] == 0 or (ordered and most[0] == fill))
         else:
             self.pos = self.pos.masked_fill(~keep, -1)
             need = [min(n, c) for n, c in zip(need, self.head_slots)]
             order = self._kept_first(keep, max(need))
             self.relayout(order.contiguous(), need)
+            self._mark_order(True)  # the kept tokens first, in position order
         self.fill, self.packed = most, least == most
         self.free_floor = min(c - m for c, m in zip(self.head_slots, most))
         self.held_over_quota = None  # (``enforce`` knows it again after an eviction to the quota)
