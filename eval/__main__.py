@@ -12,12 +12,13 @@ tasks, adapters, the model's config) before any model work, runs every arm at ev
 journals each result to ``results.jsonl`` (an interrupted run resumes, and one with every result journalled reports
 them without loading the model; ``--fresh`` starts over) and writes ``results.json``, ``report.md`` and PNG plots to
 the output folder. ``--report-only`` writes them from the results journalled so far, without loading the model (the
-progress of a long run); a folder with no results yet is an error. ``seconds`` in ``results.json`` is the wall time
-of the invocations that computed, summed: a re-run adds its own, ``--report-only`` adds nothing, ``--fresh`` starts
-from zero. Every user error is one sentence on stderr and exit status 2, leaving no empty output folder; Ctrl-C ends
-a run with status 130 and a line naming the journal the same command resumes from, not a traceback. Configs
-write under ``outputs/`` (git-ignored); the committed reports under ``docs/`` are regenerated only on purpose, by
-naming them: ``--out docs/reference``.
+progress of a long run); a folder with no results yet is an error, and so is one whose report holds results the
+config does not have (another config's or other overrides': it is not rewritten from what the two share). ``seconds``
+in ``results.json`` is the wall time of the invocations that computed, summed: a re-run adds its own,
+``--report-only`` adds nothing, ``--fresh`` starts from zero. Every user error is one sentence on stderr and exit
+status 2, leaving no empty output folder; Ctrl-C ends a run with status 130 and a line naming the journal the same
+command resumes from, not a traceback. Configs write under ``outputs/`` (git-ignored); the committed reports under
+``docs/`` are regenerated only on purpose, by naming them: ``--out docs/reference``.
 """
 
 from __future__ import annotations
@@ -73,8 +74,14 @@ def _main(argv: list[str] | None) -> int:
         out = Path(config.output_dir)
         made = not out.exists()
         from eval.report import write_report
-        from eval.runner import has_results, missing_results, run_ab
+        from eval.runner import RECORD, has_results, missing_results, run_ab, unreported_results
 
+        foreign = unreported_results(config) if args.report_only else 0
+        if foreign:  # another run's report: what the two share would replace it
+            raise ConfigError(
+                f"{out / RECORD} reports {foreign} results that are not this config's (another config, other overrides or "
+                "changed adapters wrote it); rewrite it with the command on the Reproduce line of its report.md"
+            )
         if args.report_only and not has_results(config):
             raise ConfigError(f"{out} holds no results of this config yet; run it without --report-only first")
         if not args.report_only and (args.fresh or missing_results(config)):  # a complete journal needs no model

@@ -195,6 +195,15 @@ def has_results(config: ABConfig) -> bool:
     return bool(set(_keys(config)) & set(load_journal(Path(config.output_dir) / JOURNAL)))
 
 
+def unreported_results(config: ABConfig) -> int:
+    """How many results the report already in the run's output folder (its ``results.json``) holds that are not
+    ``config``'s: written by another config, other overrides or adapters since changed, it is not this config's to
+    rewrite from what it shares with it (``--report-only`` refuses it). 0 where there is no report."""
+    rows = _record(config).get("rows")
+    keys = set(_keys(config))
+    return sum(not (isinstance(row, dict) and row.get("key") in keys) for row in rows) if isinstance(rows, list) else 0
+
+
 def missing_results(config: ABConfig) -> int:
     """How many of ``config``'s results neither the run's journal nor a journal it reuses holds: what a resumed run
     computes (with none, it loads no model)."""

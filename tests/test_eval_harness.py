@@ -765,6 +765,27 @@ def test_a_resumed_run_with_every_result_journalled_loads_no_model(tmp_path, tin
         main(["ab", "--config", str(path), "--fresh"])
 
 
+def test_report_only_never_rewrites_another_runs_report_from_what_they_share(tmp_path, tiny_for_the_config_model, capsys):
+    """``--report-only`` with another config naming the folder, or overrides that change the run, rewrote the folder's
+    report from the few results the two share (the full cache's): a finished report of 6 results became one of 2.
+    Refused now in one sentence, every file left as it was; a config holding all of the report's results (the same,
+    or one extending it while it runs) still reports."""
+    out = tmp_path / "out"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"arms": ["h2o", "streaming_llm"], "budgets": [16], "tasks": [TASKS[3]], "output_dir": str(out)}))
+    assert main(["ab", "--config", str(path)]) == 0
+    kept = {name: (out / name).read_bytes() for name in ("results.json", "report.md", JOURNAL)}
+    for overrides in (["arms=[tova]"], ["arms=[h2o]"], ["tasks=[{task: fidelity, context_tokens: 100, examples: 2, new_tokens: 5}]"]):
+        capsys.readouterr()
+        assert main(["ab", "--config", str(path), "--report-only", *overrides]) == 2, overrides
+        err = capsys.readouterr().err
+        assert err.startswith(f"python -m eval ab: {out / 'results.json'} reports ") and len(err.splitlines()) == 1, err
+        assert {name: (out / name).read_bytes() for name in kept} == kept
+    assert main(["ab", "--config", str(path), "--report-only"]) == 0 and (out / "report.md").read_bytes() == kept["report.md"]
+    assert main(["ab", "--config", str(path), "--report-only", "arms=[h2o, streaming_llm, tova]"]) == 0
+    assert len(read_record(out)[0]["rows"]) == 6 and "In progress: 6 of 8 results" in (out / "report.md").read_text()
+
+
 def test_a_run_reads_each_adapter_once(tmp_path, tok, model, monkeypatch):
     """Validating the config reads an adapter; preparing the arms and building their policies reuse it, also when
     two arms name the same one."""
