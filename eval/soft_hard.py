@@ -57,6 +57,16 @@ def windows(tokenizer: PreTrainedTokenizerBase, count: int, length: int, split: 
     return [list(ids[s : s + length]) for s in starts]
 
 
+def evicted_context(prompt_tokens: int, new_tokens: int) -> int:
+    """The tokens the cache holds at the last eviction a scored prediction reads, in a window of ``prompt_tokens``
+    and ``new_tokens``: a budget of at least this many evicts nothing any prediction reads (the hard KL is 0).
+
+    The prompt's forward attends every prompt token and predicts the first continuation token; each decode step then
+    feeds one continuation token but the last (nothing it would predict is scored), attends, and evicts down to the
+    budget. The step before the last prediction's leaves ``prompt_tokens + new_tokens - 2`` tokens in the cache."""
+    return prompt_tokens + new_tokens - 2
+
+
 def soft_trained(gates: kvgates.GateSet) -> bool:
     """Whether ``gates`` train with soft eviction (TRIM-KV's retention-biased student)."""
     return isinstance(method_of(gates), TrimKVMethod)
@@ -93,20 +103,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--windows", type=int, default=3, help="validation-essay windows (default %(default)s)")
     parser.add_argument("--prompt-tokens", type=int, default=1000, help="prompt tokens of each window (default %(default)s)")
     parser.add_argument(
-        "--new-tokens", type=int, default=512, help="tokens of the essay teacher-forced after each prompt (default %(default)s)"
+        "--new-tokens", type=int, default=512,
+        help="tokens of the essay teacher-forced after each prompt, at least 2: the prompt's forward predicts the first from every "
+             "prompt token (default %(default)s)",
     )
     parser.add_argument("--device", default=ABConfig.device, help="where the model runs: cpu, cuda or cuda:N (default %(default)s)")
     parser.add_argument("--dtype", default=ABConfig.dtype, choices=DTYPES, help="the model's weights and cache (default %(default)s)")
     args = parser.parse_args(argv)
-    for name, value in (("--budget", args.budget), ("--windows", args.windows), ("--prompt-tokens", args.prompt_tokens),
-                        ("--new-tokens", args.new_tokens)):
-        if value < 1:
-            parser.error(f"{name} must be at least 1, got {value}")
-    window = args.prompt_tokens + args.new_tokens
-    if args.budget >= window:  # every token kept: both KLs would be 0, a comparison of nothing
+    for name, value, least in (("--budget", args.budget, 1), ("--windows", args.windows, 1), ("--prompt-tokens", args.prompt_tokens, 1),
+                               ("--new-tokens", args.new_tokens, 2)):  # (one new token: its prediction evicts nothing)
+        if value < least:
+            parser.error(f"{name} must be at least {least}, got {value}")
+    held = evicted_context(args.prompt_tokens, args.new_tokens)
+    if args.budget >= held:  # no prediction reads an evicted cache: the hard KL would be 0, a comparison of nothing
         parser.error(
-            f"--budget {args.budget} keeps every token of a window (--prompt-tokens {args.prompt_tokens} + --new-tokens "
-            f"{args.new_tokens} = {window}), so nothing is evicted; pass a budget below {window}"
+            f"--budget {args.budget} keeps every token the predictions read (the last eviction before one finds --prompt-tokens "
+            f"{args.prompt_tokens} + --new-tokens {args.new_tokens} - 2 = {held} tokens in the cache), so nothing is evicted; "
+            f"pass a budget below {held}"
         )
     try:
         device, dtype = device_and_dtype(args.device, args.dtype, prefix="--", command=parser.prog)

@@ -17,6 +17,7 @@ from helpers import save_tiny_checkpoint, tiny_model
 import eval.__main__ as cli
 import kvgates
 from eval import runner as runner_module
+from eval import soft_hard as soft_hard_module
 from eval.__main__ import main
 from eval.arms import build_policy, prepare_arms
 from eval.config import ABConfig, ConfigError
@@ -492,7 +493,9 @@ def test_cli_exits_non_zero_with_one_sentence_before_loading_a_model(tmp_path, c
         (["softhard", "--gates", "smollm2-135m-trimkv", "--model", "EMPTY"], "is not a model folder"),
         (["softhard", "--gates", "smollm2-135m-trimkv", "--windows", "0"], "--windows must be at least 1"),
         (["softhard", "--gates", "smollm2-135m-trimkv", "--budget", "5000"],
-         "--budget 5000 keeps every token of a window (--prompt-tokens 1000 + --new-tokens 512 = 1512), so nothing is evicted"),
+         "--budget 5000 keeps every token the predictions read (the last eviction before one finds --prompt-tokens 1000 + "
+         "--new-tokens 512 - 2 = 1510 tokens in the cache), so nothing is evicted; pass a budget below 1510"),
+        (["softhard", "--gates", "smollm2-135m-trimkv", "--new-tokens", "1"], "--new-tokens must be at least 2, got 1"),
         (["softhard", "--gates", "smollm2-135m-trimkv", "--device", "meta"], "--device meta: python -m eval softhard runs on cpu or cuda"),
         (["softhard", "--gates", "smollm2-135m-trimkv", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     ],
@@ -570,6 +573,32 @@ def test_softhard_prints_a_row_per_gate_set_and_shows_its_progress(tmp_path, cap
     assert f"KL to the full cache of {checkpoint} on cpu in float32" in out.splitlines()  # what produced the table
     assert "0/2 [" in err and "window" in err, err  # the bar over 2 windows (leave=False: cleared when done)
 
+
+
+def test_softhard_refuses_exactly_the_budgets_that_evict_nothing_a_prediction_reads(monkeypatch, capsys):
+    """The budget check counted the whole window (prompt + new tokens), but the last continuation token is never fed
+    and the prompt's forward predicts the first from every prompt token: budgets of the window less 1 or 2 passed it
+    and measured a hard KL of 0. ``evicted_context`` is what the cache holds at the last eviction a prediction reads:
+    at that budget the hard KL is the one of a cache that keeps everything (0 but for rounding), one below it is not;
+    the command refuses from there."""
+    _, tiny = tiny_model("llama")
+    gates = kvgates.RetentionGates.for_model(tiny)
+    window = torch.randint(3, tiny.config.vocab_size, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    for prompt in (24, 28):
+        held = soft_hard_module.evicted_context(prompt, 30 - prompt)
+        hard = {budget: soft_hard_module.soft_hard(tiny, gates, budget, window, prompt).hard for budget in (held - 1, held, 1000)}
+        assert hard[held] == hard[1000] < 1e-6 and hard[held - 1] > 10 * hard[held], hard
+
+    class Loading(Exception):
+        """Stops the command where the adapters would load: its options passed."""
+
+    monkeypatch.setattr(kvgates, "load_gates", lambda *a, **k: (_ for _ in ()).throw(Loading()))
+    options = ["softhard", "--gates", "smollm2-135m-trimkv", "--prompt-tokens", "24", "--new-tokens", "6"]
+    for budget in (28, 29):  # the window less 2 and less 1: refused
+        assert _exit_status(lambda: main([*options, "--budget", str(budget)])) == 2
+        assert "--prompt-tokens 24 + --new-tokens 6 - 2 = 28 tokens in the cache" in capsys.readouterr().err
+    with pytest.raises(Loading):
+        main([*options, "--budget", "27"])
 
 
 def test_softhard_with_gates_for_another_model_offers_no_option_it_lacks(tmp_path, capsys):
