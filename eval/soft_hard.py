@@ -141,7 +141,10 @@ def main(argv: list[str] | None = None) -> None:
             gates.check_model(model)
         except kvgates.AdapterError as err:  # (it offers strict=False, an option this command does not have)
             raise kvgates.AdapterError(str(err).replace("; pass strict=False to attach them anyway", "")) from None
-    texts = windows(tokenizer, args.windows, args.prompt_tokens + args.new_tokens)
+    try:
+        texts = windows(tokenizer, args.windows, args.prompt_tokens + args.new_tokens)
+    except ValueError as err:  # essays shorter than one window (a model whose context is longer than they are)
+        parser.error(f"--prompt-tokens {args.prompt_tokens} + --new-tokens {args.new_tokens}: {err}")
     print(f"KL to the full cache of {args.model} on {args.device} in {args.dtype}\n")
     print("| gates | budget | soft KL (training) | hard KL (inference) | per window (soft / hard) |\n|---|---|---|---|---|")
     for name, gates in adapters.items():

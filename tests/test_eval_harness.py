@@ -601,6 +601,27 @@ def test_softhard_refuses_exactly_the_budgets_that_evict_nothing_a_prediction_re
         main([*options, "--budget", "27"])
 
 
+def test_softhard_says_a_bug_with_its_traceback_and_a_window_longer_than_the_essays_in_one_sentence(tmp_path, monkeypatch, capsys):
+    """Its user errors are the adapter's, the model's and its options' (one sentence, exit status 2); every other
+    ValueError was taken for one too, a bug's among them, and ended in a sentence with no traceback (status 2 where
+    the README leaves 1 to failures that are not the user's). A window longer than the validation essays, a plain
+    ValueError of ``windows``, is still one sentence: a model with a longer context than they hold."""
+    def bug(*args, **kwargs):
+        raise ValueError("not the user's")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(kvgates, "load_gates", bug)
+        with pytest.raises(ValueError, match="not the user's"):
+            main(["softhard", "--gates", "smollm2-135m-trimkv"])
+    checkpoint = save_tiny_checkpoint(tmp_path / "model", max_position_embeddings=2**20)
+    kvgates.RetentionGates.for_model(kvgates.load_model(str(checkpoint))[0]).save_pretrained(tmp_path / "gates")
+    argv = ["softhard", "--gates", str(tmp_path / "gates"), "--model", str(checkpoint), "--prompt-tokens", "1000000"]
+    assert _exit_status(lambda: main(argv)) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m eval softhard: --prompt-tokens 1000000 + --new-tokens 512: the validation essays hold "), err
+    assert err.endswith(" tokens, fewer than one window of 1000512 (see python -m eval softhard --help)"), err
+
+
 def test_softhard_with_gates_for_another_model_offers_no_option_it_lacks(tmp_path, capsys):
     """It said "pass strict=False to attach them anyway", an option softhard does not have."""
     checkpoint = save_tiny_checkpoint(tmp_path / "model")
