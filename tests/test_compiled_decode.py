@@ -367,7 +367,9 @@ def test_merging_decode_steps_compile_with_inductor(tiny, name, params):
 def test_beam_reorders_between_compiled_static_steps_follow_the_eager_cache_without_recompiles(tiny, name):
     """Beam search reorders the cache between decode steps (``reorder_cache``, a beam taken twice included): the
     compiled static step decodes what the eager cache decodes under the same reorders, and compiles once. D2O's
-    per-sequence quota was an expanded view until the first reorder copied it with other strides: a recompile."""
+    per-sequence quota was an expanded view until the first reorder copied it with other strides: a recompile. The
+    static storage keeps its addresses through the reorders (a CUDA graph captured from the step would record again
+    at every reorder when they changed)."""
     _, model = tiny
     ids = torch.randint(1, 128, (3, PROMPT + STEPS), generator=torch.Generator().manual_seed(11))
     beams = [torch.tensor(order) for order in ([2, 0, 0], [1, 2, 0], [0, 0, 1], [2, 1, 1], [0, 1, 2])]
@@ -380,10 +382,15 @@ def test_beam_reorders_between_compiled_static_steps_follow_the_eager_cache_with
             with torch.no_grad():
                 model(ids[:, :PROMPT], past_key_values=cache)
             logits = [_teacher_forced(forward, cache, ids, PROMPT, 1)]
+            addresses = [[t.data_ptr() for t in (layer.keys, layer.values, layer.pos, layer.slot_data)] for layer in cache.budget_layers]
             with torch.compiler.set_stance("fail_on_recompile"):
                 for step, beam in enumerate(beams, start=PROMPT + 1):
                     cache.reorder_cache(beam)
                     logits.append(_teacher_forced(forward, cache, ids, step, 1))
+            if static:
+                assert addresses == [
+                    [t.data_ptr() for t in (layer.keys, layer.values, layer.pos, layer.slot_data)] for layer in cache.budget_layers
+                ]
             runs[static] = (torch.cat(logits, dim=1), _held_positions(cache))
     torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
     assert runs[True][1] == runs[False][1]

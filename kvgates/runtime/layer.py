@@ -174,13 +174,18 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
 
     def _select_batch(self, fn) -> None:
         """Apply a batch selection (beam reordering, repetition) to every per-sequence value: storage, positions,
-        per-slot state, the quota and the tensors of every policy's layer state."""
+        per-slot state, the quota and the tensors of every policy's layer state. A static layer's selection that
+        keeps the batch size (a beam reorder) writes its storage in place: the tensors ``settle`` marked as static
+        addresses keep them, so a CUDA graph captured from the compiled decode step replays instead of recording
+        again (the quota and the policy's values, which the layer may share with its policy, are new tensors)."""
         if not self.is_initialized:
             return
         ordered = self.in_position_order  # each sequence's slots stay as they were
-        self.keys, self.values, self.pos, self.slot_data = (
-            fn(self.keys), fn(self.values), fn(self.pos), fn(self.slot_data)
-        )
+        stores = (self.keys, self.values, self.pos, self.slot_data)
+        selected = [fn(t) for t in stores]
+        if self.static and all(new.shape == old.shape for new, old in zip(selected, stores)):
+            selected = [old.copy_(new) for new, old in zip(selected, stores)]
+        self.keys, self.values, self.pos, self.slot_data = selected
         if self.quota is not None:
             self.quota = fn(self.quota)
         for state in self._policy_states.values():
@@ -188,7 +193,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.batch_size = self.keys.shape[0]
         self._derived, self.held_over_quota = {}, None
         self._mark_order(ordered)
-        if self.static:  # new tensors: mark them as static addresses again
+        if self.static:  # (new tensors, where the batch size changed: marked as static addresses again)
             self.settle(self.max_slots)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
