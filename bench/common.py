@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the workbench pa
 
 import kvgates  # noqa: E402
 from data.corpus import paul_graham_essays  # noqa: E402
-from kvgates.cli import OneLineParser  # noqa: E402
+from kvgates.cli import OneLineParser, plain  # noqa: E402
 from kvgates.gates import GATE_KINDS  # noqa: E402
 from kvgates.kernels.host import PREFILL_CONFIG_ENV  # noqa: E402
 from kvgates.models import device_and_dtype, tokenizer_source  # noqa: E402
@@ -44,7 +44,7 @@ def setup(
     cannot load (``UnsupportedModelError``, an ``OSError``) is refused in one sentence too. Returns
     ``(args, model, tokenizer)``; the tokenizer is None for the random model.
     """
-    parser = OneLineParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=plain(doc), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--model", default="smollm2-135m",
         help=f"model to load, or random[:SHAPE] for random weights of a known shape ({', '.join(RANDOM_SHAPES)}; default smollm2-135m)",

@@ -121,7 +121,9 @@ def compare_side(out: Path) -> None:
 def main() -> None:
     # The repository root instead of bench/ (whose kernels.py would shadow the `kernels` package transformers imports).
     sys.path[0] = str(Path(__file__).resolve().parents[1])
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from kvgates.cli import plain
+
+    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     sides = {"prompts": prompts_side, "kvpress": kvpress_side, "compare": compare_side}
     parser.add_argument("side", choices=list(sides))
     parser.add_argument("--out", type=Path, default=Path("outputs/peer"))

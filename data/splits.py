@@ -69,10 +69,10 @@ def split_text(split: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``python -m data.splits``: rewrite ``data/essay_split.json`` from ``make_essay_split(0)`` (through a temporary
     file) and print the split's sizes; ``--help`` says so and writes nothing, and any argument is refused."""
-    from kvgates.cli import OneLineParser
+    from kvgates.cli import OneLineParser, plain
     from kvgates.gates.adapter import atomic_write
 
-    OneLineParser(prog="python -m data.splits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    OneLineParser(prog="python -m data.splits", description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     split = make_essay_split(0)
     atomic_write(SPLIT_FILE, lambda p: Path(p).write_text(json.dumps(split, indent=1) + "\n"))
     for s in SPLITS:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import kvgates
 from eval.config import ABConfig, ConfigError
-from kvgates.cli import OneLineParser, quiet_exits, usage_error
+from kvgates.cli import OneLineParser, plain, quiet_exits, usage_error
 from kvgates.config import check_output_folder
 from kvgates.models import check_model_source
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = OneLineParser(prog="python -m eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m eval", description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     ab = commands.add_parser("ab", help="A/B evaluation of policies and gate adapters at matched KV memory")
     ab.add_argument("--config", required=True, help="YAML run config (configs/eval/*.yaml)")

@@ -30,7 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 import kvgates
 from eval.config import ABConfig
 from eval.fidelity import completion_fidelity, kl_divergence, make_batch, reference_logprobs
-from kvgates.cli import OneLineParser
+from kvgates.cli import OneLineParser, plain
 from kvgates.gates.training import GateTraining
 from kvgates.methods import method_of
 from kvgates.methods.trimkv import TrimKVMethod
@@ -96,7 +96,7 @@ def soft_hard(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = OneLineParser(prog="python -m eval softhard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m eval softhard", description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gates", nargs="+", required=True, help="adapters: shipped names, folders or Hub ids")
     parser.add_argument("--budget", type=int, default=128, help="tokens per KV head (default %(default)s)")
     parser.add_argument("--model", default="smollm2-135m", help="the embedded model, a Hub id or a model folder (default %(default)s)")

@@ -47,6 +47,13 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(USAGE_ERROR, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def plain(text: str | None) -> str:
+    """``text`` (a docstring, or a line of one) as help text: reStructuredText's inline literals, written between
+    double backticks, between single ones (as a terminal shows them); None as an empty text. Every command's help
+    that comes from a docstring (``description=plain(__doc__)``) goes through it."""
+    return (text or "").replace("``", "`")
+
+
 def usage_error(prog: str, err: BaseException) -> int:
     """Print ``err`` as one line, ``PROG: message``, on stderr and return ``USAGE_ERROR`` (the exit status of a
     command's user error)."""
@@ -152,7 +159,7 @@ def _documented_args(cls: type) -> dict[str, str]:
         for entry in filter(None, found):
             for part in re.split(r";\s+(?=\w+: )", " ".join(entry)):
                 name, _, said = part.partition(": ")
-                entries.setdefault(name, said.replace("``", "").rstrip("."))
+                entries.setdefault(name, plain(said).rstrip("."))
     return entries
 
 
@@ -370,7 +377,7 @@ def _policies(argv: list[str]) -> int:
 
     OneLineParser(prog="kvgates policies", description="List the registered policies, each with its docstring's first line.").parse_args(argv)
     for name in sorted(POLICIES):
-        doc = (POLICIES[name].__doc__ or "").strip().splitlines()[0].replace("``", "")  # as the options' help
+        doc = plain(POLICIES[name].__doc__).strip().splitlines()[0]  # as the options' help
         print(f"{name:16s} {doc}")
     return 0
 
@@ -381,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--version"]:
         print(f"kvgates {kvgates.__version__}")
         return 0
-    usage = "usage: kvgates {generate,policies} [options] | kvgates --version\n\n" + (__doc__ or "").replace("``", "")
+    usage = "usage: kvgates {generate,policies} [options] | kvgates --version\n\n" + plain(__doc__)
     if argv[:1] in (["-h"], ["--help"]):
         print(usage)
         return 0

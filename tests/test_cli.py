@@ -254,7 +254,8 @@ def test_policy_help_states_each_option_s_real_default(capsys):
     is not "None" (H2O's recent window, KVMerger's heavy hitters), and an inherited one is found in the base's."""
     for policy, option, default in (
         ("trimkv", "--gates", "the adapter shipped for this policy"), ("adakv", "--base-params", "default: {}"),
-        ("h2o", "--recent", "recent-window size in tokens (default budget // 2"), ("kvmerger", "--heavy", "(default budget // 8, at least 1)"),
+        ("h2o", "--recent", "recent-window size in tokens (default `budget // 2`"),
+        ("kvmerger", "--heavy", "(default `budget // 8`, at least 1)"),
         ("pyramidkv", "--window", "observation window (default 32)"), ("pyramidkv", "--beta", "(default 20)"),
         ("kvzip", "--repeat-ids", "the repeat prompt's token ids"), ("trimkv", "--gate-dtype", "auto (the model's own)"),
     ):
@@ -287,6 +288,22 @@ def test_version_and_help_import_neither_torch_nor_transformers():
     for flag in ("--version", "--help"):
         done = subprocess.run([sys.executable, "-c", code, flag], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("command", [["eval"], ["eval", "softhard"], ["train.ship"], ["data.splits"]])
+def test_every_python_m_commands_help_reads_without_rest_markup(command, capsys):
+    """``python -m eval --help`` (and ``softhard``'s, ``train.ship``'s, ``data.splits``') showed the docstring's
+    reStructuredText inline literals with their double backticks; the description now goes through
+    ``kvgates.cli.plain`` (single backticks), as ``kvgates --help`` and the policies' options do. (The bench scripts'
+    help: ``test_bench_scripts``.)"""
+    import importlib
+
+    main = importlib.import_module({"eval": "eval.__main__"}.get(command[0], command[0])).main
+    with pytest.raises(SystemExit) as done:
+        main([*command[1:], "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and out.startswith(f"usage: python -m {' '.join(command)}") and "``" not in out
+    assert "`" in out  # the literals still marked
 
 
 def test_help_goes_to_stdout_and_a_bad_command_is_a_usage_error(capsys):

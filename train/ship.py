@@ -29,7 +29,7 @@ import torch
 import kvgates
 from eval.arms import UNTRAINED, load_adapter
 from eval.report import AB_SECTION, arm_section, read_record
-from kvgates.cli import OneLineParser, usage_error
+from kvgates.cli import OneLineParser, plain, usage_error
 from kvgates.gates.adapter import CONFIG_FILE
 from kvgates.gates.embedded import EMBEDDED_DIR
 
@@ -117,7 +117,7 @@ def check_arm_ran(gates: kvgates.GateSet, run: str | Path, label: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m train.ship", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m train.ship", description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a trained adapter folder (checkpoints/RUN/adapter)")
     parser.add_argument("name", help="the name it ships under (e.g. smollm2-135m-trimkv)")
     parser.add_argument(
