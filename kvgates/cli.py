@@ -329,14 +329,18 @@ def _generate(argv: list[str]) -> int:
                 pad_token_id=tokenizer.pad_token_id,
             )
         seconds = time.perf_counter() - start
-    new = out[0, inputs["input_ids"].shape[1] :]
+    prompt_tokens = inputs["input_ids"].shape[1]
+    new = out[0, prompt_tokens:]
     print(tokenizer.decode(new, skip_special_tokens=True))
+    # generate() never runs the last new token through the model, so the cache saw all but it: the memory figures
+    # are those of the tokens it saw (as a full cache's would be after the same run), the token count the text's.
     seen = cache.get_seq_length()
     held, allocated, full = cache.held_bytes(), cache.kv_bytes(), cache.full_bytes()
     gates = learned_params(args.policy, params).get("gates") if learned is not None else None
     adapter = f" gates={gates}" if gates is not None else ""
     print(
-        f"\n[kvgates] policy={policy.name}{adapter} tokens={seen} (prompt {inputs['input_ids'].shape[1]}, new {len(new)}{', chat' if chat else ''}) "
+        f"\n[kvgates] policy={policy.name}{adapter} tokens={prompt_tokens + len(new)} (prompt {prompt_tokens}, new {len(new)}"
+        f"{', chat' if chat else ''}; the cache saw {seen}, all but the last new token) "
         f"KV held {held / 2**20:.2f} MiB vs full cache {full / 2**20:.2f} MiB ({held / full:.1%}), "
         f"allocated {allocated / 2**20:.2f} MiB; {seconds:.1f} s on {device} ({str(dtype).removeprefix('torch.')})",
         file=sys.stderr,

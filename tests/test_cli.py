@@ -342,6 +342,17 @@ def test_the_run_summary_names_the_adapter(checkpoint, tmp_path, capsys):
     assert f"policy=trimkv gates={tmp_path / 'gates'} tokens=" in capsys.readouterr().err
 
 
+def test_the_run_summary_counts_the_prompt_and_every_new_token(checkpoint, capsys):
+    """The summary's ``tokens=`` was the cache's count, one less than the prompt and the new tokens it listed:
+    generate() never runs the last new token through the model. It now counts the text's tokens and says how many
+    the cache saw (what the memory figures are of)."""
+    assert main(["generate", "--model", checkpoint, "--policy", "h2o", "--budget", "8", "--prompt", "hello there " * 5,
+                 "--max-new-tokens", "4"]) == 0
+    found = re.search(r"tokens=(\d+) \(prompt (\d+), new (\d+); the cache saw (\d+), all but the last new token\)", capsys.readouterr().err)
+    tokens, prompt, new, seen = map(int, found.groups())
+    assert new == 4 and tokens == prompt + new and seen == tokens - 1
+
+
 def test_a_prompt_past_the_context_is_warned_about(checkpoint, capsys):
     """The tiny model has 1,024 positions: a prompt past them still generates (eviction bounds the cache, not the
     positions), with one warning line on stderr; a prompt within them gets none, and neither does StreamingLLM
