@@ -3,20 +3,20 @@ r"""Decode step cost of every policy against DynamicCache + sdpa at the held siz
     python bench/decode_speed.py --configs 4096:256 8192:512 --batch 1 8 --steps 16 --rounds 3
 
 A budgeted decode step should cost what a plain ``DynamicCache`` + sdpa step over as many tokens costs (what a
-kvpress user pays after prefill-only compression). For each ``context:budget`` pair the script prefills
-``context`` essay tokens once per cache at batch 1: a DynamicCache of ``budget`` tokens (the physical reference,
-1.00x), a DynamicCache of the full context, and a ``BudgetCache`` per policy (per-step evicting policies also
-with amortised eviction over ``--slack + 1`` steps, timed over ``--steps`` rounded up to whole eviction periods,
-``common.timed_steps``, so that a step carries its share of an eviction). Batch > 1 repeats every prefilled cache
-(``batch_repeat_interleave``), in place, so each ``--batch`` is a multiple of the one before it (``--batch 1 8 32``).
-Every cache then decodes ``--steps`` greedy steps once per round (after two untimed ones), for ``--rounds``
-interleaved rounds after one untimed warm-up round (a first round's allocations, autotuning and compilation stay out
-of the medians), every other round in reverse order (``common.decode_rounds``), so that drifts of a shared machine
-hit all caches alike; the table gives the median ms/step and its ratio to both DynamicCaches. The DynamicCaches are
-cropped back to their prompt before every round, so they keep their size; budgeted caches of policies that do not
-evict during decode grow by the decoded tokens (which counts against them). Learned policies run with fresh gates
-of the model's shape (their cost does not depend on the weights). A policy may carry parameters,
-``name:key=value,...`` (``--policies adakv adakv:ragged=false``).
+kvpress user pays after prefill-only compression). For each ``context:budget`` pair and each ``--batch`` the script
+prefills ``context`` essay tokens a row, a different passage in every row (``common.essay_ids``: a batch of one
+prompt repeated would let every row keep the same tokens in every head, hiding what ragged rows cost), into a new
+cache of each kind: a DynamicCache of ``budget`` tokens (the physical reference, 1.00x), a DynamicCache of the full
+context, and a ``BudgetCache`` per policy (per-step evicting policies also with amortised eviction over ``--slack +
+1`` steps, timed over ``--steps`` rounded up to whole eviction periods, ``common.timed_steps``, so that a step
+carries its share of an eviction). Every cache then decodes ``--steps`` greedy steps once per round (after two
+untimed ones), for ``--rounds`` interleaved rounds after one untimed warm-up round (a first round's allocations,
+autotuning and compilation stay out of the medians), every other round in reverse order (``common.decode_rounds``),
+so that drifts of a shared machine hit all caches alike; the table gives the median ms/step and its ratio to both
+DynamicCaches. The DynamicCaches are cropped back to their prompt before every round, so they keep their size;
+budgeted caches of policies that do not evict during decode grow by the decoded tokens (which counts against them).
+Learned policies run with fresh gates of the model's shape (their cost does not depend on the weights). A policy may
+carry parameters, ``name:key=value,...`` (``--policies adakv adakv:ragged=false``).
 
 With ``--compile BACKEND`` (``inductor``; ``aot_eager`` only checks the graphs) the run adds compiled decode
 steps, ``torch.compile(model.forward, fullgraph=True, dynamic=False)`` (one graph per cache and batch size) with
@@ -82,7 +82,7 @@ def compiled_forward(model, backend: str, mode: str):
 def static_arms(model, labels: list[str], budget: int, decoded: int, suffix: str) -> dict[str, Callable[[], object]]:
     """``{label + suffix: make a static BudgetCache}`` for the arms ``labels`` (``policy`` or ``policy slack=N``)
     whose decode step compiles (``sync_free_decode``); a policy that evicts only the prompt gets ``decoded`` slots
-    for the tokens the run decodes."""
+    for the tokens it decodes (at one batch size: every batch size prefills new caches)."""
     arms = {}
     for label in labels:
         name, _, slack = label.partition(" slack=")
@@ -121,7 +121,7 @@ def time_compiled(forward, cache, token: torch.Tensor, steps: int, device) -> fl
 
 
 def prefilled(model, make_cache, ids: torch.Tensor):
-    """A cache holding ``ids`` and the greedy next token ``[1, 1]``."""
+    """A cache holding ``ids`` and the greedy next token of each row, ``[batch, 1]``."""
     cache = make_cache()
     with attached(model, cache), torch.no_grad():
         token = model(ids, past_key_values=cache, logits_to_keep=1).logits.argmax(-1)
@@ -143,8 +143,8 @@ def context_budget(config: str) -> tuple[int, int]:
 
 
 def check(args) -> str | None:
-    """What is wrong with ``--configs``, ``--batch``, a ``--policies`` entry at a ``--configs`` budget or
-    ``--compile-mode``, in one sentence, before the model loads (else None)."""
+    """What is wrong with ``--configs``, a ``--policies`` entry at a ``--configs`` budget or ``--compile-mode``, in one
+    sentence, before the model loads (else None)."""
     for config in args.configs:
         try:
             budget = context_budget(config)[1]
@@ -154,13 +154,6 @@ def check(args) -> str | None:
             problem = policy_problem(spec, budget, f" at --configs {config}")
             if problem is not None:
                 return problem
-    # The caches are prefilled at batch 1 and repeated in place from one batch to the next, never shrunk back.
-    for before, batch in zip([1, *args.batch], args.batch):
-        if batch % before:
-            return (
-                f"--batch {' '.join(map(str, args.batch))}: each batch must be a multiple of the one before it (the caches are "
-                f"repeated in place from one to the next), and {batch} is not a multiple of {before}"
-            )
     return compile_mode_problem(args)
 
 
@@ -172,10 +165,8 @@ def main() -> None:
     )
     compiled = compiled_forward(model, args.compile, args.compile_mode) if args.compile else None
     per_batch = (args.rounds + 1) * (args.steps + 2)  # tokens a cache decodes at one batch size (a warm-up round; 2 untimed a round)
-    decoded = len(args.batch) * per_batch  # and in the run (a static BudgetCache, repeated from batch to batch, holds them)
     for config in args.configs:
         context, budget = context_budget(config)
-        ids = essay_ids(tokenizer, context, args.device)
         runs = {
             f"DynamicCache {budget}": lambda: DynamicCache(config=model.config),
             f"DynamicCache {context}": lambda: DynamicCache(config=model.config),
@@ -189,20 +180,13 @@ def main() -> None:
         if compiled is not None:
             runs[f"StaticCache {budget} compiled"] = lambda: StaticCache(config=model.config, max_cache_len=budget + per_batch)
             policies = [label for label in runs if not label.startswith(("DynamicCache", "StaticCache"))]
-            runs.update(static_arms(model, policies, budget, decoded, " compiled"))
-        caches = {}
-        for label, make in runs.items():
-            prompt = ids[:, :budget] if label in (f"DynamicCache {budget}", f"StaticCache {budget} compiled") else ids
-            caches[label] = prefilled(model, make, prompt)
-        for n, batch in enumerate(args.batch):
-            for label, (cache, token) in caches.items():
-                # A StaticCache's layers cannot repeat their batch, and it has room for one batch size's decoded tokens
-                # (every step attends over all its slots): a new one at every batch but a first batch of 1.
-                if isinstance(cache, StaticCache) and (n or batch > 1):
-                    caches[label] = prefilled(model, runs[label], ids[:, :budget].expand(batch, -1))
-                elif not isinstance(cache, StaticCache) and batch > 1:
-                    cache.batch_repeat_interleave(batch // token.shape[0])
-                    caches[label] = (cache, token.repeat_interleave(batch // token.shape[0], dim=0))
+            runs.update(static_arms(model, policies, budget, per_batch, " compiled"))
+        for batch in args.batch:
+            ids = essay_ids(tokenizer, context, args.device, batch)  # a different passage in every row
+            caches = {}
+            for label, make in runs.items():
+                prompt = ids[:, :budget] if label in (f"DynamicCache {budget}", f"StaticCache {budget} compiled") else ids
+                caches[label] = prefilled(model, make, prompt)
             windows = {label: timed_steps(cache, args.steps) for label, (cache, _) in caches.items()}
 
             def step_ms(label: str, arm: tuple) -> float:
