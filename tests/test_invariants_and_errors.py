@@ -502,6 +502,33 @@ def test_a_deep_copied_cache_continues_as_the_original(tiny, name, budget):
     assert all(torch.equal(a.pos, b.pos) and a.keys.data_ptr() != b.keys.data_ptr() for a, b in zip(cache.budget_layers, twin.budget_layers))
 
 
+def test_a_copied_cache_does_not_take_over_what_was_kept_with_its_original_s_position_versions(tiny):
+    """A layer keeps ``valid`` and ``in_position_order`` with its positions' version counter; a copy's counter starts
+    anew, and the copied marks held once it reached the original's count: a static cache copied after its first
+    decode step read the token that step dropped as held (a device assert: no free slot), and a layer whose positions
+    were reordered from outside was said to be in position order again once copied."""
+    import copy
+
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, 26), generator=torch.Generator().manual_seed(3))
+    with policy_on(model, "h2o", 8) as policy, torch.no_grad():
+        cache = BudgetCache(model.config, policy, static=True)
+        model(ids[:, :21], past_key_values=cache)
+        model(ids[:, 21:22], past_key_values=cache)
+        twin = copy.deepcopy(cache)
+        original = [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(22, 26)]
+        copied = [model(ids[:, t : t + 1], past_key_values=twin).logits for t in range(22, 26)]
+    for a, b in zip(original, copied):
+        torch.testing.assert_close(a, b)
+    with policy_on(model, "full", None) as policy, torch.no_grad():
+        cache = BudgetCache(model.config, policy)
+        model(ids[:, :20], past_key_values=cache)
+        layer = cache.budget_layers[0]
+        assert layer.in_position_order and copy.deepcopy(cache).budget_layers[0].in_position_order
+        layer.pos[..., :2] = layer.pos[..., :2].flip(-1)  # a write from outside the layer: out of order
+        assert not layer.in_position_order and not copy.deepcopy(cache).budget_layers[0].in_position_order
+
+
 @pytest.mark.parametrize("name", sorted(POLICY_PARAMS))
 def test_a_new_turn_after_decoding_under_a_prompt_only_policy_is_said_to_stay_whole(tiny, name):
     """A call of several tokens after decoding began is taken for decode steps: SnapKV appended a 50-token new turn

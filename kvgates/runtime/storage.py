@@ -33,6 +33,7 @@ and with fixed shapes, so that the step can be compiled (and captured as a CUDA 
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import NamedTuple
 
@@ -147,6 +148,22 @@ class SlotStorage:
             self._derived["ordered"] = (self.pos, None if self.pos.is_inference() else self.pos._version)
         else:
             self._derived.pop("ordered", None)
+
+    def __deepcopy__(self, memo: dict) -> SlotStorage:
+        """``copy.deepcopy``: a copy of every attribute, but for what is kept with ``pos``'s version counter (``valid``,
+        ``in_position_order``). A copied tensor's counter starts anew, so such a mark held for the copy once its counter
+        reached the original's count, whatever its positions then (a static cache copied after its first decode step
+        read the token that step dropped as held, and found no free slot). The copy computes ``valid`` afresh, and
+        keeps the order mark where it holds now."""
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        for name, value in self.__dict__.items():
+            setattr(twin, name, copy.deepcopy(value, memo))
+        for key in ("valid", "ordered"):
+            twin._derived.pop(key, None)
+        if self.in_position_order:
+            twin._mark_order(True)
+        return twin
 
     def exists(self) -> torch.Tensor:
         """``[H_kv, max_slots]`` padded slot indices that exist in each head's storage."""
