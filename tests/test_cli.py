@@ -86,7 +86,7 @@ def test_a_prompt_file_may_be_a_pipe(checkpoint, capsys):
         assert main(["generate", "--model", checkpoint, "--prompt-file", f"/dev/fd/{read}", "--max-new-tokens", "2"]) == 0
     finally:
         os.close(read)
-    assert "(prompt 11, new 2)" in capsys.readouterr().err
+    assert "tokens=13 (prompt 11, new 2;" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
