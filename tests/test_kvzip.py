@@ -314,3 +314,47 @@ def test_a_batch_of_another_size_is_refused_in_the_cache_s_sentence(tiny):
                 model(ids[:1, :5], past_key_values=cache)
     finally:
         policy.detach()
+
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 24])
+def test_a_left_padded_batch_without_position_ids_keeps_what_generate_s_positions_keep(tiny, prefill_chunk):
+    """Without ``position_ids`` transformers places a left-padded row's real tokens after its padding (5 pads: at
+    positions 5, 6, ...). The scoring forwards started at the row's count of real tokens, inside the positions the row
+    held, and the discard of their tokens then evicted the row's own last prompt tokens (it kept 30 of its 35 at a
+    budget of 100), and each chunk scored the slots of other positions than its own. A row keeps, 5 positions on,
+    what it keeps at ``generate``'s positions (and, in one forward, what it keeps alone)."""
+    _, model = tiny
+    g = torch.Generator().manual_seed(3)
+    full, short = torch.randint(8, 128, (1, 40), generator=g), torch.randint(8, 128, (1, 35), generator=g)
+    ids = torch.cat([full, torch.nn.functional.pad(short, (5, 0))])
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+
+    def kept(batch, attention_mask, positions, shift=0):
+        """Positions kept ``[layer][row][kv head]``, less ``shift``."""
+        cache = BudgetCache(model.config, policy)
+        step = prefill_chunk or batch.shape[1]
+        with torch.no_grad():
+            for lo in range(0, batch.shape[1], step):
+                model(
+                    batch[:, lo : lo + step], attention_mask=attention_mask[:, : lo + step], past_key_values=cache,
+                    position_ids=None if positions is None else positions[:, lo : lo + step],
+                )
+        assert all(layer.seen == batch.shape[1] for layer in cache.budget_layers)
+        return [[[sorted(p - shift for p in head if p >= 0) for head in row] for row in layer.pos.tolist()] for layer in cache.budget_layers]
+
+    for budget in (12, 100):
+        policy = make_policy("kvzip", budget=budget, chunk_size=16, repeat_ids=PROMPT_IDS).attach(model)
+        try:
+            got = kept(ids, mask, None)
+            got_short = kept(ids, mask, None, shift=5)
+            expected = kept(ids, mask, (mask.cumsum(1) - 1).clamp(min=0))
+            alone = kept(short, torch.ones_like(short), None)
+        finally:
+            policy.detach()
+        for layer, (got_layer, short_layer, expected_layer, alone_layer) in enumerate(zip(got, got_short, expected, alone)):
+            assert [len(head) for head in short_layer[1]] == [min(budget, 35)] * len(short_layer[1]), f"budget {budget} layer {layer}"
+            assert [got_layer[0], short_layer[1]] == expected_layer, f"budget {budget} layer {layer}"
+            if prefill_chunk is None:
+                assert expected_layer[1] == alone_layer[0]

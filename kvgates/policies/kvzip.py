@@ -9,12 +9,12 @@ from typing import Any
 import torch
 
 from kvgates.gates.capture import GateCapture, attention_modules
-from kvgates.kernels.host import on_device
 from kvgates.policies.base import NEVER, Policy, register_policy
 from kvgates.policies.selection import sink_mask
 from kvgates.runtime.scoring import PromptScoring, discarded_forward
 from kvgates.runtime.state import SlotState
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
+from kvgates.runtime.storage import POS_BIG
 
 SCORE = "kvzip"
 #: The paper's repeat prompt (``KVzip.repeat_prompt``'s default).
@@ -188,16 +188,19 @@ class KVzip(Policy):
         return layer.state[SCORE], sink_mask(layer, self.sinks)
 
     # -- the scoring pass
-    def reconstruct(self, model: torch.nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    def reconstruct(self, model: torch.nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> None:
         """Score the prompt ``ids`` ``[B, T]`` (``mask``: 1 for real tokens) held by ``cache``: one discarded forward
-        per chunk of ``chunk_size`` real tokens of each row, the repeat prompt then the chunk. A row's real tokens are
-        at positions 0, 1, ... (as ``generate`` and every kvgates caller place them)."""
+        per chunk of ``chunk_size`` real tokens of each row, the repeat prompt then the chunk. ``positions`` ``[B, T]``
+        are where the prompt forwards placed the tokens, ascending along a row's real tokens (0, 1, ... as ``generate``
+        places them; after the padding without ``position_ids``)."""
         for layer in cache.budget_layers:
             layer.state[SCORE] = torch.zeros_like(layer.state[SCORE])
         rows = [row[m.bool()] for row, m in zip(ids, mask.to(ids.device))]
         longest = max(len(r) for r in rows)
         prompt = self._prompt.to(ids.device)
-        lengths = [len(r) for r in rows]
+        real = mask.to(ids.device).bool()
+        rank = real.long().cumsum(1) - 1  # each real token's index among its row's
+        positions = positions.to(ids.device)
         try:
             for lo in range(0, longest, self.chunk_size):
                 parts = [torch.cat([prompt, r[lo : lo + self.chunk_size]]) if lo < len(r) else r[:0] for r in rows]
@@ -206,10 +209,10 @@ class KVzip(Policy):
                 chunk_mask = torch.zeros_like(chunk_ids)
                 for i, part in enumerate(parts):
                     chunk_ids[i, : len(part)], chunk_mask[i, : len(part)] = part, 1
-                # The chunk's bounds, on the device once a forward (moved from the host a layer, each copy from pageable
-                # memory made a GPU's host wait for the stream).
-                bounds = on_device([[lo] * len(rows), [min(n, lo + self.chunk_size) for n in lengths]], ids.device)
-                self._chunk = (bounds[0], bounds[1])
+                # The positions of each row's chunk, found on the device (moved from the host a layer, each copy from
+                # pageable memory made a GPU's host wait for the stream); a row with none past ``lo``: an empty range.
+                ours = real & (rank >= lo) & (rank < lo + self.chunk_size)
+                self._chunk = (torch.where(ours, positions, POS_BIG).amin(1), torch.where(ours, positions + 1, 0).amax(1))
                 discarded_forward(model, cache, mask, chunk_ids, chunk_mask)
         finally:
             self._chunk = None

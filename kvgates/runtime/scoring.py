@@ -26,9 +26,9 @@ from kvgates.runtime.dispatch import EAGER_ONLY, real_tokens
 from kvgates.runtime.stats import AttnStats, Phase
 from kvgates.runtime.storage import KeptCounts
 
-#: ``run(model, cache, ids, mask)``: a policy's scoring forwards over the prompt ``ids`` ``[B, T]`` (``mask``: 1 for
-#: real tokens) that the cache holds.
-ScoringRun = Callable[[torch.nn.Module, BudgetCache, torch.Tensor, torch.Tensor], None]
+#: ``run(model, cache, ids, mask, positions)``: a policy's scoring forwards over the prompt ``ids`` ``[B, T]`` (``mask``:
+#: 1 for real tokens; ``positions``: where the prompt forwards placed each token) that the cache holds.
+ScoringRun = Callable[[torch.nn.Module, BudgetCache, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def forward_cache(kwargs: dict) -> Any:
@@ -59,8 +59,10 @@ def discarded_forward(model: torch.nn.Module, cache: BudgetCache, context_mask: 
     aside.
 
     ``context_mask`` ``[B, seen]`` is the attention mask of everything the cache has seen; each row's new tokens take
-    the positions after its real tokens. The policy must not evict during such a forward (a scoring policy's
-    ``schedule`` is ``NEVER``: it evicts nothing at the end of a prompt forward). Only the last position's logits are computed.
+    the positions after every position the cache holds for it, wherever the prompt put its tokens (a left-padded row
+    given without ``position_ids`` holds them after its padding), so that the tokens dropped are theirs alone. The
+    policy must not evict during such a forward (a scoring policy's ``schedule`` is ``NEVER``: it evicts nothing at
+    the end of a prompt forward). Only the last position's logits are computed.
     """
     _check_unsettled(cache)
     if len(cache.budget_layer_ids) != len(cache.layers):
@@ -71,7 +73,11 @@ def discarded_forward(model: torch.nn.Module, cache: BudgetCache, context_mask: 
     # knows it, and dropping the forward's tokens reads nothing back (a read a layer and forward drained a GPU's queue).
     kept = [layer.fill[0] if layer.packed and len(set(layer.fill)) == 1 else None for layer in layers]
     context_mask = context_mask.to(ids.device).long()
-    start = context_mask.sum(1, keepdim=True)  # each row's next position
+    last = torch.full((ids.shape[0],), -1, dtype=torch.long, device=ids.device)  # each row's last position held
+    for layer in layers:
+        if layer.pos.shape[-1]:
+            last = torch.maximum(last, layer.pos.flatten(1).amax(1).to(ids.device))
+    start = last[:, None] + 1  # on the device: no read-back
     positions = start + (mask.long().cumsum(1) - 1).clamp(min=0)
     model(
         input_ids=ids,
@@ -119,7 +125,7 @@ class PromptScoring:
         if any(kind not in BUDGETED_LAYER_TYPES for kind in layer_types):
             raise UnsupportedModelError(f"{policy.name}: {SCORING_NEEDS_BUDGETED_LAYERS}")
         self.model, self.policy, self.run = model, policy, run
-        self._prompts: weakref.WeakKeyDictionary[BudgetCache, tuple[torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
+        self._prompts: weakref.WeakKeyDictionary[BudgetCache, tuple[torch.Tensor, ...]] = weakref.WeakKeyDictionary()
         self._current: BudgetCache | None = None
         self._busy = False
         self._handles = [
@@ -136,8 +142,7 @@ class PromptScoring:
         """Give ``twin``, a copy of ``cache`` (``BudgetCache.__deepcopy__``), the prompt ``cache`` has seen, so that a
         prompt chunk after the copy is scored with everything before it, as in the original."""
         if cache in self._prompts:
-            ids, mask = self._prompts[cache]
-            self._prompts[twin] = (ids.clone(), mask.clone())
+            self._prompts[twin] = tuple(t.clone() for t in self._prompts[cache])
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -166,10 +171,15 @@ class PromptScoring:
             mask = real_tokens(mask, layer.seen, n).to(ids.device).expand(ids.shape[0], n).long()
         else:
             mask = mask[:, -n:].to(ids.device).long()
+        positions = kwargs.get("position_ids")
+        if positions is None:  # transformers' own: after every token the cache has seen, padding included
+            positions = torch.arange(n, device=ids.device) + layer.seen
+        positions = positions.to(ids.device).long().reshape(-1, n).expand(ids.shape[0], n)
         if not layer.seen:  # a new prompt (a fresh or reset cache): what an earlier one gave is not part of it
             self._prompts.pop(cache, None)
-        seen_ids, seen_mask = self._prompts.get(cache, (ids[:, :0], mask[:, :0]))
-        self._prompts[cache] = (torch.cat([seen_ids, ids], 1), torch.cat([seen_mask, mask], 1))
+        new = (ids, mask, positions)
+        seen = self._prompts.get(cache, [t[:, :0] for t in new])
+        self._prompts[cache] = tuple(torch.cat([before, t], 1) for before, t in zip(seen, new))
         self._current = cache
 
     def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -181,10 +191,9 @@ class PromptScoring:
     def _score(self, cache: BudgetCache) -> None:
         """The scoring forwards over the prompt ``cache`` has seen, then its eviction (and a static layout), eagerly
         inside ``torch.compile`` too (``generate()`` compiles the forwards of its chunked prefill)."""
-        ids, mask = self._prompts[cache]
         self._busy = True
         try:
-            self.run(self.model, cache, ids, mask)
+            self.run(self.model, cache, *self._prompts[cache])
         finally:
             self._busy = False
         enforce_prompt(cache)
