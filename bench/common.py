@@ -40,8 +40,9 @@ def setup(
     number counts something, so it must be at least 1, or at least 0 where 0 means something: an option whose default
     is 0, or one named in ``zero_ok`` (``--slack 0``: no amortised rows). ``check`` is the script's own test of the
     parsed options (a sentence saying what is wrong, or None), run before the model loads as these are, and as the
-    building of each ``--policies`` entry at ``--budget`` is (a learned policy's on placeholder gates); a model that
-    cannot load (``UnsupportedModelError``, an ``OSError``) is refused in one sentence too. Returns
+    building of each ``--policies`` entry at ``--budget`` is (a learned policy's on placeholder gates; an entry given
+    twice is refused: its rows would share a label); a model that cannot load (``UnsupportedModelError``, an
+    ``OSError``) is refused in one sentence too. Returns
     ``(args, model, tokenizer)``; the tokenizer is None for the random model.
     """
     parser = OneLineParser(description=plain(doc), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,6 +81,10 @@ def setup(
     unknown = [spec.partition(":")[0] for spec in getattr(args, "policies", None) or [] if spec.partition(":")[0] not in kvgates.POLICIES]
     if unknown:
         parser.error(f"--policies: unknown policy {unknown[0]!r}; available policies: {', '.join(sorted(kvgates.POLICIES))}")
+    specs = getattr(args, "policies", None) or []
+    twice = next((spec for i, spec in enumerate(specs) if spec in specs[:i]), None)
+    if twice is not None:  # (prefill_speed's row took both entries' times, its range of ratios paired the wrong rounds)
+        parser.error(f"--policies {twice} is given twice; give each entry once")
     budget = getattr(args, "budget", None)
     for spec in getattr(args, "policies", None) or []:
         problem = policy_problem(spec, budget if isinstance(budget, int) else None)

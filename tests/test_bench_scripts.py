@@ -850,6 +850,8 @@ def test_a_bench_refuses_a_gpu_the_machine_lacks_in_one_sentence(monkeypatch, ca
         ("gpu_policies", ["--device", "gpu"], "--device: 'gpu' is not a device; use cpu, cuda or cuda:N"),
         # a table of policies that evicted nothing
         ("prefill_speed", ["--context", "256", "96", "--budget", "128"], "--context 96 is less than --budget 128: nothing would be evicted"),
+        # one row of both entries' rounds, its ratio's range paired with the wrong reference rounds (1.29x, range 1.47-1.49x)
+        ("prefill_speed", ["--policies", "h2o", "snapkv", "h2o"], "--policies h2o is given twice; give each entry once"),
         # rows measured, then a ConfigError traceback at the kind or length that did not fit
         ("train_step", ["--lengths", "128", "--kinds", "trimkv", "locret", "--budget", "32"],
          "--kinds locret, --lengths 128, --budget 32, --attention auto: config: policy: locret: budget 32 must be larger than"),
