@@ -9,7 +9,7 @@ once one prompt at a time (the causal path). Prints seconds and the ratio padded
 
 from __future__ import annotations
 
-from common import bench_policy, random_shape, setup, timed
+from common import bench_policy, random_shape, setup, short_context, timed
 
 from data.tasks import make_example
 from eval.fidelity import greedy_generate
@@ -21,7 +21,7 @@ def check(args) -> str | None:
         return f"--model {args.model}: the prompts are text, so this bench needs a model with a tokenizer, not random weights"
     if args.context < 64:
         return f"--context {args.context}: a needle prompt needs at least 64 tokens"
-    return None
+    return short_context("--context", [args.context], args.budget)
 
 
 def needle_depths(rows: int) -> list[float]:

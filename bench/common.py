@@ -214,11 +214,11 @@ def bench_policy(model, spec: str, budget: int, **params: Any) -> kvgates.Policy
 
 
 def short_context(option: str, contexts: list[int], budget: int) -> str | None:
-    """A context of ``option`` shorter than ``budget``, in one sentence (a cache of the budget would hold the whole
-    context and nothing would be evicted), else None."""
+    """A context (a prompt) of ``option`` shorter than ``budget``, in one sentence (a cache of the budget would hold the
+    whole prompt and nothing of it would be evicted), else None."""
     short = [n for n in contexts if n < budget]
     if short:
-        return f"{option} {short[0]} is less than --budget {budget}: nothing would be evicted; give contexts of at least the budget"
+        return f"{option} {short[0]} is less than --budget {budget}: nothing would be evicted from the prompt; give contexts of at least the budget"
     return None
 
 

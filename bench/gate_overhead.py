@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 
-from common import essay_ids, setup, time_decode
+from common import essay_ids, setup, short_context, time_decode
 from policy_overhead import Stopwatch
 
 import kvgates
@@ -23,14 +23,14 @@ LOCRET = {"stabilizers": 32, "local": 32}
 
 
 def check(args) -> str | None:
-    """A budget some kind refuses, in one sentence before the model loads (else None): each is built at ``--budget``
-    on placeholder gates."""
+    """A budget some kind refuses, or a prompt under it, in one sentence before the model loads (else None): each
+    kind is built at ``--budget`` on placeholder gates."""
     for name, kind in KINDS.items():
         try:
             kvgates.make_policy(name, budget=args.budget, gates=kind.placeholder(), **(LOCRET if name == "locret" else {}))
         except ValueError as err:
             return f"--budget {args.budget}: {err}"
-    return None
+    return short_context("--prompt", [args.prompt], args.budget)
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from common import attached, bench_policy, essay_ids, setup
+from common import attached, bench_policy, essay_ids, setup, short_context
 from transformers import DynamicCache
 
 import kvgates
@@ -56,7 +56,11 @@ def plot(columns: dict[str, list[int]], every: int, path: str) -> None:
 
 
 def problem(args) -> str | None:
-    """What is wrong with the options before any generation: nothing recorded, or a plot that cannot be written."""
+    """What is wrong with the options before any generation: a prompt under the budget (a budgeted cache would grow
+    until it held the budget, not flat), nothing recorded, or a plot that cannot be written."""
+    short = short_context("--prompt", [args.prompt], args.budget)
+    if short:
+        return short
     if args.every > args.tokens:
         return f"--every {args.every} is more than --tokens {args.tokens}: no size would be recorded"
     if args.plot is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from common import attached, bench_policy, essay_ids, setup, sync, time_decode
+from common import attached, bench_policy, essay_ids, setup, short_context, sync, time_decode
 
 import kvgates
 
@@ -52,7 +52,9 @@ def measure(model, spec: str, budget: int, ids, steps: int, device) -> tuple[flo
 
 
 def main() -> None:
-    args, model, tokenizer = setup(__doc__, prompt=1024, budget=256, steps=64, policies=DEFAULT)
+    args, model, tokenizer = setup(
+        __doc__, check=lambda args: short_context("--prompt", [args.prompt], args.budget), prompt=1024, budget=256, steps=64, policies=DEFAULT
+    )
     ids = essay_ids(tokenizer, args.prompt, args.device)
     print(f"{'policy':16s} {'step ms':>8s} {'policy ms':>10s} {'evict ms':>9s} {'overhead':>9s}")
     for name in args.policies:

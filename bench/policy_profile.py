@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from common import attached, bench_policy, essay_ids, setup, sync
+from common import attached, bench_policy, essay_ids, setup, short_context, sync
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
@@ -104,7 +104,11 @@ def profile_arm(model, make_cache, ids: torch.Tensor, steps: int, device: str, t
 
 
 def check(args) -> str | None:
-    """A ``--trace`` that names a file, in one sentence before the model loads (else None)."""
+    """A context under the budget, or a ``--trace`` that names a file, in one sentence before the model loads (else
+    None)."""
+    short = short_context("--context", [args.context], args.budget)
+    if short:
+        return short
     if args.trace is not None and Path(args.trace).exists() and not Path(args.trace).is_dir():
         return f"--trace {args.trace} is a file; name the folder to write the traces in"
     return None

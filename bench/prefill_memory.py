@@ -20,7 +20,7 @@ import ctypes
 import gc
 
 import torch
-from common import setup
+from common import setup, short_context
 
 import kvgates
 
@@ -65,7 +65,8 @@ def padded_chunked_prefill(model, tokens: int, budget: int, chunk: int) -> None:
 
 def main() -> None:
     args, model, _ = setup(
-        __doc__, choices={"runs": ["d2o", "padded"]}, tokens=[8192, 16384], budget=256, chunk=2048, runs=["d2o", "padded"]
+        __doc__, choices={"runs": ["d2o", "padded"]}, check=lambda args: short_context("--tokens", args.tokens, args.budget),
+        tokens=[8192, 16384], budget=256, chunk=2048, runs=["d2o", "padded"],
     )
     if not args.device.startswith("cpu"):
         raise SystemExit("this bench measures CPU memory (the process's resident high-water mark); pass --device cpu")

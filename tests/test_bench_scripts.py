@@ -861,6 +861,14 @@ def test_a_bench_refuses_a_gpu_the_machine_lacks_in_one_sentence(monkeypatch, ca
          "--kinds dms, --lengths 128, --budget 64, --attention flex: config: DMS students attend through dms_attention_fused"),
         ("train_step", ["--lengths", "128", "--completion", "128"], "--completion 128 must be less than every length"),
         ("gate_overhead", ["--budget", "16"], "--budget 16: locret: budget 16 must be larger than"),
+        # tables of policies (or gates beside decode steps) of a cache that evicted nothing: policy_overhead's
+        # h2o at 0.00 ms of evictions; kv_memory's caches growing to the budget read 'NOT flat'
+        ("gate_overhead", ["--prompt", "64", "--budget", "512"], "--prompt 64 is less than --budget 512: nothing would be evicted from the prompt"),
+        ("policy_overhead", ["--prompt", "64", "--budget", "512"], "--prompt 64 is less than --budget 512: nothing would be evicted"),
+        ("kv_memory", ["--prompt", "64", "--budget", "100"], "--prompt 64 is less than --budget 100: nothing would be evicted"),
+        ("policy_profile", ["--context", "128", "--budget", "512"], "--context 128 is less than --budget 512: nothing would be evicted"),
+        ("prefill_memory", ["--tokens", "256", "8192", "--budget", "512"], "--tokens 256 is less than --budget 512: nothing would be evicted"),
+        ("ab_batching", ["--context", "256", "--budget", "512"], "--context 256 is less than --budget 512: nothing would be evicted"),
         ("gate_overhead", ["--gate-dtypes", "fp8"], "argument --gate-dtypes: invalid choice: 'fp8'"),
         ("policy_profile", ["--trace", "README.md"], "--trace README.md is a file; name the folder to write the traces in"),
         ("ab_batching", ["--context", "20"], "--context 20: a needle prompt needs at least 64 tokens"),
@@ -893,7 +901,7 @@ def test_kv_memory_bench_takes_learned_policies_parameters_and_full():
     """``--policies trimkv`` ('gates are required'), ``adakv:ragged=false`` ('unknown policy') and ``full`` ('takes no
     budget') were accepted by the shared checks, then failed once the model had run; one sample showed 'flat'."""
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "kv_memory.py"), "--model", "random", "--layers", "1", "--prompt", "16", "--tokens", "20",
+        [sys.executable, str(ROOT / "bench" / "kv_memory.py"), "--model", "random", "--layers", "1", "--prompt", "48", "--tokens", "20",
          "--every", "20", "--budget", "48", "--policies", "trimkv", "adakv:ragged=false", "full"],
         capture_output=True, text=True, timeout=600,
     )
