@@ -118,12 +118,30 @@ def policy_problem(spec: str, budget: int | None, source: str = "") -> str | Non
     bench checks before its model loads."""
     name, _, given = spec.partition(":")
     try:
-        params = _with_gates(name, parse_params(given), lambda kind: GATE_KINDS[kind].placeholder())
-        if budget is not None:
-            kvgates.make_policy(name, **params, **({} if name == "full" else {"budget": budget}))
+        _build_on_placeholders(name, parse_params(given), budget)
     except ValueError as err:
         return f"--policies {spec}{source}: {err}"
     return None
+
+
+def budget_problem(policies: dict[str, dict[str, Any]], budget: int) -> str | None:
+    """What the first of ``policies`` (``{name: params}``: the policies a bench runs whatever its ``--policies``, a
+    learned one's on placeholder gates) that refuses ``budget`` says, in one sentence that names ``--budget``, else
+    None: what such a bench checks before its model loads."""
+    for name, params in policies.items():
+        try:
+            _build_on_placeholders(name, params, budget)
+        except ValueError as err:
+            return f"--budget {budget}: {err}"
+    return None
+
+
+def _build_on_placeholders(name: str, params: dict[str, Any], budget: int | None) -> None:
+    """Build policy ``name`` with ``params`` at ``budget`` (``full``: none), a learned policy on placeholder gates
+    (its gates alone where ``budget`` is None): a ValueError says what it refuses."""
+    params = _with_gates(name, params, lambda kind: GATE_KINDS[kind].placeholder())
+    if budget is not None:
+        kvgates.make_policy(name, **params, **({} if name == "full" else {"budget": budget}))
 
 
 #: Model shapes the benches build with random weights (``--model random:NAME``; ``random`` alone is SmolLM2-135M),

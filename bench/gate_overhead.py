@@ -11,26 +11,21 @@ from __future__ import annotations
 
 import itertools
 
-from common import essay_ids, setup, short_context, time_decode
+from common import budget_problem, essay_ids, setup, short_context, time_decode
 from policy_overhead import Stopwatch
 
 import kvgates
 from kvgates.policies.learned import AUTO, GATE_DTYPES
 
 KINDS = {"trimkv": kvgates.RetentionGates, "trimkv-global": kvgates.GlobalRetentionGates, "locret": kvgates.RetainingHeads}
-#: Locret's own parameters in this bench (its stabilisers and local window).
-LOCRET = {"stabilizers": 32, "local": 32}
+#: Each kind's own parameters in this bench (Locret's stabilisers and local window).
+PARAMS = {"trimkv": {}, "trimkv-global": {}, "locret": {"stabilizers": 32, "local": 32}}
 
 
 def check(args) -> str | None:
     """A budget some kind refuses, or a prompt under it, in one sentence before the model loads (else None): each
     kind is built at ``--budget`` on placeholder gates."""
-    for name, kind in KINDS.items():
-        try:
-            kvgates.make_policy(name, budget=args.budget, gates=kind.placeholder(), **(LOCRET if name == "locret" else {}))
-        except ValueError as err:
-            return f"--budget {args.budget}: {err}"
-    return short_context("--prompt", [args.prompt], args.budget)
+    return budget_problem(PARAMS, args.budget) or short_context("--prompt", [args.prompt], args.budget)
 
 
 def main() -> None:
@@ -41,8 +36,7 @@ def main() -> None:
     print(f"{'policy':14s} {'gate dtype':>10s} {'gate params':>11s} {'step ms':>8s} {'gates ms':>9s} {'overhead':>9s}")
     for (name, kind), gate_dtype in itertools.product(KINDS.items(), args.gate_dtypes):
         gates = kind.for_model(model, training_budget=args.budget)
-        extra = LOCRET if name == "locret" else {}
-        policy = kvgates.make_policy(name, budget=args.budget, gates=gates, gate_dtype=gate_dtype, **extra).attach(model)
+        policy = kvgates.make_policy(name, budget=args.budget, gates=gates, gate_dtype=gate_dtype, **PARAMS[name]).attach(model)
         cache = kvgates.BudgetCache(model.config, policy)
         clock = Stopwatch(args.device)
 

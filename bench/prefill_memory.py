@@ -20,9 +20,17 @@ import ctypes
 import gc
 
 import torch
-from common import setup, short_context
+from common import budget_problem, setup, short_context
 
 import kvgates
+
+#: The policy each of ``--runs`` prefills under.
+RUN_POLICY = {"d2o": "d2o", "padded": "h2o"}
+
+
+def check(args) -> str | None:
+    """A budget a run's policy refuses, or a length under it, in one sentence before the model loads (else None)."""
+    return budget_problem({RUN_POLICY[run]: {} for run in args.runs}, args.budget) or short_context("--tokens", args.tokens, args.budget)
 
 
 def _status(key: str) -> int:
@@ -47,7 +55,7 @@ def peak_extra_bytes(run) -> int:
 def d2o_prefill(model, tokens: int, budget: int) -> None:
     ids = torch.randint(100, 40000, (1, tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(ids, past_key_values=kvgates.BudgetCache(model.config, "d2o", budget=budget), logits_to_keep=1)
+        model(ids, past_key_values=kvgates.BudgetCache(model.config, RUN_POLICY["d2o"], budget=budget), logits_to_keep=1)
 
 
 def padded_chunked_prefill(model, tokens: int, budget: int, chunk: int) -> None:
@@ -55,7 +63,7 @@ def padded_chunked_prefill(model, tokens: int, budget: int, chunk: int) -> None:
     ids = torch.randint(100, 40000, (len(lengths), tokens), generator=torch.Generator().manual_seed(0))
     mask = torch.stack([torch.arange(tokens) >= tokens - n for n in lengths]).long()
     positions = (mask.cumsum(1) - 1).clamp(min=0)
-    cache = kvgates.BudgetCache(model.config, "h2o", budget=budget)
+    cache = kvgates.BudgetCache(model.config, RUN_POLICY["padded"], budget=budget)
     with torch.no_grad():
         for start in range(0, tokens, chunk):
             stop = min(tokens, start + chunk)
@@ -65,7 +73,7 @@ def padded_chunked_prefill(model, tokens: int, budget: int, chunk: int) -> None:
 
 def main() -> None:
     args, model, _ = setup(
-        __doc__, choices={"runs": ["d2o", "padded"]}, check=lambda args: short_context("--tokens", args.tokens, args.budget),
+        __doc__, choices={"runs": ["d2o", "padded"]}, check=check,
         tokens=[8192, 16384], budget=256, chunk=2048, runs=["d2o", "padded"],
     )
     if not args.device.startswith("cpu"):
