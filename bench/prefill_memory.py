@@ -29,7 +29,10 @@ RUN_POLICY = {"d2o": "d2o", "padded": "h2o"}
 
 
 def check(args) -> str | None:
-    """A budget a run's policy refuses, or a length under it, in one sentence before the model loads (else None)."""
+    """A device other than the CPU, a budget a run's policy refuses, or a length under it, in one sentence before the
+    model loads (else None)."""
+    if not args.device.startswith("cpu"):  # (the default on a machine with a GPU)
+        return f"--device {args.device}: this bench measures CPU memory (the process's resident high-water mark); pass --device cpu"
     return budget_problem({RUN_POLICY[run]: {} for run in args.runs}, args.budget) or short_context("--tokens", args.tokens, args.budget)
 
 
@@ -76,8 +79,6 @@ def main() -> None:
         __doc__, choices={"runs": ["d2o", "padded"]}, check=check,
         tokens=[8192, 16384], budget=256, chunk=2048, runs=["d2o", "padded"],
     )
-    if not args.device.startswith("cpu"):
-        raise SystemExit("this bench measures CPU memory (the process's resident high-water mark); pass --device cpu")
     runs = {"d2o": ("d2o", lambda n: d2o_prefill(model, n, args.budget)),
             "padded": ("padded x4", lambda n: padded_chunked_prefill(model, n, args.budget, args.chunk))}
     for label, run in (runs[name] for name in args.runs):

@@ -825,6 +825,22 @@ def test_a_bench_refuses_a_gpu_the_machine_lacks_in_one_sentence(monkeypatch, ca
     assert capsys.readouterr().err.strip().endswith("--device cuda:3: this machine has 1 CUDA GPU (cuda:0) (see bench.py --help)")
 
 
+def test_prefill_memory_refuses_a_gpu_before_its_model(monkeypatch, capsys):
+    """On a machine with a GPU (``--device`` defaults to cuda there) the bench built the model on the GPU, printed its
+    header, then exited 1 with a bare 'pass --device cpu'."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    prefill_memory = _bench(monkeypatch, "prefill_memory", "--tokens", "64", "--budget", "32")
+    import common
+
+    monkeypatch.setattr(common, "_load", lambda args: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exit:
+        prefill_memory.main()
+    out, err = capsys.readouterr()
+    assert exit.value.code == 2 and out == ""
+    assert err.strip().splitlines()[-1].startswith("prefill_memory.py: --device cuda: this bench measures CPU memory"), err
+
+
 @pytest.mark.parametrize(
     "script, args, message",
     [
