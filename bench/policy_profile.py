@@ -104,13 +104,18 @@ def profile_arm(model, make_cache, ids: torch.Tensor, steps: int, device: str, t
 
 
 def check(args) -> str | None:
-    """A context under the budget, or a ``--trace`` that names a file, in one sentence before the model loads (else
-    None)."""
+    """A context under the budget, or a ``--trace`` that names a file or a folder within one, in one sentence before
+    the model loads (else None)."""
     short = short_context("--context", [args.context], args.budget)
     if short:
         return short
-    if args.trace is not None and Path(args.trace).exists() and not Path(args.trace).is_dir():
-        return f"--trace {args.trace} is a file; name the folder to write the traces in"
+    if args.trace is not None:
+        trace = Path(args.trace)
+        made = next(path for path in (trace, *trace.parents) if path.exists())  # where the traces' folders start
+        if made == trace and not trace.is_dir():
+            return f"--trace {args.trace} is a file; name the folder to write the traces in"
+        if not made.is_dir():
+            return f"--trace {args.trace}: {made} is a file, so no folder can be made in it; name the folder to write the traces in"
     return None
 
 

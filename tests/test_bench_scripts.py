@@ -889,6 +889,8 @@ def test_prefill_memory_refuses_a_gpu_before_its_model(monkeypatch, capsys):
         ("ab_batching", ["--context", "256", "--budget", "512"], "--context 256 is less than --budget 512: nothing would be evicted"),
         ("gate_overhead", ["--gate-dtypes", "fp8"], "argument --gate-dtypes: invalid choice: 'fp8'"),
         ("policy_profile", ["--trace", "README.md"], "--trace README.md is a file; name the folder to write the traces in"),
+        # a NotADirectoryError traceback from making the folder, once the model had loaded
+        ("policy_profile", ["--trace", "README.md/traces"], "--trace README.md/traces: README.md is a file, so no folder can be made in it"),
         ("ab_batching", ["--context", "20"], "--context 20: a needle prompt needs at least 64 tokens"),
     ],
 )
