@@ -65,6 +65,18 @@ def test_ab_batching_places_every_rows_needle_within_its_prompt(monkeypatch):
     assert ab_batching.needle_depths(5) == [0.0, 0.25, 0.5, 0.75, 1.0]
 
 
+def test_ab_batching_pads_its_batch(monkeypatch, embedded_tokenizer):
+    """Every row asked for ``--context`` tokens: all eight prompts of ``--context 4000 --rows 8`` (and all four of
+    ``--context 260 --rows 4``) came out one length, so the 'padded batch' held no padding and took the causal path."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_ab_batching_prompts", ROOT / "bench" / "ab_batching.py")
+    ab_batching = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab_batching)
+    for context, rows in ((4000, 8), (260, 4), (386, 2)):
+        lengths = [len(p) for p in ab_batching.needle_prompts(embedded_tokenizer, context, rows)]
+        assert len(set(lengths)) > 1 and max(lengths) <= context, (context, rows, lengths)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on CPU")
 def test_kernel_bench_smoke():
     result = subprocess.run(
@@ -892,6 +904,10 @@ def test_prefill_memory_refuses_a_gpu_before_its_model(monkeypatch, capsys):
         # a NotADirectoryError traceback from making the folder, once the model had loaded
         ("policy_profile", ["--trace", "README.md/traces"], "--trace README.md/traces: README.md is a file, so no folder can be made in it"),
         ("ab_batching", ["--context", "20"], "--context 20: a needle prompt needs at least 64 tokens"),
+        # a batch of one prompt holds no padding
+        ("ab_batching", ["--rows", "1"], "--rows 1: a padded batch needs at least 2 prompts"),
+        ("ab_batching", ["--context", "66", "--rows", "4", "--budget", "32", "--policies", "h2o"],
+         "--context 66, --rows 4: the last prompt asks for 63 tokens (one fewer a row), and a needle prompt needs at least 64"),
     ],
 )
 def test_a_bench_refuses_what_it_cannot_measure_in_one_sentence_before_its_model(script, args, message):
