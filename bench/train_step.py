@@ -74,9 +74,13 @@ def rows(args) -> list[tuple[str, str]]:
 
 def check(args) -> str | None:
     """What a row's config refuses (a budget that does not fit a kind or a length, an ``--attention`` a kind does not
-    take), or a ``--completion`` longer than a sequence, in one sentence before the model loads; else None."""
+    take), a ``--completion`` longer than a sequence, or an ``--eviction`` no kind takes, in one sentence before the
+    model loads; else None."""
     if args.completion >= min(args.lengths):
         return f"--completion {args.completion} must be less than every length (--lengths {min(args.lengths)})"
+    if set(args.eviction) != {"soft"} and not any(kind.startswith("trimkv") for kind in args.kinds):
+        evictions, kinds = " ".join(args.eviction), " ".join(args.kinds)
+        return f"--eviction {evictions} applies to the TRIM-KV kinds (trimkv, trimkv-global) only, and --kinds {kinds} has none"
     for kind, eviction in rows(args):
         for length in args.lengths:
             try:

@@ -888,6 +888,9 @@ def test_prefill_memory_refuses_a_gpu_before_its_model(monkeypatch, capsys):
         ("train_step", ["--lengths", "128", "--kinds", "dms", "--attention", "flex", "--budget", "64"],
          "--kinds dms, --lengths 128, --budget 64, --attention flex: config: DMS students attend through dms_attention_fused"),
         ("train_step", ["--lengths", "128", "--completion", "128"], "--completion 128 must be less than every length"),
+        # a locret row, trained soft, with no word of the hard eviction asked for
+        ("train_step", ["--kinds", "locret", "--eviction", "hard"],
+         "--eviction hard applies to the TRIM-KV kinds (trimkv, trimkv-global) only, and --kinds locret has none"),
         ("gate_overhead", ["--budget", "16"], "--budget 16: locret: budget 16 must be larger than"),
         # tables of policies (or gates beside decode steps) of a cache that evicted nothing: policy_overhead's
         # h2o at 0.00 ms of evictions; kv_memory's caches growing to the budget read 'NOT flat'
