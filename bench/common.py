@@ -78,15 +78,15 @@ def setup(
         device_and_dtype(args.device, "float32", prefix="--", command=parser.prog)
     except ValueError as err:
         parser.error(str(err))
-    unknown = [spec.partition(":")[0] for spec in getattr(args, "policies", None) or [] if spec.partition(":")[0] not in kvgates.POLICIES]
+    specs = getattr(args, "policies", None) or []
+    unknown = [spec.partition(":")[0] for spec in specs if spec.partition(":")[0] not in kvgates.POLICIES]
     if unknown:
         parser.error(f"--policies: unknown policy {unknown[0]!r}; available policies: {', '.join(sorted(kvgates.POLICIES))}")
-    specs = getattr(args, "policies", None) or []
     twice = next((spec for i, spec in enumerate(specs) if spec in specs[:i]), None)
     if twice is not None:  # (prefill_speed's row took both entries' times, its range of ratios paired the wrong rounds)
         parser.error(f"--policies {twice} is given twice; give each entry once")
     budget = getattr(args, "budget", None)
-    for spec in getattr(args, "policies", None) or []:
+    for spec in specs:
         problem = policy_problem(spec, budget if isinstance(budget, int) else None)
         if problem is not None:
             parser.error(problem)
