@@ -9,8 +9,9 @@ policy without ``--gates`` on an embedded model runs the adapter shipped for it 
 generated text is the only thing written to stdout; the KV memory report (naming the adapter a learned policy ran)
 and every error go to stderr. Every user error (a bad option, model, adapter or prompt) is one sentence and exit
 status 2; help goes to stdout. A prompt that runs past the model's context is warned about in one line, not
-refused. torch and transformers are imported only by ``generate`` and ``policies``, so ``kvgates --version`` and
-``kvgates --help`` answer at once.
+refused; a long one (2,048 tokens or more) gets a line on stderr as its prefill starts and one as it ends. torch
+and transformers are imported only by ``generate`` and ``policies``, so ``kvgates --version`` and ``kvgates --help``
+answer at once.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ INTERRUPTED = 130
 
 #: ``kvgates generate --sample``'s temperature when ``--temperature`` is not given.
 TEMPERATURE = 0.7
+#: A prompt of this many tokens or more is long: ``kvgates generate`` says on stderr when its prefill starts and ends.
+LONG_PROMPT = 2048
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -315,6 +318,8 @@ def _generate(argv: list[str]) -> int:
             raise AdapterError(str(err).replace("pass strict=False", strict)) from None
         cache = BudgetCache(model.config, policy)
         torch.manual_seed(args.seed or 0)
+        prompt_tokens = inputs["input_ids"].shape[1]
+        notice = _PrefillNotice(prompt_tokens, args.prefill_chunk, device, dtype) if prompt_tokens >= LONG_PROMPT else None
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(
@@ -327,9 +332,9 @@ def _generate(argv: list[str]) -> int:
                 top_k=None,
                 prefill_chunk_size=args.prefill_chunk,
                 pad_token_id=tokenizer.pad_token_id,
+                streamer=notice,
             )
         seconds = time.perf_counter() - start
-    prompt_tokens = inputs["input_ids"].shape[1]
     new = out[0, prompt_tokens:]
     print(tokenizer.decode(new, skip_special_tokens=True))
     # generate() never runs the last new token through the model, so the cache saw all but it: the memory figures
@@ -346,6 +351,31 @@ def _generate(argv: list[str]) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+class _PrefillNotice:
+    """A ``generate()`` streamer (``transformers``' ``BaseStreamer`` interface; not its subclass, so that importing the
+    CLI imports no transformers) that says on stderr, in a line each, when a long prompt's prefill starts (generate()
+    hands it the prompt) and when it has ended (the first new token): a sign of life on a prefill of minutes. stdout,
+    which holds only the generated text, is left alone."""
+
+    def __init__(self, tokens: int, chunk: int | None, device: Any, dtype: Any) -> None:
+        self.tokens, self.chunk, self.place = tokens, chunk, f"on {device} in {str(dtype).removeprefix('torch.')}"
+        self.start: float | None = None
+        self.done = False
+
+    def put(self, value: Any) -> None:
+        """Take generate()'s tokens: first the prompt's, then each new token's."""
+        if self.start is None:
+            chunks = f", in chunks of {self.chunk}" if self.chunk is not None and self.chunk < self.tokens else ""
+            print(f"kvgates generate: prefilling the prompt ({self.tokens} tokens{chunks}) {self.place} ...", file=sys.stderr, flush=True)
+            self.start = time.perf_counter()
+        elif not self.done:
+            self.done = True
+            print(f"kvgates generate: prompt prefilled; first new token after {time.perf_counter() - self.start:.1f} s", file=sys.stderr, flush=True)
+
+    def end(self) -> None:
+        """Nothing left to say: the run's summary follows."""
 
 
 def _warn_past_context(model: Any, name: str, prompt: int, new: int, policy: kvgates.Policy, chunk: int | None) -> None:

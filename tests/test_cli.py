@@ -76,6 +76,29 @@ def test_a_gpu_that_is_not_there_is_refused_before_the_model_loads(checkpoint, m
     assert "--device cuda:2: this machine has 2 CUDA GPUs (cuda:0 to cuda:1)" in capsys.readouterr().err
 
 
+def test_a_long_prompt_s_prefill_is_announced_on_stderr_only(checkpoint, monkeypatch, capsys):
+    """``kvgates generate`` said nothing while a long prompt was prefilled (minutes, on a long context): a prompt of
+    ``LONG_PROMPT`` tokens or more gets a line on stderr as its prefill starts and one as it ends; stdout still holds
+    the generated text alone, as it does for a short prompt, which gets neither line."""
+    from kvgates import cli
+
+    assert f"({cli.LONG_PROMPT:,} tokens or more)" in cli.__doc__  # what kvgates --help says
+    argv = ["generate", "--model", checkpoint, "--policy", "h2o", "--budget", "16", "--prompt", "hello there " * 5,
+            "--max-new-tokens", "3", "--prefill-chunk", "8"]
+    assert main(argv) == 0
+    quiet = capsys.readouterr()
+    assert "prefill" not in quiet.err
+    monkeypatch.setattr(cli, "LONG_PROMPT", 60)  # the prompt's 60 characters are its tokens
+    assert main(argv) == 0
+    loud = capsys.readouterr()
+    assert loud.out == quiet.out
+    lines = loud.err.splitlines()
+    assert lines[0] == "kvgates generate: prefilling the prompt (60 tokens, in chunks of 8) on cpu in float32 ..."
+    assert re.fullmatch(r"kvgates generate: prompt prefilled; first new token after \d+\.\d s", lines[1]), lines
+    untimed = [[re.sub(r"\d+\.\d s on", "s on", line) for line in err] for err in (lines[2:], quiet.err.splitlines())]
+    assert untimed[0] == untimed[1]  # then the run's summary, as without them
+
+
 def test_a_prompt_file_may_be_a_pipe(checkpoint, capsys):
     """``--prompt-file /dev/stdin`` and a shell's ``<(...)`` name a pipe, not a regular file: it was refused as a file
     that "does not exist"."""
