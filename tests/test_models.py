@@ -55,6 +55,25 @@ def test_models_whose_attention_passes_inputs_kvgates_would_drop_are_refused(fam
     assert model.config._attn_implementation == before  # left as it was
 
 
+def test_a_model_whose_attention_gets_multimodal_rope_positions_is_refused():
+    """GLM-4.5V's attention gets its multimodal RoPE positions ``[3, B, n]``: every budgeted forward stopped in a
+    RuntimeError from the layer's positions (``expand``); kvgates orders a layer's tokens by one position each."""
+    from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
+
+    text = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, bos_token_id=1,
+        eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2], "partial_rotary_factor": 0.5},
+    )
+    vision = dict(depth=1, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=32)
+    torch.manual_seed(0)
+    model = Glm4vMoeForConditionalGeneration(Glm4vMoeConfig(text_config=text, vision_config=vision, image_token_id=120)).eval()
+    before = model.config._attn_implementation
+    with pytest.raises(UnsupportedModelError, match=r"\(Glm4vMoeTextAttention\) passes position_ids with 3 positions per token \(multimodal RoPE\)"):
+        kvgates.prepare_model(model)
+    assert model.config._attn_implementation == before
+
+
 def test_an_unknown_input_at_call_time_is_refused(tiny):
     """Inputs a caller threads through the forward reach attention too; they are checked on every call."""
     _, model = tiny

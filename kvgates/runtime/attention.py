@@ -34,7 +34,8 @@ TRAINING_ATTR = "_kvgates_training"
 
 ATTN_IMPLEMENTATION = "kvgates"
 
-#: Keyword inputs of an attention call that kvgates honours: ``position_ids`` (used for visibility), flags that do
+#: Keyword inputs of an attention call that kvgates honours: ``position_ids`` (used for visibility: one per token, not
+#: multimodal RoPE's several, ``[k, B, n]``, which GLM-4.5V and ERNIE-4.5-VL pass), flags that do
 #: not change the attention output, ``sliding_window`` (sliding layers keep transformers' own cache and sdpa;
 #: budgeted layers are full attention), and two inputs only at their default: ``softcap`` off (``None``) and
 #: ``is_causal`` not ``False``. Anything else (attention sinks, packed-sequence offsets, biases) is refused.
@@ -65,18 +66,22 @@ _PROBE = _Probe()
 
 def unsupported_inputs(inputs: dict[str, Any]) -> list[str]:
     """The attention inputs in ``inputs`` that kvgates cannot honour (empty when it honours them all)."""
-    softcap, causal = inputs.get("softcap"), inputs.get("is_causal")
-    if inputs.keys() <= HONOURED_INPUTS and softcap is None and causal is not False:  # the per-call fast path
+    softcap, causal, positions = inputs.get("softcap"), inputs.get("is_causal"), inputs.get("position_ids")
+    rows = positions.shape[0] if positions is not None and positions.dim() == 3 else 1
+    if inputs.keys() <= HONOURED_INPUTS and softcap is None and causal is not False and rows == 1:  # the per-call fast path
         return []
-    return sorted(inputs.keys() - HONOURED_INPUTS) + ["softcap"] * (softcap is not None) + ["is_causal=False"] * (causal is False)
+    return (
+        sorted(inputs.keys() - HONOURED_INPUTS) + ["softcap"] * (softcap is not None) + ["is_causal=False"] * (causal is False)
+        + [f"position_ids with {rows} positions per token (multimodal RoPE)"] * (rows > 1)
+    )
 
 
 def refusal(owner: str, names: list[str]) -> UnsupportedModelError:
     """The one-sentence error for an attention that passes inputs kvgates would drop."""
     return UnsupportedModelError(
-        f"{owner} passes {', '.join(names)} to its attention function, which kvgates cannot honour (dropping it "
+        f"{owner} passes {', '.join(names)} to its attention function, which kvgates cannot honour (dropping or misreading it "
         f"would silently change the output); kvgates supports attention whose extra inputs are among "
-        f"{', '.join(sorted(HONOURED_INPUTS))} (softcap only when off, is_causal not False)"
+        f"{', '.join(sorted(HONOURED_INPUTS))} (softcap only when off, is_causal not False, position_ids one per token)"
     )
 
 
