@@ -141,6 +141,29 @@ def test_a_model_with_sliding_window_layers_is_refused_when_kvzip_attaches():
         policy.attach(model)
     assert not model._forward_pre_hooks
 
+def test_multimodal_rope_positions_are_refused_before_the_prompt_is_cached():
+    """Qwen2-VL's generate passes position_ids ``[4, B, T]`` (text positions, then multimodal RoPE's three): the
+    prompt's positions were a RuntimeError from ``expand``; a scoring forward places each token at one position."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    from kvgates import UnsupportedModelError, prepare_model
+
+    text = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        bos_token_id=1, eos_token_id=2, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+    )
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=120)).eval()
+    prepare_model(model)
+    policy = make_policy("kvzip", budget=8, repeat_ids=PROMPT_IDS).attach(model)
+    cache = BudgetCache(model.config, policy)
+    with pytest.raises(UnsupportedModelError, match=r"^kvzip: .* position_ids of shape \[4, 1, 12\], several positions per token"):
+        model.generate(torch.randint(3, 100, (1, 12)), past_key_values=cache, max_new_tokens=2, do_sample=False)
+    assert cache.get_seq_length() == 0
+    policy.detach()
+
+
 def test_repeat_ids_beyond_the_vocabulary_are_one_sentence(tiny):
     """They were the embedding's IndexError in the first scoring forward."""
     _, model = tiny

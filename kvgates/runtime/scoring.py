@@ -172,6 +172,12 @@ class PromptScoring:
         else:
             mask = mask[:, -n:].to(ids.device).long()
         positions = kwargs.get("position_ids")
+        if positions is not None and positions.dim() > 2:  # before the prompt forward writes anything
+            raise UnsupportedModelError(
+                f"{self.policy.name}: {type(module).__name__} is given position_ids of shape {list(positions.shape)}, several "
+                f"positions per token (multimodal RoPE, as Qwen2-VL's generate passes), and {self.policy.name}'s scoring forwards "
+                "place each token at one position; use a text-only model"
+            )
         if positions is None:  # transformers' own: after every token the cache has seen, padding included
             positions = torch.arange(n, device=ids.device) + layer.seen
         positions = positions.to(ids.device).long().reshape(-1, n).expand(ids.shape[0], n)
