@@ -478,6 +478,19 @@ def test_base_params_text_keeps_lists_quoted_text_and_colons():
         parse_params('a="x"y,b=1')
 
 
+def test_a_parameter_without_a_value_says_so():
+    """``snapkv:window=`` (a bench's --policies, or --base-params) read the empty value as YAML's None and said
+    "window must be an integer, got None"; ``window=null`` still gives None."""
+    from kvgates.policies.wrappers import parse_params
+
+    for text in ("window=", "kernel=3, window= "):
+        with pytest.raises(ValueError, match=r"^window= has no value; give one, or leave window out for its default$"):
+            parse_params(text)
+    with pytest.raises(ValueError, match="window= has no value"):
+        make_policy("adakv", budget=8, base_params="window=")
+    assert parse_params("window=null") == {"window": None}
+
+
 @pytest.mark.parametrize("budget", [12, 100])
 @pytest.mark.parametrize("name", sorted(POLICY_PARAMS))
 def test_a_deep_copied_cache_continues_as_the_original(tiny, name, budget):

@@ -19,7 +19,7 @@ def parse_params(params: dict[str, Any] | str) -> dict[str, Any]:
     ``true``, ``[1, 2]``, ``'a, quoted: text'``): a value that starts with a quote runs to its closing quote and one
     that starts with a bracket to its closing bracket, commas inside them included; any other value runs to the next
     comma (an apostrophe or bracket inside it is text), and stays the text it is where YAML would read a mapping
-    (``Say it again:``)."""
+    (``Say it again:``). An empty value (``window=``) is refused (``window=null`` is None)."""
     if isinstance(params, dict):
         return dict(params)
     out = {}
@@ -27,6 +27,8 @@ def parse_params(params: dict[str, Any] | str) -> dict[str, Any]:
         if "=" not in item:
             raise ValueError(f"expected key=value in base parameters, got {item!r}")
         key, value = (part.strip() for part in item.split("=", 1))
+        if not value:  # YAML reads None, which the policy refused as "window must be an integer, got None"
+            raise ValueError(f"{key}= has no value; give one, or leave {key} out for its default")
         try:
             parsed = yaml.safe_load(value)
         except yaml.YAMLError as err:
