@@ -138,11 +138,13 @@ def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
-    """Set ``raw[a][b] = value`` for an override ``a.b=value`` (``value`` read as YAML; sections made as needed)."""
+    """Set ``raw[a][b] = value`` for an override ``a.b=value`` (``value`` read as YAML, not empty; sections made as needed)."""
     key, sep, text = item.partition("=")
     parts = key.strip().split(".")
     if not sep or not all(parts):
         raise ConfigError(f"overrides look like key=value or section.key=value, got {item!r}")
+    if not text.strip():  # YAML reads None, which the run refused as the config file's "seed must be an integer, got None"
+        raise ConfigError(f"override {item!r} has no value; give one ({key.strip()}=null for none), or leave it out to keep the config's")
     node = raw
     for part in parts[:-1]:
         if node.get(part) is None:

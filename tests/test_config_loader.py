@@ -126,6 +126,8 @@ def test_a_key_a_yaml_merge_brings_in_may_be_overridden(tmp_path):
         ("section..rate=1", "overrides look like key=value"),
         ("budget.x=1", "override 'budget.x=1': 'budget' is not a section"),
         ("names=[a,", "override 'names=[a,': the value is not valid YAML"),
+        ("budget= ", "override 'budget= ' has no value; give one (budget=null for none), or leave it out to keep the config's"),
+        ("section.rate=", "override 'section.rate=' has no value"),
         (
             "params={window: 4, window: 8}",
             "override 'params={window: 4, window: 8}': the value is not valid YAML (key 'window' is given twice (line 1, columns 2 and 13)",
