@@ -118,7 +118,7 @@ def policy_problem(spec: str, budget: int | None, source: str = "") -> str | Non
     bench checks before its model loads."""
     name, _, given = spec.partition(":")
     try:
-        _build_on_placeholders(name, parse_params(given), budget)
+        _build_on_placeholders(name, parse_params(given, "parameter"), budget)
     except ValueError as err:
         return f"--policies {spec}{source}: {err}"
     return None
@@ -223,7 +223,7 @@ def bench_policy(model, spec: str, budget: int, **params: Any) -> kvgates.Policy
     ``adakv:ragged=false``) at ``budget`` (``full``: no budget) with ``params``. Learned policies get fresh gates of
     the model's shape (untrained gates cost what trained ones do). Run it under ``attached``."""
     name, _, given = spec.partition(":")
-    params = _with_gates(name, {**parse_params(given), **params}, lambda kind: GATE_KINDS[kind].for_model(model, training_budget=budget))
+    params = _with_gates(name, {**parse_params(given, "parameter"), **params}, lambda kind: GATE_KINDS[kind].for_model(model, training_budget=budget))
     if name != "full":
         params["budget"] = budget
     if name == "kvzip" and not tokenizer_source(model):  # random weights have no tokenizer; a 6-token repeat prompt

@@ -974,3 +974,14 @@ def test_the_benches_usage_examples_keep_their_line_breaks():
         doc = ast.get_docstring(ast.parse(script.read_text()), clean=False) or ""
         joined = [line for line in doc.splitlines() if re.search(r"\S {3,}--", line)]
         assert joined == [], script.name
+
+
+def test_a_policies_entry_s_parameters_are_not_called_base_parameters(monkeypatch):
+    """``--policies snapkv:window`` said "expected key=value in base parameters": the wording of a wrapper's
+    base_params, which the entry's parameters are not."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import common
+
+    assert common.policy_problem("snapkv:window", 64) == "--policies snapkv:window: expected key=value in parameters, got 'window'"
+    assert common.policy_problem("snapkv:window=[1", 64) == "--policies snapkv:window=[1: parameter window: '[1' opens a bracket it never closes"
+    assert "base parameter window:" in common.policy_problem("adakv:base_params='window=[1'", 64)

@@ -14,18 +14,19 @@ from kvgates.runtime.state import SlotState
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
 
 
-def parse_params(params: dict[str, Any] | str) -> dict[str, Any]:
+def parse_params(params: dict[str, Any] | str, what: str = "base parameter") -> dict[str, Any]:
     """Policy parameters from a dict or a ``"key=value,key=value"`` string. Each value is read as YAML (``8``,
     ``true``, ``[1, 2]``, ``'a, quoted: text'``): a value that starts with a quote runs to its closing quote and one
     that starts with a bracket to its closing bracket, commas inside them included; any other value runs to the next
     comma (an apostrophe or bracket inside it is text), and stays the text it is where YAML would read a mapping
-    (``Say it again:``). An empty value (``window=``) is refused (``window=null`` is None)."""
+    (``Say it again:``). An empty value (``window=``) is refused (``window=null`` is None). Errors call the
+    parameters ``what``: a wrapper's ``base_params`` by default, a bench's ``--policies`` entry its policy's own."""
     if isinstance(params, dict):
         return dict(params)
     out = {}
-    for item in filter(None, (p.strip() for p in _items(params))):
+    for item in filter(None, (p.strip() for p in _items(params, what))):
         if "=" not in item:
-            raise ValueError(f"expected key=value in base parameters, got {item!r}")
+            raise ValueError(f"expected key=value in {what}s, got {item!r}")
         key, value = (part.strip() for part in item.split("=", 1))
         if not value:  # YAML reads None, which the policy refused as "window must be an integer, got None"
             raise ValueError(f"{key}= has no value; give one, or leave {key} out for its default")
@@ -33,12 +34,12 @@ def parse_params(params: dict[str, Any] | str) -> dict[str, Any]:
             parsed = yaml.safe_load(value)
         except yaml.YAMLError as err:
             problem = " ".join(str(getattr(err, "problem", None) or err).split())
-            raise ValueError(f"base parameter {key}: cannot read {value!r} as YAML ({problem}); quote text that holds ': ' or commas") from err
+            raise ValueError(f"{what} {key}: cannot read {value!r} as YAML ({problem}); quote text that holds ': ' or commas") from err
         out[key] = value if isinstance(parsed, dict) and not value.startswith("{") else parsed
     return out
 
 
-def _items(text: str) -> list[str]:
+def _items(text: str, what: str) -> list[str]:
     """``text`` split into ``key=value`` items at the commas between values (``parse_params``)."""
     items, start = [], 0
     while start <= len(text):
@@ -47,15 +48,16 @@ def _items(text: str) -> list[str]:
             stop = len(text) if comma < 0 else comma
         else:
             value = equals + 1 + len(text[equals + 1 :]) - len(text[equals + 1 :].lstrip())
-            stop = text.find(",", _value_end(text, value, text[start:equals].strip()))
+            stop = text.find(",", _value_end(text, value, f"{what} {text[start:equals].strip()}"))
             stop = len(text) if stop < 0 else stop
         items.append(text[start:stop])
         start = stop + 1
     return items
 
 
-def _value_end(text: str, at: int, key: str) -> int:
-    """Where the value starting at ``at`` ends: after its closing quote or bracket where it opens with one."""
+def _value_end(text: str, at: int, name: str) -> int:
+    """Where the value starting at ``at`` ends: after its closing quote or bracket where it opens with one (``name``:
+    the parameter's, for the error where it never closes)."""
     closing = {"'": "'", '"': '"', "[": "]", "{": "}"}
     if at >= len(text) or text[at] not in closing:
         return at
@@ -76,7 +78,7 @@ def _value_end(text: str, at: int, key: str) -> int:
         if not stack:
             return i + 1
     what = "quote" if text[at] in "'\"" else "bracket"
-    raise ValueError(f"base parameter {key}: {text[at:]!r} opens a {what} it never closes")
+    raise ValueError(f"{name}: {text[at:]!r} opens a {what} it never closes")
 
 
 def learned_policy(name: str, params: dict[str, Any]) -> type[LearnedPolicy] | None:
