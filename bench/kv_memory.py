@@ -3,8 +3,8 @@
     python bench/kv_memory.py --tokens 2000 --budget 128 --every 250
 
 Generates ``--tokens`` tokens greedily after a short essay prompt and prints the key/value bytes each cache
-allocates every ``--every`` tokens (a budgeted cache's slots, held or free; DynamicCache's tokens), plus the ratio to
-DynamicCache at the end and whether that stayed flat. A policy may carry parameters, ``name:key=value,...``;
+allocates every ``--every`` tokens and after the last one (a budgeted cache's slots, held or free; DynamicCache's
+tokens), plus the ratio to DynamicCache at the end and whether that stayed flat. A policy may carry parameters, ``name:key=value,...``;
 learned policies run with fresh gates of the model's shape.
 """
 
@@ -20,8 +20,15 @@ import kvgates
 from kvgates import dynamic_cache_bytes
 
 
+def sampled_steps(tokens: int, every: int) -> list[int]:
+    """The generated-token counts a size is taken at: every ``every`` tokens, and the last token where ``every`` does
+    not divide ``tokens`` (the figures "at the end" were those of the last multiple of ``every``)."""
+    return sorted({*range(every, tokens + 1, every), tokens})
+
+
 def trace(model, cache, ids, tokens: int, every: int, size) -> tuple[list[int], set[int]]:
-    """KV bytes every ``every`` tokens, and the distinct per-head token counts seen after every step."""
+    """KV bytes at each of ``sampled_steps``, and the distinct per-head token counts seen after every step."""
+    sampled = set(sampled_steps(tokens, every))
     sizes, held = [], set()
     with attached(model, cache), torch.no_grad():
         token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
@@ -29,12 +36,12 @@ def trace(model, cache, ids, tokens: int, every: int, size) -> tuple[list[int], 
             token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
             if isinstance(cache, kvgates.BudgetCache):
                 held.update(cache.held_tokens().unique().tolist())
-            if step % every == 0:
+            if step in sampled:
                 sizes.append(size(cache))
     return sizes, held
 
 
-def plot(columns: dict[str, list[int]], every: int, path: str) -> None:
+def plot(columns: dict[str, list[int]], steps: list[int], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -43,7 +50,7 @@ def plot(columns: dict[str, list[int]], every: int, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     styles = ["-", "--", ":", "-."]
     for i, (name, sizes) in enumerate(columns.items()):  # budgeted caches overlap exactly: vary the line style
-        ax.plot([(j + 1) * every for j in range(len(sizes))], [s / 2**20 for s in sizes], marker="os^v"[i % 4],
+        ax.plot(steps, [s / 2**20 for s in sizes], marker="os^v"[i % 4],
                 linestyle=styles[i % 4], markersize=max(3, 7 - i), label=name)
     ax.set_xlabel("generated tokens")
     ax.set_ylabel("KV cache (MiB)")
@@ -57,12 +64,10 @@ def plot(columns: dict[str, list[int]], every: int, path: str) -> None:
 
 def problem(args) -> str | None:
     """What is wrong with the options before any generation: a prompt under the budget (a budgeted cache would grow
-    until it held the budget, not flat), nothing recorded, or a plot that cannot be written."""
+    until it held the budget, not flat), or a plot that cannot be written."""
     short = short_context("--prompt", [args.prompt], args.budget)
     if short:
         return short
-    if args.every > args.tokens:
-        return f"--every {args.every} is more than --tokens {args.tokens}: no size would be recorded"
     if args.plot is not None:
         path = Path(args.plot)
         if path.is_dir():
@@ -84,13 +89,13 @@ def main() -> None:
         cache = kvgates.BudgetCache(model.config, bench_policy(model, policy, args.budget))
         label = policy if policy.partition(":")[0] == "full" else f"{policy}@{args.budget}"
         columns[label], held[label] = trace(model, cache, ids, args.tokens, args.every, lambda c: c.kv_bytes())
-    names = list(columns)
+    names, steps = list(columns), sampled_steps(args.tokens, args.every)
     print("generated  " + "  ".join(f"{n:>18s}" for n in names) + "   (KV MiB allocated)")
-    for i in range(len(columns[names[0]])):
+    for i, step in enumerate(steps):
         row = "  ".join(f"{columns[n][i] / 2**20:18.2f}" for n in names)
-        print(f"{(i + 1) * args.every:9d}  {row}")
+        print(f"{step:9d}  {row}")
     if args.plot:
-        plot(columns, args.every, args.plot)
+        plot(columns, steps, args.plot)
         print(f"plot: {args.plot}")
     base = columns["DynamicCache"][-1]
     for n in names[1:]:

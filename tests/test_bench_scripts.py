@@ -774,7 +774,6 @@ def test_a_bench_refuses_bad_policy_parameters_in_one_sentence_before_its_model(
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--tokens", "100", "--every", "250"], "--every 250 is more than --tokens 100: no size would be recorded"),  # an IndexError
         (["--plot", "bench"], "--plot bench is a folder; name the PNG file to write"),  # a traceback after the whole run
         (["--plot", "no/such/folder/kv.png"], "--plot no/such/folder/kv.png: its folder no/such/folder does not exist"),
     ],
@@ -985,3 +984,21 @@ def test_a_policies_entry_s_parameters_are_not_called_base_parameters(monkeypatc
     assert common.policy_problem("snapkv:window", 64) == "--policies snapkv:window: expected key=value in parameters, got 'window'"
     assert common.policy_problem("snapkv:window=[1", 64) == "--policies snapkv:window=[1: parameter window: '[1' opens a bracket it never closes"
     assert "base parameter window:" in common.policy_problem("adakv:base_params='window=[1'", 64)
+
+
+def test_kv_memory_samples_the_last_token_where_every_does_not_divide_tokens(tiny, monkeypatch):
+    """``--tokens 5 --every 2`` took its last size at token 4, which the table gave as "at the end"; ``--every``
+    past ``--tokens`` (refused: no size was taken) now takes the end alone."""
+    from transformers import DynamicCache
+
+    from kvgates import dynamic_cache_bytes
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import kv_memory
+
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    assert kv_memory.sampled_steps(5, 2) == [2, 4, 5] and kv_memory.sampled_steps(4, 2) == [2, 4] and kv_memory.sampled_steps(3, 9) == [3]
+    cache = DynamicCache(config=model.config)
+    sizes, _ = kv_memory.trace(model, cache, ids, 5, 2, dynamic_cache_bytes)
+    assert len(sizes) == 3 and sizes[-1] == dynamic_cache_bytes(cache) and sizes[0] < sizes[1] < sizes[2]
