@@ -413,6 +413,13 @@ def test_report_to_flyte_is_taken_where_flytekit_is_installed(tiny_dir, tmp_path
         # Both passed --check and the run trained with them (gates biased NaN, an infinite capacity weight).
         ({"gates": {"init_bias": float("nan")}}, "gates.init_bias must be a finite number, got nan"),
         ({"loss": {"lambda_cap": float("inf")}}, "loss.lambda_cap must be a finite number, got inf"),
+        # All three passed --check: DMS's heads never trained (sigmoid(z / inf) is 0.5, its gradient 0), a NaN LoRA
+        # scale, an infinite regression target.
+        ({"kind": "dms", "gates": {"hidden": None}, "method": {"window": 4, "temperature": float("inf")}, "policy": {"window": 4}},
+         "method.temperature must be a finite number, got inf"),
+        ({"kind": "dms-lora", "gates": {"hidden": None}, "method": {"window": 4, "lora_alpha": float("nan")}, "policy": {"window": 4}},
+         "method.lora_alpha must be a finite number, got nan"),
+        ({"kind": "kvzap", "policy": {"window": 4}, "method": {"floor": float("inf")}}, "method.floor must be a finite number, got inf"),
         # All three were "make_policy() got multiple values for keyword argument 'budget'" (or 'gates').
         ({"policy": {"budget": 64}}, "policy: budget is set by the run (its top-level budget); remove it from policy"),
         ({"teacher": {"policy": "h2o", "params": {"budget": 64}}}, "teacher.params: budget is set by the run (its top-level budget)"),

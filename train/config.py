@@ -198,6 +198,7 @@ class TrainConfig:
             raise
         except ValueError as err:  # the options' own range checks
             raise ConfigError(f"method: {err}") from None
+        _check_finite("method", self.method_options)  # (dms's temperature: .inf passed its > 0, and the heads never trained)
         try:
             self.learned_method.check_attention(self.attention)
             self.learned_method.check(self)
@@ -290,13 +291,18 @@ _AT_LEAST = {
 }
 
 
+def _check_finite(section: str, values: Any) -> None:
+    """``ConfigError`` for a number of the section ``values`` (a dataclass, or None) that is NaN or infinite: NaN
+    passes every comparison, infinity every lower bound."""
+    for f in dataclasses.fields(values) if values is not None else ():
+        value = getattr(values, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{section}.{f.name} must be a finite number, got {value!r}")
+
+
 def _check_ranges(config: TrainConfig) -> None:
-    for section in ("gates", "loss", "teacher"):  # NaN passes every comparison, infinity the lower bounds
-        values = getattr(config, section)
-        for f in dataclasses.fields(values) if values is not None else ():
-            value = getattr(values, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{section}.{f.name} must be a finite number, got {value!r}")
+    for section in ("gates", "loss", "teacher"):
+        _check_finite(section, getattr(config, section))
     for (section, key), least in _AT_LEAST.items():
         value = getattr(getattr(config, section) or object(), key, None)
         if value is not None and value < least:
