@@ -590,10 +590,12 @@ def test_check_validates_without_loading_the_model_or_writing(tiny_dir, tmp_path
     assert "is ready to run" in capsys.readouterr().out and not out.exists()
 
 
-def test_an_adapter_for_another_model_stops_the_run_and_leaves_no_folder(tiny_dir, tmp_path, capsys):
+def test_an_adapter_for_another_model_stops_the_run_and_leaves_no_folder(tiny_dir, tmp_path, capsys, monkeypatch):
     """``gates.init_from`` can only be matched to the model once it is loaded: the run then stops with one sentence
     and removes the folder it had just made."""
     from helpers import tiny_model
+
+    from train.run import build_trainer as load
 
     kvgates.RetentionGates.for_model(tiny_model("llama", seed=1)[1], gate_hidden=8).save_pretrained(tmp_path / "foreign")
     out = tmp_path / "run"
@@ -605,6 +607,18 @@ def test_an_adapter_for_another_model_stops_the_run_and_leaves_no_folder(tiny_di
     out.mkdir()
     assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 2
     assert out.is_dir() and not any(out.iterdir())
+    # Nor the folders it made to hold it (runs/exp stayed, empty), but a folder another run has since made in them.
+    cfg["output_dir"] = str(tmp_path / "runs" / "exp" / "run")
+    assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 2
+    assert "gates.init_from: these gates were trained for" in capsys.readouterr().err and not (tmp_path / "runs").exists()
+
+    def another_run_beside(*args):
+        (tmp_path / "runs" / "other").mkdir()  # (while this one loads its model)
+        return load(*args)
+
+    monkeypatch.setattr("train.run.build_trainer", another_run_beside)
+    assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 2
+    assert sorted(p.name for p in (tmp_path / "runs").rglob("*")) == ["other"]
 
 
 def test_under_a_launcher_only_the_first_process_makes_the_output_folder(tiny_dir, tmp_path, monkeypatch):

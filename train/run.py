@@ -547,6 +547,22 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
     return trainer, start, heldout
 
 
+def missing_parents(path: Path) -> list[Path]:
+    """The folders ``path`` lies in that do not exist yet (innermost first): making ``path`` makes them too."""
+    return [parent for parent in path.absolute().parents if not parent.exists()]
+
+
+def remove_made(out: Path, parents: list[Path]) -> None:
+    """Remove the output folder ``out`` a stopped run made and its ``parents`` (``missing_parents``) it made for it,
+    innermost first, each while it is empty (another run may have been given a folder beside ``out`` since)."""
+    shutil.rmtree(out, ignore_errors=True)
+    for parent in parents:
+        try:
+            parent.rmdir()
+        except OSError:  # (not empty, or gone)
+            return
+
+
 def cpu_threads_note(threads: int, cores: int, processes: int) -> str | None:
     """A warning for a CPU run on fewer ``threads`` than its share of the machine's ``cores`` (``processes`` per
     machine), or None. ``accelerate launch`` exports ``OMP_NUM_THREADS`` as ``--num_cpu_threads_per_process``, which
@@ -597,6 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         if note is not None:
             print(f"train.py: {note}", file=sys.stderr)
     before = set(out.iterdir()) if out.is_dir() else None  # what the folder held (None: the run makes it)
+    parents = missing_parents(out)  # (the run makes them too)
     # The first process alone makes the folder and its records: it removes them on a user error, and files another
     # process made (before it looked, or after it removed them) stayed. A resume's folder stays whatever happens, and
     # every process reads the best checkpoint relocate_best points at where the run now is.
@@ -616,8 +633,11 @@ def main(argv: list[str] | None = None) -> int:
         if not main_process():  # (every process meets it: the first says it and leaves the folder as it was)
             return USAGE_ERROR
         if not any(out.glob("checkpoint-*")):  # nothing of this run is worth keeping: leave the folder as it was
-            for made in [out] if before is None else set(out.iterdir()) - before:
-                shutil.rmtree(made, ignore_errors=True) if made.is_dir() else made.unlink(missing_ok=True)
+            if before is None:
+                remove_made(out, parents)
+            else:
+                for made in set(out.iterdir()) - before:
+                    shutil.rmtree(made, ignore_errors=True) if made.is_dir() else made.unlink(missing_ok=True)
         return usage_error("train.py", err)
     except KeyboardInterrupt:  # Ctrl-C: where the run stands, not the Trainer's traceback
         if main_process():
