@@ -16,10 +16,10 @@ script as status 1, pass ``--quiet`` so that the sentence is the last line rathe
 ``CalledProcessError`` traceback; ``make train`` runs ``--check`` first).
 
 Outputs in ``output_dir``: ``checkpoint-*`` (gate adapter + optimizer/scheduler/RNG/trainer state, no LLM),
-``metrics.jsonl`` (every log line), ``run_config.json``, ``wandb/`` (offline unless ``WANDB_MODE`` says otherwise),
-and at the end ``adapter/`` (the best checkpoint's gates, with the held-out table in its model card) and
-``report.md``. With ``push_to_hub``, the adapter is then uploaded; a push that fails (no network, a refused token)
-is one sentence on stderr and exit status 1, the adapter and report kept as written.
+``metrics.jsonl`` (every log line), ``run_config.json`` and ``launch.json`` (what ``--resume`` checks), ``wandb/``
+(offline unless ``WANDB_MODE`` says otherwise), and at the end ``adapter/`` (the best checkpoint's gates, with the
+held-out table in its model card) and ``report.md``. With ``push_to_hub``, the adapter is then uploaded; a push that
+fails (no network, a refused token) is one sentence on stderr and exit status 1, the adapter and report kept as written.
 """
 
 from __future__ import annotations
