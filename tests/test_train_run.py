@@ -395,6 +395,8 @@ def test_report_to_flyte_is_taken_where_flytekit_is_installed(tiny_dir, tmp_path
         ({"push_to_hub": "me/runs/trimkv"}, "push_to_hub must be a Hub repository id (user/name), got 'me/runs/trimkv'"),
         ({"report": {"policies": ["snapk"]}}, "report.policies: 'snapk' is not a heuristic policy; heuristic policies: adakv, d2o"),
         ({"attention": "fastest"}, "attention must be auto or one of exact, fused, fused-split, flex"),
+        # Was torch inductor's traceback at the first step, once the model had loaded (FlexAttention has no CPU backward).
+        ({"attention": "flex", "training": {"use_cpu": True}}, "attention: flex (compiled FlexAttention) has no backward on the CPU"),
         ({"data": {"mix": [{"task": "hf", "path": "x", "pack": "yes"}]}}, "pack must be true or false"),
         # Both were the Trainer's ValueError or RuntimeError traceback once the model had loaded, run_config.json left.
         ({"training": {"report_to": "wandbb"}}, "training.report_to: 'wandbb' is not an integration transformers reports to"),

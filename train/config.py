@@ -123,8 +123,8 @@ class TrainConfig:
     #: The frozen model's weight dtype (``MODEL_DTYPES``); the gates and their optimizer state stay float32.
     model_dtype: str = "auto"
     #: The gated student's attention (``kvgates.gates.training.ATTENTIONS`` or ``auto``: the padded fused kernels
-    #: on CUDA, the exact float32 path on the CPU; DMS students take ``kvgates.methods.dms.ATTENTIONS``, ``auto``
-    #: being ``dms_attention_fused`` on every device).
+    #: on CUDA, the exact float32 path on the CPU; ``flex`` trains on CUDA only; DMS students take
+    #: ``kvgates.methods.dms.ATTENTIONS``, ``auto`` being ``dms_attention_fused`` on every device).
     attention: str = "auto"
     #: The learned method (``kvgates.methods.METHODS``): ``trimkv``, ``trimkv-global``, ``locret``, ...
     kind: str = "trimkv"

@@ -266,7 +266,18 @@ def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
     check_precision(train_args)
     check_report_to(train_args)
     check_launcher(train_args)
+    check_attention_device(config, train_args)
     return train_args
+
+
+def check_attention_device(config: TrainConfig, args: TrainingArguments) -> None:
+    """``ConfigError`` for ``attention: flex`` in a run on the CPU (``training.use_cpu``, or no CUDA): FlexAttention
+    has no CPU backward, and the first step ended in torch inductor's traceback once the model had loaded."""
+    if config.attention == "flex" and config.learned_method.reads_attention and (args.use_cpu or not torch.cuda.is_available()):
+        raise ConfigError(
+            "attention: flex (compiled FlexAttention) has no backward on the CPU, where this run trains; leave attention "
+            "at auto (the exact path on the CPU) or pick exact, fused or fused-split"
+        )
 
 
 #: Why a run cannot shard its weights (FSDP, DeepSpeed ZeRO-3): both partition every parameter across the processes.
