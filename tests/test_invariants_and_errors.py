@@ -316,14 +316,17 @@ def test_a_cache_of_another_model_or_batch_is_refused_in_one_sentence(tiny):
         BudgetCache(model.config, kvgates.policies.H2O)
 
 
-def test_generate_with_prompt_lookup_is_refused_in_one_sentence(tiny):
+@pytest.mark.parametrize("name,params", [("h2o", {"budget": 64}), ("full", {})])
+def test_generate_with_prompt_lookup_is_refused_in_one_sentence(tiny, name, params):
     """generate()'s speculative decoding crops the cache after rejected drafts; the README said its multi-token steps
-    worked."""
+    worked. The refusal told users to run it "with a cache that keeps every token", which is what the full policy's
+    BudgetCache is (``full``: "keeps every token"), refused the same way: it names the cache that can be cropped."""
     _, model = tiny
     ids = torch.randint(1, 128, (1, 16), generator=torch.Generator().manual_seed(0)).repeat(1, 2)
-    with pytest.raises(NotImplementedError, match="cannot be cropped.*assisted decoding and prompt lookup"):
-        model.generate(ids, past_key_values=BudgetCache(model.config, "h2o", budget=64), max_new_tokens=8, do_sample=False,
-                       prompt_lookup_num_tokens=3)
+    kwargs = dict(max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
+    with pytest.raises(NotImplementedError, match="cannot be cropped.*assisted decoding and prompt lookup.*with transformers' DynamicCache"):
+        model.generate(ids, past_key_values=BudgetCache(model.config, name, **params), **kwargs)
+    assert model.generate(ids, past_key_values=DynamicCache(config=model.config), **kwargs).shape == (1, 40)  # the advice works
 
 
 @pytest.mark.parametrize("prompt", [5, 20], ids=["within-window", "past-window"])

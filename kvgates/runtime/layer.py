@@ -208,7 +208,8 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
             "a BudgetCache cannot be cropped: evicted tokens cannot be restored (generate()'s assisted decoding and "
-            "prompt lookup crop the cache after rejected draft tokens; run them with a cache that keeps every token)"
+            "prompt lookup crop the cache after rejected draft tokens; run them with transformers' DynamicCache: a "
+            "BudgetCache of the full policy cannot be cropped either)"
         )
 
     # ------------------------------------------------------------------ policy step
