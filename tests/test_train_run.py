@@ -1797,6 +1797,29 @@ def test_a_metrics_line_torn_by_a_killed_run_does_not_stop_the_resumed_one(tiny_
     assert sum("train_runtime" in r for r in rows) == 1  # the first run's went with its steps 3 and 4
 
 
+def test_metrics_lines_are_strict_json(tmp_path):
+    """A validation that held no needles logged its needle accuracy as ``NaN`` (``float("nan")``), which Python's
+    ``json`` writes and reads but JSON has not: ``jq`` and JavaScript refused the file. Values that are not finite are
+    written as ``null``, on appending and when a resumed run rewrites the lines it keeps."""
+    from types import SimpleNamespace
+
+    from train.trainer import MetricsJsonl
+
+    def strict(line: str) -> dict:
+        return json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in {line!r}"))
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "eval_needles": NaN, "grad_norm": Infinity}\n')  # as the old code wrote
+    callback, state = MetricsJsonl(path), SimpleNamespace(is_world_process_zero=True, global_step=1)
+    callback.on_train_begin(None, state, None)
+    state.global_step = 2
+    callback.on_log(None, state, None, logs={"loss": 1.5, "eval_needles": float("nan"), "grad_norm": float("-inf"), "epoch": 1})
+    assert [strict(line) for line in path.read_text().splitlines()] == [
+        {"step": 1, "eval_needles": None, "grad_norm": None},
+        {"step": 2, "loss": 1.5, "eval_needles": None, "grad_norm": None, "epoch": 1},
+    ]
+
+
 def test_a_new_run_in_a_folder_a_stopped_run_left_logs_its_own_steps_only(tiny_dir, tmp_path):
     """A run stopped before its first checkpoint leaves its logs; a new run may take the folder (no checkpoint to
     resume), and appended its own after them: metrics.jsonl began with the other run's steps."""

@@ -14,6 +14,7 @@ tracking, wandb logging and progress bars. This subclass changes only what is sp
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -204,12 +205,19 @@ class DistinctNoise(TrainerCallback):
             torch.manual_seed(args.seed + args.process_index)
 
 
+def _json_line(row: dict) -> str:
+    """``row`` as one line of strict JSON: a float that is not finite as ``null``."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}) + "\n"
+
+
 class MetricsJsonl(TrainerCallback):
     """Appends every log (training losses, validation metrics) as one JSON line to ``path`` (main process). When
     training begins, the file keeps only the logs of the steps the run starts from: none for a new run (a run stopped
     before its first checkpoint left its logs in a folder a new run may take), and for a resumed one those up to its
     checkpoint (the steps after it are trained, and logged, again). A torn last line (a run killed while it appended)
-    goes with them; ``read`` skips one."""
+    goes with them; ``read`` skips one. A value that is not a finite number (a needle accuracy of a validation that
+    held no needles, an overflowed ``grad_norm``) is written as ``null``: JSON has no NaN or infinity, and strict
+    readers (``jq``, JavaScript) refuse Python's ``NaN``."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -229,10 +237,10 @@ class MetricsJsonl(TrainerCallback):
         if state.is_world_process_zero and self.path.is_file():
             rows = self.read(self.path) if state.global_step else []  # (a new run: none, an evaluation at step 0 neither)
             kept = [row for row in rows if isinstance(row, dict) and row.get("step", 0) <= state.global_step]
-            text = "".join(json.dumps(row) + "\n" for row in kept)
+            text = "".join(_json_line(row) for row in kept)
             atomic_write(self.path, lambda p: Path(p).write_text(text))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
             with self.path.open("a") as f:
-                f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+                f.write(_json_line({"step": state.global_step, **logs}))
