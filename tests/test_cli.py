@@ -302,6 +302,15 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"kvgates {kvgates.__version__}"
 
 
+def test_python_m_kvgates_is_the_command():
+    """``python -m kvgates`` (an environment whose scripts folder is not on PATH) said "No module named
+    kvgates.__main__"; it runs the ``kvgates`` command, its exit status included."""
+    done = subprocess.run([sys.executable, "-m", "kvgates", "--version"], capture_output=True, text=True)
+    assert (done.returncode, done.stdout.strip()) == (0, f"kvgates {kvgates.__version__}"), done.stderr
+    done = subprocess.run([sys.executable, "-m", "kvgates", "nonsense"], capture_output=True, text=True)
+    assert done.returncode == USAGE_ERROR and done.stderr.startswith("kvgates: unknown command 'nonsense'")
+
+
 def test_version_and_help_import_neither_torch_nor_transformers():
     """``kvgates --version`` and ``--help`` answer at once: the console script imports no heavy library for them."""
     code = (
