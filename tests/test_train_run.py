@@ -1918,6 +1918,24 @@ def test_settings_the_kind_never_reads_are_noted(tiny_dir, tmp_path, capsys):
     )
 
 
+def test_a_budget_ramp_that_outlasts_the_run_is_noted(tiny_dir, tmp_path, capsys):
+    """``loss.budget_ramp_steps`` longer than ``training.max_steps`` (a short trial run of a recipe) passed in
+    silence: the budget never came down to ``budget``, and the gates learned to keep more than they would be asked."""
+    path = write(tiny_config(tiny_dir, tmp_path / "run", budget=16, data={"seq_len": 64}), tmp_path / "c.yaml")
+    assert main(["--config", str(path), "--check", "loss.budget_ramp_steps=10", "training.max_steps=10"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1] == (  # step 9 of 10 trains at 64 - 48 * 9/10
+        "train.py: note: loss.budget_ramp_steps (10) outlasts training.max_steps (10): the last step trains at a budget of "
+        "21, not 16; lower the ramp or raise max_steps"
+    )
+    for fine in (["loss.budget_ramp_steps=9", "training.max_steps=10"], ["loss.budget_ramp_steps=1000", "training.max_steps=-1"]):
+        assert main(["--config", str(path), "--check", *fine]) == 0
+        assert "note:" not in capsys.readouterr().err
+    # a kind that has no ramp: the unread key's note alone
+    assert main(["--config", str(path), "--check", "kind=locret", "policy={stabilizers: 4, local: 4}", "gates.init_bias=null",
+                 "loss.budget_ramp_steps=10", "training.max_steps=4"]) == 0
+    assert capsys.readouterr().err.count("note:") == 1
+
+
 def test_the_trainers_own_push_to_hub_is_refused_for_the_runs(tiny_dir, tmp_path, capsys):
     """``training.push_to_hub`` passed --check, then the Trainer tried to make a Hub repository of the output folder
     after the model had loaded: a 30-line connection traceback offline, run_config.json left behind."""

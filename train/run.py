@@ -54,7 +54,7 @@ from kvgates.gates.adapter import atomic_write
 from kvgates.gates.training import GateTraining
 from kvgates.models import model_skeleton, past_context
 from train.config import ConfigError, TrainConfig
-from train.trainer import DistinctNoise, GateTrainer, MetricsJsonl
+from train.trainer import DistinctNoise, GateTrainer, MetricsJsonl, ramped_budget
 from train.validation import Validator, final_table, report_heldout
 
 DEFAULT_CONFIG = "configs/train/quickstart.yaml"
@@ -588,6 +588,20 @@ def cpu_threads_note(threads: int, cores: int, processes: int) -> str | None:
     )
 
 
+def budget_ramp_note(config: TrainConfig) -> str | None:
+    """What a run whose ``loss.budget_ramp_steps`` outlasts its ``training.max_steps`` should know: its last step
+    trains at a budget above ``budget`` (``ramped_budget``), and its gates never learn to keep what ``budget`` keeps.
+    None where the ramp ends in time, the kind does not ramp, or the epochs decide the steps (``max_steps: -1``)."""
+    ramp, steps = config.loss.budget_ramp_steps, config.training.get("max_steps", -1)
+    if "loss.budget_ramp_steps" in config.unread or steps < 1 or ramp < steps:
+        return None
+    last = ramped_budget(config, steps - 1)  # (a step trains at the budget of the optimizer steps before it)
+    return None if round(last) <= config.budget else (
+        f"loss.budget_ramp_steps ({ramp}) outlasts training.max_steps ({steps}): the last step trains at a budget of "
+        f"{last:.0f}, not {config.budget}; lower the ramp or raise max_steps"
+    )
+
+
 def main_process() -> bool:
     """Whether this is the first process of a launch (or the only one): under a launcher every process meets a user
     error, and the first alone says it (and removes what the run made)."""
@@ -615,6 +629,9 @@ def main(argv: list[str] | None = None) -> int:
     if config.unread:  # (hard_eviction where the kind does not read it is refused: it would train something else)
         run = f"{config.kind} training" + (" from gates.init_from (its adapter keeps its own shape)" if config.gates.init_from else "")
         print(f"train.py: note: {', '.join(config.unread)} set, but {run} does not read them", file=sys.stderr)
+    ramp_note = budget_ramp_note(config)
+    if ramp_note is not None:
+        print(f"train.py: note: {ramp_note}", file=sys.stderr)
     if args.check:
         print(f"train.py: {args.config} is ready to run ({config.kind} gates on {config.model} at budget {config.budget} into {out})")
         return 0
