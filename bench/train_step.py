@@ -36,6 +36,7 @@ from prefill_memory import peak_extra_bytes
 
 from kvgates.gates import GATE_KINDS
 from kvgates.gates.training import ATTENTIONS, GateTraining
+from kvgates.methods import METHODS
 from train.config import TrainConfig
 from train.trainer import gate_loss
 
@@ -74,8 +75,9 @@ def rows(args) -> list[tuple[str, str]]:
 
 def check(args) -> str | None:
     """What a row's config refuses (a budget that does not fit a kind or a length, an ``--attention`` a kind does not
-    take), a ``--completion`` longer than a sequence, or an ``--eviction`` no kind takes, in one sentence before the
-    model loads; else None."""
+    take), a ``--completion`` longer than a sequence, an ``--eviction`` no kind takes, or ``--attention flex`` off CUDA
+    where a kind's student attends through it (``train.run.check_attention_device``'s refusal of a run), in one
+    sentence before the model loads; else None."""
     if args.completion >= min(args.lengths):
         return f"--completion {args.completion} must be less than every length (--lengths {min(args.lengths)})"
     if set(args.eviction) != {"soft"} and not any(kind.startswith("trimkv") for kind in args.kinds):
@@ -87,6 +89,12 @@ def check(args) -> str | None:
                 run_config(kind, eviction, length, args.budget, args.attention)
             except ValueError as err:
                 return f"--kinds {kind}, --lengths {length}, --budget {args.budget}, --attention {args.attention}: {err}"
+    gated = [kind for kind in args.kinds if METHODS[kind].reads_attention]
+    if args.attention == "flex" and gated and not args.device.startswith("cuda"):
+        return (
+            f"--attention flex (compiled FlexAttention) has no backward on the CPU, where --kinds {' '.join(gated)} would train "
+            f"(--device {args.device}); run it with --device cuda, or pick auto, exact, fused or fused-split"
+        )
     return None
 
 

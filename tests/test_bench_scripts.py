@@ -886,6 +886,9 @@ def test_prefill_memory_refuses_a_gpu_before_its_model(monkeypatch, capsys):
         # a ValueError traceback from the DMS student's attention after the table's header
         ("train_step", ["--lengths", "128", "--kinds", "dms", "--attention", "flex", "--budget", "64"],
          "--kinds dms, --lengths 128, --budget 64, --attention flex: config: DMS students attend through dms_attention_fused"),
+        # torch inductor's traceback from compiling FlexAttention's backward on the CPU, after the table's header
+        ("train_step", ["--device", "cpu", "--lengths", "128", "--kinds", "locret", "trimkv", "--attention", "flex", "--budget", "64"],
+         "--attention flex (compiled FlexAttention) has no backward on the CPU, where --kinds trimkv would train (--device cpu)"),
         ("train_step", ["--lengths", "128", "--completion", "128"], "--completion 128 must be less than every length"),
         # a locret row, trained soft, with no word of the hard eviction asked for
         ("train_step", ["--kinds", "locret", "--eviction", "hard"],
