@@ -558,6 +558,28 @@ def test_saving_into_no_folder_a_file_or_another_kinds_adapter_is_refused(tiny_p
     gates.save_pretrained(tmp_path / "gates")  # the same kind again: replaced
 
 
+def test_saving_into_a_model_folder_or_beside_another_config_json_is_refused_and_writes_nothing(tiny_pair, tmp_path):
+    """``gates.save_pretrained(model_folder)`` replaced the model's config.json with the adapter's and its
+    model.safetensors with the gates' weights: the model was gone and its folder held an adapter."""
+    _, model = tiny_pair
+    gates = RetentionGates.for_model(model)
+    save_tiny_checkpoint(tmp_path / "model")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"name": "a tool\'s settings"}')
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / "config.json").write_bytes(b"\xff\xfe")
+    for folder, message in (
+        ("model", r"model holds a llama model \(its config.json and weights\), which saving gates there would overwrite; save"),
+        ("other", "other holds a config.json that is not a kvgates gate adapter's, which saving gates there would overwrite"),
+        ("garbled", "garbled holds a config.json that is not a kvgates gate adapter's"),
+    ):
+        before = {p.name: p.read_bytes() for p in (tmp_path / folder).iterdir()}
+        with pytest.raises(AdapterError, match=message):
+            gates.save_pretrained(tmp_path / folder)
+        assert {p.name: p.read_bytes() for p in (tmp_path / folder).iterdir()} == before
+    kvgates.load_model(tmp_path / "model")  # the model is still there
+
+
 def test_a_config_json_cannot_hold_is_one_sentence_and_leaves_the_adapter_there_whole(tiny_pair, tmp_path):
     """Saving 16-wide gates with a numpy number in their results over 8-wide ones replaced the weights, then failed
     writing the config (a TypeError traceback): the folder held 16-wide weights under an 8-wide config and failed to

@@ -306,13 +306,17 @@ class GateSet(nn.Module):
     def save_pretrained(self, folder: str | os.PathLike) -> Path:
         """Write ``config.json``, ``model.safetensors`` and ``README.md`` to ``folder`` (created if needed; an adapter
         of the same kind there is replaced), each through a temporary file. ``AdapterError`` (one sentence, nothing
-        written) for an empty name, a file, a folder holding an adapter of another kind, whose own parts (a DMS
-        LoRA's ``lora/``) would stay, or a config JSON cannot hold (a numpy number in its results)."""
+        written) for an empty name, a file, a folder holding a model or any ``config.json`` that is not a gate
+        adapter's (its config and weights would be overwritten), a folder holding an adapter of another kind, whose own
+        parts (a DMS LoRA's ``lora/``) would stay, or a config JSON cannot hold (a numpy number in its results)."""
         if not str(folder).strip():  # Path("") is the current folder
             raise AdapterError("the folder name is empty; name the folder to save the adapter in")
         folder = Path(folder)
         if folder.exists() and not folder.is_dir():
             raise AdapterError(f"{folder} is a file; name a folder to save the adapter in")
+        other = _foreign_config(folder)
+        if other is not None:
+            raise AdapterError(f"{folder} holds {other}, which saving gates there would overwrite; save the adapter in another folder")
         there = _kind_in(folder)
         if there is not None and there != self.kind:
             raise AdapterError(f"{folder} holds {there!r} gates; save these {self.kind!r} gates in another folder, or remove that one first")
@@ -490,6 +494,22 @@ def _kind_in(folder: Path) -> str | None:
     except (OSError, ValueError):
         return None
     return data.get("kind") if isinstance(data, dict) else None
+
+
+def _foreign_config(folder: Path) -> str | None:
+    """What ``folder``'s ``config.json`` belongs to when it is not a gate adapter's (a model's: ``"a llama model"``),
+    None where the folder holds no ``config.json`` or an adapter's (its ``kind`` and ``base_model``)."""
+    try:
+        data = json.loads((folder / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):  # unreadable, or no JSON (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        return f"a {CONFIG_FILE} that is not a kvgates gate adapter's"
+    if isinstance(data, dict) and "kind" in data and "base_model" in data:
+        return None
+    if isinstance(data, dict) and ("model_type" in data or "architectures" in data):
+        return f"a {data.get('model_type') or 'transformers'} model (its {CONFIG_FILE} and weights)"
+    return f"a {CONFIG_FILE} that is not a kvgates gate adapter's"
 
 
 def _shipped_names() -> str:
