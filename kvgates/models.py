@@ -261,12 +261,7 @@ def device_and_dtype(
     except (RuntimeError, TypeError):
         raise ValueError(f"{prefix}device: {device!r} is not a device; use {choices}cpu, cuda or cuda:N") from None
     if place.type == "cuda" and here:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if not count:
-            raise ValueError(f"{prefix}device {device}: this machine has no CUDA GPU that torch can use; use {prefix}device cpu")
-        if place.index is not None and place.index >= count:
-            gpus = f"{count} CUDA GPUs (cuda:0 to cuda:{count - 1})" if count > 1 else "1 CUDA GPU (cuda:0)"
-            raise ValueError(f"{prefix}device {device}: this machine has {gpus}")
+        _check_gpu(place, prefix)
     elif place.type not in ("cpu", "cuda"):
         raise ValueError(f"{prefix}device {device}: {command} runs on cpu or cuda")
     if auto and dtype == "auto":
@@ -278,9 +273,47 @@ def device_and_dtype(
     return place, getattr(torch, dtype)
 
 
+def _check_gpu(place: torch.device, prefix: str = "") -> None:
+    """``ValueError`` in one sentence where this machine lacks the CUDA GPU ``place`` names."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count:
+        raise ValueError(f"{prefix}device {place}: this machine has no CUDA GPU that torch can use; use {prefix}device cpu")
+    if place.index is not None and place.index >= count:
+        gpus = f"{count} CUDA GPUs (cuda:0 to cuda:{count - 1})" if count > 1 else "1 CUDA GPU (cuda:0)"
+        raise ValueError(f"{prefix}device {place}: this machine has {gpus}")
+
+
+def _load_settings(name_or_path: object, dtype: object, device: object, device_map: object) -> torch.dtype | str:
+    """``load_model``'s arguments checked before anything loads, its ``dtype`` as a ``torch.dtype``: ``TypeError`` for
+    a name that is neither a string nor a path and a device that is neither a string nor a ``torch.device``,
+    ``ValueError`` for a dtype that is no floating-point one (or its name, or ``"auto"``), a device that is not one and a CUDA GPU
+    this machine lacks (``device`` only where no ``device_map`` replaces it)."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(
+            f"name_or_path must be a model folder, a Hugging Face id or an embedded model's name ({', '.join(EMBEDDED_MODELS)}), "
+            f"got {type(name_or_path).__name__}"
+        )
+    if isinstance(dtype, str) and dtype in DTYPES:
+        dtype = getattr(torch, dtype)
+    if dtype != "auto" and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(
+            f"dtype: {dtype!r} is not a dtype models load in; use torch.bfloat16, torch.float16 or torch.float32 (or its name), or 'auto'"
+        )
+    if device_map is None:
+        if not isinstance(device, (str, torch.device)):
+            raise TypeError(f"device must be a string such as 'cpu', 'cuda' or 'cuda:N', or a torch.device, got {type(device).__name__}")
+        try:
+            place = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: {device!r} is not a device; use cpu, cuda or cuda:N") from None
+        if place.type == "cuda":
+            _check_gpu(place)
+    return dtype
+
+
 def load_model(
-    name_or_path: str,
-    dtype: torch.dtype = torch.float32,
+    name_or_path: str | os.PathLike,
+    dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     device_map: str | dict | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -290,11 +323,16 @@ def load_model(
         name_or_path: ``"smollm2-135m"`` (the embedded GGUF, offline), a Hugging Face id, or a local folder. The
             Hub id an embedded model came from (``HuggingFaceTB/SmolLM2-135M-Instruct``) loads the embedded copy
             when the Hub cannot be reached and the id is not in the local Hugging Face cache.
-        dtype: parameter dtype.
+        dtype: parameter dtype, a floating-point ``torch.dtype`` or one of ``DTYPES`` by name (``"auto"``: the
+            checkpoint's own, as transformers reads it).
         device: where to put the model (ignored with ``device_map``).
         device_map: spread the layers over devices with accelerate (e.g. ``"auto"``); each budgeted layer then
             keeps its cache on its own layer's device.
+
+    ``TypeError`` or ``ValueError`` (one sentence, before anything loads) for a name, dtype or device that is not one,
+    or a CUDA GPU this machine lacks; ``UnsupportedModelError`` for a model kvgates cannot load or budget.
     """
+    dtype = _load_settings(name_or_path, dtype, device, device_map)
     embedded, source = _checked_source(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)

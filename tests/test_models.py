@@ -223,3 +223,35 @@ def test_context_length_counts_a_scaled_rotary_embedding():
     assert context_length(model) == 131072
     lengthless = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda decoder: SimpleNamespace()))
     assert context_length(lengthless) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        ({"device": "gpu"}, ValueError, r"^device: 'gpu' is not a device; use cpu, cuda or cuda:N$"),
+        ({"device": "cuda"}, ValueError, r"^device cuda: this machine has no CUDA GPU that torch can use; use device cpu$"),
+        ({"device": "cuda:3"}, ValueError, r"^device cuda:3: this machine has no CUDA GPU that torch can use"),
+        ({"device": 0}, TypeError, r"^device must be a string such as 'cpu', 'cuda' or 'cuda:N', or a torch.device, got int$"),
+        ({"dtype": "half-ish"}, ValueError, r"^dtype: 'half-ish' is not a dtype models load in; use torch.bfloat16, torch.float16 or"),
+        ({"dtype": torch.int8}, ValueError, r"^dtype: torch.int8 is not a dtype models load in"),
+        ({"name_or_path": None}, TypeError, r"^name_or_path must be a model folder, a Hugging Face id or an embedded model's name"),
+        ({"name_or_path": 3}, TypeError, r"embedded model's name \(smollm2-135m\), got int$"),
+    ],
+)
+def test_load_model_refuses_a_name_dtype_or_device_that_is_not_one_before_anything_loads(tmp_path, monkeypatch, kwargs, error, message):
+    """A device torch does not know ("gpu") failed in ``model.to`` with torch's list of device types, a CUDA device on a
+    machine without one with torch's AssertionError ("Torch not compiled with CUDA enabled"), both after the weights had
+    loaded; a dtype name not among ``DTYPES`` was an AttributeError of ``torch``, an integer dtype transformers' error;
+    a name that is no string was said to be missing from the Hugging Face cache."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(models, "_checked_source", lambda name: pytest.fail("a model was looked for"))
+    with pytest.raises(error, match=message):
+        kvgates.load_model(**{"name_or_path": str(tmp_path), **kwargs})
+
+
+def test_load_model_takes_a_path_a_dtype_by_name_and_a_torch_device(tmp_path):
+    save_tiny_checkpoint(tmp_path / "model")
+    model, _ = kvgates.load_model(tmp_path / "model", dtype="bfloat16", device=torch.device("cpu"))
+    assert model.dtype == torch.bfloat16 and model.device == torch.device("cpu")
+    assert model.config._attn_implementation == "kvgates"
+    assert kvgates.load_model(tmp_path / "model", dtype="auto")[0].dtype == torch.float32  # the checkpoint's own
