@@ -316,6 +316,17 @@ def test_a_cache_of_another_model_or_batch_is_refused_in_one_sentence(tiny):
         BudgetCache(model.config, kvgates.policies.H2O)
 
 
+@pytest.mark.parametrize("what", ["model", "dict", "none"])
+def test_a_cache_built_from_what_is_not_a_config_is_refused_in_one_sentence(tiny, what):
+    """``BudgetCache(model, ...)`` (the model for its config) failed with torch's AttributeError from
+    ``nn.Module.__getattr__``; a mapping or None with an AttributeError naming ``get_text_config``."""
+    _, model = tiny
+    config = {"model": model, "dict": model.config.to_dict(), "none": None}[what]
+    name = {"model": "LlamaForCausalLM", "dict": "dict", "none": "NoneType"}[what]
+    with pytest.raises(TypeError, match=rf"^config must be the model's config \(BudgetCache\(model.config, ...\)\), got {name}$"):
+        BudgetCache(config, "h2o", budget=8)
+
+
 @pytest.mark.parametrize("name,params", [("h2o", {"budget": 64}), ("full", {})])
 def test_generate_with_prompt_lookup_is_refused_in_one_sentence(tiny, name, params):
     """generate()'s speculative decoding crops the cache after rejected drafts; the README said its multi-token steps

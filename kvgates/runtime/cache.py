@@ -58,6 +58,8 @@ class BudgetCache(Cache):
         decode_slots: int = 0,
         **policy_params: Any,
     ):
+        if not isinstance(config, PreTrainedConfig):
+            raise TypeError(f"config must be the model's config (BudgetCache(model.config, ...)), got {type(config).__name__}")
         if isinstance(policy, str):
             policy = make_policy(policy, **policy_params)
         elif policy_params:
