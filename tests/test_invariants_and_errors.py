@@ -327,6 +327,24 @@ def test_a_cache_built_from_what_is_not_a_config_is_refused_in_one_sentence(tiny
         BudgetCache(config, "h2o", budget=8)
 
 
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"static": "no"}, r"^static must be True or False, got 'no'$"),
+        ({"static": 1}, r"^static must be True or False, got 1$"),
+        ({"static": True, "decode_slots": "3"}, r"^decode_slots must be a whole number of tokens, got '3'$"),
+        ({"static": True, "decode_slots": 2.5}, r"^decode_slots must be a whole number of tokens, got 2.5$"),
+        ({"static": True, "decode_slots": True}, r"^decode_slots must be a whole number of tokens, got True$"),
+    ],
+)
+def test_a_static_flag_or_decode_slots_of_another_type_is_refused(tiny, kwargs, message):
+    """``static="no"`` built a static cache (any non-empty string is true); ``decode_slots="3"`` failed comparing a
+    string with 0, and ``decode_slots=2.5`` was taken, to fail at the prompt's end with a slice's TypeError."""
+    _, model = tiny
+    with pytest.raises(TypeError, match=message):
+        BudgetCache(model.config, "snapkv", budget=64, window=4, **kwargs)
+
+
 @pytest.mark.parametrize("name,params", [("h2o", {"budget": 64}), ("full", {})])
 def test_generate_with_prompt_lookup_is_refused_in_one_sentence(tiny, name, params):
     """generate()'s speculative decoding crops the cache after rejected drafts; the README said its multi-token steps

@@ -68,6 +68,10 @@ class BudgetCache(Cache):
             raise TypeError(f"policy must be a Policy instance ({policy.__name__}(budget=...)) or a registered name, not the class")
         if not isinstance(policy, CachePolicy):
             raise TypeError(f"policy must be a kvgates Policy or a registered name, got {type(policy).__name__}")
+        if not isinstance(static, bool):
+            raise TypeError(f"static must be True or False, got {static!r}")
+        if isinstance(decode_slots, bool) or not isinstance(decode_slots, int):
+            raise TypeError(f"decode_slots must be a whole number of tokens, got {decode_slots!r}")
         if static:
             check_static(policy, decode_slots)
         elif decode_slots:
