@@ -580,6 +580,19 @@ def test_saving_into_a_model_folder_or_beside_another_config_json_is_refused_and
     kvgates.load_model(tmp_path / "model")  # the model is still there
 
 
+@pytest.mark.parametrize("where", [None, 3, ["gates"]])
+def test_loading_or_saving_an_adapter_at_what_is_no_path_is_one_sentence(tiny_pair, where):
+    """``load_gates(None)``, ``GateSet.from_pretrained(3)`` and ``gates.save_pretrained(3)`` failed in pathlib
+    ("expected str, bytes or os.PathLike object")."""
+    _, model = tiny_pair
+    name = type(where).__name__
+    for load in (kvgates.load_gates, RetentionGates.from_pretrained):
+        with pytest.raises(TypeError, match=rf"^path_or_id must be an adapter folder, a shipped adapter's name or a Hub .*, got {name}$"):
+            load(where)
+    with pytest.raises(TypeError, match=rf"^folder must be a folder's path \(a string or a path\), got {name}$"):
+        RetentionGates.for_model(model).save_pretrained(where)
+
+
 def test_a_config_json_cannot_hold_is_one_sentence_and_leaves_the_adapter_there_whole(tiny_pair, tmp_path):
     """Saving 16-wide gates with a numpy number in their results over 8-wide ones replaced the weights, then failed
     writing the config (a TypeError traceback): the folder held 16-wide weights under an 8-wide config and failed to

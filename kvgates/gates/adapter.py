@@ -308,7 +308,10 @@ class GateSet(nn.Module):
         of the same kind there is replaced), each through a temporary file. ``AdapterError`` (one sentence, nothing
         written) for an empty name, a file, a folder holding a model or any ``config.json`` that is not a gate
         adapter's (its config and weights would be overwritten), a folder holding an adapter of another kind, whose own
-        parts (a DMS LoRA's ``lora/``) would stay, or a config JSON cannot hold (a numpy number in its results)."""
+        parts (a DMS LoRA's ``lora/``) would stay, or a config JSON cannot hold (a numpy number in its results);
+        ``TypeError`` for a ``folder`` that is neither a string nor a path."""
+        if not isinstance(folder, (str, os.PathLike)):
+            raise TypeError(f"folder must be a folder's path (a string or a path), got {type(folder).__name__}")
         if not str(folder).strip():  # Path("") is the current folder
             raise AdapterError("the folder name is empty; name the folder to save the adapter in")
         folder = Path(folder)
@@ -346,9 +349,15 @@ class GateSet(nn.Module):
         token: str | None = None,
     ) -> GateSet:
         """Load an adapter from a local folder, the name of an adapter shipped with kvgates
-        (``kvgates.gates.embedded``) or a Hub repository id (on the base class: any kind)."""
+        (``kvgates.gates.embedded``) or a Hub repository id (on the base class: any kind); ``TypeError`` for
+        ``path_or_id`` that is neither a string nor a path, ``AdapterError`` (one sentence) for one that holds no adapter."""
         from kvgates.gates.embedded import embedded_adapter_dir
 
+        if not isinstance(path_or_id, (str, os.PathLike)):
+            raise TypeError(
+                f"path_or_id must be an adapter folder, a shipped adapter's name or a Hub repository id (a string or a path), "
+                f"got {type(path_or_id).__name__}"
+            )
         if not str(path_or_id).strip():  # Path("") is the current folder
             raise AdapterError("the adapter name is empty; pass an adapter folder, a shipped adapter's name or a Hub repository id")
         folder = Path(path_or_id)
