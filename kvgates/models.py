@@ -191,8 +191,19 @@ def past_context(model: PreTrainedModel, name: str, positions: int) -> str | Non
     return f"run past the {limit} positions {name} was trained on (its config's max_position_embeddings, RoPE scaling included)"
 
 
+def require_model(model: object) -> None:
+    """``TypeError`` in one sentence unless ``model`` is a transformers model (a config, a tokenizer or a module of
+    some other kind fails there, not with an ``AttributeError`` deep in what reads it)."""
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"model must be a transformers model (a PreTrainedModel, as kvgates.load_model returns), got {type(model).__name__}"
+        )
+
+
 def check_supported(model: PreTrainedModel) -> None:
-    """Raise ``UnsupportedModelError`` unless ``model`` routes attention through transformers' AttentionInterface."""
+    """Raise ``UnsupportedModelError`` unless ``model`` routes attention through transformers' AttentionInterface
+    (``TypeError`` for what is no transformers model)."""
+    require_model(model)
     config = model.config.get_text_config(decoder=True)
     name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False):
@@ -576,6 +587,7 @@ def model_fingerprint(model: PreTrainedModel, version: int = max(FINGERPRINT_SAM
     """
     import hashlib
 
+    require_model(model)
     config = model.config.get_text_config(decoder=True)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     geometry = [

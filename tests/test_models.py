@@ -255,3 +255,20 @@ def test_load_model_takes_a_path_a_dtype_by_name_and_a_torch_device(tmp_path):
     assert model.dtype == torch.bfloat16 and model.device == torch.device("cpu")
     assert model.config._attn_implementation == "kvgates"
     assert kvgates.load_model(tmp_path / "model", dtype="auto")[0].dtype == torch.float32  # the checkpoint's own
+
+
+def test_what_is_no_transformers_model_is_refused_in_one_sentence_wherever_a_model_is_taken():
+    """``prepare_model(nn.Linear(...))`` and ``RetentionGates.for_model(model.config)`` failed with the AttributeError
+    of ``nn.Module.__getattr__`` or of transformers' config; a string given to a learned policy's ``attach`` or to
+    ``model_fingerprint`` with ``'str' object has no attribute 'config'``."""
+    _, model = tiny_model("llama")
+    policy = kvgates.make_policy("trimkv", budget=8, gates=RetentionGates.for_model(model))
+    calls = {
+        "prepare_model": kvgates.prepare_model, "check_supported": kvgates.check_supported,
+        "model_fingerprint": kvgates.model_fingerprint, "for_model": RetentionGates.for_model, "attach": policy.attach,
+        "check_shapes": policy.gates.check_shapes,
+    }
+    for call in calls.values():
+        for wrong in (torch.nn.Linear(2, 2), model.config, "smollm2-135m"):
+            with pytest.raises(TypeError, match=rf"^model must be a transformers model \(a PreTrainedModel, .*\), got {type(wrong).__name__}$"):
+                call(wrong)

@@ -228,6 +228,10 @@ class GateSet(nn.Module):
         """Freshly initialised gates shaped for ``model`` (recording its id and fingerprint); ``gate_hidden`` units
         (at least 1; None: the kind's default), the ``training_budget`` they are for (at least 1; None: not trained
         yet) and a finite ``init_bias`` (None: the kind's ``default_init_bias``)."""
+        from kvgates.models import embedded_name_of, hub_id_of, model_fingerprint, require_model
+        from kvgates.runtime.attention import input_device
+
+        require_model(model)
         if init_bias is None:
             init_bias = cls.default_init_bias
         if gate_hidden is not None and (isinstance(gate_hidden, bool) or not isinstance(gate_hidden, int) or gate_hidden < 1):
@@ -238,9 +242,6 @@ class GateSet(nn.Module):
             )
         if isinstance(init_bias, bool) or not isinstance(init_bias, (int, float)) or not math.isfinite(init_bias):
             raise ValueError(f"init_bias must be a finite number, got {init_bias!r}")
-        from kvgates.models import embedded_name_of, hub_id_of, model_fingerprint
-        from kvgates.runtime.attention import input_device
-
         config = GateConfig(
             kind=cls.kind,
             base_model=hub_id_of(model),
@@ -297,7 +298,11 @@ class GateSet(nn.Module):
             raise AdapterError(f"these gates were trained for {self.config.base_model} and do not fit {hub_id_of(model)} ({diff})")
 
     def _misfit(self, model: PreTrainedModel) -> str:
-        """Where ``model``'s geometry differs from the gates' (``"num_layers 2 vs 30, ..."``), or ``""``."""
+        """Where ``model``'s geometry differs from the gates' (``"num_layers 2 vs 30, ..."``), or ``""``; ``TypeError``
+        for what is no transformers model (``check_model``, ``check_shapes``, and so a learned policy's ``attach``)."""
+        from kvgates.models import require_model
+
+        require_model(model)
         geometry = _geometry(model)
         mine = {k: getattr(self.config, k) for k in geometry}
         return ", ".join(f"{k} {mine[k]} vs {geometry[k]}" for k in geometry if geometry[k] != mine[k])
