@@ -588,6 +588,9 @@ def model_fingerprint(model: PreTrainedModel, version: int = max(FINGERPRINT_SAM
     import hashlib
 
     require_model(model)
+    if version not in FINGERPRINT_SAMPLES:
+        known = sorted(FINGERPRINT_SAMPLES)
+        raise ValueError(f"version must be an adapter format version, {known[0]} to {known[-1]}, got {version!r}")
     config = model.config.get_text_config(decoder=True)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     geometry = [

@@ -272,3 +272,12 @@ def test_what_is_no_transformers_model_is_refused_in_one_sentence_wherever_a_mod
         for wrong in (torch.nn.Linear(2, 2), model.config, "smollm2-135m"):
             with pytest.raises(TypeError, match=rf"^model must be a transformers model \(a PreTrainedModel, .*\), got {type(wrong).__name__}$"):
                 call(wrong)
+
+
+@pytest.mark.parametrize("version", [0, 4, "3", None])
+def test_a_fingerprint_of_a_version_no_adapter_has_is_refused_in_one_sentence(version):
+    """``model_fingerprint(model, 4)`` was a bare ``KeyError: 4``."""
+    _, model = tiny_model("llama")
+    with pytest.raises(ValueError, match=rf"^version must be an adapter format version, 1 to 3, got {version!r}$"):
+        kvgates.model_fingerprint(model, version)
+    assert kvgates.model_fingerprint(model, 3) == kvgates.model_fingerprint(model)
