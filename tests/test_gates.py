@@ -40,6 +40,15 @@ def tiny_pair():
 
 
 # ------------------------------------------------------------------------------------------------ modules
+def test_the_base_class_makes_no_fresh_gates(tiny_pair):
+    """``GateSet.for_model(model)`` returned a gate set of kind ``""`` without a module, which saved as an adapter that
+    no kvgates loads (``names gate kind ''``)."""
+    _, model = tiny_pair
+    message = r"^GateSet is the base of the gate kinds and makes no gates; call for_model on one of them \(.*RetentionGates"
+    with pytest.raises(TypeError, match=message):
+        GateSet.for_model(model)
+
+
 @pytest.mark.parametrize("hidden", [0, -3, 2.5, True])
 def test_fresh_gates_refuse_a_width_no_gate_has(tiny_pair, hidden):
     """``gate_hidden=0`` was taken for the default width (and 2.5 failed inside ``nn.Linear``)."""

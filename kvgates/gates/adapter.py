@@ -232,6 +232,11 @@ class GateSet(nn.Module):
         from kvgates.runtime.attention import input_device
 
         require_model(model)
+        if not cls.kind:
+            import kvgates.methods  # noqa: F401  (every learned method's gate kind registers on import)
+
+            kinds = ", ".join(sorted(kind.__name__ for kind in GATE_KINDS.values()))
+            raise TypeError(f"{cls.__name__} is the base of the gate kinds and makes no gates; call for_model on one of them ({kinds})")
         if init_bias is None:
             init_bias = cls.default_init_bias
         if gate_hidden is not None and (isinstance(gate_hidden, bool) or not isinstance(gate_hidden, int) or gate_hidden < 1):
