@@ -177,6 +177,8 @@ def test_phase_comes_from_what_the_cache_has_seen_not_from_the_query_length(tiny
         # larger than the observation window", with no window among adakv's parameters; around full: "takes no budget").
         ("adakv", {"budget": 8}, r"^adakv's base snapkv: budget 8 must be larger than the observation window .*base_params\)$"),
         ("adakv", {"budget": 64, "base": "full"}, "base 'full' evicts nothing, so there is nothing to wrap"),
+        # A wrapper around a wrapper said the advice twice: "... kept (the base's parameters go in base_params) (the base's ...)".
+        ("merge", {"budget": 8, "base": "adakv"}, r"^merge's base adakv's base snapkv: .* kept \(the base's parameters go in base_params\)$"),
         ("merge", {"budget": 64, "base": "full"}, "base 'full' evicts nothing"),
         ("d2o", {"budget": 64, "sinks": -1}, "sinks must be >= 0, got -1"),
         ("dynamickv", {"budget": 64, "r_max": float("nan")}, "r_max must be a finite number, got nan"),

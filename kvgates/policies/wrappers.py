@@ -125,7 +125,9 @@ class Wrapper(Policy):
         try:
             self.inner = make_policy(self.base, **params)
         except ValueError as err:  # the base's own sentence, said to be the base's (its parameters are base_params)
-            raise ValueError(f"{self.name}'s base {err} (the base's parameters go in base_params)") from None
+            advice = " (the base's parameters go in base_params)"
+            said = str(err).removesuffix(advice)  # a wrapped wrapper's sentence says it already
+            raise ValueError(f"{self.name}'s base {said}{advice}") from None
         self.ragged_heads = type(self).ragged_heads or self.inner.ragged_heads
 
     @property
