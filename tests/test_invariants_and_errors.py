@@ -198,6 +198,20 @@ def test_bad_policy_parameters(name, params, message):
         make_policy(name, **params)
 
 
+def test_a_registered_class_that_is_no_dataclass_is_named_when_it_is_built(monkeypatch):
+    """A policy class registered without ``@dataclass`` made ``make_policy`` fail inside ``dataclasses.fields`` ("must be
+    called with a dataclass type or instance")."""
+    from kvgates import register_policy
+
+    class Plain:
+        name = "plain-test-policy"
+
+    monkeypatch.setitem(POLICIES, Plain.name, Plain)  # (undone after the test)
+    register_policy(Plain)
+    with pytest.raises(TypeError, match=r"^policy 'plain-test-policy' is registered by Plain, which is no dataclass; decorate it with @dataclass$"):
+        make_policy("plain-test-policy")
+
+
 def test_unknown_policy_and_parameter():
     with pytest.raises(ValueError, match="unknown policy 'snapkvv'; available policies: .*snapkv"):
         make_policy("snapkvv", budget=4)

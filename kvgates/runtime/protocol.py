@@ -112,6 +112,8 @@ def make_policy(name: str, **params: Any) -> CachePolicy:
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; available policies: {', '.join(sorted(POLICIES))}")
     cls = POLICIES[name]
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"policy {name!r} is registered by {cls.__name__}, which is no dataclass; decorate it with @dataclass")
     allowed = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(params) - allowed)
     if unknown:
