@@ -403,12 +403,13 @@ def _name_embedded(model: PreTrainedModel, embedded: str | None) -> None:
 
 
 def _local_or_hub(name_or_path: str) -> str:
-    """``name_or_path`` itself, after refusing a local path that holds no model (one sentence, not a tokenizer error)
-    and a Hub id that is not in the local Hugging Face cache when the Hub cannot be reached (at once, not after the
-    download's retries)."""
+    """``name_or_path`` itself (a path that begins with ``~`` with the home folder in its place), after refusing a
+    local path that holds no model (one sentence, not a tokenizer error) and a Hub id that is not in the local Hugging
+    Face cache when the Hub cannot be reached (at once, not after the download's retries)."""
     choices = f"pass a model folder, a Hugging Face id or an embedded model ({', '.join(EMBEDDED_MODELS)})"
     if not name_or_path.strip():  # Path("") is the current folder
         raise UnsupportedModelError(f"the model name is empty; {choices}")
+    name_or_path = os.path.expanduser(name_or_path)  # a Hub id never begins with "~"; a shell leaves "--model=~/m" as it is
     path = Path(name_or_path)
     _refuse_gate_adapter(name_or_path)
     looks_local = path.exists() or path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1

@@ -281,3 +281,17 @@ def test_a_fingerprint_of_a_version_no_adapter_has_is_refused_in_one_sentence(ve
     with pytest.raises(ValueError, match=rf"^version must be an adapter format version, 1 to 3, got {version!r}$"):
         kvgates.model_fingerprint(model, version)
     assert kvgates.model_fingerprint(model, 3) == kvgates.model_fingerprint(model)
+
+
+def test_a_model_folder_in_the_home_folder_loads_by_a_path_that_begins_with_a_tilde(tmp_path, monkeypatch):
+    """``load_model("~/models/tiny")`` of a folder that is there said "~/models/tiny does not exist": the path was taken
+    for a local one (it begins with ``~``) and never expanded (nor is it by a shell in ``--model=~/models/tiny`` or a
+    YAML config)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    save_tiny_checkpoint(tmp_path / "models" / "tiny")
+    model, _ = kvgates.load_model("~/models/tiny")
+    assert hub_id_of(model) == "local:tiny"
+    models.check_model_source("~/models/tiny")
+    assert models.model_skeleton("~/models/tiny").config.num_hidden_layers == model.config.num_hidden_layers
+    with pytest.raises(UnsupportedModelError, match=rf"^{tmp_path}/models/missing does not exist; pass a model folder"):
+        kvgates.load_model("~/models/missing")
