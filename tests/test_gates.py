@@ -602,6 +602,25 @@ def test_loading_or_saving_an_adapter_at_what_is_no_path_is_one_sentence(tiny_pa
         RetentionGates.for_model(model).save_pretrained(where)
 
 
+@pytest.mark.parametrize("kind", ["retention", "dms-lora"])
+def test_an_adapter_saved_and_loaded_by_a_path_that_begins_with_a_tilde_is_in_the_home_folder(tiny_pair, tmp_path, monkeypatch, kind):
+    """``gates.save_pretrained("~/gates")`` made a folder named ``~`` in the current folder (and ``load_gates`` read it
+    back from there); where none was there, ``load_gates("~/gates")`` said it was neither a folder nor a Hub id."""
+    from kvgates.gates import GATE_KINDS
+
+    _, model = tiny_pair
+    (tmp_path / "home").mkdir()
+    (tmp_path / "work").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path / "work")
+    gates = GATE_KINDS[kind].for_model(model)
+    assert gates.save_pretrained("~/gates") == tmp_path / "home" / "gates"
+    assert list((tmp_path / "work").iterdir()) == []
+    assert (tmp_path / "home" / "gates" / "model.safetensors").is_file()
+    loaded = kvgates.load_gates("~/gates")
+    assert type(loaded) is type(gates) and all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), gates.state_dict().values()))
+
+
 def test_a_config_json_cannot_hold_is_one_sentence_and_leaves_the_adapter_there_whole(tiny_pair, tmp_path):
     """Saving 16-wide gates with a numpy number in their results over 8-wide ones replaced the weights, then failed
     writing the config (a TypeError traceback): the folder held 16-wide weights under an 8-wide config and failed to

@@ -314,17 +314,17 @@ class GateSet(nn.Module):
 
     # ------------------------------------------------------------------ saving and loading
     def save_pretrained(self, folder: str | os.PathLike) -> Path:
-        """Write ``config.json``, ``model.safetensors`` and ``README.md`` to ``folder`` (created if needed; an adapter
-        of the same kind there is replaced), each through a temporary file. ``AdapterError`` (one sentence, nothing
-        written) for an empty name, a file, a folder holding a model or any ``config.json`` that is not a gate
-        adapter's (its config and weights would be overwritten), a folder holding an adapter of another kind, whose own
-        parts (a DMS LoRA's ``lora/``) would stay, or a config JSON cannot hold (a numpy number in its results);
-        ``TypeError`` for a ``folder`` that is neither a string nor a path."""
+        """Write ``config.json``, ``model.safetensors`` and ``README.md`` to ``folder`` (created if needed; a leading
+        ``~`` is the home folder; an adapter of the same kind there is replaced), each through a temporary file; returns
+        the folder. ``AdapterError`` (one sentence, nothing written) for an empty name, a file, a folder holding a model
+        or any ``config.json`` that is not a gate adapter's (its config and weights would be overwritten), a folder
+        holding an adapter of another kind, whose own parts (a DMS LoRA's ``lora/``) would stay, or a config JSON cannot
+        hold (a numpy number in its results); ``TypeError`` for a ``folder`` that is neither a string nor a path."""
         if not isinstance(folder, (str, os.PathLike)):
             raise TypeError(f"folder must be a folder's path (a string or a path), got {type(folder).__name__}")
         if not str(folder).strip():  # Path("") is the current folder
             raise AdapterError("the folder name is empty; name the folder to save the adapter in")
-        folder = Path(folder)
+        folder = Path(folder).expanduser()  # "~/gates" is the home folder's, not a folder named "~" in this one
         if folder.exists() and not folder.is_dir():
             raise AdapterError(f"{folder} is a file; name a folder to save the adapter in")
         other = _foreign_config(folder)
@@ -370,7 +370,7 @@ class GateSet(nn.Module):
             )
         if not str(path_or_id).strip():  # Path("") is the current folder
             raise AdapterError("the adapter name is empty; pass an adapter folder, a shipped adapter's name or a Hub repository id")
-        folder = Path(path_or_id)
+        folder = Path(path_or_id).expanduser()  # (a shipped name or a Hub id never begins with "~")
         if not folder.is_dir():
             folder = embedded_adapter_dir(str(path_or_id)) or _download(str(path_or_id), revision, endpoint, token)
         config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
