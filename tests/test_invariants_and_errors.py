@@ -212,6 +212,22 @@ def test_a_registered_class_that_is_no_dataclass_is_named_when_it_is_built(monke
         make_policy("plain-test-policy")
 
 
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        ({"decode_every": -1}, r"^Schedule: decode_every must be a whole number >= 0, got -1$"),
+        ({"tolerance": -3}, r"^Schedule: tolerance must be a whole number >= 0, got -3$"),
+        ({"decode_every": 1.5}, r"^Schedule: decode_every must be a whole number >= 0, got 1.5$"),
+        ({"prefill": "yes"}, r"^Schedule: prefill must be True or False, got 'yes'$"),
+    ],
+)
+def test_a_schedule_no_eviction_can_follow_is_refused(params, message):
+    """A policy author's ``Schedule(decode_every=-1)`` was taken: the layer counted it as evicting while decoding in some
+    places and never evicted in others; ``tolerance=-3`` gave a static layer fewer slots than its quota."""
+    with pytest.raises(ValueError, match=message):
+        kvgates.Schedule(**params)
+
+
 def test_unknown_policy_and_parameter():
     with pytest.raises(ValueError, match="unknown policy 'snapkvv'; available policies: .*snapkv"):
         make_policy("snapkvv", budget=4)

@@ -38,6 +38,17 @@ class Schedule:
     decode_every: int = 0
     tolerance: int = 0
 
+    def __post_init__(self) -> None:
+        """``ValueError`` for a schedule no runtime path reads alike: ``decode_every`` -1 counted as evicting while
+        decoding in some places and never evicted in others, and a negative ``tolerance`` left a static layer fewer
+        slots than its quota."""
+        if not isinstance(self.prefill, bool):
+            raise ValueError(f"Schedule: prefill must be True or False, got {self.prefill!r}")
+        for name in ("decode_every", "tolerance"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Schedule: {name} must be a whole number >= 0, got {value!r}")
+
     @property
     def slack(self) -> int:
         """Free slots a head keeps after an eviction: the tokens that arrive before the next one."""
