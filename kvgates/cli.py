@@ -205,6 +205,16 @@ def _shipped_gates(parser: argparse.ArgumentParser, model: str, policy: str, bud
     return gates
 
 
+def _adapter_of(policy: kvgates.Policy) -> kvgates.GateSet | None:
+    """The gate adapter ``policy`` runs (a wrapper's base's), or None where no learned policy runs."""
+    from kvgates.policies.learned import LearnedPolicy
+    from kvgates.policies.wrappers import Wrapper
+
+    while isinstance(policy, Wrapper):
+        policy = policy.inner
+    return policy.gates if isinstance(policy, LearnedPolicy) else None
+
+
 #: ``kvgates generate --dtype``: the model's parameter dtypes by name (``auto``: ``kvgates.models.device_and_dtype`` picks),
 #: ``kvgates.models.DTYPES`` and ``auto`` written out here: ``--help`` imports no torch.
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -214,7 +224,7 @@ def _generate(argv: list[str]) -> int:
     import torch
 
     from kvgates import POLICIES, AdapterError, BudgetCache, load_model, make_policy
-    from kvgates.models import device_and_dtype
+    from kvgates.models import device_and_dtype, model_skeleton
     from kvgates.policies.wrappers import Wrapper, learned_params, learned_policy, with_gates
 
     pre = OneLineParser(prog="kvgates generate", add_help=False)  # its errors (--policy without a name) as the parser's
@@ -300,6 +310,9 @@ def _generate(argv: list[str]) -> int:
 
     # Libraries may print (DeepSpeed's accelerator notice, progress bars): nothing but the text goes to stdout.
     with contextlib.redirect_stdout(sys.stderr):
+        gate_set = _adapter_of(policy)
+        if gate_set is not None:  # gates of another model's shapes: refused from the model's config, before its weights load
+            gate_set.check_shapes(model_skeleton(args.model))
         model, tokenizer = load_model(args.model, dtype=dtype, device=device)
         templated = bool(getattr(tokenizer, "chat_template", None))
         if args.chat and not templated:

@@ -374,6 +374,22 @@ def test_the_run_summary_names_the_adapter(checkpoint, tmp_path, capsys):
     assert f"policy=trimkv gates={tmp_path / 'gates'} tokens=" in capsys.readouterr().err
 
 
+def test_gates_of_other_shapes_are_refused_before_the_model_loads(checkpoint, monkeypatch, capsys):
+    """A shipped adapter (SmolLM2-135M's 30 layers) named for a model of other shapes was refused only once that model's
+    weights had loaded (minutes for an 8B one); the gates' shapes are now checked against the model's config first, as
+    ``train.py`` checks ``gates.init_from``, a wrapped learned base's gates too."""
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model's weights loaded before the gates were refused")
+
+    monkeypatch.setattr(kvgates, "load_model", load_model)
+    for argv in (["--policy", "trimkv", "--gates", "smollm2-135m-trimkv"],
+                 ["--policy", "adakv", "--base", "dms", "--base-params", "gates=smollm2-135m-dms-lora"]):
+        assert run(["generate", "--model", checkpoint, *argv, "--budget", "64", "--prompt", "x"]) == USAGE_ERROR
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(lines) == 1 and "trained for HuggingFaceTB/SmolLM2-135M-Instruct and do not fit local:" in lines[0], lines
+
+
 def test_the_run_summary_counts_the_prompt_and_every_new_token(checkpoint, capsys):
     """The summary's ``tokens=`` was the cache's count, one less than the prompt and the new tokens it listed:
     generate() never runs the last new token through the model. It now counts the text's tokens and says how many
