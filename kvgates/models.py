@@ -191,19 +191,33 @@ def past_context(model: PreTrainedModel, name: str, positions: int) -> str | Non
     return f"run past the {limit} positions {name} was trained on (its config's max_position_embeddings, RoPE scaling included)"
 
 
-def require_model(model: object) -> None:
-    """``TypeError`` in one sentence unless ``model`` is a transformers model (a config, a tokenizer or a module of
-    some other kind fails there, not with an ``AttributeError`` deep in what reads it)."""
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(
-            f"model must be a transformers model (a PreTrainedModel, as kvgates.load_model returns), got {type(model).__name__}"
-        )
+def require_model(model: object) -> PreTrainedModel:
+    """The transformers model ``model`` is, or the one it wraps where ``torch.compile`` (an ``OptimizedModule``) or
+    peft (a ``PeftModel``) wrapped it: the same modules and weights, so the same shapes and fingerprint. ``TypeError``
+    in one sentence for anything else (a config, a tokenizer or a module of some other kind fails there, not with an
+    ``AttributeError`` deep in what reads it)."""
+    inner = model
+    for _ in range(4):  # (torch.compile of a PeftModel: two wrappers)
+        if isinstance(inner, PreTrainedModel):
+            return inner
+        if not isinstance(inner, torch.nn.Module):
+            break
+        if isinstance(getattr(inner, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
+            inner = inner._orig_mod
+        elif callable(getattr(inner, "get_base_model", None)):  # peft's PeftModel
+            inner = inner.get_base_model()
+        else:
+            break
+    raise TypeError(
+        "model must be a transformers model (a PreTrainedModel, as kvgates.load_model returns, or one torch.compile or peft "
+        f"wrapped), got {type(model).__name__}"
+    )
 
 
 def check_supported(model: PreTrainedModel) -> None:
     """Raise ``UnsupportedModelError`` unless ``model`` routes attention through transformers' AttentionInterface
     (``TypeError`` for what is no transformers model)."""
-    require_model(model)
+    model = require_model(model)
     config = model.config.get_text_config(decoder=True)
     name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False):
@@ -588,7 +602,7 @@ def model_fingerprint(model: PreTrainedModel, version: int = max(FINGERPRINT_SAM
     """
     import hashlib
 
-    require_model(model)
+    model = require_model(model)  # (a wrapper's parameter names are not the model's)
     if version not in FINGERPRINT_SAMPLES:
         known = sorted(FINGERPRINT_SAMPLES)
         raise ValueError(f"version must be an adapter format version, {known[0]} to {known[-1]}, got {version!r}")

@@ -295,3 +295,22 @@ def test_a_model_folder_in_the_home_folder_loads_by_a_path_that_begins_with_a_ti
     assert models.model_skeleton("~/models/tiny").config.num_hidden_layers == model.config.num_hidden_layers
     with pytest.raises(UnsupportedModelError, match=rf"^{tmp_path}/models/missing does not exist; pass a model folder"):
         kvgates.load_model("~/models/missing")
+
+
+def test_a_model_torch_compile_or_peft_wrapped_is_taken_as_the_model_it_wraps():
+    """``require_model`` refused ``torch.compile(model)`` (an ``OptimizedModule``) and peft's ``get_peft_model(model)``,
+    which a learned policy's ``attach`` with ``strict=False`` took before; their fingerprint (parameter names under
+    the wrapper's prefix) was no model's, so ``strict=True`` refused the very model the gates were made for."""
+    from peft import LoraConfig, get_peft_model
+
+    _, model = tiny_model("llama")
+    gates = RetentionGates.for_model(model)
+    compiled = torch.compile(model, backend="eager")  # (never called: nothing compiles)
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj"]))
+    for wrapped in (compiled, peft_model, torch.compile(peft_model, backend="eager")):
+        assert kvgates.model_fingerprint(wrapped) == gates.config.fingerprint
+        kvgates.check_supported(wrapped)
+        assert RetentionGates.for_model(wrapped).config.fingerprint == gates.config.fingerprint
+        kvgates.make_policy("trimkv", budget=8, gates=gates).attach(wrapped).detach()
+    with pytest.raises(TypeError, match=r"^model must be a transformers model .*, got OptimizedModule$"):
+        kvgates.model_fingerprint(torch.compile(torch.nn.Linear(2, 2), backend="eager"))

@@ -231,7 +231,7 @@ class GateSet(nn.Module):
         from kvgates.models import embedded_name_of, hub_id_of, model_fingerprint, require_model
         from kvgates.runtime.attention import input_device
 
-        require_model(model)
+        model = require_model(model)
         if not cls.kind:
             import kvgates.methods  # noqa: F401  (every learned method's gate kind registers on import)
 
@@ -307,8 +307,7 @@ class GateSet(nn.Module):
         for what is no transformers model (``check_model``, ``check_shapes``, and so a learned policy's ``attach``)."""
         from kvgates.models import require_model
 
-        require_model(model)
-        geometry = _geometry(model)
+        geometry = _geometry(require_model(model))
         mine = {k: getattr(self.config, k) for k in geometry}
         return ", ".join(f"{k} {mine[k]} vs {geometry[k]}" for k in geometry if geometry[k] != mine[k])
 
