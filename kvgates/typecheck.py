@@ -9,11 +9,25 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 import types
 import typing
 from typing import Any, Union
 
 _NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "a mapping"}
+
+
+def as_int(value: Any) -> int | None:
+    """``value`` as an ``int`` where it is a whole number of a type that says so (an ``int``, a numpy integer, a 0-d
+    integer tensor: what ``operator.index`` takes), else None (a bool, a float, a string)."""
+    if type(value) is int:  # (the common case, and all that torch.compile traces)
+        return value
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _accepts(value: Any, hint: Any) -> bool | None:

@@ -1,5 +1,6 @@
 """Budgets hold after every eviction, sinks and windows survive, storage stays flat, bad input fails clearly."""
 
+import numpy as np
 import pytest
 import torch
 from helpers import POLICY_PARAMS, policy_kwargs, policy_on
@@ -226,6 +227,22 @@ def test_a_schedule_no_eviction_can_follow_is_refused(params, message):
     places and never evicted in others; ``tolerance=-3`` gave a static layer fewer slots than its quota."""
     with pytest.raises(ValueError, match=message):
         kvgates.Schedule(**params)
+
+
+@pytest.mark.parametrize("number", [np.int64(2), torch.tensor(2)], ids=["numpy", "tensor"])
+def test_a_policy_built_with_a_numpy_or_tensor_whole_number_schedules_as_with_the_int(tiny, number):
+    """A policy built directly (not through ``make_policy``, which refuses them) with ``slack=np.int64(2)`` ran as
+    with ``slack=2``; the Schedule its ``schedule`` builds refused it (``Schedule: tolerance must be a whole number``)."""
+    _, model = tiny
+    ids = torch.randint(0, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    texts = []
+    for slack in (2, number):
+        policy = POLICIES["h2o"](budget=8, slack=slack)
+        assert policy.schedule == kvgates.Schedule(prefill=True, decode_every=1, tolerance=2)
+        out = model.generate(ids, past_key_values=BudgetCache(model.config, policy), max_new_tokens=6, do_sample=False)
+        texts.append(out[0, 40:].tolist())
+    assert texts[0] == texts[1]
+    assert type(kvgates.Schedule(decode_every=number).decode_every) is int
 
 
 def test_unknown_policy_and_parameter():

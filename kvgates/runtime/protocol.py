@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-from kvgates.typecheck import field_problems
+from kvgates.typecheck import as_int, field_problems
 
 if TYPE_CHECKING:
     import torch
@@ -45,9 +45,12 @@ class Schedule:
         if not isinstance(self.prefill, bool):
             raise ValueError(f"Schedule: prefill must be True or False, got {self.prefill!r}")
         for name in ("decode_every", "tolerance"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"Schedule: {name} must be a whole number >= 0, got {value!r}")
+            given = getattr(self, name)
+            value = as_int(given)
+            if value is None or value < 0:
+                raise ValueError(f"Schedule: {name} must be a whole number >= 0, got {given!r}")
+            if value is not given:  # a numpy integer or a 0-d tensor (a policy's field), as the int it holds
+                object.__setattr__(self, name, value)
 
     @property
     def slack(self) -> int:
