@@ -394,6 +394,16 @@ def test_a_static_flag_or_decode_slots_of_another_type_is_refused(tiny, kwargs, 
         BudgetCache(model.config, "snapkv", budget=64, window=4, **kwargs)
 
 
+@pytest.mark.parametrize("static,slots", [(np.True_, 8), (True, np.int64(8)), (True, torch.tensor(8)), (np.False_, np.int64(0))])
+def test_a_static_flag_or_decode_slots_from_numpy_or_a_tensor_builds_the_cache_the_python_values_build(tiny, static, slots):
+    """``static=np.True_`` and ``decode_slots=np.int64(8)`` or ``torch.tensor(8)`` built the cache ``True`` and ``8``
+    build, until the type checks of ddbf8b6 refused them as no bool and no whole number."""
+    _, model = tiny
+    cache = BudgetCache(model.config, "snapkv", static=static, decode_slots=slots, budget=64, window=4)
+    assert (cache.static, cache.decode_slots) == (bool(static), int(slots))
+    assert type(cache.static) is bool and type(cache.decode_slots) is int
+
+
 @pytest.mark.parametrize("name,params", [("h2o", {"budget": 64}), ("full", {})])
 def test_generate_with_prompt_lookup_is_refused_in_one_sentence(tiny, name, params):
     """generate()'s speculative decoding crops the cache after rejected drafts; the README said its multi-token steps

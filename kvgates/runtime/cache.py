@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
@@ -16,6 +17,7 @@ from kvgates.errors import UnsupportedModelError
 from kvgates.runtime.dispatch import EAGER_ONLY
 from kvgates.runtime.layer import BudgetLayer
 from kvgates.runtime.protocol import CachePolicy, make_policy
+from kvgates.typecheck import as_int
 
 #: Layer types kvgates budgets, and layer types it leaves exactly as transformers builds them.
 BUDGETED_LAYER_TYPES = ("full_attention",)
@@ -68,10 +70,11 @@ class BudgetCache(Cache):
             raise TypeError(f"policy must be a Policy instance ({policy.__name__}(budget=...)) or a registered name, not the class")
         if not isinstance(policy, CachePolicy):
             raise TypeError(f"policy must be a kvgates Policy or a registered name, got {type(policy).__name__}")
-        if not isinstance(static, bool):
+        if not isinstance(static, (bool, np.bool_)):
             raise TypeError(f"static must be True or False, got {static!r}")
-        if isinstance(decode_slots, bool) or not isinstance(decode_slots, int):
+        if as_int(decode_slots) is None:  # (a numpy integer or a 0-d tensor: the int it holds)
             raise TypeError(f"decode_slots must be a whole number of tokens, got {decode_slots!r}")
+        static, decode_slots = bool(static), as_int(decode_slots)
         if static:
             check_static(policy, decode_slots)
         elif decode_slots:
