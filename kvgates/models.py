@@ -258,7 +258,8 @@ def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-#: The parameter dtypes a model may be loaded in, by name (``load_model``'s ``dtype``).
+#: The parameter dtypes a model may be loaded in, by name (a command's ``--dtype``; ``load_model`` takes any
+#: floating-point dtype or its name).
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -310,7 +311,7 @@ def _check_gpu(place: torch.device, prefix: str = "") -> None:
 
 def _load_settings(name_or_path: object, dtype: object, device: object, device_map: object) -> torch.dtype | str:
     """``load_model``'s arguments checked before anything loads, its ``dtype`` as a ``torch.dtype``: ``TypeError`` for
-    a name that is neither a string nor a path and a device that is neither a string nor a ``torch.device``,
+    a name that is neither a string nor a path and a device that is neither a string, a ``torch.device`` nor an index,
     ``ValueError`` for a dtype that is no floating-point one (or its name, or ``"auto"``), a device that is not one and a CUDA GPU
     this machine lacks (``device`` only where no ``device_map`` replaces it)."""
     if not isinstance(name_or_path, (str, os.PathLike)):
@@ -318,17 +319,19 @@ def _load_settings(name_or_path: object, dtype: object, device: object, device_m
             f"name_or_path must be a model folder, a Hugging Face id or an embedded model's name ({', '.join(EMBEDDED_MODELS)}), "
             f"got {type(name_or_path).__name__}"
         )
-    if isinstance(dtype, str) and dtype in DTYPES:
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):  # any torch dtype's name, as transformers takes
         dtype = getattr(torch, dtype)
     if dtype != "auto" and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ValueError(
             f"dtype: {dtype!r} is not a dtype models load in; use torch.bfloat16, torch.float16 or torch.float32 (or its name), or 'auto'"
         )
     if device_map is None:
-        if not isinstance(device, (str, torch.device)):
-            raise TypeError(f"device must be a string such as 'cpu', 'cuda' or 'cuda:N', or a torch.device, got {type(device).__name__}")
+        if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+            raise TypeError(
+                f"device must be a string such as 'cpu', 'cuda' or 'cuda:N', a torch.device or a CUDA GPU's index, got {type(device).__name__}"
+            )
         try:
-            place = torch.device(device)
+            place = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)  # (torch.device(0): the current accelerator)
         except (RuntimeError, TypeError):
             raise ValueError(f"device: {device!r} is not a device; use cpu, cuda or cuda:N") from None
         if place.type == "cuda":
@@ -339,7 +342,7 @@ def _load_settings(name_or_path: object, dtype: object, device: object, device_m
 def load_model(
     name_or_path: str | os.PathLike,
     dtype: torch.dtype | str = torch.float32,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | int = "cpu",
     device_map: str | dict | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``(model, tokenizer)`` ready for kvgates, in eval mode (as ``from_pretrained`` leaves it).
@@ -348,9 +351,9 @@ def load_model(
         name_or_path: ``"smollm2-135m"`` (the embedded GGUF, offline), a Hugging Face id, or a local folder. The
             Hub id an embedded model came from (``HuggingFaceTB/SmolLM2-135M-Instruct``) loads the embedded copy
             when the Hub cannot be reached and the id is not in the local Hugging Face cache.
-        dtype: parameter dtype, a floating-point ``torch.dtype`` or one of ``DTYPES`` by name (``"auto"``: the
-            checkpoint's own, as transformers reads it).
-        device: where to put the model (ignored with ``device_map``).
+        dtype: parameter dtype, a floating-point ``torch.dtype`` or its name (``"bfloat16"``, ``"float64"``;
+            ``"auto"``: the checkpoint's own, as transformers reads it).
+        device: where to put the model (an index ``N``: ``cuda:N``; ignored with ``device_map``).
         device_map: spread the layers over devices with accelerate (e.g. ``"auto"``); each budgeted layer then
             keeps its cache on its own layer's device.
 

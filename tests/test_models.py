@@ -231,7 +231,9 @@ def test_context_length_counts_a_scaled_rotary_embedding():
         ({"device": "gpu"}, ValueError, r"^device: 'gpu' is not a device; use cpu, cuda or cuda:N$"),
         ({"device": "cuda"}, ValueError, r"^device cuda: this machine has no CUDA GPU that torch can use; use device cpu$"),
         ({"device": "cuda:3"}, ValueError, r"^device cuda:3: this machine has no CUDA GPU that torch can use"),
-        ({"device": 0}, TypeError, r"^device must be a string such as 'cpu', 'cuda' or 'cuda:N', or a torch.device, got int$"),
+        ({"device": 0}, ValueError, r"^device cuda:0: this machine has no CUDA GPU that torch can use; use device cpu$"),
+        ({"device": 1.0}, TypeError, r"^device must be a string such as 'cpu', 'cuda' or 'cuda:N', a torch.device or a CUDA GPU's index, got float$"),
+        ({"device": True}, TypeError, r"^device must be .*, got bool$"),
         ({"dtype": "half-ish"}, ValueError, r"^dtype: 'half-ish' is not a dtype models load in; use torch.bfloat16, torch.float16 or"),
         ({"dtype": torch.int8}, ValueError, r"^dtype: torch.int8 is not a dtype models load in"),
         ({"name_or_path": None}, TypeError, r"^name_or_path must be a model folder, a Hugging Face id or an embedded model's name"),
@@ -255,6 +257,20 @@ def test_load_model_takes_a_path_a_dtype_by_name_and_a_torch_device(tmp_path):
     assert model.dtype == torch.bfloat16 and model.device == torch.device("cpu")
     assert model.config._attn_implementation == "kvgates"
     assert kvgates.load_model(tmp_path / "model", dtype="auto")[0].dtype == torch.float32  # the checkpoint's own
+
+
+def test_load_model_takes_any_floating_point_dtype_by_name_and_a_gpu_by_its_index(tmp_path, monkeypatch):
+    """``dtype="float64"`` or ``"half"`` loaded as transformers takes a torch dtype's name, and ``device=0`` went to
+    ``model.to(0)``, the first CUDA GPU, until bb996b0's checks took only ``DTYPES``' names and a string or a
+    ``torch.device`` (``torch.float64`` itself still loaded)."""
+    save_tiny_checkpoint(tmp_path / "model")
+    assert kvgates.load_model(tmp_path / "model", dtype="float64")[0].dtype == torch.float64
+    assert kvgates.load_model(tmp_path / "model", dtype="half")[0].dtype == torch.float16
+    moved = []
+    monkeypatch.setattr(models, "_check_gpu", lambda place: moved.append(place))
+    monkeypatch.setattr(torch.nn.Module, "to", lambda module, *args, **kwargs: moved.append(args) or module)
+    kvgates.load_model(tmp_path / "model", device=0)
+    assert moved[0] == torch.device("cuda:0") and moved[-1] == (0,)
 
 
 def test_what_is_no_transformers_model_is_refused_in_one_sentence_wherever_a_model_is_taken():
