@@ -361,6 +361,7 @@ def load_model(
     or a CUDA GPU this machine lacks; ``UnsupportedModelError`` for a model kvgates cannot load or budget.
     """
     dtype = _load_settings(name_or_path, dtype, device, device_map)
+    name_or_path = os.fspath(name_or_path)  # (str() of an os.PathLike other than pathlib's is no path)
     embedded, source = _checked_source(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -382,10 +383,11 @@ def load_model(
     return model, tokenizer
 
 
-def model_skeleton(name_or_path: str) -> PreTrainedModel:
+def model_skeleton(name_or_path: str | os.PathLike) -> PreTrainedModel:
     """The model ``load_model`` would load, built from its config on the meta device: its shapes, context and names
     (``context_length``, the tokenizer a policy encodes with) without reading or allocating a weight. What checks a
     run's lengths against the model before it loads (``train.py --check``) reads."""
+    name_or_path = os.fspath(name_or_path)
     embedded = _embedded_name(str(name_or_path))
     if embedded:  # its converted folder's config, or the GGUF's own (converting takes ~15 s and 0.5 GB)
         _, gguf, target = _embedded_target(embedded)

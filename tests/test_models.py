@@ -330,3 +330,20 @@ def test_a_model_torch_compile_or_peft_wrapped_is_taken_as_the_model_it_wraps():
         kvgates.make_policy("trimkv", budget=8, gates=gates).attach(wrapped).detach()
     with pytest.raises(TypeError, match=r"^model must be a transformers model .*, got OptimizedModule$"):
         kvgates.model_fingerprint(torch.compile(torch.nn.Linear(2, 2), backend="eager"))
+
+
+def test_load_model_and_model_skeleton_take_any_os_pathlike(tmp_path):
+    """``load_model`` says it takes an ``os.PathLike`` (bb996b0), but read one that is not pathlib's through ``str()``,
+    its repr: ``'<...Folder object at 0x...>' is neither a model folder nor a Hugging Face id``."""
+
+    class Folder(os.PathLike):
+        def __init__(self, path):
+            self.path = path
+
+        def __fspath__(self):
+            return str(self.path)
+
+    save_tiny_checkpoint(tmp_path / "model")
+    model, _ = kvgates.load_model(Folder(tmp_path / "model"))
+    assert model.config._name_or_path == str(tmp_path / "model")
+    assert models.model_skeleton(Folder(tmp_path / "model")).config._name_or_path == str(tmp_path / "model")
