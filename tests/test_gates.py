@@ -621,6 +621,19 @@ def test_an_adapter_saved_and_loaded_by_a_path_that_begins_with_a_tilde_is_in_th
     assert type(loaded) is type(gates) and all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), gates.state_dict().values()))
 
 
+def test_a_tilde_path_of_no_user_is_a_folder_name_as_before_not_a_runtime_error(tiny_pair, tmp_path, monkeypatch):
+    """``Path.expanduser`` raises ``RuntimeError("Could not determine home directory.")`` for ``~name`` where no user is
+    so named: ``load_gates("~kvgates-no-such-user/gates")`` was that traceback where it was one sentence (neither a
+    folder nor a Hub id), and ``save_pretrained`` of it one where it made the folder a shell would name so."""
+    _, model = tiny_pair
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(AdapterError, match=r"^~kvgates-no-such-user/gates is neither an adapter folder nor a Hub repository id"):
+        kvgates.load_gates("~kvgates-no-such-user/gates")
+    saved = RetentionGates.for_model(model).save_pretrained("~kvgates-no-such-user/gates")
+    assert str(saved) == "~kvgates-no-such-user/gates" and (tmp_path / saved / "config.json").is_file()
+    assert kvgates.load_gates("~kvgates-no-such-user/gates").kind == "retention"
+
+
 def test_a_config_json_cannot_hold_is_one_sentence_and_leaves_the_adapter_there_whole(tiny_pair, tmp_path):
     """Saving 16-wide gates with a numpy number in their results over 8-wide ones replaced the weights, then failed
     writing the config (a TypeError traceback): the folder held 16-wide weights under an 8-wide config and failed to

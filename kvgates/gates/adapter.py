@@ -323,7 +323,9 @@ class GateSet(nn.Module):
             raise TypeError(f"folder must be a folder's path (a string or a path), got {type(folder).__name__}")
         if not str(folder).strip():  # Path("") is the current folder
             raise AdapterError("the folder name is empty; name the folder to save the adapter in")
-        folder = Path(folder).expanduser()  # "~/gates" is the home folder's, not a folder named "~" in this one
+        # "~/gates" is the home folder's, not a folder named "~" in this one; "~nobody/g", of no user, stays as it is
+        # (as in a shell and load_model; Path.expanduser raises RuntimeError)
+        folder = Path(os.path.expanduser(folder))
         if folder.exists() and not folder.is_dir():
             raise AdapterError(f"{folder} is a file; name a folder to save the adapter in")
         other = _foreign_config(folder)
@@ -369,7 +371,7 @@ class GateSet(nn.Module):
             )
         if not str(path_or_id).strip():  # Path("") is the current folder
             raise AdapterError("the adapter name is empty; pass an adapter folder, a shipped adapter's name or a Hub repository id")
-        folder = Path(path_or_id).expanduser()  # (a shipped name or a Hub id never begins with "~")
+        folder = Path(os.path.expanduser(path_or_id))  # (a shipped name or a Hub id never begins with "~")
         if not folder.is_dir():
             folder = embedded_adapter_dir(str(path_or_id)) or _download(str(path_or_id), revision, endpoint, token)
         config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
