@@ -558,6 +558,8 @@ def test_saving_into_no_folder_a_file_or_another_kinds_adapter_is_refused(tiny_p
     (tmp_path / "file").write_text("x")
     with pytest.raises(AdapterError, match="file is a file; name a folder to save the adapter in"):
         gates.save_pretrained(tmp_path / "file")
+    with pytest.raises(AdapterError, match=rf"^{tmp_path / 'file'} is a file; name a folder to save the adapter in$"):
+        gates.save_pretrained(tmp_path / "file" / "gates")  # (was: it holds a config.json that is not an adapter's)
     RetainingHeads.for_model(model).save_pretrained(tmp_path / "heads")
     before = {p.name: p.read_bytes() for p in (tmp_path / "heads").iterdir()}
     with pytest.raises(AdapterError, match="heads holds 'retaining-head' gates; save these 'retention' gates in another folder"):

@@ -315,10 +315,11 @@ class GateSet(nn.Module):
     def save_pretrained(self, folder: str | os.PathLike) -> Path:
         """Write ``config.json``, ``model.safetensors`` and ``README.md`` to ``folder`` (created if needed; a leading
         ``~`` is the home folder; an adapter of the same kind there is replaced), each through a temporary file; returns
-        the folder. ``AdapterError`` (one sentence, nothing written) for an empty name, a file, a folder holding a model
-        or any ``config.json`` that is not a gate adapter's (its config and weights would be overwritten), a folder
-        holding an adapter of another kind, whose own parts (a DMS LoRA's ``lora/``) would stay, or a config JSON cannot
-        hold (a numpy number in its results); ``TypeError`` for a ``folder`` that is neither a string nor a path."""
+        the folder. ``AdapterError`` (one sentence, nothing written) for an empty name, a file (or a path through one),
+        a folder holding a model or any ``config.json`` that is not a gate adapter's (its config and weights would be
+        overwritten), a folder holding an adapter of another kind, whose own parts (a DMS LoRA's ``lora/``) would stay,
+        or a config JSON cannot hold (a numpy number in its results); ``TypeError`` for a ``folder`` that is neither a
+        string nor a path."""
         if not isinstance(folder, (str, os.PathLike)):
             raise TypeError(f"folder must be a folder's path (a string or a path), got {type(folder).__name__}")
         if not str(folder).strip():  # Path("") is the current folder
@@ -326,8 +327,9 @@ class GateSet(nn.Module):
         # "~/gates" is the home folder's, not a folder named "~" in this one; "~nobody/g", of no user, stays as it is
         # (as in a shell and load_model; Path.expanduser raises RuntimeError)
         folder = Path(os.path.expanduser(folder))
-        if folder.exists() and not folder.is_dir():
-            raise AdapterError(f"{folder} is a file; name a folder to save the adapter in")
+        nearest = next(path for path in (folder, *folder.parents) if path.exists())  # (the folder, or where it would be made)
+        if not nearest.is_dir():
+            raise AdapterError(f"{nearest} is a file; name a folder to save the adapter in")
         other = _foreign_config(folder)
         if other is not None:
             raise AdapterError(f"{folder} holds {other}, which saving gates there would overwrite; save the adapter in another folder")
