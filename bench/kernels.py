@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hardware import peak_gbps, peak_tflops  # noqa: E402
 
 from kvgates.cli import plain  # noqa: E402
+from kvgates.config import ConfigError, check_output_file  # noqa: E402
 from kvgates.kernels import reference  # noqa: E402
 from kvgates.kernels.host import PREFILL_CONFIG_ENV  # noqa: E402
 
@@ -132,8 +133,9 @@ def row(name: str, shape: str, t_tri: float, t_ref: float | None, nbytes: int, p
 
 def check(args: argparse.Namespace, device: str) -> str | None:
     """What is wrong with the options, in one sentence, before anything is measured (else None): a count below 1, query
-    heads that the GQA group does not divide, a ``--best-json`` folder that does not exist (found only after the whole
-    sweep), a ``KVGATES_PREFILL_CONFIG`` that is malformed or makes no configuration for a head dim and dtype measured."""
+    heads that the GQA group does not divide, a ``--best-json`` that cannot be written (``check_output_file``: a folder,
+    or in a folder that does not exist or takes no new files; found only once the forward's sweep had run), a
+    ``KVGATES_PREFILL_CONFIG`` that is malformed or makes no configuration for a head dim and dtype measured."""
     for name in ("budgets", "batch", "head_dim", "heads", "group", "window", "reps"):
         values = getattr(args, name)
         for value in values if isinstance(values, list) else [values]:
@@ -141,8 +143,11 @@ def check(args: argparse.Namespace, device: str) -> str | None:
                 return f"--{name.replace('_', '-')} must be at least 1, got {value}"
     if args.heads % args.group:
         return f"--heads {args.heads} is not a multiple of --group {args.group} (KV heads = heads / group)"
-    if args.best_json and not Path(args.best_json).resolve().parent.is_dir():
-        return f"--best-json {args.best_json}: its folder does not exist"
+    if args.best_json is not None:
+        try:
+            check_output_file(args.best_json, "--best-json", "JSON file")
+        except ConfigError as err:
+            return str(err)
     if os.environ.get(PREFILL_CONFIG_ENV):
         from kvgates.kernels.triton_ops import _prefill_config, _prefill_override
 
@@ -177,7 +182,7 @@ def main() -> None:
         help="with --sweep-prefill: write the fastest pair of the last shape there, as KVGATES_PREFILL_CONFIG takes it",
     )
     args = parser.parse_args()
-    if args.best_json and not args.sweep_prefill:
+    if args.best_json is not None and not args.sweep_prefill:
         parser.error("--best-json is the prefill sweep's: add --sweep-prefill")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:

@@ -10,14 +10,13 @@ learned policies run with fresh gates of the model's shape.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from common import attached, bench_policy, essay_ids, setup, short_context
 from transformers import DynamicCache
 
 import kvgates
 from kvgates import dynamic_cache_bytes
+from kvgates.config import ConfigError, check_output_file
 
 
 def sampled_steps(tokens: int, every: int) -> list[int]:
@@ -64,16 +63,15 @@ def plot(columns: dict[str, list[int]], steps: list[int], path: str) -> None:
 
 def problem(args) -> str | None:
     """What is wrong with the options before any generation: a prompt under the budget (a budgeted cache would grow
-    until it held the budget, not flat), or a plot that cannot be written."""
+    until it held the budget, not flat), or a plot that cannot be written (``check_output_file``)."""
     short = short_context("--prompt", [args.prompt], args.budget)
     if short:
         return short
     if args.plot is not None:
-        path = Path(args.plot)
-        if path.is_dir():
-            return f"--plot {args.plot} is a folder; name the PNG file to write"
-        if not path.parent.is_dir():
-            return f"--plot {args.plot}: its folder {path.parent} does not exist"
+        try:
+            check_output_file(args.plot, "--plot", "PNG file")
+        except ConfigError as err:
+            return str(err)
     return None
 
 

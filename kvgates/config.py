@@ -32,7 +32,7 @@ import yaml
 from kvgates.errors import ConfigError
 from kvgates.typecheck import field_problems
 
-__all__ = ["ConfigError", "apply_override", "build", "check_output_folder", "merge", "read_yaml", "refuse_unknown", "yaml_hint"]
+__all__ = ["ConfigError", "apply_override", "build", "check_output_file", "check_output_folder", "merge", "read_yaml", "refuse_unknown", "yaml_hint"]
 
 T = TypeVar("T")
 
@@ -127,6 +127,27 @@ def check_output_folder(path: str | Path, option: str) -> None:
                 where = "" if node == path else f" cannot be made: {node}"
                 raise ConfigError(f"{option} {path}{where} takes no new files ({err.strerror}); name a folder you can write in") from None
             return
+
+
+def check_output_file(path: str | Path, option: str, what: str) -> None:
+    """``ConfigError`` when ``path``, the file ``option`` names (``what``: ``"PNG file"``), cannot be written: it is
+    empty or a folder, its folder does not exist or is a file, or that folder takes no new files (read-only, not
+    yours, or a place such as ``/proc``: a temporary file is made there, and goes, to find out). Run before any
+    work, so that a run is not refused only when it writes its result."""
+    if not str(path).strip():
+        raise ConfigError(f"{option} is empty; name the {what} to write")
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{option} {path} is a folder; name the {what} to write")
+    folder = path.parent
+    if not folder.is_dir():
+        there = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise ConfigError(f"{option} {path}: its folder {folder} {there}")
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:
+        where = f"{option} {path}: its folder {folder}"
+        raise ConfigError(f"{where} takes no new files ({err.strerror}); name a {what} in a folder you can write in") from None
 
 
 def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

@@ -183,6 +183,28 @@ def test_the_kernels_stage_times_the_prefill_reference_only_up_to_one_8k_sequenc
     assert "skipped" in skipped and "2.00x" in timed_line and len(skipped) == len(timed_line)
 
 
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        # an IsADirectoryError traceback once the forward's sweep had run (a GPU's: minutes), a best.json.partial left beside it
+        ("folder", "--best-json {tmp} is a folder; name the JSON file to write"),
+        # a PermissionError (FileNotFoundError in /proc) traceback at the same point
+        ("/proc/best.json", "--best-json /proc/best.json: its folder /proc takes no new files ("),
+        ("", "--best-json is empty; name the JSON file to write"),  # nothing written, and no word of it
+    ],
+)
+def test_a_best_json_that_cannot_be_written_is_one_sentence_before_the_sweep(tmp_path, where, message):
+    path = str(tmp_path) if where == "folder" else where
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "kernels.py"), "--smoke", "--sweep-prefill", "--best-json", path],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and lines[-1].startswith(f"kernels.py: error: {message.format(tmp=tmp_path)}"), result.stderr
+    assert "prefill sweep" not in result.stdout and list(tmp_path.iterdir()) == []
+    assert not Path(f"{tmp_path}.partial").exists()
+
+
 def test_best_json_is_the_prefill_sweeps_and_a_bad_prefill_config_is_one_sentence(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "kernels.py"), "--smoke", "--best-json", str(tmp_path / "best.json")],
@@ -776,6 +798,9 @@ def test_a_bench_refuses_bad_policy_parameters_in_one_sentence_before_its_model(
     [
         (["--plot", "bench"], "--plot bench is a folder; name the PNG file to write"),  # a traceback after the whole run
         (["--plot", "no/such/folder/kv.png"], "--plot no/such/folder/kv.png: its folder no/such/folder does not exist"),
+        # a traceback (FileNotFoundError; PermissionError in a read-only folder) after the whole run
+        (["--plot", "/proc/kv.png"], "--plot /proc/kv.png: its folder /proc takes no new files ("),
+        (["--plot", "README.md/kv.png"], "--plot README.md/kv.png: its folder README.md is a file, not a folder"),
     ],
 )
 def test_kv_memory_bench_refuses_options_it_cannot_honour_before_its_model(args, message):
