@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 import kvgates
+from kvgates.config import ConfigError, check_output_folder
 
 #: Profiler events that make the host wait for the device (a read back, ``.item()``, is a copy and one of these: the
 #: copy alone, ``cudaMemcpyAsync``, is not counted, as host-to-device copies do not wait).
@@ -104,8 +105,8 @@ def profile_arm(model, make_cache, ids: torch.Tensor, steps: int, device: str, t
 
 
 def check(args) -> str | None:
-    """A context under the budget, or a ``--trace`` that names a file or a folder within one, in one sentence before
-    the model loads (else None)."""
+    """A context under the budget, or a ``--trace`` that names a file, a folder within one, or one that cannot be made
+    or written in (``check_output_folder``), in one sentence before the model loads (else None)."""
     short = short_context("--context", [args.context], args.budget)
     if short:
         return short
@@ -116,6 +117,10 @@ def check(args) -> str | None:
             return f"--trace {args.trace} is a file; name the folder to write the traces in"
         if not made.is_dir():
             return f"--trace {args.trace}: {made} is a file, so no folder can be made in it; name the folder to write the traces in"
+        try:  # an empty name (the current folder), or a folder that takes no new files
+            check_output_folder(args.trace, "--trace")
+        except ConfigError as err:
+            return str(err)
     return None
 
 

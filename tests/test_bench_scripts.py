@@ -933,6 +933,10 @@ def test_prefill_memory_refuses_a_gpu_before_its_model(monkeypatch, capsys):
         ("policy_profile", ["--trace", "README.md"], "--trace README.md is a file; name the folder to write the traces in"),
         # a NotADirectoryError traceback from making the folder, once the model had loaded
         ("policy_profile", ["--trace", "README.md/traces"], "--trace README.md/traces: README.md is a file, so no folder can be made in it"),
+        # a PermissionError (FileNotFoundError in /proc) traceback from making the folder, once the model had loaded
+        ("policy_profile", ["--trace", "/proc/traces"], "--trace /proc/traces cannot be made: /proc takes no new files ("),
+        # the traces written in the current folder
+        ("policy_profile", ["--trace", ""], "--trace is empty; name a folder for the run's outputs"),
         ("ab_batching", ["--context", "20"], "--context 20: a needle prompt needs at least 64 tokens"),
         # a batch of one prompt holds no padding
         ("ab_batching", ["--rows", "1"], "--rows 1: a padded batch needs at least 2 prompts"),
