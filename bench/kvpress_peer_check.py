@@ -122,6 +122,7 @@ def main() -> None:
     # The repository root instead of bench/ (whose kernels.py would shadow the `kernels` package transformers imports).
     sys.path[0] = str(Path(__file__).resolve().parents[1])
     from kvgates.cli import plain
+    from kvgates.config import ConfigError, check_output_folder
 
     parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     sides = {"prompts": prompts_side, "kvpress": kvpress_side, "compare": compare_side}
@@ -131,7 +132,12 @@ def main() -> None:
     before = list(sides)[: list(sides).index(args.side)]  # the sides this one reads after, the last one's file (SIDE.pt)
     if before and not (args.out / f"{before[-1]}.pt").is_file():
         parser.error(f"--out {args.out} holds no {before[-1]}.pt: run the {' and '.join(before)} side{'s' * (len(before) > 1)} first")
-    args.out.mkdir(parents=True, exist_ok=True)
+    if args.side != "compare":  # the sides that write their file there
+        try:
+            check_output_folder(args.out, "--out")
+        except ConfigError as err:
+            parser.error(str(err))
+        args.out.mkdir(parents=True, exist_ok=True)
     sides[args.side](args.out)
 
 

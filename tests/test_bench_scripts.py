@@ -758,6 +758,21 @@ def test_the_kvpress_peer_check_says_which_sides_to_run_first(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no --out folder made for nothing
 
 
+def test_the_kvpress_peer_check_refuses_an_out_folder_it_cannot_make_in_one_sentence(tmp_path):
+    """``prompts --out FILE`` (or a folder in one, or in /proc) was a traceback from making the folder."""
+    (tmp_path / "file").write_text("")
+    for out, message in ((tmp_path / "file", f"--out {tmp_path / 'file'} is a file, not a folder"),
+                         (tmp_path / "file" / "peer", f"--out {tmp_path / 'file' / 'peer'} cannot be made: {tmp_path / 'file'} is a file"),
+                         (Path("/proc/peer"), "--out /proc/peer cannot be made: /proc takes no new files (")):
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "kvpress_peer_check.py"), "prompts", "--out", str(out)],
+            capture_output=True, text=True, timeout=600,
+        )
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.strip().splitlines()[-1].startswith(f"kvpress_peer_check.py: error: {message}"), result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
 def test_policy_overhead_bench_takes_policies_with_parameters():
     """``--policies h2o:recent=8`` (the form setup() takes) was 'unknown policy 'h2o:recent=8'' once the model was built."""
     result = subprocess.run(
