@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,13 +273,16 @@ class ABConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], quick: bool = False, output_dir: str | None = None) -> ABConfig:
-        """The validated run ``raw`` describes (its ``quick`` section applied when ``quick``); messages name no file."""
+        """The validated run ``raw`` describes (its ``quick`` section applied when ``quick``, then ``output_dir`` in place of
+        its own; a leading ``~`` of either is the home folder); messages name no file."""
         raw = dict(raw)
         quick_section = raw.pop("quick", None)
         if quick:
             raw = _apply_quick(raw, quick_section)
         if output_dir is not None:
             raw["output_dir"] = output_dir
+        if isinstance(raw.get("output_dir"), str):  # "~/runs/ab" is the home folder's (a shell leaves --out=~/ab as it is)
+            raw["output_dir"] = os.path.expanduser(raw["output_dir"])
         comparisons = raw.get("comparisons", "auto")
         specs = {
             "arms": tuple(_arm(entry) for entry in _list(raw.get("arms", []), "arms")),

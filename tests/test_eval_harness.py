@@ -521,6 +521,21 @@ def test_cli_user_errors_are_one_sentence_exit_2_and_leave_no_folder(tmp_path, c
     assert not out.exists() and (tmp_path / "file").read_text() == "not a folder"
 
 
+def test_an_output_folder_beginning_with_a_tilde_is_in_the_home_folder(tmp_path, capsys, monkeypatch):
+    """``--out=~/runs/ab`` (which a shell leaves as it is) or ``output_dir: ~/runs/ab`` made a folder named '~' in the
+    current folder and wrote the run there, under a last line saying ``report: ~/runs/ab/report.md``."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    home = tmp_path / "home" / "runs" / "ab"
+    assert ABConfig.from_dict({"arms": ["h2o"], "tasks": ["needle"], "output_dir": "~/runs/ab"}).output_dir == str(home)
+    assert ABConfig.from_dict({"arms": ["h2o"], "tasks": ["needle"]}, output_dir="~/runs/ab").output_dir == str(home)
+    (tmp_path / "ab.yaml").write_text("arms: [h2o]\nbudgets: [64]\ntasks: [needle]\n")
+    assert main(["ab", "--config", str(tmp_path / "ab.yaml"), "--out=~/runs/ab", "--report-only"]) == 2
+    assert capsys.readouterr().err.strip() == f"python -m eval ab: {home} holds no results of this config yet; run it without --report-only first"
+    assert list((tmp_path / "cwd").iterdir()) == []
+
+
 def _exit_status(call) -> int:
     try:
         return call()
