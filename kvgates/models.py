@@ -282,10 +282,7 @@ def device_and_dtype(
     choices = "auto, " * auto
     if auto and device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        place = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"{prefix}device: {device!r} is not a device; use {choices}cpu, cuda or cuda:N") from None
+    place = _device(device, prefix, choices)
     if place.type == "cuda" and here:
         _check_gpu(place, prefix)
     elif place.type not in ("cpu", "cuda"):
@@ -297,6 +294,15 @@ def device_and_dtype(
     if dtype not in DTYPES:
         raise ValueError(f"{prefix}dtype: {dtype!r} is not a dtype models load in; use {choices}bfloat16, float16 or float32")
     return place, getattr(torch, dtype)
+
+
+def _device(device: str | torch.device | int, prefix: str = "", choices: str = "") -> torch.device:
+    """``device`` as a ``torch.device`` (an index ``N``: ``cuda:N``), or a ``ValueError`` in one sentence for what
+    names none (``choices`` opens the names it suggests)."""
+    try:
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)  # (torch.device(0): the current accelerator)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{prefix}device: {device!r} is not a device; use {choices}cpu, cuda or cuda:N") from None
 
 
 def _check_gpu(place: torch.device, prefix: str = "") -> None:
@@ -330,10 +336,7 @@ def _load_settings(name_or_path: object, dtype: object, device: object, device_m
             raise TypeError(
                 f"device must be a string such as 'cpu', 'cuda' or 'cuda:N', a torch.device or a CUDA GPU's index, got {type(device).__name__}"
             )
-        try:
-            place = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)  # (torch.device(0): the current accelerator)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"device: {device!r} is not a device; use cpu, cuda or cuda:N") from None
+        place = _device(device)
         if place.type == "cuda":
             _check_gpu(place)
     return dtype
