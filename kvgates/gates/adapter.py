@@ -330,10 +330,9 @@ class GateSet(nn.Module):
         nearest = next(path for path in (folder, *folder.parents) if path.exists())  # (the folder, or where it would be made)
         if not nearest.is_dir():
             raise AdapterError(f"{nearest} is a file; name a folder to save the adapter in")
-        other = _foreign_config(folder)
+        there, other = _occupant(folder)
         if other is not None:
             raise AdapterError(f"{folder} holds {other}, which saving gates there would overwrite; save the adapter in another folder")
-        there = _kind_in(folder)
         if there is not None and there != self.kind:
             raise AdapterError(f"{folder} holds {there!r} gates; save these {self.kind!r} gates in another folder, or remove that one first")
         try:  # the texts before any file: a config that cannot be written leaves the adapter there whole
@@ -509,29 +508,21 @@ def _read_config(path: Path, source: str | None = None) -> GateConfig:
     return GateConfig.from_dict(raw, source or str(path))
 
 
-def _kind_in(folder: Path) -> str | None:
-    """The gate kind of the adapter in ``folder`` (its ``config.json``'s ``kind``), None where there is none to read."""
-    try:
-        data = json.loads((folder / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return data.get("kind") if isinstance(data, dict) else None
-
-
-def _foreign_config(folder: Path) -> str | None:
-    """What ``folder``'s ``config.json`` belongs to when it is not a gate adapter's (a model's: ``"a llama model"``),
-    None where the folder holds no ``config.json`` or an adapter's (its ``kind`` and ``base_model``)."""
+def _occupant(folder: Path) -> tuple[str | None, str | None]:
+    """What ``folder``'s ``config.json`` belongs to: ``(kind, None)`` for a gate adapter's (its ``kind`` and
+    ``base_model``), ``(None, what)`` for another's (a model's: ``"a llama model (...)"``; unreadable, or no JSON), and
+    ``(None, None)`` where the folder holds none."""
     try:
         data = json.loads((folder / CONFIG_FILE).read_text())
     except FileNotFoundError:
-        return None
+        return None, None
     except (OSError, ValueError):  # unreadable, or no JSON (UnicodeDecodeError and JSONDecodeError are ValueErrors)
-        return f"a {CONFIG_FILE} that is not a kvgates gate adapter's"
+        return None, f"a {CONFIG_FILE} that is not a kvgates gate adapter's"
     if isinstance(data, dict) and "kind" in data and "base_model" in data:
-        return None
+        return data["kind"], None
     if isinstance(data, dict) and ("model_type" in data or "architectures" in data):
-        return f"a {data.get('model_type') or 'transformers'} model (its {CONFIG_FILE} and weights)"
-    return f"a {CONFIG_FILE} that is not a kvgates gate adapter's"
+        return None, f"a {data.get('model_type') or 'transformers'} model (its {CONFIG_FILE} and weights)"
+    return None, f"a {CONFIG_FILE} that is not a kvgates gate adapter's"
 
 
 def _shipped_names() -> str:
