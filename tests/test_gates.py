@@ -676,6 +676,24 @@ def test_the_cards_results_say_they_are_the_validation_splits(tiny_pair):
     assert "at the training budget:\n\n| metric | value |\n|---|---|\n| eval_kl | 0.5 |" in card
 
 
+@pytest.mark.parametrize("kind", ["retention", "retention-global", "retaining-head", "kvzap-mlp", "dms", "dms-lora", "kvzap-linear"])
+def test_the_card_gives_a_gate_width_only_to_gates_with_a_hidden_layer(tiny_pair, kind):
+    """DMS's cards said "gate width 1" (a kvzap-linear card "gate width 512"): those gates are linear, ``Linear(d_model
+    -> H_kv)``, and their config records a gate_hidden they never read. The shipped cards are what the code writes."""
+    from kvgates.gates import GATE_KINDS
+    from kvgates.gates.embedded import embedded_adapter_dir, embedded_adapters
+
+    _, model = tiny_pair
+    card = GATE_KINDS[kind].for_model(model, gate_hidden=8).model_card()
+    if kind in ("dms", "dms-lora", "kvzap-linear"):
+        assert "KV heads, linear gates (no hidden layer)." in card and "gate width" not in card
+    else:
+        assert "KV heads, gate width 8." in card
+    for name in embedded_adapters():
+        folder = embedded_adapter_dir(name)
+        assert kvgates.load_gates(folder).model_card() == (folder / "README.md").read_text(), name
+
+
 def test_the_card_of_gates_for_a_model_from_a_folder_loads_the_folder_and_names_no_base_model_to_the_hub(tiny_pair, tmp_path):
     """The card's usage said ``load_model("local:tiny")``, a name load_model refuses; its front matter said
     ``base_model: local:tiny``, which the Hub's card validation refuses (the push after training failed)."""

@@ -441,7 +441,11 @@ class GateSet(nn.Module):
         from kvgates.methods import method_of
 
         c = self.config
-        policy = method_of(self).policy
+        method = method_of(self)
+        policy = method.policy
+        # Linear gates (DMS's decision heads, KVzap's linear regressors) have no hidden layer: their config records a
+        # gate_hidden they never read.
+        width = f"gate width {c.gate_hidden}" if "hidden" in method.gate_keys else "linear gates (no hidden layer)"
         results = "\n".join(f"| {k} | {v} |" for k, v in c.results.items()) or "| (none recorded yet) | |"
         validated = (
             "The training run's last evaluation, on the validation split (recipes are chosen on it; the test split is the\n"
@@ -475,7 +479,7 @@ library_name: kvgates
 # kvgates {c.kind} gates for {c.base_model}
 
 Learned KV-cache eviction modules ({c.kind}) for `{c.base_model}`{embedded} (fingerprint `{c.fingerprint}`): one gate per
-gated layer ({len(c.layer_ids)} of {c.num_layers}), {c.num_kv_heads} KV heads, gate width {c.gate_hidden}.
+gated layer ({len(c.layer_ids)} of {c.num_layers}), {c.num_kv_heads} KV heads, {width}.
 Training budget: {c.training_budget if c.training_budget is not None else "not trained yet"}.
 Training data: {c.training_data or "none recorded"}.
 
