@@ -435,12 +435,15 @@ def test_a_static_flag_or_decode_slots_from_numpy_or_a_tensor_builds_the_cache_t
 def test_generate_with_prompt_lookup_is_refused_in_one_sentence(tiny, name, params):
     """generate()'s speculative decoding crops the cache after rejected drafts; the README said its multi-token steps
     worked. The refusal told users to run it "with a cache that keeps every token", which is what the full policy's
-    BudgetCache is (``full``: "keeps every token"), refused the same way: it names the cache that can be cropped."""
+    BudgetCache is (``full``: "keeps every token"), refused the same way: it names the cache that can be cropped. The
+    refusal came from the first crop, after a verification forward had run on the prompt and drafts; now before it."""
     _, model = tiny
     ids = torch.randint(1, 128, (1, 16), generator=torch.Generator().manual_seed(0)).repeat(1, 2)
     kwargs = dict(max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
+    cache = BudgetCache(model.config, name, **params)
     with pytest.raises(NotImplementedError, match="cannot be cropped.*assisted decoding and prompt lookup.*with transformers' DynamicCache"):
-        model.generate(ids, past_key_values=BudgetCache(model.config, name, **params), **kwargs)
+        model.generate(ids, past_key_values=cache, **kwargs)
+    assert cache.get_seq_length() == 0  # no forward ran
     assert model.generate(ids, past_key_values=DynamicCache(config=model.config), **kwargs).shape == (1, 40)  # the advice works
 
 

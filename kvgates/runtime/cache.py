@@ -15,7 +15,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_laye
 
 from kvgates.errors import UnsupportedModelError
 from kvgates.runtime.dispatch import EAGER_ONLY
-from kvgates.runtime.layer import BudgetLayer
+from kvgates.runtime.layer import NOT_CROPPABLE, BudgetLayer
 from kvgates.runtime.protocol import CachePolicy, make_policy
 from kvgates.typecheck import as_int
 
@@ -225,6 +225,12 @@ class BudgetCache(Cache):
         so a model's sliding-window layers (Gemma-3's first) were cropped before a budgeted one refused, or refused
         first with transformers' own advice (``activate_past_recording``), which cannot make this cache croppable."""
         self.budget_layers[0].crop(tokens_to_remove)
+
+    def activate_past_recording(self) -> None:
+        """Refused as ``crop`` is: generate()'s assisted decoding and prompt lookup call it before their first forward,
+        to crop the cache after it; the refusal came from that crop, after a verification forward had prefilled the
+        prompt and the drafts."""
+        raise NotImplementedError(NOT_CROPPABLE)
 
     def several_after_decoding(self, n: int) -> None:
         """Warn, once per conversation (a cache's first, and again after ``reset()``), of a call of ``n`` tokens after

@@ -47,6 +47,13 @@ class Handoff(threading.local):
 
 HANDOFF = Handoff()
 
+#: Why ``crop`` (and ``BudgetCache.activate_past_recording``, which prepares it) is refused.
+NOT_CROPPABLE = (
+    "a BudgetCache cannot be cropped: evicted tokens cannot be restored (generate()'s assisted decoding and "
+    "prompt lookup crop the cache after rejected draft tokens; run them with transformers' DynamicCache: a "
+    "BudgetCache of the full policy cannot be cropped either)"
+)
+
 
 class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
     """Budgeted KV storage of one layer; filled by ``update`` and attended by the ``"kvgates"`` attention."""
@@ -206,11 +213,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self._select_batch(lambda t: t[indices.to(t.device)])
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "a BudgetCache cannot be cropped: evicted tokens cannot be restored (generate()'s assisted decoding and "
-            "prompt lookup crop the cache after rejected draft tokens; run them with transformers' DynamicCache: a "
-            "BudgetCache of the full policy cannot be cropped either)"
-        )
+        raise NotImplementedError(NOT_CROPPABLE)
 
     # ------------------------------------------------------------------ policy step
     @property
@@ -444,7 +447,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
 
         The first call is the prompt (a one-token prompt too); later calls continue the prompt in chunks until
         the first single-token call, the first decode step; from then on every call is a decode step (a call
-        verifying several draft tokens too; generate()'s own assisted decoding crops the cache, which ``crop`` refuses).
+        verifying several draft tokens too; generate()'s own assisted decoding, which crops the cache, is refused first).
         """
         if self.seen and (n == 1 or self.decoding):
             if n > 1 and self.rank == 0:
