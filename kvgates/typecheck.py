@@ -30,12 +30,12 @@ def as_int(value: Any) -> int | None:
         return None
 
 
-def number_type(hint: Any) -> tuple[type, bool] | None:
-    """``(int, takes None)`` or ``(float, takes None)`` where ``hint`` is ``int`` or ``float``, alone or with None
+def scalar_type(hint: Any) -> tuple[type, bool] | None:
+    """``(kind, takes None)`` where ``hint`` is ``int``, ``float`` or ``bool`` (``kind``), alone or with None
     (``int | None``), else None."""
     args = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
     kinds = [a for a in args if a is not type(None)]
-    return (kinds[0], len(kinds) < len(args)) if len(kinds) == 1 and kinds[0] in (int, float) else None
+    return (kinds[0], len(kinds) < len(args)) if len(kinds) == 1 and kinds[0] in (int, float, bool) else None
 
 
 def _accepts(value: Any, hint: Any) -> bool | None:

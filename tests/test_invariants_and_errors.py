@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 import kvgates
 from kvgates import POLICIES, BudgetCache, UnsupportedModelError, dynamic_cache_bytes, make_policy
-from kvgates.typecheck import number_type
+from kvgates.typecheck import scalar_type
 
 EVICTING = sorted(set(POLICIES) - {"full"})
 
@@ -205,25 +205,28 @@ def test_bad_policy_parameters(name, params, message):
 
 
 @pytest.mark.parametrize("name", sorted(POLICY_PARAMS))
-def test_a_policy_built_directly_with_a_number_of_the_wrong_type_says_so(name):
+def test_a_policy_built_directly_with_a_parameter_of_the_wrong_type_says_so(name):
     """``SnapKV(budget=256, window="x")``, built directly (``make_policy`` checks types itself), failed with "'<' not
-    supported between instances of 'str' and 'int'" from a check's comparison, and ``window=2.5`` or ``True`` was
-    taken. Every ``int`` and ``float`` parameter of every policy says so in one sentence; a numpy integer is taken as
-    the int it holds."""
+    supported between instances of 'str' and 'int'" from a check's comparison, ``window=2.5`` or ``True`` was
+    taken, and ``decode="no"`` ran as ``decode=True``. Every ``int``, ``float`` and ``bool`` parameter of every policy
+    says so in one sentence; a numpy integer or bool is taken as the int or bool it holds."""
     cls = POLICIES[name]
     hints = typing.get_type_hints(cls)
-    numbers = {f.name: number_type(hints[f.name]) for f in dataclasses.fields(cls) if f.init and number_type(hints[f.name])}
-    assert "budget" in numbers
-    for field, (kind, takes_none) in numbers.items():
-        wanted = ("an integer" if kind is int else "a number") + " or None" * takes_none
-        for bad in ["x", True] + [2.5] * (kind is int) + [None] * (not takes_none):
+    scalars = {f.name: scalar_type(hints[f.name]) for f in dataclasses.fields(cls) if f.init and scalar_type(hints[f.name])}
+    assert "budget" in scalars
+    words = {int: "an integer", float: "a number", bool: "True or False"}
+    for field, (kind, takes_none) in scalars.items():
+        wanted = words[kind] + " or None" * takes_none
+        bad_values = ["x", 1] if kind is bool else ["x", True] + [2.5] * (kind is int)
+        for bad in bad_values + [None] * (not takes_none):
             message = rf"^{name}: {field} must be {wanted}, got {re.escape(repr(bad))}$"
             with pytest.raises(ValueError, match=message):
                 cls(**{**policy_kwargs(name, 64), field: bad})
     if name not in LEARNED:  # (they need gates)
         plain = cls(**policy_kwargs(name, 64))
-        numpy = cls(**{k: np.int64(v) if type(v) is int else v for k, v in policy_kwargs(name, 64).items()})
-        assert numpy == plain and all(type(getattr(numpy, f)) is type(getattr(plain, f)) for f in numbers)
+        as_numpy = {int: np.int64, bool: np.bool_}
+        numpy = cls(**{k: as_numpy[type(v)](v) if type(v) in as_numpy else v for k, v in policy_kwargs(name, 64).items()})
+        assert numpy == plain and all(type(getattr(numpy, f)) is type(getattr(plain, f)) for f in scalars)
 
 
 def test_a_registered_class_that_is_no_dataclass_is_named_when_it_is_built(monkeypatch):

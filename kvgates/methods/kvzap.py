@@ -162,7 +162,7 @@ class KVzap(WriteScored):
         self._at_least(0, "window", "sinks")
         self._require_budget(self.window + self.sinks, f"the recent window and the sinks ({self.window} + {self.sinks})")
         if self.threshold is not None:
-            if not math.isfinite(self.threshold):  # (a number: ``Policy._check_numbers``)
+            if not math.isfinite(self.threshold):  # (a number: ``Policy._check_scalars``)
                 raise ValueError(f"{self.name}: threshold must be a finite number (a log-importance) or None, got {self.threshold!r}")
             self.ragged_heads = True  # each head holds what passes the threshold
 

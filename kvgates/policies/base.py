@@ -33,6 +33,7 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import torch
 
 from kvgates.kernels.host import launch_bound
@@ -41,7 +42,7 @@ from kvgates.runtime.protocol import EVERY_STEP, NEVER, POLICIES, PROMPT, Schedu
 from kvgates.runtime.stack import LayerStack, stack_groups
 from kvgates.runtime.state import LayerState, SlotState
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
-from kvgates.typecheck import as_int, number_type
+from kvgates.typecheck import as_int, scalar_type
 
 if TYPE_CHECKING:
     from kvgates.runtime.layer import BudgetLayer
@@ -85,27 +86,34 @@ class Policy:
         return type(self).select is Policy.select
 
     def __post_init__(self) -> None:
-        self._check_numbers()
+        self._check_scalars()
         if self.budget is not None and self.budget < 1:
             raise ValueError(f"{self.name}: budget must be at least 1 token per head, got {self.budget}")
 
     # -- helpers for subclasses' validation
-    def _check_numbers(self) -> None:
-        """Each parameter typed ``int`` or ``float`` (or either or None) must be one: a whole number (not a bool) for
-        ``int``, as the int it holds where it is a numpy integer or a 0-d tensor; any real number for ``float``. A
-        string, a float where a whole number goes, or None failed as a ``TypeError`` in a comparison below, or was
-        taken (``window=2.5``) and failed later."""
-        for field_name, (kind, takes_none) in _number_fields(type(self)).items():
+    def _check_scalars(self) -> None:
+        """Each parameter typed ``int``, ``float`` or ``bool`` (or either or None) must be one: a whole number (not a
+        bool) for ``int``, as the int it holds where it is a numpy integer or a 0-d tensor; any real number for
+        ``float``; True or False (a numpy bool as the bool it holds) for ``bool``. A string, a float where a whole
+        number goes, or None failed as a ``TypeError`` in a comparison below, or was taken (``window=2.5``, and
+        ``decode="no"`` as true) and failed later or ran otherwise than asked."""
+        for field_name, (kind, takes_none) in _scalar_fields(type(self)).items():
             value = getattr(self, field_name)
-            whole = as_int(value)
-            if whole is not None or (value is None and takes_none):
+            if value is None and takes_none:
+                continue
+            if kind is bool:
+                if isinstance(value, (bool, np.bool_)):
+                    setattr(self, field_name, bool(value))
+                    continue
+            elif (whole := as_int(value)) is not None:
                 if whole is not value:
                     setattr(self, field_name, whole)
+                continue
             elif kind is float and isinstance(value, numbers.Real) and not isinstance(value, bool):
                 setattr(self, field_name, float(value))
-            else:
-                wanted = "an integer" if kind is int else "a number"
-                raise ValueError(f"{self.name}: {field_name} must be {wanted}{' or None' * takes_none}, got {value!r}")
+                continue
+            wanted = {int: "an integer", float: "a number", bool: "True or False"}[kind]
+            raise ValueError(f"{self.name}: {field_name} must be {wanted}{' or None' * takes_none}, got {value!r}")
 
     def _require_budget(self, reserved: int = 0, what: str = "") -> int:
         """The budget, checked to leave room beyond ``reserved`` always-kept tokens (sinks, windows)."""
@@ -256,10 +264,11 @@ class Policy:
 
 
 @functools.cache
-def _number_fields(cls: type[Policy]) -> dict[str, tuple[type, bool]]:
-    """The parameters of policy class ``cls`` typed ``int`` or ``float``: name -> (that type, whether None fits)."""
+def _scalar_fields(cls: type[Policy]) -> dict[str, tuple[type, bool]]:
+    """The parameters of policy class ``cls`` typed ``int``, ``float`` or ``bool``: name -> (that type, whether None
+    fits)."""
     hints = typing.get_type_hints(cls)
-    kinds = {f.name: number_type(hints[f.name]) for f in dataclasses.fields(cls) if f.init}
+    kinds = {f.name: scalar_type(hints[f.name]) for f in dataclasses.fields(cls) if f.init}
     return {name: kind for name, kind in kinds.items() if kind is not None}
 
 
