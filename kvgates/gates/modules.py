@@ -34,10 +34,11 @@ class RetentionGate(nn.Module):
         _init_linear(self.down)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[..., d_model]`` -> ``log_beta`` ``[..., H_kv]`` (<= 0), float32 (beta near 1 needs the range)."""
+        """``[..., d_model]`` -> ``log_beta`` ``[..., H_kv]`` (<= 0), float32 (beta near 1 needs the range). The bias
+        is added in float32 whatever the gate's dtype (``_biased``)."""
         # Functional calls on the submodules' parameters: this runs for every layer at every decode step.
         x = self.act(F.linear(hidden, self.up.weight, self.up.bias))
-        return F.logsigmoid((F.linear(x, self.down.weight) + self.bias).float())
+        return _biased(F.linear(x, self.down.weight), self.bias)
 
 
 class GlobalRetentionTrunk(nn.Module):
@@ -67,7 +68,15 @@ class SharedRetentionHead(nn.Module):
         _init_linear(self.down)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return F.logsigmoid((F.linear(features, self.down.weight) + self.bias).float())
+        return _biased(F.linear(features, self.down.weight), self.bias)
+
+
+def _biased(logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``logsigmoid(logits + bias)`` in float32: a retention gate's bias is large (about 8 trained, 18 at init), and
+    added in bfloat16 (a gate run in a bf16 model's dtype) it rounds the sum to 1/32, losing most of what the
+    projection adds (``log_beta`` of a shipped TRIM-KV gate was off by 0.8% in the median, 1.9% at the 90th
+    percentile, against 0.4% and 0.9% with the sum in float32); training under autocast adds it in float32 too."""
+    return F.logsigmoid(logits.float() + bias.float())
 
 
 class RetainingHead(nn.Module):
