@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hardware import peak_gbps, peak_tflops  # noqa: E402
 
 from kvgates.cli import plain  # noqa: E402
-from kvgates.config import ConfigError, check_output_file  # noqa: E402
+from kvgates.config import ConfigError, check_output_file, output_path  # noqa: E402
 from kvgates.kernels import reference  # noqa: E402
 from kvgates.kernels.host import PREFILL_CONFIG_ENV  # noqa: E402
 
@@ -357,12 +357,13 @@ PREFILL_FORWARD_GRID = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "num_warps":
 PREFILL_COLUMN_GRID = {"BLOCK_N": [32, 64, 128], "BLOCK_M": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
 
 
-def write_best(path: str | None, forward: dict[str, int], columns: dict[str, int]) -> None:
+def write_best(path: str | Path | None, forward: dict[str, int], columns: dict[str, int]) -> None:
     """The prefill sweep's fastest pair so far, as ``KVGATES_PREFILL_CONFIG`` takes it (checked by its parser), to
     ``path`` if given: written beside it and moved over it, so a sweep killed at its limit leaves a whole file."""
     if path:
         from kvgates.kernels.triton_ops import _prefill_override
 
+        path = output_path(path)  # the file check() checked (a leading ~ is the home folder)
         text = json.dumps({"forward": forward, "columns": columns})
         _prefill_override(text)
         partial = Path(f"{path}.partial")

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 import kvgates
 from kvgates import dynamic_cache_bytes
-from kvgates.config import ConfigError, check_output_file
+from kvgates.config import ConfigError, check_output_file, output_path
 
 
 def sampled_steps(tokens: int, every: int) -> list[int]:
@@ -93,8 +93,9 @@ def main() -> None:
         row = "  ".join(f"{columns[n][i] / 2**20:18.2f}" for n in names)
         print(f"{step:9d}  {row}")
     if args.plot:
-        plot(columns, steps, args.plot)
-        print(f"plot: {args.plot}")
+        path = output_path(args.plot)  # the file problem() checked (a leading ~ is the home folder)
+        plot(columns, steps, path)
+        print(f"plot: {path}")
     base = columns["DynamicCache"][-1]
     for n in names[1:]:
         # One sample shows no trend either way.

@@ -122,23 +122,24 @@ def main() -> None:
     # The repository root instead of bench/ (whose kernels.py would shadow the `kernels` package transformers imports).
     sys.path[0] = str(Path(__file__).resolve().parents[1])
     from kvgates.cli import plain
-    from kvgates.config import ConfigError, check_output_folder
+    from kvgates.config import ConfigError, check_output_folder, output_path
 
     parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     sides = {"prompts": prompts_side, "kvpress": kvpress_side, "compare": compare_side}
     parser.add_argument("side", choices=list(sides))
     parser.add_argument("--out", type=Path, default=Path("outputs/peer"))
     args = parser.parse_args()
+    out = output_path(args.out)  # a leading ~ is the home folder (a shell leaves --out=~/peer as it is)
     before = list(sides)[: list(sides).index(args.side)]  # the sides this one reads after, the last one's file (SIDE.pt)
-    if before and not (args.out / f"{before[-1]}.pt").is_file():
-        parser.error(f"--out {args.out} holds no {before[-1]}.pt: run the {' and '.join(before)} side{'s' * (len(before) > 1)} first")
+    if before and not (out / f"{before[-1]}.pt").is_file():
+        parser.error(f"--out {out} holds no {before[-1]}.pt: run the {' and '.join(before)} side{'s' * (len(before) > 1)} first")
     if args.side != "compare":  # the sides that write their file there
         try:
             check_output_folder(args.out, "--out")
         except ConfigError as err:
             parser.error(str(err))
-        args.out.mkdir(parents=True, exist_ok=True)
-    sides[args.side](args.out)
+        out.mkdir(parents=True, exist_ok=True)
+    sides[args.side](out)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 import kvgates
-from kvgates.config import ConfigError, check_output_folder
+from kvgates.config import ConfigError, check_output_folder, output_path
 
 #: Profiler events that make the host wait for the device (a read back, ``.item()``, is a copy and one of these: the
 #: copy alone, ``cudaMemcpyAsync``, is not counted, as host-to-device copies do not wait).
@@ -106,12 +106,13 @@ def profile_arm(model, make_cache, ids: torch.Tensor, steps: int, device: str, t
 
 def check(args) -> str | None:
     """A context under the budget, or a ``--trace`` that names a file, a folder within one, or one that cannot be made
-    or written in (``check_output_folder``), in one sentence before the model loads (else None)."""
+    or written in (``check_output_folder``; a leading ``~`` is the home folder), in one sentence before the model loads
+    (else None)."""
     short = short_context("--context", [args.context], args.budget)
     if short:
         return short
     if args.trace is not None:
-        trace = Path(args.trace)
+        trace = output_path(args.trace)
         made = next(path for path in (trace, *trace.parents) if path.exists())  # where the traces' folders start
         if made == trace and not trace.is_dir():
             return f"--trace {args.trace} is a file; name the folder to write the traces in"
@@ -133,7 +134,7 @@ def main() -> None:
     arms = {"DynamicCache + sdpa": lambda: DynamicCache(config=model.config)}
     for name in args.policies:
         arms[name] = lambda name=name: kvgates.BudgetCache(model.config, bench_policy(model, name, args.budget))
-    trace = None if args.trace is None else Path(args.trace)
+    trace = None if args.trace is None else output_path(args.trace)  # the folder check() checked
     if trace is not None:
         trace.mkdir(parents=True, exist_ok=True)
     results = {label: profile_arm(model, make, ids, args.steps, args.device, trace, label) for label, make in arms.items()}

@@ -20,6 +20,7 @@ Each problem is a ``ConfigError`` (``kvgates.errors``) with one sentence naming 
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 import types
 import typing
@@ -32,7 +33,10 @@ import yaml
 from kvgates.errors import ConfigError
 from kvgates.typecheck import field_problems
 
-__all__ = ["ConfigError", "apply_override", "build", "check_output_file", "check_output_folder", "merge", "read_yaml", "refuse_unknown", "yaml_hint"]
+__all__ = [
+    "ConfigError", "apply_override", "build", "check_output_file", "check_output_folder", "merge", "output_path", "read_yaml", "refuse_unknown",
+    "yaml_hint",
+]
 
 T = TypeVar("T")
 
@@ -107,15 +111,24 @@ def _read(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     return merge(_read(target, (*seen, path.resolve())), raw)
 
 
-def check_output_folder(path: str | Path, option: str) -> None:
-    """``ConfigError`` when ``path``, the output folder ``option`` names, cannot be a folder the run writes in: it, or
+def output_path(path: str | Path) -> Path:
+    """The path an output option names, a leading ``~`` read as the home folder (``~user``: that user's; left as it is
+    where there is none), as ``load_model`` and ``save_pretrained`` read theirs: a shell leaves ``--out=~/runs`` as
+    it is, so ``Path`` alone made a folder named ``~`` in the current folder. ``check_output_folder`` and
+    ``check_output_file`` check this path and return it: write there."""
+    return Path(os.path.expanduser(path))  # (Path.expanduser raises RuntimeError for an unknown ~user)
+
+
+def check_output_folder(path: str | Path, option: str) -> Path:
+    """The folder to write in (``output_path(path)``: a leading ``~`` is the home folder), or
+    ``ConfigError`` when ``path``, the output folder ``option`` names, cannot be a folder the run writes in: it, or
     a folder it would be made in, is a file; the nearest of them that exists takes no new entries (read-only, not
     yours, or a place such as ``/proc``: an empty folder is made there and removed again to find out); or it is
     empty (``""``, which a run would take for the current folder, strewing its outputs there). Run before any model
     work, so that the run is not refused only when it writes."""
     if not str(path).strip():
         raise ConfigError(f"{option} is empty; name a folder for the run's outputs (an empty one would be the current folder)")
-    path = Path(path)
+    path = output_path(path)
     for node in (path, *path.parents):
         if node.exists():
             if not node.is_dir():
@@ -126,17 +139,19 @@ def check_output_folder(path: str | Path, option: str) -> None:
             except OSError as err:
                 where = "" if node == path else f" cannot be made: {node}"
                 raise ConfigError(f"{option} {path}{where} takes no new files ({err.strerror}); name a folder you can write in") from None
-            return
+            break
+    return path
 
 
-def check_output_file(path: str | Path, option: str, what: str) -> None:
-    """``ConfigError`` when ``path``, the file ``option`` names (``what``: ``"PNG file"``), cannot be written: it is
+def check_output_file(path: str | Path, option: str, what: str) -> Path:
+    """The file to write (``output_path(path)``: a leading ``~`` is the home folder), or
+    ``ConfigError`` when ``path``, the file ``option`` names (``what``: ``"PNG file"``), cannot be written: it is
     empty or a folder, its folder does not exist or is a file, or that folder takes no new files (read-only, not
     yours, or a place such as ``/proc``: a temporary file is made there, and goes, to find out). Run before any
     work, so that a run is not refused only when it writes its result."""
     if not str(path).strip():
         raise ConfigError(f"{option} is empty; name the {what} to write")
-    path = Path(path)
+    path = output_path(path)
     if path.is_dir():
         raise ConfigError(f"{option} {path} is a folder; name the {what} to write")
     folder = path.parent
@@ -148,6 +163,7 @@ def check_output_file(path: str | Path, option: str, what: str) -> None:
     except OSError as err:
         where = f"{option} {path}: its folder {folder}"
         raise ConfigError(f"{where} takes no new files ({err.strerror}); name a {what} in a folder you can write in") from None
+    return path
 
 
 def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

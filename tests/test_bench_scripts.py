@@ -758,6 +758,39 @@ def test_the_kvpress_peer_check_says_which_sides_to_run_first(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no --out folder made for nothing
 
 
+def test_the_bench_output_options_read_a_leading_tilde_as_the_home_folder(tmp_path, bench_kernels, monkeypatch):
+    """``--trace=~/traces``, ``--out=~/peer``, ``--plot=~/kv.png`` and ``--best-json=~/best.json`` (a shell leaves ``~``
+    as it is after ``=``) made a folder named '~' in the current folder and wrote there (checked there too), where
+    ``load_model`` and ``python -m eval ab --out`` read ``~`` as the home folder."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    env = {**os.environ, "HOME": str(home)}
+
+    def bench(script: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
+
+    result = bench("policy_profile.py", "--model", "random", "--layers", "1", "--context", "80", "--budget", "64", "--steps", "1",
+                   "--policies", "h2o", "--trace=~/traces")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (home / "traces").iterdir())[0] == "DynamicCache_plus_sdpa-decode.json"
+    result = bench("kv_memory.py", "--model", "random", "--layers", "1", "--prompt", "48", "--tokens", "2", "--every", "2",
+                   "--budget", "48", "--policies", "full", "--plot=~/kv.png")
+    assert result.returncode == 0 and f"plot: {home / 'kv.png'}" in result.stdout and (home / "kv.png").is_file(), result.stderr
+    result = bench("kvpress_peer_check.py", "kvpress", "--out=~/peer")  # read there too
+    assert result.stderr.strip().endswith(f"error: --out {home / 'peer'} holds no prompts.pt: run the prompts side first"), result.stderr
+    bench("kvpress_peer_check.py", "prompts", "--out=~/peer")  # (it then stops: HOME holds no converted model)
+    assert (home / "peer").is_dir()
+    result = bench("kernels.py", "--smoke", "--sweep-prefill", "--best-json=~/no/best.json")  # checked there, before any sweep
+    assert result.stderr.strip().splitlines()[-1].endswith(f"--best-json {home / 'no' / 'best.json'}: its folder {home / 'no'} does not exist")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    bench_kernels.write_best("~/best.json", {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+                             {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
+    assert (home / "best.json").is_file()
+    assert list(cwd.iterdir()) == []
+
+
 def test_the_kvpress_peer_check_refuses_an_out_folder_it_cannot_make_in_one_sentence(tmp_path):
     """``prompts --out FILE`` (or a folder in one, or in /proc) was a traceback from making the folder."""
     (tmp_path / "file").write_text("")

@@ -486,6 +486,20 @@ def test_an_empty_output_dir_is_refused_not_taken_for_the_current_folder(tiny_di
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
 
 
+def test_an_output_dir_beginning_with_a_tilde_is_in_the_home_folder(tiny_dir, tmp_path, capsys, monkeypatch):
+    """``output_dir: ~/runs/x`` (or the override ``output_dir=~/runs/x``, which a shell leaves as it is) was checked and
+    written as a folder named '~' in the current folder, as ``python -m eval ab``'s was."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    path = write(tiny_config(tiny_dir, "checkpoints/x"), tmp_path / "c.yaml")
+    assert main(["--config", str(path), "output_dir=~/runs/x", "--check"]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"into {tmp_path / 'home' / 'runs' / 'x'})")
+    out, _ = prepare_output_dir(TrainConfig.from_dict(tiny_config(tiny_dir, "~/runs/x")), resume=False)
+    assert out == tmp_path / "home" / "runs" / "x" and (out / "run_config.json").is_file()
+    assert list((tmp_path / "cwd").iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "task, path, message",
     [

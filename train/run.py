@@ -49,7 +49,7 @@ from data.build import build_dataset, check_readable, summarize
 from data.splits import essay_split
 from eval.heldout import HeldOut, markdown_table
 from kvgates.cli import USAGE_ERROR, OneLineParser, usage_error
-from kvgates.config import check_output_folder
+from kvgates.config import check_output_folder, output_path
 from kvgates.gates.adapter import atomic_write
 from kvgates.gates.training import GateTraining
 from kvgates.models import model_skeleton, past_context
@@ -89,8 +89,7 @@ def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) ->
     """``(output folder, checkpoint to resume from or None)``. Refuses an output folder that is a file, to overwrite
     an earlier run, or to resume one made with another config or one without a complete checkpoint; only then (and
     with ``write``) creates the folder and writes ``run_config.json``."""
-    check_output_folder(config.output_dir, "output_dir")
-    out = Path(config.output_dir)
+    out = check_output_folder(config.output_dir, "output_dir")  # a leading ~ is the home folder
     recorded = out / RUN_CONFIG
     checkpoint = None
     if resume:
@@ -406,7 +405,7 @@ def check_training_arguments(config: TrainConfig) -> None:
             "checkpoint (training.load_best_model_at_end), so every save needs the validation of its step"
         )
     try:
-        training_arguments(config, Path(config.output_dir))
+        training_arguments(config, output_path(config.output_dir))
     except ConfigError:
         raise
     except ValueError as err:
