@@ -93,7 +93,7 @@ class ArmSpec:
         label: unique name in the report.
         policy: registered policy name.
         params: policy parameters (the budget comes from the run's budgets).
-        gates: learned arms only: an adapter folder, a Hub id, or ``"untrained"``. An arm is learned when its
+        gates: learned arms only: an adapter folder (a leading ``~`` is the home folder), a Hub id, or ``"untrained"``. An arm is learned when its
             policy is, or wraps one (``{policy: adakv, params: {base: trimkv-snap}}``: the gates go to the base).
         budgets: the run's budgets this arm runs at (empty: all of them); e.g. an evicting arm at the budget a
             prompt-only arm ends up holding, for a comparison at matched memory, without running every arm there.
@@ -458,7 +458,9 @@ def _arm(entry: Any) -> ArmSpec:
     if policy == "full" and str(label) != "full":  # it would run the reference's every example a second time
         raise ConfigError(f"arm {str(label)!r} is the full cache, which every run has as its reference arm 'full'; remove it")
     budgets = tuple(_list(entry.get("budgets", []), f"arm {label!r}: budgets"))
-    return ArmSpec(str(label), policy, params, None if gates is None else str(gates), budgets)
+    if gates is not None:  # "~/g" is the home folder's, as kvgates.load_gates reads it (a shipped name or Hub id never begins with "~")
+        gates = os.path.expanduser(str(gates))
+    return ArmSpec(str(label), policy, params, gates, budgets)
 
 
 def _task(entry: Any) -> TaskSpec:

@@ -966,6 +966,15 @@ def test_every_data_task_is_an_answer_task_of_the_harness():
     assert set(ANSWER_OPTIONS) == set(TASKS) | {"multikey"}
 
 
+def test_an_arms_adapter_folder_beginning_with_a_tilde_is_in_the_home_folder(tmp_path, model, monkeypatch):
+    """``gates: ~/g`` was refused as 'neither an existing folder, a shipped adapter nor a Hub id', where
+    ``kvgates.load_gates("~/g")`` reads the home folder's adapter."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    kvgates.RetentionGates.for_model(model).save_pretrained("~/g")
+    config = ABConfig.from_dict({"arms": [{"policy": "trimkv", "gates": "~/g", "label": "tk"}], "tasks": ["needle"]})
+    assert config.arms[0].gates == str(tmp_path / "g") and isinstance(prepare_arms(config, model)["tk"], kvgates.RetentionGates)
+
+
 def test_an_adapter_arm_is_keyed_by_its_weights(tmp_path, model):
     from eval.config import ArmSpec
 
