@@ -73,9 +73,10 @@ def _main(argv: list[str] | None) -> int:
         check_output_folder(config.output_dir, "--out" if args.out is not None else "output_dir")
         out = Path(config.output_dir)
         made = not out.exists()
-        from eval.report import write_report
+        from eval.report import REPORT, check_output_files, write_report
         from eval.runner import RECORD, has_results, missing_results, run_ab, unreported_results
 
+        check_output_files(config)  # (a folder named report.md was a traceback once every result had been computed)
         foreign = unreported_results(config) if args.report_only else 0
         if foreign:  # another run's report: what the two share would replace it
             raise ConfigError(
@@ -102,7 +103,7 @@ def _main(argv: list[str] | None) -> int:
     flags = ["--config", args.config] + ["--quick"] * args.quick + (["--out", args.out] if args.out else [])
     command = "python -m eval ab " + shlex.join(flags + args.overrides)
     print(write_report(results, command))
-    print(f"\nreport: {Path(config.output_dir) / 'report.md'}")
+    print(f"\nreport: {Path(config.output_dir) / REPORT}")
     return 0
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 
-from eval.config import ABConfig, ArmSpec, TaskSpec
-from eval.runner import RECORD, ABResults
+from eval.config import ABConfig, ArmSpec, ConfigError, TaskSpec
+from eval.runner import JOURNAL, RECORD, ABResults
 from eval.stats import MIN_PAIRS, Comparison
 from eval.tasks import metrics_of
 from kvgates.gates.adapter import atomic_write
@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 MIB = 2**20
+REPORT = "report.md"
 
 
 def _fmt(value: float, spec: str) -> str:
@@ -383,6 +384,25 @@ def _task_line(task: TaskSpec) -> str:
     return what
 
 
+def output_files(config: ABConfig) -> list[str]:
+    """The files a run of ``config`` writes in its output folder: the journal, ``results.json``, ``report.md`` and
+    every plot ``write_report`` draws (a task's own where it has results)."""
+    plots = ["score_vs_kv.png"] + ["headline.png"] * any(a.learned for a in config.arms)
+    for task in config.tasks:
+        plots += [f"heatmap_{task.name}.png"] * (task.answer and task.task != "common_words")
+        plots += [f"kl_{task.name}.png"] * (task.task == "fidelity")
+    return [JOURNAL, RECORD, REPORT, *plots]
+
+
+def check_output_files(config: ABConfig) -> None:
+    """``ConfigError`` when something other than a file (a folder) holds the name of a file the run writes
+    (``output_files``): writing it was a traceback once every result had been computed. Run before any model work."""
+    out = Path(config.output_dir)
+    for name in output_files(config):
+        if (out / name).exists() and not (out / name).is_file():
+            raise ConfigError(f"{out / name} is a folder, where the run writes its {name}; move it away or name another output folder")
+
+
 def write_report(results: ABResults, command: str = "") -> str:
     """Write ``results.json``, ``report.md`` and the plots to the run's output folder; returns the headline table
     with its legend, for the terminal.
@@ -457,5 +477,5 @@ def write_report(results: ABResults, command: str = "") -> str:
         "first position the greedy choice departs; prefix = generated tokens identical to the full cache's before "
         "the first departure; nll = mean negative log-likelihood per streamed token (ppl = its exp).",
     ]
-    atomic_write(out / "report.md", lambda p: Path(p).write_text("\n".join(md) + "\n"))
+    atomic_write(out / REPORT, lambda p: Path(p).write_text("\n".join(md) + "\n"))
     return f"{legend}\n\n{headline}"

@@ -22,7 +22,7 @@ from eval.__main__ import main
 from eval.arms import build_policy, prepare_arms
 from eval.config import ABConfig, ConfigError
 from eval.fidelity import first_false, kl_divergence, make_batch, perplexity, state_bytes, stream_nll, token_nll
-from eval.report import read_record, write_report
+from eval.report import output_files, read_record, write_report
 from eval.runner import JOURNAL, check_context, run_ab
 from eval.tasks import build_examples
 from kvgates.cli import INTERRUPTED
@@ -255,6 +255,7 @@ def test_run_journals_resumes_compares_and_reports(tmp_path, tok, model, monkeyp
     assert "trimkv (untrained)" in report and "95% CI" in report and f"on {len(config.tasks)} tasks built from" in report
     for png in ["score_vs_kv.png", "headline.png", "heatmap_needle.png", "heatmap_multikey.png", "kl_fidelity.png"]:
         assert (out / png).stat().st_size > 0, png
+    assert sorted(p.name for p in out.iterdir()) == sorted(output_files(config))  # what python -m eval ab checks first
     saved = json.loads((out / "results.json").read_text())
     assert len(saved["rows"]) == len(first.rows) and saved["comparisons"][0]["sentence"]
 
@@ -534,6 +535,22 @@ def test_an_output_folder_beginning_with_a_tilde_is_in_the_home_folder(tmp_path,
     assert main(["ab", "--config", str(tmp_path / "ab.yaml"), "--out=~/runs/ab", "--report-only"]) == 2
     assert capsys.readouterr().err.strip() == f"python -m eval ab: {home} holds no results of this config yet; run it without --report-only first"
     assert list((tmp_path / "cwd").iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["report.md", "results.json", JOURNAL, "score_vs_kv.png"])
+def test_a_folder_named_as_an_output_file_is_refused_before_any_model_work(tmp_path, capsys, monkeypatch, name):
+    """A folder named ``report.md`` (or ``results.json``, a plot) in the output folder was an IsADirectoryError
+    traceback once every result had been computed (the journal's, at the first result)."""
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = tmp_path / "out"
+    (out / name).mkdir(parents=True)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"arms": ["h2o"], "budgets": [16], "tasks": [TASKS[3]], "output_dir": str(out)}))
+    for flags in ([], ["--report-only"]):
+        assert main(["ab", "--config", str(path), *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"python -m eval ab: {out / name} is a folder, where the run writes its {name}; move it away or name another output folder"
+    assert [p.name for p in out.iterdir()] == [name] and not any((out / name).iterdir())
 
 
 def _exit_status(call) -> int:
