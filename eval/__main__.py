@@ -36,9 +36,9 @@ from kvgates.models import check_model_source
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command's exit status: 0, 2 for a user error (one sentence on stderr), 130 for Ctrl-C and 141 for a reader
-    that left early (``kvgates.cli.quiet_exits``: no traceback)."""
-    return quiet_exits(lambda: _main(argv))
+    """The command's exit status: 0, 2 for a user error (one sentence on stderr), 130 for Ctrl-C, 141 for a reader
+    that left early and 1 for a standard output that takes no more (``kvgates.cli.quiet_exits``: no traceback)."""
+    return quiet_exits(lambda: _main(argv), "python -m eval")
 
 
 def _main(argv: list[str] | None) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import io
 import os
 import re
 import sys
@@ -35,6 +36,8 @@ USAGE_ERROR = 2
 BROKEN_PIPE = 141
 #: Exit status when stopped with Ctrl-C: a tool that SIGINT ends gives 128 + 2.
 INTERRUPTED = 130
+#: Exit status when standard output takes no more (``> /dev/full``, a full disk), as ``cat`` and ``echo`` give.
+WRITE_ERROR = 1
 
 #: ``kvgates generate --sample``'s temperature when ``--temperature`` is not given.
 TEMPERATURE = 0.7
@@ -431,6 +434,10 @@ def _policies(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    return quiet_exits(lambda: _main(argv), "kvgates")
+
+
+def _main(argv: list[str]) -> int:
     commands = {"generate": _generate, "policies": _policies}
     if argv[:1] == ["--version"]:
         print(f"kvgates {kvgates.__version__}")
@@ -448,32 +455,55 @@ def main(argv: list[str] | None = None) -> int:
     transformers.utils.logging.set_verbosity_error()  # library notices and progress bars are not for the command line
     transformers.utils.logging.disable_progress_bar()
 
-    def run() -> int:
-        try:
-            return commands[argv[0]](argv[1:])
-        except BrokenPipeError:  # (an OSError, but quiet_exits' to end)
-            raise
-        except (ValueError, OSError) as err:  # bad parameters, AdapterError, UnsupportedModelError, a model that cannot load
-            message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            print(f"kvgates: {message}", file=sys.stderr)
-            return USAGE_ERROR
+    try:
+        return commands[argv[0]](argv[1:])
+    except BrokenPipeError:  # (an OSError, but quiet_exits' to end)
+        raise
+    except (ValueError, OSError) as err:  # bad parameters, AdapterError, UnsupportedModelError, a model that cannot load
+        if isinstance(err, OSError) and stdout_failure() is not None:
+            raise  # (quiet_exits says so)
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"kvgates: {message}", file=sys.stderr)
+        return USAGE_ERROR
 
-    return quiet_exits(run)
 
-
-def quiet_exits(command: typing.Callable[[], int]) -> int:
-    """``command()``'s exit status, where a reader that left early (``... | head``) ends it with SIGPIPE's status
-    (``BROKEN_PIPE``) and Ctrl-C with SIGINT's (``INTERRUPTED``), quietly, as a tool those signals end: not a
-    traceback of wherever the work was. A command says on stderr what an interruption leaves before it re-raises."""
+def quiet_exits(command: typing.Callable[[], int | None], prog: str | None = None) -> int:
+    """``command()``'s exit status (0 for None), ending as a Unix tool does, not in a traceback of wherever the work
+    was: a reader that left early (``... | head``) ends it quietly with SIGPIPE's status (``BROKEN_PIPE``), Ctrl-C
+    quietly with SIGINT's (``INTERRUPTED``), and a standard output that takes no more (``> /dev/full``,
+    ``stdout_failure``) with one sentence on stderr and ``WRITE_ERROR``. Every other error passes on. ``prog`` names
+    the command in that sentence (default: the script's file name, as argparse's). Every command of the project runs
+    through it; one says on stderr what an interruption leaves before it re-raises."""
     try:
         code = command()
-        sys.stdout.flush()  # a closed pipe is found here, not at exit
-        return code
+        sys.stdout.flush()  # a closed pipe or a full device is found here, not at exit
+        return code or 0
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
         return BROKEN_PIPE
     except KeyboardInterrupt:
         return INTERRUPTED
+    except OSError as err:
+        failure = stdout_failure()
+        if failure is None:  # not standard output's
+            raise
+        print(f"{prog or Path(sys.argv[0]).name}: cannot write to standard output ({failure.strerror or err})", file=sys.stderr)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (its text would fail again at exit)
+        return WRITE_ERROR
+
+
+def stdout_failure() -> OSError | None:
+    """Why standard output takes no more text, or None where it does (or is no file: a stream in memory): what it
+    holds cannot be flushed, or its file refuses even an empty write (``/dev/full``, when an unbuffered stream,
+    ``PYTHONUNBUFFERED``, holds nothing to flush)."""
+    try:
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), b"")
+    except io.UnsupportedOperation:
+        return None
+    except OSError as err:
+        return err
+    return None
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kvgates
 from kvgates import POLICIES, BudgetCache, RetentionGates, load_model
-from kvgates.cli import BROKEN_PIPE, INTERRUPTED, USAGE_ERROR, main
+from kvgates.cli import BROKEN_PIPE, INTERRUPTED, USAGE_ERROR, WRITE_ERROR, main, quiet_exits
 
 
 @pytest.fixture(scope="module")
@@ -550,15 +550,43 @@ def test_cross_layer_policies_over_a_device_map(checkpoint, tmp_path, name, layo
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
 
 
-def test_a_reader_that_leaves_early_ends_the_command_quietly():
+@pytest.mark.parametrize("command", [["policies"], ["--version"], ["--help"]])
+def test_a_reader_that_leaves_early_ends_the_command_quietly(command):
     """``kvgates policies | head -0``: the pipe is closed before the command writes. It stops with SIGPIPE's status
     and says nothing (it said "kvgates: [Errno 32] Broken pipe", a user error, and Python's exit-time flush failed
-    again)."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvgates.cli", "policies"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    again; ``--version`` and ``--help``, answered before the others, printed a BrokenPipeError traceback)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvgates.cli", *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # before the interpreter has even imported kvgates
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == BROKEN_PIPE, stderr
     assert stderr == ""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device that takes no writes")
+@pytest.mark.parametrize("command", [["policies"], ["--version"], ["--help"]])
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_a_standard_output_that_takes_nothing_is_one_sentence(command, unbuffered):
+    """``kvgates --version > /dev/full`` printed an OSError traceback, and ``kvgates policies > /dev/full`` said
+    "kvgates: [Errno 28] No space left on device" as a user error (status 2), or, its text buffered, nothing but
+    Python's exit-time "Exception ignored"; each is now one sentence and status 1, buffered (the text written at the
+    end) or not (``PYTHONUNBUFFERED``: at the first line)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": unbuffered}
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "kvgates.cli", *command], stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    assert (result.returncode, result.stderr) == (WRITE_ERROR, "kvgates: cannot write to standard output (No space left on device)\n")
+
+
+def test_an_error_that_is_not_standard_outputs_passes_on(capfd):
+    """``quiet_exits`` ends a command in one sentence only where standard output (here a file) failed: another
+    OSError (a full disk under the command's own files) is not taken for it."""
+    def fails() -> int:
+        print("some output")
+        raise OSError(28, "No space left on device")
+
+    sys.stdout.fileno()  # (a file, which stdout_failure writes to: not a stream in memory)
+    with pytest.raises(OSError, match="No space left on device"):
+        quiet_exits(fails, "kvgates")
+    assert capfd.readouterr() == ("some output\n", "")
 
 
 def test_ctrl_c_ends_the_command_quietly(checkpoint, monkeypatch, capsys):

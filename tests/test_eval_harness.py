@@ -25,7 +25,7 @@ from eval.fidelity import first_false, kl_divergence, make_batch, perplexity, st
 from eval.report import output_files, read_record, write_report
 from eval.runner import JOURNAL, check_context, run_ab
 from eval.tasks import build_examples
-from kvgates.cli import INTERRUPTED
+from kvgates.cli import INTERRUPTED, WRITE_ERROR
 
 TASKS = [
     {"task": "needle", "context_tokens": [120, 200], "examples": 2},
@@ -1210,6 +1210,23 @@ def test_ctrl_c_during_an_ab_run_ends_it_quietly_and_says_what_it_kept(tmp_path,
     captured = capsys.readouterr()  # (stderr also holds the checks' progress bars)
     assert captured.err.endswith(expected) and "Traceback" not in captured.err + captured.out
     assert ("interrupted" in captured.err) == journalled and out.exists() == journalled
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a device that takes no writes")
+def test_a_run_whose_standard_output_takes_nothing_says_so_in_one_sentence(tmp_path, tok, model, monkeypatch, capsys):
+    """``python -m eval ab ... > /dev/full`` printed an OSError traceback once every result had been computed (and
+    written: the report stays)."""
+    monkeypatch.setattr(kvgates, "load_model", lambda name, **k: (model, tok))
+    monkeypatch.setattr(cli, "check_model_source", lambda name: None)
+    out = tmp_path / "out"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"arms": ["h2o"], "budgets": [16], "tasks": [TASKS[3]], "output_dir": str(out)}))
+    with open("/dev/full", "w") as full:
+        monkeypatch.setattr(sys, "stdout", full)
+        assert main(["ab", "--config", str(path)]) == WRITE_ERROR
+        monkeypatch.undo()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "python -m eval: cannot write to standard output (No space left on device)"
+    assert (out / "report.md").is_file()
 
 
 def test_ctrl_c_during_softhard_ends_it_quietly(monkeypatch, capsys):
