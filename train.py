@@ -6,7 +6,8 @@ Paul Graham essays. The run itself reads top to bottom in ``train/run.py``.
 
 import sys
 
+from kvgates.cli import quiet_exits
 from train.run import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(quiet_exits(main, "train.py"))  # Ctrl-C outside the run's own handling, a closed or full stdout: no traceback

@@ -10,11 +10,14 @@ padded / one at a time.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from common import bench_policy, random_shape, setup, short_context, timed
 
 from data.tasks import make_example
 from eval.fidelity import greedy_generate
+from kvgates.cli import quiet_exits
 
 
 def check(args) -> str | None:
@@ -60,4 +63,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quiet_exits(main))  # Ctrl-C, a closed or full stdout: no traceback

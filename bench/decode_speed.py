@@ -34,6 +34,7 @@ compileable cache on CUDA; on the CPU the mode compiles as ``default`` does):
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -42,6 +43,7 @@ from common import attached, bench_policy, crop_to, decode_rounds, essay_ids, pe
 from transformers import DynamicCache, StaticCache
 
 import kvgates
+from kvgates.cli import quiet_exits
 
 POLICIES = [
     "full", "snapkv", "pyramidkv", "adakv", "dynamickv", "kvmerger",
@@ -213,4 +215,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quiet_exits(main))  # Ctrl-C, a closed or full stdout: no traceback

@@ -10,11 +10,13 @@ step, with the gates in float32 and in float16. The target for SmolLM2-135M on C
 from __future__ import annotations
 
 import itertools
+import sys
 
 from common import budget_problem, essay_ids, setup, short_context, time_decode
 from policy_overhead import Stopwatch
 
 import kvgates
+from kvgates.cli import quiet_exits
 from kvgates.policies.learned import AUTO, GATE_DTYPES
 
 KINDS = {"trimkv": kvgates.RetentionGates, "trimkv-global": kvgates.GlobalRetentionGates, "locret": kvgates.RetainingHeads}
@@ -51,4 +53,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quiet_exits(main))  # Ctrl-C, a closed or full stdout: no traceback

@@ -27,6 +27,7 @@ compiles (``sync_free_decode``), labelled ``... captured`` (on the CPU the mode 
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Callable
 
 from common import (
@@ -48,6 +49,7 @@ from hardware import peak_gbps
 from transformers import DynamicCache, StaticCache
 
 import kvgates
+from kvgates.cli import quiet_exits
 from kvgates.runtime.cache import dynamic_cache_bytes
 
 POLICIES = ["snapkv", "pyramidkv", "adakv", "dynamickv", "streaming_llm", "h2o", "tova", "morphkv", "trimkv", "d2o"]
@@ -157,4 +159,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quiet_exits(main))  # Ctrl-C, a closed or full stdout: no traceback

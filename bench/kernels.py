@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hardware import peak_gbps, peak_tflops  # noqa: E402
 
-from kvgates.cli import plain  # noqa: E402
+from kvgates.cli import plain, quiet_exits  # noqa: E402
 from kvgates.config import ConfigError, check_output_file, output_path  # noqa: E402
 from kvgates.kernels import reference  # noqa: E402
 from kvgates.kernels.host import PREFILL_CONFIG_ENV  # noqa: E402
@@ -420,4 +420,4 @@ def sweep_prefill(args: argparse.Namespace, h: int, hkv: int, device: str) -> No
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quiet_exits(main))  # Ctrl-C, a closed or full stdout: no traceback

@@ -10,13 +10,18 @@ learned policies run with fresh gates of the model's shape.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from common import attached, bench_policy, essay_ids, setup, short_context
 from transformers import DynamicCache
 
 import kvgates
 from kvgates import dynamic_cache_bytes
+from kvgates.cli import quiet_exits
 from kvgates.config import ConfigError, check_output_file, output_path
+from kvgates.gates.adapter import atomic_write
 
 
 def sampled_steps(tokens: int, every: int) -> list[int]:
@@ -40,7 +45,9 @@ def trace(model, cache, ids, tokens: int, every: int, size) -> tuple[list[int], 
     return sizes, held
 
 
-def plot(columns: dict[str, list[int]], steps: list[int], path: str) -> None:
+def plot(columns: dict[str, list[int]], steps: list[int], path: Path) -> None:
+    """Draw the KV bytes of each cache against the generated tokens to the PNG ``path`` (through a temporary file:
+    a plot stopped mid-write, Ctrl-C, leaves none half-written)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -57,7 +64,7 @@ def plot(columns: dict[str, list[int]], steps: list[int], path: str) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=110))
     plt.close(fig)
 
 
@@ -106,4 +113,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quiet_exits(main))  # Ctrl-C, a closed or full stdout: no traceback

@@ -119,8 +119,6 @@ def compare_side(out: Path) -> None:
 
 
 def main() -> None:
-    # The repository root instead of bench/ (whose kernels.py would shadow the `kernels` package transformers imports).
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
     from kvgates.cli import plain
     from kvgates.config import ConfigError, check_output_folder, output_path
 
@@ -143,4 +141,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # The repository root instead of bench/ (whose kernels.py would shadow the `kernels` package transformers imports;
+    # kvpress's environment has no kvgates but the checkout's).
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    from kvgates.cli import quiet_exits
+
+    sys.exit(quiet_exits(main))  # Ctrl-C, a closed or full stdout: no traceback

@@ -21,6 +21,7 @@ and reads cost more than arithmetic (``kvgates.kernels.host.launch_bound``: D2O'
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from common import attached, bench_policy, essay_ids, setup
@@ -28,6 +29,7 @@ from decode_speed import AMORTISED, make_policy
 from transformers import DynamicCache
 
 import kvgates
+from kvgates.cli import quiet_exits
 from kvgates.kernels.host import LAUNCH_BOUND_ENV
 from kvgates.runtime.launches import Launches
 
@@ -86,4 +88,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quiet_exits(main))  # Ctrl-C, a closed or full stdout: no traceback

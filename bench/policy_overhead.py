@@ -9,11 +9,13 @@ quota and the keep decision) and applying evictions (``layer.evict``), against t
 
 from __future__ import annotations
 
+import sys
 import time
 
 from common import attached, bench_policy, essay_ids, setup, short_context, sync, time_decode
 
 import kvgates
+from kvgates.cli import quiet_exits
 
 DEFAULT = ["streaming_llm", "h2o", "snapkv", "pyramidkv", "tova", "morphkv", "d2o", "dynamickv", "kvmerger", "adakv"]
 
@@ -63,4 +65,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quiet_exits(main))  # Ctrl-C, a closed or full stdout: no traceback

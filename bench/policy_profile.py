@@ -16,6 +16,7 @@ host syncs the profiler saw, and the ``--top`` operators whose own time grew mos
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -27,7 +28,9 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 import kvgates
+from kvgates.cli import quiet_exits
 from kvgates.config import ConfigError, check_output_folder, output_path
+from kvgates.gates.adapter import atomic_write
 
 #: Profiler events that make the host wait for the device (a read back, ``.item()``, is a copy and one of these: the
 #: copy alone, ``cudaMemcpyAsync``, is not counted, as host-to-device copies do not wait).
@@ -48,7 +51,8 @@ class Profiled(NamedTuple):
 
 
 def run_profiled(fn, device: str, trace: Path | None) -> Profiled:
-    """Profile ``fn()`` (device time on CUDA, operators' own CPU time elsewhere), optionally writing ``trace``."""
+    """Profile ``fn()`` (device time on CUDA, operators' own CPU time elsewhere), optionally writing ``trace`` (through
+    a temporary file: a trace stopped mid-write, Ctrl-C, leaves none half-written)."""
     cuda = str(device).startswith("cuda")
     sync(device)
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
@@ -57,7 +61,7 @@ def run_profiled(fn, device: str, trace: Path | None) -> Profiled:
         sync(device)
         wall = time.perf_counter() - start
     if trace is not None:
-        prof.export_chrome_trace(str(trace))
+        atomic_write(trace, prof.export_chrome_trace)
     own: dict[str, float] = {}
     launches = syncs = 0
     busy = 0.0
@@ -159,4 +163,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quiet_exits(main))  # Ctrl-C, a closed or full stdout: no traceback

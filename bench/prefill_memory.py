@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import sys
 
 import torch
 from common import budget_problem, setup, short_context
 
 import kvgates
+from kvgates.cli import quiet_exits
 
 #: The policy each of ``--runs`` prefills under.
 RUN_POLICY = {"d2o": "d2o", "padded": "h2o"}
@@ -89,4 +91,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quiet_exits(main))  # Ctrl-C, a closed or full stdout: no traceback

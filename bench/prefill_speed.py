@@ -15,11 +15,13 @@ same round (how far this machine's noise moves it).
 from __future__ import annotations
 
 import statistics
+import sys
 
 from common import bench_policy, essay_ids, setup, short_context, time_prefill
 from transformers import DynamicCache
 
 import kvgates
+from kvgates.cli import quiet_exits
 
 
 def main() -> None:
@@ -53,4 +55,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quiet_exits(main))  # Ctrl-C, a closed or full stdout: no traceback

@@ -28,12 +28,14 @@ hard eviction with the soft decay's gradient) or ``relaxed`` (``loss.eviction_te
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
 from common import essay_ids, setup, sync
 from prefill_memory import peak_extra_bytes
 
+from kvgates.cli import quiet_exits
 from kvgates.gates import GATE_KINDS
 from kvgates.gates.training import ATTENTIONS, GateTraining
 from kvgates.methods import METHODS
@@ -160,4 +162,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(quiet_exits(main))  # Ctrl-C, a closed or full stdout: no traceback

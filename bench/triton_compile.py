@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvgates.cli import plain  # noqa: E402
+from kvgates.cli import plain, quiet_exits  # noqa: E402
 
 #: Shared memory a block may use (bytes) and streaming multiprocessors, by CUDA architecture.
 ARCHS = {90: {"max_shared_mem": 232448, "multiprocessor_count": 132}, 80: {"max_shared_mem": 166912, "multiprocessor_count": 108}}
@@ -211,4 +211,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(quiet_exits(main))  # Ctrl-C, a closed or full stdout: no traceback

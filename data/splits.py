@@ -81,4 +81,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvgates.cli import quiet_exits
+
+    sys.exit(quiet_exits(main, "python -m data.splits"))  # Ctrl-C, a closed or full stdout: no traceback

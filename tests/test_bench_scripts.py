@@ -1,11 +1,13 @@
 """The GPU benchmark script stays runnable: its --smoke mode under the Triton interpreter."""
 
+import argparse
 import ast
 import collections
 import importlib.util
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 import tarfile
@@ -33,7 +35,7 @@ BENCH_COMMANDS = sorted(p.name for p in (ROOT / "bench").glob("*.py") if p.name 
 def test_every_bench_scripts_help_reads_without_rest_markup(script, monkeypatch, capsys):
     """``--help`` showed the docstring's reStructuredText inline literals with their double backticks: the description
     now goes through ``kvgates.cli.plain`` (single backticks)."""
-    monkeypatch.setattr(sys, "path", list(sys.path))  # (kvpress_peer_check's main sets sys.path[0])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (kernels.py and triton_compile.py add the repository root)
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     spec = importlib.util.spec_from_file_location(f"bench_help_{script[:-3]}", ROOT / "bench" / script)
     module = importlib.util.module_from_spec(spec)
@@ -43,6 +45,50 @@ def test_every_bench_scripts_help_reads_without_rest_markup(script, monkeypatch,
         module.main()
     out = capsys.readouterr().out
     assert done.value.code == 0 and out.startswith("usage: ") and "``" not in out
+
+
+@pytest.mark.parametrize("script", BENCH_COMMANDS)
+def test_ctrl_c_ends_a_bench_script_quietly(script, monkeypatch, capsys):
+    """Ctrl-C printed the traceback of wherever the bench was (tens of lines); each script now ends as ``kvgates``
+    does (``kvgates.cli.quiet_exits``): SIGINT's status, no traceback."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (kernels.py, triton_compile.py and kvpress_peer_check.py add the repository root)
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.setattr(sys, "argv", [script])
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", interrupted)  # the first thing every script does
+    try:
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(str(ROOT / "bench" / script), run_name="__main__")
+    except KeyboardInterrupt:
+        pytest.fail(f"Ctrl-C in {script} escaped as a KeyboardInterrupt (a traceback)")
+    assert done.value.code == 130 and capsys.readouterr() == ("", "")
+
+
+def test_an_interrupted_plot_or_trace_leaves_no_half_written_file(tmp_path, monkeypatch):
+    """Ctrl-C while ``bench/kv_memory.py --plot`` or ``bench/policy_profile.py --trace`` wrote left a truncated PNG or
+    JSON trace: each is now written through a temporary file, and nothing is left of it."""
+    import matplotlib.figure
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    modules = {}
+    for name in ("kv_memory", "policy_profile"):
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+        modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules[name])
+
+    def half_then_interrupt(self, path, *args, **kwargs):
+        Path(path).write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", half_then_interrupt)
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", half_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        modules["kv_memory"].plot({"DynamicCache": [1, 2]}, [1, 2], tmp_path / "kv.png")
+    with pytest.raises(KeyboardInterrupt):
+        modules["policy_profile"].run_profiled(lambda: None, "cpu", tmp_path / "trace.json")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import kvgates
 from kvgates import POLICIES, BudgetCache, RetentionGates, load_model
 from kvgates.cli import BROKEN_PIPE, INTERRUPTED, USAGE_ERROR, WRITE_ERROR, main, quiet_exits
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -336,6 +339,32 @@ def test_every_python_m_commands_help_reads_without_rest_markup(command, capsys)
     out = capsys.readouterr().out
     assert done.value.code == 0 and out.startswith(f"usage: python -m {' '.join(command)}") and "``" not in out
     assert "`" in out  # the literals still marked
+
+
+@pytest.mark.parametrize(
+    "module, args, interrupted",
+    [
+        ("train.ship", ["checkpoints/run/adapter", "a-name"], "kvgates.load_gates"),  # before anything is written
+        ("data.splits", [], "kvgates.gates.adapter.atomic_write"),  # as it writes data/essay_split.json
+        ("train.py", ["--check"], "train.config.read_yaml"),  # reading the config, before the run's own handling of Ctrl-C
+    ],
+)
+def test_ctrl_c_ends_ship_splits_and_train_quietly(module, args, interrupted):
+    """Ctrl-C in ``python -m train.ship`` or ``python -m data.splits`` (or in ``train.py`` before its run) printed the
+    traceback of wherever it was; each now ends as ``kvgates`` does (``kvgates.cli.quiet_exits``): SIGINT's status,
+    no traceback. (What they write goes through temporary files, whole or not at all.)"""
+    owner, _, name = interrupted.rpartition(".")
+    driver = (
+        f"import importlib, runpy, sys\n"
+        f"def interrupted(*args, **kwargs):\n    raise KeyboardInterrupt\n"
+        f"setattr(importlib.import_module({owner!r}), {name!r}, interrupted)\n"
+        f"sys.argv = [{module!r}, *{args!r}]\n"
+        + (f"runpy.run_path({module!r}, run_name='__main__')\n" if module.endswith(".py") else f"runpy.run_module({module!r}, run_name='__main__')\n")
+    )
+    split = (REPO / "data" / "essay_split.json").read_bytes()
+    result = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert (result.returncode, result.stderr) == (INTERRUPTED, "")
+    assert (REPO / "data" / "essay_split.json").read_bytes() == split
 
 
 def test_help_goes_to_stdout_and_a_bad_command_is_a_usage_error(capsys):

@@ -29,7 +29,7 @@ import torch
 import kvgates
 from eval.arms import UNTRAINED, load_adapter
 from eval.report import AB_SECTION, arm_section, read_record
-from kvgates.cli import OneLineParser, plain, usage_error
+from kvgates.cli import OneLineParser, plain, quiet_exits, usage_error
 from kvgates.gates.adapter import CONFIG_FILE
 from kvgates.gates.embedded import EMBEDDED_DIR
 
@@ -138,4 +138,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(quiet_exits(main, "python -m train.ship"))  # Ctrl-C, a closed or full stdout: no traceback
