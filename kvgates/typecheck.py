@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import operator
+import sys
 import types
 import typing
 from typing import Any, Union
@@ -94,10 +95,32 @@ def type_problem(value: Any, hint: Any) -> str | None:
     return None if _accepts(value, hint) is not False else _describe(hint)
 
 
+def field_hints(cls: type) -> dict[str, Any]:
+    """The type hints of class ``cls``'s fields, as ``typing.get_type_hints`` gives them; where one names what cannot be
+    found at run time (a class imported only under ``TYPE_CHECKING``, or local to a function, in a module of ``from
+    __future__ import annotations``), which made ``get_type_hints`` fail for every field, the others' alone (nothing
+    here checks that one)."""
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # (NameError for a name it cannot find; each hint alone below)
+        pass
+    hints: dict[str, Any] = {}
+    for owner in reversed(cls.__mro__):
+        module = sys.modules.get(owner.__module__)
+        globalns, localns = (vars(module) if module else {}), dict(vars(owner))
+        for name, hint in owner.__dict__.get("__annotations__", {}).items():
+            try:
+                hints[name] = typing.get_type_hints(types.SimpleNamespace(__annotations__={name: hint}), globalns, localns)[name]
+            except Exception:
+                hints.pop(name, None)  # (not a base's hint of the same name either)
+    return hints
+
+
 def field_problems(cls: type, values: dict[str, Any]) -> list[str]:
     """For each of ``values`` naming a field of dataclass ``cls`` whose type it does not fit, one phrase:
-    ``"window must be an integer, got 'eight'"``."""
-    hints = typing.get_type_hints(cls)
+    ``"window must be an integer, got 'eight'"`` (a field whose hint cannot be resolved, ``field_hints``, is not
+    checked)."""
+    hints = field_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     problems = []
     for name, value in values.items():

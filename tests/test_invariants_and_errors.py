@@ -229,6 +229,26 @@ def test_a_policy_built_directly_with_a_parameter_of_the_wrong_type_says_so(name
         assert numpy == plain and all(type(getattr(numpy, f)) is type(getattr(plain, f)) for f in scalars)
 
 
+def test_a_policy_with_a_hint_that_cannot_be_resolved_is_built_and_its_numbers_checked(monkeypatch):
+    """A policy of one's own whose field names a class imported only under ``TYPE_CHECKING`` (or local to a function, in
+    a module of ``from __future__ import annotations``) could not be built at all: ``Policy._check_scalars`` read the
+    class's hints with ``typing.get_type_hints``, a NameError for that name. Its other fields are checked as ever."""
+
+    @dataclasses.dataclass
+    class Helped(kvgates.Policy):
+        name: typing.ClassVar[str] = "helped-test-policy"
+        helper: "OnlyForTypeCheckers | None" = None  # noqa: F821 (the point: the name is nowhere at run time)
+        window: int = 4
+
+    assert Helped(budget=8, helper="anything").window == 4
+    with pytest.raises(ValueError, match=r"^helped-test-policy: window must be an integer, got 'x'$"):
+        Helped(budget=8, window="x")
+    monkeypatch.setitem(POLICIES, Helped.name, Helped)  # make_policy's own check of the types (undone after the test)
+    assert make_policy(Helped.name, budget=8, helper=1).helper == 1
+    with pytest.raises(ValueError, match="window must be an integer, got 'x'"):
+        make_policy(Helped.name, budget=8, window="x")
+
+
 def test_a_registered_class_that_is_no_dataclass_is_named_when_it_is_built(monkeypatch):
     """A policy class registered without ``@dataclass`` made ``make_policy`` fail inside ``dataclasses.fields`` ("must be
     called with a dataclass type or instance")."""

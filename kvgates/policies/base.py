@@ -29,7 +29,6 @@ import dataclasses
 import functools
 import math
 import numbers
-import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -42,7 +41,7 @@ from kvgates.runtime.protocol import EVERY_STEP, NEVER, POLICIES, PROMPT, Schedu
 from kvgates.runtime.stack import LayerStack, stack_groups
 from kvgates.runtime.state import LayerState, SlotState
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
-from kvgates.typecheck import as_int, scalar_type
+from kvgates.typecheck import as_int, field_hints, scalar_type
 
 if TYPE_CHECKING:
     from kvgates.runtime.layer import BudgetLayer
@@ -266,9 +265,10 @@ class Policy:
 @functools.cache
 def _scalar_fields(cls: type[Policy]) -> dict[str, tuple[type, bool]]:
     """The parameters of policy class ``cls`` typed ``int``, ``float`` or ``bool``: name -> (that type, whether None
-    fits)."""
-    hints = typing.get_type_hints(cls)
-    kinds = {f.name: scalar_type(hints[f.name]) for f in dataclasses.fields(cls) if f.init}
+    fits). A field whose hint cannot be resolved (``field_hints``: a name imported only under ``TYPE_CHECKING``) is not
+    one."""
+    hints = field_hints(cls)
+    kinds = {f.name: scalar_type(hints[f.name]) for f in dataclasses.fields(cls) if f.init and f.name in hints}
     return {name: kind for name, kind in kinds.items() if kind is not None}
 
 
