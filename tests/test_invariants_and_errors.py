@@ -229,6 +229,21 @@ def test_a_policy_built_directly_with_a_parameter_of_the_wrong_type_says_so(name
         assert numpy == plain and all(type(getattr(numpy, f)) is type(getattr(plain, f)) for f in scalars)
 
 
+@pytest.mark.parametrize("name", sorted(set(POLICY_PARAMS) - set(LEARNED)))
+def test_a_policy_built_directly_takes_a_0d_tensor_or_array_as_the_number_it_holds(name):
+    """``AdaKV(alpha=torch.tensor(0.2))`` was refused ("alpha must be a number") where ``budget=torch.tensor(64)`` was
+    taken as 64 (and ``alpha`` was taken before its type was checked). A 0-d tensor or numpy array in any ``int``,
+    ``float`` or ``bool`` parameter is the Python value it holds."""
+    cls = POLICIES[name]
+    hints = typing.get_type_hints(cls)
+    plain = cls(**policy_kwargs(name, 64))
+    values = {f.name: getattr(plain, f.name) for f in dataclasses.fields(cls) if f.init and scalar_type(hints[f.name])}
+    values = {field: value for field, value in values.items() if value is not None}
+    for wrap in (np.array, lambda value: torch.from_numpy(np.array(value))):  # (float64: the float the policy holds)
+        built = cls(**{**policy_kwargs(name, 64), **{field: wrap(value) for field, value in values.items()}})
+        assert built == plain and all(type(getattr(built, field)) is type(value) for field, value in values.items())
+
+
 def test_a_policy_with_a_hint_that_cannot_be_resolved_is_built_and_its_numbers_checked(monkeypatch):
     """A policy of one's own whose field names a class imported only under ``TYPE_CHECKING`` (or local to a function, in
     a module of ``from __future__ import annotations``) could not be built at all: ``Policy._check_scalars`` read the

@@ -92,27 +92,28 @@ class Policy:
     # -- helpers for subclasses' validation
     def _check_scalars(self) -> None:
         """Each parameter typed ``int``, ``float`` or ``bool`` (or either or None) must be one: a whole number (not a
-        bool) for ``int``, as the int it holds where it is a numpy integer or a 0-d tensor; any real number for
-        ``float``; True or False (a numpy bool as the bool it holds) for ``bool``. A string, a float where a whole
-        number goes, or None failed as a ``TypeError`` in a comparison below, or was taken (``window=2.5``, and
-        ``decode="no"`` as true) and failed later or ran otherwise than asked."""
+        bool) for ``int``; any real number for ``float``; True or False for ``bool``. A numpy scalar, or a 0-d tensor or
+        array, is the Python number or bool it holds. A string, a float where a whole number goes, or None failed as a
+        ``TypeError`` in a comparison below, or was taken (``window=2.5``, and ``decode="no"`` as true) and failed
+        later or ran otherwise than asked."""
         for field_name, (kind, takes_none) in _scalar_fields(type(self)).items():
-            value = getattr(self, field_name)
-            if value is None and takes_none:
+            given = getattr(self, field_name)
+            if given is None and takes_none:
                 continue
+            value = given.item() if isinstance(given, (torch.Tensor, np.ndarray)) and given.ndim == 0 else given
             if kind is bool:
                 if isinstance(value, (bool, np.bool_)):
                     setattr(self, field_name, bool(value))
                     continue
             elif (whole := as_int(value)) is not None:
-                if whole is not value:
+                if whole is not given:
                     setattr(self, field_name, whole)
                 continue
             elif kind is float and isinstance(value, numbers.Real) and not isinstance(value, bool):
                 setattr(self, field_name, float(value))
                 continue
             wanted = {int: "an integer", float: "a number", bool: "True or False"}[kind]
-            raise ValueError(f"{self.name}: {field_name} must be {wanted}{' or None' * takes_none}, got {value!r}")
+            raise ValueError(f"{self.name}: {field_name} must be {wanted}{' or None' * takes_none}, got {given!r}")
 
     def _require_budget(self, reserved: int = 0, what: str = "") -> int:
         """The budget, checked to leave room beyond ``reserved`` always-kept tokens (sinks, windows)."""
