@@ -46,8 +46,9 @@ def trace(model, cache, ids, tokens: int, every: int, size) -> tuple[list[int], 
 
 
 def plot(columns: dict[str, list[int]], steps: list[int], path: Path) -> None:
-    """Draw the KV bytes of each cache against the generated tokens to the PNG ``path`` (through a temporary file:
-    a plot stopped mid-write, Ctrl-C, leaves none half-written)."""
+    """Draw the KV bytes of each cache against the generated tokens to ``path``, in the format its suffix names where
+    matplotlib writes it (``.svg``, ``.pdf``), else PNG, through a temporary file (a plot stopped mid-write, Ctrl-C,
+    leaves none half-written; the temporary file's name says no format, hence ``format``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,7 +65,9 @@ def plot(columns: dict[str, list[int]], steps: list[int], path: Path) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=110))
+    suffix = path.suffix[1:].lower()
+    kind = suffix if suffix in fig.canvas.get_supported_filetypes() else "png"
+    atomic_write(path, lambda p: fig.savefig(p, format=kind, dpi=110))
     plt.close(fig)
 
 

@@ -91,6 +91,21 @@ def test_an_interrupted_plot_or_trace_leaves_no_half_written_file(tmp_path, monk
     assert list(tmp_path.iterdir()) == []
 
 
+def test_kv_memory_plots_in_the_format_its_file_names(tmp_path, monkeypatch):
+    """``bench/kv_memory.py --plot kv.svg`` (or ``.pdf``) wrote a PNG under that name once the plot went through a
+    temporary file (whose name says no format); matplotlib wrote the format the suffix names before, as it does again.
+    A name without a known suffix gets a PNG under that very name."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_kv_memory_formats", ROOT / "bench" / "kv_memory.py")
+    kv_memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kv_memory)
+    starts = {"kv.svg": b"<?xml", "kv.PDF": b"%PDF", "kv.png": b"\x89PNG", "kv": b"\x89PNG", "kv.plot": b"\x89PNG"}
+    for name, start in starts.items():
+        kv_memory.plot({"DynamicCache": [1, 2]}, [1, 2], tmp_path / name)
+        assert (tmp_path / name).read_bytes().startswith(start), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(starts)
+
+
 @pytest.mark.slow
 def test_ab_batching_bench_runs_on_the_embedded_model():
     result = subprocess.run(
