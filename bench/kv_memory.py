@@ -79,7 +79,7 @@ def problem(args) -> str | None:
         return short
     if args.plot is not None:
         try:
-            check_output_file(args.plot, "--plot", "PNG file")
+            check_output_file(args.plot, "--plot", "plot file")
         except ConfigError as err:
             return str(err)
     return None

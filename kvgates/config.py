@@ -145,7 +145,7 @@ def check_output_folder(path: str | Path, option: str) -> Path:
 
 def check_output_file(path: str | Path, option: str, what: str) -> Path:
     """The file to write (``output_path(path)``: a leading ``~`` is the home folder), or
-    ``ConfigError`` when ``path``, the file ``option`` names (``what``: ``"PNG file"``), cannot be written: it is
+    ``ConfigError`` when ``path``, the file ``option`` names (``what``: ``"plot file"``), cannot be written: it is
     empty or a folder, its folder does not exist or is a file, or that folder takes no new files (read-only, not
     yours, or a place such as ``/proc``: a temporary file is made there, and goes, to find out). Run before any
     work, so that a run is not refused only when it writes its result."""

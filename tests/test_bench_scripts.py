@@ -905,7 +905,7 @@ def test_a_bench_refuses_bad_policy_parameters_in_one_sentence_before_its_model(
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--plot", "bench"], "--plot bench is a folder; name the PNG file to write"),  # a traceback after the whole run
+        (["--plot", "bench"], "--plot bench is a folder; name the plot file to write"),  # a traceback after the whole run
         (["--plot", "no/such/folder/kv.png"], "--plot no/such/folder/kv.png: its folder no/such/folder does not exist"),
         # a traceback (FileNotFoundError; PermissionError in a read-only folder) after the whole run
         (["--plot", "/proc/kv.png"], "--plot /proc/kv.png: its folder /proc takes no new files ("),
