@@ -495,11 +495,12 @@ def quiet_exits(command: typing.Callable[[], int | None], prog: str | None = Non
 def stdout_failure() -> OSError | None:
     """Why standard output takes no more text, or None where it does (or is no file: a stream in memory): what it
     holds cannot be flushed, or its file refuses even an empty write (``/dev/full``, when an unbuffered stream,
-    ``PYTHONUNBUFFERED``, holds nothing to flush)."""
+    ``PYTHONUNBUFFERED``, holds nothing to flush). None too where there is no standard output to ask (None under
+    ``pythonw``, closed, or an object with no file): an error of the command's own is then not hidden behind that."""
     try:
         sys.stdout.flush()
         os.write(sys.stdout.fileno(), b"")
-    except io.UnsupportedOperation:
+    except (io.UnsupportedOperation, AttributeError, ValueError):
         return None
     except OSError as err:
         return err

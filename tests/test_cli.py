@@ -618,6 +618,24 @@ def test_an_error_that_is_not_standard_outputs_passes_on(capfd):
     assert capfd.readouterr() == ("some output\n", "")
 
 
+@pytest.mark.parametrize("stdout", [None, "closed", "object"])
+def test_an_error_of_the_commands_own_passes_on_where_there_is_no_standard_output_to_ask(stdout, monkeypatch):
+    """With no standard output to ask (None under ``pythonw``, a closed file, an object with no ``fileno``),
+    ``stdout_failure`` failed with an ``AttributeError`` or ``ValueError`` of its own, hiding the command's OSError."""
+    if stdout == "closed":
+        stdout = open(os.devnull, "w")
+        stdout.close()
+    elif stdout == "object":
+        stdout = object()
+    monkeypatch.setattr(sys, "stdout", stdout)
+
+    def fails() -> int:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left on device"):
+        quiet_exits(fails, "kvgates")
+
+
 def test_ctrl_c_ends_the_command_quietly(checkpoint, monkeypatch, capsys):
     """Ctrl-C during a generation stops it with SIGINT's status and says nothing (it printed the traceback of wherever
     the model was, tens of lines)."""
