@@ -303,8 +303,8 @@ AB_SECTION = "A/B evaluation on"
 def read_record(results_dir: str | Path) -> tuple[dict, ABConfig]:
     """The ``results.json`` of the A/B run folder ``results_dir`` and the config it records; ``ValueError`` (one
     sentence naming the file) where there is none, or where it is no such record (torn by a report killed mid-write,
-    another tool's file)."""
-    path = Path(results_dir) / RECORD
+    another tool's file). A leading ``~`` is the home folder (``--ab=~/runs/ab``, which a shell leaves as it is)."""
+    path = Path(results_dir).expanduser() / RECORD
     if not path.is_file():
         raise ValueError(f"{results_dir} holds no results.json; pass the output folder of a finished python -m eval ab run")
     try:

@@ -1295,6 +1295,20 @@ def test_ship_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, monk
     assert sorted(tmp_path.rglob("*")) == before and not Path("/tmp/x").exists()
 
 
+def test_ship_reads_a_leading_tilde_of_an_ab_folder_as_the_home_folder(tmp_path, monkeypatch, capsys):
+    """``python -m train.ship ADAPTER NAME --ab=~/runs/ab`` (a shell leaves that ``~`` as it is) looked for a folder
+    named ``~`` here, and said it held no results.json."""
+    import train.ship as ship
+
+    monkeypatch.setattr(ship, "EMBEDDED_DIR", tmp_path / "embedded")  # (where it would ship)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "results.json").write_text('{"rows": []}')
+    assert ship.main(["smollm2-135m-trimkv", "tiny", "--ab=~/runs"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/runs/results.json is no record of a python -m eval ab run (it has no 'comparisons')" in err, err
+
+
 def test_ship_refuses_an_arm_without_an_ab_run(tiny_dir, tmp_path, monkeypatch, capsys):
     """--arm without --ab was ignored: the adapter shipped without the table the arm named."""
     import train.ship as ship
