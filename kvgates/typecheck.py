@@ -31,6 +31,12 @@ def as_int(value: Any) -> int | None:
         return None
 
 
+def plain_scalar(value: Any) -> Any:
+    """The Python number or bool a numpy scalar, or a 0-d array or tensor, holds (``np.int64(64)`` -> ``64``); any
+    other value as it is."""
+    return value.item() if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)) else value
+
+
 def scalar_type(hint: Any) -> tuple[type, bool] | None:
     """``(kind, takes None)`` where ``hint`` is ``int``, ``float`` or ``bool`` (``kind``), alone or with None
     (``int | None``), else None."""

@@ -264,6 +264,26 @@ def test_a_policy_with_a_hint_that_cannot_be_resolved_is_built_and_its_numbers_c
         make_policy(Helped.name, budget=8, window="x")
 
 
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("h2o", {"budget": np.int64(64), "slack": torch.tensor(2)}),
+        ("snapkv", {"budget": np.int32(64), "decode": np.bool_(True), "window": np.array(8)}),
+        ("adakv", {"budget": 64, "alpha": np.float32(0.25)}),
+    ],
+)
+def test_make_policy_takes_a_numpy_or_tensor_scalar_as_the_value_it_holds(name, params):
+    """``make_policy("h2o", budget=np.int64(64))`` (a budget from ``np.arange``), and so ``BudgetCache(config, "h2o",
+    budget=...)``, was refused ("budget must be an integer or null, got np.int64(64)"), where the policy class built
+    directly takes it."""
+    plain = {key: value.item() for key, value in params.items() if hasattr(value, "item")}
+    built = make_policy(name, **params)
+    assert built == make_policy(name, **{**params, **plain})
+    assert all(type(getattr(built, key)) is type(value) for key, value in plain.items())
+    with pytest.raises(ValueError, match=r"^policy 'h2o': budget must be an integer or null, got 64.5$"):
+        make_policy("h2o", budget=np.float64(64.5))
+
+
 def test_a_registered_class_that_is_no_dataclass_is_named_when_it_is_built(monkeypatch):
     """A policy class registered without ``@dataclass`` made ``make_policy`` fail inside ``dataclasses.fields`` ("must be
     called with a dataclass type or instance")."""
@@ -296,7 +316,7 @@ def test_a_schedule_no_eviction_can_follow_is_refused(params, message):
 
 @pytest.mark.parametrize("number", [np.int64(2), torch.tensor(2)], ids=["numpy", "tensor"])
 def test_a_policy_built_with_a_numpy_or_tensor_whole_number_schedules_as_with_the_int(tiny, number):
-    """A policy built directly (not through ``make_policy``, which refuses them) with ``slack=np.int64(2)`` ran as
+    """A policy built directly (or through ``make_policy``) with ``slack=np.int64(2)`` ran as
     with ``slack=2``; the Schedule its ``schedule`` builds refused it (``Schedule: tolerance must be a whole number``)."""
     _, model = tiny
     ids = torch.randint(0, 100, (1, 40), generator=torch.Generator().manual_seed(0))

@@ -32,7 +32,6 @@ import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
 import torch
 
 from kvgates.kernels.host import launch_bound
@@ -41,7 +40,7 @@ from kvgates.runtime.protocol import EVERY_STEP, NEVER, POLICIES, PROMPT, Schedu
 from kvgates.runtime.stack import LayerStack, stack_groups
 from kvgates.runtime.state import LayerState, SlotState
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
-from kvgates.typecheck import as_int, field_hints, scalar_type
+from kvgates.typecheck import as_int, field_hints, plain_scalar, scalar_type
 
 if TYPE_CHECKING:
     from kvgates.runtime.layer import BudgetLayer
@@ -100,10 +99,10 @@ class Policy:
             given = getattr(self, field_name)
             if given is None and takes_none:
                 continue
-            value = given.item() if isinstance(given, (torch.Tensor, np.ndarray)) and given.ndim == 0 else given
+            value = plain_scalar(given)
             if kind is bool:
-                if isinstance(value, (bool, np.bool_)):
-                    setattr(self, field_name, bool(value))
+                if isinstance(value, bool):
+                    setattr(self, field_name, value)
                     continue
             elif (whole := as_int(value)) is not None:
                 if whole is not given:

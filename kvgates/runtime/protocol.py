@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-from kvgates.typecheck import as_int, field_problems
+from kvgates.typecheck import as_int, field_hints, field_problems, plain_scalar, scalar_type
 
 if TYPE_CHECKING:
     import torch
@@ -120,7 +120,8 @@ def register_policy(cls: type) -> type:
 
 def make_policy(name: str, **params: Any) -> CachePolicy:
     """Build a registered policy by name, e.g. ``make_policy("snapkv", budget=256, window=16)``; an unknown
-    parameter or a value of the wrong type for its field (``window="eight"``) is a ``ValueError``."""
+    parameter or a value of the wrong type for its field (``window="eight"``) is a ``ValueError``. A numpy scalar, or
+    a 0-d array or tensor, given for a number or a flag is the Python value it holds (``budget=np.int64(64)``)."""
     if name not in POLICIES:
         importlib.import_module(BUILTIN_POLICIES)
     if name not in POLICIES:
@@ -134,6 +135,8 @@ def make_policy(name: str, **params: Any) -> CachePolicy:
         raise ValueError(
             f"policy {name!r} has no parameter {', '.join(unknown)}; its parameters are: {', '.join(sorted(allowed))}"
         )
+    hints = field_hints(cls)
+    params = {key: plain_scalar(value) if scalar_type(hints.get(key)) else value for key, value in params.items()}
     wrong = field_problems(cls, params)
     if wrong:
         raise ValueError(f"policy {name!r}: {'; '.join(wrong)}")
