@@ -24,6 +24,8 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: 
 
 MIB = 2**20
 REPORT = "report.md"
+SCORE_PLOT = "score_vs_kv.png"
+HEADLINE_PLOT = "headline.png"
 
 
 def _fmt(value: float, spec: str) -> str:
@@ -384,13 +386,21 @@ def _task_line(task: TaskSpec) -> str:
     return what
 
 
+def _heatmap_plot(task: TaskSpec) -> str | None:
+    """The file of ``task``'s depth heatmaps (tasks with an answer), or None."""
+    return f"heatmap_{task.name}.png" if task.answer and task.task != "common_words" else None
+
+
+def _kl_plot(task: TaskSpec) -> str | None:
+    """The file of ``task``'s KL curves (fidelity tasks), or None."""
+    return f"kl_{task.name}.png" if task.task == "fidelity" else None
+
+
 def output_files(config: ABConfig) -> list[str]:
     """The files a run of ``config`` writes in its output folder: the journal, ``results.json``, ``report.md`` and
     every plot ``write_report`` draws (a task's own where it has results)."""
-    plots = ["score_vs_kv.png"] + ["headline.png"] * any(a.learned for a in config.arms)
-    for task in config.tasks:
-        plots += [f"heatmap_{task.name}.png"] * (task.answer and task.task != "common_words")
-        plots += [f"kl_{task.name}.png"] * (task.task == "fidelity")
+    plots = [SCORE_PLOT] + [HEADLINE_PLOT] * any(a.learned for a in config.arms)
+    plots += [name for task in config.tasks for name in (_heatmap_plot(task), _kl_plot(task)) if name]
     return [JOURNAL, RECORD, REPORT, *plots]
 
 
@@ -426,10 +436,10 @@ def write_report(results: ABResults, command: str = "") -> str:
     )
     atomic_write(out / RECORD, lambda p: Path(p).write_text(record))
     headline = headline_table(config, summary)
-    plots = [plot_score_vs_kv(config, summary, out / "score_vs_kv.png")]
+    plots = [plot_score_vs_kv(config, summary, out / SCORE_PLOT)]
     learned = any(a.learned for a in config.arms)
     if learned:
-        plots.append(plot_score_vs_kv(config, summary, out / "headline.png", headline=True))
+        plots.append(plot_score_vs_kv(config, summary, out / HEADLINE_PLOT, headline=True))
     arms = f"{len(config.all_arms)} arms (the full cache and {', '.join(a.label for a in config.arms)})" if config.arms else (
         "the full cache alone (no arm to compare with it)"
     )
@@ -457,11 +467,12 @@ def write_report(results: ABResults, command: str = "") -> str:
             md += [f"### {task.name}, budget {budget}", "", task_table(config, task, budget, summary), ""]
             md += [f"- {c.sentence()}" for c in results.comparisons if c.task == task.name and c.budget == budget]
             md.append("")
-        if task.answer and task.task != "common_words" and summary.rows(task.name, "full", None):
-            plots.append(plot_depth_heatmaps(config, task, rows, out / f"heatmap_{task.name}.png"))
+        heatmap, curves = _heatmap_plot(task), _kl_plot(task)
+        if heatmap and summary.rows(task.name, "full", None):
+            plots.append(plot_depth_heatmaps(config, task, rows, out / heatmap))
             md += [f"![{task.name} heatmap]({plots[-1].name})", ""]
-        if task.task == "fidelity" and summary.rows(task.name, "full", None):
-            plots.append(plot_kl_curves(config, task, rows, out / f"kl_{task.name}.png"))
+        if curves and summary.rows(task.name, "full", None):
+            plots.append(plot_kl_curves(config, task, rows, out / curves))
             md += [f"![{task.name} KL along the generated tokens]({plots[-1].name})", ""]
     md += [
         "## Notes",
