@@ -16,6 +16,7 @@ from eval.config import ABConfig, ArmSpec, ConfigError, TaskSpec
 from eval.runner import JOURNAL, RECORD, ABResults
 from eval.stats import MIN_PAIRS, Comparison
 from eval.tasks import metrics_of
+from kvgates.config import output_path
 from kvgates.gates.adapter import atomic_write
 
 matplotlib.use("Agg")
@@ -306,7 +307,7 @@ def read_record(results_dir: str | Path) -> tuple[dict, ABConfig]:
     """The ``results.json`` of the A/B run folder ``results_dir`` and the config it records; ``ValueError`` (one
     sentence naming the file) where there is none, or where it is no such record (torn by a report killed mid-write,
     another tool's file). A leading ``~`` is the home folder (``--ab=~/runs/ab``, which a shell leaves as it is)."""
-    path = Path(results_dir).expanduser() / RECORD
+    path = output_path(results_dir) / RECORD  # (where the run wrote it)
     if not path.is_file():
         raise ValueError(f"{results_dir} holds no results.json; pass the output folder of a finished python -m eval ab run")
     try:

@@ -28,6 +28,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
+from kvgates.config import output_path
 from kvgates.errors import AdapterError, HubPushError
 from kvgates.gates.modules import GlobalRetentionTrunk, RetainingHead, RetentionGate, SharedRetentionHead
 from kvgates.typecheck import field_problems
@@ -324,9 +325,7 @@ class GateSet(nn.Module):
             raise TypeError(f"folder must be a folder's path (a string or a path), got {type(folder).__name__}")
         if not str(folder).strip():  # Path("") is the current folder
             raise AdapterError("the folder name is empty; name the folder to save the adapter in")
-        # "~/gates" is the home folder's, not a folder named "~" in this one; "~nobody/g", of no user, stays as it is
-        # (as in a shell and load_model; Path.expanduser raises RuntimeError)
-        folder = Path(os.path.expanduser(folder))
+        folder = output_path(folder)  # "~/gates" is the home folder's, not a folder named "~" in this one
         nearest = next(path for path in (folder, *folder.parents) if path.exists())  # (the folder, or where it would be made)
         if not nearest.is_dir():
             raise AdapterError(f"{nearest} is a file; name a folder to save the adapter in")
