@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import operator
 import sys
 import types
@@ -120,6 +121,15 @@ def field_hints(cls: type) -> dict[str, Any]:
             except Exception:
                 hints.pop(name, None)  # (not a base's hint of the same name either)
     return hints
+
+
+@functools.cache
+def scalar_fields(cls: type) -> dict[str, tuple[type, bool]]:
+    """The init fields of dataclass ``cls`` typed ``int``, ``float`` or ``bool`` (``scalar_type``): name -> (that type,
+    whether None fits). A field whose hint cannot be resolved (``field_hints``) is not one."""
+    hints = field_hints(cls)
+    kinds = {f.name: scalar_type(hints[f.name]) for f in dataclasses.fields(cls) if f.init and f.name in hints}
+    return {name: kind for name, kind in kinds.items() if kind is not None}
 
 
 def field_problems(cls: type, values: dict[str, Any]) -> list[str]:

@@ -25,8 +25,6 @@ in a typed ``LayerState`` (``state_type``, ``layer_state(layer)``). Selections a
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -40,7 +38,7 @@ from kvgates.runtime.protocol import EVERY_STEP, NEVER, POLICIES, PROMPT, Schedu
 from kvgates.runtime.stack import LayerStack, stack_groups
 from kvgates.runtime.state import LayerState, SlotState
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
-from kvgates.typecheck import as_int, field_hints, plain_scalar, scalar_type
+from kvgates.typecheck import as_int, plain_scalar, scalar_fields
 
 if TYPE_CHECKING:
     from kvgates.runtime.layer import BudgetLayer
@@ -95,7 +93,7 @@ class Policy:
         array, is the Python number or bool it holds. A string, a float where a whole number goes, or None failed as a
         ``TypeError`` in a comparison below, or was taken (``window=2.5``, and ``decode="no"`` as true) and failed
         later or ran otherwise than asked."""
-        for field_name, (kind, takes_none) in _scalar_fields(type(self)).items():
+        for field_name, (kind, takes_none) in scalar_fields(type(self)).items():
             given = getattr(self, field_name)
             if given is None and takes_none:
                 continue
@@ -260,16 +258,6 @@ class Policy:
         """For policies that attend at shifted positions (StreamingLLM's re-rotation):
         ``(rotary, key_delta [B, H_kv, C], query_delta [B, q])``; ``None`` keeps the original positions."""
         return None
-
-
-@functools.cache
-def _scalar_fields(cls: type[Policy]) -> dict[str, tuple[type, bool]]:
-    """The parameters of policy class ``cls`` typed ``int``, ``float`` or ``bool``: name -> (that type, whether None
-    fits). A field whose hint cannot be resolved (``field_hints``: a name imported only under ``TYPE_CHECKING``) is not
-    one."""
-    hints = field_hints(cls)
-    kinds = {f.name: scalar_type(hints[f.name]) for f in dataclasses.fields(cls) if f.init and f.name in hints}
-    return {name: kind for name, kind in kinds.items() if kind is not None}
 
 
 @dataclass

@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-from kvgates.typecheck import as_int, field_hints, field_problems, plain_scalar, scalar_type
+from kvgates.typecheck import as_int, field_problems, plain_scalar, scalar_fields
 
 if TYPE_CHECKING:
     import torch
@@ -135,8 +135,8 @@ def make_policy(name: str, **params: Any) -> CachePolicy:
         raise ValueError(
             f"policy {name!r} has no parameter {', '.join(unknown)}; its parameters are: {', '.join(sorted(allowed))}"
         )
-    hints = field_hints(cls)
-    params = {key: plain_scalar(value) if scalar_type(hints.get(key)) else value for key, value in params.items()}
+    scalars = scalar_fields(cls)
+    params = {key: plain_scalar(value) if key in scalars else value for key, value in params.items()}
     wrong = field_problems(cls, params)
     if wrong:
         raise ValueError(f"policy {name!r}: {'; '.join(wrong)}")
