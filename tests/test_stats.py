@@ -106,6 +106,23 @@ def test_causal_attention_stats_matches_sdpa_and_column_sums(n, shift, window, m
             assert win is None
 
 
+@pytest.mark.parametrize(("threads", "parts"), [(1, 1), (2, 2), (3, 3), (4, 4), (5, 1)])
+def test_causal_attention_stats_splits_rows_to_balance_threads(threads, parts, monkeypatch):
+    """Each KV head's rows of a tile are split into as many products as balance the CPU's threads (``_balanced_parts``:
+    5 threads would need 5 parts, more than ``MAX_ROW_PARTS``); a last, shorter tile that does not split runs whole.
+    The results are the unsplit ones."""
+    monkeypatch.setattr(reference, "MIN_PART_ROWS", 1)
+    monkeypatch.setattr(reference, "FUSED_TILE_ELEMENTS", 3 * 4 * 23)  # tiles of 4 rows: the last holds 3 (9 of a head)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 3, 23, 8, generator=g), torch.randn(1, 1, 23, 8, generator=g), torch.randn(1, 1, 23, 8, generator=g)
+    unsplit = reference.causal_attention_stats(q, k, v, 0.4, window=5)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert reference._balanced_parts(1, 3 * 4, q.device) == parts
+    assert reference._balanced_parts(1, 3 * 4, torch.device("meta")) == 1  # a GPU: no split
+    for got, expected in zip(reference.causal_attention_stats(q, k, v, 0.4, window=5), unsplit):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("tile_elements", [1 << 22, 6 * 2 * 12])  # one tile; a row or two per tile
 @pytest.mark.parametrize("weighted", [False, True])
 def test_masked_colmax_and_column_reductions_match_naive(monkeypatch, tile_elements, weighted):
