@@ -165,11 +165,15 @@ def chunk_layout(b: int, hkv: int, older: int, n: int, seed: int) -> tuple[torch
 
 @pytest.mark.parametrize("tile_elements", [1 << 22, 2 * 6 * 7 * 3])  # one tile; three slots per tile
 @pytest.mark.parametrize("older", [0, 11])
-def test_chunk_colmax_matches_naive(monkeypatch, tile_elements, older):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_chunk_colmax_matches_naive(monkeypatch, tile_elements, older, threads):
     """A chunk over older tokens takes the chunk path (two flash calls, maxima from their log-sum-exps), which gives
     the naive output and weighted maxima: row weights (one zero), slot weights zero outside a span of slots that
-    differs per row and head (the slots outside every span get 0), and grouped heads."""
+    differs per row and head (the slots outside every span get 0), and grouped heads; on 3 threads each head's
+    slots of a tile in 3 products (``_balanced_parts``; 4 KV heads of 2 rows), where the tile splits."""
     monkeypatch.setattr(reference, "TILE_ELEMENTS", tile_elements)
+    monkeypatch.setattr(reference, "MIN_PART_ROWS", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     torch.manual_seed(5)
     pos, q_pos = chunk_layout(2, 2, older, 7, seed=older)
     c = pos.shape[-1]

@@ -322,13 +322,19 @@ def _chunk_colmax(
     if hi == lo:
         return out.to(q.dtype), best
     shift = -lse if row_weight is None else row_weight.float().log()[:, None] - lse
-    rows = torch.cat([qf * scale, shift[..., None]], -1).reshape(b, hkv, g * n, d + 1).transpose(-1, -2)
-    keys = torch.cat([kf[:, :, lo:hi], kf.new_ones((b, hkv, hi - lo, 1))], -1)  # the scored span only
     tile = max(1, TILE_ELEMENTS // max(1, b * h * n))
+    # Each KV head's slots of a tile in ``parts`` products, over as many copies of its rows (``_balanced_parts``).
+    parts = _balanced_parts(b * hkv, min(tile, hi - lo), q.device)
+    rows = torch.cat([qf * scale, shift[..., None]], -1).reshape(b, hkv, 1, g * n, d + 1)
+    rows = rows.expand(-1, -1, parts, -1, -1).contiguous().transpose(-1, -2)
+    keys = torch.cat([kf[:, :, lo:hi], kf.new_ones((b, hkv, hi - lo, 1))], -1)  # the scored span only
     buffer = torch.empty(b * h * min(tile, hi - lo) * n, dtype=torch.float32, device=q.device)  # one, for every tile
     for start in range(lo, hi, tile):
         stop = min(hi, start + tile)
-        top = torch.matmul(keys[:, :, start - lo : stop - lo], rows, out=buffer[: b * h * (stop - start) * n].view(b, hkv, stop - start, g * n))
+        p = parts if (stop - start) % parts == 0 else 1  # (a last, shorter tile may not split)
+        part = (b, hkv, p, (stop - start) // p)
+        out_tile = buffer[: b * h * (stop - start) * n].view(*part, g * n)
+        top = torch.matmul(keys[:, :, start - lo : stop - lo].view(*part, d + 1), rows[:, :, :p], out=out_tile)
         top = top.view(b, hkv, stop - start, g, n)  # [.., slot, head, row]
         if stop > first:  # own slots: row t sees own slot j from t = j on
             j = torch.arange(max(start, first), stop, device=q.device) - first
