@@ -112,6 +112,28 @@ def test_adapter_round_trip(tmp_path, kind):
         assert (tmp_path / "a" / "lora" / "adapter_config.json").read_bytes() == before  # the same bytes again
 
 
+def test_a_lora_save_interrupted_while_writing_its_peft_config_leaves_the_old_adapter_whole(tmp_path, monkeypatch):
+    """The LoRA's peft config was written after the adapter's own files had replaced the old ones: a Ctrl-C there
+    left new weights beside the old LoRA's config. It is written with them now (``GateSet.part_files``)."""
+    _, model = tiny_model()
+    DecisionHeadsLoRA.for_model(model).save_pretrained(tmp_path / "a")
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "a").rglob("*") if p.is_file()}
+    new = DecisionHeadsLoRA.for_model(model, training_budget=16)
+    _randomise_lora(new)
+    write_text = Path.write_text
+
+    def interrupted(path, text, *args, **kwargs):
+        if ".adapter_config.json." in path.name:
+            raise KeyboardInterrupt
+        return write_text(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        new.save_pretrained(tmp_path / "a")
+    monkeypatch.undo()
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "a").rglob("*") if p.is_file()} == before
+
+
 def test_a_dms_lora_adapter_goes_through_the_hub_with_its_lora(tmp_path, monkeypatch):
     _, model = tiny_model()
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))

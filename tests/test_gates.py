@@ -294,6 +294,34 @@ def test_save_load_round_trip_is_bit_exact(tiny_pair, tmp_path, cls):
     assert "base_model:" in card and "needle@64" in card
 
 
+@pytest.mark.parametrize("failing", ["README.md", "config.json"])
+def test_a_save_interrupted_while_writing_leaves_the_old_adapter_whole(tiny_pair, tmp_path, monkeypatch, failing):
+    """Replacing an adapter, a Ctrl-C (or an error) while its card or config is written left the new weights (and
+    config) beside the old config and card: it loaded, the new gates under the old results. Every file is now
+    written before any replaces its old one."""
+    _, model = tiny_pair
+    old = RetentionGates.for_model(model, training_budget=64)
+    old.config.results["needle@64"] = "7/10"
+    old.save_pretrained(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    new = RetentionGates.for_model(model, training_budget=32)
+    with torch.no_grad():
+        next(new.parameters()).add_(1.0)
+    write_text = type(tmp_path).write_text
+
+    def interrupted(path, text, *args, **kwargs):
+        if f".{failing}." in path.name:  # its temporary file
+            raise KeyboardInterrupt
+        return write_text(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tmp_path), "write_text", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        new.save_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing replaced, no temporary file left
+    assert GateSet.from_pretrained(tmp_path).config == old.config
+
+
 def test_adapter_files_get_the_permissions_of_any_written_file(tiny_pair, tmp_path):
     """Saved through temporary files, an adapter's files are still readable as the umask allows (mkstemp's files are
     owner-only: a trained adapter could not be read by another user of the machine)."""

@@ -15,7 +15,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -149,17 +149,30 @@ def atomic_write(path: Path, write: Callable[[str], Any]) -> None:
     """Write through a temporary file in the same folder, so an interrupted save leaves the old file intact. The
     file gets the permissions a plain ``open`` would give it (``0o666`` less the umask), not ``mkstemp``'s
     owner-only ``0o600``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
+    atomic_write_all([(path, write)])
+
+
+def atomic_write_all(files: Sequence[tuple[Path, Callable[[str], Any]]]) -> None:
+    """``atomic_write`` of several files that belong together: each is written through its temporary file first,
+    and only then are all moved into place, so that an error or a Ctrl-C while writing (the time a save takes)
+    leaves every old file as it was, not some files new beside others old; what remains is the moves (a few system
+    calls)."""
     umask = os.umask(0)
     os.umask(umask)
+    staged: list[tuple[str, Path]] = []
     try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
+        for path, write in files:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+            os.close(fd)
+            staged.append((tmp, path))
+            write(tmp)
+            os.chmod(tmp, 0o666 & ~umask)
+        for tmp, path in staged:
+            os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        for tmp, _ in staged:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
 
 def _holds(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bool:
@@ -315,7 +328,8 @@ class GateSet(nn.Module):
     # ------------------------------------------------------------------ saving and loading
     def save_pretrained(self, folder: str | os.PathLike) -> Path:
         """Write ``config.json``, ``model.safetensors`` and ``README.md`` to ``folder`` (created if needed; a leading
-        ``~`` is the home folder; an adapter of the same kind there is replaced), each through a temporary file; returns
+        ``~`` is the home folder; an adapter of the same kind there is replaced), every file written to a temporary one
+        before any replaces its old one (``atomic_write_all``: an interrupted save leaves the old adapter whole); returns
         the folder. ``AdapterError`` (one sentence, nothing written) for an empty name, a file (or a path through one),
         a folder holding a model or any ``config.json`` that is not a gate adapter's (its config and weights would be
         overwritten), a folder holding an adapter of another kind, whose own parts (a DMS LoRA's ``lora/``) would stay,
@@ -345,11 +359,16 @@ class GateSet(nn.Module):
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
         metadata = {"format": "pt", "kind": self.kind, "fingerprint": self.config.fingerprint}
+        files = [(folder / CONFIG_FILE, lambda p: Path(p).write_text(text)), (folder / CARD_FILE, lambda p: Path(p).write_text(card))]
         if not _holds(folder / WEIGHTS_FILE, tensors, metadata):
-            atomic_write(folder / WEIGHTS_FILE, lambda p: save_file(tensors, p, metadata=metadata))
-        atomic_write(folder / CONFIG_FILE, lambda p: Path(p).write_text(text))
-        atomic_write(folder / CARD_FILE, lambda p: Path(p).write_text(card))
+            files.insert(0, (folder / WEIGHTS_FILE, lambda p: save_file(tensors, p, metadata=metadata)))
+        atomic_write_all(files + self.part_files(folder))  # together: an interrupted save leaves the old adapter whole
         return folder
+
+    def part_files(self, folder: Path) -> list[tuple[Path, Callable[[str], Any]]]:
+        """The files of a kind's own parts (``load_parts``) that ``save_pretrained`` writes into ``folder`` with the
+        adapter's, as ``(path, write)`` (``atomic_write_all``); their folders made. None by default."""
+        return []
 
     @classmethod
     def from_pretrained(

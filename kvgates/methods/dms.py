@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgates.errors import AdapterError
-from kvgates.gates.adapter import GateConfig, GateSet, atomic_write
+from kvgates.gates.adapter import GateConfig, GateSet
 from kvgates.gates.capture import attention_modules
 from kvgates.gates.training import real_queries
 from kvgates.kernels.gated import causal_visibility, fused_only, fused_width, grouped_masked_attention
@@ -215,12 +215,11 @@ class DecisionHeadsLoRA(DecisionHeads):
         except (ValueError, TypeError, KeyError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
             raise AdapterError(f"{path} is not a DMS LoRA config ({str(err).splitlines()[0]}); the file is corrupt or was edited by hand") from err
 
-    def save_pretrained(self, folder: str | Path) -> Path:
-        folder = super().save_pretrained(folder)
+    def part_files(self, folder: Path) -> list[tuple[Path, Callable[[str], Any]]]:
+        """The LoRA's peft config, ``lora/adapter_config.json``."""
         (folder / LORA_DIR).mkdir(exist_ok=True)
         text = _config_json(self.lora_config)
-        atomic_write(folder / LORA_DIR / LORA_CONFIG, lambda p: Path(p).write_text(text))
-        return folder
+        return [(folder / LORA_DIR / LORA_CONFIG, lambda p: Path(p).write_text(text))]
 
 
 # ---------------------------------------------------------------------------------------------- the LoRA on a model
