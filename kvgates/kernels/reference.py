@@ -69,15 +69,16 @@ GPU_TILE_ELEMENTS = 1 << 26
 FUSED_TILE_ROWS = 64
 FUSED_TILE_ELEMENTS = 1 << 23
 
-#: Largest number of parts ``causal_attention_stats`` splits each KV head's rows of a tile into on the CPU
-#: (``_balanced_parts``), and the fewest rows a part keeps: a product of many small parts runs slower than it gains.
+#: Largest number of parts the CPU's batched products split each KV head's rows of a tile into (``_balanced_parts``),
+#: and the fewest rows a part keeps: a product of many small parts runs slower than it gains.
 MAX_ROW_PARTS = 4
 MIN_PART_ROWS = 32
 
 
 def _balanced_parts(products: int, rows: int, device: torch.device) -> int:
-    """Into how many parts ``causal_attention_stats`` splits each KV head's ``rows`` query rows of a tile, so that the
-    batched products (``products`` of them: batch x KV heads) are a multiple of the CPU's threads.
+    """Into how many parts a tile's batched product splits each KV head's ``rows`` rows (``causal_attention_stats``'
+    query rows, ``_chunk_colmax``'s slots), so that the products (``products`` of them unsplit: batch x KV heads) are
+    a multiple of the CPU's threads.
 
     The CPU's batched matrix product shares its batch among the threads: SmolLM2's 3 KV heads at batch 1 on 2
     threads left one thread a head idle. 2 parts of each head's rows (6 products) made one layer's prefill attention
@@ -477,7 +478,8 @@ def causal_attention_stats(
         ``_balanced_parts``), and a tile of rows ``[start, stop)`` scores only the keys ``[0, stop)`` it can see,
         so the probabilities that give the output give both statistics. Every tile's scores are written into one
         buffer allocated once and normalised there by a softmax (in place on the CPU, ``_softmax_last``). Without
-        column sums the output is sdpa's and the window rows are scored on their own. An inference kernel: no gradient flows through it.
+        column sums the output is sdpa's and the window rows are scored on their own. An inference kernel: no
+        gradient flows through it.
     """
     b, h, n, d = q.shape
     hkv = k.shape[1]
