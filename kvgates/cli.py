@@ -52,6 +52,15 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(USAGE_ERROR, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
+    def print_help(self, file: typing.TextIO | None = None) -> None:
+        """Write the help to ``file`` (default: standard output) and flush it, a failed write raised: argparse's own
+        ignores it, so ``--help > /dev/full`` or ``--help | head -0`` ended with status 0; ``quiet_exits`` now ends
+        them as any other output (status 1 with one sentence, or SIGPIPE's status)."""
+        file = sys.stdout if file is None else file
+        if file is not None:  # (None under pythonw: nothing to write to)
+            file.write(self.format_help())
+            file.flush()
+
 
 def plain(text: str | None) -> str:
     """``text`` (a docstring, or a line of one) as help text: reStructuredText's inline literals, written between

@@ -579,11 +579,12 @@ def test_cross_layer_policies_over_a_device_map(checkpoint, tmp_path, name, layo
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("command", [["policies"], ["--version"], ["--help"]])
+@pytest.mark.parametrize("command", [["policies"], ["--version"], ["--help"], ["policies", "--help"], ["generate", "--help"]])
 def test_a_reader_that_leaves_early_ends_the_command_quietly(command):
     """``kvgates policies | head -0``: the pipe is closed before the command writes. It stops with SIGPIPE's status
     and says nothing (it said "kvgates: [Errno 32] Broken pipe", a user error, and Python's exit-time flush failed
-    again; ``--version`` and ``--help``, answered before the others, printed a BrokenPipeError traceback)."""
+    again; ``--version`` and ``--help``, answered before the others, printed a BrokenPipeError traceback; a
+    command's own ``--help``, which argparse writes ignoring a failed write, ended with status 0)."""
     proc = subprocess.Popen([sys.executable, "-m", "kvgates.cli", *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # before the interpreter has even imported kvgates
     stderr = proc.stderr.read().decode()
@@ -592,13 +593,14 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly(command):
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device that takes no writes")
-@pytest.mark.parametrize("command", [["policies"], ["--version"], ["--help"]])
+@pytest.mark.parametrize("command", [["policies"], ["--version"], ["--help"], ["policies", "--help"], ["generate", "--help"]])
 @pytest.mark.parametrize("unbuffered", ["", "1"])
 def test_a_standard_output_that_takes_nothing_is_one_sentence(command, unbuffered):
     """``kvgates --version > /dev/full`` printed an OSError traceback, and ``kvgates policies > /dev/full`` said
     "kvgates: [Errno 28] No space left on device" as a user error (status 2), or, its text buffered, nothing but
     Python's exit-time "Exception ignored"; each is now one sentence and status 1, buffered (the text written at the
-    end) or not (``PYTHONUNBUFFERED``: at the first line)."""
+    end) or not (``PYTHONUNBUFFERED``: at the first line). ``kvgates generate --help > /dev/full`` said nothing and
+    ended with status 0 (argparse's help ignores a failed write)."""
     env = {**os.environ, "PYTHONUNBUFFERED": unbuffered}
     with open("/dev/full", "w") as full:
         result = subprocess.run([sys.executable, "-m", "kvgates.cli", *command], stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
