@@ -337,6 +337,16 @@ def test_unknown_policy_and_parameter():
         make_policy("snapkv", budget=64, windw=4)
 
 
+def test_a_parameter_called_name_is_an_unknown_parameter():
+    """No policy has a parameter ``name``: given one (``make_policy("snapkv", name="h2o")``, a wrapper's
+    ``base_params="name=h2o"``, a recipe's ``policy.name=...``), it was Python's TypeError "make_policy() got multiple
+    values for argument 'name'", a traceback from ``kvgates generate --base-params name=h2o``."""
+    with pytest.raises(ValueError, match="policy 'snapkv' has no parameter name; its parameters are: budget"):
+        make_policy("snapkv", budget=64, name="h2o")
+    with pytest.raises(ValueError, match="base policy 'snapkv' has no parameter name"):
+        make_policy("adakv", budget=64, base_params="name=h2o")
+
+
 def test_attention_not_switched_is_caught(tiny):
     ref, _ = tiny
     with pytest.raises(RuntimeError, match="set_attn_implementation\\('kvgates'\\)"):

@@ -118,7 +118,7 @@ def register_policy(cls: type) -> type:
     return cls
 
 
-def make_policy(name: str, **params: Any) -> CachePolicy:
+def make_policy(name: str, /, **params: Any) -> CachePolicy:
     """Build a registered policy by name, e.g. ``make_policy("snapkv", budget=256, window=16)``; an unknown
     parameter or a value of the wrong type for its field (``window="eight"``) is a ``ValueError``. A numpy scalar, or
     a 0-d array or tensor, given for a number or a flag is the Python value it holds (``budget=np.int64(64)``)."""
