@@ -202,7 +202,8 @@ class ABConfig:
     output_dir: str = "outputs/ab"
     #: Prompt prefill in chunks of this many tokens (eviction after each), or whole.
     prefill_chunk: int | None = None
-    #: Examples of one prompt length run as a padded batch of at most ``max_batch`` rows and ``batch_tokens`` tokens.
+    #: Examples of exactly one prompt length (in tokens) run as a batch, never padded (``eval.runner.batches``), of at
+    #: most ``max_batch`` rows and ``batch_tokens`` prompt tokens.
     batch_tokens: int = 16384
     max_batch: int = 8
     #: Bootstrap resamples per comparison.
