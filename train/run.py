@@ -291,7 +291,8 @@ def check_launch(args: dict[str, Any]) -> None:
     """``LaunchError`` (or ``ConfigError`` for the config's own ``training`` keys) for a launch this script cannot run
     as asked, before TrainingArguments are built or anything is written: FSDP or DeepSpeed ZeRO-3 (``SHARDING``),
     ``accelerate launch --gradient_accumulation_steps`` (the Trainer reads ``training.gradient_accumulation_steps``
-    only), and a DeepSpeed config file accelerate names that does not exist from here."""
+    only; accelerate exports the flag under DeepSpeed alone and drops it elsewhere, unseen here), and a DeepSpeed
+    config file accelerate names that does not exist from here."""
     env = os.environ
     if args.get("fsdp"):
         raise ConfigError(f"training.fsdp: FSDP {SHARDING}")
