@@ -125,12 +125,15 @@ def test_causal_attention_stats_splits_rows_to_balance_threads(threads, parts, m
 
 @pytest.mark.parametrize("tile_elements", [1 << 22, 6 * 2 * 12])  # one tile; a row or two per tile
 @pytest.mark.parametrize("weighted", [False, True])
-def test_masked_colmax_and_column_reductions_match_naive(monkeypatch, tile_elements, weighted):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_masked_colmax_and_column_reductions_match_naive(monkeypatch, tile_elements, weighted, threads):
     """``masked_attention_colmax``, ``masked_attention_colsum``, ``column_max`` and ``column_sums`` against explicit
-    loops: empty slots and
-    positions out of order, padded rows (no output, no maximum, no sum), a real row that sees no slot (zero), row
-    weights, and tiles of a row or two."""
+    loops: empty slots and positions out of order, padded rows (no output, no maximum, no sum), a real row that sees
+    no slot (zero), row weights, and tiles of a row or two; on 3 threads each KV head's rows of a tile in 3 products
+    (``_balanced_parts``: 4 KV heads of 2 rows; a tile of 5 rows made 3, then 2)."""
     monkeypatch.setattr(reference, "TILE_ELEMENTS", tile_elements)
+    monkeypatch.setattr(reference, "MIN_PART_ROWS", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     torch.manual_seed(4)
     pos = random_positions(2, 2, 12, held=9, seed=2)
     k, v = torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8)

@@ -77,8 +77,8 @@ MIN_PART_ROWS = 32
 
 def _balanced_parts(products: int, rows: int, device: torch.device) -> int:
     """Into how many parts a tile's batched product splits each KV head's ``rows`` rows (``causal_attention_stats``'
-    query rows, ``_chunk_colmax``'s slots), so that the products (``products`` of them unsplit: batch x KV heads) are
-    a multiple of the CPU's threads.
+    and ``_prob_tiles``' query rows, ``_chunk_colmax``'s slots), so that the products (``products`` of them unsplit:
+    batch x KV heads) are a multiple of the CPU's threads. A tile whose rows the parts do not divide runs whole.
 
     The CPU's batched matrix product shares its batch among the threads: SmolLM2's 3 KV heads at batch 1 on 2
     threads left one thread a head idle. 2 parts of each head's rows (6 products) made one layer's prefill attention
@@ -89,7 +89,7 @@ def _balanced_parts(products: int, rows: int, device: torch.device) -> int:
         return 1
     threads = torch.get_num_threads()
     for parts in range(1, MAX_ROW_PARTS + 1):
-        if (products * parts) % threads == 0 and rows % parts == 0 and (parts == 1 or rows // parts >= MIN_PART_ROWS):
+        if (products * parts) % threads == 0 and (parts == 1 or rows // parts >= MIN_PART_ROWS):
             return parts
     return 1
 
@@ -185,18 +185,30 @@ def _prob_tiles(
     b, h, n, d = q.shape
     hkv, c = k.shape[1], k.shape[2]
     g = h // hkv
-    tile = max(1, min(n, row_tile(b, h, c)))  # (no rows: no tile)
+    tile, parts = _prob_tile_plan(q, k)
     q_pos = torch.where(q_valid, q_pos, torch.full_like(q_pos, -1))  # sees no slot
-    scaled, kt = q.float() * scale, k.float().transpose(-1, -2)
+    scaled = q.float() * scale
+    kt = k.float()[:, :, None].expand(b, hkv, parts, c, d).contiguous().transpose(-1, -2)  # a copy a part
     empty = (slot_pos < 0)[:, :, None, :]
     buffer = torch.empty(b * h * tile * c, dtype=torch.float32, device=q.device)
     for start in range(0, n, tile):
         stop = min(n, start + tile)
         r = stop - start
-        rows = scaled[:, :, start:stop].reshape(b, hkv, g * r, d)
-        probs = torch.matmul(rows, kt, out=buffer[: b * h * r * c].view(b, hkv, g * r, c)).view(b, hkv, g, r, c)
+        p = parts if (g * r) % parts == 0 else 1  # (a last, shorter tile may not split)
+        rows = scaled[:, :, start:stop].reshape(b, hkv, p, g * r // p, d)
+        probs = torch.matmul(rows, kt[:, :, :p], out=buffer[: b * h * r * c].view(b, hkv, p, g * r // p, c)).view(b, hkv, g, r, c)
         probs.masked_fill_((empty | (slot_pos[:, :, None, :] > q_pos[:, None, start:stop, None]))[:, :, None], float("-inf"))
         yield start, stop, _softmax_last(probs).nan_to_num_(0.0)
+
+
+def _prob_tile_plan(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
+    """``_prob_tiles``' query rows per tile (``row_tile``) and the parts each KV head's rows of a tile are split into
+    (``_balanced_parts``; the tile then a multiple of them, so that its rows split)."""
+    b, h, n, _ = q.shape
+    hkv, c = k.shape[1], k.shape[2]
+    tile = max(1, min(n, row_tile(b, h, c)))  # (no rows: no tile)
+    parts = _balanced_parts(b * hkv, h // hkv * tile, q.device)
+    return (tile - tile % parts if tile > parts else tile), parts
 
 
 def _softmax_last(scores: torch.Tensor) -> torch.Tensor:
@@ -268,11 +280,13 @@ def _tiled_attention(
     overwrite them)."""
     b, h, n, _ = q.shape
     hkv, c = k.shape[1], k.shape[2]
-    vf = v.float()
+    _, parts = _prob_tile_plan(q, k)
+    vp = v.float()[:, :, None].expand(b, hkv, parts, c, v.shape[-1]).contiguous()  # as ``_prob_tiles``' keys
     out = q.new_empty((b, n, h, v.shape[-1]), dtype=torch.float32).transpose(1, 2)
     for start, stop, probs in _prob_tiles(q, k, slot_pos, q_pos, q_valid, scale):
         g, r = probs.shape[2], stop - start
-        out[:, :, start:stop] = torch.matmul(probs.view(b, hkv, g * r, c), vf).view(b, h, r, -1)
+        p = parts if (g * r) % parts == 0 else 1
+        out[:, :, start:stop] = torch.matmul(probs.view(b, hkv, p, g * r // p, c), vp[:, :, :p]).view(b, h, r, -1)
         reduce(start, stop, probs)
     return out.to(q.dtype)
 
@@ -326,6 +340,7 @@ def _chunk_colmax(
     tile = max(1, TILE_ELEMENTS // max(1, b * h * n))
     # Each KV head's slots of a tile in ``parts`` products, over as many copies of its rows (``_balanced_parts``).
     parts = _balanced_parts(b * hkv, min(tile, hi - lo), q.device)
+    tile = tile - tile % parts if tile > parts else tile
     rows = torch.cat([qf * scale, shift[..., None]], -1).reshape(b, hkv, 1, g * n, d + 1)
     rows = rows.expand(-1, -1, parts, -1, -1).contiguous().transpose(-1, -2)
     keys = torch.cat([kf[:, :, lo:hi], kf.new_ones((b, hkv, hi - lo, 1))], -1)  # the scored span only
