@@ -123,6 +123,30 @@ def test_causal_attention_stats_splits_rows_to_balance_threads(threads, parts, m
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
+def test_causal_attention_stats_tiles_are_a_multiple_of_the_parts(monkeypatch):
+    """A prompt long enough that ``FUSED_TILE_ELEMENTS`` makes a tile's rows odd (a head's 5 rows on 2 threads: 2 parts)
+    ran every tile whole, over ``parts`` copies of its keys and values made for the split: the tile is now a multiple
+    of what the parts divide (4 rows), as ``_prob_tile_plan``'s and ``_chunk_colmax``'s, and only the last splits not."""
+    monkeypatch.setattr(reference, "MIN_PART_ROWS", 1)
+    monkeypatch.setattr(reference, "FUSED_TILE_ELEMENTS", 5 * 23)  # tiles of at most 5 rows
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 1, 23, 8, generator=g), torch.randn(1, 1, 23, 8, generator=g), torch.randn(1, 1, 23, 8, generator=g)
+    unsplit = reference.causal_attention_stats(q, k, v, 0.4, window=5)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    matmul, parts = torch.matmul, []
+
+    def spy(a, b, **kwargs):
+        parts.append(a.shape[2])  # [B, H_kv, parts, rows, D]
+        return matmul(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "matmul", spy)
+    got = reference.causal_attention_stats(q, k, v, 0.4, window=5)
+    monkeypatch.undo()
+    assert parts[::2] == [2, 2, 2, 2, 2, 1]  # the scores of tiles of 4 rows, and of the last 3 (the outputs' between)
+    for got_one, expected in zip(got, unsplit):
+        torch.testing.assert_close(got_one, expected, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("tile_elements", [1 << 22, 6 * 2 * 12])  # one tile; a row or two per tile
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])

@@ -19,6 +19,7 @@ Probabilities and scores are returned in float32 whatever the input dtype.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -514,8 +515,11 @@ def causal_attention_stats(
     qs = (q.float() * scale).view(b, hkv, g, n, d)
     tile = min(n, FUSED_TILE_ROWS, max(1, FUSED_TILE_ELEMENTS // max(1, b * h * n)))
     # Each KV head's rows of a tile are split into ``parts`` products (``_balanced_parts``), each over its own copy
-    # of the head's keys and values: batch-strided views, so that no product copies them.
+    # of the head's keys and values: batch-strided views, so that no product copies them. The tile is then a multiple
+    # of the fewest rows whose ``g`` heads the parts divide (else every tile would run whole, beside those copies).
     parts = _balanced_parts(b * hkv, g * tile, q.device)
+    step = parts // math.gcd(g, parts)
+    tile = tile - tile % step if tile > step else tile
     kp = k.float()[:, :, None].expand(b, hkv, parts, n, d).contiguous()
     vp = v.float()[:, :, None].expand(b, hkv, parts, n, v.shape[-1]).contiguous()
     kt = kp.transpose(-1, -2)
