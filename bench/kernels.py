@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hardware import peak_gbps, peak_tflops  # noqa: E402
 
-from kvgates.cli import plain, quiet_exits  # noqa: E402
+from kvgates.cli import OneLineParser, plain, quiet_exits  # noqa: E402
 from kvgates.config import ConfigError, check_output_file, output_path  # noqa: E402
 from kvgates.kernels import reference  # noqa: E402
 from kvgates.kernels.host import PREFILL_CONFIG_ENV  # noqa: E402
@@ -161,7 +161,7 @@ def check(args: argparse.Namespace, device: str) -> str | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])

@@ -119,10 +119,10 @@ def compare_side(out: Path) -> None:
 
 
 def main() -> None:
-    from kvgates.cli import plain
+    from kvgates.cli import OneLineParser, plain
     from kvgates.config import ConfigError, check_output_folder, output_path
 
-    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     sides = {"prompts": prompts_side, "kvpress": kvpress_side, "compare": compare_side}
     parser.add_argument("side", choices=list(sides))
     parser.add_argument("--out", type=Path, default=Path("outputs/peer"))

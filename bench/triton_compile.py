@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvgates.cli import plain, quiet_exits  # noqa: E402
+from kvgates.cli import OneLineParser, plain, quiet_exits  # noqa: E402
 
 #: Shared memory a block may use (bytes) and streaming multiprocessors, by CUDA architecture.
 ARCHS = {90: {"max_shared_mem": 232448, "multiprocessor_count": 132}, 80: {"max_shared_mem": 166912, "multiprocessor_count": 108}}
@@ -170,7 +170,7 @@ def cases() -> Iterator[tuple[str, Callable[[], object]]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=sorted(ARCHS), help="CUDA architectures")
     parser.add_argument("--only", nargs="+", default=None, help="public kernels to check (default: all)")
     args = parser.parse_args()

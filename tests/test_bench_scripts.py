@@ -3,7 +3,9 @@
 import argparse
 import ast
 import collections
+import errno
 import importlib.util
+import io
 import json
 import os
 import re
@@ -29,6 +31,30 @@ def test_every_bench_script_imports(script, monkeypatch):
 
 
 BENCH_COMMANDS = sorted(p.name for p in (ROOT / "bench").glob("*.py") if p.name not in ("common.py", "hardware.py"))
+
+
+class _FullOutput(io.StringIO):
+    """A standard output that takes no writes, as ``/dev/full``."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("script", BENCH_COMMANDS)
+def test_every_bench_scripts_help_raises_a_failed_write(script, monkeypatch):
+    """``bench/kernels.py --help > /dev/full`` (and ``| head -0``; triton_compile.py's and kvpress_peer_check.py's too)
+    ended with status 0, silently: their parsers were argparse's, whose help ignores a failed write. Every bench
+    script's parser is a ``kvgates.cli.OneLineParser`` now: the failed write reaches ``quiet_exits``, which ends the
+    script as every command (status 1 and one sentence, or 141)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (kernels.py and triton_compile.py add the repository root)
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location(f"bench_full_{script[:-3]}", ROOT / "bench" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    monkeypatch.setattr(sys, "stdout", _FullOutput())
+    with pytest.raises(OSError, match="No space left"):
+        module.main()
 
 
 @pytest.mark.parametrize("script", BENCH_COMMANDS)
@@ -261,7 +287,7 @@ def test_a_best_json_that_cannot_be_written_is_one_sentence_before_the_sweep(tmp
         capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"},
     )
     lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and lines[-1].startswith(f"kernels.py: error: {message.format(tmp=tmp_path)}"), result.stderr
+    assert result.returncode == 2 and lines[-1].startswith(f"kernels.py: {message.format(tmp=tmp_path)}"), result.stderr
     assert "prefill sweep" not in result.stdout and list(tmp_path.iterdir()) == []
     assert not Path(f"{tmp_path}.partial").exists()
 
@@ -815,7 +841,8 @@ def test_the_kvpress_peer_check_says_which_sides_to_run_first(tmp_path):
             capture_output=True, text=True, timeout=600,
         )
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-        assert result.stderr.strip().splitlines()[-1] == f"kvpress_peer_check.py: error: --out {tmp_path / 'peer'} {message}"
+        last = result.stderr.strip().splitlines()[-1]
+        assert last == f"kvpress_peer_check.py: --out {tmp_path / 'peer'} {message} (see kvpress_peer_check.py --help)"
     assert list(tmp_path.iterdir()) == []  # no --out folder made for nothing
 
 
@@ -839,11 +866,11 @@ def test_the_bench_output_options_read_a_leading_tilde_as_the_home_folder(tmp_pa
                    "--budget", "48", "--policies", "full", "--plot=~/kv.png")
     assert result.returncode == 0 and f"plot: {home / 'kv.png'}" in result.stdout and (home / "kv.png").is_file(), result.stderr
     result = bench("kvpress_peer_check.py", "kvpress", "--out=~/peer")  # read there too
-    assert result.stderr.strip().endswith(f"error: --out {home / 'peer'} holds no prompts.pt: run the prompts side first"), result.stderr
+    assert f"--out {home / 'peer'} holds no prompts.pt: run the prompts side first (see" in result.stderr, result.stderr
     bench("kvpress_peer_check.py", "prompts", "--out=~/peer")  # (it then stops: HOME holds no converted model)
     assert (home / "peer").is_dir()
     result = bench("kernels.py", "--smoke", "--sweep-prefill", "--best-json=~/no/best.json")  # checked there, before any sweep
-    assert result.stderr.strip().splitlines()[-1].endswith(f"--best-json {home / 'no' / 'best.json'}: its folder {home / 'no'} does not exist")
+    assert f"--best-json {home / 'no' / 'best.json'}: its folder {home / 'no'} does not exist" in result.stderr.strip().splitlines()[-1]
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.chdir(cwd)
     bench_kernels.write_best("~/best.json", {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
@@ -863,7 +890,7 @@ def test_the_kvpress_peer_check_refuses_an_out_folder_it_cannot_make_in_one_sent
             capture_output=True, text=True, timeout=600,
         )
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-        assert result.stderr.strip().splitlines()[-1].startswith(f"kvpress_peer_check.py: error: {message}"), result.stderr
+        assert result.stderr.strip().splitlines()[-1].startswith(f"kvpress_peer_check.py: {message}"), result.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["file"]
 
 
