@@ -95,6 +95,20 @@ def _balanced_parts(products: int, rows: int, device: torch.device) -> int:
     return 1
 
 
+def _split_tile(tile: int, parts: int, heads: int = 1) -> int:
+    """``tile`` (rows of ``heads`` heads each, the rows a KV head's product holds: ``heads x tile``) rounded down to the
+    fewest rows whose products ``parts`` divides, so that every whole tile splits (``_balanced_parts``)."""
+    step = parts // math.gcd(heads, parts)
+    return tile - tile % step if tile > step else tile
+
+
+def _per_part(x: torch.Tensor, parts: int) -> torch.Tensor:
+    """``x`` ``[B, H_kv, ...]`` in float32 as ``[B, H_kv, parts, ...]``, a copy a part (none for one part of a contiguous
+    float32 ``x``): the other operand of a product split into ``parts`` (``_balanced_parts``), batch-strided so that
+    no product copies it."""
+    return x.float()[:, :, None].expand(-1, -1, parts, *x.shape[2:]).contiguous()
+
+
 def row_tile(batch: int, heads: int, slots: int, device: torch.device | None = None) -> int:
     """Query rows per tile so that ``batch x heads x rows x slots`` stays within ``TILE_ELEMENTS`` (on a launch-bound
     ``device``, ``host.launch_bound``: a GPU, ``GPU_TILE_ELEMENTS``)."""
@@ -189,7 +203,7 @@ def _prob_tiles(
     tile, parts = _prob_tile_plan(q, k)
     q_pos = torch.where(q_valid, q_pos, torch.full_like(q_pos, -1))  # sees no slot
     scaled = q.float() * scale
-    kt = k.float()[:, :, None].expand(b, hkv, parts, c, d).contiguous().transpose(-1, -2)  # a copy a part
+    kt = _per_part(k, parts).transpose(-1, -2)
     empty = (slot_pos < 0)[:, :, None, :]
     buffer = torch.empty(b * h * tile * c, dtype=torch.float32, device=q.device)
     for start in range(0, n, tile):
@@ -209,7 +223,7 @@ def _prob_tile_plan(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
     hkv, c = k.shape[1], k.shape[2]
     tile = max(1, min(n, row_tile(b, h, c)))  # (no rows: no tile)
     parts = _balanced_parts(b * hkv, h // hkv * tile, q.device)
-    return (tile - tile % parts if tile > parts else tile), parts
+    return _split_tile(tile, parts, h // hkv), parts
 
 
 def _softmax_last(scores: torch.Tensor) -> torch.Tensor:
@@ -282,7 +296,7 @@ def _tiled_attention(
     b, h, n, _ = q.shape
     hkv, c = k.shape[1], k.shape[2]
     _, parts = _prob_tile_plan(q, k)
-    vp = v.float()[:, :, None].expand(b, hkv, parts, c, v.shape[-1]).contiguous()  # as ``_prob_tiles``' keys
+    vp = _per_part(v, parts)  # as ``_prob_tiles``' keys
     out = q.new_empty((b, n, h, v.shape[-1]), dtype=torch.float32).transpose(1, 2)
     for start, stop, probs in _prob_tiles(q, k, slot_pos, q_pos, q_valid, scale):
         g, r = probs.shape[2], stop - start
@@ -341,9 +355,8 @@ def _chunk_colmax(
     tile = max(1, TILE_ELEMENTS // max(1, b * h * n))
     # Each KV head's slots of a tile in ``parts`` products, over as many copies of its rows (``_balanced_parts``).
     parts = _balanced_parts(b * hkv, min(tile, hi - lo), q.device)
-    tile = tile - tile % parts if tile > parts else tile
-    rows = torch.cat([qf * scale, shift[..., None]], -1).reshape(b, hkv, 1, g * n, d + 1)
-    rows = rows.expand(-1, -1, parts, -1, -1).contiguous().transpose(-1, -2)
+    tile = _split_tile(tile, parts)
+    rows = _per_part(torch.cat([qf * scale, shift[..., None]], -1).reshape(b, hkv, g * n, d + 1), parts).transpose(-1, -2)
     keys = torch.cat([kf[:, :, lo:hi], kf.new_ones((b, hkv, hi - lo, 1))], -1)  # the scored span only
     buffer = torch.empty(b * h * min(tile, hi - lo) * n, dtype=torch.float32, device=q.device)  # one, for every tile
     for start in range(lo, hi, tile):
@@ -515,14 +528,10 @@ def causal_attention_stats(
     qs = (q.float() * scale).view(b, hkv, g, n, d)
     tile = min(n, FUSED_TILE_ROWS, max(1, FUSED_TILE_ELEMENTS // max(1, b * h * n)))
     # Each KV head's rows of a tile are split into ``parts`` products (``_balanced_parts``), each over its own copy
-    # of the head's keys and values: batch-strided views, so that no product copies them. The tile is then a multiple
-    # of the fewest rows whose ``g`` heads the parts divide (else every tile would run whole, beside those copies).
+    # of the head's keys and values; the tile is one that splits (else every tile would run whole, beside the copies).
     parts = _balanced_parts(b * hkv, g * tile, q.device)
-    step = parts // math.gcd(g, parts)
-    tile = tile - tile % step if tile > step else tile
-    kp = k.float()[:, :, None].expand(b, hkv, parts, n, d).contiguous()
-    vp = v.float()[:, :, None].expand(b, hkv, parts, n, v.shape[-1]).contiguous()
-    kt = kp.transpose(-1, -2)
+    tile = _split_tile(tile, parts, g)
+    kt, vp = _per_part(k, parts).transpose(-1, -2), _per_part(v, parts)
     scores = torch.empty(b * h * tile * n, dtype=torch.float32, device=q.device)
     future = torch.ones((tile, tile), dtype=torch.bool, device=q.device).triu_(1)
     for start in range(0, n, tile):
