@@ -367,7 +367,7 @@ class GateSet(nn.Module):
 
     def part_files(self, folder: Path) -> list[tuple[Path, Callable[[str], Any]]]:
         """The files of a kind's own parts (``load_parts``) that ``save_pretrained`` writes into ``folder`` with the
-        adapter's, as ``(path, write)`` (``atomic_write_all``); their folders made. None by default."""
+        adapter's, as ``(path, write)`` (``atomic_write_all``), their folders made; none by default."""
         return []
 
     @classmethod
