@@ -106,6 +106,15 @@ def test_causal_attention_stats_matches_sdpa_and_column_sums(n, shift, window, m
             assert win is None
 
 
+def test_a_product_that_does_not_split_copies_no_operand():
+    """``_per_part`` made a contiguous copy even for one part: a layer's keys and values held as a strided view (a
+    slice of a cache's storage) were copied whole on every call that did not split."""
+    held = torch.randn(2, 3, 16, 8)[:, :, :10]  # a slice: not contiguous
+    assert reference._per_part(held, 1).data_ptr() == held.data_ptr()
+    split = reference._per_part(held, 2)
+    assert split.shape == (2, 3, 2, 10, 8) and torch.equal(split[:, :, 1], held)
+
+
 @pytest.mark.parametrize(("threads", "parts"), [(1, 1), (2, 2), (3, 3), (4, 4), (5, 1)])
 def test_causal_attention_stats_splits_rows_to_balance_threads(threads, parts, monkeypatch):
     """Each KV head's rows of a tile are split into as many products as balance the CPU's threads (``_balanced_parts``:

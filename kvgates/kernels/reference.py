@@ -103,10 +103,11 @@ def _split_tile(tile: int, parts: int, heads: int = 1) -> int:
 
 
 def _per_part(x: torch.Tensor, parts: int) -> torch.Tensor:
-    """``x`` ``[B, H_kv, ...]`` in float32 as ``[B, H_kv, parts, ...]``, a copy a part (none for one part of a contiguous
-    float32 ``x``): the other operand of a product split into ``parts`` (``_balanced_parts``), batch-strided so that
-    no product copies it."""
-    return x.float()[:, :, None].expand(-1, -1, parts, *x.shape[2:]).contiguous()
+    """``x`` ``[B, H_kv, ...]`` in float32 as ``[B, H_kv, parts, ...]``: the other operand of a product split into
+    ``parts`` (``_balanced_parts``), a copy a part, batch-strided so that no product copies it; for one part a view
+    (``x`` itself in float32: a layer's cache is not copied for a product that does not split)."""
+    x = x.float()[:, :, None]
+    return x if parts == 1 else x.expand(-1, -1, parts, *x.shape[3:]).contiguous()
 
 
 def row_tile(batch: int, heads: int, slots: int, device: torch.device | None = None) -> int:
