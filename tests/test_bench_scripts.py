@@ -33,6 +33,17 @@ def test_every_bench_script_imports(script, monkeypatch):
 BENCH_COMMANDS = sorted(p.name for p in (ROOT / "bench").glob("*.py") if p.name not in ("common.py", "hardware.py"))
 
 
+def _run_help(script: str, monkeypatch) -> None:
+    """Import the bench script ``script`` and run its ``main`` with ``--help``."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (kernels.py and triton_compile.py add the repository root)
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location(f"bench_help_{script[:-3]}", ROOT / "bench" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    module.main()
+
+
 class _FullOutput(io.StringIO):
     """A standard output that takes no writes, as ``/dev/full``."""
 
@@ -46,29 +57,17 @@ def test_every_bench_scripts_help_raises_a_failed_write(script, monkeypatch):
     ended with status 0, silently: their parsers were argparse's, whose help ignores a failed write. Every bench
     script's parser is a ``kvgates.cli.OneLineParser`` now: the failed write reaches ``quiet_exits``, which ends the
     script as every command (status 1 and one sentence, or 141)."""
-    monkeypatch.setattr(sys, "path", list(sys.path))  # (kernels.py and triton_compile.py add the repository root)
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(f"bench_full_{script[:-3]}", ROOT / "bench" / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(sys, "argv", [script, "--help"])
     monkeypatch.setattr(sys, "stdout", _FullOutput())
     with pytest.raises(OSError, match="No space left"):
-        module.main()
+        _run_help(script, monkeypatch)
 
 
 @pytest.mark.parametrize("script", BENCH_COMMANDS)
 def test_every_bench_scripts_help_reads_without_rest_markup(script, monkeypatch, capsys):
     """``--help`` showed the docstring's reStructuredText inline literals with their double backticks: the description
     now goes through ``kvgates.cli.plain`` (single backticks)."""
-    monkeypatch.setattr(sys, "path", list(sys.path))  # (kernels.py and triton_compile.py add the repository root)
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(f"bench_help_{script[:-3]}", ROOT / "bench" / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(sys, "argv", [script, "--help"])
     with pytest.raises(SystemExit) as done:
-        module.main()
+        _run_help(script, monkeypatch)
     out = capsys.readouterr().out
     assert done.value.code == 0 and out.startswith("usage: ") and "``" not in out
 
