@@ -243,7 +243,7 @@ def _generate(argv: list[str]) -> int:
     pre.add_argument("--policy", default="full")
     known, _ = pre.parse_known_args(argv)
     if known.policy not in POLICIES:
-        print(f"kvgates: unknown policy {known.policy!r}; available policies: {', '.join(sorted(POLICIES))}", file=sys.stderr)
+        print(f"kvgates generate: unknown policy {known.policy!r}; available policies: {', '.join(sorted(POLICIES))}", file=sys.stderr)
         return USAGE_ERROR
     parser = OneLineParser(
         prog="kvgates generate", description="Generate text with a budgeted KV cache.",
@@ -472,7 +472,7 @@ def _main(argv: list[str]) -> int:
         if isinstance(err, OSError) and stdout_failure() is not None:
             raise  # (quiet_exits says so)
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"kvgates: {message}", file=sys.stderr)
+        print(f"kvgates {argv[0]}: {message}", file=sys.stderr)  # the command's name, as its parser's errors give it
         return USAGE_ERROR
 
 

@@ -238,6 +238,7 @@ def bad_models(tmp_path_factory):
         (["--policy", "trimkv", "--budget", "8", "--gates", "FOREIGN", "--prompt", "x"], "were trained for"),
         (["--policy", "trimkv", "--budget", "8", "--gates", "FOREIGN", "--prompt", "x"], "pass --strict false to attach them"),
         (["--policy", "locret", "--budget", "8", "--prompt", "x"], "--policy locret needs --gates"),
+        (["--policy", "snap", "--prompt", "x"], "unknown policy 'snap'; available policies: adakv, "),
         (["--policy", "adakv", "--base", "trimkv-snap", "--budget", "8", "--prompt", "x"],
          "--policy trimkv-snap needs --base-params gates=..."),
         (["--policy", "adakv", "--budget", "8", "--base-params", "window", "--prompt", "x"], "--base-params: expected key=value"),
@@ -272,6 +273,7 @@ def test_bad_input_is_one_clear_error(checkpoint, foreign_gates, bad_models, tmp
     out, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if line.strip()]
     assert out == "" and len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+    assert lines[0].startswith("kvgates generate: "), lines  # the command's name, as its parser's errors give it
 
 
 def test_policy_help_states_each_option_s_real_default(capsys):
