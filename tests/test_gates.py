@@ -322,6 +322,39 @@ def test_a_save_interrupted_while_writing_leaves_the_old_adapter_whole(tiny_pair
     assert GateSet.from_pretrained(tmp_path).config == old.config
 
 
+@pytest.mark.parametrize("replacing", [True, False])
+def test_a_save_interrupted_between_its_moves_undoes_the_moves_made(tiny_pair, tmp_path, monkeypatch, replacing):
+    """Once every file was written, they were moved into place one by one: a Ctrl-C (or a failed move: a folder where
+    the card goes) between two moves left the new weights beside the old config and card. The moves made are now
+    undone: the old files are put back, and the files of a first save removed."""
+    _, model = tiny_pair
+    if replacing:
+        old = RetentionGates.for_model(model, training_budget=64)
+        old.save_pretrained(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    new = RetentionGates.for_model(model, training_budget=32)
+    with torch.no_grad():
+        next(new.parameters()).add_(1.0)
+    replace, moves = os.replace, []
+
+    def interrupted(src, dst, *args, **kwargs):
+        moves.append(dst)
+        if len(moves) == 2:
+            raise KeyboardInterrupt
+        return replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        new.save_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # as it was, no temporary file left
+    (tmp_path / "README.md").unlink(missing_ok=True)
+    (tmp_path / "README.md").mkdir()  # a move that fails on its own
+    with pytest.raises(OSError):
+        new.save_pretrained(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == {k: v for k, v in before.items() if k != "README.md"}
+
+
 def test_adapter_files_get_the_permissions_of_any_written_file(tiny_pair, tmp_path):
     """Saved through temporary files, an adapter's files are still readable as the umask allows (mkstemp's files are
     owner-only: a trained adapter could not be read by another user of the machine)."""

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -155,11 +156,14 @@ def atomic_write(path: Path, write: Callable[[str], Any]) -> None:
 def atomic_write_all(files: Sequence[tuple[Path, Callable[[str], Any]]]) -> None:
     """``atomic_write`` of several files that belong together: each is written through its temporary file first,
     and only then are all moved into place, so that an error or a Ctrl-C while writing (the time a save takes)
-    leaves every old file as it was, not some files new beside others old; what remains is the moves (a few system
-    calls)."""
+    leaves every old file as it was, not some files new beside others old. Should a move fail (a folder where a
+    file goes, a Ctrl-C between two moves), the moves already made are undone: each old file was kept aside
+    (``_keep_aside``) and is put back, and a file that did not exist before is removed."""
     umask = os.umask(0)
     os.umask(umask)
     staged: list[tuple[str, Path]] = []
+    kept: list[str] = []  # the old files kept aside
+    moved: list[tuple[Path, str | None]] = []  # each file moved into place, and its old file kept aside (None: none)
     try:
         for path, write in files:
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -168,11 +172,35 @@ def atomic_write_all(files: Sequence[tuple[Path, Callable[[str], Any]]]) -> None
             write(tmp)
             os.chmod(tmp, 0o666 & ~umask)
         for tmp, path in staged:
+            old = _keep_aside(path, kept) if os.path.isfile(path) else None
             os.replace(tmp, path)
+            moved.append((path, old))
+    except BaseException:
+        for path, old in reversed(moved):
+            if old is None:
+                os.remove(path)
+            else:
+                os.replace(old, path)
+        raise
     finally:
-        for tmp, _ in staged:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        for leftover in [t for t, _ in staged] + kept:
+            if os.path.exists(leftover):
+                os.remove(leftover)
+
+
+def _keep_aside(path: Path, kept: list[str]) -> str:
+    """A second name for ``path``'s file in its folder (a hard link; a copy where the file system has none), so that
+    ``atomic_write_all`` can put the file back after replacing it; the name is added to ``kept`` first, for its
+    caller to remove."""
+    fd, aside = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.old.")
+    os.close(fd)
+    kept.append(aside)
+    os.remove(aside)
+    try:
+        os.link(path, aside)
+    except OSError:
+        shutil.copy2(path, aside)
+    return aside
 
 
 def _holds(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bool:
