@@ -19,6 +19,7 @@ the context tokens. kvpress gives the chat prefix no score but its sinks; the co
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +38,18 @@ def model_folder() -> Path:
     return found[-1]
 
 
+def save(obj: object, path: Path) -> None:
+    """``torch.save`` through a temporary file in the same folder, so that a side interrupted while it saves leaves no
+    torn file for the next side to read (kvgates' ``atomic_write`` is not imported: this side may run in kvpress's
+    environment)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def prompts_side(out: Path) -> None:
     """Save the prompts: the chat template's user prefix, then a window of the essays, per context length."""
     from transformers import AutoTokenizer
@@ -49,7 +62,7 @@ def prompts_side(out: Path) -> None:
     prefix = tokenizer.encode(text.split(marker)[0], add_special_tokens=False)
     words = tokenizer.encode(paul_graham_essays(), add_special_tokens=False)
     inputs = [torch.tensor([prefix + words[:n]]) for n in LENGTHS]
-    torch.save({"prefix": len(prefix), "inputs": inputs}, out / "prompts.pt")
+    save({"prefix": len(prefix), "inputs": inputs}, out / "prompts.pt")
     print(f"{len(inputs)} prompts saved to {out / 'prompts.pt'}")
 
 
@@ -78,7 +91,7 @@ def kvpress_side(out: Path) -> None:
     repeat = tokenizer.encode("\n\nRepeat the previous context exactly.", add_special_tokens=False)
     template = tokenizer.apply_chat_template([{"role": "user", "content": "x\n#"}], tokenize=False, add_generation_prompt=True)
     suffix = tokenizer.encode(template.split("x\n#")[1], add_special_tokens=False)
-    torch.save({"prefix": prefix, "inputs": inputs, "scores": Recording.recorded, "repeat_ids": repeat + suffix}, out / "kvpress.pt")
+    save({"prefix": prefix, "inputs": inputs, "scores": Recording.recorded, "repeat_ids": repeat + suffix}, out / "kvpress.pt")
     print(f"kvpress scores of {len(inputs)} prompts saved to {out / 'kvpress.pt'}")
 
 

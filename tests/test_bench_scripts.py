@@ -93,12 +93,13 @@ def test_ctrl_c_ends_a_bench_script_quietly(script, monkeypatch, capsys):
 
 def test_an_interrupted_plot_or_trace_leaves_no_half_written_file(tmp_path, monkeypatch):
     """Ctrl-C while ``bench/kv_memory.py --plot`` or ``bench/policy_profile.py --trace`` wrote left a truncated PNG or
-    JSON trace: each is now written through a temporary file, and nothing is left of it."""
+    JSON trace, and ``bench/kvpress_peer_check.py``'s sides a torn ``.pt`` file the next side failed to read: each is
+    now written through a temporary file, and nothing is left of it."""
     import matplotlib.figure
 
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     modules = {}
-    for name in ("kv_memory", "policy_profile"):
+    for name in ("kv_memory", "policy_profile", "kvpress_peer_check"):
         spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
         modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(modules[name])
@@ -109,6 +110,9 @@ def test_an_interrupted_plot_or_trace_leaves_no_half_written_file(tmp_path, monk
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", half_then_interrupt)
     monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", half_then_interrupt)
+    monkeypatch.setattr(torch, "save", lambda obj, path: half_then_interrupt(None, path))
+    with pytest.raises(KeyboardInterrupt):
+        modules["kvpress_peer_check"].save({"inputs": []}, tmp_path / "prompts.pt")
     with pytest.raises(KeyboardInterrupt):
         modules["kv_memory"].plot({"DynamicCache": [1, 2]}, [1, 2], tmp_path / "kv.png")
     with pytest.raises(KeyboardInterrupt):
