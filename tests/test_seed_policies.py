@@ -97,14 +97,17 @@ def test_morphkv_holds_exactly_capacity_on_gqa_models(family):
 
 
 # ------------------------------------------------------------------------------------------------ D2O
-def test_d2o_layer_variance_and_ratios():
+@pytest.mark.parametrize("hkv", [1, 2, HKV])
+def test_d2o_layer_variance_and_ratios(hkv):
     g = torch.Generator().manual_seed(0)
-    scores = torch.rand(B, HKV, C, generator=g) * torch.arange(1, HKV + 1)[None, :, None]
-    valid = torch.rand(B, HKV, C, generator=g) > 0.3
+    scores = torch.rand(B, hkv, C, generator=g) * torch.arange(1, hkv + 1)[None, :, None]
+    valid = torch.rand(B, hkv, C, generator=g) > 0.3
     v = layer_variance(scores, valid)
     for b in range(B):
-        per_head = [[float(x) for x, ok in zip(scores[b, h], valid[b, h]) if ok] for h in range(HKV)]
+        per_head = [[float(x) for x, ok in zip(scores[b, h], valid[b, h]) if ok] for h in range(hkv)]
         assert v[b].item() == pytest.approx(brute.d2o_layer_variance(per_head), abs=1e-6)
+    if hkv < 3:  # min-max over one head is 0, over two heads 0 and 1: every layer alike (the docstring's caveat)
+        assert v.tolist() == [0.5 * (hkv - 1)] * B
     variances = torch.rand(5, B, generator=g)
     rho = torch.tensor([0.2, 0.05])
     ratios = d2o_layer_ratios(variances, rho)
@@ -155,8 +158,8 @@ def test_d2o_merge_matches_brute_force(rule):
     assert state.tau.item() == pytest.approx(tau2, abs=1e-6)
 
 
-def test_d2o_layer_budgets_follow_variance(tiny):
-    _, model = tiny
+def test_d2o_layer_budgets_follow_variance():
+    _, model = tiny_model("llama", num_key_value_heads=4)  # (the shared tiny model's two KV heads give every layer one v_l)
     cache = BudgetCache(model.config, "d2o", budget=10, sinks=2)
     ids = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -164,8 +167,27 @@ def test_d2o_layer_budgets_follow_variance(tiny):
     variances = [cache.policy.layer_state(layer).variance.item() for layer in cache.budget_layers]
     ratios = brute.d2o_ratios(variances, 10 / 50)
     expected = [max(round(r * 50), 3) for r in ratios]
-    assert [int(layer.quota.max()) for layer in cache.budget_layers] == expected
+    assert [int(layer.quota.max()) for layer in cache.budget_layers] == expected and len(set(expected)) > 1
     assert cache.held_tokens()[:, 0, 0].tolist() == expected
+
+
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_d2o_with_one_or_two_kv_heads_gives_every_layer_the_budget(hkv):
+    """With one KV head (MQA) or two every layer's ``v_l`` is the same, so every layer gets the budget; the layer
+    budgets, merges and decode-time evictions hold it on a batch with a left-padded row, with finite logits."""
+    _, model = tiny_model("llama", num_key_value_heads=hkv)
+    cache = BudgetCache(model.config, "d2o", budget=9, sinks=2)
+    ids = torch.randint(1, 128, (2, 44), generator=torch.Generator().manual_seed(hkv))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    with torch.no_grad():
+        logits = [model(ids[:, :30], attention_mask=mask[:, :30], past_key_values=cache).logits]
+        assert [cache.policy.layer_state(layer).variance.tolist() for layer in cache.budget_layers] == [[0.5 * (hkv - 1)] * 2] * 3
+        for t in range(30, 44):
+            logits.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache).logits)
+            assert cache.held_tokens().unique().tolist() == [9]
+    assert all(layer.quota.unique().tolist() == [9] for layer in cache.budget_layers)
+    assert torch.isfinite(torch.cat(logits, 1)).all()
 
 
 def test_d2o_layer_variances_are_computed_at_each_layers_end_of_prompt(tiny, monkeypatch):
@@ -507,17 +529,28 @@ def test_kvmerger_calibrates_to_budget(tiny):
 
 
 # ------------------------------------------------------------------------------------------------ Ada-KV
+@pytest.mark.parametrize("alpha", [0.2, 0.5])
+@pytest.mark.parametrize("hkv", [1, 2, HKV, 5])
 @pytest.mark.parametrize("seed", range(3))
-def test_adakv_budgets_and_selection(seed):
+def test_adakv_budgets_and_selection(seed, hkv, alpha):
+    # One KV head (MQA), two, uneven counts; an int budget and one a sequence (the second row 7, not divisible by the
+    # heads), the second row shorter (its slots past 14 empty, as a padded row's).
     policy = AdaKV(budget=9, base="h2o", base_params={"recent": 3})
-    layer = make_layer(policy, random_positions(B, HKV, C, held=20, seed=seed))
-    layer.state[CUMULATIVE] = torch.rand(B, HKV, C, generator=torch.Generator().manual_seed(seed)) ** 3
-    scores, forced = policy.inner.score(layer, stats())
-    budgets = adakv_head_budgets(scores, forced, layer.valid, 9, 0.2)
-    for b in range(B):
-        per_head = [scores_of(layer, scores, b, h) for h in range(HKV)]
-        forced_sets = [kept(layer, forced, b, h) for h in range(HKV)]
-        assert budgets[b].tolist() == brute.adakv_budgets(per_head, forced_sets, 9, 0.2)
+    pos = random_positions(B, hkv, C, held=20, seed=seed)
+    pos[1][pos[1] >= 14] = -1
+    layer = make_layer(policy, pos)
+    layer.state[CUMULATIVE] = torch.rand(B, hkv, C, generator=torch.Generator().manual_seed(seed)) ** 3
+    scores, forced = policy.inner.score(layer, AttnStats(phase=Phase.PREFILL, new_slots=torch.zeros(B, hkv, 1, dtype=torch.long)))
+    for budget in (9, torch.tensor([[9], [7]])):
+        budgets = adakv_head_budgets(scores, forced, layer.valid, budget, alpha)
+        for b in range(B):
+            row = budget if isinstance(budget, int) else int(budget[b])
+            per_head = [scores_of(layer, scores, b, h) for h in range(hkv)]
+            forced_sets = [kept(layer, forced, b, h) for h in range(hkv)]
+            assert budgets[b].tolist() == brute.adakv_budgets(per_head, forced_sets, row, alpha)
+            # The spec's rounding moves the layer total off hkv * budget: over it by at most half a token a head, under
+            # it by less than one and a half (the floor, then the rounding: one head, budget 7, alpha 0.2 gives 3 + 3).
+            assert hkv * row - 3 * hkv / 2 <= int(budgets[b].sum()) <= hkv * row + hkv // 2
 
 
 def test_adakv_memory_follows_head_budgets(tiny):
