@@ -52,8 +52,9 @@ class AdaKV(Wrapper):
     """Ada-KV head-wise budgets (Feng et al. 2024, arXiv:2407.11550) around any scoring policy.
 
     The wrapped policy (``base``, default SnapKV; PyramidKV, H2O, MorphKV ... work alike) scores the tokens and
-    decides when to evict; Ada-KV redistributes the layer's ``H_kv * budget`` tokens among its KV heads with
-    ``adakv_head_budgets`` (the ``alpha`` floor keeps every head at least ``floor(alpha * B)``), and each head
+    decides when to evict; Ada-KV redistributes about the layer's ``H_kv * budget`` tokens among its KV heads with
+    ``adakv_head_budgets`` (the ``alpha`` floor keeps every head at least ``floor(alpha * B)``; the paper's rounding,
+    as its code's: the heads' budgets may sum to a few tokens less, or up to half a token a head more), and each head
     keeps its forced tokens (window, sinks) plus its own top ``B_h``. A sequence's head budgets are set when it
     first exceeds the layer budget (re-set at the end of each later prompt chunk) and kept for decode-time
     evictions; a sequence within the layer budget is left alone, as it would be outside the batch. Storage
