@@ -19,7 +19,8 @@ CUMULATIVE = "cumulative_attention"
 @dataclass
 class CumulativeAttention(Policy):
     """Base of policies that score a token by the attention it received from every query so far (prompt rows,
-    computed tile by tile, and decode rows), aggregated over each GQA group by ``group_reduce``."""
+    computed tile by tile, and decode rows), aggregated over each GQA group by ``group_reduce`` in each forward: with
+    ``max``, the sum of every forward's group maximum (it depends on how a prompt was chunked), not the group's largest sum."""
 
     group_reduce: str = "mean"
 

@@ -76,7 +76,8 @@ class SnapKV(WindowScored):
         window: observation window (default 32).
         kernel: pooling kernel, odd (default 7; 1 disables pooling).
         pooling: ``"max"`` (default) or ``"avg"``.
-        group_reduce: how query heads of a GQA group combine (default mean).
+        group_reduce: how query heads of a GQA group combine (default mean), in each attention call: with ``max`` the
+            prompt's window is the group's largest window sum, a ``decode=True`` window the sum of its steps' group maxima.
         decode: also compress during decode.
         decode_every: decode steps between compressions when ``decode=True``.
     """
