@@ -69,9 +69,11 @@ class DynamicKV(WindowScored):
     holds when it runs: a layer truncated by an earlier reallocation competes with the tokens it kept, not with
     its first ``r_max * b`` (the paper's Algorithm 1 gathers the layers' scores without saying which). A prompt given
     in chunks runs the whole rule at the end of each chunk, over what each layer holds then, scored by that chunk's
-    last ``window`` queries. The truncation of a reallocation before the last layer runs at the
-    end of the next layer, with the same result: the budgets' range it reads back is ready by then, and on a GPU
-    the next layer's work is still queued behind the truncation's launches instead of the device waiting for them.
+    last ``window`` queries (all of a shorter chunk's, as SnapKV's; the layers' room stays ``b``, so they hold up to
+    ``window`` less the chunk's length fewer tokens than their budgets, never more). The truncation of a
+    reallocation before the last layer runs at the end of the next layer, with the same result: the budgets' range
+    it reads back is ready by then, and on a GPU the next layer's work is still queued behind the truncation's
+    launches instead of the device waiting for them.
 
     Args:
         budget: average tokens per KV head per layer (window included).
