@@ -1064,9 +1064,11 @@ def test_prefill_memory_refuses_a_gpu_before_its_model(monkeypatch, capsys):
         ("policy_overhead", ["--prompt", "64", "--budget", "512"], "--prompt 64 is less than --budget 512: nothing would be evicted"),
         ("kv_memory", ["--prompt", "64", "--budget", "100"], "--prompt 64 is less than --budget 100: nothing would be evicted"),
         ("policy_profile", ["--context", "128", "--budget", "512"], "--context 128 is less than --budget 512: nothing would be evicted"),
-        ("prefill_memory", ["--tokens", "256", "8192", "--budget", "512"], "--tokens 256 is less than --budget 512: nothing would be evicted"),
+        # (--device cpu: on a machine with a GPU, its default there, prefill_memory refuses the GPU first)
+        ("prefill_memory", ["--device", "cpu", "--tokens", "256", "8192", "--budget", "512"],
+         "--tokens 256 is less than --budget 512: nothing would be evicted"),
         # a ValueError traceback from building D2O's cache once the model had loaded
-        ("prefill_memory", ["--tokens", "64", "--budget", "2"], "--budget 2: d2o: budget 2 must be larger than sinks=4"),
+        ("prefill_memory", ["--device", "cpu", "--tokens", "64", "--budget", "2"], "--budget 2: d2o: budget 2 must be larger than sinks=4"),
         ("ab_batching", ["--context", "256", "--budget", "512"], "--context 256 is less than --budget 512: nothing would be evicted"),
         ("gate_overhead", ["--gate-dtypes", "fp8"], "argument --gate-dtypes: invalid choice: 'fp8'"),
         ("policy_profile", ["--trace", "README.md"], "--trace README.md is a file; name the folder to write the traces in"),
