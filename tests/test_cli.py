@@ -82,12 +82,13 @@ def test_a_gpu_that_is_not_there_is_refused_before_the_model_loads(checkpoint, m
 def test_a_long_prompt_s_prefill_is_announced_on_stderr_only(checkpoint, monkeypatch, capsys):
     """``kvgates generate`` said nothing while a long prompt was prefilled (minutes, on a long context): a prompt of
     ``LONG_PROMPT`` tokens or more gets a line on stderr as its prefill starts and one as it ends; stdout still holds
-    the generated text alone, as it does for a short prompt, which gets neither line."""
+    the generated text alone, as it does for a short prompt, which gets neither line. (``--device cpu``: the line names
+    where the prompt runs, on a machine with a GPU by default the GPU.)"""
     from kvgates import cli
 
     assert f"({cli.LONG_PROMPT:,} tokens or more)" in cli.__doc__  # what kvgates --help says
     argv = ["generate", "--model", checkpoint, "--policy", "h2o", "--budget", "16", "--prompt", "hello there " * 5,
-            "--max-new-tokens", "3", "--prefill-chunk", "8"]
+            "--max-new-tokens", "3", "--prefill-chunk", "8", "--device", "cpu"]
     assert main(argv) == 0
     quiet = capsys.readouterr()
     assert "prefill" not in quiet.err
