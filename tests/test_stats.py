@@ -132,6 +132,29 @@ def test_causal_attention_stats_splits_rows_to_balance_threads(threads, parts, m
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
+def test_row_parts_forces_a_split_that_gives_the_same_results(monkeypatch):
+    """``reference.row_parts`` (what ``bench/cpu_attention.py`` times each split under) forces the parts of the CPU's
+    split products, unsplit included, wherever a part keeps ``MIN_PART_ROWS`` rows, never on a GPU; the results are
+    the default's, and the block's end restores the balancing choice."""
+    monkeypatch.setattr(reference, "MIN_PART_ROWS", 4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 6, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g)
+    default = reference.causal_attention_stats(q, k, v, 0.4, window=5)
+    assert reference._stats_tile_plan(q, k)[1] == 1  # 2 KV heads on 2 threads: balanced unsplit
+    for parts in (1, 2, 3, 4):
+        with reference.row_parts(parts):
+            assert reference._balanced_parts(2, 12, q.device) == (parts if 12 // parts >= 4 else 1)
+            assert reference._balanced_parts(2, 12, torch.device("meta")) == 1
+            assert reference._stats_tile_plan(q, k)[1] == parts
+            for got, expected in zip(reference.causal_attention_stats(q, k, v, 0.4, window=5), default):
+                torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    assert reference._stats_tile_plan(q, k)[1] == 1
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="row_parts: parts must be a positive integer"), reference.row_parts(bad):
+            pass
+
+
 def test_causal_attention_stats_tiles_are_a_multiple_of_the_parts(monkeypatch):
     """A prompt long enough that ``FUSED_TILE_ELEMENTS`` makes a tile's rows odd (a head's 5 rows on 2 threads: 2 parts)
     ran every tile whole, over ``parts`` copies of its keys and values made for the split: the tile is now a multiple

@@ -19,6 +19,8 @@ Probabilities and scores are returned in float32 whatever the input dtype.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from collections.abc import Callable, Iterator
 
@@ -76,6 +78,25 @@ MAX_ROW_PARTS = 4
 MIN_PART_ROWS = 32
 
 
+#: The parts ``row_parts`` forces on the split products (None: ``_balanced_parts`` chooses).
+_FORCED_PARTS: contextvars.ContextVar[int | None] = contextvars.ContextVar("kvgates_row_parts", default=None)
+
+
+@contextlib.contextmanager
+def row_parts(parts: int) -> Iterator[None]:
+    """Within the block, the CPU's split products (``_balanced_parts``) split each KV head's rows into ``parts`` parts
+    (1: unsplit) instead of the balancing choice, wherever a part keeps at least ``MIN_PART_ROWS`` rows: how
+    ``bench/cpu_attention.py`` times each split against the default on a machine's threads. The results are the same
+    whatever the parts; a GPU is never split."""
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"row_parts: parts must be a positive integer, got {parts!r}")
+    token = _FORCED_PARTS.set(parts)
+    try:
+        yield
+    finally:
+        _FORCED_PARTS.reset(token)
+
+
 def _balanced_parts(products: int, rows: int, device: torch.device) -> int:
     """Into how many parts a tile's batched product splits each KV head's ``rows`` rows (``causal_attention_stats``'
     and ``_prob_tiles``' query rows, ``_chunk_colmax``'s slots), so that the products (``products`` of them unsplit:
@@ -85,9 +106,13 @@ def _balanced_parts(products: int, rows: int, device: torch.device) -> int:
     threads left one thread a head idle. 2 parts of each head's rows (6 products) made one layer's prefill attention
     at 4K 1.1-1.25x faster (1.52x sdpa's time to 1.35x, and 1.74x to 1.39x, in paired rounds), with the same results;
     3 or 4 parts were slower than 2. 1 on a GPU, where nothing is gained, where the products already divide evenly,
-    and where no split of at most ``MAX_ROW_PARTS`` parts of at least ``MIN_PART_ROWS`` rows does."""
+    and where no split of at most ``MAX_ROW_PARTS`` parts of at least ``MIN_PART_ROWS`` rows does. ``row_parts``
+    forces a number of parts instead (``bench/cpu_attention.py``)."""
     if device.type != "cpu":
         return 1
+    forced = _FORCED_PARTS.get()
+    if forced is not None:
+        return forced if rows // forced >= MIN_PART_ROWS else 1
     threads = torch.get_num_threads()
     for parts in range(1, MAX_ROW_PARTS + 1):
         if (products * parts) % threads == 0 and (parts == 1 or rows // parts >= MIN_PART_ROWS):
@@ -527,11 +552,7 @@ def causal_attention_stats(
     sums = q.new_zeros((b, hkv, g, n), dtype=torch.float32)
     win = q.new_zeros((b, hkv, g, n), dtype=torch.float32) if w else None
     qs = (q.float() * scale).view(b, hkv, g, n, d)
-    tile = min(n, FUSED_TILE_ROWS, max(1, FUSED_TILE_ELEMENTS // max(1, b * h * n)))
-    # Each KV head's rows of a tile are split into ``parts`` products (``_balanced_parts``), each over its own copy
-    # of the head's keys and values; the tile is one that splits (else every tile would run whole, beside the copies).
-    parts = _balanced_parts(b * hkv, g * tile, q.device)
-    tile = _split_tile(tile, parts, g)
+    tile, parts = _stats_tile_plan(q, k)
     kt, vp = _per_part(k, parts).transpose(-1, -2), _per_part(v, parts)
     scores = torch.empty(b * h * tile * n, dtype=torch.float32, device=q.device)
     future = torch.ones((tile, tile), dtype=torch.bool, device=q.device).triu_(1)
@@ -549,6 +570,18 @@ def causal_attention_stats(
             win[..., :stop] += e[..., max(0, n - w - start) :, :].sum(-2)
         out[:, :, start:stop] = torch.matmul(e.view(b, hkv, p, g * r // p, stop), vp[:, :, :p, :stop]).view(b, h, r, -1)
     return out, sums.view(b, h, n), None if win is None else win.view(b, h, n)
+
+
+def _stats_tile_plan(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
+    """``causal_attention_stats``' query rows per tile (column sums: ``FUSED_TILE_ROWS``, at most
+    ``FUSED_TILE_ELEMENTS`` scores) and the parts each KV head's rows of a tile are split into, each over its own copy
+    of the head's keys and values (``_balanced_parts``); the tile is one that splits (else every tile would run
+    whole, beside the copies)."""
+    b, h, n, _ = q.shape
+    hkv = k.shape[1]
+    tile = min(n, FUSED_TILE_ROWS, max(1, FUSED_TILE_ELEMENTS // max(1, b * h * n)))
+    parts = _balanced_parts(b * hkv, h // hkv * tile, q.device)
+    return _split_tile(tile, parts, h // hkv), parts
 
 
 def pool_by_position(scores: torch.Tensor, slot_pos: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
