@@ -3,7 +3,7 @@
 #
 #     bash bench/gpu_session.sh STAGE...    # STAGE: issue27 env tests decode-sweep prefill-sweep profile prefill-b1 decode
 #                                           #        captured captured-evict captured-merge prefill prefill-rest kernels train
-#                                           #        train-dms
+#                                           #        train-dms cpu-threads
 #
 # A session has 15 minutes of device time (the machine's start, a minute or two, and every idle wait included),
 # 10 minutes a call, and at most 8 files come back from $OUT: two calls, `issue27` (its stages' limits add up to
@@ -55,6 +55,9 @@
 #                            while the prefill's torch reference was timed at every shape)
 #   train           (~8 min) issue 28: gate-training step vs a teacher forward, 135M at 1K-16K, 8B at 8K
 #   train-dms       (~8 min) issue 28: the same for DMS (dms_attention_fused), the DMS recipe's memory
+#   cpu-threads     (~1 min) issue 27, on the machine's CPU (no GPU needed): the scoring prefill's attention under
+#                            each split of its batched products at 16, 8, 4 and 2 threads (bench/cpu_attention.py),
+#                            SmolLM2-135M's heads and Llama-3.1-8B's at 4K: the split is timed on 2 cores only
 #
 # The machine has no network: the packages kvgates needs beyond what it has travel as wheels in the checkout's
 # git-ignored .whl/ (`make gpu-wheels` downloads them; ../shared/GPU.md) and are installed once per machine into
@@ -66,7 +69,7 @@ case ${OUT:-} in "" | /*) ;; *) OUT="$PWD/$OUT" ;; esac  # a relative OUT is the
 cd "$(dirname "$0")/.."
 # Every stage named is checked before any runs: a misspelt one is refused before a GPU's minutes go to the others.
 STAGES=(issue27 env tests decode-sweep prefill-sweep profile prefill-b1 decode captured captured-evict captured-merge prefill
-    prefill-rest kernels train train-dms)
+    prefill-rest kernels train train-dms cpu-threads)
 USAGE="usage: bash bench/gpu_session.sh STAGE... (stages: ${STAGES[*]}; what each does: the comments at the top of this script)"
 if [ "$#" = 0 ]; then
     echo "$USAGE" >&2
@@ -104,11 +107,11 @@ if [ -d .whl/smollm2-135m-tokenizer ]; then
     export KVGATES_TEST_TOKENIZER="$PWD/.whl/smollm2-135m-tokenizer"
 fi
 
-# Stages other than env and tests measure a GPU: without one (and not a smoke run) the call ends here, before an 8B
-# random model is built on the host (32 GB in float32 for the decode stage), and before any wheel is installed.
+# Stages other than env, tests and cpu-threads measure a GPU: without one (and not a smoke run) the call ends here,
+# before an 8B random model is built on the host (32 GB in float32 for the decode stage), and before any wheel is installed.
 MEASURING=()
 for name in "$@"; do
-    [ "$name" != env ] && [ "$name" != tests ] && MEASURING+=("$name")
+    [ "$name" != env ] && [ "$name" != tests ] && [ "$name" != cpu-threads ] && MEASURING+=("$name")
 done
 if [ "$SMOKE" != 1 ] && [ "${#MEASURING[@]}" != 0 ] && ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     echo "no CUDA device here, and these stages measure a GPU: ${MEASURING[*]} (GPU_SESSION_SMOKE=1 runs every stage at toy sizes, to check this script)" >&2
@@ -154,6 +157,7 @@ if [ "$SMOKE" = 1 ]; then
     PROFILE="--model random --layers 2 --context 160 --budget 64 --batch 1 --steps 2"
     PREFILL_ONE="--contexts 160 --budget 64 --batch 1 --steps 1 --rounds 1 --slack 0" PREFILL_TUNED="$PREFILL_ONE"
     PREFILL_16K="--contexts 96 --budget 48 --batch 1 --steps 1 --rounds 1 --slack 0"  # (five policies at 160: past 180 s)
+    CPU_SMALL="--contexts 128 --threads 1 2 --rounds 1" CPU_BIG="$CPU_SMALL"
     KERNEL_TESTS="--collect-only $KERNEL_TESTS" GPU_PATHS="env KVGATES_KERNELS=triton KVGATES_LAUNCH_BOUND=1"
     export TRITON_INTERPRET=1
 else
@@ -171,6 +175,8 @@ else
     PREFILL_ONE="--contexts 8192 --budget 1024 --batch 1 --steps 1 --rounds 3 --slack 0"
     PREFILL_TUNED="--contexts 8192 --budget 1024 --batch 1 --steps 1 --rounds 2 --slack 0"
     PREFILL_16K="--contexts 16384 --budget 1024 --batch 1 --steps 1 --rounds 2 --slack 0"
+    CPU_SMALL="--contexts 4096 --threads 16 8 4 2 --parts 1 2 3 4 6 8 --rounds 5"
+    CPU_BIG="--shape llama-3.1-8b --contexts 4096 --threads 16 8 --parts 1 2 4 --rounds 3"
 fi
 
 # stage NAME SECONDS COMMAND...: run COMMAND with a time limit (then 20 s of grace), its output to the terminal and
@@ -349,6 +355,12 @@ for name in "$@"; do
         stage train-dms 250 "$PY" bench/train_step.py $SMALL $TRAIN_SMALL --kinds dms
         # shellcheck disable=SC2086
         stage train-dms 250 "$PY" bench/train_step.py $BIG $TRAIN_BIG --kinds dms --checkpoint-layers --dtype bfloat16
+        ;;
+    cpu-threads)
+        # shellcheck disable=SC2086
+        stage cpu-threads 90 "$PY" bench/cpu_attention.py $CPU_SMALL
+        # shellcheck disable=SC2086
+        stage cpu-threads 90 "$PY" bench/cpu_attention.py $CPU_BIG
         ;;
     esac
 done

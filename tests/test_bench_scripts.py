@@ -237,6 +237,31 @@ def bench_kernels(monkeypatch):
     return kernels
 
 
+def test_the_cpu_attention_bench_times_each_split_of_the_default_s_results(monkeypatch, capsys):
+    """``bench/cpu_attention.py``: per thread count and length, sdpa, the default split (naming its parts) and each
+    forced one (``reference.row_parts``), whose results it checks equal before timing; threads back as they were."""
+    threads = torch.get_num_threads()
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.setattr(sys, "argv", ["cpu_attention.py", "--contexts", "128", "--rounds", "2", "--threads", "1", "2", "--parts", "1", "2",
+                                      "--window", "8"])
+    try:
+        runpy.run_path(str(ROOT / "bench" / "cpu_attention.py"), run_name="__main__")
+    except SystemExit as done:
+        assert done.code in (0, None)
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "smollm2-135m's heads (9 query, 3 KV, dim 64)" in out
+    for header in ("1 threads, 128 tokens", "2 threads, 128 tokens"):
+        table = out.split(header)[1]
+        assert all(f"| {arm} |" in table for arm in ("sdpa (no statistics)", "1 part", "2 parts")), table
+    assert "| default (1 part) |" in out.split("2 threads")[0] and "| default (2 parts) |" in out.split("2 threads")[1]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "cpu_attention.py"), "--parts", "2", "0"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("cpu_attention.py: --parts must be at least 1, got 0")
+
+
 def test_every_configuration_the_prefill_sweep_measures_is_one_the_override_takes(bench_kernels):
     """``bench/kernels.py --sweep-prefill --best-json`` writes its fastest pair for KVGATES_PREFILL_CONFIG: any
     configuration of its grids (on a GPU, not the smoke run's) must parse there, or ``prefill-tuned`` measures
@@ -640,6 +665,14 @@ def test_gpu_session_env_stage_logs_versions_and_an_unknown_stage_is_refused(tmp
     assert log.startswith("=== env skipped: ") and "of the call's 5 s" in log and "\n=== summary\nenv: skipped, " in log
 
 
+def test_gpu_session_cpu_threads_stage_times_the_cpu_split_at_toy_sizes(tmp_path):
+    """``cpu-threads`` (the CPU's split products timed at each thread count) runs both its benches."""
+    result = _gpu_session(tmp_path, "cpu-threads")
+    assert result.returncode == 0, result.stderr
+    log = (tmp_path / "session.log").read_text()
+    assert log.count("=== cpu-threads done, exit status 0") == 2 and log.count("| default (2 parts) |") == 2, log
+
+
 def test_gpu_session_refuses_seconds_that_are_not_a_whole_number_before_it_makes_anything(tmp_path):
     """``GPU_SESSION_SECONDS=300s`` (or ``abc``) ran no stage and exited 0, or ended in 'unbound variable'."""
     for seconds in ("300s", "abc"):
@@ -712,8 +745,10 @@ def test_gpu_session_without_a_stage_says_how_to_call_it_and_without_a_gpu_refus
     if torch.cuda.is_available():
         return
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "GPU_SESSION_SMOKE": "0"}
-    result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), "env", "decode"], capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 2 and result.stderr.strip() == (
+    result = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_session.sh"), "env", "cpu-threads", "decode"], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 2 and result.stderr.strip() == (  # (cpu-threads measures the machine's CPU: not listed)
         "no CUDA device here, and these stages measure a GPU: decode (GPU_SESSION_SMOKE=1 runs every stage at toy sizes, to check this script)"
     )
     assert list(tmp_path.iterdir()) == []  # no stage ran, env neither
@@ -726,7 +761,7 @@ def test_gpu_session_stages_run_at_toy_sizes(tmp_path):
     few minutes are not spent on a broken script; whatever the stages, a call leaves three files, within the 8 a
     device call brings back."""
     stages = ("decode-sweep", "prefill-sweep", "profile", "prefill-b1", "decode", "captured", "captured-evict", "captured-merge", "prefill",
-              "prefill-rest", "kernels", "train", "train-dms")
+              "prefill-rest", "kernels", "train", "train-dms", "cpu-threads")
     result = _gpu_session(tmp_path, *stages, "issue27")
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prefill-best.json", "session.log", "tests.xml", "traces.tar.gz"]
