@@ -5,6 +5,7 @@ import json
 import os
 import re
 import socket
+from pathlib import Path
 
 import brute
 import pytest
@@ -16,6 +17,7 @@ from transformers import DynamicCache
 
 import kvgates
 from kvgates import AdapterError, BudgetCache, GateSet, GlobalRetentionGates, RetainingHeads, RetentionGates
+from kvgates.gates.adapter import atomic_write_all
 from kvgates.policies import Locret, TrimKV, TrimKVGlobal
 from kvgates.policies.trimkv_global import global_keep
 from kvgates.runtime.stats import AttnStats, Phase
@@ -353,6 +355,33 @@ def test_a_save_interrupted_between_its_moves_undoes_the_moves_made(tiny_pair, t
     with pytest.raises(OSError):
         new.save_pretrained(tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == {k: v for k, v in before.items() if k != "README.md"}
+
+
+def _move_files(paths: list, monkeypatch, interrupt_after: int) -> None:
+    """``atomic_write_all`` of ``paths`` (each to 'new'), a Ctrl-C raised as the ``interrupt_after``-th move returns (the
+    file moved: a signal that arrives during the system call is raised then)."""
+    replace, moves = os.replace, []
+
+    def interrupted(src, dst, *args, **kwargs):
+        moves.append(dst)
+        replace(src, dst, *args, **kwargs)
+        if len(moves) == interrupt_after:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", interrupted)
+        atomic_write_all([(path, lambda tmp: Path(tmp).write_text("new")) for path in paths])
+
+
+def test_a_ctrl_c_raised_as_a_move_returns_undoes_that_move_too(tmp_path, monkeypatch):
+    """A Ctrl-C that arrives while a file is moved into place is raised as the move returns: that move was not undone
+    with the others (it was recorded after it), its new file left beside the old others."""
+    paths = [tmp_path / name for name in ("a", "b", "c")]
+    for path in paths:
+        path.write_text("old")
+    with pytest.raises(KeyboardInterrupt):
+        _move_files(paths, monkeypatch, interrupt_after=2)
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "c"] and [p.read_text() for p in paths] == ["old"] * 3
 
 
 def test_adapter_files_get_the_permissions_of_any_written_file(tiny_pair, tmp_path):

@@ -163,7 +163,7 @@ def atomic_write_all(files: Sequence[tuple[Path, Callable[[str], Any]]]) -> None
     os.umask(umask)
     staged: list[tuple[str, Path]] = []
     kept: list[str] = []  # the old files kept aside
-    moved: list[tuple[Path, str | None]] = []  # each file moved into place, and its old file kept aside (None: none)
+    moves: list[tuple[str, Path, str | None]] = []  # each move begun: its temporary file, its path, its old file kept aside (None: none)
     try:
         for path, write in files:
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -173,10 +173,12 @@ def atomic_write_all(files: Sequence[tuple[Path, Callable[[str], Any]]]) -> None
             os.chmod(tmp, 0o666 & ~umask)
         for tmp, path in staged:
             old = _keep_aside(path, kept) if os.path.isfile(path) else None
+            moves.append((tmp, path, old))  # before the move: a Ctrl-C during its system call is raised as it returns
             os.replace(tmp, path)
-            moved.append((path, old))
     except BaseException:
-        for path, old in reversed(moved):
+        for tmp, path, old in reversed(moves):
+            if os.path.lexists(tmp):
+                continue  # (not moved)
             if old is None:
                 os.remove(path)
             else:
