@@ -1,10 +1,13 @@
 """Learned eviction: gate modules, TRIM-KV / global TRIM-KV / Locret policies, and the gate adapter format."""
 
 import copy
+import errno
 import json
 import os
 import re
+import shutil
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import brute
@@ -17,7 +20,7 @@ from transformers import DynamicCache
 
 import kvgates
 from kvgates import AdapterError, BudgetCache, GateSet, GlobalRetentionGates, RetainingHeads, RetentionGates
-from kvgates.gates.adapter import atomic_write_all
+from kvgates.gates.adapter import atomic_write, atomic_write_all
 from kvgates.policies import Locret, TrimKV, TrimKVGlobal
 from kvgates.policies.trimkv_global import global_keep
 from kvgates.runtime.stats import AttnStats, Phase
@@ -375,13 +378,37 @@ def _move_files(paths: list, monkeypatch, interrupt_after: int) -> None:
 
 def test_a_ctrl_c_raised_as_a_move_returns_undoes_that_move_too(tmp_path, monkeypatch):
     """A Ctrl-C that arrives while a file is moved into place is raised as the move returns: that move was not undone
-    with the others (it was recorded after it), its new file left beside the old others."""
+    with the others (it was recorded after it), its new file left beside the old others. Raised as the last move
+    returns, the save is whole: nothing is undone (no old file is kept aside for the last move)."""
     paths = [tmp_path / name for name in ("a", "b", "c")]
     for path in paths:
         path.write_text("old")
     with pytest.raises(KeyboardInterrupt):
         _move_files(paths, monkeypatch, interrupt_after=2)
     assert sorted(os.listdir(tmp_path)) == ["a", "b", "c"] and [p.read_text() for p in paths] == ["old"] * 3
+    with pytest.raises(KeyboardInterrupt):
+        _move_files(paths, monkeypatch, interrupt_after=3)
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "c"] and [p.read_text() for p in paths] == ["new"] * 3
+
+
+def test_a_save_keeps_no_copy_of_the_file_its_last_move_replaces(tmp_path, monkeypatch):
+    """The old file is kept aside to undo its move should a later move fail: after the last move (and after
+    ``atomic_write``'s only one) none is left to fail, yet its old file was kept aside too, copied where the file
+    system makes no hard link (a trainer's whole checkpoint, each save), and the save failed where the copy did not
+    fit."""
+
+    def fails(code: int) -> Callable[..., None]:
+        def raise_(*args, **kwargs):
+            raise OSError(code, os.strerror(code))
+
+        return raise_
+
+    monkeypatch.setattr(os, "link", fails(errno.EPERM))
+    monkeypatch.setattr(shutil, "copy2", fails(errno.ENOSPC))
+    path = tmp_path / "checkpoint.pt"
+    path.write_text("old")
+    atomic_write(path, lambda tmp: Path(tmp).write_text("new"))
+    assert os.listdir(tmp_path) == ["checkpoint.pt"] and path.read_text() == "new"
 
 
 def test_adapter_files_get_the_permissions_of_any_written_file(tiny_pair, tmp_path):

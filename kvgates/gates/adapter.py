@@ -158,7 +158,8 @@ def atomic_write_all(files: Sequence[tuple[Path, Callable[[str], Any]]]) -> None
     and only then are all moved into place, so that an error or a Ctrl-C while writing (the time a save takes)
     leaves every old file as it was, not some files new beside others old. Should a move fail (a folder where a
     file goes, a Ctrl-C between two moves), the moves already made are undone: each old file was kept aside
-    (``_keep_aside``) and is put back, and a file that did not exist before is removed."""
+    (``_keep_aside``) and is put back, and a file that did not exist before is removed. Once the last move is made
+    the save is whole and stays (``atomic_write``'s one file keeps nothing aside)."""
     umask = os.umask(0)
     os.umask(umask)
     staged: list[tuple[str, Path]] = []
@@ -171,12 +172,14 @@ def atomic_write_all(files: Sequence[tuple[Path, Callable[[str], Any]]]) -> None
             staged.append((tmp, path))
             write(tmp)
             os.chmod(tmp, 0o666 & ~umask)
-        for tmp, path in staged:
-            old = _keep_aside(path, kept) if os.path.isfile(path) else None
+        for i, (tmp, path) in enumerate(staged):
+            # (the last move keeps nothing aside: once it is made the save is whole, and none is left to fail)
+            old = _keep_aside(path, kept) if i < len(staged) - 1 and os.path.isfile(path) else None
             moves.append((tmp, path, old))  # before the move: a Ctrl-C during its system call is raised as it returns
             os.replace(tmp, path)
     except BaseException:
-        for tmp, path, old in reversed(moves):
+        whole = bool(staged) and not os.path.lexists(staged[-1][0])  # the last move made (a Ctrl-C as it returned)
+        for tmp, path, old in [] if whole else reversed(moves):
             if os.path.lexists(tmp):
                 continue  # (not moved)
             if old is None:
