@@ -360,13 +360,15 @@ def test_a_save_interrupted_between_its_moves_undoes_the_moves_made(tiny_pair, t
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == {k: v for k, v in before.items() if k != "README.md"}
 
 
-def _move_files(paths: list, monkeypatch, interrupt_after: int) -> None:
+def _move_files(paths: list, monkeypatch, interrupt_after: int | None = None, interrupt_before: int | None = None) -> None:
     """``atomic_write_all`` of ``paths`` (each to 'new'), a Ctrl-C raised as the ``interrupt_after``-th move returns (the
-    file moved: a signal that arrives during the system call is raised then)."""
+    file moved: a signal that arrives during the system call is raised then) or before the ``interrupt_before``-th."""
     replace, moves = os.replace, []
 
     def interrupted(src, dst, *args, **kwargs):
         moves.append(dst)
+        if len(moves) == interrupt_before:
+            raise KeyboardInterrupt
         replace(src, dst, *args, **kwargs)
         if len(moves) == interrupt_after:
             raise KeyboardInterrupt
@@ -391,24 +393,47 @@ def test_a_ctrl_c_raised_as_a_move_returns_undoes_that_move_too(tmp_path, monkey
     assert sorted(os.listdir(tmp_path)) == ["a", "b", "c"] and [p.read_text() for p in paths] == ["new"] * 3
 
 
+def _fails(code: int) -> Callable[..., None]:
+    """A stand-in for a file operation that fails with ``OSError(code)``."""
+
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    return fail
+
+
 def test_a_save_keeps_no_copy_of_the_file_its_last_move_replaces(tmp_path, monkeypatch):
     """The old file is kept aside to undo its move should a later move fail: after the last move (and after
     ``atomic_write``'s only one) none is left to fail, yet its old file was kept aside too, copied where the file
     system makes no hard link (a trainer's whole checkpoint, each save), and the save failed where the copy did not
     fit."""
-
-    def fails(code: int) -> Callable[..., None]:
-        def raise_(*args, **kwargs):
-            raise OSError(code, os.strerror(code))
-
-        return raise_
-
-    monkeypatch.setattr(os, "link", fails(errno.EPERM))
-    monkeypatch.setattr(shutil, "copy2", fails(errno.ENOSPC))
+    monkeypatch.setattr(os, "link", _fails(errno.EPERM))
+    monkeypatch.setattr(shutil, "copy2", _fails(errno.ENOSPC))
     path = tmp_path / "checkpoint.pt"
     path.write_text("old")
     atomic_write(path, lambda tmp: Path(tmp).write_text("new"))
     assert os.listdir(tmp_path) == ["checkpoint.pt"] and path.read_text() == "new"
+
+
+@pytest.mark.parametrize(("dangling", "hard_links"), [(False, True), (False, False), (True, True)])
+def test_an_undone_save_puts_a_symlink_back_as_a_symlink(tmp_path, monkeypatch, dangling, hard_links):
+    """A file that was a symbolic link (a hub snapshot's files are links into its blobs) came back from an undone move
+    as a copy of the file it named where the file system makes no hard link (and as a hard link to it where
+    ``os.link`` follows links, as its default asks), and a link naming no file not at all: the link itself is now
+    kept aside and put back."""
+    if not hard_links:
+        monkeypatch.setattr(os, "link", _fails(errno.EPERM))
+    store, folder = tmp_path / "store", tmp_path / "adapter"
+    store.mkdir()
+    folder.mkdir()
+    if not dangling:
+        (store / "a").write_text("old")
+    (folder / "a").symlink_to(store / "a")
+    (folder / "b").write_text("old")
+    with pytest.raises(KeyboardInterrupt):
+        _move_files([folder / "a", folder / "b"], monkeypatch, interrupt_before=2)
+    assert sorted(os.listdir(folder)) == ["a", "b"] and (folder / "a").is_symlink() and os.readlink(folder / "a") == str(store / "a")
+    assert os.listdir(store) == ([] if dangling else ["a"]) and (folder / "b").read_text() == "old"
 
 
 def test_adapter_files_get_the_permissions_of_any_written_file(tiny_pair, tmp_path):

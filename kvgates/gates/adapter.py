@@ -174,7 +174,7 @@ def atomic_write_all(files: Sequence[tuple[Path, Callable[[str], Any]]]) -> None
             os.chmod(tmp, 0o666 & ~umask)
         for i, (tmp, path) in enumerate(staged):
             # (the last move keeps nothing aside: once it is made the save is whole, and none is left to fail)
-            old = _keep_aside(path, kept) if i < len(staged) - 1 and os.path.isfile(path) else None
+            old = _keep_aside(path, kept) if i < len(staged) - 1 and (os.path.isfile(path) or os.path.islink(path)) else None
             moves.append((tmp, path, old))  # before the move: a Ctrl-C during its system call is raised as it returns
             os.replace(tmp, path)
     except BaseException:
@@ -189,22 +189,22 @@ def atomic_write_all(files: Sequence[tuple[Path, Callable[[str], Any]]]) -> None
         raise
     finally:
         for leftover in [t for t, _ in staged] + kept:
-            if os.path.exists(leftover):
+            if os.path.lexists(leftover):
                 os.remove(leftover)
 
 
 def _keep_aside(path: Path, kept: list[str]) -> str:
     """A second name for ``path``'s file in its folder (a hard link; a copy where the file system has none), so that
     ``atomic_write_all`` can put the file back after replacing it; the name is added to ``kept`` first, for its
-    caller to remove."""
+    caller to remove. A symbolic link is kept as the link, not as the file it names."""
     fd, aside = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.old.")
     os.close(fd)
     kept.append(aside)
     os.remove(aside)
     try:
-        os.link(path, aside)
+        os.link(path, aside, follow_symlinks=False)
     except OSError:
-        shutil.copy2(path, aside)
+        shutil.copy2(path, aside, follow_symlinks=False)
     return aside
 
 
