@@ -12,7 +12,8 @@ them. On the CPU each KV head's rows of a tile are split into as many batched pr
 default and each forced split (``reference.row_parts``, 1 = unsplit) at each ``--threads`` count, in ``--rounds``
 interleaved rounds paired with sdpa's, and prints each arm's median milliseconds, its median ratio to sdpa in the
 same round and the range of that ratio. The default's row names the parts it chose; every split gives the same
-results (checked before timing). More threads than the machine's cores time nothing useful (it says so).
+results (checked before timing). A split whose parts would keep fewer than ``MIN_PART_ROWS`` rows runs unsplit and
+is not timed, and more threads than the machine's cores time nothing useful (it says either).
 """
 
 from __future__ import annotations
@@ -80,13 +81,22 @@ def main() -> None:
 
             arms = {"sdpa (no statistics)": lambda q=q, k=k, v=v, scale=scale: F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, enable_gqa=heads != kv_heads)}
-            chosen = reference._stats_tile_plan(q, k)[1]
+            tile, chosen = reference._stats_tile_plan(q, k)
             arms[f"default ({chosen} part{'s' * (chosen > 1)})"] = stats
-            arms.update({f"{p} part{'s' * (p > 1)}": (lambda p=p: stats(p)) for p in args.parts})
+            timed = []
+            for p in args.parts:
+                with reference.row_parts(p):
+                    runs = reference._stats_tile_plan(q, k)[1]
+                if runs == p:
+                    timed.append(p)
+                else:  # (row_parts keeps MIN_PART_ROWS rows a part: the arm would be the unsplit one again)
+                    print(f"note: --parts {p} at {n} tokens: a part would keep fewer than {reference.MIN_PART_ROWS} rows "
+                          f"({heads // kv_heads * tile} a KV head's tile); it runs unsplit, not timed")
+            arms.update({f"{p} part{'s' * (p > 1)}": (lambda p=p: stats(p)) for p in timed})
             first = stats()
             for arm in arms.values():  # a warm-up call of each
                 arm()
-            for p in args.parts:  # the same results whatever the split
+            for p in timed:  # the same results whatever the split
                 if not all(torch.equal(a, b) for a, b in zip(first, stats(p)) if a is not None):
                     raise SystemExit(f"cpu_attention.py: {p} parts gave other results than the default's; a kvgates defect")
             times: dict[str, list[float]] = {label: [] for label in arms}

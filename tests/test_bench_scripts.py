@@ -262,6 +262,24 @@ def test_the_cpu_attention_bench_times_each_split_of_the_default_s_results(monke
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("cpu_attention.py: --parts must be at least 1, got 0")
 
 
+def test_the_cpu_attention_bench_times_no_split_that_runs_unsplit(monkeypatch, capsys):
+    """``reference.row_parts`` runs a forced split whose parts would keep fewer than ``MIN_PART_ROWS`` rows unsplit: the
+    bench timed it all the same under its name ('8 parts': SmolLM2's 3 query heads of a 64-row tile are 192 rows, 24 a
+    part), a second unsplit arm, as ``gpu_session.sh``'s ``cpu-threads`` asked at 4K. It now says so and times it not."""
+    threads = torch.get_num_threads()
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.setattr(sys, "argv", ["cpu_attention.py", "--contexts", "128", "--rounds", "1", "--threads", "1", "--parts", "1", "8"])
+    try:
+        runpy.run_path(str(ROOT / "bench" / "cpu_attention.py"), run_name="__main__")
+    except SystemExit as done:
+        assert done.code in (0, None)
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "| 1 part |" in out and "| 8 parts |" not in out, out
+    assert "note: --parts 8 at 128 tokens: a part would keep fewer than 32 rows (192 a KV head's tile); it runs unsplit, not timed" in out, out
+
+
 def test_every_configuration_the_prefill_sweep_measures_is_one_the_override_takes(bench_kernels):
     """``bench/kernels.py --sweep-prefill --best-json`` writes its fastest pair for KVGATES_PREFILL_CONFIG: any
     configuration of its grids (on a GPU, not the smoke run's) must parse there, or ``prefill-tuned`` measures
