@@ -2,7 +2,7 @@
 
     python bench/cpu_attention.py                                      # SmolLM2-135M's heads, 4K, this machine's threads
     python bench/cpu_attention.py --shape llama-3.1-8b --contexts 2048 4096 --threads 16 8 4 2
-    python bench/cpu_attention.py --parts 1 2 3 4 6 8 --rounds 15
+    python bench/cpu_attention.py --parts 1 2 3 4 6 --rounds 15
 
 One layer's prompt attention with the column sums H2O, D2O and KVMerger ask for
 (``kvgates.kernels.reference.causal_attention_stats``, ``--window`` adds the window scores of SnapKV's family), on
@@ -12,8 +12,9 @@ them. On the CPU each KV head's rows of a tile are split into as many batched pr
 default and each forced split (``reference.row_parts``, 1 = unsplit) at each ``--threads`` count, in ``--rounds``
 interleaved rounds paired with sdpa's, and prints each arm's median milliseconds, its median ratio to sdpa in the
 same round and the range of that ratio. The default's row names the parts it chose; every split gives the same
-results (checked before timing). A split whose parts would keep fewer than ``MIN_PART_ROWS`` rows runs unsplit and
-is not timed, and more threads than the machine's cores time nothing useful (it says either).
+results (checked before timing: the same bits on this project's CPU, within rounding on any). A split whose parts
+would keep fewer than ``MIN_PART_ROWS`` rows runs unsplit and is not timed, and more threads than the machine's
+cores time nothing useful (it says either).
 """
 
 from __future__ import annotations
@@ -96,9 +97,12 @@ def main() -> None:
             first = stats()
             for arm in arms.values():  # a warm-up call of each
                 arm()
-            for p in timed:  # the same results whatever the split
-                if not all(torch.equal(a, b) for a, b in zip(first, stats(p)) if a is not None):
+            for p in timed:  # the same results whatever the split (the same bits here; another BLAS may round apart)
+                pairs = [(a, b) for a, b in zip(first, stats(p)) if a is not None]
+                if not all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in pairs):
                     raise SystemExit(f"cpu_attention.py: {p} parts gave other results than the default's; a kvgates defect")
+                if not all(torch.equal(a, b) for a, b in pairs):
+                    print(f"note: {p} parts: results within rounding of the default's, not the same bits (this BLAS)")
             times: dict[str, list[float]] = {label: [] for label in arms}
             labels = list(arms)
             for r in tqdm(range(args.rounds), desc=f"{threads} threads, {n} tokens", unit="round", leave=False, file=sys.stderr):

@@ -175,7 +175,7 @@ else
     PREFILL_ONE="--contexts 8192 --budget 1024 --batch 1 --steps 1 --rounds 3 --slack 0"
     PREFILL_TUNED="--contexts 8192 --budget 1024 --batch 1 --steps 1 --rounds 2 --slack 0"
     PREFILL_16K="--contexts 16384 --budget 1024 --batch 1 --steps 1 --rounds 2 --slack 0"
-    CPU_SMALL="--contexts 4096 --threads 16 8 4 2 --parts 1 2 3 4 6 8 --rounds 5"
+    CPU_SMALL="--contexts 4096 --threads 16 8 4 2 --parts 1 2 3 4 6 --rounds 5"  # (6 parts of a 192-row tile: 32 rows, MIN_PART_ROWS)
     CPU_BIG="--shape llama-3.1-8b --contexts 4096 --threads 16 8 --parts 1 2 4 --rounds 3"
 fi
 
