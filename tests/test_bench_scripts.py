@@ -673,7 +673,7 @@ def test_gpu_session_env_stage_logs_versions_and_an_unknown_stage_is_refused(tmp
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "unknown stage 'decoder': choose from issue27 env tests decode-sweep prefill-sweep profile prefill-b1 decode captured captured-evict "
-        "captured-merge prefill prefill-rest kernels train train-dms"
+        "captured-merge prefill prefill-rest kernels train train-dms cpu-threads"
     )
     assert list(tmp_path.iterdir()) == []
     # A call's stages end within GPU_SESSION_SECONDS of its start: one with under 10 s left is skipped, a failure.
