@@ -20,6 +20,7 @@ cores time nothing useful (it says either).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -74,10 +75,8 @@ def main() -> None:
             k, v = (torch.randn(args.batch, kv_heads, n, dim) for _ in range(2))
             scale = dim**-0.5
 
-            def stats(parts: int | None = None, q=q, k=k, v=v, scale=scale):
-                if parts is None:
-                    return reference.causal_attention_stats(q, k, v, scale, True, args.window)
-                with reference.row_parts(parts):
+            def stats(parts: int | None = None, q=q, k=k, v=v, scale=scale):  # None: the default split
+                with contextlib.nullcontext() if parts is None else reference.row_parts(parts):
                     return reference.causal_attention_stats(q, k, v, scale, True, args.window)
 
             arms = {"sdpa (no statistics)": lambda q=q, k=k, v=v, scale=scale: F.scaled_dot_product_attention(

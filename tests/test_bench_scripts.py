@@ -237,20 +237,24 @@ def bench_kernels(monkeypatch):
     return kernels
 
 
-def test_the_cpu_attention_bench_times_each_split_of_the_default_s_results(monkeypatch, capsys):
-    """``bench/cpu_attention.py``: per thread count and length, sdpa, the default split (naming its parts) and each
-    forced one (``reference.row_parts``), whose results it checks equal before timing; threads back as they were."""
+def _cpu_attention(monkeypatch, capsys, *args: str) -> str:
+    """``bench/cpu_attention.py ARGS`` run in this process (torch's threads put back after it); its stdout."""
     threads = torch.get_num_threads()
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    monkeypatch.setattr(sys, "argv", ["cpu_attention.py", "--contexts", "128", "--rounds", "2", "--threads", "1", "2", "--parts", "1", "2",
-                                      "--window", "8"])
+    monkeypatch.setattr(sys, "argv", ["cpu_attention.py", *args])
     try:
         runpy.run_path(str(ROOT / "bench" / "cpu_attention.py"), run_name="__main__")
     except SystemExit as done:
         assert done.code in (0, None)
     finally:
         torch.set_num_threads(threads)
-    out = capsys.readouterr().out
+    return capsys.readouterr().out
+
+
+def test_the_cpu_attention_bench_times_each_split_of_the_default_s_results(monkeypatch, capsys):
+    """``bench/cpu_attention.py``: per thread count and length, sdpa, the default split (naming its parts) and each
+    forced one (``reference.row_parts``), whose results it checks equal before timing; threads back as they were."""
+    out = _cpu_attention(monkeypatch, capsys, "--contexts", "128", "--rounds", "2", "--threads", "1", "2", "--parts", "1", "2", "--window", "8")
     assert "smollm2-135m's heads (9 query, 3 KV, dim 64)" in out
     for header in ("1 threads, 128 tokens", "2 threads, 128 tokens"):
         table = out.split(header)[1]
@@ -266,16 +270,7 @@ def test_the_cpu_attention_bench_times_no_split_that_runs_unsplit(monkeypatch, c
     """``reference.row_parts`` runs a forced split whose parts would keep fewer than ``MIN_PART_ROWS`` rows unsplit: the
     bench timed it all the same under its name ('8 parts': SmolLM2's 3 query heads of a 64-row tile are 192 rows, 24 a
     part), a second unsplit arm, as ``gpu_session.sh``'s ``cpu-threads`` asked at 4K. It now says so and times it not."""
-    threads = torch.get_num_threads()
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    monkeypatch.setattr(sys, "argv", ["cpu_attention.py", "--contexts", "128", "--rounds", "1", "--threads", "1", "--parts", "1", "8"])
-    try:
-        runpy.run_path(str(ROOT / "bench" / "cpu_attention.py"), run_name="__main__")
-    except SystemExit as done:
-        assert done.code in (0, None)
-    finally:
-        torch.set_num_threads(threads)
-    out = capsys.readouterr().out
+    out = _cpu_attention(monkeypatch, capsys, "--contexts", "128", "--rounds", "1", "--threads", "1", "--parts", "1", "8")
     assert "| 1 part |" in out and "| 8 parts |" not in out, out
     assert "note: --parts 8 at 128 tokens: a part would keep fewer than 32 rows (192 a KV head's tile); it runs unsplit, not timed" in out, out
 

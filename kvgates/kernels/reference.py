@@ -242,14 +242,20 @@ def _prob_tiles(
         yield start, stop, _softmax_last(probs).nan_to_num_(0.0)
 
 
+def _split_plan(q: torch.Tensor, k: torch.Tensor, tile: int) -> tuple[int, int]:
+    """For tiles of ``tile`` query rows of ``q`` ``[B, H, n, D]`` over keys ``k`` ``[B, H_kv, ...]``: the parts each KV
+    head's rows of a tile are split into (``_balanced_parts``) and the tile rounded to a multiple of what they divide
+    (``_split_tile``: else every tile would run whole, beside the copies made for the split), as ``(tile, parts)``."""
+    b, h = q.shape[:2]
+    g = h // k.shape[1]
+    parts = _balanced_parts(b * k.shape[1], g * tile, q.device)
+    return _split_tile(tile, parts, g), parts
+
+
 def _prob_tile_plan(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
-    """``_prob_tiles``' query rows per tile (``row_tile``) and the parts each KV head's rows of a tile are split into
-    (``_balanced_parts``; the tile then a multiple of them, so that its rows split)."""
+    """``_prob_tiles``' query rows per tile (``row_tile``) and the parts of its split (``_split_plan``)."""
     b, h, n, _ = q.shape
-    hkv, c = k.shape[1], k.shape[2]
-    tile = max(1, min(n, row_tile(b, h, c)))  # (no rows: no tile)
-    parts = _balanced_parts(b * hkv, h // hkv * tile, q.device)
-    return _split_tile(tile, parts, h // hkv), parts
+    return _split_plan(q, k, max(1, min(n, row_tile(b, h, k.shape[2]))))  # (no rows: no tile)
 
 
 def _softmax_last(scores: torch.Tensor) -> torch.Tensor:
@@ -574,14 +580,10 @@ def causal_attention_stats(
 
 def _stats_tile_plan(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
     """``causal_attention_stats``' query rows per tile (column sums: ``FUSED_TILE_ROWS``, at most
-    ``FUSED_TILE_ELEMENTS`` scores) and the parts each KV head's rows of a tile are split into, each over its own copy
-    of the head's keys and values (``_balanced_parts``); the tile is one that splits (else every tile would run
-    whole, beside the copies)."""
+    ``FUSED_TILE_ELEMENTS`` scores) and the parts of its split, each over its own copy of the head's keys and values
+    (``_split_plan``)."""
     b, h, n, _ = q.shape
-    hkv = k.shape[1]
-    tile = min(n, FUSED_TILE_ROWS, max(1, FUSED_TILE_ELEMENTS // max(1, b * h * n)))
-    parts = _balanced_parts(b * hkv, h // hkv * tile, q.device)
-    return _split_tile(tile, parts, h // hkv), parts
+    return _split_plan(q, k, min(n, FUSED_TILE_ROWS, max(1, FUSED_TILE_ELEMENTS // max(1, b * h * n))))
 
 
 def pool_by_position(scores: torch.Tensor, slot_pos: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
