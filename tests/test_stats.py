@@ -106,6 +106,14 @@ def test_causal_attention_stats_matches_sdpa_and_column_sums(n, shift, window, m
             assert win is None
 
 
+def test_causal_attention_stats_of_an_empty_prompt_is_empty():
+    """No query rows: an empty output and empty statistics, as the Triton kernel gives (the torch reference's tile
+    of ``min(n, ...)`` rows was 0, and its loop over tiles raised)."""
+    q, k = torch.randn(2, 6, 0, 8), torch.randn(2, 2, 0, 8)
+    out, col, win = reference.causal_attention_stats(q, k, k, 0.4, colsum=True, window=4)
+    assert out.shape == (2, 6, 0, 8) and col.shape == (2, 6, 0) and win is None
+
+
 def test_a_product_that_does_not_split_copies_no_operand():
     """``_per_part`` made a contiguous copy even for one part: a layer's keys and values held as a strided view (a
     slice of a cache's storage) were copied whole on every call that did not split."""

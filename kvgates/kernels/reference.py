@@ -583,7 +583,7 @@ def _stats_tile_plan(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
     ``FUSED_TILE_ELEMENTS`` scores) and the parts of its split, each over its own copy of the head's keys and values
     (``_split_plan``)."""
     b, h, n, _ = q.shape
-    return _split_plan(q, k, min(n, FUSED_TILE_ROWS, max(1, FUSED_TILE_ELEMENTS // max(1, b * h * n))))
+    return _split_plan(q, k, max(1, min(n, FUSED_TILE_ROWS, FUSED_TILE_ELEMENTS // max(1, b * h * n))))  # (no rows: no tile)
 
 
 def pool_by_position(scores: torch.Tensor, slot_pos: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
