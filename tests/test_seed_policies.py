@@ -553,6 +553,21 @@ def test_adakv_budgets_and_selection(seed, hkv, alpha):
             assert hkv * row - 3 * hkv / 2 <= int(budgets[b].sum()) <= hkv * row + hkv // 2
 
 
+@pytest.mark.parametrize("alpha", [0.53, 0.34, 0.13])
+def test_adakv_budgets_are_the_spec_arithmetic_for_any_alpha(alpha):
+    """The budgets are those of the spec's formula in Python's (double) arithmetic: in float32 ``floor(0.53 * 100)``
+    was 52 where the formula gives 53, each head's budget a token short."""
+    for candidates, budget in ((120, 100), (40, 25), (30, 20)):
+        scores = torch.rand(2, 3, candidates, generator=torch.Generator().manual_seed(candidates))
+        forced, valid = torch.zeros_like(scores, dtype=torch.bool), torch.ones_like(scores, dtype=torch.bool)
+        forced[1, :, -2:] = True  # the second row's heads each with 2 forced tokens
+        budgets = adakv_head_budgets(scores, forced, valid, budget, alpha)
+        for b in range(2):
+            per_head = [dict(enumerate(scores[b, h].tolist())) for h in range(3)]
+            forced_sets = [set(forced[b, h].nonzero()[:, 0].tolist()) for h in range(3)]
+            assert budgets[b].tolist() == brute.adakv_budgets(per_head, forced_sets, budget, alpha)
+
+
 def test_adakv_memory_follows_head_budgets(tiny):
     _, model = tiny
     ids = torch.randint(1, 128, (1, 80), generator=torch.Generator().manual_seed(9))

@@ -35,7 +35,9 @@ def adakv_head_budgets(
         top = flat.topk(min(kmax, h * c), dim=-1)
         take = (torch.arange(top.indices.shape[-1], device=scores.device) < total[:, None]) & torch.isfinite(top.values)
         counts.scatter_add_(1, torch.div(top.indices, c, rounding_mode="floor"), take.long())
-    alloc = torch.round(counts * (1 - alpha) + torch.floor(alpha * room)).long()
+    # In float64, as the spec's arithmetic in Python: float32 rounds ``alpha * B`` below a whole number for some alphas
+    # (0.53 * 100 gave 52.99999, floored to 52) and ``n_h (1 - alpha)`` across a half.
+    alloc = torch.round(counts.double() * (1 - alpha) + torch.floor(alpha * room.double())).long()
     return alloc + n_forced
 
 
