@@ -185,6 +185,18 @@ def test_evicted_attention_ranks_only_the_steps_after_the_prompt(temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.5])
+def test_evicted_attention_with_no_decoded_row_is_plain_attention(temperature):
+    """``decode_from = T`` (``hard_eviction_mask``: no decoding), as ``decode_start`` gives a batch with no
+    completion: every query row is a prompt row and sees every earlier key. The masked attention of the (no) rows
+    after the prompt failed to reshape its empty output, so such a batch stopped a ``loss.hard_eviction`` step."""
+    q, k, v, lb = _inputs(t=11)
+    decode_from = torch.tensor([11, 11])
+    plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    for rows in (11, 4):
+        out = evicted_attention(q[:, :, -rows:], k, v, lb, 0.3, 3, decode_from, temperature=temperature, prefilled=11)
+        torch.testing.assert_close(out, plain[:, :, -rows:], atol=1e-12, rtol=1e-12)
+
+@pytest.mark.parametrize("temperature", [0.0, 0.5])
 def test_evicted_attention_masks_only_the_rows_after_the_prompt(monkeypatch, temperature):
     """The rows every sequence prefills are plain causal attention; the eviction mask (or relaxed bias) covers only
     the rows after them, ``(T - prefilled) x T`` rather than ``T x T``: memory linear in ``T`` for a short completion."""

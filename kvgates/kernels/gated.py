@@ -419,7 +419,7 @@ def grouped_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         attn_mask=mask.reshape(b * hkv, 1, n, t),
         scale=scale,
     )
-    return out.reshape(b, h, n, -1)  # CUDA's kernels return [B, n, H, D] memory, which no view regroups
+    return out.reshape(b, h, n, v.shape[-1])  # CUDA's kernels return [B, n, H, D] memory, which no view regroups
 
 
 def _relaxed_keep_bias(
