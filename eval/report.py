@@ -14,7 +14,7 @@ import numpy as np
 
 from eval.config import ABConfig, ArmSpec, ConfigError, TaskSpec
 from eval.runner import JOURNAL, RECORD, ABResults
-from eval.stats import MIN_PAIRS, Comparison
+from eval.stats import LEVEL, MIN_PAIRS, Comparison
 from eval.tasks import metrics_of
 from kvgates.config import output_path
 from kvgates.gates.adapter import atomic_write
@@ -483,8 +483,9 @@ def write_report(results: ABResults, command: str = "") -> str:
         "KVzip's reconstruction forwards included, then generation or teacher forcing), on the machine and at the time "
         "each result was computed (reused results keep their own).",
         "- Verdicts: paired per example; percentile bootstrap 95% interval of the mean difference "
-        f"({config.n_boot} resamples); a difference counts only when its interval excludes 0; McNemar's exact test "
-        "on exact answers. Metrics: recall = share of the answer reproduced (partial credit), exact = whole answer; "
+        f"({config.n_boot} resamples) and the paired sign-flip test; a verdict needs at least {MIN_PAIRS} examples, a "
+        f"sign-flip p below {LEVEL} and an interval that excludes 0 (eval.stats); McNemar's exact test on exact answers. "
+        "Metrics: recall = share of the answer reproduced (partial credit), exact = whole answer; "
         "kl = mean KL(full || arm) over the teacher-forced tokens, top1 = greedy agreement, first_divergence = "
         "first position the greedy choice departs; prefix = generated tokens identical to the full cache's before "
         "the first departure; nll = mean negative log-likelihood per streamed token (ppl = its exp).",

@@ -24,6 +24,7 @@ from eval.config import ABConfig, ConfigError
 from eval.fidelity import first_false, kl_divergence, make_batch, perplexity, state_bytes, stream_nll, token_nll
 from eval.report import output_files, read_record, write_report
 from eval.runner import JOURNAL, check_context, run_ab
+from eval.stats import LEVEL, MIN_PAIRS
 from eval.tasks import build_examples
 from kvgates.cli import INTERRUPTED, WRITE_ERROR
 
@@ -749,6 +750,9 @@ def test_an_arm_can_run_at_some_of_the_budgets(tmp_path, tok, model):
     assert "| tova-32 | 32 |" in report  # the headline row of the budget it ran at, none for the other
     assert "| tova-32 | 16 |" not in report
     assert "on 1 task built from" in report  # one task: singular
+    # The notes state the rule a verdict is decided by (Comparison.decided), not the bootstrap interval alone.
+    rule = f"a verdict needs at least {MIN_PAIRS} examples, a sign-flip p below {LEVEL} and an interval that excludes 0"
+    assert rule in report and "a difference counts only when its interval excludes 0" not in report
     with pytest.raises(ConfigError, match="arm 'tova-32' runs at budget 64, which is not among the run's budgets"):
         small_config(tmp_path, arms=[{"policy": "tova", "budgets": [64], "label": "tova-32"}])
 
