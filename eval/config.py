@@ -13,7 +13,7 @@
       - {policy: trimkv, gates: untrained}                  # freshly initialised gates, labelled "(untrained)"
       - {policy: trimkv, gates: checkpoints/run/adapter, label: trimkv}    # an adapter folder or a Hub id
       - {policy: trimkv, gates: smollm2-135m-trimkv}        # or the name of an adapter shipped in the package
-      - {policy: h2o, budgets: [128, 640], label: h2o-640}  # some of the run's budgets only
+      - {policy: h2o, budgets: [512], label: h2o-512}       # some of the run's budgets only
     tasks:
       - {task: needle, context_tokens: [2000, 4000], examples: 10}       # lengths x evenly spaced depths
       - {task: multikey, context_tokens: 2000, examples: 10, keys: 4}
