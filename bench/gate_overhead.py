@@ -4,7 +4,8 @@
 
 Runs TRIM-KV (retention gates), global TRIM-KV and Locret (retaining heads) with freshly initialised gates of
 the model's shape, and times every gate evaluation (capture hand-over + gate MLP) against the whole decode
-step, with the gates in float32 and in float16. The target for SmolLM2-135M on CPU is under 5%.
+step, with the gates in each of `--gate-dtypes` (float32 and float16 by default; `auto`: the model's own dtype, what
+a learned policy runs in unless told otherwise). The target for SmolLM2-135M on CPU is under 5%.
 """
 
 from __future__ import annotations
