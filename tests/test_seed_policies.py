@@ -197,13 +197,13 @@ def test_d2o_layer_variances_are_computed_at_each_layers_end_of_prompt(tiny, mon
     cache = BudgetCache(model.config, "d2o", budget=10, sinks=2)
     allocate, seen = type(cache.policy)._allocate, []
 
-    def checked(policy, layers):
+    def checked(policy, layers, stats):
         states = [policy.layer_state(layer) for layer in layers]
         seen.append([state.variance is not None for state in states])
         for layer, state in zip(layers, states):
             assert torch.equal(state.variance, layer_variance(layer.state[CUMULATIVE], layer.valid))
         with Launches() as counted:
-            allocate(policy, layers)
+            allocate(policy, layers, stats)
         assert counted.ops["pow"] == 0  # (layer_variance's square)
 
     monkeypatch.setattr(type(cache.policy), "_allocate", checked)
@@ -226,6 +226,31 @@ def test_d2o_later_prompt_chunks_use_the_prompt_length_seen_so_far():
     expected = [max(round(r * 600), 3) for r in brute.d2o_ratios(variances, 4 / 600)]
     assert [int(layer.quota.max()) for layer in cache.budget_layers] == expected
     assert min(expected) == 6  # the 1% floor of the 600 tokens seen
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_d2o_gives_a_padded_row_the_layer_budgets_it_gets_alone(chunk):
+    """A left-padded row of a batch given without position_ids (the model numbers every column, padding included) took
+    the padded length as its prompt length: the 10-token row, alone within its budget of 12 and given 12 at every
+    layer, got the padded 30 tokens' budgets, 11 at the first layer, which evicts from the second decode step on where
+    alone it does not. (In chunks of 8 the first chunk is all padding, and the padded row's length still comes from its
+    first real token.)"""
+    _, model = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=4)  # four KV heads: the layers' variances differ
+    ids = torch.randint(1, 128, (2, 30), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :20] = 0
+
+    def budgets(rows: torch.Tensor, rows_mask: torch.Tensor) -> list[list[int]]:
+        cache = BudgetCache(model.config, "d2o", budget=12, sinks=2)
+        step = chunk or rows.shape[1]
+        with torch.no_grad():
+            for start in range(0, rows.shape[1], step):
+                model(rows[:, start : start + step], attention_mask=rows_mask[:, : start + step], past_key_values=cache)
+        return torch.cat([layer.quota[:, :1] for layer in cache.budget_layers], 1).tolist()  # [row][layer]
+
+    both = budgets(ids, mask)
+    assert both[1] == budgets(ids[1:, 20:], mask[1:, 20:])[0] == [12] * 4
+    assert both[0] == budgets(ids[:1], mask[:1])[0]
 
 
 def test_merge_wrapper_merges_what_the_base_evicts(tiny):

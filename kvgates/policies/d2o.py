@@ -6,9 +6,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from kvgates.kernels.host import on_device
 from kvgates.policies.base import PerStepEviction, Schedule, register_policy
 from kvgates.policies.h2o import CUMULATIVE, CumulativeAttention
 from kvgates.policies.merging import MERGE_RULES, MergeState, merge_evicted, start_threshold
+from kvgates.policies.prompt_length import prompt_lengths
 from kvgates.policies.selection import keep_forced_and_top, recent_mask, sink_mask
 from kvgates.runtime.layer import enforce_layers
 from kvgates.runtime.state import KnownRange
@@ -43,6 +45,8 @@ class D2OState(MergeState):
 
     variance: torch.Tensor | None = None
     layer_budget: torch.Tensor | None = None
+    #: Each sequence's first position ``[B]`` (on the first layer), where a prompt forward brought padding (``prompt_lengths``).
+    first_position: torch.Tensor | None = None
 
 
 @register_policy
@@ -147,14 +151,15 @@ class D2O(CumulativeAttention, PerStepEviction):
             state.variance = layer_variance(layer.state[CUMULATIVE], layer.valid)
         start_threshold(layer, state)
         if layer.is_last:
-            self._allocate(layer.cache.budget_layers)
+            self._allocate(layer.cache.budget_layers, stats)
 
-    def _allocate(self, layers) -> None:
+    def _allocate(self, layers, stats: AttnStats) -> None:
         """Give every layer its budget from the prompt variances (each layer's, from the end of its first prompt
         forward) and compress it."""
         states = [self.layer_state(layer) for layer in layers]
-        # Prompt length seen so far, per sequence: its newest position + 1 (positions never shift).
-        prompt = (layers[0].pos.amax(dim=(1, 2)) + 1).clamp(min=1).float()
+        # Prompt length seen so far, per sequence, its padding left out (a left-padded row without ``position_ids`` got
+        # the padded length's ratios, and evicted where alone it kept its prompt whole); no layer has evicted yet.
+        prompt = on_device(prompt_lengths(layers[0], states[0], stats), layers[0].device, torch.float32)
         # Layers may sit on different devices (device_map="auto"): decide on the first layer's, apply on each's own.
         ratios = d2o_layer_ratios(torch.stack([state.variance.to(prompt.device) for state in states]), self.budget / prompt)
         # Every layer's budgets at once ([N, B]): a launch each, not one a layer.

@@ -9,6 +9,7 @@ import torch
 from kvgates.kernels.host import on_device
 from kvgates.policies.base import register_policy
 from kvgates.policies.history import History
+from kvgates.policies.prompt_length import prompt_lengths
 from kvgates.policies.snapkv import SnapKV
 from kvgates.runtime.state import KnownRange
 from kvgates.runtime.stats import AttnStats, Phase
@@ -40,10 +41,10 @@ class PyramidState(History):
     (decode evictions reuse it), with its range on the host (``known_quota``)."""
 
     layer_budget: torch.Tensor | None = None
-    #: Each sequence's prompt length seen so far (``PyramidKV._prompt_lengths``), found by the first budgeted layer at
+    #: Each sequence's prompt length seen so far (``prompt_length.prompt_lengths``), found by the first budgeted layer at
     #: the end of each prompt forward; every layer's pyramid is built from these.
     prompt_lengths: list[int] | None = None
-    #: Each sequence's first position ``[B]``, where a prompt forward brought padding (``PyramidKV._prompt_lengths``).
+    #: Each sequence's first position ``[B]``, where a prompt forward brought padding (``prompt_length.prompt_lengths``).
     first_position: torch.Tensor | None = None
 
 
@@ -55,7 +56,7 @@ class PyramidKV(SnapKV):
     Total memory matches ``budget`` per layer on average; each layer is compressed with SnapKV's rule (see
     ``SnapKV``) to its own budget from ``pyramid_budgets``. The step uses ``N_layers - 1`` (the paper's
     ``m - 1``). The prompt length ``L`` is each sequence's prompt seen so far when the chunk ends (its real tokens: a
-    short row of a padded batch gets the budgets it would get alone; ``_prompt_lengths``), the same for every layer: in
+    short row of a padded batch gets the budgets it would get alone; ``prompt_length.prompt_lengths``), the same for every layer: in
     a prompt given in chunks a deeper layer, which holds less, still gets its share of the one pyramid.
 
     Args:
@@ -78,7 +79,7 @@ class PyramidKV(SnapKV):
         if (stats is not None and stats.phase is Phase.PREFILL) or state.layer_budget is None:
             first = self.layer_state(layer.cache.budget_layers[0])
             if layer.rank == 0 or first.prompt_lengths is None:  # one answer a prompt forward, not one a layer
-                first.prompt_lengths = self._prompt_lengths(layer, first, stats)
+                first.prompt_lengths = prompt_lengths(layer, first, stats)
             lengths = first.prompt_lengths
             per_length = {
                 n: pyramid_budgets(self.budget, self.window, n, layer.cache.num_budget_layers, self.beta)[layer.rank]
@@ -89,22 +90,3 @@ class PyramidKV(SnapKV):
             heads = layer.num_kv_heads
             state.known_quota = KnownRange(state.layer_budget, [min(budgets)] * heads, [max(budgets)] * heads)
         return state.layer_budget
-
-    @staticmethod
-    def _prompt_lengths(layer, first: PyramidState, stats: AttnStats | None) -> list[int]:
-        """Each sequence's prompt seen so far: the tokens the layer has seen, for every sequence while no forward
-        brought padding (known on the host: no read); else its newest position less its first, plus one (one read).
-        A row's first position is 0 where generate() numbers real tokens from 0, its padding where the model numbers
-        every token (no ``position_ids``): in ``first``, the least position held at the end of each prompt forward
-        since the first that brought padding, before that forward evicts (so a row's first token is among them when it
-        arrives, in a chunk after chunks of only padding too); 0 where forwards without padding came before."""
-        if not layer.padded:
-            return [layer.seen] * layer.batch_size
-        held = torch.where(layer.valid, layer.pos, torch.iinfo(layer.pos.dtype).max).amin(dim=(1, 2))
-        if first.first_position is None:
-            new = 0 if stats is None else stats.new_slots.shape[-1]
-            earlier = layer.seen > new  # forwards without padding came first: every row's tokens are real from 0
-            first.first_position = torch.zeros_like(held) if earlier else held
-        else:
-            first.first_position = torch.minimum(first.first_position, held)
-        return (layer.pos.amax(dim=(1, 2)) - first.first_position + 1).clamp(min=1).tolist()
