@@ -253,6 +253,31 @@ def test_d2o_gives_a_padded_row_the_layer_budgets_it_gets_alone(chunk):
     assert both[0] == budgets(ids[:1], mask[:1])[0]
 
 
+def test_d2o_takes_a_padded_row_s_layer_variances_from_its_first_real_tokens():
+    """A prompt in chunks of 8 whose first two hold only padding for the left-padded row: that row took its layer
+    variances from them, 0 at every layer (the variance of nothing), and with them the same budget at every layer,
+    [12, 12, 12, 12] where alone, its first chunk then the first real tokens, it gets [12, 13, 10, 13]."""
+    _, model = tiny_model("llama", num_key_value_heads=4, num_hidden_layers=4)  # four KV heads: the layers' variances differ
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :16] = 0
+
+    def run(rows: torch.Tensor, rows_mask: torch.Tensor) -> tuple[list, list]:
+        cache = BudgetCache(model.config, "d2o", budget=12, sinks=2)
+        positions = (rows_mask.cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            for a in range(0, rows.shape[1], 8):
+                model(
+                    rows[:, a : a + 8], attention_mask=rows_mask[:, : a + 8], position_ids=positions[:, a : a + 8], past_key_values=cache
+                )
+        variances = torch.stack([cache.policy.layer_state(layer).variance for layer in cache.budget_layers], 1)
+        return variances.tolist(), torch.cat([layer.quota[:, :1] for layer in cache.budget_layers], 1).tolist()
+
+    (variances, budgets), (alone_variances, alone_budgets) = run(ids, mask), run(ids[1:, 16:], mask[1:, 16:])
+    assert budgets[1] == alone_budgets[0] and len(set(budgets[1])) > 1
+    assert variances[1] == pytest.approx(alone_variances[0], abs=1e-5)
+
+
 def test_merge_wrapper_merges_what_the_base_evicts(tiny):
     _, model = tiny
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(3))

@@ -39,7 +39,8 @@ def d2o_layer_ratios(variances: torch.Tensor, rho: torch.Tensor, min_ratio: floa
 
 @dataclass
 class D2OState(MergeState):
-    """D2O's values on one layer: its prompt variance ``v_l`` ``[B]`` (from the first prompt forward) and each
+    """D2O's values on one layer: its prompt variance ``v_l`` ``[B]`` (from the first prompt forward that brought the
+    sequence a token; NaN before) and each
     sequence's layer budget ``[B, 1]`` (set at the end of every prompt forward), with its range on the host
     (``known_quota``)."""
 
@@ -68,8 +69,9 @@ class D2O(CumulativeAttention, PerStepEviction):
 
     Departures: the official code never compresses layers 0, 1 and the last (``protect_edge_layers=True``
     reproduces it; off by default, matching the paper); ``merge_rule="official"`` gives the code's merge
-    average. The layer variances come from the first prompt forward; later chunks reuse them with the
-    prompt length seen so far.
+    average. A sequence's layer variances come from the first prompt forward that brings it a token (a left-padded row
+    of a batch prefilled in chunks may have only padding in the first); later chunks reuse them with the prompt length
+    seen so far.
 
     Args:
         budget: average tokens per KV head per layer.
@@ -147,8 +149,11 @@ class D2O(CumulativeAttention, PerStepEviction):
         if stats.phase is not Phase.PREFILL:
             return
         state = self.layer_state(layer)
-        if state.variance is None:  # here, not after the last layer: on a GPU its launches hide behind later layers'
-            state.variance = layer_variance(layer.state[CUMULATIVE], layer.valid)
+        if state.variance is None or layer.padded:  # here, not after the last layer: its launches hide behind later layers'
+            # A sequence holding no token yet (its forwards so far all padding) has no variance: NaN until it has one.
+            # (It took the variance of nothing, 0 at every layer, and with it every layer the same budget.)
+            variance = layer_variance(layer.state[CUMULATIVE], layer.valid).masked_fill(~layer.valid.any(-1).any(-1), float("nan"))
+            state.variance = variance if state.variance is None else torch.where(state.variance.isnan(), variance, state.variance)
         start_threshold(layer, state)
         if layer.is_last:
             self._allocate(layer.cache.budget_layers, stats)
@@ -161,7 +166,8 @@ class D2O(CumulativeAttention, PerStepEviction):
         # the padded length's ratios, and evicted where alone it kept its prompt whole); no layer has evicted yet.
         prompt = on_device(prompt_lengths(layers[0], states[0], stats), layers[0].device, torch.float32)
         # Layers may sit on different devices (device_map="auto"): decide on the first layer's, apply on each's own.
-        ratios = d2o_layer_ratios(torch.stack([state.variance.to(prompt.device) for state in states]), self.budget / prompt)
+        variances = torch.stack([state.variance.to(prompt.device) for state in states]).nan_to_num(0.0)  # (NaN: holds nothing)
+        ratios = d2o_layer_ratios(variances, self.budget / prompt)
         # Every layer's budgets at once ([N, B]): a launch each, not one a layer.
         budgets = torch.round(ratios * prompt).long().clamp(min=self.sinks + 1)
         # A prompt that fits the budget is not compressed; later tokens are evicted at the uniform budget.
