@@ -337,10 +337,10 @@ def spec_keeps(name: str, params: dict, memory: dict, phase: Phase, held: list[i
         for row in rows["mean"]:
             for p, s in row.items():
                 memory[p] = memory.get(p, 0.0) + s
-    if name == "morphkv":  # a prompt (chunk) ends on its own last R rows; a decode step on the R rows before its own
-        recent = params["recent"]
-        fused = rows["sum"][-recent:] if phase is Phase.PREFILL else memory.get("rows", [])[-recent:]
-        memory["rows"] = fused if phase is Phase.PREFILL else memory.get("rows", []) + rows["sum"]
+    if name == "morphkv":  # a prompt (chunk) ends on the prompt's last R rows; a decode step on the R rows before its own
+        recent, before = params["recent"], memory.get("rows", [])
+        memory["rows"] = before + rows["sum"]
+        fused = memory["rows"][-recent:] if phase is Phase.PREFILL else before[-recent:]
     if len(held) <= budget:
         return set(held)
     if name == "streaming_llm":
@@ -373,14 +373,16 @@ def peaked():
 @pytest.mark.parametrize(
     "name,params",
     [("streaming_llm", {"sinks": 2}), ("h2o", {}), ("h2o", {"recent": 2}), ("tova", {}), ("tova", {"per_head": True}),
-     ("morphkv", {"recent": 4}), ("morphkv", {"recent": 4, "fusion": "max"}), ("snapkv", {"window": 4, "kernel": 3}),
+     ("morphkv", {"recent": 4}), ("morphkv", {"recent": 4, "fusion": "max"}), ("morphkv", {"recent": 10}),
+     ("snapkv", {"window": 4, "kernel": 3}),
      ("snapkv", {"window": 4, "kernel": 5, "pooling": "avg"})],
 )
 def test_what_a_model_keeps_is_what_the_spec_keeps_from_its_attention(peaked, monkeypatch, name, params, chunk):
     """The tests above feed each policy statistics made by hand; here a tiny GQA model runs a prompt (whole or in
     chunks) and decode steps, and after every forward each KV head of each layer holds what the spec keeps given the
     attention of that forward's queries, computed literally: which query rows are read, how a GQA group and the
-    rows combine, the recent window at a decode step, when eviction runs."""
+    rows combine, the recent window at a decode step, when eviction runs. (MorphKV with R = 10 and chunks of 16: the
+    last chunk's 8 rows alone once ranked the prompt's end and seeded the first decode steps, not the prompt's last 10.)"""
     from kvgates import BudgetCache, make_policy
 
     model = peaked

@@ -31,16 +31,6 @@ def history_state(size: int) -> SlotState:
     return SlotState(shape=(size,))
 
 
-def load_rows(layer: BudgetLayer, name: str, history: History, rows: torch.Tensor) -> None:
-    """Replace the buffer by ``rows`` (``[B, H_kv, r, C]``, oldest first), e.g. the last prompt queries."""
-    buf = layer.state[name]
-    rows = rows[:, :, -buf.shape[-1] :]
-    r = rows.shape[2]
-    buf.zero_()
-    buf[..., :r] = rows.transpose(-1, -2)
-    history.newest = torch.full((), r - 1, dtype=torch.long, device=buf.device)
-
-
 def push_rows(layer: BudgetLayer, name: str, history: History, rows: torch.Tensor) -> None:
     """Record the rows ``[B, H_kv, r, C]`` (oldest first), each overwriting the oldest recorded row."""
     buf = layer.state[name]
@@ -49,12 +39,12 @@ def push_rows(layer: BudgetLayer, name: str, history: History, rows: torch.Tenso
         buf.index_copy_(-1, history.newest.view(1), rows[:, :, i, :, None])
 
 
-def fuse(layer: BudgetLayer, name: str, mode: str, history: History | None = None) -> torch.Tensor:
-    """Combine the recorded rows per slot, ``sum`` or ``max`` (rows not yet recorded are 0); with ``history``,
-    leave out its newest row."""
+def fuse(layer: BudgetLayer, name: str, mode: str, leave_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Combine the recorded rows per slot, ``sum`` or ``max`` (rows not yet recorded are 0); with ``leave_out`` (a
+    0-d ring index, ``History.newest`` or the oldest row after it), leave out that row."""
     buf = layer.state[name]
-    if history is not None:  # the newest row (if any: -1 matches no row) reads 0, neutral for both fusions
-        buf = buf * (torch.arange(buf.shape[-1], device=buf.device) != history.newest.to(buf.device))
+    if leave_out is not None:  # the row (if any: -1 matches no row) reads 0, neutral for both fusions
+        buf = buf * (torch.arange(buf.shape[-1], device=buf.device) != leave_out.to(buf.device))
     if mode == "sum":
         return buf.sum(-1)
     if mode == "max":

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgates.policies.base import Policy, Schedule, register_policy
-from kvgates.policies.history import FUSIONS, History, fuse, history_state, load_rows, push_rows
+from kvgates.policies.history import FUSIONS, History, fuse, history_state, push_rows
 from kvgates.policies.selection import recent_mask
 from kvgates.runtime.state import SlotState
 from kvgates.runtime.stats import AttnStats, Phase, StatsRequest
@@ -27,8 +27,9 @@ class MorphKV(Policy):
     (``F_j = sum_r A_r[j]``) or ``max``, and the top C - R old slots are kept with the R recent ones. The ring
     holds R + 1 rows: the current query's row is recorded before the decision and left out of it. A slot
     written after a row was recorded reads 0 in it; evicting a slot drops its column. At the end of each prompt
-    chunk the same rule runs with the chunk's last R queries, which then seed the buffer. A decode step of
-    several tokens (speculative decoding) records all their rows.
+    chunk the same rule runs with the prompt's last R queries, which the ring then holds for the first decode steps (a
+    chunk shorter than R takes the rest from the chunks before it). A decode step of several tokens (speculative
+    decoding) records all their rows.
 
     Departures from the official code: it keeps C + 1 tokens and renormalises each row's softmax over the old
     tokens only; here exactly C tokens are kept and rows are the probabilities over every held token (a
@@ -70,10 +71,12 @@ class MorphKV(Policy):
         return {_ROWS: history_state(self.recent + 1)}
 
     def observe(self, layer, stats: AttnStats) -> None:
-        record = load_rows if stats.phase is Phase.PREFILL else push_rows
-        record(layer, _ROWS, self.layer_state(layer), stats.rows)
+        push_rows(layer, _ROWS, self.layer_state(layer), stats.rows)
 
     def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
+        # The ring's R + 1 rows less one: at a decode step its newest (the current query's); at the end of a prompt
+        # chunk, which recorded its last R rows (or all of a shorter chunk's), its oldest.
+        newest = self.layer_state(layer).newest
         decoding = stats is not None and stats.phase is Phase.DECODE
-        fused = fuse(layer, _ROWS, self.fusion, self.layer_state(layer) if decoding else None)
+        fused = fuse(layer, _ROWS, self.fusion, newest if decoding else (newest + 1) % (self.recent + 1))
         return fused, recent_mask(layer, self.recent)
