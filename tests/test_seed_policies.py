@@ -53,6 +53,30 @@ def test_morphkv_selection(fusion, seed):
             assert kept(layer, keep, b, h) == brute.morphkv(rows, positions, 10, 4, fusion)
 
 
+@pytest.mark.parametrize("start", [-1, 2])
+@pytest.mark.parametrize("r", [1, 3, 5, 8])
+def test_push_rows_records_a_prompt_chunks_rows_as_one_at_a_time_would_in_one_write(start, r):
+    """Rows pushed together land where pushing them one by one puts them (the ring's last ``size`` rows, newest last,
+    from an empty ring or one mid-way), with a fixed number of launches: a prompt chunk's rows were pushed one at a
+    time, three launches a row (MorphKV's 30 rows: 90 a layer)."""
+    from types import SimpleNamespace
+
+    from kvgates.policies.history import History
+
+    size = 5
+    rows = torch.rand(B, HKV, r, C, generator=torch.Generator().manual_seed(r))
+    rings = []
+    for one_by_one in (True, False):
+        layer = SimpleNamespace(state={"rows": torch.rand(B, HKV, C, size, generator=torch.Generator().manual_seed(0))})
+        history = History(newest=torch.tensor(start))
+        with Launches() as counted:
+            for chunk in rows.split(1, dim=2) if one_by_one else [rows]:
+                push_rows(layer, "rows", history, chunk)
+        rings.append((layer.state["rows"], int(history.newest)))
+    assert torch.equal(rings[0][0], rings[1][0]) and rings[0][1] == rings[1][1] == (start + r) % size
+    assert counted.launches <= 6  # (the ring index advanced, the rows' indices made, one copy)
+
+
 def test_morphkv_ring_buffer_keeps_last_rows_and_new_slots_start_at_zero(tiny):
     _, model = tiny
     cache = BudgetCache(model.config, MorphKV(budget=12, recent=3))

@@ -32,11 +32,17 @@ def history_state(size: int) -> SlotState:
 
 
 def push_rows(layer: BudgetLayer, name: str, history: History, rows: torch.Tensor) -> None:
-    """Record the rows ``[B, H_kv, r, C]`` (oldest first), each overwriting the oldest recorded row."""
+    """Record the rows ``[B, H_kv, r, C]`` (oldest first), each overwriting the oldest recorded row: in one write
+    whatever ``r`` (a prompt chunk's rows one at a time were three launches a row)."""
     buf = layer.state[name]
-    for i in range(rows.shape[2]):
-        history.newest = (history.newest.to(buf.device) + 1) % buf.shape[-1]
-        buf.index_copy_(-1, history.newest.view(1), rows[:, :, i, :, None])
+    size, pushed = buf.shape[-1], rows.shape[2]
+    rows = rows[:, :, -size:]  # (older rows would be overwritten by newer ones of the same call)
+    r = rows.shape[2]
+    if not r:
+        return
+    history.newest = (history.newest.to(buf.device) + pushed) % size
+    at = history.newest.view(1) if r == 1 else (history.newest + torch.arange(1 - r, 1, device=buf.device)) % size
+    buf.index_copy_(-1, at, rows.transpose(-1, -2))
 
 
 def fuse(layer: BudgetLayer, name: str, mode: str, leave_out: torch.Tensor | None = None) -> torch.Tensor:
