@@ -583,7 +583,7 @@ def test_overrides_claim_an_exact_quota_only_where_they_keep_it():
     assert POLICIES["trimkv-global"].exact_quota
 
 
-@pytest.mark.parametrize("recent_share", [0.0, 0.25, 0.3, 0.5, 0.75, 1.0])
+@pytest.mark.parametrize("recent_share", [0.0, 0.25, 0.3, 0.5, 0.75, 0.9])
 @pytest.mark.parametrize("sinks", [1, 4])
 def test_d2o_keeps_min_held_quota_at_every_layer_budget_where_it_claims_an_exact_quota(sinks, recent_share):
     """D2O's claim is tight: its selection keeps ``min(held, quota)`` at every layer budget it can give
@@ -592,7 +592,7 @@ def test_d2o_keeps_min_held_quota_at_every_layer_budget_where_it_claims_an_exact
 
     from kvgates.policies.h2o import CUMULATIVE
 
-    policy = make_policy("d2o", budget=8, sinks=sinks, recent_share=recent_share, merge=False)
+    policy = make_policy("d2o", budget=64, sinks=sinks, recent_share=recent_share, merge=False)  # (quotas below are told)
     layer = make_layer(policy, random_positions(2, 2, 30, held=24, seed=1))
     layer.state[CUMULATIVE].uniform_(generator=torch.Generator().manual_seed(2))
     kept = {}
@@ -600,6 +600,17 @@ def test_d2o_keeps_min_held_quota_at_every_layer_budget_where_it_claims_an_exact
         kept[q] = (policy.select(layer, None, torch.full((2, 2), q)) & layer.valid).sum(-1)
     exact = all(bool((n == min(24, q)).all()) for q, n in kept.items())
     assert policy.exact_quota == exact
+
+
+@pytest.mark.parametrize(("budget", "sinks", "recent_share"), [(12, 4, 1.0), (12, 4, 0.7), (8, 4, 0.5), (5, 4, 0.25)])
+def test_d2o_refuses_a_budget_no_larger_than_its_sinks_and_recent_share(budget, sinks, recent_share):
+    """The spec's edge case (budget <= sinks + window: a clear error): ``D2O(budget=12, sinks=4, recent_share=1.0)``
+    was built and held 16 tokens a head, 4 over its budget, at matched memory."""
+    recent = round(budget * recent_share)
+    with pytest.raises(ValueError, match=rf"budget {budget} must be larger than sinks \+ the budget's recent share \({sinks} \+ {recent}\)"):
+        make_policy("d2o", budget=budget, sinks=sinks, recent_share=recent_share)
+    if recent_share < 1:  # a budget large enough for the same sinks and share builds
+        assert make_policy("d2o", budget=4 * budget, sinks=sinks, recent_share=recent_share).budget == 4 * budget
 
 
 def test_an_eviction_told_its_counts_checks_them_on_the_device():

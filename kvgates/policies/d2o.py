@@ -102,6 +102,9 @@ class D2O(CumulativeAttention, PerStepEviction):
         self._require_budget(self.sinks, f"sinks={self.sinks}")
         if not 0.0 <= self.recent_share <= 1.0:
             raise ValueError(f"{self.name}: recent_share must be in [0, 1], got {self.recent_share}")
+        # The spec's edge case: a budget no larger than what it always keeps is refused (it held sinks + recent).
+        recent = int(self._recent(torch.tensor([self.budget])))
+        self._require_budget(self.sinks + recent, f"sinks + the budget's recent share ({self.sinks} + {recent})")
         if not 0.0 < self.beta <= 1.0:
             raise ValueError(f"{self.name}: beta must be in (0, 1], got {self.beta}")
         self._one_of("merge_rule", MERGE_RULES)
