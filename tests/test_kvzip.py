@@ -122,6 +122,43 @@ def test_a_reset_or_copied_cache_scores_the_prompt_it_holds(tiny, how):
     assert all(torch.equal(a.pos, b.pos) for a, b in zip(cache.budget_layers, other.budget_layers))
 
 
+SELECTIONS = {
+    "reorder": (lambda cache: cache.reorder_cache(torch.tensor([1, 0])), lambda ids: ids.flip(0)),
+    "select": (lambda cache: cache.batch_select_indices(torch.tensor([1])), lambda ids: ids[1:]),
+    "repeat": (lambda cache: cache.batch_repeat_interleave(2), lambda ids: ids.repeat_interleave(2, dim=0)),
+}
+
+
+@pytest.mark.parametrize("how", list(SELECTIONS))
+def test_a_prompt_chunk_after_a_batch_selection_is_scored_with_each_sequences_own_prompt(tiny, how):
+    """The scoring pass reconstructs the prompt a cache has seen, kept beside the cache; ``reorder_cache``,
+    ``batch_select_indices`` and ``batch_repeat_interleave`` (a shared prefix fanned out to several continuations)
+    left it in its old batch. A prompt chunk after a selection or a repetition failed on its concatenation to it (a
+    RuntimeError of tensor sizes), and after a reorder each sequence's scoring forwards reconstructed another sequence's
+    earlier chunks. Now the cache scores what a fresh cache given each sequence's own prompt scores, and keeps what it
+    keeps."""
+    _, model = tiny
+    ids = torch.randint(8, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    select, rows = SELECTIONS[how]
+    policy = make_policy("kvzip", budget=10, chunk_size=16, repeat_ids=PROMPT_IDS).attach(model)
+    scored = []
+    reconstruct = policy.reconstruct
+    policy._hooks.run = lambda model, cache, ids, *rest: (scored.append(ids), reconstruct(model, cache, ids, *rest))
+    try:
+        with torch.no_grad():
+            cache, fresh = BudgetCache(model.config, policy), BudgetCache(model.config, policy)
+            model(ids[:, :20], past_key_values=cache)
+            select(cache)
+            model(rows(ids)[:, :20], past_key_values=fresh)
+            got = model(rows(ids)[:, 20:32], past_key_values=cache).logits
+            expected = model(rows(ids)[:, 20:32], past_key_values=fresh).logits
+    finally:
+        policy.detach()
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(scored[-2], rows(ids)[:, :32]) and torch.equal(scored[-1], rows(ids)[:, :32])
+    assert all(torch.equal(a.pos, b.pos) for a, b in zip(cache.budget_layers, fresh.budget_layers))
+
+
 def test_unattached_kvzip_says_what_to_do(tiny):
     _, model = tiny
     cache = BudgetCache(model.config, make_policy("kvzip", budget=8, repeat_ids=PROMPT_IDS))

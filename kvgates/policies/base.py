@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -153,6 +154,11 @@ class Policy:
     def cache_copied(self, cache: Any, twin: Any) -> None:
         """``twin`` is a copy of ``cache`` (``BudgetCache.__deepcopy__``), both running this policy: give it what the
         policy keeps per cache outside the cache (KVzip: the prompt seen); most policies keep nothing."""
+
+    def cache_batch_selected(self, cache: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """``cache``'s sequences were reordered, repeated or selected (``BudgetCache.reorder_cache``,
+        ``batch_repeat_interleave``, ``batch_select_indices``): ``fn`` does it to a ``[B, ...]`` tensor; do it to what
+        the policy keeps per sequence of ``cache`` outside the cache (KVzip: the prompt seen); most policies keep nothing."""
 
     def __enter__(self) -> Policy:
         return self

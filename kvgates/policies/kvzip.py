@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -183,6 +184,12 @@ class KVzip(Policy):
         """``twin`` copies ``cache``: it gets the prompt ``cache`` has seen (``PromptScoring.copied``)."""
         if self._hooks is not None:
             self._hooks.copied(cache, twin)
+
+    def cache_batch_selected(self, cache: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """``cache``'s sequences were reordered, repeated or selected: so is the prompt it has seen
+        (``PromptScoring.batch_selected``)."""
+        if self._hooks is not None:
+            self._hooks.batch_selected(cache, fn)
 
     def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
         return layer.state[SCORE], sink_mask(layer, self.sinks)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +144,9 @@ class Wrapper(Policy):
 
     def cache_copied(self, cache: Any, twin: Any) -> None:
         self.inner.cache_copied(cache, twin)
+
+    def cache_batch_selected(self, cache: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.inner.cache_batch_selected(cache, fn)
 
     def stats_request(self, phase: Phase) -> StatsRequest:
         return self.inner.stats_request(phase)

@@ -220,6 +220,22 @@ class BudgetCache(Cache):
         self._pending_layer = self._forward_at = self._real = None
         self._said_turn = False
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """``Cache.reorder_cache`` (beam search), applied too to what the policy keeps per sequence outside the cache
+        (``Policy.cache_batch_selected``: KVzip's prompt seen)."""
+        super().reorder_cache(beam_idx)
+        self.policy.cache_batch_selected(self, lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """``Cache.batch_repeat_interleave``, applied too to what the policy keeps per sequence outside the cache."""
+        super().batch_repeat_interleave(repeats)
+        self.policy.cache_batch_selected(self, lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """``Cache.batch_select_indices``, applied too to what the policy keeps per sequence outside the cache."""
+        super().batch_select_indices(indices)
+        self.policy.cache_batch_selected(self, lambda t: t[indices.to(t.device)])
+
     def crop(self, tokens_to_remove: int) -> None:
         """Refused (``BudgetLayer.crop``) before any layer changes: transformers' ``Cache.crop`` crops layer by layer,
         so a model's sliding-window layers (Gemma-3's first) were cropped before a budgeted one refused, or refused

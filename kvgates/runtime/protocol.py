@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 from kvgates.typecheck import as_int, field_problems, plain_scalar, scalar_fields
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from kvgates.runtime.layer import BudgetLayer
@@ -98,6 +100,8 @@ class CachePolicy(Protocol):
     def position_shift(self, layer: BudgetLayer, q_pos: torch.Tensor) -> Any: ...
 
     def cache_copied(self, cache: Any, twin: Any) -> None: ...
+
+    def cache_batch_selected(self, cache: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
 
 
 POLICIES: dict[str, type] = {}

@@ -144,6 +144,14 @@ class PromptScoring:
         if cache in self._prompts:
             self._prompts[twin] = tuple(t.clone() for t in self._prompts[cache])
 
+    def batch_selected(self, cache: BudgetCache, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Reorder, repeat or select the sequences of the prompt ``cache`` has seen as ``fn`` did the cache's
+        (``BudgetCache.reorder_cache`` ...), so that a prompt chunk after it is scored with each sequence's own prompt:
+        the prompt kept its old batch, and the chunk's concatenation to it failed (or, reordered, each sequence's
+        scoring forwards reconstructed another's earlier chunks)."""
+        if cache in self._prompts:
+            self._prompts[cache] = tuple(fn(t) for t in self._prompts[cache])
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
