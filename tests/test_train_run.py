@@ -1805,6 +1805,23 @@ def test_a_torn_run_record_is_one_sentence_and_a_resume_interrupted_while_writin
         prepare_output_dir(cfg, resume=True)
 
 
+def test_a_checkpoint_whose_trainer_state_was_torn_is_passed_over_on_resume(tiny_dir, tmp_path, capsys):
+    """The Trainer writes a checkpoint's ``trainer_state.json`` last and in place: a run killed while it wrote (or a
+    machine that lost power before the file reached the disk) leaves it empty or torn. That checkpoint counted as
+    complete, and ``--resume`` ended in a JSONDecodeError traceback; the checkpoint before it is now resumed from."""
+    out = tmp_path / "run"
+    cfg = TrainConfig.from_dict(tiny_config(tiny_dir, out))
+    for step, state in ((2, '{"global_step": 2}'), (4, ""), (6, '{"global_step": 6, "best_')):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        (out / f"checkpoint-{step}" / "trainer_state.json").write_text(state)
+    (out / "run_config.json").write_text(cfg.to_json())
+    assert prepare_output_dir(cfg, resume=True)[1] == str(out / "checkpoint-2")
+    (out / "checkpoint-2" / "trainer_state.json").write_bytes(b"\xff")
+    path = write(tiny_config(tiny_dir, out), tmp_path / "c.yaml")
+    assert main(["--config", str(path), "--resume", "--check"]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--resume: {out} holds no complete checkpoint to resume from")
+
+
 def test_a_metrics_line_torn_by_a_killed_run_does_not_stop_the_resumed_one(tiny_dir, tmp_path):
     """A run killed while it appended to ``metrics.jsonl`` leaves a torn last line: the resumed run appended its
     first line to it and, once trained, ended in a JSONDecodeError traceback (summing the training time) before it

@@ -181,11 +181,21 @@ def _differences(before: dict[str, Any], now: dict[str, Any], prefix: str = "") 
 
 
 def last_complete_checkpoint(out: Path) -> str:
-    """The newest ``checkpoint-N`` whose trainer state was written (a run killed while saving leaves a partial one)."""
-    done = [p for p in out.glob("checkpoint-*") if (p / TRAINER_STATE_NAME).is_file()]
+    """The newest ``checkpoint-N`` whose trainer state was written (a run killed while saving leaves a partial one):
+    the Trainer writes ``trainer_state.json`` last, in place, so a run killed (or a machine that lost power) while it
+    wrote leaves it empty or torn, and such a checkpoint is passed over for the one before it."""
+    done = [p for p in out.glob("checkpoint-*") if _state_written(p / TRAINER_STATE_NAME)]
     if not done:
         raise ConfigError(f"--resume: {out} holds no complete checkpoint to resume from")
     return str(max(done, key=lambda p: int(p.name.split("-")[-1])))
+
+
+def _state_written(path: Path) -> bool:
+    """Whether ``path`` holds a whole trainer state (a JSON object), not an empty or torn one."""
+    try:
+        return isinstance(json.loads(path.read_text()), dict)
+    except (OSError, ValueError):  # (missing or a folder; torn JSON and bytes that are no UTF-8 are ValueErrors)
+        return False
 
 
 def interrupted(out: Path) -> str:
