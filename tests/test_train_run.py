@@ -1822,6 +1822,18 @@ def test_a_checkpoint_whose_trainer_state_was_torn_is_passed_over_on_resume(tiny
     assert capsys.readouterr().err.strip().endswith(f"--resume: {out} holds no complete checkpoint to resume from")
 
 
+def test_a_copy_kept_beside_the_checkpoints_is_not_resumed_from(tiny_dir, tmp_path):
+    """A folder such as ``checkpoint-best`` (a checkpoint copied aside in the run's folder) ended ``--resume`` in a
+    ValueError traceback (its name's last part read as a step); only the Trainer's ``checkpoint-N`` are steps."""
+    out = tmp_path / "run"
+    cfg = TrainConfig.from_dict(tiny_config(tiny_dir, out))
+    for name in ("checkpoint-2", "checkpoint-best", "checkpoint-old-8", "checkpoint-4-copy"):
+        (out / name).mkdir(parents=True)
+        (out / name / "trainer_state.json").write_text("{}")
+    (out / "run_config.json").write_text(cfg.to_json())
+    assert prepare_output_dir(cfg, resume=True)[1] == str(out / "checkpoint-2")
+
+
 def test_a_metrics_line_torn_by_a_killed_run_does_not_stop_the_resumed_one(tiny_dir, tmp_path):
     """A run killed while it appended to ``metrics.jsonl`` leaves a torn last line: the resumed run appended its
     first line to it and, once trained, ended in a JSONDecodeError traceback (summing the training time) before it

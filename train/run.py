@@ -32,6 +32,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import sys
@@ -62,6 +63,8 @@ RUN_CONFIG = "run_config.json"
 #: How the run was launched (``launch_record``), beside its config: a resumed run must be launched alike.
 LAUNCH = "launch.json"
 METRICS = "metrics.jsonl"
+#: The name of a checkpoint the Trainer saves: ``checkpoint-`` and its step.
+CHECKPOINT = re.compile(r"checkpoint-[0-9]+")
 
 
 class LaunchError(ConfigError):
@@ -183,11 +186,12 @@ def _differences(before: dict[str, Any], now: dict[str, Any], prefix: str = "") 
 def last_complete_checkpoint(out: Path) -> str:
     """The newest ``checkpoint-N`` whose trainer state was written (a run killed while saving leaves a partial one):
     the Trainer writes ``trainer_state.json`` last, in place, so a run killed (or a machine that lost power) while it
-    wrote leaves it empty or torn, and such a checkpoint is passed over for the one before it."""
-    done = [p for p in out.glob("checkpoint-*") if _state_written(p / TRAINER_STATE_NAME)]
+    wrote leaves it empty or torn, and such a checkpoint is passed over for the one before it. Only the Trainer's own
+    names count (``checkpoint-`` and a step): a copy kept beside them (``checkpoint-best``) is not a step to resume."""
+    done = [p for p in out.glob("checkpoint-*") if CHECKPOINT.fullmatch(p.name) and _state_written(p / TRAINER_STATE_NAME)]
     if not done:
         raise ConfigError(f"--resume: {out} holds no complete checkpoint to resume from")
-    return str(max(done, key=lambda p: int(p.name.split("-")[-1])))
+    return str(max(done, key=lambda p: int(p.name.removeprefix("checkpoint-"))))
 
 
 def _state_written(path: Path) -> bool:
