@@ -1822,6 +1822,25 @@ def test_a_checkpoint_whose_trainer_state_was_torn_is_passed_over_on_resume(tiny
     assert capsys.readouterr().err.strip().endswith(f"--resume: {out} holds no complete checkpoint to resume from")
 
 
+def test_a_finished_run_without_checkpoints_is_not_overwritten(tiny_dir, tmp_path, capsys):
+    """A finished run whose checkpoints went (``save_strategy: 'no'``, or removed to save the disk) was taken by the next
+    run into its folder, silently: its run record rewritten at once, its logs emptied when training began and its
+    adapter replaced at the end. Its adapter now refuses the folder, as checkpoints do (one sentence, nothing written)."""
+    out = tmp_path / "run"
+    kvgates.RetentionGates.for_model(kvgates.load_model(str(tiny_dir))[0], gate_hidden=8).save_pretrained(out / "adapter")
+    (out / "metrics.jsonl").write_text('{"step": 4, "loss": 1.0}\n')
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    path = write(tiny_config(tiny_dir, out, budget=16), tmp_path / "c.yaml")
+    assert main(["--config", str(path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"train.py: {out} already holds the adapter of a finished run ({out / 'adapter'}), which this run would replace; pick "
+        "another output_dir, or move that adapter away first"
+    )
+    assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    shutil.move(out / "adapter", tmp_path / "kept")  # moved away: the folder is the new run's to take
+    assert main(["--config", str(path), "--check"]) == 0
+
+
 def test_a_copy_kept_beside_the_checkpoints_is_not_resumed_from(tiny_dir, tmp_path):
     """A folder such as ``checkpoint-best`` (a checkpoint copied aside in the run's folder) ended ``--resume`` in a
     ValueError traceback (its name's last part read as a step); only the Trainer's ``checkpoint-N`` are steps."""

@@ -51,7 +51,7 @@ from data.splits import essay_split
 from eval.heldout import HeldOut, markdown_table
 from kvgates.cli import USAGE_ERROR, OneLineParser, usage_error
 from kvgates.config import check_output_folder, output_path
-from kvgates.gates.adapter import atomic_write
+from kvgates.gates.adapter import CONFIG_FILE, atomic_write
 from kvgates.gates.training import GateTraining
 from kvgates.models import model_skeleton, past_context
 from train.config import ConfigError, TrainConfig
@@ -63,6 +63,8 @@ RUN_CONFIG = "run_config.json"
 #: How the run was launched (``launch_record``), beside its config: a resumed run must be launched alike.
 LAUNCH = "launch.json"
 METRICS = "metrics.jsonl"
+#: The trained adapter a finished run exports into its folder.
+ADAPTER = "adapter"
 #: The name of a checkpoint the Trainer saves: ``checkpoint-`` and its step.
 CHECKPOINT = re.compile(r"checkpoint-[0-9]+")
 
@@ -90,8 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) -> tuple[Path, str | None]:
     """``(output folder, checkpoint to resume from or None)``. Refuses an output folder that is a file, to overwrite
-    an earlier run, or to resume one made with another config or one without a complete checkpoint; only then (and
-    with ``write``) creates the folder and writes ``run_config.json``."""
+    an earlier run (its checkpoints, or the adapter a finished run exported), or to resume one made with another
+    config or one without a complete checkpoint; only then (and with ``write``) creates the folder and writes
+    ``run_config.json``."""
     out = check_output_folder(config.output_dir, "output_dir")  # a leading ~ is the home folder
     recorded = out / RUN_CONFIG
     checkpoint = None
@@ -115,6 +118,11 @@ def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) ->
         check_relaunch(out / LAUNCH, launch_record(config))
     elif out.is_dir() and any(out.glob("checkpoint-*")):
         raise ConfigError(f"{out} already holds checkpoints of a run; pass --resume to continue it or pick another output_dir")
+    elif (out / ADAPTER / CONFIG_FILE).is_file():  # a finished run whose checkpoints went (save_strategy: 'no', or removed)
+        raise ConfigError(
+            f"{out} already holds the adapter of a finished run ({out / ADAPTER}), which this run would replace; pick another "
+            "output_dir, or move that adapter away first"
+        )
     if write:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(recorded, lambda p: Path(p).write_text(config.to_json()))  # a resumed run rewrites it
@@ -706,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {'CUDA' if torch.cuda.is_available() else 'CPU'}",
         "essay_split": essay_split(),
     }
-    adapter = gates.save_pretrained(out / "adapter")
+    adapter = gates.save_pretrained(out / ADAPTER)
 
     # The held-out table at the training budget.
     try:
