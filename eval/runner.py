@@ -60,11 +60,16 @@ class ABResults:
 
 def load_journal(path: Path) -> dict[str, dict]:
     """Rows recorded by an earlier (possibly interrupted) run, by key; a torn last line, and any line that is not a
-    result (a JSON object with a ``key``), is skipped. Reads only: ``append_rows`` mends a torn end before writing."""
+    result (a JSON object with a ``key``; bytes that are no UTF-8 text among them), is skipped. Reads only:
+    ``append_rows`` mends a torn end before writing."""
     done: dict[str, dict] = {}
     if not path.is_file():
         return done
-    for line in path.read_text().splitlines():
+    for raw in path.read_bytes().splitlines():
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:  # (a line a disk or another program garbled: the whole file was a traceback)
+            continue
         row = journal_row(line)  # (a run killed mid-write leaves at most one partial line)
         if row is not None:
             done[row["key"]] = row
@@ -176,7 +181,7 @@ def _record(config: ABConfig) -> dict:
     path = Path(config.output_dir) / RECORD
     try:
         record = json.loads(path.read_text()) if path.is_file() else {}
-    except json.JSONDecodeError:
+    except ValueError:  # (JSONDecodeError, or bytes that are no UTF-8 text: a UnicodeDecodeError)
         return {}  # torn by a report killed mid-write before reports were written atomically: its time is lost
     return record if isinstance(record, dict) else {}
 

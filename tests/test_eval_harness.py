@@ -370,6 +370,19 @@ def test_reading_a_journal_writes_nothing_and_an_append_mends_a_torn_end(tmp_pat
     assert (tmp_path / "new.jsonl").read_text() == '{"key": "d"}\n'
 
 
+def test_a_journal_or_record_that_is_no_utf8_text_is_read_past(tmp_path):
+    """A line of ``results.jsonl`` holding bytes that are no UTF-8 text (a disk or another program garbled it) ended every
+    command on the folder, ``--report-only`` included, in a UnicodeDecodeError traceback, and a ``results.json`` of such
+    bytes too: the line is skipped as any other line that is not a result, and the record read as none."""
+    journal = tmp_path / JOURNAL
+    journal.write_bytes(b'{"key": "a", "v": 1}\n\xff\xfe{"key": "x"}\n{"key": "b", "v": 2}\n')
+    assert list(runner_module.load_journal(journal)) == ["a", "b"]
+    config = ABConfig.from_dict({"arms": ["h2o"], "tasks": ["needle"], "output_dir": str(tmp_path)})
+    assert not runner_module.has_results(config)
+    (tmp_path / runner_module.RECORD).write_bytes(b'{"seconds": 5, "machine": "\xff"}')
+    assert runner_module.unreported_results(config) == 0
+
+
 def test_adapter_for_another_model_fails_before_any_example(tmp_path, model):
     _, other = tiny_model("llama", seed=1, vocab_size=model.config.vocab_size, max_position_embeddings=2048)
     kvgates.RetentionGates.for_model(other).save_pretrained(tmp_path / "adapter")
