@@ -1896,6 +1896,18 @@ def test_metrics_lines_are_strict_json(tmp_path):
     ]
 
 
+def test_a_metrics_line_that_is_no_utf8_text_is_read_past(tmp_path):
+    """A line of ``metrics.jsonl`` of bytes that are no UTF-8 text (a disk or another program garbled it) ended a resumed
+    run in a UnicodeDecodeError traceback once the model had loaded; it is passed over as a torn line is."""
+    from train.run import training_seconds
+    from train.trainer import MetricsJsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "loss": 2.0}\n\xff\xfe{"step": 2}\n{"step": 3, "train_runtime": 4.0}\n')
+    assert MetricsJsonl.read(path) == [{"step": 1, "loss": 2.0}, {"step": 3, "train_runtime": 4.0}]
+    assert training_seconds(tmp_path) == 4.0
+
+
 def test_a_new_run_in_a_folder_a_stopped_run_left_logs_its_own_steps_only(tiny_dir, tmp_path):
     """A run stopped before its first checkpoint leaves its logs; a new run may take the folder (no checkpoint to
     resume), and appended its own after them: metrics.jsonl began with the other run's steps."""

@@ -224,12 +224,12 @@ class MetricsJsonl(TrainerCallback):
 
     @staticmethod
     def read(path: str | os.PathLike) -> list[dict]:
-        """The logs ``path`` holds, in order, without a line torn by a killed run."""
+        """The logs ``path`` holds, in order, without a line torn by a killed run or of bytes that are no UTF-8 text."""
         rows = []
-        for line in Path(path).read_text().splitlines():
+        for line in Path(path).read_bytes().splitlines():
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
+                rows.append(json.loads(line.decode("utf-8")))
+            except ValueError:  # (JSONDecodeError, UnicodeDecodeError)
                 continue
         return rows
 
