@@ -30,6 +30,7 @@ from eval.arms import build_policy, prepare_arms
 from eval.config import ABConfig, ArmSpec, ConfigError, TaskSpec, journal_row
 from eval.stats import Comparison, compare, matched_memory
 from eval.tasks import Example, binary_metric, build_examples, cost, metrics_of, run_batch
+from kvgates.config import text_lines
 from kvgates.models import past_context
 
 JOURNAL = "results.jsonl"
@@ -65,11 +66,7 @@ def load_journal(path: Path) -> dict[str, dict]:
     done: dict[str, dict] = {}
     if not path.is_file():
         return done
-    for raw in path.read_bytes().splitlines():
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError:  # (a line a disk or another program garbled: the whole file was a traceback)
-            continue
+    for line in text_lines(path):
         row = journal_row(line)  # (a run killed mid-write leaves at most one partial line)
         if row is not None:
             done[row["key"]] = row

@@ -119,6 +119,18 @@ def output_path(path: str | Path) -> Path:
     return Path(os.path.expanduser(path))  # (Path.expanduser raises RuntimeError for an unknown ~user)
 
 
+def text_lines(path: str | Path) -> list[str]:
+    """The lines of a file a run appends to (a journal, a metrics log), leaving out any of bytes that are no UTF-8
+    text (garbled by a disk or another program): one such line made the whole file a ``UnicodeDecodeError``."""
+    lines = []
+    for raw in Path(path).read_bytes().splitlines():
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            continue
+    return lines
+
+
 def check_output_folder(path: str | Path, option: str) -> Path:
     """The folder to write in (``output_path(path)``: a leading ``~`` is the home folder), or
     ``ConfigError`` when ``path``, the output folder ``option`` names, cannot be a folder the run writes in: it, or

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, TrainerState, TrainingArguments, set_seed
 from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import kvgates
 from data.build import build_dataset, check_readable, summarize
@@ -66,7 +67,7 @@ METRICS = "metrics.jsonl"
 #: The trained adapter a finished run exports into its folder.
 ADAPTER = "adapter"
 #: The name of a checkpoint the Trainer saves: ``checkpoint-`` and its step.
-CHECKPOINT = re.compile(r"checkpoint-[0-9]+")
+CHECKPOINT = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-[0-9]+")
 
 
 class LaunchError(ConfigError):
@@ -199,7 +200,7 @@ def last_complete_checkpoint(out: Path) -> str:
     done = [p for p in out.glob("checkpoint-*") if CHECKPOINT.fullmatch(p.name) and _state_written(p / TRAINER_STATE_NAME)]
     if not done:
         raise ConfigError(f"--resume: {out} holds no complete checkpoint to resume from")
-    return str(max(done, key=lambda p: int(p.name.removeprefix("checkpoint-"))))
+    return str(max(done, key=lambda p: int(p.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-"))))
 
 
 def _state_written(path: Path) -> bool:

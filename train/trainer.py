@@ -25,6 +25,7 @@ from accelerate.utils import gather_object
 from transformers import Trainer, TrainerCallback
 
 import kvgates
+from kvgates.config import text_lines
 from kvgates.gates.adapter import atomic_write
 from kvgates.gates.training import GateTraining
 from kvgates.methods.base import TrainingStep, eval_mode
@@ -226,10 +227,10 @@ class MetricsJsonl(TrainerCallback):
     def read(path: str | os.PathLike) -> list[dict]:
         """The logs ``path`` holds, in order, without a line torn by a killed run or of bytes that are no UTF-8 text."""
         rows = []
-        for line in Path(path).read_bytes().splitlines():
+        for line in text_lines(path):
             try:
-                rows.append(json.loads(line.decode("utf-8")))
-            except ValueError:  # (JSONDecodeError, UnicodeDecodeError)
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
                 continue
         return rows
 
