@@ -108,3 +108,25 @@ def test_a_merging_policy_leaves_a_sequence_within_tolerance_as_it_would_be_alon
         return torch.stack(out, 1)
 
     torch.testing.assert_close(logits([0, 1])[1], logits([1])[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["h2o", "kvzip"])
+def test_a_batch_selection_may_name_its_sequences_in_a_list(tiny, name):
+    """``reorder_cache`` and ``batch_select_indices`` given a list of ints (transformers' own layers index with one)
+    ended in an AttributeError in the first budgeted layer; they select as the same indices in a tensor do."""
+    _, model = tiny
+    prompts = torch.randint(1, 128, (3, 30), generator=torch.Generator().manual_seed(13))
+
+    def held(select) -> list[torch.Tensor]:
+        with policy_on(model, name, BUDGET) as policy, torch.no_grad():
+            cache = BudgetCache(model.config, policy)
+            model(prompts, past_key_values=cache)
+            select(cache)
+            logits = model(prompts[[2, 0], -1:], past_key_values=cache).logits
+            return [logits] + [layer.keys for layer in cache.budget_layers]
+
+    for how in ("reorder_cache", "batch_select_indices"):
+        got = held(lambda cache: getattr(cache, how)([2, 0]))
+        expected = held(lambda cache: getattr(cache, how)(torch.tensor([2, 0])))
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -220,9 +220,10 @@ class BudgetCache(Cache):
         self._pending_layer = self._forward_at = self._real = None
         self._said_turn = False
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+    def reorder_cache(self, beam_idx: torch.LongTensor | Sequence[int]) -> None:
         """``Cache.reorder_cache`` (beam search), applied too to what the policy keeps per sequence outside the cache
-        (``Policy.cache_batch_selected``: KVzip's prompt seen)."""
+        (``Policy.cache_batch_selected``: KVzip's prompt seen). ``beam_idx`` may be a sequence of ints."""
+        beam_idx = torch.as_tensor(beam_idx)  # (a list failed in the first budgeted layer)
         super().reorder_cache(beam_idx)
         self.policy.cache_batch_selected(self, lambda t: t.index_select(0, beam_idx.to(t.device)))
 
@@ -231,8 +232,10 @@ class BudgetCache(Cache):
         super().batch_repeat_interleave(repeats)
         self.policy.cache_batch_selected(self, lambda t: t.repeat_interleave(repeats, dim=0))
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """``Cache.batch_select_indices``, applied too to what the policy keeps per sequence outside the cache."""
+    def batch_select_indices(self, indices: torch.Tensor | Sequence[int]) -> None:
+        """``Cache.batch_select_indices``, applied too to what the policy keeps per sequence outside the cache.
+        ``indices`` may be a sequence of ints."""
+        indices = torch.as_tensor(indices)  # (a list failed in the first budgeted layer)
         super().batch_select_indices(indices)
         self.policy.cache_batch_selected(self, lambda t: t[indices.to(t.device)])
 
