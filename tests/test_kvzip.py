@@ -122,6 +122,33 @@ def test_a_reset_or_copied_cache_scores_the_prompt_it_holds(tiny, how):
     assert all(torch.equal(a.pos, b.pos) for a, b in zip(cache.budget_layers, other.budget_layers))
 
 
+@pytest.mark.parametrize("copied", [False, True])
+def test_a_prompt_chunk_after_detach_and_attach_is_scored_with_the_chunks_before(tiny, copied):
+    """The prompt a cache had seen was kept in the hooks ``attach`` puts on the model, which ``detach`` removes: with
+    ``with policy.attach(model):`` around each call (or a cache copied while detached), the next prompt chunk was
+    reconstructed alone, under an attention mask shorter than the cache, every score came out 0 and each head kept its
+    sinks and its newest tokens, silently. The policy keeps the prompts now: what an unbroken attachment keeps."""
+    import copy
+
+    _, model = tiny
+    ids = torch.randint(8, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    policy = make_policy("kvzip", budget=10, chunk_size=16, repeat_ids=PROMPT_IDS)
+    with torch.no_grad():
+        with policy.attach(model):
+            expected_cache = BudgetCache(model.config, policy)
+            model(ids[:, :20], past_key_values=expected_cache)
+            expected = model(ids[:, 20:], past_key_values=expected_cache).logits
+        with policy.attach(model):
+            cache = BudgetCache(model.config, policy)
+            model(ids[:, :20], past_key_values=cache)
+        if copied:
+            cache = copy.deepcopy(cache)
+        with policy.attach(model):
+            got = model(ids[:, 20:], past_key_values=cache).logits
+    torch.testing.assert_close(got, expected)
+    assert all(torch.equal(a.pos, b.pos) for a, b in zip(cache.budget_layers, expected_cache.budget_layers))
+
+
 SELECTIONS = {
     "reorder": (lambda cache: cache.reorder_cache(torch.tensor([1, 0])), lambda ids: ids.flip(0)),
     "select": (lambda cache: cache.batch_select_indices(torch.tensor([1])), lambda ids: ids[1:]),

@@ -12,7 +12,7 @@ import torch
 from kvgates.gates.capture import GateCapture, attention_modules
 from kvgates.policies.base import NEVER, Policy, register_policy
 from kvgates.policies.selection import sink_mask
-from kvgates.runtime.scoring import PromptScoring, discarded_forward
+from kvgates.runtime.scoring import PromptScoring, SeenPrompts, discarded_forward
 from kvgates.runtime.state import SlotState
 from kvgates.runtime.stats import NO_STATS, AttnStats, Phase, StatsRequest
 from kvgates.runtime.storage import POS_BIG
@@ -77,6 +77,7 @@ class KVzip(Policy):
     repeat_ids: list[int] | None = None
     normalize: bool = False
     _hooks: PromptScoring | None = field(default=None, init=False, repr=False)
+    _seen: SeenPrompts = field(default_factory=SeenPrompts, init=False, repr=False, compare=False)
     _prompt: torch.Tensor | None = field(default=None, init=False, repr=False)
     _hidden: GateCapture | None = field(default=None, init=False, repr=False)
     _gram: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
@@ -106,7 +107,7 @@ class KVzip(Policy):
             )
         self.detach()
         self._prompt = torch.tensor(self._repeat(model), dtype=torch.long)
-        self._hooks = PromptScoring(model, self, self.reconstruct)
+        self._hooks = PromptScoring(model, self, self.reconstruct, self._seen)
         if self.normalize:  # KVzip+: the hidden state entering each attention (during the scoring forwards), each head's W_O
             modules = attention_modules(model)
             self._hidden = GateCapture(model, "hidden", sorted(modules), when=lambda: self._chunk is not None)
@@ -181,15 +182,13 @@ class KVzip(Policy):
             layer.state[SCORE] = torch.maximum(layer.state[SCORE], stats.colmax)
 
     def cache_copied(self, cache, twin) -> None:
-        """``twin`` copies ``cache``: it gets the prompt ``cache`` has seen (``PromptScoring.copied``)."""
-        if self._hooks is not None:
-            self._hooks.copied(cache, twin)
+        """``twin`` copies ``cache``: it gets the prompt ``cache`` has seen (``SeenPrompts.copied``)."""
+        self._seen.copied(cache, twin)
 
     def cache_batch_selected(self, cache: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """``cache``'s sequences were reordered, repeated or selected: so is the prompt it has seen
-        (``PromptScoring.batch_selected``)."""
-        if self._hooks is not None:
-            self._hooks.batch_selected(cache, fn)
+        (``SeenPrompts.batch_selected``)."""
+        self._seen.batch_selected(cache, fn)
 
     def score(self, layer, stats: AttnStats | None) -> tuple[torch.Tensor, torch.Tensor]:
         return layer.state[SCORE], sink_mask(layer, self.sinks)

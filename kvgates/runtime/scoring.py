@@ -110,22 +110,58 @@ def enforce_prompt(cache: BudgetCache) -> None:
         layer.enforce(AttnStats(phase=Phase.PREFILL, new_slots=empty))
 
 
+class SeenPrompts:
+    """What each ``BudgetCache`` running a scoring policy has seen of its prompt, ``(ids, mask, positions)`` ``[B, seen]``
+    (held weakly by cache): the prompt its scoring forwards reconstruct. The policy keeps it, not its hooks
+    (``PromptScoring``), so that it outlives ``detach()``: a cache filled by one attachment and given its next prompt
+    chunk under another (``with policy.attach(model):`` around each call) is scored with everything it has seen."""
+
+    def __init__(self) -> None:
+        self._by_cache: weakref.WeakKeyDictionary[BudgetCache, tuple[torch.Tensor, ...]] = weakref.WeakKeyDictionary()
+
+    def __getitem__(self, cache: BudgetCache) -> tuple[torch.Tensor, ...]:
+        return self._by_cache[cache]
+
+    def extend(self, cache: BudgetCache, new: tuple[torch.Tensor, ...]) -> None:
+        """Append ``new`` ``(ids, mask, positions)`` ``[B, n]`` to what ``cache`` has seen."""
+        seen = self._by_cache.get(cache, [t[:, :0] for t in new])
+        self._by_cache[cache] = tuple(torch.cat([before, t], 1) for before, t in zip(seen, new))
+
+    def forget(self, cache: BudgetCache) -> None:
+        """``cache`` begins a new prompt (a fresh or reset cache): what an earlier one gave is not part of it."""
+        self._by_cache.pop(cache, None)
+
+    def copied(self, cache: BudgetCache, twin: BudgetCache) -> None:
+        """Give ``twin``, a copy of ``cache`` (``BudgetCache.__deepcopy__``), the prompt ``cache`` has seen, so that a
+        prompt chunk after the copy is scored with everything before it, as in the original."""
+        if cache in self._by_cache:
+            self._by_cache[twin] = tuple(t.clone() for t in self._by_cache[cache])
+
+    def batch_selected(self, cache: BudgetCache, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Reorder, repeat or select the sequences of the prompt ``cache`` has seen as ``fn`` did the cache's
+        (``BudgetCache.reorder_cache`` ...), so that a prompt chunk after it is scored with each sequence's own prompt:
+        the prompt kept its old batch, and the chunk's concatenation to it failed (or, reordered, each sequence's
+        scoring forwards reconstructed another's earlier chunks)."""
+        if cache in self._by_cache:
+            self._by_cache[cache] = tuple(fn(t) for t in self._by_cache[cache])
+
+
 class PromptScoring:
     """Hooks on one model instance that run ``run`` after each prompt forward through a ``BudgetCache`` running
-    ``policy``, then evict (``enforce_prompt``); removed with ``remove()``.
+    ``policy``, over the prompt the cache has seen (kept in ``prompts``, the policy's), then evict (``enforce_prompt``);
+    removed with ``remove()``.
 
     A prompt given in several forwards (chunked prefill) is scored after each one over everything it has seen so
     far, and evicted each time, as other policies evict at the end of every prompt chunk.
     """
 
-    def __init__(self, model: torch.nn.Module, policy: Any, run: ScoringRun):
+    def __init__(self, model: torch.nn.Module, policy: Any, run: ScoringRun, prompts: SeenPrompts):
         """Refuses a model with layers kvgates leaves to transformers (``discarded_forward`` could not drop their
         tokens) before any forward."""
         layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
         if any(kind not in BUDGETED_LAYER_TYPES for kind in layer_types):
             raise UnsupportedModelError(f"{policy.name}: {SCORING_NEEDS_BUDGETED_LAYERS}")
-        self.model, self.policy, self.run = model, policy, run
-        self._prompts: weakref.WeakKeyDictionary[BudgetCache, tuple[torch.Tensor, ...]] = weakref.WeakKeyDictionary()
+        self.model, self.policy, self.run, self.prompts = model, policy, run, prompts
         self._current: BudgetCache | None = None
         self._busy = False
         self._handles = [
@@ -137,20 +173,6 @@ class PromptScoring:
         """Whether a prompt forward of the hooked model through ``cache`` is in progress (not a forward of another
         model instance, nor of this one that stopped part-way)."""
         return self._current is cache
-
-    def copied(self, cache: BudgetCache, twin: BudgetCache) -> None:
-        """Give ``twin``, a copy of ``cache`` (``BudgetCache.__deepcopy__``), the prompt ``cache`` has seen, so that a
-        prompt chunk after the copy is scored with everything before it, as in the original."""
-        if cache in self._prompts:
-            self._prompts[twin] = tuple(t.clone() for t in self._prompts[cache])
-
-    def batch_selected(self, cache: BudgetCache, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Reorder, repeat or select the sequences of the prompt ``cache`` has seen as ``fn`` did the cache's
-        (``BudgetCache.reorder_cache`` ...), so that a prompt chunk after it is scored with each sequence's own prompt:
-        the prompt kept its old batch, and the chunk's concatenation to it failed (or, reordered, each sequence's
-        scoring forwards reconstructed another's earlier chunks)."""
-        if cache in self._prompts:
-            self._prompts[cache] = tuple(fn(t) for t in self._prompts[cache])
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -189,11 +211,9 @@ class PromptScoring:
         if positions is None:  # transformers' own: after every token the cache has seen, padding included
             positions = torch.arange(n, device=ids.device) + layer.seen
         positions = positions.to(ids.device).long().reshape(-1, n).expand(ids.shape[0], n)
-        if not layer.seen:  # a new prompt (a fresh or reset cache): what an earlier one gave is not part of it
-            self._prompts.pop(cache, None)
-        new = (ids, mask, positions)
-        seen = self._prompts.get(cache, [t[:, :0] for t in new])
-        self._prompts[cache] = tuple(torch.cat([before, t], 1) for before, t in zip(seen, new))
+        if not layer.seen:
+            self.prompts.forget(cache)
+        self.prompts.extend(cache, (ids, mask, positions))
         self._current = cache
 
     def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -207,7 +227,7 @@ class PromptScoring:
         inside ``torch.compile`` too (``generate()`` compiles the forwards of its chunked prefill)."""
         self._busy = True
         try:
-            self.run(self.model, cache, *self._prompts[cache])
+            self.run(self.model, cache, *self.prompts[cache])
         finally:
             self._busy = False
         enforce_prompt(cache)
