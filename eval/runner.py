@@ -26,6 +26,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kvgates
+from data.splits import check_corpus
 from eval.arms import build_policy, prepare_arms
 from eval.config import ABConfig, ArmSpec, ConfigError, TaskSpec, journal_row
 from eval.stats import Comparison, compare, matched_memory
@@ -136,12 +137,18 @@ def run_ab(
     resumed run whose results are all journalled (in its own journal or one it reuses) loads no model either: its
     results were computed, and their context checked, under the same keys. The model loads on the config's device in
     its dtype (``ABConfig.placement``: a GPU this machine lacks is a ``ConfigError``); a ``model`` given must be there.
+    Essays that cannot be read (``data.splits.check_corpus``: their package missing) are a ``ConfigError`` before it loads.
     """
     start = time.perf_counter()
     work = compute and (not resume or missing_results(config) > 0)
     if work:  # a task past the model's context, an arm's adapter for another model and an example that cannot be made
         # are refused before the folder is made, anything adopted into it or a journal --fresh discards is deleted
         device, dtype = config.placement()
+        if any(task.task != "common_words" for task in config.tasks):  # (every other task reads the essays)
+            try:
+                check_corpus()
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         if model is None:
             model, tokenizer = kvgates.load_model(config.model, dtype=dtype, device=device)
         elif (model.device.type, model.dtype) != (device.type, dtype):  # its results would be journalled as the config's

