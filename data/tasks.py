@@ -293,6 +293,8 @@ def make_example(
     """
     if context_tokens < 64:
         raise ValueError(f"context_tokens must be at least 64, got {context_tokens}")
+    if split not in SPLITS:  # (here: common_words reads no essay, and took any name as its split)
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     rng = random.Random(f"{task}:{split}:{template_set}:{context_tokens}:{seed}")
     base_task = "needle" if task == "multikey" else task
     pool = templates(base_task, template_set)
