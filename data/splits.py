@@ -45,10 +45,17 @@ def make_essay_split(seed: int = 0) -> dict[str, list[str]]:
 
 @lru_cache(maxsize=1)
 def essay_split() -> dict[str, list[str]]:
-    """The recorded split, checked against the installed corpus (every file in exactly one split)."""
+    """The recorded split, checked against the installed corpus (every file in exactly one split; ``ValueError`` in
+    one sentence otherwise)."""
     record = json.loads(SPLIT_FILE.read_text())
     files = {f.name for f in essays_dir().glob("*.txt")}
     listed = [name for s in SPLITS for name in record[s]]
+    twice = sorted({name for name in listed if listed.count(name) > 1})
+    if twice:  # (said as such: the comparison below found them "missing: [], unknown: []")
+        raise ValueError(
+            f"{SPLIT_FILE} lists {twice[:3]} in more than one split, which would put its text in two of them; "
+            "rerun python -m data.splits"
+        )
     if sorted(listed) != sorted(files):
         raise ValueError(
             f"{SPLIT_FILE} does not match the installed essays in {essays_dir()} (missing: "

@@ -26,6 +26,23 @@ def test_split_is_recorded_disjoint_and_complete():
     assert not set(split["train"]) & set(split["test"])
 
 
+def test_a_record_listing_an_essay_in_two_splits_is_refused_naming_it(tmp_path, monkeypatch):
+    """An essay listed in test and in train was refused as a record that "does not match the installed essays
+    (missing: [], unknown: [])", which named nothing wrong."""
+    import data.splits
+
+    record = json.loads(data.splits.SPLIT_FILE.read_text())
+    record["train"].append(record["test"][0])
+    (tmp_path / "split.json").write_text(json.dumps(record))
+    monkeypatch.setattr(data.splits, "SPLIT_FILE", tmp_path / "split.json")
+    essay_split.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=rf"split.json lists \['{record['test'][0]}'\] in more than one split, which would put"):
+            essay_split()
+    finally:
+        essay_split.cache_clear()
+
+
 def test_template_sets_never_share_a_template():
     for task, ts in TEMPLATES.items():
         train = {(t.statement, t.question) for t in ts if t.set == "train"}
