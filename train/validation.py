@@ -28,7 +28,7 @@ def needle_examples(
 ) -> list[dict]:
     """``count`` single-needle examples of ``tokens`` tokens at evenly spaced depths; ``ConfigError`` (``option``:
     what does not fit; ``fix``) when a needle does not fit its tokens (the needle task's own hint names options these
-    needles do not take)."""
+    needles do not take), and (``option``: why) when their haystacks are longer than the ``split`` essays."""
     depths = [i / max(count - 1, 1) for i in range(count)]
     try:
         return [
@@ -37,6 +37,8 @@ def needle_examples(
         ]
     except NoRoomError as err:
         raise ConfigError(f"{option}: {err.fact}; {fix}") from None
+    except ValueError as err:  # (not data.mix's, as the run named it: the needles' haystacks are longer than the essays)
+        raise ConfigError(f"{option}: {err}") from None
 
 
 def learned_policy(config: TrainConfig, gates: kvgates.GateSet) -> kvgates.Policy:
