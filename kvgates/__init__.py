@@ -30,6 +30,7 @@ _EXPORTS = {
     "EMBEDDED_MODELS": "kvgates.models",
     "check_supported": "kvgates.models",
     "load_model": "kvgates.models",
+    "load_tokenizer": "kvgates.models",
     "model_fingerprint": "kvgates.models",
     "prepare_model": "kvgates.models",
     "POLICIES": "kvgates.policies",
@@ -66,7 +67,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ imports them
     from kvgates.errors import AdapterError, ConfigError, HubPushError, UnsupportedModelError  # noqa: F401
     from kvgates.gates import GateSet, GlobalRetentionGates, RetainingHeads, RetentionGates, load_gates  # noqa: F401
-    from kvgates.models import EMBEDDED_MODELS, check_supported, load_model, model_fingerprint, prepare_model  # noqa: F401
+    from kvgates.models import EMBEDDED_MODELS, check_supported, load_model, load_tokenizer, model_fingerprint, prepare_model  # noqa: F401
     from kvgates.policies import POLICIES, Policy, Schedule, make_policy, register_policy  # noqa: F401
     from kvgates.runtime.cache import BudgetCache, dynamic_cache_bytes  # noqa: F401
     from kvgates.runtime.layer import BudgetLayer  # noqa: F401

@@ -366,13 +366,7 @@ def load_model(
     dtype = _load_settings(name_or_path, dtype, device, device_map)
     name_or_path = os.fspath(name_or_path)  # (str() of an os.PathLike other than pathlib's is no path)
     embedded, source = _checked_source(name_or_path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as err:  # a model saved without its tokenizer: transformers says so in several lines
-        reason = " ".join(str(err).split())[:200] or type(err).__name__
-        raise UnsupportedModelError(
-            f"the tokenizer of {name_or_path} cannot be loaded ({reason}); save the model's tokenizer beside it"
-        ) from None
+    tokenizer = _tokenizer(source, name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", device_map=device_map)
     except SafetensorError as err:  # neither an OSError nor a ValueError: a traceback
@@ -381,9 +375,31 @@ def load_model(
     if device_map is None:
         model = model.to(device)
     prepare_model(model)
+    return model, tokenizer
+
+
+def load_tokenizer(name_or_path: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """The tokenizer ``load_model(name_or_path)`` loads with the model, without reading a weight: what builds a run's
+    data before the model loads (minutes for an 8B model), so that data the model's tokenizer cannot make is refused
+    first. Errors as ``load_model``'s for the name and the tokenizer."""
+    name_or_path = os.fspath(name_or_path)
+    _, source = _checked_source(name_or_path)
+    return _tokenizer(source, name_or_path)
+
+
+def _tokenizer(source: str | Path, name_or_path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer saved at ``source`` (the model ``name_or_path``'s), padding with its end-of-sequence token where
+    it names no padding token."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:  # a model saved without its tokenizer: transformers says so in several lines
+        reason = " ".join(str(err).split())[:200] or type(err).__name__
+        raise UnsupportedModelError(
+            f"the tokenizer of {name_or_path} cannot be loaded ({reason}); save the model's tokenizer beside it"
+        ) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return tokenizer
 
 
 def model_skeleton(name_or_path: str | os.PathLike) -> PreTrainedModel:

