@@ -24,7 +24,7 @@ import os
 import sys
 
 import torch
-from common import attached, bench_policy, essay_ids, setup
+from common import attached, bench_policy, essay_ids, setup, short_context
 from decode_speed import AMORTISED, make_policy
 from transformers import DynamicCache
 
@@ -51,7 +51,8 @@ def count(model, make_cache, ids: torch.Tensor) -> tuple[Launches, Launches]:
 
 def main() -> None:
     args, model, tokenizer = setup(
-        __doc__, zero_ok=("slack",), context=1024, budget=256, batch=1, slack=32, ops=0, policies=POLICIES, launch_bound=False
+        __doc__, check=lambda args: short_context("--context", [args.context], args.budget), zero_ok=("slack",), context=1024,
+        budget=256, batch=1, slack=32, ops=0, policies=POLICIES, launch_bound=False,
     )
     if args.launch_bound:
         os.environ[LAUNCH_BOUND_ENV] = "1"

@@ -1112,6 +1112,8 @@ def test_prefill_memory_refuses_a_gpu_before_its_model(monkeypatch, capsys):
         ("policy_overhead", ["--prompt", "64", "--budget", "512"], "--prompt 64 is less than --budget 512: nothing would be evicted"),
         ("kv_memory", ["--prompt", "64", "--budget", "100"], "--prompt 64 is less than --budget 100: nothing would be evicted"),
         ("policy_profile", ["--context", "128", "--budget", "512"], "--context 128 is less than --budget 512: nothing would be evicted"),
+        # counts of caches that held the whole prompt and never evicted, printed as the policies' (an eviction's launches absent)
+        ("launches", ["--context", "128", "--budget", "512"], "--context 128 is less than --budget 512: nothing would be evicted"),
         # (--device cpu: on a machine with a GPU, its default there, prefill_memory refuses the GPU first)
         ("prefill_memory", ["--device", "cpu", "--tokens", "256", "8192", "--budget", "512"],
          "--tokens 256 is less than --budget 512: nothing would be evicted"),
