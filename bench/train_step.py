@@ -51,15 +51,16 @@ EVICTION = {
 
 
 def peak_bytes(run, device: str) -> int:
-    """Peak memory ``run()`` adds: GPU memory allocated on CUDA, resident host memory elsewhere."""
+    """Peak memory ``run()`` adds: memory allocated on ``device`` where it is a GPU (that one, ``--device cuda:1``, not
+    the current one), resident host memory elsewhere."""
     if not device.startswith("cuda"):
         return peak_extra_bytes(run)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
     run()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
 
 
 def run_config(kind: str, eviction: str, length: int, budget: int, attention: str) -> TrainConfig:

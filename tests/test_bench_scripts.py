@@ -1034,6 +1034,21 @@ def test_a_bench_times_and_names_the_gpu_it_was_given(monkeypatch):
     assert seen == ["cuda:1"] and common.device_name("cuda:1") == "GPU cuda:1"
 
 
+def test_the_training_bench_measures_the_memory_of_the_gpu_it_was_given(monkeypatch):
+    """``bench/train_step.py --device cuda:1`` read the peaks of the current GPU (cuda:0), where nothing of the run was
+    allocated: its memory columns were about 0 MiB whatever the step cost."""
+    train_step = _bench(monkeypatch, "train_step")
+    seen = []
+
+    def record(name: str, value: int = 0):
+        return lambda device=None: seen.append((name, device)) or value
+
+    for name in ("synchronize", "memory_allocated", "reset_peak_memory_stats", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, record(name, 5 if name == "max_memory_allocated" else 2))
+    assert train_step.peak_bytes(lambda: None, "cuda:1") == 3
+    assert {device for _, device in seen} == {"cuda:1"} and len(seen) == 5
+
+
 def test_a_bench_refuses_a_gpu_the_machine_lacks_in_one_sentence(monkeypatch, capsys):
     """``--device cuda:3`` on a machine of one GPU was a traceback ('invalid device ordinal') from building the model."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
