@@ -132,15 +132,18 @@ def row(name: str, shape: str, t_tri: float, t_ref: float | None, nbytes: int, p
 
 
 def check(args: argparse.Namespace, device: str) -> str | None:
-    """What is wrong with the options, in one sentence, before anything is measured (else None): a count below 1, query
-    heads that the GQA group does not divide, a ``--best-json`` that cannot be written (``check_output_file``: a folder,
-    or in a folder that does not exist or takes no new files; found only once the forward's sweep had run), a
-    ``KVGATES_PREFILL_CONFIG`` that is malformed or makes no configuration for a head dim and dtype measured."""
+    """What is wrong with the options, in one sentence, before anything is measured (else None): a count below 1, a
+    negative ``--peak-gbps`` (0 is the GPU's own, ``hardware.PEAK_GBPS``), query heads that the GQA group does not
+    divide, a ``--best-json`` that cannot be written (``check_output_file``: a folder, or in a folder that does not
+    exist or takes no new files; found only once the forward's sweep had run), a ``KVGATES_PREFILL_CONFIG`` that is
+    malformed or makes no configuration for a head dim and dtype measured."""
     for name in ("budgets", "batch", "head_dim", "heads", "group", "window", "reps"):
         values = getattr(args, name)
         for value in values if isinstance(values, list) else [values]:
             if value < 1:
                 return f"--{name.replace('_', '-')} must be at least 1, got {value}"
+    if args.peak_gbps is not None and args.peak_gbps < 0:
+        return f"--peak-gbps must be at least 0, got {args.peak_gbps}"
     if args.heads % args.group:
         return f"--heads {args.heads} is not a multiple of --group {args.group} (KV heads = heads / group)"
     if args.best_json is not None:

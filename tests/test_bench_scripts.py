@@ -333,6 +333,18 @@ def test_a_best_json_that_cannot_be_written_is_one_sentence_before_the_sweep(tmp
     assert not Path(f"{tmp_path}.partial").exists()
 
 
+def test_a_negative_peak_bandwidth_is_one_sentence_before_the_kernels_are_measured():
+    """``bench/kernels.py --peak-gbps -5`` measured every kernel and printed each one's bandwidth as -0.0% of that peak
+    (``bench/gpu_policies.py`` refuses it)."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "kernels.py"), "--smoke", "--peak-gbps", "-5"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and lines[-1].startswith("kernels.py: --peak-gbps must be at least 0, got -5.0"), result.stderr
+    assert "us" not in result.stdout
+
+
 def test_best_json_is_the_prefill_sweeps_and_a_bad_prefill_config_is_one_sentence(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "kernels.py"), "--smoke", "--best-json", str(tmp_path / "best.json")],
