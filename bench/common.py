@@ -231,13 +231,17 @@ def bench_policy(model, spec: str, budget: int, **params: Any) -> kvgates.Policy
     return kvgates.make_policy(name, **params)
 
 
-def short_context(option: str, contexts: list[int], budget: int) -> str | None:
+def short_context(option: str, contexts: list[int], budget: int, prefill: bool = False) -> str | None:
     """A context (a prompt) of ``option`` shorter than ``budget``, in one sentence (a cache of the budget would hold the
-    whole prompt and nothing of it would be evicted), else None."""
-    short = [n for n in contexts if n < budget]
-    if short:
-        return f"{option} {short[0]} is less than --budget {budget}: nothing would be evicted from the prompt; give contexts of at least the budget"
-    return None
+    whole prompt and nothing of it would be evicted), else None. ``prefill``: the bench measures the prompt's own
+    eviction (its scoring and compression), so a context of the budget is refused too: a prompt of exactly the budget
+    fills the cache and evicts nothing (a table of prefills that compressed nothing, under the policies' names)."""
+    short = [n for n in contexts if n < budget or (prefill and n == budget)]
+    if not short:
+        return None
+    relation = "less than" if short[0] < budget else "the same as"
+    least = "more than" if prefill else "at least"
+    return f"{option} {short[0]} is {relation} --budget {budget}: nothing would be evicted from the prompt; give contexts of {least} the budget"
 
 
 def _with_gates(name: str, params: dict[str, Any], make: Callable[[str], Any]) -> dict[str, Any]:

@@ -78,7 +78,7 @@ def table(title: str, header: list[str], rows: list[list[str]]) -> None:
 
 def check(args) -> str | None:
     """What is wrong with the parsed options, in one sentence, else None (``setup``'s ``check``)."""
-    return compile_mode_problem(args) or short_context("--contexts", args.contexts, args.budget)
+    return compile_mode_problem(args) or short_context("--contexts", args.contexts, args.budget, prefill=True)
 
 
 def main() -> None:

@@ -51,7 +51,7 @@ def count(model, make_cache, ids: torch.Tensor) -> tuple[Launches, Launches]:
 
 def main() -> None:
     args, model, tokenizer = setup(
-        __doc__, check=lambda args: short_context("--context", [args.context], args.budget), zero_ok=("slack",), context=1024,
+        __doc__, check=lambda args: short_context("--context", [args.context], args.budget, prefill=True), zero_ok=("slack",), context=1024,
         budget=256, batch=1, slack=32, ops=0, policies=POLICIES, launch_bound=False,
     )
     if args.launch_bound:

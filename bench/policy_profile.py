@@ -109,10 +109,10 @@ def profile_arm(model, make_cache, ids: torch.Tensor, steps: int, device: str, t
 
 
 def check(args) -> str | None:
-    """A context under the budget, or a ``--trace`` that names a file, a folder within one, or one that cannot be made
+    """A context not over the budget, or a ``--trace`` that names a file, a folder within one, or one that cannot be made
     or written in (``check_output_folder``; a leading ``~`` is the home folder), in one sentence before the model loads
     (else None)."""
-    short = short_context("--context", [args.context], args.budget)
+    short = short_context("--context", [args.context], args.budget, prefill=True)
     if short:
         return short
     if args.trace is not None:

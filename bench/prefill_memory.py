@@ -31,11 +31,12 @@ RUN_POLICY = {"d2o": "d2o", "padded": "h2o"}
 
 
 def check(args) -> str | None:
-    """A device other than the CPU, a budget a run's policy refuses, or a length under it, in one sentence before the
+    """A device other than the CPU, a budget a run's policy refuses, or a length not over it, in one sentence before the
     model loads (else None)."""
     if not args.device.startswith("cpu"):  # (the default on a machine with a GPU)
         return f"--device {args.device}: this bench measures CPU memory (the process's resident high-water mark); pass --device cpu"
-    return budget_problem({RUN_POLICY[run]: {} for run in args.runs}, args.budget) or short_context("--tokens", args.tokens, args.budget)
+    problem = budget_problem({RUN_POLICY[run]: {} for run in args.runs}, args.budget)
+    return problem or short_context("--tokens", args.tokens, args.budget, prefill=True)
 
 
 def _status(key: str) -> int:

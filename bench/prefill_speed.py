@@ -26,7 +26,7 @@ from kvgates.cli import quiet_exits
 
 def main() -> None:
     args, model, tokenizer = setup(
-        __doc__, check=lambda args: short_context("--context", args.context, args.budget), context=[2048, 4096], budget=256, rounds=3,
+        __doc__, check=lambda args: short_context("--context", args.context, args.budget, prefill=True), context=[2048, 4096], budget=256, rounds=3,
         policies=["snapkv", "pyramidkv", "h2o", "d2o", "kvmerger", "kvzip"],
     )
     arms = [("DynamicCache + sdpa", lambda: DynamicCache(config=model.config)), ("full (kvgates)", lambda: kvgates.BudgetCache(model.config, "full"))]

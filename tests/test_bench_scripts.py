@@ -1116,6 +1116,16 @@ def test_prefill_memory_refuses_a_gpu_before_its_model(monkeypatch, capsys):
         ("gpu_policies", ["--device", "gpu"], "--device: 'gpu' is not a device; use cpu, cuda or cuda:N"),
         # a table of policies that evicted nothing
         ("prefill_speed", ["--context", "256", "96", "--budget", "128"], "--context 96 is less than --budget 128: nothing would be evicted"),
+        # a prompt of exactly the budget fills the cache and evicts nothing: the prefill rows of every bench that times the
+        # prompt's compression were policies that scored and compressed nothing (gpu_policies' decode table named two rows
+        # DynamicCache 128); a decode bench's per-step evictions still run at that length (kv_memory below takes it)
+        ("prefill_speed", ["--context", "256", "128", "--budget", "128"],
+         "--context 128 is the same as --budget 128: nothing would be evicted from the prompt; give contexts of more than the budget"),
+        ("gpu_policies", ["--contexts", "128", "--budget", "128"], "--contexts 128 is the same as --budget 128: nothing would be evicted"),
+        ("launches", ["--context", "256", "--budget", "256"], "--context 256 is the same as --budget 256: nothing would be evicted"),
+        ("policy_profile", ["--context", "512", "--budget", "512"], "--context 512 is the same as --budget 512: nothing would be evicted"),
+        ("prefill_memory", ["--device", "cpu", "--tokens", "512", "1024", "--budget", "512"],
+         "--tokens 512 is the same as --budget 512: nothing would be evicted"),
         # one row of both entries' rounds, its ratio's range paired with the wrong reference rounds (1.29x, range 1.47-1.49x)
         ("prefill_speed", ["--policies", "h2o", "snapkv", "h2o"], "--policies h2o is given twice; give each entry once"),
         # rows measured, then a ConfigError traceback at the kind or length that did not fit
