@@ -74,7 +74,8 @@ class AttentionDispatch:
         key_states, value_states = self._pending
         self._pending = None
         self.cache.release_pending()
-        if self.static and query.shape[2] == 1 and self.phase(1) is Phase.DECODE:
+        if self.static and query.shape[2] == 1:  # a decode step: a static layer holds a prompt (``phase``, not read:
+            self.decoding = True  # its test of ``seen`` would make a compiled step recompile for every prompt length)
             return self._attend_static(query, key_states, value_states, scale, position_ids)
         return self._attend_eager(query, key_states, value_states, scale, attention_mask, position_ids)
 

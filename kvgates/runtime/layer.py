@@ -161,7 +161,13 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         return self.seen + (int(self.decoded) if self.static else 0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.static and query_length > 1:  # a chunk after static decode steps: their count back on the host
+        """``(kv_length, kv_offset)`` of the mask transformers builds for a call of ``query_length`` tokens: every token
+        seen and the new ones. A static layer's single-token decode step reads no mask (its slots' positions say what
+        is visible), and gets one column whatever the tokens seen: a mask as wide as them, a new shape at every prompt
+        length, made generate()'s compiled step (``dynamic=False``) compile again for each."""
+        if self.static and query_length == 1:
+            return 1, 0
+        if self.static:  # a chunk after static decode steps: their count back on the host
             self._fold_decoded()
         return self.seen + query_length, 0
 

@@ -188,6 +188,8 @@ class PromptScoring:
         if ids is None:
             raise ValueError(f"{self.policy.name} needs the prompt's token ids (input_ids), not inputs_embeds")
         layer = cache.budget_layers[0]
+        if layer.static and ids.shape[1] == 1:  # a static decode step (said first: a test of ``seen`` in a compiled step made
+            return  # it compile again for every prompt length)
         if layer.seen and (ids.shape[1] == 1 or layer.decoding):  # a decode step (BudgetLayer.phase)
             return
         if layer.is_initialized and ids.shape[0] != layer.batch_size:  # refused by the cache's first update
