@@ -140,26 +140,27 @@ def test_generate_compiles_the_static_cache_decode_steps(tiny):
     assert torch.equal(out[True], out[False])
 
 
-@pytest.mark.parametrize("name", ["h2o", "kvzip"])
-def test_generate_compiles_the_decode_step_of_a_static_cache_once_for_every_prompt_length_and_turn(tiny, name):
-    """generate() compiles a static cache's decode step once (``dynamic=False``, as it compiles on CUDA): a new cache
-    for a prompt of another length, and a second turn through the same cache, reuse the graph. The step tested the
-    tokens a layer had seen (``phase``; KVzip's scoring hook too) and got a mask as wide as them: a recompile for every
-    prompt length and every turn, until dynamo's limit of 8 left the steps uncompiled."""
+@pytest.mark.parametrize(("name", "params"), [("h2o", {}), ("kvzip", {}), ("morphkv", {"evict_every": 2})], ids=["h2o", "kvzip", "morphkv-every2"])
+def test_generate_compiles_the_decode_step_of_a_static_cache_once_for_every_prompt_length_and_turn(tiny, name, params):
+    """generate() compiles a static cache's decode step once (``dynamic=False``, as it compiles on CUDA): a second turn
+    through the same cache, and a new cache for a prompt of another length, reuse the graph. The step tested the
+    tokens a layer had seen (``phase``; KVzip's scoring hook too), got a mask as wide as them and read the decode steps
+    counted on the host (an eviction every 2 steps): a recompile for every prompt length and every turn, until dynamo's
+    limit of 8 left the steps uncompiled."""
     _, model = tiny
     config = CompileConfig(fullgraph=True, dynamic=False, backend=BACKEND)
     config._compile_all_devices = True
     torch._dynamo.reset()
-    with policy_on(model, name, BUDGET) as policy:
+    stance = "default"  # the first call compiles; no other may
+    with policy_on(model, name, BUDGET, **params) as policy, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # KVzip keeps the second turn whole (several_after_decoding)
         for n in (PROMPT, PROMPT + 3):
             ids = torch.randint(1, 128, (2, n), generator=torch.Generator().manual_seed(n))
             cache = BudgetCache(model.config, policy, static=True, decode_slots=_decode_slots(policy))
-            with torch.compiler.set_stance("fail_on_recompile" if n > PROMPT else "default"):
-                out = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False, compile_config=config)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # KVzip keeps the second turn whole (several_after_decoding)
-                    model.generate(torch.cat([out, ids[:, :2]], dim=1), past_key_values=cache, max_new_tokens=2, do_sample=False,
-                                   compile_config=config)
+            for _ in range(2):
+                with torch.compiler.set_stance(stance):
+                    out = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False, compile_config=config)
+                stance, ids = "fail_on_recompile", torch.cat([out, ids[:, :2]], dim=1)
 
 
 @pytest.mark.skipif(BEFORE_2_13, reason="torch before 2.13 (below kvgates' floor): dynamo's guard builder asserts on these graph breaks")

@@ -239,7 +239,7 @@ class AttentionDispatch:
         if position_ids is not None:
             q_pos = position_ids.to(device=query.device, dtype=torch.int64).reshape(-1, 1).expand(b, 1)
         else:
-            q_pos = (self.decoded + self.seen).expand(b, 1)
+            q_pos = (self.decoded + self.counted[0]).expand(b, 1)
         slots = self.write_free(key_states, value_states, q_pos)
         self.decoded.add_(1)
         request = self.cache.policy.stats_request(Phase.DECODE)

@@ -87,6 +87,9 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self._deferred: Callable[[], None] | None = None  # an eviction, or its compaction, for the next layer's end (``_defer``)
         self.is_compileable = cache.static  # decode steps compile once the prompt is stored (``static``)
         self.decoded: torch.Tensor | None = None  # static layout: decode steps not yet counted in ``seen`` (0-d)
+        #: Static layout: ``seen`` and ``decode_steps`` as the host last counted them, ``[2]`` on the device, where a
+        #: static step reads them (a host number read in a compiled step is guarded: it compiled again at each change).
+        self.counted: torch.Tensor | None = None
         self.static_evictions = 0  # static layout: the most tokens a head may evict in one step (slots over its quota)
         self._derived: dict[str, Any] = {}  # layout-derived tensors and state views, dropped when storage changes
 
@@ -179,7 +182,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         self.head_slots, self._policy_states = [], {}
         self.fill, self.packed, self._quota_source, self.free_floor = [], False, None, 0
         self._quota_range, self.held_over_quota = ([], []), None
-        self.seen, self.decoding, self.decode_steps, self._pending, self.decoded = 0, False, 0, None, None
+        self.seen, self.decoding, self.decode_steps, self._pending, self.decoded, self.counted = 0, False, 0, None, None, None
         self.padded = False
         self._deferred = None
         self._derived = {}
@@ -420,7 +423,14 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
             self.policy_state(policy)  # created here, not in a compiled step
         if self.decoded is None:
             self.decoded = torch.zeros((), dtype=torch.int64, device=self.device)
-            torch._dynamo.mark_static_address(self.decoded)
+            self.counted = torch.zeros(2, dtype=torch.int64, device=self.device)
+            for counter in (self.decoded, self.counted):
+                torch._dynamo.mark_static_address(counter)
+        self._count()
+
+    def _count(self) -> None:
+        """Copy ``seen`` and ``decode_steps`` to ``counted``, for the static steps to come."""
+        self.counted.copy_(on_device([self.seen, self.decode_steps], self.device))
 
     @torch.compiler.disable(reason=EAGER_ONLY)
     def _fold_decoded(self) -> None:
@@ -429,6 +439,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         steps = int(self.decoded)
         self.seen, self.decode_steps = self.seen + steps, self.decode_steps + steps
         self.decoded.zero_()
+        self._count()
         self.free_floor = 0  # static steps took free slots (``write_free``) without the host counting them
         self.held_over_quota = None
 
@@ -442,7 +453,7 @@ class BudgetLayer(SlotStorage, AttentionDispatch, CacheLayerMixin):
         if schedule.decode_every:
             over = (self.held() > self.quota + schedule.tolerance).any(-1)  # [B]
             if schedule.decode_every > 1:
-                over = over & ((self.decode_steps + self.decoded) % schedule.decode_every == 0)
+                over = over & ((self.counted[1] + self.decoded) % schedule.decode_every == 0)
             # A sequence not due selects with a quota of every slot: it keeps what it holds, and a policy that
             # changes what it keeps (D2O's merges) changes nothing there.
             self.drop(policy.select(self, stats, torch.where(over[:, None], self.quota, self.max_slots)))
