@@ -6,6 +6,7 @@ tens of seconds on the CPU and is what ``bench/decode_speed.py --compiled`` meas
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -386,6 +387,26 @@ def test_merging_decode_steps_compile_with_inductor(tiny, name, params):
                 model(ids[:, :PROMPT], past_key_values=cache)
             logits[label] = _teacher_forced(forward, cache, ids, PROMPT, STEPS)
     torch.testing.assert_close(logits["static"], logits["eager"], atol=1e-5, rtol=1e-5)
+
+
+def test_a_copy_of_a_static_cache_decodes_through_the_inductor_compiled_step(tiny):
+    """A prompt's static cache copied (``copy.deepcopy``) for a second continuation: the copy's per-slot state views
+    shared its storage but were no views of it, and the inductor-compiled decode step, built for the original's views
+    of ``slot_data``, failed on the copy (an AssertionError from its generated code). Original and copy decode what
+    the eager cache and its copy decode."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (2, PROMPT + 2), generator=torch.Generator().manual_seed(12))
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True)
+    runs = {}
+    for static in (False, True):
+        cache = BudgetCache(model.config, "h2o", budget=BUDGET, static=static)
+        with torch.no_grad():
+            model(ids[:, :PROMPT], past_key_values=cache)
+        twin = copy.deepcopy(cache)
+        runs[static] = [_teacher_forced(compiled if static else model.forward, c, ids, PROMPT, 2) for c in (cache, twin)]
+    for static, eager in zip(runs[True], runs[False]):
+        torch.testing.assert_close(static, eager, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["h2o", "snapkv", "d2o"])

@@ -3,7 +3,6 @@ named views a layer gives of its packed per-slot state (``StateViews``)."""
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -66,14 +65,6 @@ class LayerState:
 class StateViews(dict):
     """Named views into a layer's packed per-slot state. Assigning to a name writes into the storage
     (so ``layer.state["score"] += x`` updates the layer, as with a plain tensor attribute)."""
-
-    def __deepcopy__(self, memo: dict) -> StateViews:
-        """Views of the copied storage (``copy.deepcopy`` keeps a view a view of its storage's copy)."""
-        twin = StateViews()
-        memo[id(self)] = twin
-        for name, view in self.items():
-            dict.__setitem__(twin, name, copy.deepcopy(view, memo))
-        return twin
 
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         if name not in self:

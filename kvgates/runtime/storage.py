@@ -150,17 +150,21 @@ class SlotStorage:
             self._derived.pop("ordered", None)
 
     def __deepcopy__(self, memo: dict) -> SlotStorage:
-        """``copy.deepcopy``: a copy of every attribute, but for what is kept with ``pos``'s version counter (``valid``,
-        ``in_position_order``). A copied tensor's counter starts anew, so such a mark held for the copy once its counter
-        reached the original's count, whatever its positions then (a static cache copied after its first decode step
-        read the token that step dropped as held, and found no free slot). The copy computes ``valid`` afresh, and
-        keeps the order mark where it holds now."""
+        """``copy.deepcopy``: a copy of every attribute but what is derived from storage (``_derived``), which the copy
+        derives afresh from its own. A copied view shares the copy's storage but is no view of it: a static layer's
+        per-slot state views, so copied, failed the inductor-compiled decode step built for views of ``slot_data``
+        (an AssertionError from its generated code). And what is kept with ``pos``'s version counter (``valid``,
+        ``in_position_order``) would hold for the copy once its new counter reached the original's count, whatever
+        its positions then (a static cache copied after its first decode step read the token that step dropped as
+        held, and found no free slot). The copy keeps the order mark where it holds now."""
         twin = type(self).__new__(type(self))
         memo[id(self)] = twin
         for name, value in self.__dict__.items():
-            setattr(twin, name, copy.deepcopy(value, memo))
-        for key in ("valid", "ordered"):
-            twin._derived.pop(key, None)
+            if name != "_derived":
+                setattr(twin, name, copy.deepcopy(value, memo))
+        twin._derived = {}
+        if "state" in self._derived:  # (built before a compiled step: ``settle``)
+            twin._derived["state"] = twin._state_views()
         if self.in_position_order:
             twin._mark_order(True)
         return twin
