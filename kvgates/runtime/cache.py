@@ -141,6 +141,7 @@ class BudgetCache(Cache):
             self._check_shapes(self.layers[0], key_states)
             self.check_forward()
             if tracked:
+                self._check_inference_mode()
                 self._forward_at = -1
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if tracked and not isinstance(self.layers[layer_idx], BudgetLayer):
@@ -152,6 +153,17 @@ class BudgetCache(Cache):
     def _static_step(self, key_states: torch.Tensor) -> bool:
         """Whether a forward bringing ``key_states`` is a static layout's decode step (``BudgetLayer._attend_static``)."""
         return key_states.shape[-2] == 1 and self.layers[self.budget_layer_ids[0]].static
+
+    def _check_inference_mode(self) -> None:
+        """Refuse, before anything is written, a forward outside ``torch.inference_mode()`` through a cache filled
+        under it (``generate()`` runs under ``no_grad``): its tensors take no in-place write there, and torch's error
+        came from a layer's first write, leaving the forward stopped part-way (``check_forward``)."""
+        pos = self.layers[self.budget_layer_ids[0]].pos
+        if pos is not None and pos.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "this BudgetCache was filled under torch.inference_mode(), whose tensors take no in-place write outside "
+                "it: continue it under torch.inference_mode() too (wrap generate() in it), or fill it under torch.no_grad()"
+            )
 
     @staticmethod
     def _check_shapes(layer: Any, key_states: torch.Tensor) -> None:
