@@ -34,8 +34,9 @@ everything that can be checked without the model (keys, policy names and paramet
 options, adapters: present, readable and of the policy's kind) and raises ``kvgates.ConfigError`` with one
 sentence; ``eval.arms.prepare_arms`` checks the rest once the model is loaded (adapters made for another model)
 before any example runs. Loading adapters and building the arms' policies is ``eval.arms``'s: a run reads each
-adapter once, while validating, and keeps it in ``ABConfig.adapters`` for ``prepare_arms``; an adapter's weights
-enter the journal keys by ``kvgates.gates.adapter.weights_digest``.
+adapter once, while validating, and keeps it in ``ABConfig.adapters`` for ``prepare_arms``; the weights it read enter
+the journal keys (``ArmSpec.identity``), so an adapter retrained in place or pushed again to its Hub repository gets
+results of its own.
 
 Results depend on the device and dtype the model runs in, so a run's journal keys name them, except on the defaults
 (``cpu`` and ``float32``, whose keys are those of the runs made before they could be set, such as the reports
@@ -60,8 +61,6 @@ import kvgates
 from data.tasks import OPTIONS, check_options, template_by_name, templates
 from eval.arms import UNTRAINED, UNTRAINED_GATES, check_budgets, load_adapter
 from kvgates.config import ConfigError, build, merge, read_yaml, refuse_unknown
-from kvgates.gates.adapter import weights_digest
-from kvgates.gates.embedded import embedded_adapter_dir
 from kvgates.models import device_and_dtype
 from kvgates.policies.learned import LearnedPolicy
 from kvgates.policies.wrappers import learned_params, learned_policy
@@ -118,13 +117,13 @@ class ArmSpec:
     def learned(self) -> bool:
         return self.learned_policy is not None
 
-    def identity(self) -> str:
-        """What changes this arm's results (journal keys); adapters by the digest of their weights file."""
+    def identity(self, adapters: dict[str, kvgates.GateSet]) -> str:
+        """What changes this arm's results (journal keys). An adapter enters by the digest of the weights it was
+        loaded from (``GateSet.loaded_digest``: a folder, a shipped adapter and a Hub id alike), read once into
+        ``adapters`` (the run's ``ABConfig.adapters``, ``eval.arms.load_adapter``): the weights the arm runs."""
         gates = self.gates
-        if gates and gates != UNTRAINED:  # a shipped name, a folder (by its weights) or a Hub id
-            shipped = embedded_adapter_dir(gates)
-            folder = str(shipped) if shipped is not None else gates
-            gates = weights_digest(folder) or folder
+        if gates and gates != UNTRAINED:
+            gates = load_adapter(self, adapters).loaded_digest
         extra = UNTRAINED_GATES if gates == UNTRAINED else {}
         return _digest([self.policy, self.params, gates, extra])
 

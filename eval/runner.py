@@ -5,8 +5,8 @@
 Work goes task by task and batch by batch; within a batch the full cache runs first (its results are the
 batch's references, computed once and shared by every other arm), then each arm at each budget. Each example's
 result is appended to ``<output_dir>/results.jsonl`` as soon as it is known; a re-run of the same config reuses
-every journalled result whose key still matches (task settings, example, arm, budget, model, seed, and the device and
-dtype where they are not cpu and float32) and computes only the rest, so an interrupted run resumes.
+every journalled result whose key still matches (task settings, example, arm with the weights its adapter loaded,
+budget, model, seed, and the device and dtype where they are not cpu and float32) and computes only the rest, so an interrupted run resumes.
 ``resume=False`` (``--fresh``) starts over. A config's ``reuse`` journals (other runs') supply the results whose keys
 this run shares with them: they are copied into this run's journal, so its folder holds every result it reports.
 """
@@ -107,7 +107,7 @@ def batches(task: TaskSpec, examples: list[Example], config: ABConfig) -> list[l
 
 def _key(config: ABConfig, task: TaskSpec, index: int, arm: ArmSpec, budget: int | None) -> str:
     identity = task.identity(config.model, config.seed, config.prefill_chunk, config.split, config.device, config.dtype)
-    return json.dumps([task.name, identity, index, arm.label, arm.identity(), budget])
+    return json.dumps([task.name, identity, index, arm.label, arm.identity(config.adapters), budget])
 
 
 def _runs(config: ABConfig, task: TaskSpec) -> list[tuple[ArmSpec, int | None]]:

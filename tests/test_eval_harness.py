@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 import yaml
+from fake_hub import FakeHub
 from helpers import save_tiny_checkpoint, tiny_model
 
 import eval.__main__ as cli
@@ -1032,11 +1033,51 @@ def test_an_adapter_arm_is_keyed_by_its_weights(tmp_path, model):
 
     kvgates.RetentionGates.for_model(model).save_pretrained(tmp_path / "a")
     arm = ArmSpec("tk", "trimkv", gates=str(tmp_path / "a"))
-    before = arm.identity()
-    assert arm.identity() == before
+    before = arm.identity({})
+    assert arm.identity({}) == before
     torch.manual_seed(1)
     kvgates.RetentionGates.for_model(model).save_pretrained(tmp_path / "a")  # retrained in place
-    assert arm.identity() != before
+    assert arm.identity({}) != before
+
+
+def test_a_hub_adapter_arm_is_keyed_by_the_weights_it_loaded_not_by_its_id(tmp_path, model, monkeypatch):
+    """An arm naming a Hub id was keyed by the id: with new weights pushed to the repository, a resumed run took the
+    old weights' results for the new ones'. Through the tests' local Hub; the harness reads the local Hub cache only."""
+    import huggingface_hub.constants
+
+    from eval.runner import _keys
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    arms = [{"policy": "trimkv", "gates": "team/gates", "label": "tk"}]
+    keys = []
+    with FakeHub() as hub:
+        for seed in (0, 1, None):  # the adapter pushed, new weights pushed to the same repository, nothing pushed
+            monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+            if seed is not None:
+                torch.manual_seed(seed)
+                kvgates.RetentionGates.for_model(model).push_to_hub("team/gates", endpoint=hub.url, token="hf_test")
+            kvgates.load_gates("team/gates", endpoint=hub.url)  # into the local Hub cache
+            monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # (the harness asks no Hub)
+            config = small_config(tmp_path, tasks=[TASKS[3]], arms=arms, budgets=[16])
+            keys.append({key for key in _keys(config) if json.loads(key)[3] == "tk"})
+        assert hub.unhandled == []
+    assert keys[0] and not keys[0] & keys[1] and keys[2] == keys[1]
+
+
+def test_an_adapter_folder_saved_over_after_a_run_read_it_keeps_their_results_apart(tmp_path, tok, model, monkeypatch):
+    """A run keyed a folder's results by the weights in the folder when each was journalled, not by those it had read:
+    new gates saved there meanwhile (a training run) got the old gates' results, which a resumed run took as theirs."""
+    kvgates.RetentionGates.for_model(model).save_pretrained(tmp_path / "tk")
+    arms = ["h2o", {"policy": "trimkv", "gates": str(tmp_path / "tk"), "label": "tk"}]
+    first = small_config(tmp_path, tasks=[TASKS[3]], arms=arms, budgets=[16])  # the run reads the adapter,
+    torch.manual_seed(1)
+    kvgates.RetentionGates.for_model(model).save_pretrained(tmp_path / "tk")  # new gates are saved over it,
+    run_ab(first, model, tok)  # and the run computes with the gates it read
+    calls = []
+    original = runner_module.run_batch
+    monkeypatch.setattr(runner_module, "run_batch", lambda *a, **k: calls.append(type(a[3]).__name__) or original(*a, **k))
+    run_ab(small_config(tmp_path, tasks=[TASKS[3]], arms=arms, budgets=[16]), model, tok)  # resumed with the new gates
+    assert set(calls) == {"TrimKV"}  # (the full cache and h2o were journalled)
 
 
 @pytest.mark.parametrize("path", sorted(str(p) for p in Path("configs/eval").glob("*.yaml")))
@@ -1114,12 +1155,12 @@ def test_an_adapter_saved_again_with_another_header_keeps_its_key(tmp_path, mode
 
     kvgates.RetentionGates.for_model(model).save_pretrained(tmp_path / "a")
     arm = ArmSpec("tk", "trimkv", gates=str(tmp_path / "a"))
-    before = arm.identity()
+    before = arm.identity({})
     weights = tmp_path / "a" / "model.safetensors"
     tensors = load_file(weights)
     weights.unlink()
     save_file(dict(reversed(tensors.items())), weights, metadata={"note": "re-shipped", "format": "pt"})
-    assert arm.identity() == before
+    assert arm.identity({}) == before
 
 
 def test_soft_and_hard_kl_of_retention_gates(model, tok):

@@ -1224,7 +1224,7 @@ def test_shipping_an_adapter_makes_it_loadable_by_name(tiny_dir, tmp_path, monke
             {"label": "trimkv", "policy": "trimkv", "params": {}, "gates": str(tmp_path / "adapter")}]
     for row in rows:  # the journal key's arm identity: the digest of the weights the arm ran
         spec = ArmSpec(**next(a for a in arms if a["label"] == row["arm"]))
-        row["key"] = json.dumps([row["task"], "task", row["example"], row["arm"], spec.identity(), row["budget"]])
+        row["key"] = json.dumps([row["task"], "task", row["example"], row["arm"], spec.identity({}), row["budget"]])
     (ab / "results.json").write_text(json.dumps({
         "model": "tiny", "seed": 0, "budgets": [64], "tasks": [needle], "rows": rows, "comparisons": [comparison], "arms": arms,
     }))

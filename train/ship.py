@@ -106,12 +106,13 @@ def check_arm_ran(gates: kvgates.GateSet, run: str | Path, label: str) -> None:
     if not arm.learned or arm.gates in (None, UNTRAINED):
         raise ValueError(f"arm {label!r} of {run} ran no trained adapter (policy {arm.policy}); pass the arm that ran this one as --arm")
     ran = {json.loads(row["key"])[4] for row in results["rows"] if row["arm"] == label and "key" in row}
-    if ran != {arm.identity()}:
+    adapters: dict[str, kvgates.GateSet] = {}  # (the arm's adapter, read once)
+    if ran != {arm.identity(adapters)}:
         raise ValueError(
             f"the adapter arm {label!r} of {run} ran ({arm.gates}) is not there as it ran (its weights changed or it is gone), "
             "so its results cannot be matched to this adapter; run the A/B again"
         )
-    theirs, mine = load_adapter(arm, {}).state_dict(), gates.state_dict()
+    theirs, mine = load_adapter(arm, adapters).state_dict(), gates.state_dict()
     if theirs.keys() != mine.keys() or any(not torch.equal(theirs[k].half(), mine[k].half()) for k in mine):
         raise ValueError(f"arm {label!r} of {run} ran another adapter ({arm.gates}) than this one; pass the adapter it ran, or its arm")
 

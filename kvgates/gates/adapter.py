@@ -18,7 +18,6 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -243,6 +242,10 @@ class GateSet(nn.Module):
     #: Hub file patterns of what this kind keeps beside its config and weights (``load_parts`` reads it), fetched
     #: with them: nothing else in a repository is downloaded.
     parts: ClassVar[tuple[str, ...]] = ()
+    #: The digest of the weights file these gates were loaded from, as read (not the file's bytes: an adapter
+    #: saved again with another card or header order keeps it); None for gates not loaded (``for_model``). The A/B
+    #: harness keys an adapter's results by it, whether it came from a folder, a shipped name or a Hub id.
+    loaded_digest: str | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -453,6 +456,7 @@ class GateSet(nn.Module):
             if tensor.shape != expected[name].shape:
                 raise AdapterError(f"{weights_path}: {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}")
         gates.to_empty(device="cpu").load_state_dict(tensors)
+        gates.loaded_digest = _tensors_digest(tensors)
         stored = {t.dtype for t in tensors.values() if t.is_floating_point()}
         if len(stored) == 1:  # in the precision it was saved in (shipped adapters: float16), so it saves back the same
             gates.to(stored.pop())
@@ -638,26 +642,13 @@ def load_gates(path_or_id: str | os.PathLike, **kwargs: Any) -> GateSet:
     return GateSet.from_pretrained(path_or_id, **kwargs)
 
 
-def weights_digest(folder: str | os.PathLike) -> str | None:
-    """Digest of the gate tensors of adapter folder ``folder`` (their names, dtypes, shapes and values, not the
-    file's bytes: an adapter saved again with another card or header order keeps it), or None when the folder holds
-    no weights file. The A/B harness keys an adapter's results by it."""
-    weights = Path(folder) / WEIGHTS_FILE
-    if not weights.is_file():
-        return None
-    stat = weights.stat()
-    return _tensors_digest(str(weights), stat.st_mtime_ns, stat.st_ino)
-
-
-@lru_cache(maxsize=32)
-def _tensors_digest(path: str, mtime_ns: int, inode: int) -> str:
-    """``weights_digest`` of one file, cached per path, modification time and inode (journal keys ask often)."""
+def _tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """Digest of gate tensors: their names, dtypes, shapes and values (``GateSet.loaded_digest``)."""
     h = hashlib.sha256()
-    with safe_open(path, framework="pt") as f:
-        for name in sorted(f.keys()):
-            t = f.get_tensor(name).contiguous().reshape(-1)
-            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes())
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
