@@ -996,6 +996,26 @@ def test_dms_lora_trains_under_two_cpu_processes(tiny_dir, tmp_path):
     assert all(not torch.allclose(head.proj.bias, torch.full_like(head.proj.bias, -2.0)) for head in gates.heads)
 
 
+
+def test_locret_trains_under_two_cpu_processes(tiny_dir, tmp_path):
+    """Locret's loss (as KVzap's) reads what the gates recorded in the attention, not the forward's output. DDP looking
+    for unused parameters (the Trainer's default without activation checkpointing) walked back from that output, found
+    no gate, and the first backward stopped with DDP's "marked as ready twice" traceback. Two processes over gloo, with
+    padded batches of two rows, now give the gates of one process accumulating their two batches."""
+    change = KINDS["locret"][0]
+    steps = {"max_steps": 2, "eval_steps": 2, "save_steps": 2, "per_device_train_batch_size": 2, "lr_scheduler_type": "constant"}
+    one, two = tmp_path / "one", tmp_path / "two"
+    cfg_one = tiny_config(tiny_dir, one, **change, training={**steps, "gradient_accumulation_steps": 2})
+    assert main(["--config", str(write(cfg_one, tmp_path / "one.yaml"))]) == 0
+    env = subprocess_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    launch, _ = LAUNCHERS["ddp"]
+    path = write(tiny_config(tiny_dir, two, **change, training=steps), tmp_path / "two.yaml")
+    done = subprocess.run([sys.executable, *launch, str(REPO / "train.py"), "--config", str(path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name, tensor in _gates(one / "checkpoint-2").items():
+        torch.testing.assert_close(_gates(two / "checkpoint-2")[name], tensor, atol=1e-5, rtol=1e-4)
+
 @pytest.mark.parametrize("path", sorted((REPO / "configs" / "train").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_committed_training_config_validates(path):
     """Each recipe loads, and sets nothing its kind does not read: recipes built on trimkv-256.yaml (``base:``) printed

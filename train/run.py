@@ -242,6 +242,9 @@ def training_seconds(out: Path) -> float:
 #: The run's TrainingArguments where the config's ``training`` section sets none (``training_arguments`` adds the seed
 #: and the device). TRIM-KV's learning rate, for every kind; its reference recipe warms up over 100 steps and decays
 #: to 1e-6 (``spec/learned.md``), these defaults are for runs of a few hundred steps: 10 steps of warmup, cosine to 0.
+#: DDP does not look for unused parameters (every student forward uses every gate): it looks for them by walking back
+#: from the forward's output, which Locret's and KVzap's losses never read (they read what the gates recorded), so it
+#: counted every gate unused and their first backward under DDP stopped with its "marked as ready twice" traceback.
 TRAINING_DEFAULTS = dict(
     per_device_train_batch_size=1,
     learning_rate=2e-4,
@@ -256,6 +259,7 @@ TRAINING_DEFAULTS = dict(
     load_best_model_at_end=True,
     report_to=["wandb"],
     dataloader_num_workers=0,
+    ddp_find_unused_parameters=False,
 )
 
 
