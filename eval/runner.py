@@ -145,10 +145,7 @@ def run_ab(
         # are refused before the folder is made, anything adopted into it or a journal --fresh discards is deleted
         device, dtype = config.placement()
         if any(task.task != "common_words" for task in config.tasks):  # (every other task reads the essays)
-            try:
-                check_corpus()
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
+            check_corpus()
         if model is None:
             model, tokenizer = kvgates.load_model(config.model, dtype=dtype, device=device)
         elif (model.device.type, model.dtype) != (device.type, dtype):  # its results would be journalled as the config's

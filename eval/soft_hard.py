@@ -29,7 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kvgates
 from data.splits import check_corpus
-from eval.config import ABConfig, ConfigError
+from eval.config import ABConfig
 from eval.fidelity import completion_fidelity, kl_divergence, make_batch, reference_logprobs
 from kvgates.cli import OneLineParser, plain
 from kvgates.gates.training import GateTraining
@@ -133,10 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         if not soft_trained(gates):
             raise kvgates.AdapterError(f"{name} holds {gates.kind!r} gates, which are not trained with soft eviction (retention gates are)")
     check_model_source(args.model)
-    try:
-        check_corpus()  # (the windows are the validation essays')
-    except ValueError as err:  # (not the command line's fault: no parser error sending the user to --help)
-        raise ConfigError(str(err)) from None
+    check_corpus()  # (the windows are the validation essays'; a ConfigError, not the parser's error sending to --help)
     model, tokenizer = kvgates.load_model(args.model, dtype=dtype, device=device)
     past = past_context(model, args.model, args.prompt_tokens + args.new_tokens)
     if past is not None:

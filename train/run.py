@@ -461,10 +461,7 @@ def check_sources(config: TrainConfig) -> PreTrainedModel:
         skeleton = model_skeleton(config.model)
     except kvgates.UnsupportedModelError as err:
         raise kvgates.UnsupportedModelError(f"model: {err}") from None
-    try:
-        check_corpus()
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    check_corpus()
     try:
         check_readable(config.data.mix)
     except ValueError as err:
