@@ -154,6 +154,8 @@ def check_options(task: str, options: dict, template_sets: tuple[str, ...] = TEM
     positive integer the task can draw from its lists with templates of ``template_sets``: at most as many multikey
     ``keys`` as the smallest of those sets' key lists holds, at most as many common-words ``distinct`` words as there
     are, and fewer ``top`` words than ``distinct`` ones."""
+    if task not in OPTIONS:
+        raise ValueError(f"unknown task {task!r}; tasks: {', '.join(OPTIONS)}")
     for name, value in options.items():
         if name not in OPTIONS[task]:
             raise ValueError(f"{task} takes no option {name!r}; its options: {', '.join(OPTIONS[task])}")
@@ -295,10 +297,10 @@ def make_example(
         raise ValueError(f"context_tokens must be at least 64, got {context_tokens}")
     if split not in SPLITS:  # (here: common_words reads no essay, and took any name as its split)
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    check_options(task, options, (template_set,) if template_set in TEMPLATE_SETS else TEMPLATE_SETS)
     rng = random.Random(f"{task}:{split}:{template_set}:{context_tokens}:{seed}")
     base_task = "needle" if task == "multikey" else task
     pool = templates(base_task, template_set)
-    check_options(task, options, (template_set,))
     options = {**OPTIONS[task], **options}
     if task == "multikey":
         pool = tuple(t for t in pool if "{key}" in t.statement)

@@ -7,7 +7,7 @@ import pytest
 
 from data.build import build_dataset, check_mix, check_readable, summarize
 from data.splits import SPLITS, essay_split, make_essay_split, split_text
-from data.tasks import HAYSTACK_TASKS, TASKS, TEMPLATES, make_example, n_tokens, score, templates
+from data.tasks import HAYSTACK_TASKS, TASKS, TEMPLATES, check_options, make_example, n_tokens, score, templates
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +87,10 @@ def test_score_partial_credit():
 def test_template_set_mismatch_and_unknowns_are_refused(tok):
     with pytest.raises(ValueError, match="eval template"):
         make_example("needle", tok, "train", 300, seed=0, template_set="train", template="secret-passcode")
-    with pytest.raises(ValueError, match="unknown task"):
+    with pytest.raises(ValueError, match="unknown task 'nope'; tasks: needle, multikey, multivalue, kv, "):  # (multikey was left out)
         make_example("nope", tok, "train", 300, seed=0)
+    with pytest.raises(ValueError, match="unknown task 'nope'"):  # (a KeyError)
+        check_options("nope", {})
     for task in ("needle", "common_words"):  # (common_words reads no essay: it recorded any name as its split)
         with pytest.raises(ValueError, match=r"^split must be one of \('train', 'validation', 'test'\), got 'dev'$"):
             make_example(task, tok, "dev", 300, seed=0)
