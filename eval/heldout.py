@@ -33,7 +33,7 @@ class HeldOut:
     needles: list[tuple[torch.Tensor, dict]]
     pad_id: int
     batch_size: int = 8
-    _references: list[torch.Tensor] | None = field(default=None, repr=False)
+    _references: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, tokenizer: PreTrainedTokenizerBase, rows, needle_examples: list[dict], batch_size: int = 8) -> HeldOut:
@@ -49,35 +49,55 @@ class HeldOut:
             for i in range(0, len(self.rows), b)
         ]
 
-    def references(self, model: PreTrainedModel) -> list[torch.Tensor]:
-        """Full-cache log-probabilities of every row batch (computed on first use; the model is frozen)."""
-        if self._references is None:
-            self._references = [reference_logprobs(model, batch) for batch in self._row_batches()]
-        return self._references
+    def _reference(self, model: PreTrainedModel, index: int, batch: Batch) -> torch.Tensor:
+        """Full-cache log-probabilities of row batch ``index`` (computed on first use; the model is frozen)."""
+        if index not in self._references:
+            self._references[index] = reference_logprobs(model, batch)
+        return self._references[index]
 
     def evaluate(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, policy: kvgates.Policy, max_new_tokens: int = 8
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        policy: kvgates.Policy,
+        max_new_tokens: int = 8,
+        shard: tuple[int, int] = (0, 1),
+        gather: Callable[[list], list] | None = None,
     ) -> dict[str, float]:
         """``{kl, top1, needle_exact, needle_recall, needles, kv_mib}`` of ``policy`` (attached to ``model``): means
-        over rows and needles; ``kv_mib`` is the mean KV memory a sequence holds at the end of its row."""
-        kls, top1, kv = [], [], []
-        for batch, ref in zip(self._row_batches(), self.references(model)):
-            for fid in completion_fidelity(model, policy, batch, ref):
-                kls.append(fid.mean_kl)
-                top1.append(float(fid.top1.float().mean()))
-                kv.append(fid.kv_bytes / 2**20)
-        exact, recall = [], []
-        for i in range(0, len(self.needles), self.batch_size):
-            chunk = self.needles[i : i + self.batch_size]
-            gen = greedy_generate(model, tokenizer, policy, [p for p, _ in chunk], max_new_tokens)
-            for tokens, (_, example) in zip(gen.tokens, chunk):
-                s = score(example, tokenizer.decode(tokens, skip_special_tokens=True))
-                exact.append(s["exact"])
-                recall.append(s["recall"])
+        over rows and needles; ``kv_mib`` is the mean KV memory a sequence holds at the end of its row.
+
+        ``shard=(index, count)`` with ``gather`` (accelerate's ``gather_object``, a collective every process calls)
+        splits the work over ``count`` processes: this one runs every ``count``-th of the row batches and needle
+        batches from the ``index``-th, and the means are taken over what every process ran, in one process's order,
+        so each returns what one process running them all would.
+        """
+        index, count = shard
+        row_batches = self._row_batches()
+        work = [(True, i) for i in range(len(row_batches))] + [(False, i) for i in range(0, len(self.needles), self.batch_size)]
+        ran = []  # (position in work, {name: values})
+        for position, (rows, i) in enumerate(work):
+            if position % count != index:
+                continue
+            if rows:
+                batch = row_batches[i]
+                fids = completion_fidelity(model, policy, batch, self._reference(model, i, batch))
+                values = {"kl": [f.mean_kl for f in fids], "top1": [float(f.top1.float().mean()) for f in fids],
+                          "kv_mib": [f.kv_bytes / 2**20 for f in fids]}
+            else:
+                chunk = self.needles[i : i + self.batch_size]
+                gen = greedy_generate(model, tokenizer, policy, [p for p, _ in chunk], max_new_tokens)
+                scores = [score(example, tokenizer.decode(tokens, skip_special_tokens=True)) for tokens, (_, example) in zip(gen.tokens, chunk)]
+                values = {"needle_exact": [s["exact"] for s in scores], "needle_recall": [s["recall"] for s in scores]}
+            ran.append((position, values))
+        joined: dict[str, list[float]] = {name: [] for name in ("kl", "top1", "kv_mib", "needle_exact", "needle_recall")}
+        for _, values in sorted(gather(ran) if gather is not None else ran, key=lambda done: done[0]):
+            for name, xs in values.items():
+                joined[name] += xs
         mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
         return {
-            "kl": mean(kls), "top1": mean(top1), "needle_exact": mean(exact), "needle_recall": mean(recall),
-            "needles": len(exact), "kv_mib": mean(kv),
+            "kl": mean(joined["kl"]), "top1": mean(joined["top1"]), "needle_exact": mean(joined["needle_exact"]),
+            "needle_recall": mean(joined["needle_recall"]), "needles": len(joined["needle_exact"]), "kv_mib": mean(joined["kv_mib"]),
         }
 
     def compare(

@@ -66,6 +66,28 @@ def model(tok):
     return tiny_model("llama", vocab_size=len(tok), max_position_embeddings=2048)[1]
 
 
+def test_held_out_metrics_split_over_processes_are_those_of_one(tok, model):
+    """Validation ran every held-out batch on every process of a multi-process run (N times the work): each process
+    now runs its share (every other batch of rows and needles here) and the gathered means are one process's."""
+    from data.tasks import make_example
+    from eval.heldout import HeldOut
+
+    torch.manual_seed(0)
+    rows = [{"input_ids": ids, "labels": [-100] * 40 + ids[40:]} for ids in torch.randint(5, 1000, (5, 48)).tolist()]
+    needles = [make_example("passkey", tok, "validation", 96, seed=s) for s in range(3)]
+    heldout = HeldOut.build(tok, rows, needles, batch_size=2)  # row batches 0-2, needle batches 3-4
+    policy = kvgates.make_policy("streaming_llm", budget=16, sinks=4).attach(model)
+    try:
+        whole = heldout.evaluate(model, tok, policy, max_new_tokens=4)
+        second: list = []
+        part = heldout.evaluate(model, tok, policy, 4, shard=(1, 2), gather=lambda ran: second.extend(ran) or ran)
+        joined = heldout.evaluate(model, tok, policy, 4, shard=(0, 2), gather=lambda ran: ran + second)
+    finally:
+        policy.detach()
+    assert sorted(position for position, _ in second) == [1, 3] and part["needles"] == 2  # its two of the three needles
+    assert joined == whole and whole["needles"] == 3 and math.isfinite(whole["kl"])
+
+
 # ---------------------------------------------------------------------- metrics: hand cases
 def test_kl_of_identical_distributions_is_zero_and_of_known_ones_is_exact():
     logp = torch.log_softmax(torch.randn(3, 50), -1)

@@ -863,6 +863,12 @@ def _losses(out: Path) -> dict[int, float]:
     return {r["step"]: (r["loss"], r["kl"], r["capacity"]) for r in rows if "loss" in r}
 
 
+def _evaluations(out: Path) -> list[dict[str, float]]:
+    """The validation metrics a run logged, in order (``eval_kl``, ``eval_needle_exact``, ...)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k.startswith("eval_") and "runtime" not in k and "per_second" not in k} for r in rows if "eval_kl" in r]
+
+
 def _gates(folder: Path) -> dict[str, torch.Tensor]:
     return kvgates.load_gates(folder).state_dict()
 
@@ -973,6 +979,11 @@ def test_two_cpu_processes_give_the_gates_of_one_with_the_same_global_batch(tiny
         assert two_logged[step] == pytest.approx(logged, rel=1e-5), step
     for name, tensor in _gates(one / "checkpoint-3").items():
         torch.testing.assert_close(_gates(two / "checkpoint-3")[name], tensor, atol=1e-5, rtol=1e-4)
+    # Validation: the first process ran the held-out rows, the second its needle, and both took the means of both.
+    alone_eval, two_eval = _evaluations(one), _evaluations(two)
+    assert len(alone_eval) == len(two_eval) == 2 and all(e["eval_needles"] == 1 for e in two_eval)
+    for a, b in zip(alone_eval, two_eval):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-6)
     if launcher == "deepspeed-zero2":  # DeepSpeed's own checkpoint leaves the frozen LLM out
         states = list((two / "checkpoint-3").glob("global_step*/mp_rank_00_model_states.pt"))
         held = torch.load(states[0], weights_only=False)["module"]

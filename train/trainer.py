@@ -127,7 +127,9 @@ class GateTrainer(Trainer):
         self.gated.teach()
         model = self.accelerator.unwrap_model(self.model)
         with eval_mode(model):
-            metrics = self.validator.run(model, self.gates)
+            # Each process validates its share of the held-out batches (the model and gates are whole on every one).
+            shard = (self.accelerator.process_index, self.accelerator.num_processes)
+            metrics = self.validator.run(model, self.gates, shard, gather_object)
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)

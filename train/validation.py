@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -67,10 +68,14 @@ class Validator:
         return cls(config, tokenizer, HeldOut.build(tokenizer, rows, needles))
 
     @torch.no_grad()
-    def run(self, model: PreTrainedModel, gates: kvgates.GateSet) -> dict[str, float]:
+    def run(
+        self, model: PreTrainedModel, gates: kvgates.GateSet, shard: tuple[int, int] = (0, 1), gather: Callable[[list], list] | None = None
+    ) -> dict[str, float]:
+        """The held-out metrics of ``gates`` on ``model``; over several processes, each runs its ``shard`` of the
+        held-out batches and ``gather`` joins them (``eval.heldout.HeldOut.evaluate``)."""
         policy = learned_policy(self.config, gates).attach(model)
         try:
-            return self.heldout.evaluate(model, self.tokenizer, policy, self.config.report.max_new_tokens)
+            return self.heldout.evaluate(model, self.tokenizer, policy, self.config.report.max_new_tokens, shard, gather)
         finally:
             policy.detach()
 
