@@ -352,6 +352,20 @@ def test_report_to_flyte_is_taken_where_flytekit_is_installed(tiny_dir, tmp_path
         training_arguments(cfg, tmp_path / "run")
 
 
+def test_a_missing_default_integration_is_named_as_the_runs_default(tiny_dir, tmp_path, monkeypatch, capsys):
+    """Where wandb is not installed (a lent GPU machine) and the config sets no ``training.report_to``, the run's
+    default is what is missing: the sentence said "leave it out", which is what the config had done."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what importlib finds where it is not installed
+    cfg = tiny_config(tiny_dir, tmp_path / "run")
+    del cfg["training"]["report_to"]
+    path = write(cfg, tmp_path / "c.yaml")
+    assert main(["--config", str(path), "--check"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"train.py: {path}: training.report_to (unset: the run's default, wandb): wandb is not installed here"), err
+    assert err.endswith("or set training.report_to to what is (report_to: [] reports to none)"), err
+    assert main(["--config", str(path), "--check", "training.report_to=[]"]) == 0
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -290,7 +290,7 @@ def training_arguments(config: TrainConfig, out: Path) -> TrainingArguments:
         output_dir=str(out), run_name=config.run_name, metric_for_best_model="kl", greater_is_better=False, **args
     )
     check_precision(train_args)
-    check_report_to(train_args)
+    check_report_to(train_args, configured="report_to" in config.training)
     check_launcher(train_args)
     check_attention_device(config, train_args)
     return train_args
@@ -376,9 +376,10 @@ def _deepspeed_stage(deepspeed: Any) -> int | None:
         return None
 
 
-def check_report_to(args: TrainingArguments) -> None:
+def check_report_to(args: TrainingArguments, configured: bool = True) -> None:
     """``ConfigError`` for a ``training.report_to`` integration transformers does not know or finds no installation
-    of: its Trainer would raise only once the model had loaded."""
+    of: its Trainer would raise only once the model had loaded. ``configured``: whether the config sets
+    ``training.report_to`` (else the sentence says the run's default is missing: leaving the key out cannot help)."""
     from transformers.integrations import get_available_reporting_integrations
     from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, is_flytekit_available
 
@@ -390,9 +391,10 @@ def check_report_to(args: TrainingArguments) -> None:
             known = ", ".join(INTEGRATION_TO_CALLBACK)
             raise ConfigError(f"training.report_to: {name!r} is not an integration transformers reports to; it knows {known}")
         if name not in installed:
+            where = "training.report_to" if configured else f"training.report_to (unset: the run's default, {name})"
             raise ConfigError(
-                f"training.report_to: {name} is not installed here (installed: {', '.join(installed) or 'none'}); install it, "
-                "or leave it out (report_to: [] reports to none)"
+                f"{where}: {name} is not installed here (installed: {', '.join(installed) or 'none'}); install it, "
+                "or set training.report_to to what is (report_to: [] reports to none)"
             )
 
 
