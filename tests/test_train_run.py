@@ -1176,6 +1176,16 @@ def test_every_accelerate_config_leaves_precision_to_the_run(path):
         assert deepspeed["zero_optimization"]["stage"] == 2
 
 
+def test_the_readme_offers_the_deepspeed_stages_the_run_takes():
+    """The README's package list gave deepspeed "ZeRO-2/3 configs": the run refuses ZeRO-3 (``check_launch``), and the
+    one DeepSpeed config it ships is ZeRO-2's."""
+    entry = (REPO / "README.md").read_text().split(" deepspeed: ", 1)[1].split(". ", 1)[0]
+    offers = entry.split(";")[0]  # (after it, what the run refuses)
+    offered = {int(stage) for stages in re.findall(r"ZeRO-([0-9/]+)", offers) for stage in stages.split("/")}
+    shipped = {json.loads(p.read_text())["zero_optimization"]["stage"] for p in (REPO / "configs" / "deepspeed").glob("*.json")}
+    assert offered and offered <= shipped and 3 not in shipped, (entry, shipped)
+
+
 @pytest.mark.parametrize(
     "overrides, env, message",
     [

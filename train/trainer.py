@@ -1,8 +1,8 @@
 """``GateTrainer``: transformers' ``Trainer`` for gate sets on a frozen LLM.
 
-The Trainer brings devices, DDP/DeepSpeed/FSDP through accelerate, gradient accumulation and
-checkpointing, the optimizer and schedule, checkpoint/resume (optimizer, scheduler, RNG, data order), best-checkpoint
-tracking, wandb logging and progress bars. This subclass changes only what is specific to gates:
+The Trainer brings devices, DDP and DeepSpeed ZeRO-2 through accelerate (``train.run`` refuses FSDP and ZeRO-3),
+gradient accumulation and checkpointing, the optimizer and schedule, checkpoint/resume (optimizer, scheduler, RNG,
+data order), best-checkpoint tracking, wandb logging and progress bars. This subclass changes only what is specific to gates:
 
 * ``compute_loss``: the loss of the gates' learned method (``kvgates.methods``: TRIM-KV's teacher forward, gated
   student forward and losses; Locret's one labelling forward; ...);
