@@ -505,6 +505,24 @@ def test_continuing_from_a_dms_lora_adapter_keeps_its_lora_or_refuses_another_sh
     same.learned_method.teardown(model, trained)
 
 
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"]])
+def test_a_dms_lora_on_attention_without_its_projections_is_one_sentence(targets):
+    """Phi-3 fuses q, k and v into one qkv_proj: attaching or training a DMS LoRA of q/v there stopped with peft's
+    traceback (no target found), and one of all four projections with an AttributeError once peft had wrapped o_proj
+    alone. Refused in one sentence, the model left as it was."""
+    ref, model = tiny_model("phi3")
+    gates = DecisionHeadsLoRA.for_model(model)
+    gates.configure_lora(gates.lora_config.__class__(**{**gates.lora_config.to_dict(), "target_modules": targets}))
+    missing = ", ".join(t for t in sorted(targets) if t != "o_proj")
+    sentence = f"^Phi3Attention has no {missing} for a DMS LoRA to adapt \\(it fuses q, k and v into one qkv_proj\\); use dms gates"
+    with pytest.raises(kvgates.UnsupportedModelError, match=sentence):
+        kvgates.make_policy("dms", window=4, budget=16, gates=gates).attach(model)
+    config = _config("dms-lora", lora_rank=8, lora_targets=targets)
+    with pytest.raises(kvgates.UnsupportedModelError, match=sentence):
+        config.learned_method.setup(model, gates, config.method_options)
+    assert not carries_lora(model) and [type(m) for m in model.modules()] == [type(m) for m in ref.modules()]
+
+
 def test_a_policy_attached_over_the_training_lora_runs_its_own_and_gives_it_back():
     _, model = tiny_model()
     config = _config("dms-lora")

@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvgates.errors import AdapterError
+from kvgates.errors import AdapterError, UnsupportedModelError
 from kvgates.gates.adapter import GateConfig, GateSet
 from kvgates.gates.capture import attention_modules
 from kvgates.gates.training import real_queries
@@ -242,8 +242,10 @@ def install_lora(model: nn.Module, gates: DecisionHeadsLoRA) -> Callable[[], Non
     deletes the adapter (``model.delete_adapter``), puts the original projections back where peft wrapped them and
     drops the flag the integration set, leaving the model as it was (``requires_grad`` included). On a model that already carries one of
     the same shape (the LoRA a DMS-LoRA run trains, during its validation), ``gates``' modules take its place and
-    the undo gives the previous ones back. ``ValueError`` for one of another shape.
+    the undo gives the previous ones back. ``ValueError`` for one of another shape, ``UnsupportedModelError`` (one
+    sentence, the model untouched) for a model whose attention lacks a target projection (``check_lora_targets``).
     """
+    check_lora_targets(model, gates)
     added = not carries_lora(model)
     if added:
         requires_grad = {p: p.requires_grad for p in model.parameters()}  # peft marks only adapters trainable
@@ -265,6 +267,22 @@ def install_lora(model: nn.Module, gates: DecisionHeadsLoRA) -> Callable[[], Non
                 peft_layer.lora_A[ADAPTER], peft_layer.lora_B[ADAPTER] = a, b
 
     return undo
+
+
+def check_lora_targets(model: nn.Module, gates: DecisionHeadsLoRA) -> None:
+    """``UnsupportedModelError`` (one sentence) unless every gated layer's attention of ``model`` has the projections
+    ``gates``' LoRA adapts (Phi-3 fuses q, k and v into one ``qkv_proj``: peft found no target there and stopped with
+    its traceback, or wrapped ``o_proj`` alone before the lookup of ``k_proj`` failed)."""
+    modules = attention_modules(model)
+    for layer in gates.config.layer_ids:
+        attention = modules[layer]
+        missing = sorted(t for t in gates.lora_config.target_modules if not isinstance(getattr(attention, t, None), nn.Module))
+        if missing:
+            raise UnsupportedModelError(
+                f"{type(attention).__name__} has no {', '.join(missing)} for a DMS LoRA to adapt"
+                + (" (it fuses q, k and v into one qkv_proj)" if hasattr(attention, "qkv_proj") else "")
+                + "; use dms gates on this model, or a dms-lora whose lora_targets are among its attention's projections"
+            )
 
 
 def lora_layers(model: nn.Module, gates: DecisionHeadsLoRA) -> list[nn.Module]:
