@@ -21,6 +21,7 @@ from transformers import DynamicCache
 import kvgates
 from kvgates import AdapterError, BudgetCache, GateSet, GlobalRetentionGates, RetainingHeads, RetentionGates
 from kvgates.gates.adapter import atomic_write, atomic_write_all
+from kvgates.methods.dms import DecisionHeads
 from kvgates.policies import Locret, TrimKV, TrimKVGlobal
 from kvgates.policies.trimkv_global import global_keep
 from kvgates.runtime.stats import AttnStats, Phase
@@ -75,6 +76,18 @@ def test_fresh_gates_refuse_a_width_no_gate_has(tiny_pair, hidden):
 def test_fresh_gates_refuse_a_training_budget_or_bias_no_gate_has(tiny_pair, params, message):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
         RetentionGates.for_model(tiny_pair[1], **params)
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_fresh_gates_refuse_a_model_whose_layers_all_slide(family):
+    """Mistral-7B-v0.1 and Phi-3-mini-4k declare a sliding window for every layer, none of which kvgates budgets:
+    their gates had no layer and no parameter, saved an adapter no kvgates loads (``layer_ids must list ...``), and
+    a training run stopped at its first loss with ``stack expects a non-empty TensorList``."""
+    _, model = tiny_model(family, sliding_window=8)
+    message = f"'{family}' has no full-attention layer (all layers use sliding or chunked attention), so there is no layer for gates"
+    for cls in [*KINDS, DecisionHeads]:
+        with pytest.raises(kvgates.UnsupportedModelError, match="^" + re.escape(message)):
+            cls.for_model(model)
 
 
 @pytest.mark.parametrize("cls", KINDS)

@@ -456,6 +456,23 @@ def test_config_errors_are_one_sentence_and_write_nothing(tiny_dir, tmp_path, ca
         assert not out.exists()
 
 
+def test_a_model_without_a_layer_for_gates_is_refused_before_it_loads(tmp_path, capsys, monkeypatch):
+    """A model whose layers all slide (Phi-3-mini-4k's config) passed --check, and the run, its weights loaded, stopped
+    at its first loss with torch.stack's traceback: its gates had no layer."""
+    from helpers import save_tiny_checkpoint
+
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    model = save_tiny_checkpoint(tmp_path / "phi3", "phi3", sliding_window=8)
+    capsys.readouterr()  # (saving it printed its progress)
+    out = tmp_path / "never"
+    path = write(tiny_config(model, out), tmp_path / "c.yaml")
+    for check in ([], ["--check"]):
+        assert main(["--config", str(path), *check]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "model: 'phi3' has no full-attention layer" in err and len(err.splitlines()) == 1, err
+        assert not out.exists()
+
+
 @pytest.mark.parametrize("inside", ["", "sub"])
 def test_an_output_dir_that_is_a_file_is_refused_before_the_model_loads(tiny_dir, tmp_path, capsys, monkeypatch, inside):
     """``output_dir`` naming a file, or a folder inside one: one sentence at --check and before the model loads (the

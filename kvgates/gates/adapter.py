@@ -29,7 +29,7 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
 from kvgates.config import output_path
-from kvgates.errors import AdapterError, HubPushError
+from kvgates.errors import AdapterError, HubPushError, UnsupportedModelError
 from kvgates.gates.modules import GlobalRetentionTrunk, RetainingHead, RetentionGate, SharedRetentionHead
 from kvgates.typecheck import field_problems
 
@@ -129,14 +129,29 @@ class GateConfig:
             raise AdapterError(f"{source}: init_bias must be a finite number, got {self.init_bias}; the file is corrupt or was edited by hand")
 
 
-def _geometry(model: PreTrainedModel) -> dict[str, Any]:
+def gated_layers(model: PreTrainedModel) -> list[int]:
+    """The layers of ``model`` that gates sit on: its full-attention ones, those a ``BudgetCache`` budgets (sliding-window
+    and chunked-attention layers keep transformers' own cache and attention). ``UnsupportedModelError`` (one sentence)
+    for a model without one (Mistral-7B-v0.1 and Phi-3-mini-4k declare a sliding window for every layer): its gates
+    had no layer, no parameter, and a training run stopped at its first loss with torch.stack's traceback."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     config = model.config.get_text_config(decoder=True)
     layer_types, _ = get_layer_types_and_kwargs(config)
+    layers = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+    if not layers:
+        raise UnsupportedModelError(
+            f"{config.model_type!r} has no full-attention layer (all layers use sliding or chunked attention), so there is "
+            "no layer for gates to sit on"
+        )
+    return layers
+
+
+def _geometry(model: PreTrainedModel) -> dict[str, Any]:
+    config = model.config.get_text_config(decoder=True)
     return dict(
         num_layers=config.num_hidden_layers,
-        layer_ids=[i for i, kind in enumerate(layer_types) if kind == "full_attention"],
+        layer_ids=gated_layers(model),
         hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
