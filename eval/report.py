@@ -270,8 +270,11 @@ def plot_kl_curves(config: ABConfig, task: TaskSpec, rows: list[dict], path: Pat
         ax.set_title(f"{task.name}, budget {budget}")
         ax.grid(alpha=0.3)
     axes[0, 0].set_ylabel(f"KL(full || arm), moving average of up to {smooth} tokens")
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    # Every arm drawn in any panel, in the config's order: an arm that runs at some budgets only (budgets: [512]) is
+    # missing from the first panel.
+    drawn = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels())}
+    labels = [arm.label for arm in config.arms if arm.label in drawn]
+    fig.legend([drawn[label] for label in labels], labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.tight_layout()
     return _save(fig, path)
 

@@ -1331,3 +1331,27 @@ def test_ctrl_c_during_softhard_ends_it_quietly(monkeypatch, capsys):
     monkeypatch.setattr(kvgates, "load_gates", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     assert main(["softhard", "--gates", "smollm2-135m-trimkv"]) == INTERRUPTED
     assert capsys.readouterr() == ("", "")
+
+
+def _kl_figure(tmp_path, monkeypatch, arms, curve):
+    """The figure ``plot_kl_curves`` draws for a fidelity task of 3 examples whose every arm has the KL ``curve``."""
+    from eval import report
+
+    config = ABConfig.from_dict({"budgets": [64, 128], "arms": arms, "tasks": [{"task": "fidelity", "context_tokens": 100, "examples": 3}]})
+    rows = [
+        {"task": "fidelity", "arm": arm.label, "budget": budget, "example": i, "kl_curve": curve}
+        for arm in config.arms for budget in config.arm_budgets(arm, config.tasks[0]) for i in range(3)
+    ]
+    figures = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.append(fig) or path)
+    report.plot_kl_curves(config, config.tasks[0], rows, tmp_path / "kl.png")
+    return figures[0]
+
+
+def test_the_kl_plot_names_an_arm_that_runs_at_a_later_budget_only(tmp_path, monkeypatch):
+    """The legend was the first panel's (budget 64): an arm at budget 128 only (``budgets: [128]``) had its curve drawn
+    in the second panel and no name for it."""
+    fig = _kl_figure(tmp_path, monkeypatch, ["h2o", {"policy": "snapkv", "budgets": [128], "label": "snapkv-128"}], [0.1] * 8)
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["h2o", "snapkv-128"]
+    plt.close(fig)
