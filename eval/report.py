@@ -251,7 +251,7 @@ def plot_depth_heatmaps(config: ABConfig, task: TaskSpec, rows: list[dict], path
 
 def plot_kl_curves(config: ABConfig, task: TaskSpec, rows: list[dict], path: Path, smooth: int = 16) -> Path:
     """Per budget: each arm's KL to the full cache along the generated tokens (mean over examples, moving
-    average of ``smooth`` tokens)."""
+    average of ``smooth`` tokens, each average drawn at the middle of its tokens)."""
     budgets = config.task_budgets(task)
     fig, axes = plt.subplots(1, len(budgets), figsize=(5.5 * len(budgets), 4), squeeze=False, sharey=True)
     styles = _styles(config)
@@ -263,8 +263,9 @@ def plot_kl_curves(config: ABConfig, task: TaskSpec, rows: list[dict], path: Pat
             n = min(len(c) for c in curves)
             mean = np.mean([c[:n] for c in curves], axis=0)
             k = max(1, min(smooth, n // 4))
-            ax.plot(np.convolve(mean, np.ones(k) / k, mode="valid"), label=arm.label, color=styles[arm.label]["color"],
-                    linestyle=styles[arm.label]["linestyle"])
+            averaged = np.convolve(mean, np.ones(k) / k, mode="valid")  # [i]: the mean of tokens i .. i + k - 1,
+            ax.plot(np.arange(len(averaged)) + (k - 1) / 2, averaged, label=arm.label,  # drawn at the middle of them
+                    color=styles[arm.label]["color"], linestyle=styles[arm.label]["linestyle"])
         ax.set_yscale("log")
         ax.set_xlabel("generated token")
         ax.set_title(f"{task.name}, budget {budget}")

@@ -1355,3 +1355,13 @@ def test_the_kl_plot_names_an_arm_that_runs_at_a_later_budget_only(tmp_path, mon
     (legend,) = fig.legends
     assert [t.get_text() for t in legend.get_texts()] == ["h2o", "snapkv-128"]
     plt.close(fig)
+
+
+def test_the_kl_plot_draws_each_moving_average_at_the_middle_of_its_tokens(tmp_path, monkeypatch):
+    """The average of tokens i .. i + k - 1 was drawn at token i: a spike at token j showed over j - k + 1 .. j,
+    centred (k - 1) / 2 tokens early (7.5 with the default 16), and the axis of 512 generated tokens ended at 497."""
+    fig = _kl_figure(tmp_path, monkeypatch, ["h2o"], [0.1 * t for t in range(1, 9)])  # 8 tokens: averages of k = 2
+    line = fig.axes[0].lines[0]
+    assert list(line.get_xdata()) == [t + 0.5 for t in range(7)]
+    assert list(line.get_ydata()) == pytest.approx([0.1 * t + 0.05 for t in range(1, 8)])  # token t's KL is 0.1 (t + 1)
+    plt.close(fig)
