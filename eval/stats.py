@@ -107,10 +107,12 @@ def sign_flip_p(diffs: np.ndarray, tol: float = TIE, seed: int = 0) -> np.ndarra
 
 
 def win_tie_loss(improvement: np.ndarray, tol: float = TIE) -> tuple[int, int, int]:
-    """``(wins, ties, losses)`` of A: examples with ``improvement`` above ``tol``, within it, below ``-tol``."""
+    """``(wins, ties, losses)`` of A: examples with ``improvement`` above ``tol``, within it, below ``-tol``. A
+    difference that is not finite (a score that is NaN or infinite) is none of the three."""
     improvement = np.asarray(improvement, dtype=np.float64)
-    wins, losses = int((improvement > tol).sum()), int((improvement < -tol).sum())
-    return wins, len(improvement) - wins - losses, losses
+    finite = np.isfinite(improvement)
+    wins, losses = int((finite & (improvement > tol)).sum()), int((finite & (improvement < -tol)).sum())
+    return wins, int(finite.sum()) - wins - losses, losses
 
 
 def mcnemar_exact(a: np.ndarray, b: np.ndarray) -> float:
@@ -170,6 +172,14 @@ class Comparison:
     def sentence(self) -> str:
         """The verdict in one plain sentence, the winner first (e.g. "trimkv beats snapkv at 256 by 0.31 KL ...")."""
         where = f"at {self.budget} on {self.task}" if self.budget_b is None else f"at matched memory on {self.task}"
+        undefined = self.n - self.wins - self.ties - self.losses  # differences that are not finite (``win_tie_loss``)
+        if undefined:  # no mean, interval or test to state
+            text = (
+                f"no verdict between {self.a} and {self.b} {where}: {undefined} of {self.n} examples have a {self.metric} "
+                f"difference that is not finite (a score that is NaN or infinite); the others: {self.wins} wins {self.losses} losses"
+            )
+            text += f" {self.ties} ties" if self.ties else ""
+            return text + self._exact() + self._memory() + "."
         if self.decided and self.improvement > 0:
             head = f"{self.a} beats {self.b} {where} by {self.improvement:.3g} {self.metric}"
             ci, wins, losses = (self.ci_low, self.ci_high), self.wins, self.losses
@@ -186,9 +196,13 @@ class Comparison:
             text += f" {self.ties} ties"
         if self.sign_flip_p is not None:
             text += f", sign-flip p = {self.sign_flip_p:.2g}"
-        if self.mcnemar_p is not None:
-            text += f"; exact answers {self.exact_a} vs {self.exact_b} of {self.n}, McNemar p = {self.mcnemar_p:.3g}"
-        return text + self._memory() + "."
+        return text + self._exact() + self._memory() + "."
+
+    def _exact(self) -> str:
+        """McNemar's test on the exact answers, where the metric has them."""
+        if self.mcnemar_p is None:
+            return ""
+        return f"; exact answers {self.exact_a} vs {self.exact_b} of {self.n}, McNemar p = {self.mcnemar_p:.3g}"
 
     def _memory(self) -> str:
         """What the verdict says about memory: both points' KV across budgets; otherwise which arm held more than

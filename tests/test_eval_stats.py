@@ -97,3 +97,18 @@ def test_win_tie_loss_and_the_verdict_sentence():
     # A metric where lower is better: the undecided sentence said "(x -0.0005 KL)" of an x whose KL was 0.0005 higher.
     behind = compare([0.0015] * 4, [0.001] * 4, task="t", budget=1, a="x", b="y", metric="KL", higher_is_better=False)
     assert "(x behind by 0.0005 KL)" in behind.sentence()
+
+
+def test_a_score_that_is_not_finite_is_no_tie_and_its_comparison_says_so():
+    """An arm whose run gave NaN scores (a float16 overflow) was compared as "no clear difference ... (x behind by nan
+    recall), 95% CI nan to nan, 0 wins 0 losses 6 ties": every NaN difference counted as a tie."""
+    assert win_tie_loss(np.array([0.5, np.nan, 0.0, -np.inf, np.inf])) == (1, 1, 0)
+    recall_a = np.array([1.0, 1.0, np.nan, 0.5, 1.0, 0.0])
+    recall_b = np.array([0.0, 1.0, 0.0, 0.0, 0.5, 0.0])
+    c = compare(recall_a, recall_b, task="needle", budget=64, a="x", b="y", metric="recall", higher_is_better=True,
+                binary_a=recall_a == 1, binary_b=recall_b == 1, kv_a=1.0, kv_b=2.0)
+    assert not c.decided and (c.wins, c.ties, c.losses) == (3, 2, 0)
+    assert c.sentence() == (
+        "no verdict between x and y at 64 on needle: 1 of 6 examples have a recall difference that is not finite (a score "
+        "that is NaN or infinite); the others: 3 wins 0 losses 2 ties; exact answers 3 vs 1 of 6, McNemar p = 0.5; y held 2.00x the KV."
+    )
