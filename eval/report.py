@@ -57,6 +57,14 @@ class Summary:
         values = [r[field] if field in ("kv_bytes", "state_bytes", "seconds") else r["metrics"][field] for r in rows]
         return float(np.mean(values))
 
+    def cell(self, task: str, arm: str, budget: int | None, field: str, spec: str, length: int | None = None, scale: float = 1.0) -> str:
+        """A table's cell: ``mean`` over ``scale``, formatted by ``spec``; ``-`` where the group has no result, and
+        ``nan`` or ``inf`` where one of its results is not a finite number (an arm's run went wrong: it ran)."""
+        if not self.rows(task, arm, budget, length):
+            return "-"
+        value = self.mean(task, arm, budget, field, length) / scale
+        return format(value, spec) if np.isfinite(value) else str(value)
+
 
 #: tab20's hues for arms, nine strong ones first and then their light shades; its greys (14, 15) are left to the
 #: headline's "best heuristic" line.
@@ -88,7 +96,7 @@ def headline_table(config: ABConfig, summary: Summary) -> str:
         cells = [arm, _budget_label(budget)]
         for t in config.tasks:
             m = metrics_of(t)[0]
-            cells.append(_fmt(summary.mean(t.name, arm, budget, m.name), m.fmt))
+            cells.append(summary.cell(t.name, arm, budget, m.name, m.fmt))
         kv = [summary.mean(t.name, arm, budget, "kv_bytes") / MIB for t in config.tasks]
         cells.append(_fmt(np.mean([x for x in kv if np.isfinite(x)] or [np.nan]), ".2f"))
         lines.append("| " + " | ".join(cells) + " |")
@@ -103,7 +111,8 @@ def headline_legend(config: ABConfig) -> str:
     )
     return (
         f"Budget: tokens held per KV head ('—' = the full cache). Cells: {cells}. KV MiB / seq: key and value bytes "
-        "each sequence really held, averaged over the tasks; '-': the task does not run at that budget."
+        "each sequence really held, averaged over the tasks; '-': the task does not run at that budget; nan or inf: some "
+        "result's score is not a finite number."
     )
 
 
@@ -122,11 +131,11 @@ def task_table(config: ABConfig, task: TaskSpec, budget: int, summary: Summary) 
         b = budget if arm.budgeted else None
         rows = summary.rows(task.name, arm.label, b)
         cells = [arm.label, str(len(rows))]
-        cells += [_fmt(summary.mean(task.name, arm.label, b, m.name), m.fmt) for m in metrics]
-        cells += [_fmt(summary.mean(task.name, arm.label, b, metrics[0].name, n), metrics[0].fmt) for n in lengths]
-        cells.append(_fmt(summary.mean(task.name, arm.label, b, "kv_bytes") / MIB, ".2f"))
-        cells.append(_fmt(summary.mean(task.name, arm.label, b, "state_bytes") / 1024, ".1f"))
-        cells.append(_fmt(summary.mean(task.name, arm.label, b, "seconds"), ".1f"))
+        cells += [summary.cell(task.name, arm.label, b, m.name, m.fmt) for m in metrics]
+        cells += [summary.cell(task.name, arm.label, b, metrics[0].name, metrics[0].fmt, n) for n in lengths]
+        cells.append(summary.cell(task.name, arm.label, b, "kv_bytes", ".2f", scale=MIB))
+        cells.append(summary.cell(task.name, arm.label, b, "state_bytes", ".1f", scale=1024))
+        cells.append(summary.cell(task.name, arm.label, b, "seconds", ".1f"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -355,13 +364,13 @@ def arm_section(results_dir: str | Path, label: str) -> str:
     ]
     for task in config.tasks:
         m = metrics_of(task)[0]
-        full = _fmt(summary.mean(task.name, "full", None, m.name), m.fmt)
+        full = summary.cell(task.name, "full", None, m.name, m.fmt)
         n = task.examples * len(task.context_tokens)
         for budget in config.task_budgets(task):
             best = best_heuristic(config, summary, task, budget)
-            best_cell = f"{_fmt(summary.mean(task.name, best, budget, m.name), m.fmt)} ({best})" if best else "-"
-            mine = _fmt(summary.mean(task.name, label, budget, m.name), m.fmt)
-            kv = _fmt(summary.mean(task.name, label, budget, "kv_bytes") / MIB, ".2f")
+            best_cell = f"{summary.cell(task.name, best, budget, m.name, m.fmt)} ({best})" if best else "-"
+            mine = summary.cell(task.name, label, budget, m.name, m.fmt)
+            kv = summary.cell(task.name, label, budget, "kv_bytes", ".2f", scale=MIB)
             lines.append(f"| {task.name} ({n}) | {m.name} | {budget} | {mine} | {best_cell} | {full} | {kv} |")
     mine = [c for c in results["comparisons"] if label in (c["a"], c["b"])]
     if any("sign_flip_p" not in c for c in mine):  # its stored sentences decided by the bootstrap interval alone

@@ -1365,3 +1365,22 @@ def test_the_kl_plot_draws_each_moving_average_at_the_middle_of_its_tokens(tmp_p
     assert list(line.get_xdata()) == [t + 0.5 for t in range(7)]
     assert list(line.get_ydata()) == pytest.approx([0.1 * t + 0.05 for t in range(1, 8)])  # token t's KL is 0.1 (t + 1)
     plt.close(fig)
+
+
+def test_a_score_that_is_not_finite_shows_in_the_tables_as_what_it_is(tmp_path):
+    """An arm whose run gave NaN scores (a float16 overflow) showed '-' in the headline and its task's table, which the
+    legend explains as 'the task does not run at that budget'."""
+    from eval.report import Summary, headline_legend, headline_table, task_table
+
+    config = small_config(tmp_path, arms=["h2o", "streaming_llm"], tasks=[TASKS[0]], budgets=[16])
+    rows = [
+        {"task": "needle", "arm": arm, "budget": budget, "example": i, "meta": {"context_tokens": 120}, "kv_bytes": 2**20,
+         "state_bytes": 0, "seconds": 1.0, "metrics": {"recall": recall, "exact": 0.0}}
+        for arm, budget, recall in [("full", None, 1.0), ("h2o", 16, float("nan")), ("streaming_llm", 16, 0.5)] for i in range(2)
+    ]
+    summary = Summary(rows)
+    headline = headline_table(config, summary).splitlines()
+    assert headline[3:] == ["| h2o | 16 | nan | 1.00 |", "| streaming_llm | 16 | 50% | 1.00 |"]
+    table = task_table(config, config.tasks[0], 16, summary).splitlines()
+    assert table[3] == "| h2o | 2 | nan | 0% | nan | - | 1.00 | 0.0 | 1.0 |"  # (no result at 200 tokens: '-')
+    assert "'-': the task does not run at that budget; nan or inf: some result's score is not a finite number." in headline_legend(config)
