@@ -236,6 +236,7 @@ def plot_depth_heatmaps(config: ABConfig, task: TaskSpec, rows: list[dict], path
     budgets = config.task_budgets(task)
     cols = len(budgets)
     fig, axes = plt.subplots(len(arms), cols, figsize=(max(6.0, 2.6 * cols + 1), 0.55 * len(lengths) * len(arms) + 1.2), squeeze=False)
+    lowest = {}  # each column's lowest panel drawn, which names the depths
     for i, arm in enumerate(arms):
         for j, budget in enumerate(budgets):
             ax = axes[i, j]
@@ -249,8 +250,11 @@ def plot_depth_heatmaps(config: ABConfig, task: TaskSpec, rows: list[dict], path
                 continue
             ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
             ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
-            ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths] if i == len(arms) - 1 else [], fontsize=6, rotation=90)
+            ax.set_xticks(range(len(depths)), [])
             ax.set_title(arm.label + (f" @{budget}" if arm.budgeted else ""), fontsize=8)
+            lowest[j] = ax
+    for ax in lowest.values():  # (not the last arm's row: an arm at some budgets only leaves the other columns unnamed)
+        ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=6, rotation=90)
     fig.suptitle(f"{task.name}: recall by prompt length (tokens, rows) and depth (columns); green = exact", fontsize=9)
     fig.tight_layout()
     scale = plt.cm.ScalarMappable(norm=plt.Normalize(0, 1), cmap="RdYlGn")

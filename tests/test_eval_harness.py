@@ -1384,3 +1384,22 @@ def test_a_score_that_is_not_finite_shows_in_the_tables_as_what_it_is(tmp_path):
     table = task_table(config, config.tasks[0], 16, summary).splitlines()
     assert table[3] == "| h2o | 2 | nan | 0% | nan | - | 1.00 | 0.0 | 1.0 |"  # (no result at 200 tokens: '-')
     assert "'-': the task does not run at that budget; nan or inf: some result's score is not a finite number." in headline_legend(config)
+
+
+def test_every_column_of_the_needle_heatmaps_names_its_depths(tmp_path, monkeypatch):
+    """Depths were named under the last arm's panels only: with that arm at some budgets only (docs/reference's
+    dms-lora at 128 and 256), the columns of the other budgets named no depth at all."""
+    from eval import report
+
+    arms = ["h2o", {"policy": "h2o", "budgets": [32], "label": "h2o-32"}]
+    config = small_config(tmp_path, arms=arms, tasks=[{"task": "needle", "context_tokens": 120, "examples": 2}])
+    rows = [
+        {"task": "needle", "arm": arm.label, "budget": budget, "meta": {"context_tokens": 120, "depth": depth}, "metrics": {"recall": 1.0}}
+        for arm in config.all_arms for budget in config.arm_budgets(arm) for depth in (0.0, 1.0)
+    ]
+    figures = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.append(fig) or path)
+    report.plot_depth_heatmaps(config, config.tasks[0], rows, tmp_path / "heatmap.png")
+    named = {ax.get_title(): " ".join(t.get_text() for t in ax.get_xticklabels()).strip() for ax in figures[0].axes if ax.get_title()}
+    assert named == {"full": "", "h2o @16": "0% 100%", "h2o @32": "", "h2o-32 @32": "0% 100%"}
+    plt.close(figures[0])
