@@ -4,7 +4,8 @@ import pytest
 import torch
 from helpers import FAMILIES, POLICY_PARAMS, dynamic_cache, policy_on, teacher_forced_logits, tiny_model
 
-from kvgates import POLICIES, BudgetCache
+from kvgates import POLICIES, BudgetCache, UnsupportedModelError
+from kvgates.gates.adapter import gated_layers
 
 PROMPT, DECODE = 24, 64
 ATOL = 1e-4
@@ -89,6 +90,28 @@ def test_architectures_match_without_eviction_and_run_with_it(family):
     cache = BudgetCache(model.config, "h2o", budget=12)
     teacher_forced_logits(model, cache, ids, 24)
     assert int(cache.held_tokens().max()) <= 12
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "trimkv", "kvzip"])
+def test_a_sliding_window_that_covers_the_context_is_full_attention(name):
+    """Phi-3-mini-128k, Phi-3.5-mini and Phi-4-mini declare a 262,144-token sliding window on every layer, twice their
+    context: transformers calls every layer sliding, and kvgates refused them all (no full-attention layer). Such a
+    layer is budgeted as the full-attention layer it is: the same logits, evicting, as the model without a window."""
+    _, plain = tiny_model("phi3")
+    _, model = tiny_model("phi3", sliding_window=2 * plain.config.max_position_embeddings)
+    ids = torch.randint(1, 120, (2, 40), generator=torch.Generator().manual_seed(6))
+    assert gated_layers(model) == list(range(model.config.num_hidden_layers))
+    logits = []
+    for each in (plain, model):
+        torch.manual_seed(1)  # (the same fresh gates)
+        with policy_on(each, name, 12) as policy:
+            cache = BudgetCache(each.config, policy)
+            logits.append(teacher_forced_logits(each, cache, ids, 24, chunk=8))
+        assert int(cache.held_tokens().max()) < ids.shape[1]  # (evicting)
+    torch.testing.assert_close(logits[1], logits[0], atol=0, rtol=0)
+    _, sliding = tiny_model("phi3", sliding_window=plain.config.max_position_embeddings - 1)  # (Phi-3-mini-4k's 2,047 of 4,096)
+    with pytest.raises(UnsupportedModelError, match="no full-attention layer"):
+        BudgetCache(sliding.config, "h2o", budget=12)
 
 
 def test_no_cache_forward_is_sdpa(tiny):

@@ -1620,6 +1620,32 @@ def test_the_last_layer_cut_is_exact_when_that_layer_is_not_gated_or_has_no_o_pr
     _assert_same_step(runs)
 
 
+@pytest.mark.parametrize("kind", ["trimkv", "dms", "locret"])
+def test_gates_train_on_a_sliding_window_that_covers_the_context(kind):
+    """Phi-3-mini-128k's 262,144-token window on every layer (twice its context) is full attention: its gates sit on
+    every layer and a step's loss and gate gradients are those of the same model without a window (its gates had no
+    layer: 'no full-attention layer')."""
+    from helpers import tiny_model
+
+    from kvgates.gates.training import GateTraining
+    from train.trainer import gate_loss
+
+    steps = []
+    for window in (None, 2048):  # (the tiny model's context: 1,024)
+        _, model = tiny_model("phi3", **({"sliding_window": window} if window else {}))
+        model.requires_grad_(False)
+        config = TrainConfig.from_dict({"budget": 48, "kind": kind, "data": {"seq_len": 64}})
+        torch.manual_seed(0)
+        gates = GATE_KINDS[config.gate_kind].for_model(model, init_bias=2.0)
+        assert gates.config.layer_ids == list(range(model.config.num_hidden_layers))
+        with GateTraining(model, gates, config.attention) as run:
+            loss, _ = gate_loss(model, model.lm_head, run, config, gate_batch(padded=True), 48.0, 0.0)
+            loss.backward()
+        steps.append((loss.detach(), [p.grad for p in gates.parameters()]))
+    assert torch.equal(steps[1][0], steps[0][0])
+    assert all(torch.equal(a, b) for a, b in zip(steps[1][1], steps[0][1], strict=True))
+
+
 def test_a_run_with_the_last_layer_cut_logs_what_a_run_of_every_row_logs(tiny_dir, tmp_path, monkeypatch):
     """train.py's trainer with ``training.activation_checkpointing``: the losses and validation metrics it logs are
     those of a run whose steps compute every row of the last layer (``TrainingStep.distilled_from`` 0), and its

@@ -134,10 +134,10 @@ def gated_layers(model: PreTrainedModel) -> list[int]:
     and chunked-attention layers keep transformers' own cache and attention). ``UnsupportedModelError`` (one sentence)
     for a model without one (Mistral-7B-v0.1 and Phi-3-mini-4k declare a sliding window for every layer): its gates
     had no layer, no parameter, and a training run stopped at its first loss with torch.stack's traceback."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
+    from kvgates.runtime.cache import layer_kinds
 
     config = model.config.get_text_config(decoder=True)
-    layer_types, _ = get_layer_types_and_kwargs(config)
+    layer_types, _ = layer_kinds(config)
     layers = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
     if not layers:
         raise UnsupportedModelError(

@@ -26,6 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvgates.errors import UnsupportedModelError
+from kvgates.runtime.cache import window_covers_context
 from kvgates.runtime.layer import HANDOFF
 
 #: Attribute of an attention module whose calls go to a ``kvgates.gates.training.GateTraining`` (set and removed
@@ -112,7 +113,7 @@ def kvgates_attention(
             return training.attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     HANDOFF.layer = None
-    if kwargs.get("sliding_window") is not None:
+    if kwargs.get("sliding_window") is not None and not window_covers_context(kwargs["sliding_window"], getattr(module, "config", None)):
         raise UnsupportedModelError(
             f"{type(module).__name__} (layer {layer.layer_idx}) is a sliding-window attention on a layer the model's "
             "config declares full attention, so kvgates cannot budget it"

@@ -24,6 +24,28 @@ BUDGETED_LAYER_TYPES = ("full_attention",)
 PASSTHROUGH_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 
 
+def window_covers_context(window: int | None, config: PreTrainedConfig | None) -> bool:
+    """Whether a sliding ``window`` reaches every token a model of ``config`` attends to (``max_position_embeddings``),
+    so that its layer is a full-attention one whatever the config calls it."""
+    context = getattr(config, "max_position_embeddings", None)
+    return window is not None and isinstance(context, int) and window >= context
+
+
+def layer_kinds(text_config: PreTrainedConfig) -> tuple[list[str], list[dict]]:
+    """Each layer's type and its cache layer's arguments, as transformers reads them (``get_layer_types_and_kwargs``),
+    but a sliding-window layer whose window covers the model's whole context (``window_covers_context``) is the
+    ``"full_attention"`` layer it is: Phi-3-mini-128k, Phi-3.5-mini and Phi-4-mini declare a 262,144-token window for
+    every layer, twice their context, so transformers calls them all sliding and kvgates refused to budget them."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    kinds, kwargs = [], []
+    for kind, each in zip(layer_types, layer_kwargs):
+        if kind == "sliding_attention" and window_covers_context(each.get("sliding_window"), text_config):
+            kind, each = "full_attention", {}
+        kinds.append(kind)
+        kwargs.append(each)
+    return kinds, kwargs
+
+
 class BudgetCache(Cache):
     """KV cache that keeps each full-attention layer within ``policy``'s budget.
 
@@ -83,7 +105,7 @@ class BudgetCache(Cache):
         text_config = config.get_text_config(decoder=True)
         if getattr(text_config, "is_encoder_decoder", False):
             raise UnsupportedModelError("kvgates budgets decoder-only models; encoder-decoder models are not supported")
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        layer_types, layer_kwargs = layer_kinds(text_config)
         layers = []
         for idx, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
             if kind in BUDGETED_LAYER_TYPES:

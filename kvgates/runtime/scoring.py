@@ -18,10 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers.cache_utils import get_layer_types_and_kwargs
 
 from kvgates.errors import UnsupportedModelError
-from kvgates.runtime.cache import BUDGETED_LAYER_TYPES, BudgetCache
+from kvgates.runtime.cache import BUDGETED_LAYER_TYPES, BudgetCache, layer_kinds
 from kvgates.runtime.dispatch import EAGER_ONLY, real_tokens
 from kvgates.runtime.stats import AttnStats, Phase
 from kvgates.runtime.storage import KeptCounts
@@ -158,7 +157,7 @@ class PromptScoring:
     def __init__(self, model: torch.nn.Module, policy: Any, run: ScoringRun, prompts: SeenPrompts):
         """Refuses a model with layers kvgates leaves to transformers (``discarded_forward`` could not drop their
         tokens) before any forward."""
-        layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+        layer_types, _ = layer_kinds(model.config.get_text_config(decoder=True))
         if any(kind not in BUDGETED_LAYER_TYPES for kind in layer_types):
             raise UnsupportedModelError(f"{policy.name}: {SCORING_NEEDS_BUDGETED_LAYERS}")
         self.model, self.policy, self.run, self.prompts = model, policy, run, prompts
