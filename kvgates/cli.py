@@ -312,7 +312,7 @@ def _generate(argv: list[str]) -> int:
         if not args.prompt_file.exists():  # not is_file(): a pipe (/dev/stdin, a shell's <(...)) is read as well
             parser.error(f"prompt file {args.prompt_file} does not exist")
         try:
-            prompt = args.prompt_file.read_text(encoding="utf-8")
+            prompt = args.prompt_file.read_text(encoding="utf-8-sig")  # a leading byte order mark (Notepad's) is no text
         except UnicodeDecodeError:
             parser.error(f"prompt file {args.prompt_file} is not UTF-8 text")
     else:

@@ -116,6 +116,14 @@ def test_a_prompt_file_may_be_a_pipe(checkpoint, capsys):
     assert "tokens=13 (prompt 11, new 2;" in capsys.readouterr().err
 
 
+def test_a_prompt_file_s_byte_order_mark_is_not_part_of_the_prompt(checkpoint, tmp_path, capsys):
+    """A UTF-8 file some editors (Windows Notepad) open with a byte order mark: the mark was read as a character of the
+    prompt and tokenized ahead of it (3 tokens more on the embedded SmolLM2), changing the text generated."""
+    (tmp_path / "marked.txt").write_bytes(b"\xef\xbb\xbfhello there")
+    assert main(["generate", "--model", checkpoint, "--prompt-file", str(tmp_path / "marked.txt"), "--max-new-tokens", "2"]) == 0
+    assert "tokens=13 (prompt 11, new 2;" in capsys.readouterr().err  # as the same text without the mark
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_the_full_policy_holds_all_of_a_full_cache(family, tmp_path, capsys):
     """The report's full cache counted the budgeted layers alone, and held bytes every layer: on Gemma 3, whose
