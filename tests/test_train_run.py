@@ -352,6 +352,27 @@ def test_report_to_flyte_is_taken_where_flytekit_is_installed(tiny_dir, tmp_path
         training_arguments(cfg, tmp_path / "run")
 
 
+def test_the_wandb_run_records_the_kvgates_recipe(tiny_dir, tmp_path, monkeypatch):
+    """wandb's config held the TrainingArguments and the LLM's config, not what was trained (kind, budget, loss,
+    data): a run reporting to wandb (offline here) records the recipe under ``kvgates``."""
+    wandb = pytest.importorskip("wandb")  # (not on a lent GPU machine)
+    from train.trainer import RecipeToWandb
+
+    recorded = {}
+    begin = RecipeToWandb.on_train_begin
+
+    def recording(self, *args, **kwargs):
+        begin(self, *args, **kwargs)
+        recorded.update(wandb.run.config.as_dict().get("kvgates", {}))
+
+    monkeypatch.setattr(RecipeToWandb, "on_train_begin", recording)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    steps = {"report_to": ["wandb"], "max_steps": 1, "eval_steps": 1, "save_steps": 1}
+    path = write(tiny_config(tiny_dir, tmp_path / "run", training=steps), tmp_path / "c.yaml")
+    assert main(["--config", str(path)]) == 0
+    assert recorded == TrainConfig.load(path).to_dict() and recorded["kind"] == "trimkv" and recorded["budget"] == 24
+
+
 def test_a_missing_default_integration_is_named_as_the_runs_default(tiny_dir, tmp_path, monkeypatch, capsys):
     """Where wandb is not installed (a lent GPU machine) and the config sets no ``training.report_to``, the run's
     default is what is missing: the sentence said "leave it out", which is what the config had done."""

@@ -56,7 +56,7 @@ from kvgates.gates.adapter import CONFIG_FILE, atomic_write, gated_layers
 from kvgates.gates.training import GateTraining
 from kvgates.models import model_skeleton, past_context
 from train.config import ConfigError, TrainConfig
-from train.trainer import DistinctNoise, GateTrainer, MetricsJsonl, ramped_budget
+from train.trainer import DistinctNoise, GateTrainer, MetricsJsonl, RecipeToWandb, ramped_budget
 from train.validation import Validator, final_table, report_heldout
 
 DEFAULT_CONFIG = "configs/train/quickstart.yaml"
@@ -590,7 +590,7 @@ def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.
         eval_dataset=validator.heldout.rows,
         data_collator=DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id),
         processing_class=tokenizer,
-        callbacks=[MetricsJsonl(out / METRICS), DistinctNoise()],
+        callbacks=[MetricsJsonl(out / METRICS), DistinctNoise(), RecipeToWandb(config.to_dict())],
     )
     return trainer, start, heldout
 

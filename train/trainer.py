@@ -208,6 +208,24 @@ class DistinctNoise(TrainerCallback):
             torch.manual_seed(args.seed + args.process_index)
 
 
+class RecipeToWandb(TrainerCallback):
+    """When training begins, adds the run's kvgates recipe (``TrainConfig.to_dict``: kind, budget, loss, data, gates)
+    to the wandb run's config under ``kvgates``, beside what transformers' own callback records (the
+    TrainingArguments and the LLM's config, neither of which says what was trained), so runs compare by recipe on the
+    dashboard. Nothing where the run reports to no wandb (``training.report_to``)."""
+
+    def __init__(self, recipe: dict[str, Any]):
+        self.recipe = recipe
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero or "wandb" not in args.report_to:
+            return
+        import wandb
+
+        if wandb.run is not None:  # (transformers' WandbCallback, earlier in the list, has started it)
+            wandb.run.config.update({"kvgates": self.recipe}, allow_val_change=True)
+
+
 def _json_line(row: dict) -> str:
     """``row`` as one line of strict JSON: a float that is not finite as ``null``."""
     return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}) + "\n"
