@@ -30,7 +30,7 @@ from data.splits import check_corpus
 from eval.arms import build_policy, prepare_arms
 from eval.config import ABConfig, ArmSpec, ConfigError, TaskSpec, journal_row
 from eval.stats import Comparison, compare, matched_memory
-from eval.tasks import Example, binary_metric, build_examples, cost, metrics_of, run_batch
+from eval.tasks import Example, binary_metric, build_examples, cost, metrics_of, run_batch, share_references
 from kvgates.config import text_lines
 from kvgates.models import past_context
 
@@ -297,6 +297,7 @@ def _compute(
                         continue
                     bar.set_postfix_str(f"{task.name} {arm.label}" + (f"@{budget}" if budget else ""), refresh=False)
                     reference = [done[_key(config, task, ex.index, full_arm, None)] for ex in todo] if arm.budgeted else None
+                    share_references(task, model, tokenizer, todo, reference, shared)  # (untimed: every budgeted arm's)
                     policy = build_policy(arm, budget, gates[arm.label]).attach(model)
                     t0 = time.perf_counter()
                     try:

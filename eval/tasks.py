@@ -31,7 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 import kvgates
 from data.tasks import make_example, score, split_ids, template_by_name
 from eval.config import TaskSpec
-from eval.fidelity import completion_fidelity, first_false, greedy_generate, make_batch, reference_logprobs, stream_nll
+from eval.fidelity import Batch, completion_fidelity, first_false, greedy_generate, make_batch, reference_logprobs, stream_nll
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def run_batch(
 
     ``reference``: the full cache's results on the same examples (``None`` when this *is* the full cache);
     ``cache``: a per-batch dict where references computed once (log-probabilities, by the examples they are of) are
-    kept for the other arms.
+    kept for the other arms (``share_references`` computes them there before an arm is timed).
     """
     prompts = [ex.prompt for ex in batch]
     if task.answer:
@@ -164,16 +164,38 @@ def run_batch(
             metrics = {"prefix": float(first_false(same)), "agreement": float(same.float().mean()), "identical": float(bool(same.all()))}
             out.append({"metrics": metrics, "kv_bytes": kv, "state_bytes": st})
         return out
-    completions = [torch.tensor(ref["tokens"]) for ref in reference]
-    fid_batch = make_batch(prompts, completions, tokenizer.pad_token_id)
-    examples = tuple(ex.index for ex in batch)  # arms may run different parts of a batch (the rest journalled)
-    if examples not in cache:
-        cache[examples] = reference_logprobs(model, fid_batch)
+    fid_batch, ref_logprobs = _fidelity_reference(model, tokenizer, batch, reference, cache)
     out = []
-    for fid in completion_fidelity(model, policy, fid_batch, cache[examples], prefill_chunk):
+    for fid in completion_fidelity(model, policy, fid_batch, ref_logprobs, prefill_chunk):
         metrics = {"kl": fid.mean_kl, "top1": float(fid.top1.float().mean()), "first_divergence": float(fid.first_divergence)}
         out.append({"metrics": metrics, "kl_curve": [round(x, 6) for x in fid.kl.tolist()], "kv_bytes": fid.kv_bytes, "state_bytes": fid.state_bytes})
     return out
+
+
+def share_references(
+    task: TaskSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: list[Example], reference: list[dict] | None,
+    cache: dict,
+) -> None:
+    """Compute into ``cache`` the full-cache work that the budgeted arms of a batch share (``fidelity``: the
+    log-probabilities of the full cache's completions), for the runner to call before it times an arm's
+    ``run_batch``: no arm's seconds hold that work; nothing for other tasks, or for the full cache itself
+    (``reference`` None). ``run_batch`` computes whatever it still lacks."""
+    if task.task == "fidelity" and reference is not None:
+        _fidelity_reference(model, tokenizer, batch, reference, cache)
+
+
+def _fidelity_reference(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: list[Example], reference: list[dict], cache: dict
+) -> tuple[Batch, torch.Tensor]:
+    """The batch laid out for teacher forcing through the full cache's completions, and their full-cache
+    log-probabilities: computed once per set of examples (arms may run different parts of a batch, the rest
+    journalled) and kept in ``cache``."""
+    completions = [torch.tensor(ref["tokens"]) for ref in reference]
+    fid_batch = make_batch([ex.prompt for ex in batch], completions, tokenizer.pad_token_id)
+    examples = tuple(ex.index for ex in batch)
+    if examples not in cache:
+        cache[examples] = reference_logprobs(model, fid_batch)
+    return fid_batch, cache[examples]
 
 
 def cost(task: TaskSpec, example: Example) -> int:

@@ -791,6 +791,22 @@ def test_more_examples_run_only_the_new_ones_of_a_partly_journalled_batch(tmp_pa
     assert kl(extended.rows) == pytest.approx(kl(fresh.rows), abs=1e-5)
 
 
+def test_no_arms_seconds_hold_the_full_cache_reference_its_batch_shares(tmp_path, tok, model, monkeypatch):
+    """Fidelity's full-cache log-probabilities, computed once per batch for every budgeted arm, were timed in the first
+    budgeted arm's seconds (streaming_llm at 128 in docs/ab: 11.7 s per example, 8.4 at 256). The clock here
+    counts the model's forwards: each arm's seconds are its own forwards (a prefill and 5 decode steps) per example."""
+    forwards = [0]
+    hook = model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    monkeypatch.setattr(runner_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: float(forwards[0]))}))
+    try:
+        results = run_ab(small_config(tmp_path, tasks=[TASKS[3]], arms=["streaming_llm"], budgets=[16, 32]), model, tok)
+    finally:
+        hook.remove()
+    seconds = {(r["arm"], r["budget"]): r["seconds"] for r in results.rows}
+    assert seconds == {("full", None): 3.0, ("streaming_llm", 16): 3.0, ("streaming_llm", 32): 3.0}  # 6 forwards, 2 examples
+    assert forwards[0] == 3 * 6 + 1  # and the reference's one forward, once for both budgeted arms
+
+
 def test_an_arm_can_run_at_some_of_the_budgets(tmp_path, tok, model):
     arms = ["h2o", {"policy": "tova", "budgets": [32], "label": "tova-32"}]
     config = small_config(tmp_path, tasks=[TASKS[3]], arms=arms, budgets=[16, 32])
