@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from kvgates.errors import UnsupportedModelError
 from kvgates.runtime.attention import ATTN_IMPLEMENTATION, attention_inputs, refusal, unsupported_inputs
+from kvgates.runtime.cache import context_positions
 
 
 @dataclass(frozen=True)
@@ -160,25 +161,11 @@ def _no_attention_interface(name: str) -> str:
 
 
 def context_length(model: PreTrainedModel) -> int | None:
-    """The positions ``model`` reads: ``max_position_embeddings`` of its text config, times the RoPE scaling factor
-    when its rotary embedding is scaled (YaRN, linear, dynamic, ...: configs that extend a model past its trained
-    length keep the original ``max_position_embeddings``), the factor applied to the scaling's
-    ``original_max_position_embeddings`` where it names one, and never less than ``max_position_embeddings`` (Llama
-    3.1's ``llama3`` type gives 131,072, already the extended length of its original 8,192); None when the config gives
-    no length. Generous by design: a bound past which the model's
-    outputs are not what it was trained to give."""
-    config = model.config.get_text_config(decoder=True)
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is None:
-        return None
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
-    if not scaled:
-        return int(limit)
-    factor = max(1.0, float(rope.get("factor") or 1.0))
-    # The scaling extends the original length by its factor (Qwen3's YaRN: 32,768 x 4 past a config's 40,960), and a
-    # config may already give the extended length (Llama 3.1: 131,072, its original 8,192 x 8 being less).
-    return max(int(limit), int(int(rope.get("original_max_position_embeddings") or limit) * factor))
+    """The positions ``model`` reads (``kvgates.runtime.cache.context_positions`` of its config):
+    ``max_position_embeddings`` of its text config, RoPE scaling included; None when the config gives no length.
+    Generous by design: a bound past which the model's outputs are not what it was trained to give (and what a
+    sliding window must reach for kvgates to budget its layer as full attention)."""
+    return context_positions(model.config)
 
 
 def past_context(model: PreTrainedModel, name: str, positions: int) -> str | None:

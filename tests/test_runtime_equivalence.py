@@ -114,6 +114,26 @@ def test_a_sliding_window_that_covers_the_context_is_full_attention(name):
         BudgetCache(sliding.config, "h2o", budget=12)
 
 
+def test_a_window_shorter_than_a_rope_scaled_context_still_slides():
+    """A config extending its context by a RoPE factor (YaRN: Qwen2.5's 32,768 x 4) keeps the original
+    ``max_position_embeddings``: a window that long covers the original context, not the extended one the model reads
+    (``kvgates.models.context_length``). Such layers slide past it and are refused; they were budgeted as full
+    attention, whose logits past the window silently differed from the model's. A window reaching the extended context
+    is full attention."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 64}
+    scaled = dict(use_sliding_window=True, max_window_layers=0, max_position_embeddings=64, rope_parameters=rope)
+    _, sliding = tiny_model("qwen2", sliding_window=64, **scaled)
+    with pytest.raises(UnsupportedModelError, match="no full-attention layer"):
+        BudgetCache(sliding.config, "full")
+    with pytest.raises(UnsupportedModelError, match="no full-attention layer"):
+        gated_layers(sliding)
+    ref, model = tiny_model("qwen2", sliding_window=256, **scaled)
+    ids = torch.randint(1, 120, (1, 150), generator=torch.Generator().manual_seed(6))
+    expected = teacher_forced_logits(ref, dynamic_cache(ref), ids, 140)
+    got = teacher_forced_logits(model, BudgetCache(model.config, "full"), ids, 140)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
 def test_no_cache_forward_is_sdpa(tiny):
     ref, model = tiny
     ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(8))

@@ -24,11 +24,33 @@ BUDGETED_LAYER_TYPES = ("full_attention",)
 PASSTHROUGH_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 
 
+def context_positions(config: PreTrainedConfig) -> int | None:
+    """The positions a model of ``config`` reads (of its text config): ``max_position_embeddings``, times the RoPE
+    scaling factor when its rotary embedding is scaled (YaRN, linear, dynamic, ...: configs that extend a model past its
+    trained length keep the original ``max_position_embeddings``), the factor applied to the scaling's
+    ``original_max_position_embeddings`` where it names one, and never less than ``max_position_embeddings`` (Llama
+    3.1's ``llama3`` type gives 131,072, already the extended length of its original 8,192); None when the config gives
+    no length. ``kvgates.models.context_length`` of a model."""
+    config = config.get_text_config(decoder=True)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is None:
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
+    if not scaled:
+        return int(limit)
+    factor = max(1.0, float(rope.get("factor") or 1.0))
+    # The scaling extends the original length by its factor (Qwen3's YaRN: 32,768 x 4 past a config's 40,960), and a
+    # config may already give the extended length (Llama 3.1: 131,072, its original 8,192 x 8 being less).
+    return max(int(limit), int(int(rope.get("original_max_position_embeddings") or limit) * factor))
+
+
 def window_covers_context(window: int | None, config: PreTrainedConfig | None) -> bool:
-    """Whether a sliding ``window`` reaches every token a model of ``config`` attends to (``max_position_embeddings``),
-    so that its layer is a full-attention one whatever the config calls it."""
-    context = getattr(config, "max_position_embeddings", None)
-    return window is not None and isinstance(context, int) and window >= context
+    """Whether a sliding ``window`` reaches every position a model of ``config`` reads (``context_positions``, RoPE
+    scaling included: a YaRN factor extending the context past the window leaves it sliding), so that its layer is a
+    full-attention one whatever the config calls it."""
+    context = context_positions(config) if isinstance(config, PreTrainedConfig) else None
+    return window is not None and context is not None and window >= context
 
 
 def layer_kinds(text_config: PreTrainedConfig) -> tuple[list[str], list[dict]]:
