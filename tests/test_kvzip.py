@@ -445,3 +445,24 @@ def test_a_left_padded_batch_without_position_ids_keeps_what_generate_s_position
             assert [got_layer[0], short_layer[1]] == expected_layer, f"budget {budget} layer {layer}"
             if prefill_chunk is None:
                 assert expected_layer[1] == alone_layer[0]
+
+
+def test_generate_through_a_static_cache_of_a_model_whose_config_lists_layer_types_scores_the_prompt():
+    """generate() gives a compileable cache's forwards one 4-D mask per layer type, in a dict, where the config lists
+    layer types (Qwen2, Qwen3): KVzip's prompt hook took it for a tensor and ended in an AttributeError ('dict' object
+    has no attribute 'dim'). A static cache generates what the dynamic one does, from a left-padded batch."""
+    _, model = tiny_model("qwen3")
+    ids = torch.randint(8, 128, (2, 20), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    policy = make_policy("kvzip", budget=8, chunk_size=16, repeat_ids=PROMPT_IDS).attach(model)
+    try:
+        out = {}
+        for static in (False, True):
+            cache = BudgetCache(model.config, policy, static=static, decode_slots=6 if static else 0)
+            with torch.no_grad():
+                out[static] = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False)
+            assert int(cache.held_tokens().max()) == 8 + 5  # (the prompt evicted, then 5 decode steps appended)
+    finally:
+        policy.detach()
+    assert torch.equal(out[True], out[False])

@@ -196,6 +196,8 @@ class PromptScoring:
         _check_unsettled(cache)  # before the prompt forward writes anything
         n = ids.shape[1]
         mask = kwargs.get("attention_mask")
+        if isinstance(mask, dict):  # generate()'s for a compileable cache of a config listing layer types (Qwen2, Qwen3):
+            mask = next(iter(mask.values()))  # one per type, each with a token's own column masked iff it is padding
         if mask is None:
             mask = torch.ones_like(ids)
         elif mask.dim() == 4:  # what generate() gives a compileable (static) cache
