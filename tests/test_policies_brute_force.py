@@ -410,3 +410,20 @@ def test_what_a_model_keeps_is_what_the_spec_keeps_from_its_attention(peaked, mo
                         held = [p for p in pos[b, h].tolist() if p >= 0]
                         expected = spec_keeps(name, params, memory.setdefault((rank, b, h), {}), phase, held, rows)
                         assert kept_positions(layer, layer.valid, b, h) == expected, f"layer {rank} at token {a}"
+
+
+def test_pyramidkv_decoding_after_a_prompt_shorter_than_its_window_keeps_the_window(tiny):
+    """A prompt of 3 tokens under a window of 4 clipped the first layer's pyramid budget to the prompt, 3 tokens, below
+    the window that ``decode=True``'s evictions keep: the first decode eviction ended in a RuntimeError ('the policy
+    kept other than min(held, quota) tokens'). Every layer's budget is at least the window."""
+    _, model = tiny
+    from kvgates import BudgetCache
+
+    cache = BudgetCache(model.config, PyramidKV(budget=12, window=4, kernel=3, decode=True))
+    ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids[:, :3], past_key_values=cache)
+        for t in range(3, 30):
+            model(ids[:, t : t + 1], past_key_values=cache)
+    assert cache.held_tokens()[:, 0, 0].tolist() == pyramid_budgets(12, 4, 3, 3, 20) == [4, 12, 20]
+    assert sorted(p for p in cache.budget_layers[0].pos[0, 0].tolist() if p >= 0) == list(range(26, 30))  # (the window)

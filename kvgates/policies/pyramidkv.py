@@ -22,7 +22,9 @@ def pyramid_budgets(budget: int, window: int, prompt_len: int, num_layers: int, 
     ``L - w`` and ``min = 2 (C - w) - max``; layer ``l`` gets ``max - floor(l (max - min) / (N - 1)) + w``,
     so the first layer gets ``max``, the last ``min`` and the layers sum to about ``N * C``. (The official
     code rounds the step itself down, ``max - l * ((max - min) // (N - 1))``, which leaves the last layer
-    up to ``N - 1`` tokens above ``min``; the spec's formula is followed here.)
+    up to ``N - 1`` tokens above ``min``; the spec's formula is followed here.) A prompt shorter than the window
+    clips the top to 0, not to ``L - w``: every layer keeps at least its window, which ``decode=True``'s evictions
+    always keep (the first layer's budget of ``L`` tokens was less than them, and the eviction failed).
     """
     if num_layers == 1:
         return [budget]
@@ -30,7 +32,7 @@ def pyramid_budgets(budget: int, window: int, prompt_len: int, num_layers: int, 
     low = room // beta
     high = 2 * room - low
     if high >= prompt_len - window:
-        high = prompt_len - window
+        high = max(prompt_len - window, 0)
         low = 2 * room - high
     return [high - (layer * (high - low)) // (num_layers - 1) + window for layer in range(num_layers)]
 
