@@ -195,6 +195,30 @@ def test_d2o_layer_budgets_follow_variance():
     assert cache.held_tokens()[:, 0, 0].tolist() == expected
 
 
+def test_d2o_protected_edge_layers_hold_at_least_the_budget_while_decoding():
+    """``protect_edge_layers`` gave layers 0, 1 and the last a budget of the prompt's length: after a prompt shorter
+    than ``budget`` they evicted down to it at every decode step (5 tokens, where the unprotected layer held 10), and a
+    batch's 1-token row held its 2 sinks over a quota of 1. They keep their whole prompt and at least the budget."""
+    _, model = tiny_model("llama", num_hidden_layers=4)
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    for prompt, expected in ((5, [10, 10, 10, 10]), (30, [30, 30, 10, 30])):
+        cache = BudgetCache(model.config, "d2o", budget=10, sinks=2, protect_edge_layers=True)
+        with torch.no_grad():
+            model(ids[:1, :prompt], past_key_values=cache)
+            for t in range(prompt, 40):
+                model(ids[:1, t : t + 1], past_key_values=cache)
+        assert cache.held_tokens()[:, 0, 0].tolist() == expected, prompt
+    cache = BudgetCache(model.config, "d2o", budget=10, sinks=2, protect_edge_layers=True)
+    with torch.no_grad():
+        model(ids[:, :5], attention_mask=mask[:, :5], past_key_values=cache)  # (row 1: one real token)
+        for t in range(5, 20):
+            model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache)
+    assert all(bool((layer.held() <= layer.quota).all()) for layer in cache.budget_layers)
+    assert cache.held_tokens()[:, :, 0].tolist() == [[10, 10]] * 4
+
+
 @pytest.mark.parametrize("hkv", [1, 2])
 def test_d2o_with_one_or_two_kv_heads_gives_every_layer_the_budget(hkv):
     """With one KV head (MQA) or two every layer's ``v_l`` is the same, so every layer gets the budget; the layer

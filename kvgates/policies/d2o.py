@@ -79,7 +79,8 @@ class D2O(CumulativeAttention, PerStepEviction):
         recent_share: share of each layer's budget kept as the recent window (default 0.25, i.e. heavy:recent 3:1).
         beta: EMA weight of the merge threshold (default 0.7).
         merge: merge evicted tokens (default True); merge_rule: ``"paper"`` | ``"official"``.
-        protect_edge_layers: never compress layers 0, 1 and the last (official code).
+        protect_edge_layers: never compress layers 0, 1 and the last (official code): their budget is the prompt's
+            length, or ``budget`` where that is larger.
         group_reduce: how query heads of a GQA group combine into their KV head's scores.
         slack: amortised eviction (``PerStepEviction``); 0 evicts on every step.
     """
@@ -175,9 +176,9 @@ class D2O(CumulativeAttention, PerStepEviction):
         budgets = torch.round(ratios * prompt).long().clamp(min=self.sinks + 1)
         # A prompt that fits the budget is not compressed; later tokens are evicted at the uniform budget.
         budgets = torch.where(prompt <= self.budget, self.budget, budgets)
-        if self.protect_edge_layers:
-            edges = sorted({0, 1, len(layers) - 1} & set(range(len(layers))))
-            budgets[edges] = prompt.long()
+        if self.protect_edge_layers:  # their whole prompt, and no less than the budget the others decode at: a short
+            edges = sorted({0, 1, len(layers) - 1} & set(range(len(layers))))  # prompt's left them fewer tokens than those
+            budgets[edges] = torch.maximum(budgets[edges], prompt.long())
         # One read of every layer's budget range (the layers' evictions need it on the host), not one a layer.
         ranges = torch.stack([budgets.amin(-1), budgets.amax(-1)], -1).tolist()
         for layer, state, budget, (least, most) in zip(layers, states, budgets, ranges):
