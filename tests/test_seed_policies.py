@@ -692,6 +692,26 @@ def test_adakv_wraps_scoring_policies(tiny, base, params):
         assert bool((layer.held() <= layer.quota + grown).all())
 
 
+@pytest.mark.parametrize("base", ["snapkv", "pyramidkv"])
+def test_a_static_adakv_cache_takes_a_new_turn_that_outgrows_the_budget(tiny, base):
+    """A static cache settles its layout again after a call of several tokens once decoding began (a new turn), asking
+    the policy for its quota; Ada-KV gave a sequence that had outgrown the layer budget since its prompt fresh head
+    budgets from the base's scores, which a prompt-only SnapKV has none of then (KeyError 'snapkv_rows'). Nothing is
+    evicted while decoding: it holds what the dynamic cache holds, and the logits are the same."""
+    _, model = tiny
+    ids = torch.randint(1, 128, (1, 14), generator=torch.Generator().manual_seed(4))
+    out, held = {}, {}
+    for static in (False, True):
+        policy = AdaKV(budget=8, base=base, base_params={"window": 4, "kernel": 3}, ragged=False)
+        cache = BudgetCache(model.config, policy, static=static, decode_slots=9 if static else 0)  # (9 tokens after the prompt)
+        with torch.no_grad(), pytest.warns(UserWarning, match="new turn"):
+            calls = [(0, 5), (5, 6), (6, 7), (7, 10), (10, 11), (11, 14)]  # the prompt within budget; new turns to 11 tokens
+            out[static] = torch.cat([model(ids[:, a:z], past_key_values=cache).logits for a, z in calls], 1)
+        held[static] = cache.held_tokens().tolist()
+    assert held[True] == held[False] == [[[14, 14]]] * 3
+    torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=0)
+
+
 def test_adakv_refuses_a_base_without_scores():
     with pytest.raises(ValueError, match="does not score tokens"):
         AdaKV(budget=12, base="kvmerger", base_params={"window": 4, "heavy": 1})

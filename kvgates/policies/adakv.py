@@ -110,6 +110,11 @@ class AdaKV(Wrapper):
         if state.head_quota is None:
             state.head_quota = torch.full_like(layer_quota, -1)
         prompt = stats is not None and stats.phase is Phase.PREFILL
+        if layer.decoding and not self.schedule.decode_every:
+            # Decoding under a base that evicts only the prompt: nothing is evicted, so a sequence that outgrew the
+            # layer budget since gets no head budgets (a static layout, settled again after a new turn, asks for the
+            # quota to size its slots; a prompt-only base has no scores then: SnapKV's KeyError on its decode rows).
+            return torch.where(state.head_quota >= 0, state.head_quota, layer_quota)
         fresh = (layer.held() > layer_quota).any(-1) & ((state.head_quota < 0).any(-1) | prompt)
         if prompt and layer.packed and isinstance(inner, int):  # every sequence holds fill[h]: the host knows, no read
             anybody = any(f > inner for f in layer.fill)
