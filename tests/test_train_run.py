@@ -429,6 +429,11 @@ def test_a_missing_default_integration_is_named_as_the_runs_default(tiny_dir, tm
         ({"model_dtype": "float8"}, "model_dtype must be one of auto, float32, bfloat16, float16"),
         ({"push_to_hub": "me/runs/trimkv"}, "push_to_hub must be a Hub repository id (user/name), got 'me/runs/trimkv'"),
         ({"report": {"policies": ["snapk"]}}, "report.policies: 'snapk' is not a heuristic policy; heuristic policies: adakv, d2o"),
+        # Was a ValueError traceback at --check (and from the run before its model loaded): the default report policies
+        # include snapkv, whose 32-token window no budget of 32 or less takes.
+        ({"budget": 16, "report": {"policies": ["h2o", "snapkv"]}},
+         "report.policies: snapkv: budget 16 must be larger than the observation window (32) with its default parameters, which "
+         "the report runs; raise the budget or leave snapkv out of report.policies"),
         ({"attention": "fastest"}, "attention must be auto or one of exact, fused, fused-split, flex"),
         # Was torch inductor's traceback at the first step, once the model had loaded (FlexAttention has no CPU backward).
         ({"attention": "flex", "training": {"use_cpu": True}}, "attention: flex (compiled FlexAttention) has no backward on the CPU"),

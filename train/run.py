@@ -529,7 +529,7 @@ def check_context(config: TrainConfig, model: PreTrainedModel) -> None:
     labelling = measured("method", lambda: config.learned_method.scoring_reach(model, config.method_options, seq_len))
     scorers = [(f"{config.kind}'s labelling", labelling, "method.chunk_size")]
     for name in config.report.policies:
-        policy = kvgates.make_policy(name, budget=config.budget)
+        policy = report_policy(name, config.budget)
         scorers.append((f"the report policy {name}", measured("report.policies", lambda: policy.scoring_reach(model, seq_len)),
                         f"leave {name} out of report.policies"))
     if config.teacher is not None:
@@ -543,6 +543,20 @@ def check_context(config: TrainConfig, model: PreTrainedModel) -> None:
             f"data.seq_len {seq_len} and the {reach} positions after a row where {what} runs its scoring forwards {past}; lower "
             f"data.seq_len or {other}"
         )
+
+
+def report_policy(name: str, budget: int) -> kvgates.Policy:
+    """The report policy ``name`` as the final table runs it (its default parameters at the run's ``budget``), or
+    ``ConfigError`` for a budget it cannot take (snapkv's 32-token window at a budget of 32 or less, snapkv being a
+    default report policy), said in one sentence before the model loads rather than in a traceback."""
+    try:
+        return kvgates.make_policy(name, budget=budget)
+    except ValueError as err:
+        said = str(err).removesuffix("; raise the budget or shrink what is always kept")
+        raise ConfigError(
+            f"report.policies: {said} with its default parameters, which the report runs; raise the budget or leave {name} "
+            "out of report.policies"
+        ) from None
 
 
 def build_trainer(config: TrainConfig, out: Path) -> tuple[GateTrainer, kvgates.GateSet, HeldOut]:
