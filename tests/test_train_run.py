@@ -974,6 +974,25 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_dir, tmp_path)
 
 
 
+def test_a_finished_run_that_does_not_load_its_best_checkpoint_resumes_to_its_last_gates(tiny_dir, tmp_path):
+    """With ``training.load_best_model_at_end: false`` a run exports the gates of its last step, but the Trainer tracks
+    its best checkpoint all the same, and a run stopped after its last step and before its adapter resumed to that
+    best checkpoint's gates (and validation): another adapter than the run it continued would have written."""
+    steps = {"max_steps": 4, "eval_steps": 1, "save_steps": 1, "load_best_model_at_end": False, "learning_rate": 1.0}
+    out = tmp_path / "run"
+    path = write(tiny_config(tiny_dir, out, training=steps), tmp_path / "c.yaml")
+    assert main(["--config", str(path)]) == 0
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    assert Path(state["best_model_checkpoint"]).name != "checkpoint-4"  # (else the resume could not tell them apart)
+    ended = _gates(out / "adapter")
+    for name, tensor in _gates(out / "checkpoint-4").items():
+        assert torch.equal(ended[name], tensor), name
+    shutil.rmtree(out / "adapter")
+    assert main(["--config", str(path), "--resume"]) == 0
+    for name, tensor in _gates(out / "adapter").items():
+        assert torch.equal(ended[name], tensor), name
+
+
 def test_a_run_counted_in_epochs_resumes_to_its_end(tiny_dir, tmp_path):
     """Without ``max_steps`` (epochs decide, Trainer's -1) every checkpoint read as a run trained to its end: --resume
     trained no further step and wrote the adapter of the checkpoint it resumed from, with exit status 0."""

@@ -702,9 +702,12 @@ def main(argv: list[str] | None = None) -> int:
         trainer, start, heldout = build_trainer(config, out)
         finished = TrainerState.load_from_json(str(Path(resume) / TRAINER_STATE_NAME)) if resume else None
         if finished is not None and finished.global_step >= finished.max_steps > 0:
-            # The run trained to the end and stopped before its adapter (Trainer would take one more step).
+            # The run trained to the end and stopped before its adapter (Trainer would take one more step): the gates it
+            # ended with, those of its best checkpoint where Trainer loads them (training.load_best_model_at_end), else
+            # its last (the best is tracked either way: a run without it resumed to gates it never exported).
             trainer.state = finished
-            trainer._load_from_checkpoint(finished.best_model_checkpoint or resume)
+            best = finished.best_model_checkpoint if trainer.args.load_best_model_at_end else None
+            trainer._load_from_checkpoint(best or resume)
         else:
             trainer.train(resume_from_checkpoint=resume)
         validation = trainer.evaluate()  # the best checkpoint, loaded at the end of training
