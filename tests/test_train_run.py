@@ -434,6 +434,10 @@ def test_a_missing_default_integration_is_named_as_the_runs_default(tiny_dir, tm
         ({"budget": 16, "report": {"policies": ["h2o", "snapkv"]}},
          "report.policies: snapkv: budget 16 must be larger than the observation window (32) with its default parameters, which "
          "the report runs; raise the budget or leave snapkv out of report.policies"),
+        # Trained no step (the Trainer warns of an epoch without a batch and ends) and exported the untrained gates, status 0.
+        ({"data": {"train_examples": 2}, "training": {"dataloader_drop_last": True, "per_device_train_batch_size": 3}},
+         "training.dataloader_drop_last drops every batch: data.train_examples (2) is fewer rows than one batch "
+         "(training.per_device_train_batch_size 3), and the run would export its gates untrained"),
         ({"attention": "fastest"}, "attention must be auto or one of exact, fused, fused-split, flex"),
         # Was torch inductor's traceback at the first step, once the model had loaded (FlexAttention has no CPU backward).
         ({"attention": "flex", "training": {"use_cpu": True}}, "attention: flex (compiled FlexAttention) has no backward on the CPU"),

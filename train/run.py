@@ -426,13 +426,22 @@ def check_precision(args: TrainingArguments) -> None:
 
 def check_training_arguments(config: TrainConfig) -> None:
     """``ConfigError`` for a ``training`` section that transformers refuses (e.g. ``save_steps`` not a multiple of
-    ``eval_steps``) or mixed precision (``check_precision``), before anything is written."""
+    ``eval_steps``), that trains no step (``dataloader_drop_last`` with fewer rows than a batch) or mixed precision
+    (``check_precision``), before anything is written."""
     args = {**TRAINING_DEFAULTS, **config.training}
     save, every = args["save_steps"], args["eval_steps"]
     if args["load_best_model_at_end"] and every is not None and save % every:
         raise ConfigError(
             f"training.save_steps {save} must be a multiple of training.eval_steps {every}: the run keeps its best "
             "checkpoint (training.load_best_model_at_end), so every save needs the validation of its step"
+        )
+    rows, batch, processes = config.data.train_examples, args["per_device_train_batch_size"], launch_record(config)["processes"]
+    if args.get("dataloader_drop_last") and rows < batch * processes:  # (the Trainer warns, trains no step and ends)
+        launch = f" x {processes} processes" if processes > 1 else ""
+        raise ConfigError(
+            f"training.dataloader_drop_last drops every batch: data.train_examples ({rows}) is fewer rows than one batch "
+            f"(training.per_device_train_batch_size {batch}{launch}), and the run would export its gates untrained; raise "
+            "data.train_examples or leave dataloader_drop_last out"
         )
     try:
         training_arguments(config, output_path(config.output_dir))
