@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 import kvgates
@@ -22,6 +25,16 @@ def test_every_method_names_a_gate_kind_and_policies_that_run_it(name):
         assert issubclass(POLICIES[policy], LearnedPolicy)
         assert method.gate_set.kind in POLICIES[policy].gate_kinds, (name, policy)
     assert TrainConfig.from_dict({"kind": name}).gate_kind == method.gate_set.kind
+
+
+@pytest.mark.parametrize("module", ["kvgates.gates", "kvgates.gates.adapter"])
+def test_gate_kinds_names_every_kind_whatever_was_imported_first(module):
+    # A fresh interpreter: importing the gates alone used to leave out the kinds the learned methods define (dms,
+    # kvzap-*) until something imported kvgates.methods, so GATE_KINDS["dms"] was a KeyError.
+    code = f"import {module}\nfrom kvgates.gates import GATE_KINDS\nprint(' '.join(sorted(GATE_KINDS)))"
+    kinds = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert set(kinds) == {method.gate_set.kind for method in METHODS.values()} | set(GATE_KINDS)
+    assert {"dms", "dms-lora", "kvzap-mlp", "kvzap-linear"} <= set(kinds)
 
 
 def test_every_learned_policy_belongs_to_a_method():

@@ -12,6 +12,10 @@ from kvgates.gates.adapter import (
 from kvgates.gates.capture import GateCapture
 from kvgates.gates.modules import GlobalRetentionTrunk, RetainingHead, RetentionGate, SharedRetentionHead
 
+# isort: split
+# Last: the learned methods' own gate kinds (DMS, KVzap) register on import, so GATE_KINDS names every kind.
+import kvgates.methods  # noqa: F401
+
 __all__ = [
     "GATE_KINDS",
     "GateCapture",

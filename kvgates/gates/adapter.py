@@ -102,8 +102,6 @@ class GateConfig:
             raise AdapterError(
                 f"{source} is adapter format version {data['version']}, which no kvgates wrote; the file is corrupt or was edited by hand"
             )
-        import kvgates.methods  # noqa: F401  (every learned method's gate kind registers on import)
-
         if data["kind"] not in GATE_KINDS:
             raise AdapterError(f"{source} names gate kind {data['kind']!r}; known kinds: {', '.join(sorted(GATE_KINDS))}")
         config = cls(**data)
@@ -298,8 +296,6 @@ class GateSet(nn.Module):
 
         model = require_model(model)
         if not cls.kind:
-            import kvgates.methods  # noqa: F401  (every learned method's gate kind registers on import)
-
             kinds = ", ".join(sorted(kind.__name__ for kind in GATE_KINDS.values()))
             raise TypeError(f"{cls.__name__} is the base of the gate kinds and makes no gates; call for_model on one of them ({kinds})")
         if init_bias is None:
