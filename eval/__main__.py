@@ -30,7 +30,7 @@ from pathlib import Path
 
 import kvgates
 from eval.config import ABConfig, ConfigError
-from kvgates.cli import OneLineParser, plain, quiet_exits, usage_error
+from kvgates.cli import OneLineParser, plain, quiet_exits, require_installed, usage_error
 from kvgates.config import check_output_folder
 from kvgates.models import check_model_source
 
@@ -54,6 +54,7 @@ def _main(argv: list[str] | None) -> int:
     journal.add_argument("--report-only", action="store_true", help="compute nothing: report what results.jsonl holds so far")
     commands.add_parser("softhard", add_help=False, help="retention gates' KL to the full cache under soft and hard eviction (eval.soft_hard)")
     args, rest = parser.parse_known_args(argv)
+    require_installed("python -m eval", ("matplotlib",) if args.command == "ab" else ())  # (the report's plots)
     if args.command == "softhard":
         from eval.soft_hard import main as soft_hard_main
 

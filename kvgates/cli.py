@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import io
 import os
 import re
@@ -74,6 +75,18 @@ def usage_error(prog: str, err: BaseException) -> int:
     command's user error)."""
     print(f"{prog}: {' '.join(str(err).split())}", file=sys.stderr)
     return USAGE_ERROR
+
+
+def require_installed(prog: str, modules: typing.Iterable[str], extra: str = "train") -> None:
+    """Exit with ``USAGE_ERROR`` and one sentence on stderr where one of ``modules`` (import names), which ``prog``
+    needs and the ``extra`` of kvgates installs, is not installed: the core alone (``pip install -e .``) running
+    a script of the repository said so in a traceback, some only once the model had loaded. Imports nothing."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        verb = "is" if len(missing) == 1 else "are"
+        print(f"{prog}: {', '.join(missing)} {verb} not installed here; {prog} needs kvgates' {extra!r} extra: "
+              f"pip install -e '.[{extra}]' in the repository (make setup installs it)", file=sys.stderr)
+        raise SystemExit(USAGE_ERROR)
 
 
 def _int(text: str) -> int:

@@ -352,6 +352,37 @@ def test_every_python_m_commands_help_reads_without_rest_markup(command, capsys)
     assert "`" in out  # the literals still marked
 
 
+def test_require_installed_names_the_missing_modules_and_the_extra(capsys):
+    from kvgates.cli import require_installed
+
+    require_installed("prog", ["json", "torch"])  # installed: nothing said
+    with pytest.raises(SystemExit) as done:
+        require_installed("prog", ["json", "kvgates_no_such_module"])
+    err = capsys.readouterr().err
+    assert done.value.code == USAGE_ERROR and err.count("\n") == 1
+    assert err.startswith("prog: kvgates_no_such_module is not installed here;") and "pip install -e '.[train]'" in err
+
+
+@pytest.mark.parametrize(
+    "module, args, missing",
+    [("train.py", ["--check"], "trl"), ("train.py", ["--check"], "datasets"), ("eval", ["ab", "--config", "configs/eval/demo.yaml"], "matplotlib")],
+)
+def test_a_script_without_the_train_extra_says_so_in_one_sentence(module, args, missing, tmp_path):
+    """Without the ``train`` extra (the core alone: ``pip install -e .``), ``train.py`` stopped in
+    an import's traceback (datasets), or passed ``--check`` and failed once the model had loaded (trl); ``python -m
+    eval ab`` stopped in its report's import of matplotlib. Each now says what is missing and how to install it."""
+    driver = (
+        f"import runpy, sys\nsys.modules[{missing!r}] = None\n"  # (None in sys.modules: not importable, find_spec None)
+        f"sys.argv = [{module!r}, *{args!r}]\n"
+        + (f"runpy.run_path({module!r}, run_name='__main__')\n" if module.endswith(".py") else f"runpy.run_module({module!r}, run_name='__main__')\n")
+    )
+    result = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, cwd=REPO, timeout=300)
+    prog = "python -m eval" if module == "eval" else module
+    assert result.returncode == USAGE_ERROR, result.stderr
+    assert result.stderr.startswith(f"{prog}: {missing} is not installed here;") and result.stderr.count("\n") == 1, result.stderr
+    assert "pip install -e '.[train]'" in result.stderr
+
+
 @pytest.mark.parametrize(
     "module, args, interrupted",
     [
