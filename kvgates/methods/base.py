@@ -246,6 +246,10 @@ class LearnedMethod:
         """Refuse (``AdapterError``, one sentence) gates to continue from (``gates.init_from``) that this run's
         ``options`` cannot train, before the model loads. Default: nothing."""
 
+    def check_model(self, model: nn.Module, options: Any) -> None:
+        """Refuse (``UnsupportedModelError``, one sentence) a model this method cannot train with ``options``, from its
+        skeleton (``kvgates.models.model_skeleton``: meta weights) before the weights load. Default: nothing."""
+
     def setup(self, model: nn.Module, gates: GateSet, options: Any) -> None:
         """Prepare ``model`` for training ``gates`` (before the Trainer is built). Default: nothing."""
 

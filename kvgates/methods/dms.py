@@ -60,7 +60,7 @@ import copy
 import functools
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgates.errors import AdapterError, UnsupportedModelError
-from kvgates.gates.adapter import GateConfig, GateSet
+from kvgates.gates.adapter import GateConfig, GateSet, gated_layers
 from kvgates.gates.capture import attention_modules
 from kvgates.gates.training import real_queries
 from kvgates.kernels.gated import causal_visibility, fused_only, fused_width, grouped_masked_attention
@@ -245,7 +245,7 @@ def install_lora(model: nn.Module, gates: DecisionHeadsLoRA) -> Callable[[], Non
     the undo gives the previous ones back. ``ValueError`` for one of another shape, ``UnsupportedModelError`` (one
     sentence, the model untouched) for a model whose attention lacks a target projection (``check_lora_targets``).
     """
-    check_lora_targets(model, gates)
+    check_lora_targets(model, gates.lora_config.target_modules, gates.config.layer_ids)
     added = not carries_lora(model)
     if added:
         requires_grad = {p: p.requires_grad for p in model.parameters()}  # peft marks only adapters trainable
@@ -269,14 +269,15 @@ def install_lora(model: nn.Module, gates: DecisionHeadsLoRA) -> Callable[[], Non
     return undo
 
 
-def check_lora_targets(model: nn.Module, gates: DecisionHeadsLoRA) -> None:
-    """``UnsupportedModelError`` (one sentence) unless every gated layer's attention of ``model`` has the projections
-    ``gates``' LoRA adapts (Phi-3 fuses q, k and v into one ``qkv_proj``: peft found no target there and stopped with
-    its traceback, or wrapped ``o_proj`` alone before the lookup of ``k_proj`` failed)."""
+def check_lora_targets(model: nn.Module, targets: Iterable[str], layers: Iterable[int]) -> None:
+    """``UnsupportedModelError`` (one sentence) unless the attention of each of ``model``'s ``layers`` has every
+    projection in ``targets`` that a DMS LoRA adapts (Phi-3 fuses q, k and v into one ``qkv_proj``: peft found no
+    target there and stopped with its traceback, or wrapped ``o_proj`` alone before the lookup of ``k_proj`` failed).
+    Reads module names only: a skeleton (meta weights) is checked before its weights load."""
     modules = attention_modules(model)
-    for layer in gates.config.layer_ids:
+    for layer in layers:
         attention = modules[layer]
-        missing = sorted(t for t in gates.lora_config.target_modules if not isinstance(getattr(attention, t, None), nn.Module))
+        missing = sorted(t for t in targets if not isinstance(getattr(attention, t, None), nn.Module))
         if missing:
             raise UnsupportedModelError(
                 f"{type(attention).__name__} has no {', '.join(missing)} for a DMS LoRA to adapt"
@@ -611,6 +612,10 @@ class DMSLoRAMethod(DMSMethod):
                 f"these gates carry a trained LoRA of rank {r}, alpha {alpha} on {', '.join(targets)}; "
                 "set method.lora_rank, lora_alpha and lora_targets to match it"
             )
+
+    def check_model(self, model: nn.Module, options: Any) -> None:
+        """Refuse a model whose gated layers' attention lacks a projection of ``options.lora_targets``."""
+        check_lora_targets(model, options.lora_targets, gated_layers(model))
 
     def setup(self, model: nn.Module, gates: GateSet, options: Any) -> None:
         """Shape the gates' LoRA by ``options`` (kept as it is when it already has that shape: ``gates.init_from``)
