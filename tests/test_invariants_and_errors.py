@@ -820,19 +820,22 @@ def test_a_layer_said_to_be_in_position_order_is(tiny, name, padded):
         assert not any(said)
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("name", ["h2o", "streaming_llm"])
-def test_a_cache_filled_in_inference_mode_is_refused_outside_it_and_continues_inside(tiny, name):
+def test_a_cache_filled_in_inference_mode_is_refused_outside_it_and_continues_inside(tiny, name, static):
     """A prompt under ``torch.inference_mode()``, then a step under ``no_grad`` (``generate()``'s mode): torch's
     in-place error came from the cache's first write, after its counters had moved. It is one sentence before anything
-    changes, and the cache continues under inference mode as one never refused."""
+    changes, and the cache continues under inference mode as one never refused. A static layout's (eager) decode step
+    skipped the check and met torch's error."""
     _, model = tiny
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(5))
-    caches = [BudgetCache(model.config, make_policy(name, budget=12)) for _ in range(2)]
+    caches = [BudgetCache(model.config, make_policy(name, budget=12), static=static, decode_slots=4 if static else 0) for _ in range(2)]
     with torch.inference_mode():
         for cache in caches:
             model(ids, past_key_values=cache)
+    step = {"position_ids": torch.tensor([[40]]), "cache_position": torch.tensor([40])}
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"filled under torch\.inference_mode\(\).*continue it under"):
-        model(ids[:, :1], past_key_values=caches[0])
+        model(ids[:, :1], past_key_values=caches[0], **step)
     with torch.inference_mode():
-        got, expected = (model(ids[:, :2], past_key_values=cache).logits for cache in caches)
+        got, expected = (model(ids[:, :1], past_key_values=cache, **step).logits for cache in caches)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)

@@ -184,8 +184,9 @@ class BudgetCache(Cache):
         if layer_idx == 0:  # (every layer of a forward brings the same batch, and one model's layers alike heads)
             self._check_shapes(self.layers[0], key_states)
             self.check_forward()
-            if tracked:
+            if not torch.compiler.is_compiling():  # (dynamo traces neither is_inference nor the mode; torch says it there)
                 self._check_inference_mode()
+            if tracked:
                 self._forward_at = -1
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if tracked and not isinstance(self.layers[layer_idx], BudgetLayer):
@@ -201,7 +202,8 @@ class BudgetCache(Cache):
     def _check_inference_mode(self) -> None:
         """Refuse, before anything is written, a forward outside ``torch.inference_mode()`` through a cache filled
         under it (``generate()`` runs under ``no_grad``): its tensors take no in-place write there, and torch's error
-        came from a layer's first write, leaving the forward stopped part-way (``check_forward``)."""
+        came from a layer's first write, leaving the forward stopped part-way (``check_forward``). A static layout's
+        eager decode step is checked too; a compiled one meets torch's own error at its first write."""
         pos = self.layers[self.budget_layer_ids[0]].pos
         if pos is not None and pos.is_inference() and not torch.is_inference_mode_enabled():
             raise RuntimeError(
