@@ -434,6 +434,11 @@ def test_a_missing_default_integration_is_named_as_the_runs_default(tiny_dir, tm
         ({"budget": 16, "report": {"policies": ["h2o", "snapkv"]}},
          "report.policies: snapkv: budget 16 must be larger than the observation window (32) with its default parameters, which "
          "the report runs; raise the budget or leave snapkv out of report.policies"),
+        # A wrapper's sentence went on past that advice: "...; raise the budget or shrink what is always kept (the base's
+        # parameters go in base_params) with its default parameters, which the report runs; raise the budget or ...".
+        ({"budget": 16, "report": {"policies": ["adakv"]}},
+         "report.policies: adakv's base snapkv: budget 16 must be larger than the observation window (32) with its default "
+         "parameters, which the report runs; raise the budget or leave adakv out of report.policies"),
         # Trained no step (the Trainer warns of an epoch without a batch and ends) and exported the untrained gates, status 0.
         ({"data": {"train_examples": 2}, "training": {"dataloader_drop_last": True, "per_device_train_batch_size": 3}},
          "training.dataloader_drop_last drops every batch: data.train_examples (2) is fewer rows than one batch "

@@ -562,7 +562,8 @@ def report_policy(name: str, budget: int) -> kvgates.Policy:
     try:
         return kvgates.make_policy(name, budget=budget)
     except ValueError as err:
-        said = str(err).removesuffix("; raise the budget or shrink what is always kept")
+        # (the advice ends the sentence, and a wrapper's, adakv's or merge's, says after it where its base's parameters go)
+        said = str(err).partition("; raise the budget or shrink what is always kept")[0]
         raise ConfigError(
             f"report.policies: {said} with its default parameters, which the report runs; raise the budget or leave {name} "
             "out of report.policies"
