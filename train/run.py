@@ -721,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer._load_from_checkpoint(best or resume)
         else:
             trainer.train(resume_from_checkpoint=resume)
-        validation = trainer.evaluate()  # the best checkpoint, loaded at the end of training
+        validation = trainer.evaluate()  # the gates it ends with (the best checkpoint's, loaded at the end of training, by default)
     except USER_ERRORS as err:  # found once the model is loaded (gates.init_from made for another model)
         if not main_process():  # (every process meets it: the first says it and leaves the folder as it was)
             return USAGE_ERROR
