@@ -38,7 +38,8 @@ ATTN_IMPLEMENTATION = "kvgates"
 #: Keyword inputs of an attention call that kvgates honours: ``position_ids`` (used for visibility: one per token, not
 #: multimodal RoPE's several, ``[k, B, n]``, which GLM-4.5V and ERNIE-4.5-VL pass), flags that do
 #: not change the attention output, ``sliding_window`` (sliding layers keep transformers' own cache and sdpa;
-#: budgeted layers are full attention), and two inputs only at their default: ``softcap`` off (``None``) and
+#: budgeted layers are full attention, or slide over a window that covers the whole context:
+#: ``runtime.cache.window_covers_context``), and two inputs only at their default: ``softcap`` off (``None``) and
 #: ``is_causal`` not ``False``. Anything else (attention sinks, packed-sequence offsets, biases) is refused.
 HONOURED_INPUTS = frozenset(
     {
