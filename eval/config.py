@@ -483,6 +483,9 @@ def _task(entry: Any) -> TaskSpec:
     for n in lengths:
         if not _whole(n, 64):
             raise ConfigError(f"task {name!r}: context_tokens must be whole numbers of at least 64 tokens, got {n!r}")
+    twice = next((n for n in lengths if lengths.count(n) > 1), None)
+    if twice is not None:  # its examples would be built twice and paired twice, as if they were independent
+        raise ConfigError(f"task {name!r}: context_tokens lists {twice} twice; list each prompt length once")
     examples = entry.get("examples", 10)
     if not _whole(examples, 1):
         raise ConfigError(f"task {name!r}: examples must be a positive integer, got {examples!r}")

@@ -349,6 +349,8 @@ def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
         ({"prefill_chunk": 1}, "prefill_chunk must be at least 2 tokens or null, got 1"),  # compressed no prompt
         ({"tasks": [{"task": "needle", "templates": []}]}, "task 'needle': templates is empty"),  # a ZeroDivisionError in the run
         ({"tasks": [{"task": "needle", "context_tokens": []}]}, "task 'needle': context_tokens is empty"),  # ran no example
+        # Built the same examples again and paired them as more examples: n 6 from 3 (a verdict on duplicates).
+        ({"tasks": [{"task": "fidelity", "context_tokens": [128, 128]}]}, "task 'fidelity': context_tokens lists 128 twice; list each"),
         ({"tasks": [{"task": "needle", "examples": True}]}, "task 'needle': examples must be a positive integer, got True"),
         ({"tasks": [{"task": "needle", "max_new_tokens": True}]}, "max_new_tokens must be a positive integer, got True"),
         ({"tasks": [{"task": "multikey", "keys": 21}]}, "task 'multikey': keys 21 is more than the 20 keys the eval templates"),
