@@ -335,6 +335,9 @@ class ABConfig:
                     raise ConfigError(f"comparison {list(pair)} names arm {label!r}, which the config does not define; arms: {', '.join(labels)}")
         restricted = [(f"task {t.name!r}", t.budgets) for t in self.tasks] + [(f"arm {a.label!r}", a.budgets) for a in self.arms]
         for what, budgets in restricted:
+            twice = next((b for b in budgets if budgets.count(b) > 1), None)
+            if twice is not None:  # a task's: each of its arms ran, reported and was compared there twice
+                raise ConfigError(f"{what} lists budget {twice} twice; list each budget once")
             extra = sorted(set(budgets) - set(self.budgets))
             if extra:
                 raise ConfigError(f"{what} runs at budget {extra[0]!r}, which is not among the run's budgets {list(self.budgets)}")

@@ -344,6 +344,9 @@ def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
         ({"arms": [{"policy": "h2o", "params": 5}]}, "arm 'h2o': params must be a mapping"),  # was a TypeError
         ({"arms": [{"policy": "h2o", "params": ["recent", 8]}]}, "arm 'h2o': params must be a mapping"),
         ({"tasks": [{"task": "needle", "budgets": [64]}]}, "runs at budget 64, which is not among the run's budgets"),
+        # Ran every arm there twice: each result and comparison twice in the report, and a progress bar ending short.
+        ({"tasks": [{"task": "needle", "budgets": [128, 128]}]}, "task 'needle' lists budget 128 twice; list each budget once"),
+        ({"arms": [{"policy": "h2o", "budgets": [128, 128]}]}, "arm 'h2o' lists budget 128 twice; list each budget once"),
         ({"arms": [{"policy": "trimkv", "gates": "smollm2-1b-trimkv"}]}, "neither an existing folder, a shipped adapter"),
         ({"split": "train"}, "split must be one of test, validation"),
         ({"prefill_chunk": 1}, "prefill_chunk must be at least 2 tokens or null, got 1"),  # compressed no prompt
