@@ -333,6 +333,8 @@ class ABConfig:
             for label in pair:
                 if label not in labels:
                     raise ConfigError(f"comparison {list(pair)} names arm {label!r}, which the config does not define; arms: {', '.join(labels)}")
+            if self.pairs().count(pair) > 1:  # each of its comparisons would be reported, and counted, twice
+                raise ConfigError(f"comparisons lists {list(pair)} twice; list each pair once")
         restricted = [(f"task {t.name!r}", t.budgets) for t in self.tasks] + [(f"arm {a.label!r}", a.budgets) for a in self.arms]
         for what, budgets in restricted:
             twice = next((b for b in budgets if budgets.count(b) > 1), None)

@@ -340,6 +340,8 @@ def test_batches_never_pad_and_respect_the_token_budget(tmp_path, tok):
         ({"arms": ["h2o", {"policy": "full", "label": "ref"}]}, "arm 'ref' is the full cache, which every run has as its reference arm"),
         ({"comparisons": [["h2o", "tova"]], "arms": ["h2o"]}, "names arm 'tova'"),
         ({"comparisons": 5}, "comparison 5 must be a pair of arm labels"),  # was a TypeError
+        # Each of its verdicts was reported twice and counted twice in the arm's wins and losses.
+        ({"comparisons": [["h2o", "tova"], ["h2o", "tova"]], "arms": ["h2o", "tova"]}, "comparisons lists \\['h2o', 'tova'\\] twice"),
         ({"comparisons": ["h2o", "tova"], "arms": ["h2o", "tova"]}, "comparison 'h2o' must be a pair of arm labels"),  # was ['h', '2', 'o']
         ({"arms": [{"policy": "h2o", "params": 5}]}, "arm 'h2o': params must be a mapping"),  # was a TypeError
         ({"arms": [{"policy": "h2o", "params": ["recent", 8]}]}, "arm 'h2o': params must be a mapping"),
