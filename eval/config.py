@@ -170,11 +170,12 @@ class TaskSpec:
         self, model: str, seed: int, prefill_chunk: int | None, split: str = "test", device: str = "cpu", dtype: str = "float32"
     ) -> str:
         """What changes this task's examples or results (journal keys): not the budgets it runs at, nor, for text
-        tasks (whose example ``i`` is seeded by ``i`` alone), how many examples it has, so adding examples keeps
-        the results of the first ones. The split, and the device's kind (``cuda``, whichever GPU) with the dtype,
-        enter the key only when they are not the defaults, so journals of test runs on the CPU in float32 keep
-        their keys."""
-        ignored = {"budgets"} if self.answer else {"budgets", "examples"}
+        tasks of one prompt length (whose example ``i`` is seeded by ``i`` alone), how many examples it has, so adding
+        examples keeps the results of the first ones. With several lengths it does: example ``i`` of the second
+        length is number ``examples + i``, so their count moves every later length's examples to other numbers. The
+        split, and the device's kind (``cuda``, whichever GPU) with the dtype, enter the key only when they are not the
+        defaults, so journals of test runs on the CPU in float32 keep their keys."""
+        ignored = {"budgets"} if self.answer or len(self.context_tokens) > 1 else {"budgets", "examples"}
         settings = {k: v for k, v in dataclasses.asdict(self).items() if k not in ignored}
         kind = torch.device(device).type
         placed = [{"device": kind, "dtype": dtype}] if (kind, dtype) != ("cpu", "float32") else []

@@ -780,6 +780,15 @@ def test_more_examples_of_a_text_task_keep_the_first_ones_and_their_keys(tmp_pat
     assert needle.identity("m", 0, None) != more.identity("m", 0, None)
 
 
+def test_more_examples_of_a_text_task_of_several_lengths_key_every_example_afresh(tok):
+    """Example ``i`` of a second prompt length is number ``examples + i``: more examples of a text task of two lengths
+    gave its numbers to other prompts under the same keys, and a resumed run took the journalled results (the full
+    cache's references among them) of one prompt for another's."""
+    few, more = (ABConfig.from_dict({"tasks": [{**TASKS[3], "context_tokens": [100, 120], "examples": n}]}).tasks[0] for n in (2, 3))
+    assert build_examples(few, tok, 0)[2].meta != build_examples(more, tok, 0)[2].meta  # 120's first, then 100's third
+    assert few.identity("m", 0, None) != more.identity("m", 0, None)
+
+
 def test_more_examples_run_only_the_new_ones_of_a_partly_journalled_batch(tmp_path, tok, model, monkeypatch):
     fidelity = {**TASKS[3], "examples": 2}
     small = small_config(tmp_path, tasks=[fidelity], arms=["h2o"], budgets=[16], output_dir=str(tmp_path / "a"), batch_tokens=2000)
