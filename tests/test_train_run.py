@@ -137,6 +137,20 @@ def test_a_report_without_needles_has_no_needle_figures(tiny_dir, tmp_path, caps
     assert main(["--config", str(write(tiny_config(tiny_dir, out, report={"needles": 0}), tmp_path / "c.yaml"))]) == 0
     assert "| full | 0.0000 | 100.0% | — | — |" in (out / "report.md").read_text()
 
+
+def test_a_validation_without_needles_records_strict_json_in_the_adapter(tiny_dir, tmp_path):
+    """``validation.needles: 0`` measures no needle accuracy (NaN), and the adapter's config.json recorded it as ``NaN``,
+    which JSON does not have (strict readers refuse the file); it is null there, as in metrics.jsonl."""
+    out = tmp_path / "run"
+    cfg = tiny_config(tiny_dir, out, validation={"needles": 0}, training={"max_steps": 1, "eval_steps": 1, "save_steps": 1})
+    assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 0
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    results = json.loads((out / "adapter" / "config.json").read_text(), parse_constant=refuse)["results"]
+    assert results["eval_needle_exact"] is None and results["eval_kl"] >= 0
+
 def test_a_run_stopped_during_its_held_out_table_keeps_its_adapter(tiny_dir, tmp_path, monkeypatch):
     # The table can take longer than the training (it ran 6 arms x 11 min on a 1,536-token recipe): a run stopped
     # there must not lose the trained gates.

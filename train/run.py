@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import platform
 import re
@@ -746,7 +747,9 @@ def main(argv: list[str] | None = None) -> int:
     gates, model, tokenizer = trainer.gates, trainer.model, trainer.processing_class
     train_rows = trainer.train_dataset
     gates.config.training_data = f"{summarize(train_rows)}; essays split by file, train split: {len(essay_split()['train'])} files"
-    gates.config.results = {k: round(v, 5) for k, v in validation.items() if isinstance(v, float)}
+    # A figure that is no number (the needle accuracy of a validation without needles) is null: the adapter's config.json
+    # is strict JSON, which has no NaN (Hub and JavaScript readers refuse Python's), as metrics.jsonl's lines are.
+    gates.config.results = {k: round(v, 5) if math.isfinite(v) else None for k, v in validation.items() if isinstance(v, float)}
     gates.config.training = {
         "recipe": config.to_dict(),
         "command": " ".join(shlex.quote(a) for a in ["train.py", *sys.argv[1:]]),
