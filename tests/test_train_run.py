@@ -151,6 +151,29 @@ def test_a_validation_without_needles_records_strict_json_in_the_adapter(tiny_di
     results = json.loads((out / "adapter" / "config.json").read_text(), parse_constant=refuse)["results"]
     assert results["eval_needle_exact"] is None and results["eval_kl"] >= 0
 
+def test_the_best_checkpoint_is_the_best_of_the_saved_steps(tiny_dir, tmp_path, monkeypatch):
+    """Validated every step and saved every second, a run whose best validation was an unsaved step (1) named no best
+    checkpoint (Trainer counted step 1 the best, and checkpoint-2, worse, was none) and exported its last step's gates;
+    the best is that of the checkpoints, checkpoint-2 here (the validation KL rises step by step)."""
+    from safetensors.torch import load_file
+
+    from train.validation import Validator
+
+    calls = []
+
+    def validating(self, *args):
+        calls.append(None)
+        return {"kl": 0.1 * len(calls), "top1": 1.0, "needle_exact": 1.0, "needle_recall": 1.0, "needles": 1, "kv_mib": 0.01}
+
+    monkeypatch.setattr(Validator, "run", validating)
+    out = tmp_path / "run"
+    cfg = tiny_config(tiny_dir, out, training={"eval_steps": 1, "save_steps": 2})
+    assert main(["--config", str(write(cfg, tmp_path / "c.yaml"))]) == 0
+    assert json.loads((out / "adapter" / "config.json").read_text())["training"]["best_checkpoint"] == "checkpoint-2"
+    adapter, best = load_file(out / "adapter" / "model.safetensors"), load_file(out / "checkpoint-2" / "model.safetensors")
+    assert all(torch.equal(adapter[name], best[name]) for name in best)
+
+
 def test_a_run_stopped_during_its_held_out_table_keeps_its_adapter(tiny_dir, tmp_path, monkeypatch):
     # The table can take longer than the training (it ran 6 arms x 11 min on a 1,536-token recipe): a run stopped
     # there must not lose the trained gates.

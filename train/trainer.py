@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import SaveStrategy
 
 import kvgates
 from kvgates.config import text_lines
@@ -191,6 +192,15 @@ class GateTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         self._load_gates(resume_from_checkpoint)
+
+    def _determine_best_metric(self, metrics: dict[str, float], trial: Any) -> bool:
+        """The Trainer's best-metric tracking, over the validations of steps it saves only: one of a step it does not
+        save (``eval_steps`` below ``save_steps``) became the best and named no checkpoint, a later save that did not
+        beat it was no best either, and a run whose best validation was such a step exported its last step's gates
+        (``best_checkpoint`` empty), not those of its best checkpoint."""
+        if self.args.save_strategy != SaveStrategy.BEST and not self.control.should_save:
+            return False
+        return super()._determine_best_metric(metrics, trial)
 
     def _load_best_model(self) -> None:
         self._load_gates(self.state.best_model_checkpoint)
