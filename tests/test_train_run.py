@@ -25,7 +25,7 @@ from kvgates.gates import GATE_KINDS
 from kvgates.gates.training import ATTENTIONS, GateTraining
 from kvgates.methods import METHODS
 from train.config import ConfigError, TrainConfig
-from train.run import build_trainer, check_context, main, parse_args, prepare_output_dir, training_arguments
+from train.run import build_trainer, check_context, interrupted, main, parse_args, prepare_output_dir, training_arguments
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -1036,6 +1036,29 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_dir, tmp_path)
     runtimes = [json.loads(line).get("train_runtime", 0.0) for line in (cut / "metrics.jsonl").read_text().splitlines()]
     assert kvgates.load_gates(cut / "adapter").config.training["training_seconds"] == round(sum(runtimes))
 
+
+
+def test_a_run_whose_checkpoints_hold_the_gates_alone_is_not_resumed_midway(tiny_dir, tmp_path, capsys):
+    """``training.save_only_model`` checkpoints hold no optimizer, scheduler or RNG state, and ``--resume`` continued from
+    one with fresh ones (its learning rate warmed up again), another run than the one it continued, silently; it is
+    refused in one sentence, nothing written, and a run stopped after its last step still exports its adapter."""
+    steps = {"max_steps": 4, "eval_steps": 2, "save_steps": 2, "save_only_model": True}
+    out = tmp_path / "run"
+    path = write(tiny_config(tiny_dir, out, training=steps), tmp_path / "c.yaml")
+    assert main(["--config", str(path)]) == 0
+    ended = _gates(out / "adapter")
+    shutil.rmtree(out / "adapter")
+    assert main(["--config", str(path), "--resume"]) == 0
+    assert all(torch.equal(ended[name], tensor) for name, tensor in _gates(out / "adapter").items())
+    shutil.rmtree(out / "adapter")
+    shutil.rmtree(out / "checkpoint-4")
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["--config", str(path), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("train.py: --resume: checkpoint-2 holds the gates alone (training.save_only_model)"), err
+    assert len(err.splitlines()) == 1 and before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    assert interrupted(out, TrainConfig.load(path)).endswith("hold the gates alone (training.save_only_model), which --resume cannot continue")
 
 
 def test_a_finished_run_that_does_not_load_its_best_checkpoint_resumes_to_its_last_gates(tiny_dir, tmp_path):

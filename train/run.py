@@ -118,6 +118,12 @@ def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) ->
             more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
             raise ConfigError(f"--resume: {out} was trained with another config ({listed}{more}); resume it with that config")
         check_relaunch(out / LAUNCH, launch_record(config))
+        if config.training.get("save_only_model") and not _trained_to_the_end(Path(checkpoint)):
+            raise ConfigError(
+                f"--resume: {Path(checkpoint).name} holds the gates alone (training.save_only_model), not the optimizer, "
+                "scheduler and RNG state the run would continue with (its learning rate would start over), so it cannot be "
+                "resumed; start the run again in another output_dir"
+            )
     elif out.is_dir() and any(out.glob("checkpoint-*")):
         raise ConfigError(f"{out} already holds checkpoints of a run; pass --resume to continue it or pick another output_dir")
     elif (out / ADAPTER / CONFIG_FILE).is_file():  # a finished run whose checkpoints went (save_strategy: 'no', or removed)
@@ -212,12 +218,21 @@ def _state_written(path: Path) -> bool:
         return False
 
 
-def interrupted(out: Path) -> str:
-    """What a run stopped while training (Ctrl-C) leaves: the checkpoint ``--resume`` continues from, or none."""
+def _trained_to_the_end(checkpoint: Path) -> bool:
+    """Whether ``checkpoint`` is of a run's last step (a resume exports its gates and trains nothing)."""
+    state = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())
+    return state.get("global_step", 0) >= state.get("max_steps", 0) > 0
+
+
+def interrupted(out: Path, config: TrainConfig) -> str:
+    """What a run stopped while training (Ctrl-C) leaves: the checkpoint ``--resume`` continues from, or none (its
+    checkpoints hold the gates alone, ``training.save_only_model``: ``prepare_output_dir`` refuses to resume them)."""
     try:
         last = last_complete_checkpoint(out)
     except ConfigError:
         return f"interrupted before the run's first checkpoint: {out} holds nothing to resume; run it again to train"
+    if config.training.get("save_only_model") and not _trained_to_the_end(Path(last)):
+        return "interrupted; its checkpoints hold the gates alone (training.save_only_model), which --resume cannot continue"
     return f"interrupted; add --resume to the command to continue from {last}"
 
 
@@ -735,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
         return usage_error("train.py", err)
     except KeyboardInterrupt:  # Ctrl-C: where the run stands, not the Trainer's traceback
         if main_process():
-            print(f"train.py: {interrupted(out)}", file=sys.stderr)
+            print(f"train.py: {interrupted(out, config)}", file=sys.stderr)
         return 130
     trainer.gated.close()
     config.learned_method.teardown(trainer.model, trainer.gates)  # e.g. DMS-LoRA's adapter leaves the model
