@@ -2287,6 +2287,26 @@ def test_a_budget_ramp_that_outlasts_the_run_is_noted(tiny_dir, tmp_path, capsys
     assert capsys.readouterr().err.count("note:") == 1
 
 
+def test_a_warmup_that_outlasts_the_run_is_noted(tiny_dir, tmp_path, capsys):
+    """A short run under the default warmup (10 steps) passed in silence: its learning rate was still warming up at its
+    last step, and a one-step run trained at a learning rate of 0 and exported its gates untrained, exit status 0."""
+    path = write(tiny_config(tiny_dir, tmp_path / "run"), tmp_path / "c.yaml")
+    assert main(["--config", str(path), "--check", "training.max_steps=1", "training.warmup_steps=10"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "train.py: note: training.warmup_steps (10) is not below training.max_steps (1): the learning rate is still warming up "
+        "at the last step (the only one, at a learning rate of 0: the gates stay as they started); lower the warmup or raise max_steps"
+    )
+    assert main(["--config", str(path), "--check", "training.max_steps=4", "training.warmup_steps=0.9"]) == 0  # a share: 4 steps
+    assert "training.warmup_steps (0.9) is not below training.max_steps (4): the learning rate is still warming up at the last step;" in (
+        capsys.readouterr().err
+    )
+    for fine in (["training.max_steps=11", "training.warmup_steps=10"], ["training.max_steps=4", "training.warmup_steps=0.5"],
+                 ["training.max_steps=2", "training.warmup_steps=5", "training.lr_scheduler_type=constant"],
+                 ["training.max_steps=-1", "training.num_train_epochs=1", "training.warmup_steps=10"]):
+        assert main(["--config", str(path), "--check", *fine]) == 0
+        assert "note:" not in capsys.readouterr().err, fine
+
+
 def test_the_trainers_own_push_to_hub_is_refused_for_the_runs(tiny_dir, tmp_path, capsys):
     """``training.push_to_hub`` passed --check, then the Trainer tried to make a Hub repository of the output folder
     after the model had loaded: a 30-line connection traceback offline, run_config.json left behind."""

@@ -680,6 +680,23 @@ def budget_ramp_note(config: TrainConfig) -> str | None:
     )
 
 
+def warmup_note(config: TrainConfig) -> str | None:
+    """What a run whose learning-rate warmup (``training.warmup_steps``: steps, or below 1 a share of ``max_steps``, as
+    transformers reads it) lasts as long as its ``training.max_steps`` should know: it never trains at its learning
+    rate, and a one-step run, its step at a learning rate of 0, exports its gates untrained. None where the warmup
+    ends in time, the scheduler has none (``constant``, ``reduce_lr_on_plateau``), or the epochs decide the steps."""
+    training = {**TRAINING_DEFAULTS, **config.training}
+    steps, warmup = training.get("max_steps", -1), training.get("warmup_steps", 0)
+    if steps < 1 or str(training["lr_scheduler_type"]) in ("constant", "reduce_lr_on_plateau"):
+        return None
+    warmup_steps = int(warmup) if warmup >= 1 else math.ceil(steps * warmup)
+    return None if warmup_steps < steps else (
+        f"training.warmup_steps ({warmup}) is not below training.max_steps ({steps}): the learning rate is still warming up "
+        f"at the last step{' (the only one, at a learning rate of 0: the gates stay as they started)' if steps == 1 else ''}; "
+        "lower the warmup or raise max_steps"
+    )
+
+
 def main_process() -> bool:
     """Whether this is the first process of a launch (or the only one): under a launcher every process meets a user
     error, and the first alone says it (and removes what the run made)."""
@@ -707,9 +724,9 @@ def main(argv: list[str] | None = None) -> int:
     if config.unread:  # (hard_eviction where the kind does not read it is refused: it would train something else)
         run = f"{config.kind} training" + (" from gates.init_from (its adapter keeps its own shape)" if config.gates.init_from else "")
         print(f"train.py: note: {', '.join(config.unread)} set, but {run} does not read them", file=sys.stderr)
-    ramp_note = budget_ramp_note(config)
-    if ramp_note is not None:
-        print(f"train.py: note: {ramp_note}", file=sys.stderr)
+    for note in (budget_ramp_note(config), warmup_note(config)):
+        if note is not None:
+            print(f"train.py: note: {note}", file=sys.stderr)
     if args.check:
         print(f"train.py: {args.config} is ready to run ({config.kind} gates on {config.model} at budget {config.budget} into {out})")
         return 0
