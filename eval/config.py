@@ -317,16 +317,17 @@ class ABConfig:
         for budget in self.budgets:
             if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
                 raise ConfigError(f"budget {budget!r} is not a whole number of tokens of at least 1; budgets count tokens per KV head")
-        twice = next((b for b in self.budgets if self.budgets.count(b) > 1), None)
+        twice = _repeated(self.budgets)
         if twice is not None:
             raise ConfigError(f"budgets lists {twice} twice; list each budget once")
         if not self.tasks:
             raise ConfigError("the config lists no tasks")
         labels = [a.label for a in self.all_arms]
-        for label in {x for x in labels if labels.count(x) > 1}:
+        label = _repeated(labels)
+        if label is not None:
             raise ConfigError(f"two arms are labelled {label!r}; give one of them another label")
-        names = [t.name for t in self.tasks]
-        for name in {x for x in names if names.count(x) > 1}:
+        name = _repeated([t.name for t in self.tasks])
+        if name is not None:
             raise ConfigError(f"two tasks are named {name!r}; give one of them another name")
         for pair in self.pairs():
             if len(pair) != 2 or pair[0] == pair[1]:
@@ -334,11 +335,12 @@ class ABConfig:
             for label in pair:
                 if label not in labels:
                     raise ConfigError(f"comparison {list(pair)} names arm {label!r}, which the config does not define; arms: {', '.join(labels)}")
-            if self.pairs().count(pair) > 1:  # each of its comparisons would be reported, and counted, twice
-                raise ConfigError(f"comparisons lists {list(pair)} twice; list each pair once")
+        pair = _repeated(self.pairs())
+        if pair is not None:  # each of its comparisons would be reported, and counted, twice
+            raise ConfigError(f"comparisons lists {list(pair)} twice; list each pair once")
         restricted = [(f"task {t.name!r}", t.budgets) for t in self.tasks] + [(f"arm {a.label!r}", a.budgets) for a in self.arms]
         for what, budgets in restricted:
-            twice = next((b for b in budgets if budgets.count(b) > 1), None)
+            twice = _repeated(budgets)
             if twice is not None:  # a task's: each of its arms ran, reported and was compared there twice
                 raise ConfigError(f"{what} lists budget {twice} twice; list each budget once")
             extra = sorted(set(budgets) - set(self.budgets))
@@ -389,6 +391,11 @@ def _list(value: Any, what: str) -> list:
     if not isinstance(value, (list, tuple)):
         raise ConfigError(f"{what} must be a list, got {value!r}")
     return list(value)
+
+
+def _repeated(items: Sequence[Any]) -> Any | None:
+    """The first item of ``items`` listed again later, or None where each is listed once."""
+    return next((x for i, x in enumerate(items) if x in items[i + 1:]), None)
 
 
 def _whole(value: Any, least: int) -> bool:
@@ -489,7 +496,7 @@ def _task(entry: Any) -> TaskSpec:
     for n in lengths:
         if not _whole(n, 64):
             raise ConfigError(f"task {name!r}: context_tokens must be whole numbers of at least 64 tokens, got {n!r}")
-    twice = next((n for n in lengths if lengths.count(n) > 1), None)
+    twice = _repeated(lengths)
     if twice is not None:  # its examples would be built twice and paired twice, as if they were independent
         raise ConfigError(f"task {name!r}: context_tokens lists {twice} twice; list each prompt length once")
     examples = entry.get("examples", 10)

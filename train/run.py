@@ -118,7 +118,7 @@ def prepare_output_dir(config: TrainConfig, resume: bool, write: bool = True) ->
             more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
             raise ConfigError(f"--resume: {out} was trained with another config ({listed}{more}); resume it with that config")
         check_relaunch(out / LAUNCH, launch_record(config))
-        if config.training.get("save_only_model") and not _trained_to_the_end(Path(checkpoint)):
+        if gates_alone(config, checkpoint):
             raise ConfigError(
                 f"--resume: {Path(checkpoint).name} holds the gates alone (training.save_only_model), not the optimizer, "
                 "scheduler and RNG state the run would continue with (its learning rate would start over), so it cannot be "
@@ -218,10 +218,17 @@ def _state_written(path: Path) -> bool:
         return False
 
 
-def _trained_to_the_end(checkpoint: Path) -> bool:
-    """Whether ``checkpoint`` is of a run's last step (a resume exports its gates and trains nothing)."""
-    state = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())
-    return state.get("global_step", 0) >= state.get("max_steps", 0) > 0
+def finished_state(checkpoint: str | os.PathLike) -> TrainerState | None:
+    """The Trainer state of ``checkpoint`` where it is of a run's last step (a resume exports its gates and trains
+    nothing), else None."""
+    state = TrainerState.load_from_json(str(Path(checkpoint) / TRAINER_STATE_NAME))
+    return state if state.global_step >= state.max_steps > 0 else None
+
+
+def gates_alone(config: TrainConfig, checkpoint: str | os.PathLike) -> bool:
+    """Whether ``checkpoint``, of a run not trained to its end, holds the gates alone (``training.save_only_model``):
+    no optimizer, scheduler or RNG state for ``--resume`` to continue with."""
+    return bool(config.training.get("save_only_model")) and finished_state(checkpoint) is None
 
 
 def interrupted(out: Path, config: TrainConfig) -> str:
@@ -231,7 +238,7 @@ def interrupted(out: Path, config: TrainConfig) -> str:
         last = last_complete_checkpoint(out)
     except ConfigError:
         return f"interrupted before the run's first checkpoint: {out} holds nothing to resume; run it again to train"
-    if config.training.get("save_only_model") and not _trained_to_the_end(Path(last)):
+    if gates_alone(config, last):
         return "interrupted; its checkpoints hold the gates alone (training.save_only_model), which --resume cannot continue"
     return f"interrupted; add --resume to the command to continue from {last}"
 
@@ -744,8 +751,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         trainer, start, heldout = build_trainer(config, out)
-        finished = TrainerState.load_from_json(str(Path(resume) / TRAINER_STATE_NAME)) if resume else None
-        if finished is not None and finished.global_step >= finished.max_steps > 0:
+        finished = finished_state(resume) if resume else None
+        if finished is not None:
             # The run trained to the end and stopped before its adapter (Trainer would take one more step): the gates it
             # ended with, those of its best checkpoint where Trainer loads them (training.load_best_model_at_end), else
             # its last (the best is tracked either way: a run without it resumed to gates it never exported).
